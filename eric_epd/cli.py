@@ -1,0 +1,71 @@
+"""Command line: `eric-epd serve` runs an Eric encode server; `eric-epd build-checkpoint` writes a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from eric_epd.config import DTYPES, BatchLimits, EricConfig
+from eric_epd.server.media import MediaLimits, UrlPolicy
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run an Eric encode server")
+    p.add_argument("--model", type=Path, default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in tiny Qwen2-VL)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = the checkpoint's dtype")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--max-batch-items", type=int, default=BatchLimits.max_items)
+    p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches)
+    p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items)
+    p.add_argument("--preprocess-threads", type=int, default=2)
+    p.add_argument("--file-root", type=Path, action="append", default=[],
+                   help="allow file:// URLs under this directory (repeatable)")
+    p.add_argument("--allow-private-hosts", action="store_true",
+                   help="allow media URLs on loopback/private/link-local addresses")
+    p.add_argument("--allowed-host", action="append", default=[], help="host always allowed for media URLs")
+    p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps)
+    p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames)
+
+
+def config_from_args(args: argparse.Namespace) -> EricConfig:
+    """Parse once; the result goes to every process."""
+    model = args.model
+    if model is None:
+        from eric_epd.testing.checkpoints import ensure_checkpoint
+
+        model = ensure_checkpoint("qwen2_vl", "tiny")
+    return EricConfig(
+        model=Path(model).resolve(), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
+        port=args.port, preprocess_threads=args.preprocess_threads,
+        batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
+        media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
+        url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
+                             allow_private_hosts=args.allow_private_hosts,
+                             host_allowlist=frozenset(args.allowed_host)),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="eric-epd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    b = sub.add_parser("build-checkpoint", help="write a random tiny/small Qwen2-VL or Qwen2.5-VL checkpoint")
+    b.add_argument("out", type=Path)
+    b.add_argument("--family", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl")
+    b.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    b.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve":
+        from eric_epd.launch import serve
+
+        serve(config_from_args(args))
+    else:
+        from eric_epd.testing.checkpoints import build_checkpoint
+
+        print(build_checkpoint(args.out, args.family, args.size, args.seed))  # noqa: T201 (CLI output)

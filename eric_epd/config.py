@@ -1,0 +1,93 @@
+"""The one typed configuration of an Eric server, parsed once in the parent and handed to every child process."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eric_epd.server.media import MediaLimits, UrlPolicy
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Bounds on one engine batch and on the engine queue."""
+
+    max_items: int = 32
+    """Most media items in one batch."""
+    max_patches: int = 32768
+    """Most vision patches (before merging) in one batch; a single larger item still runs alone."""
+    max_queued_items: int = 512
+    """Items accepted but not finished; beyond this the router answers 503 with Retry-After."""
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1 or self.max_patches < 1 or self.max_queued_items < 1:
+            raise ValueError("batch limits must be positive")
+
+
+@dataclass(frozen=True)
+class EricConfig:
+    """Everything one Eric server needs; frozen, validated without I/O."""
+
+    model: Path
+    tp_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    """"auto" picks cuda when available, else cpu."""
+    host: str = "127.0.0.1"
+    port: int = 8100
+    batch: BatchLimits = field(default_factory=BatchLimits)
+    media: MediaLimits = field(default_factory=MediaLimits)
+    url_policy: UrlPolicy = field(default_factory=UrlPolicy)
+    preprocess_threads: int = 2
+    max_body_bytes: int = 32 * 2**20
+    """Largest accepted /v1/encode body (base64 media counts)."""
+    max_items_per_request: int = 64
+    request_timeout_s: float = 300.0
+    """An accepted request that has no result after this long fails with 504."""
+    worker_timeout_s: float = 120.0
+    """A batch that takes longer than this marks the workers unhealthy."""
+    embedding_cache_bytes: int = 1 * 2**30
+    """Bound on finished embeddings kept for GET /v1/embeddings/{hash}."""
+    run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="eric-")))
+    """Directory for the ipc sockets between the processes of this server."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    @property
+    def engine_input_addr(self) -> str:
+        return f"ipc://{self.run_dir}/engine-in.sock"
+
+    @property
+    def engine_output_addr(self) -> str:
+        return f"ipc://{self.run_dir}/engine-out.sock"
+
+    @property
+    def worker_result_addr(self) -> str:
+        return f"ipc://{self.run_dir}/worker-out.sock"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def replace(self, **changes: object) -> EricConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def torch_threads_per_worker(tp_size: int) -> int:
+    """CPU threads each worker's torch may use: the cores split evenly across ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // tp_size)

@@ -1,0 +1,1 @@
+"""Engine process: synchronous loop, FCFS scheduler, and the router-side EngineClient."""

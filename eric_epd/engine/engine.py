@@ -1,0 +1,163 @@
+"""Engine step logic, free of sockets: admits requests, runs one batch per step, completes whole requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from eric_epd.config import BatchLimits
+from eric_epd.engine.messages import BatchStat, EncodeRequestMsg, EncodeResultMsg, EngineStatusMsg, ItemResult
+from eric_epd.engine.scheduler import Batch, QueuedItem, Scheduler
+
+logger = logging.getLogger(__name__)
+
+PIXEL_BYTES = 4  # the router always sends float32 pixels
+
+
+class BatchFailedError(Exception):
+    """The batch failed but the workers are fine (e.g. a shape the model rejects)."""
+
+
+class WorkersDeadError(Exception):
+    """A worker died or stopped answering: the engine can no longer run batches."""
+
+
+class Executor(Protocol):
+    def execute_model(self, batch: Batch) -> list[tuple[ItemResult, memoryview]]: ...
+    def worker_pids(self) -> list[int]: ...
+    def check_workers(self) -> str | None: ...
+
+
+Outgoing = tuple[EncodeResultMsg, list[memoryview]]
+
+
+@dataclass
+class _RequestState:
+    num_items: int
+    results: dict[int, tuple[ItemResult, memoryview]] = field(default_factory=dict)
+    batches: list[BatchStat] = field(default_factory=list)
+
+
+class Engine:
+    """Drive with add_request() and step(); both return the messages to send back to the router."""
+
+    def __init__(self, limits: BatchLimits, executor: Executor) -> None:
+        self._executor = executor
+        self._scheduler = Scheduler(limits)
+        self._requests: dict[str, _RequestState] = {}
+        self._dead_reason: str | None = None
+        self._recent_batches: list[BatchStat] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self._scheduler.num_queued > 0
+
+    @property
+    def has_unreported_batches(self) -> bool:
+        return bool(self._recent_batches)
+
+    def add_request(self, msg: EncodeRequestMsg, buffers: list[memoryview]) -> list[Outgoing]:
+        if self._dead_reason is not None:
+            return [_error(msg.request_id, 503, f"encoder unavailable: {self._dead_reason}")]
+        problem = _validate(msg, buffers)
+        if problem is not None:
+            return [_error(msg.request_id, 400, problem)]
+        if msg.request_id in self._requests:
+            return [_error(msg.request_id, 400, f"duplicate request id {msg.request_id}")]
+        if not msg.items:
+            return [(EncodeResultMsg(msg.request_id), [])]
+        self._requests[msg.request_id] = _RequestState(len(msg.items))
+        self._scheduler.add(
+            [QueuedItem(msg.request_id, i, item, buf) for i, (item, buf) in enumerate(zip(msg.items, buffers))]
+        )
+        return []
+
+    def step(self) -> list[Outgoing]:
+        """Run the next batch, if any; return the requests it finished (or failed)."""
+        reason = self._executor.check_workers()
+        if reason is not None:
+            return self._fail_all(reason)
+        batch = self._scheduler.next_batch()
+        if batch is None:
+            return []
+        start = time.perf_counter()
+        try:
+            outputs = self._executor.execute_model(batch)
+        except WorkersDeadError as e:
+            return self._fail_batch(batch, 503, str(e)) + self._fail_all(str(e))
+        except BatchFailedError as e:
+            logger.warning("batch %d failed: %s", batch.batch_id, e)
+            return self._fail_batch(batch, 500, f"encode failed: {e}")
+        stat = BatchStat(
+            tuple(sorted({e.item.modality for e in batch.entries})),
+            len(batch.entries),
+            batch.num_patches,
+            time.perf_counter() - start,
+        )
+        self._recent_batches.append(stat)
+        return self._complete(batch, outputs, stat)
+
+    def status(self) -> EngineStatusMsg:
+        batches, self._recent_batches = self._recent_batches, []
+        return EngineStatusMsg(
+            healthy=self._dead_reason is None,
+            reason=self._dead_reason or "",
+            queued_items=self._scheduler.num_queued,
+            running_items=sum(s.num_items - len(s.results) for s in self._requests.values()),
+            worker_pids=self._executor.worker_pids(),
+            batches=batches,
+        )
+
+    def _complete(self, batch: Batch, outputs: list[tuple[ItemResult, memoryview]], stat: BatchStat) -> list[Outgoing]:
+        done: list[Outgoing] = []
+        for entry, output in zip(batch.entries, outputs):
+            state = self._requests.get(entry.request_id)
+            if state is None:  # the request already failed
+                continue
+            state.results[entry.index] = output
+            if stat not in state.batches:
+                state.batches.append(stat)
+            if len(state.results) == state.num_items:
+                del self._requests[entry.request_id]
+                ordered = [state.results[i] for i in range(state.num_items)]
+                msg = EncodeResultMsg(entry.request_id, [r for r, _ in ordered], batches=state.batches)
+                done.append((msg, [b for _, b in ordered]))
+        return done
+
+    def _fail_batch(self, batch: Batch, status: int, reason: str) -> list[Outgoing]:
+        failed: list[Outgoing] = []
+        for request_id in dict.fromkeys(e.request_id for e in batch.entries):
+            if self._requests.pop(request_id, None) is not None:
+                self._scheduler.drop_request(request_id)
+                failed.append(_error(request_id, status, reason))
+        return failed
+
+    def _fail_all(self, reason: str) -> list[Outgoing]:
+        if self._dead_reason is None:
+            logger.error("engine unhealthy: %s", reason)
+        self._dead_reason = reason
+        failed = [_error(rid, 503, f"encoder unavailable: {reason}") for rid in self._requests]
+        for rid in list(self._requests):
+            self._scheduler.drop_request(rid)
+        self._requests.clear()
+        return failed
+
+
+def _error(request_id: str, status: int, reason: str) -> Outgoing:
+    return EncodeResultMsg(request_id, error=reason, status=status), []
+
+
+def _validate(msg: EncodeRequestMsg, buffers: list[memoryview]) -> str | None:
+    if len(buffers) != len(msg.items):
+        return f"{len(msg.items)} items but {len(buffers)} pixel buffers"
+    for item, buf in zip(msg.items, buffers):
+        if item.modality not in ("image", "video"):
+            return f"unsupported modality {item.modality!r}"
+        t, h, w = item.grid_thw
+        if min(t, h, w) < 1 or t * h * w != item.num_patches:
+            return f"item {item.hash}: grid {item.grid_thw} does not match {item.num_patches} patches"
+        if buf.nbytes != item.num_patches * item.patch_dim * PIXEL_BYTES:
+            return f"item {item.hash}: {buf.nbytes} pixel bytes, expected {item.num_patches}x{item.patch_dim} float32"
+    return None

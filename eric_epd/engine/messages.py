@@ -1,0 +1,108 @@
+"""Messages between the router (EngineClient) and the Engine process, over ZMQ ipc.
+
+Wire format: frame 0 is a one-byte opcode, frame 1 the msgspec-msgpack header, frames 2.. raw tensor bytes
+(pixels towards the engine, embeddings back), one frame per item in header order. No pickle.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import msgspec
+
+
+class Op(bytes, enum.Enum):
+    ENCODE = b"E"
+    RESULT = b"R"
+    STATUS_REQUEST = b"S"
+    STATUS = b"s"
+    SHUTDOWN = b"X"
+
+
+class EncodeItem(msgspec.Struct, array_like=True, frozen=True):
+    """One preprocessed media item; its pixels travel as the matching extra frame."""
+
+    hash: str
+    modality: str
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    patch_dim: int
+
+
+class EncodeRequestMsg(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    items: list[EncodeItem]
+
+
+class ItemResult(msgspec.Struct, array_like=True, frozen=True):
+    """One finished embedding; its bytes travel as the matching extra frame."""
+
+    hash: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class BatchStat(msgspec.Struct, array_like=True, frozen=True):
+    """What one executed batch held, for metrics."""
+
+    modalities: tuple[str, ...]
+    num_items: int
+    num_patches: int
+    seconds: float
+
+
+class EncodeResultMsg(msgspec.Struct, array_like=True, frozen=True):
+    """The end of one request: all its items, or an error that names the cause."""
+
+    request_id: str
+    items: list[ItemResult] = []
+    error: str | None = None
+    status: int = 200
+    batches: list[BatchStat] = []
+
+
+class EngineStatusMsg(msgspec.Struct, array_like=True, frozen=True):
+    healthy: bool
+    reason: str
+    queued_items: int
+    running_items: int
+    worker_pids: list[int]
+    batches: list[BatchStat] = []
+
+
+class ShutdownMsg(msgspec.Struct, array_like=True, frozen=True):
+    reason: str = ""
+
+
+_DECODERS = {
+    Op.ENCODE: msgspec.msgpack.Decoder(EncodeRequestMsg),
+    Op.RESULT: msgspec.msgpack.Decoder(EncodeResultMsg),
+    Op.STATUS: msgspec.msgpack.Decoder(EngineStatusMsg),
+    Op.SHUTDOWN: msgspec.msgpack.Decoder(ShutdownMsg),
+}
+_ENCODER = msgspec.msgpack.Encoder()
+
+Message = EncodeRequestMsg | EncodeResultMsg | EngineStatusMsg | ShutdownMsg | None
+
+
+def encode_frames(op: Op, msg: msgspec.Struct | None, buffers: Sequence[object] = ()) -> list[object]:
+    """Frames for one message: opcode, header, then raw buffers (sent zero-copy by pyzmq)."""
+    header = _ENCODER.encode(msg) if msg is not None else b""
+    return [op.value, header, *buffers]
+
+
+def _view(frame: object) -> memoryview:
+    """A zero-copy view of a zmq.Frame (or any bytes-like object)."""
+    buffer = getattr(frame, "buffer", None)
+    return buffer if buffer is not None else memoryview(frame)  # type: ignore[arg-type]
+
+
+def decode_frames(frames: Sequence[object]) -> tuple[Op, Message, list[memoryview]]:
+    """Parse frames from encode_frames; unknown opcodes raise ValueError."""
+    if len(frames) < 2:
+        raise ValueError(f"malformed message: {len(frames)} frames")
+    op = Op(bytes(_view(frames[0])))
+    decoder = _DECODERS.get(op)
+    msg = decoder.decode(_view(frames[1])) if decoder is not None else None
+    return op, msg, [_view(f) for f in frames[2:]]

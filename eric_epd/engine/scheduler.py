@@ -1,0 +1,79 @@
+"""First-come-first-served scheduler: forms batches of one modality, bounded by items and patches."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from eric_epd.config import BatchLimits
+from eric_epd.engine.messages import EncodeItem
+
+
+@dataclass
+class QueuedItem:
+    """One item waiting to run, with its pixels (a view on the received frame)."""
+
+    request_id: str
+    index: int
+    """Position of the item inside its request."""
+    item: EncodeItem
+    pixels: memoryview
+
+
+@dataclass
+class Batch:
+    """Items of a single modality that run in one forward."""
+
+    batch_id: int
+    modality: str
+    entries: list[QueuedItem] = field(default_factory=list)
+
+    @property
+    def num_patches(self) -> int:
+        return sum(e.item.num_patches for e in self.entries)
+
+
+class Scheduler:
+    """FCFS queue. The oldest item picks the modality; later items of that modality join while limits allow.
+
+    Items of the other modality are skipped, not reordered, so the oldest item always runs in the next batch
+    and nothing starves.
+    """
+
+    def __init__(self, limits: BatchLimits) -> None:
+        self._limits = limits
+        self._queue: deque[QueuedItem] = deque()
+        self._batch_ids = itertools.count()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def add(self, entries: list[QueuedItem]) -> None:
+        self._queue.extend(entries)
+
+    def drop_request(self, request_id: str) -> None:
+        """Forget every queued item of a request (it failed or was cancelled)."""
+        self._queue = deque(e for e in self._queue if e.request_id != request_id)
+
+    def next_batch(self) -> Batch | None:
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        batch = Batch(next(self._batch_ids), head.item.modality)
+        num_patches = 0
+        kept: deque[QueuedItem] = deque()
+        for entry in self._queue:
+            fits = (
+                entry.item.modality == batch.modality
+                and len(batch.entries) < self._limits.max_items
+                and (not batch.entries or num_patches + entry.item.num_patches <= self._limits.max_patches)
+            )
+            if fits:
+                batch.entries.append(entry)
+                num_patches += entry.item.num_patches
+            else:
+                kept.append(entry)
+        self._queue = kept
+        return batch

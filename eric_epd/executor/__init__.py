@@ -1,0 +1,1 @@
+"""Engine-side model executor: worker processes and the shared-memory batch broadcast."""

@@ -1,0 +1,166 @@
+"""ModelExecutor: spawns one worker per TP rank, broadcasts each batch through shared memory, gathers rank 0's output."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import time
+
+import torch
+import zmq
+
+from eric_epd.config import EricConfig
+from eric_epd.engine.engine import BatchFailedError, WorkersDeadError
+from eric_epd.engine.messages import ItemResult
+from eric_epd.engine.scheduler import Batch
+from eric_epd.executor.messages import (
+    BatchItemMsg,
+    ExecuteBatchMsg,
+    StopWorkerMsg,
+    WorkerReadyMsg,
+    WorkerResultMsg,
+    from_worker_decoder,
+    to_worker_encoder,
+)
+from eric_epd.executor.shm_broadcast import ShmBroadcast
+from eric_epd.executor.worker import WorkerArgs, main
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _token_counts(batch: Batch, merge_unit: int) -> list[int]:
+    return [e.item.num_patches // merge_unit for e in batch.entries]
+
+
+class ModelExecutor:
+    """Owns the worker processes. execute_model blocks until rank 0 answers, a worker fails, or a timeout."""
+
+    def __init__(self, config: EricConfig, merge_unit: int = 4) -> None:
+        self._config = config
+        self._merge_unit = merge_unit
+        self._ctx = zmq.Context.instance()
+        self._results = self._ctx.socket(zmq.PULL)
+        self._results.bind(config.worker_result_addr)
+        self._decoder = from_worker_decoder()
+        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size)
+        spawn = mp.get_context("spawn")
+        dist_init = f"tcp://127.0.0.1:{_free_port()}"
+        self._procs = [
+            spawn.Process(target=main, args=(WorkerArgs(config, rank, self._broadcast.handle(), dist_init),),
+                          name=f"eric-worker-{rank}", daemon=True)
+            for rank in range(config.tp_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._dead_reason: str | None = None
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every rank loaded its shard; raise with the worker's own error otherwise."""
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < len(self._procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready after {timeout_s}s (ready ranks: {sorted(ready)})")
+            reason = self.check_workers()
+            if reason is not None:
+                raise RuntimeError(reason)
+            if not self._results.poll(_POLL_MS):
+                continue
+            msg = self._decoder.decode(self._results.recv_multipart()[0])
+            if isinstance(msg, WorkerReadyMsg):
+                if msg.error is not None:
+                    raise RuntimeError(f"worker rank {msg.rank} failed to load: {msg.error}")
+                ready.add(msg.rank)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid or 0 for p in self._procs]
+
+    def check_workers(self) -> str | None:
+        """None while every worker lives; otherwise why not (sticky)."""
+        if self._dead_reason is None:
+            for rank, p in enumerate(self._procs):
+                if not p.is_alive():
+                    self._dead_reason = f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    break
+        return self._dead_reason
+
+    def execute_model(self, batch: Batch) -> list[tuple[ItemResult, memoryview]]:
+        """Run one batch on all ranks; return one (result, embedding bytes) per item, in batch order."""
+        if (reason := self.check_workers()) is not None:
+            raise WorkersDeadError(reason)
+        msg = ExecuteBatchMsg(batch.batch_id, batch.modality,
+                              [BatchItemMsg(e.item.hash, e.item.modality, e.item.grid_thw) for e in batch.entries])
+        try:
+            self._broadcast.enqueue(to_worker_encoder.encode(msg), [e.pixels for e in batch.entries],
+                                    timeout=self._config.worker_timeout_s,
+                                    should_abort=lambda: self.check_workers() is not None)
+        except Exception as e:
+            raise WorkersDeadError(self.check_workers() or f"broadcast to workers failed: {e!r}") from e
+        header, frame = self._gather(batch.batch_id)
+        return self._split(batch, header, frame)
+
+    def _gather(self, batch_id: int) -> tuple[WorkerResultMsg, memoryview]:
+        """Wait for every rank's answer to batch_id; rank 0 carries the embeddings."""
+        deadline = time.monotonic() + self._config.worker_timeout_s
+        pending = set(range(len(self._procs)))
+        errors: list[str] = []
+        rank0: tuple[WorkerResultMsg, memoryview] | None = None
+        while pending:
+            if (reason := self.check_workers()) is not None:
+                raise WorkersDeadError(reason)
+            if time.monotonic() > deadline:
+                self._dead_reason = f"workers did not finish batch {batch_id} within {self._config.worker_timeout_s}s"
+                raise WorkersDeadError(self._dead_reason)
+            if not self._results.poll(_POLL_MS):
+                continue
+            frames = self._results.recv_multipart(copy=False)
+            msg = self._decoder.decode(frames[0].buffer)
+            if not isinstance(msg, WorkerResultMsg) or msg.batch_id != batch_id:
+                logger.warning("dropping stale worker message %r", msg)
+                continue
+            pending.discard(msg.rank)
+            if msg.error is not None:
+                errors.append(f"rank {msg.rank}: {msg.error}")
+            elif msg.rank == 0:
+                rank0 = (msg, frames[1].buffer)
+        if errors or rank0 is None:
+            raise BatchFailedError("; ".join(errors) or "rank 0 returned no output")
+        return rank0
+
+    def _split(self, batch: Batch, header: WorkerResultMsg, frame: memoryview) -> list[tuple[ItemResult, memoryview]]:
+        counts = _token_counts(batch, self._merge_unit)
+        if not header.shape or header.shape[0] != sum(counts):
+            raise BatchFailedError(f"encoder returned shape {header.shape}, expected {sum(counts)} tokens")
+        dim = header.shape[1]
+        row_bytes = dim * torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
+        out: list[tuple[ItemResult, memoryview]] = []
+        offset = 0
+        for entry, n in zip(batch.entries, counts):
+            out.append((ItemResult(entry.item.hash, (n, dim), header.dtype), frame[offset: offset + n * row_bytes]))
+            offset += n * row_bytes
+        return out
+
+    def shutdown(self) -> None:
+        """Ask workers to stop, then terminate stragglers; idempotent."""
+        if any(p.is_alive() for p in self._procs) and self.check_workers() is None:
+            try:
+                self._broadcast.enqueue(to_worker_encoder.encode(StopWorkerMsg("shutdown")), [], timeout=2.0,
+                                        should_abort=lambda: self.check_workers() is not None)
+            except Exception:  # workers may be gone already
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        self._results.close(linger=0)
+        self._broadcast.close()

@@ -1,0 +1,57 @@
+"""Messages between the Engine (ModelExecutor) and its workers.
+
+Engine -> workers: `ExecuteBatchMsg` header plus one pixel buffer per item, broadcast through shared memory.
+Workers -> engine: `WorkerReadyMsg` once, then one `WorkerResultMsg` per batch per rank over ZMQ (rank 0 adds the
+embeddings of the whole batch as one extra frame). msgspec only, no pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BatchItemMsg(msgspec.Struct, array_like=True, frozen=True):
+    hash: str
+    modality: str
+    grid_thw: tuple[int, int, int]
+
+
+class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
+    batch_id: int
+    modality: str
+    items: list[BatchItemMsg]
+
+
+class StopWorkerMsg(msgspec.Struct, array_like=True, frozen=True, tag="stop"):
+    reason: str = ""
+
+
+class WorkerReadyMsg(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
+    rank: int
+    pid: int
+    error: str | None = None
+
+
+class WorkerResultMsg(msgspec.Struct, array_like=True, frozen=True, tag="result"):
+    batch_id: int
+    rank: int
+    error: str | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    modalities: tuple[str, ...] = ()
+    """The modalities the worker actually ran in this batch (for the one-modality-per-batch metric)."""
+
+
+ToWorker = ExecuteBatchMsg | StopWorkerMsg
+FromWorker = WorkerReadyMsg | WorkerResultMsg
+
+to_worker_encoder = msgspec.msgpack.Encoder()
+from_worker_encoder = msgspec.msgpack.Encoder()
+
+
+def to_worker_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToWorker)
+
+
+def from_worker_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromWorker)

@@ -1,0 +1,481 @@
+"""Single-writer, N-reader shared-memory ring buffer that broadcasts batches from the engine to its workers.
+
+A message is a small header (msgspec bytes) plus raw buffers (tensor payloads): copied once, never pickled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import secrets
+import struct
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x3130434243495245  # b"ERICBC01" little-endian
+_ALIGN, _PAGE = 64, 4096
+_G_CLOSED = 4  # int64 words of the global header: magic, n_readers, n_slots, slot_bytes, closed
+_C_SEQ, _C_LEN, _C_NAME_LEN, _C_READ = 0, 1, 2, 16  # int64 words of a slot control block
+_NAME_OFF, _MAX_NAME = 64, 40  # spill name bytes in a control block; "<name>_<seq>" must fit 64 B
+_ABORT_CHECK_S = 0.01  # should_abort() may be a syscall (is_alive, getppid): rate-limit it
+_MIN_SLEEP_S, _MAX_SLEEP_S = 2e-5, 5e-4
+_HAS_TRACK = "track" in inspect.signature(SharedMemory.__init__).parameters  # Python >= 3.13
+
+
+class BroadcastAborted(RuntimeError):  # noqa: N818 (name fixed by the executor's API)
+    """A wait was abandoned because should_abort() returned True (e.g. a peer process died)."""
+
+
+class BroadcastClosed(BroadcastAborted):
+    """The writer closed the queue and there is no further message for this reader."""
+
+
+class BroadcastHandle(msgspec.Struct, frozen=True):
+    """What a reader process needs to attach; msgspec-encodable (and picklable for spawn args)."""
+
+    name: str
+    n_readers: int
+    n_slots: int
+    slot_bytes: int
+
+
+# Memory fence. Payload stores must become visible before the seq store that publishes them, and a
+# reader's payload loads must be done before the read[r] store that hands the slot back. x86-64 (TSO)
+# never reorders store->store or load->load and never lets a store pass an earlier load, so there the
+# fence only stops reordering by the compiler / interpreter. AArch64 may reorder all of these; as in
+# vLLM's shm_broadcast, a lock acquire + release (atomic read-modify-writes with acquire/release
+# semantics in the pthread/sem code) sits between the payload accesses and the flag store. Flag words
+# are aligned int64, which both architectures load/store single-copy atomically (numpy item access is
+# one 8-byte access), so a torn value is never seen. Flags hold only growing sequence numbers compared
+# for equality: a stale value means "not yet", never "ready".
+_fence_lock = threading.Lock()
+
+
+def _memory_fence() -> None:
+    with _fence_lock:
+        pass
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _geometry(n_readers: int, n_slots: int, slot_bytes: int) -> tuple[int, int, int, int]:
+    """(ctrl_stride, data_off, slot_stride, segment size) in bytes."""
+    ctrl = _align(_C_READ * 8 + 8 * n_readers)
+    data_off, slot_stride = _align(64 + n_slots * ctrl, _PAGE), _align(slot_bytes, _PAGE)
+    return ctrl, data_off, slot_stride, data_off + n_slots * slot_stride
+
+
+_tracker_lock = threading.Lock()
+
+
+def _no_register(name: str, rtype: str) -> None:
+    return None
+
+
+def _attach_untracked(name: str) -> SharedMemory:
+    """Map an existing segment without registering it with the resource_tracker.
+
+    On Python < 3.13 attaching registers the name; spawned children share the parent's tracker, so
+    unregistering afterwards would drop the creator's registration (KeyError noise at unlink) and not
+    unregistering makes the tracker unlink/warn about the segment. Suppressing register avoids both.
+    """
+    if _HAS_TRACK:
+        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+    with _tracker_lock:
+        orig, resource_tracker.register = resource_tracker.register, _no_register
+        try:
+            return SharedMemory(name=name)
+        finally:
+            resource_tracker.register = orig
+
+
+def _try_close(shm: SharedMemory) -> bool:
+    """Unmap; False (retry later) while an ndarray / tensor still exports the memory."""
+    try:
+        shm.close()
+    except BufferError:
+        return False
+    return True
+
+
+def _as_bytes(obj: Any) -> memoryview:
+    """A flat, C-contiguous uint8 view of a bytes-like object, ndarray or CPU tensor."""
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and isinstance(obj, torch_mod.Tensor):
+        return tensor_to_buffer(obj)
+    if not isinstance(obj, np.ndarray):
+        mv = memoryview(obj)
+        if mv.ndim == 1 and mv.format in ("B", "b", "c") and mv.c_contiguous:
+            return mv if mv.format == "B" else mv.cast("B")
+        obj = np.asarray(mv)
+    return memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
+
+
+def _poll(ready: Callable[[], bool], timeout: float | None, should_abort: Callable[[], bool] | None,
+          what: str) -> None:
+    """Wait until ready(), sleeping with exponential backoff; TimeoutError / BroadcastAborted otherwise."""
+    if ready():
+        return
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    next_abort_check, sleep = start, _MIN_SLEEP_S
+    while True:
+        time.sleep(sleep)
+        sleep = min(sleep * 2, _MAX_SLEEP_S)
+        if ready():
+            return
+        now = time.monotonic()
+        if should_abort is not None and now >= next_abort_check:
+            if should_abort():
+                raise BroadcastAborted(f"{what}: aborted by should_abort()")
+            next_abort_check = now + _ABORT_CHECK_S
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(f"{what}: timed out after {timeout:.3f}s")
+
+
+class ShmBroadcast:
+    """Ring of ``n_slots`` slots in one SharedMemory segment; one writer, ``n_readers`` readers.
+
+    Layout (int64 little-endian words; control blocks 64-byte aligned, slot data page aligned)::
+
+        0         global header (64 B): magic | n_readers | n_slots | slot_bytes | closed | pad
+        64        control block of slot s, ctrl_stride = align64(128 + 8 * n_readers) B each:
+                    +0    seq       0 = never written, else index + 1 of the message in the slot (writer)
+                    +8    length    payload bytes, in the slot or in the spill segment            (writer)
+                    +16   name_len  0 = payload inline, else length of the spill segment name      (writer)
+                    +64   name      spill segment name, ascii, <= 64 B                             (writer)
+                    +128  read[r]   seq of the message reader r last released from this slot (reader r)
+        data_off  data of slot s, align4096(slot_bytes) B each; data_off = align4096(64 + n_slots*ctrl)
+
+    Payload (in the slot, or in a spill segment ``<name>_<index>`` when larger than slot_bytes)::
+
+        count (= 1 + number of buffers) | len[0] (header) | len[1..count-1] (buffers)
+        then each part at the next 64-byte aligned offset: header, buffer 0, buffer 1, ...
+
+    Protocol: message i goes to slot ``i % n_slots``. The writer reuses a slot only once every
+    ``read[r]`` equals its ``seq`` (all readers released the previous message), writes the payload,
+    fences, then stores ``seq = i + 1``. Reader r waits for exactly ``seq == i + 1``, fences, reads,
+    fences, stores ``read[r] = i + 1``. Sequence numbers only grow, so a reader never takes an old
+    message (or an old spill name) for a new one, and every reader sees every message.
+
+    Spill segments are owned and unlinked by the writer: as soon as it sees that all readers released
+    the message (checked on every enqueue, at the latest when the slot is reused) and at unlink/close.
+    Readers map them untracked and unmap them at release(). At most n_slots exist at a time; should the
+    writer process die, its resource_tracker unlinks what is left (main segment included).
+    """
+
+    def __init__(self, shm: SharedMemory, handle: BroadcastHandle) -> None:
+        self._shm: SharedMemory | None = shm
+        self.name, self.n_readers = handle.name, handle.n_readers
+        self.n_slots, self.slot_bytes = handle.n_slots, handle.slot_bytes
+        ctrl, self._data_off, self._slot_stride, _ = _geometry(self.n_readers, self.n_slots, self.slot_bytes)
+        self._glob = np.ndarray((8,), np.int64, buffer=shm.buf)
+        self._ctrl = np.ndarray((self.n_slots, ctrl // 8), np.int64, buffer=shm.buf, offset=64)
+        self._closed = False
+
+    @staticmethod
+    def create(n_readers: int, n_slots: int = 4, slot_bytes: int = 32 << 20, *,
+               name: str | None = None) -> ShmBroadcastWriter:
+        """Create the segment (engine process). The creator owns it: close() unlinks it."""
+        if n_readers < 1 or n_slots < 1 or slot_bytes < _ALIGN:
+            raise ValueError(f"bad geometry: {n_readers=} {n_slots=} {slot_bytes=}")
+        name = name or f"ebc_{os.getpid():x}_{secrets.token_hex(4)}"
+        if len(name) > _MAX_NAME:
+            raise ValueError(f"segment name longer than {_MAX_NAME} characters: {name!r}")
+        shm = SharedMemory(name=name, create=True, size=_geometry(n_readers, n_slots, slot_bytes)[3])
+        writer = ShmBroadcastWriter(shm, BroadcastHandle(shm.name, n_readers, n_slots, slot_bytes))
+        writer._glob[:5] = (_MAGIC, n_readers, n_slots, slot_bytes, 0)
+        logger.debug("broadcast %s: %d readers, %d slots of %d B", shm.name, n_readers, n_slots, slot_bytes)
+        return writer
+
+    @staticmethod
+    def attach(handle: BroadcastHandle, reader_rank: int) -> ShmBroadcastReader:
+        """Map an existing broadcast as reader ``reader_rank`` (0..n_readers-1), e.g. in a worker."""
+        if not 0 <= reader_rank < handle.n_readers:
+            raise ValueError(f"reader_rank {reader_rank} not in [0, {handle.n_readers})")
+        reader = ShmBroadcastReader(_attach_untracked(handle.name), handle, reader_rank)
+        found = tuple(int(x) for x in reader._glob[:4])
+        if found != (_MAGIC, handle.n_readers, handle.n_slots, handle.slot_bytes):
+            reader.close()
+            raise ValueError(f"segment {handle.name} does not match {handle}: header {found}")
+        return reader
+
+    def handle(self) -> BroadcastHandle:
+        return BroadcastHandle(self.name, self.n_readers, self.n_slots, self.slot_bytes)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BroadcastClosed(f"broadcast {self.name} is closed in this process")
+
+    def _slot_view(self, slot: int, nbytes: int) -> memoryview:
+        assert self._shm is not None
+        start = self._data_off + slot * self._slot_stride
+        return self._shm.buf[start:start + nbytes]
+
+    def _unmap(self) -> None:
+        self._glob = self._ctrl = np.zeros((0, 0), np.int64)  # drop our exports of the mapping first
+        if self._shm is not None and not _try_close(self._shm):
+            logger.warning("broadcast %s: views still referenced at close(), left mapped", self.name)
+        self._shm = None
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> ShmBroadcast:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShmBroadcastWriter(ShmBroadcast):
+    """The single writer (not thread-safe). Made by ShmBroadcast.create()."""
+
+    def __init__(self, shm: SharedMemory, handle: BroadcastHandle) -> None:
+        super().__init__(shm, handle)
+        self._seq = 0  # index of the next message
+        self._slot_seq = [0] * self.n_slots  # the seq word we last stored per slot
+        self._spills: dict[int, SharedMemory] = {}
+        self._unlinked = False
+        self.n_spilled = 0  # messages that did not fit a slot and used a spill segment
+
+    def _slot_free(self, slot: int) -> bool:
+        return bool((self._ctrl[slot, _C_READ:_C_READ + self.n_readers] == self._slot_seq[slot]).all())
+
+    def _drop_spill(self, slot: int) -> None:
+        spill = self._spills.pop(slot, None)
+        if spill is not None:
+            _try_close(spill)
+            with suppress(FileNotFoundError):
+                spill.unlink()
+
+    def reclaim(self) -> None:
+        """Unlink the spill segments every reader has released (enqueue does this too)."""
+        for slot in list(self._spills):
+            if self._slot_free(slot):
+                self._drop_spill(slot)
+
+    def enqueue(self, header: bytes | bytearray | memoryview,
+                buffers: Sequence[memoryview | bytes | bytearray | np.ndarray | torch.Tensor] = (), *,
+                timeout: float | None = None, should_abort: Callable[[], bool] | None = None) -> None:
+        """Publish one message to all readers, first waiting (up to ``timeout`` s) for its slot.
+
+        Raises TimeoutError, or BroadcastAborted once ``should_abort()`` is True while waiting (polled
+        every ~10 ms; e.g. ``lambda: not all(p.is_alive() for p in workers)``). Either way nothing was
+        published and the call may be retried.
+        """
+        self._check_open()
+        parts = [_as_bytes(header), *(_as_bytes(b) for b in buffers)]
+        lens = [p.nbytes for p in parts]
+        offsets, total = [], _align(8 * (1 + len(parts)))
+        for n in lens:
+            offsets.append(total)
+            total = _align(total + n)
+        seq, slot = self._seq, self._seq % self.n_slots
+        self.reclaim()
+        _poll(lambda: self._slot_free(slot), timeout, should_abort, f"broadcast {self.name} enqueue #{seq}")
+        _memory_fence()  # saw all read[r] stores before we overwrite the slot
+        self._drop_spill(slot)
+        if total <= self.slot_bytes:
+            name, dst = b"", self._slot_view(slot, total)
+        else:
+            spill = self._spills[slot] = SharedMemory(name=f"{self.name}_{seq}", create=True, size=total)
+            self.n_spilled += 1
+            name, dst = spill.name.encode(), spill.buf[:total]
+        with dst:
+            struct.pack_into(f"<{1 + len(lens)}Q", dst, 0, len(parts), *lens)
+            for o, n, p in zip(offsets, lens, parts, strict=True):
+                if n:
+                    dst[o:o + n] = p
+        self._ctrl[slot, _C_LEN], self._ctrl[slot, _C_NAME_LEN] = total, len(name)
+        if name:
+            self._ctrl.view(np.uint8)[slot, _NAME_OFF:_NAME_OFF + len(name)] = np.frombuffer(name, np.uint8)
+        _memory_fence()  # payload, length and name are visible before seq publishes them
+        self._ctrl[slot, _C_SEQ] = self._slot_seq[slot] = seq + 1
+        self._seq += 1
+
+    def unlink(self) -> None:
+        """Remove the names of the segment and of outstanding spills (mappings stay valid). Idempotent."""
+        for slot in list(self._spills):
+            self._drop_spill(slot)
+        if not self._unlinked and self._shm is not None:
+            self._unlinked = True
+            with suppress(FileNotFoundError):
+                self._shm.unlink()
+
+    def close(self) -> None:
+        """Mark closed (blocked readers get BroadcastClosed), unlink everything and unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            _memory_fence()  # all published messages precede the closed flag
+            self._glob[_G_CLOSED] = 1
+        finally:
+            self.unlink()
+            self._unmap()
+
+
+class ShmBroadcastReader(ShmBroadcast):
+    """One reader rank (one process, not thread-safe). Made by ShmBroadcast.attach()."""
+
+    def __init__(self, shm: SharedMemory, handle: BroadcastHandle, reader_rank: int) -> None:
+        super().__init__(shm, handle)
+        self.reader_rank = reader_rank
+        self._seq = 0  # index of the next message to read
+        self._pending: tuple[int, SharedMemory | None, list[memoryview]] | None = None  # slot, spill, views
+        self._zombies: list[SharedMemory] = []  # spill mappings still referenced by a caller's tensor
+
+    def _ready(self, slot: int, want: int) -> bool:
+        if int(self._ctrl[slot, _C_SEQ]) == want:
+            return True
+        if int(self._glob[_G_CLOSED]):
+            _memory_fence()  # the last seq store precedes the closed flag: look once more
+            if int(self._ctrl[slot, _C_SEQ]) == want:
+                return True
+            raise BroadcastClosed(f"broadcast {self.name}: writer closed")
+        return False
+
+    def dequeue(self, timeout: float | None = None,
+                should_abort: Callable[[], bool] | None = None) -> tuple[bytes, list[memoryview]]:
+        """Wait for the next message: (header copy, read-only zero-copy views of the buffers).
+
+        The views, and tensors made from them, are valid only until release(): then the writer may
+        overwrite the slot. Raises TimeoutError, BroadcastAborted or BroadcastClosed.
+        """
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError("release() the previous message before dequeue()")
+        slot, want = self._seq % self.n_slots, self._seq + 1
+        _poll(lambda: self._ready(slot, want), timeout, should_abort,
+              f"broadcast {self.name} reader {self.reader_rank} dequeue #{self._seq}")
+        _memory_fence()  # seq was seen before any payload load
+        total, name_len = int(self._ctrl[slot, _C_LEN]), int(self._ctrl[slot, _C_NAME_LEN])
+        spill = None
+        if name_len:
+            name = bytes(self._ctrl.view(np.uint8)[slot, _NAME_OFF:_NAME_OFF + name_len]).decode()
+            try:
+                spill = _attach_untracked(name)
+            except FileNotFoundError as e:  # only once the writer unlinked everything
+                raise BroadcastClosed(f"broadcast {self.name}: spill segment {name} is gone") from e
+            base = spill.buf[:total]
+        else:
+            base = self._slot_view(slot, total)
+        with base:
+            (count,) = struct.unpack_from("<Q", base, 0)
+            views, off = [], _align(8 * (1 + count))
+            for n in struct.unpack_from(f"<{count}Q", base, 8):
+                views.append(base[off:off + n].toreadonly())
+                off = _align(off + n)
+        with views.pop(0) as header_view:
+            header = bytes(header_view)
+        self._pending = (slot, spill, views)
+        return header, views
+
+    def release(self) -> None:
+        """Hand the current message's slot back to the writer. No-op if nothing is pending."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        slot, spill, views = pending
+        for v in views:  # later use of a plain view raises instead of reading a recycled slot
+            with suppress(BufferError):  # an ndarray / tensor still wraps it: caller's responsibility
+                v.release()
+        _memory_fence()  # all payload loads are done before the writer may reuse the slot
+        self._ctrl[slot, _C_READ + self.reader_rank] = self._seq + 1
+        self._seq += 1
+        if spill is not None:
+            self._zombies.append(spill)
+        self._zombies = [z for z in self._zombies if not _try_close(z)]
+
+    @contextmanager
+    def receive(self, timeout: float | None = None,
+                should_abort: Callable[[], bool] | None = None) -> Iterator[tuple[bytes, list[memoryview]]]:
+        """``with reader.receive(1.0) as (header, views): ...``: dequeue(), release() on exit."""
+        header, views = self.dequeue(timeout, should_abort)
+        try:
+            yield header, views
+        finally:
+            self.release()
+
+    def dequeue_copy(self, timeout: float | None = None,
+                     should_abort: Callable[[], bool] | None = None) -> tuple[bytes, list[bytearray]]:
+        """dequeue(), private writable copies of the buffers, release()."""
+        header, views = self.dequeue(timeout, should_abort)
+        try:
+            return header, [bytearray(v) for v in views]
+        finally:
+            self.release()
+
+    def close(self) -> None:
+        """Release a pending message and unmap; never unlinks (the writer owns the names). Idempotent."""
+        if self._closed:
+            return
+        self.release()
+        self._closed = True
+        self._zombies = [z for z in self._zombies if not _try_close(z)]
+        self._unmap()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, the form buffer_to_tensor() accepts."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_to_buffer(t: torch.Tensor) -> memoryview:
+    """Flat uint8 view of a CPU tensor's bytes, any dtype (bfloat16 too); keeps the tensor alive.
+
+    Zero-copy for contiguous tensors; others are made contiguous (one copy) first.
+    """
+    import torch
+
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor_to_buffer needs a CPU tensor, got {t.device}")
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def buffer_to_tensor(buf: memoryview | bytes | bytearray, dtype: str | torch.dtype,
+                     shape: Sequence[int]) -> torch.Tensor:
+    """Tensor of ``dtype`` (e.g. "bfloat16") and ``shape`` over ``buf``, without copying.
+
+    Over a dequeue() view the tensor is valid only until release() (clone() to keep it), and it shares
+    memory with the other readers: treat it as read-only (PyTorch cannot enforce that). 0 bytes give a
+    fresh empty tensor.
+    """
+    import torch
+
+    tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(tdtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {dtype!r}")
+    shape = tuple(int(s) for s in shape)
+    mv = memoryview(buf)
+    expected = math.prod(shape) * tdtype.itemsize
+    if mv.nbytes != expected:
+        raise ValueError(f"buffer has {mv.nbytes} B but {dtype_name(tdtype)}{list(shape)} needs {expected} B")
+    if expected == 0:
+        return torch.empty(shape, dtype=tdtype)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    with warnings.catch_warnings():  # read-only views: torch warns (once) but wraps them fine
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mv, dtype=tdtype).reshape(shape)

@@ -1,0 +1,141 @@
+"""Worker process, one per tensor-parallel rank: loads its shard of the vision encoder and runs broadcast batches."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from eric_epd.config import EricConfig, torch_threads_per_worker
+from eric_epd.executor.messages import (
+    ExecuteBatchMsg,
+    StopWorkerMsg,
+    WorkerReadyMsg,
+    WorkerResultMsg,
+    from_worker_encoder,
+    to_worker_decoder,
+)
+from eric_epd.executor.shm_broadcast import BroadcastHandle, ShmBroadcast
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What the executor hands one worker at spawn."""
+
+    config: EricConfig
+    rank: int
+    broadcast: BroadcastHandle
+    dist_init: str
+    """torch.distributed init method, e.g. tcp://127.0.0.1:PORT."""
+
+
+def _init_distributed(args: WorkerArgs, device: torch.device):  # -> TPContext
+    from eric_epd.models.layers.parallel import TPContext
+
+    world = args.config.tp_size
+    if world == 1:
+        return TPContext(rank=0, world_size=1, group=None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=world)
+    return TPContext(rank=args.rank, world_size=world, group=torch.distributed.group.WORLD)
+
+
+def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]:
+    from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
+
+    device = torch.device(args.config.resolved_device())
+    if device.type == "cuda":
+        device = torch.device("cuda", args.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(torch_threads_per_worker(args.config.tp_size))
+    dtype = resolve_dtype(args.config.dtype, read_model_config(args.config.model))
+    tp = _init_distributed(args, device)
+    encoder = load_encoder(args.config.model, dtype, device, tp)
+    return encoder, device, dtype
+
+
+def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+    parts = [torch.frombuffer(v, dtype=torch.float32) for v in views]
+    pixels = torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.empty(0)
+    patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
+    pixels = pixels.view(-1, patch_dim)
+    grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        out = encoder(pixels, grid)
+    return out.to("cpu").contiguous()
+
+
+def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+           push: zmq.Socket) -> None:
+    reader = ShmBroadcast.attach(args.broadcast, args.rank)
+    decoder = to_worker_decoder()
+    parent = os.getppid()
+
+    def parent_gone() -> bool:
+        return os.getppid() != parent
+
+    try:
+        while not parent_gone():
+            try:
+                header, views = reader.dequeue(timeout=1.0, should_abort=parent_gone)
+            except TimeoutError:
+                continue
+            try:
+                msg = decoder.decode(header)
+                if isinstance(msg, StopWorkerMsg):
+                    return
+                _execute_and_reply(args.rank, encoder, msg, views, device, dtype, push)
+            finally:
+                reader.release()
+    finally:
+        reader.close()
+
+
+def _execute_and_reply(rank: int, encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview],
+                       device: torch.device, dtype: torch.dtype, push: zmq.Socket) -> None:
+    modalities = tuple(sorted({i.modality for i in msg.items}))
+    try:
+        out = _run_batch(encoder, msg, views, device, dtype)
+    except Exception as e:  # reported to the engine, which fails the batch's requests
+        logger.exception("rank %d: batch %d failed", rank, msg.batch_id)
+        push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])
+        return
+    result = WorkerResultMsg(msg.batch_id, rank, shape=tuple(out.shape), dtype=str(out.dtype).removeprefix("torch."),
+                             modalities=modalities)
+    frames: list[object] = [from_worker_encoder.encode(result)]
+    if rank == 0:
+        frames.append(memoryview(out.view(torch.uint8).numpy()) if out.numel() else b"")
+    push.send_multipart(frames, copy=False)
+
+
+def main(args: WorkerArgs) -> None:
+    """Child-side entry point: load, report ready (or the load error), then serve until told to stop."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(args.config.worker_result_addr)
+    try:
+        start = time.perf_counter()
+        try:
+            encoder, device, dtype = _load(args)
+        except Exception as e:
+            logger.exception("rank %d failed to load the model", args.rank)
+            push.send(from_worker_encoder.encode(WorkerReadyMsg(args.rank, os.getpid(), error=repr(e))))
+            return
+        logger.info("rank %d loaded %s on %s in %.1fs", args.rank, dtype, device, time.perf_counter() - start)
+        push.send(from_worker_encoder.encode(WorkerReadyMsg(args.rank, os.getpid())))
+        _serve(args, encoder, device, dtype, push)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        push.close()
+        ctx.term()

@@ -1,0 +1,1 @@
+"""Vision encoders, modality processors and the model registry of the Eric encode server."""

@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks shared by the vision encoders."""

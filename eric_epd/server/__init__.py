@@ -1,0 +1,1 @@
+"""eric_epd.server package."""

@@ -1,0 +1,169 @@
+"""The Eric router: FastAPI routes for encode, embedding fetch, health, models and metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eric_epd import __version__
+from eric_epd.config import EricConfig
+from eric_epd.engine.client import EngineClient
+from eric_epd.models.registry import load_processor
+from eric_epd.server.media import MediaFetcher
+from eric_epd.server.metrics import EricMetrics
+from eric_epd.server.processor import Processor, model_fingerprint
+from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest
+from eric_epd.server.store import EmbeddingStore
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, retry_after: float | None = None) -> JSONResponse:
+    """OpenAI/vLLM-shaped error body."""
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalError"
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[ItemRequest]:
+    """Validate {"items": [{id?, modality, url}, ...]}; every problem is a 400 that names it."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+        raise ApiError(400, 'body must be an object with a list field "items"')
+    raw_items = data["items"]
+    if not raw_items:
+        raise ApiError(400, '"items" is empty: send at least one item')
+    if len(raw_items) > max_items:
+        raise ApiError(400, f"too many items: {len(raw_items)} > {max_items}")
+    return [_parse_item(i, raw, modalities) for i, raw in enumerate(raw_items)]
+
+
+def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> ItemRequest:
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"item {index} must be an object")
+    modality, url = raw.get("modality"), raw.get("url")
+    if modality not in modalities:
+        raise ApiError(400, f"item {index}: unsupported modality {modality!r}; expected one of {list(modalities)}")
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"item {index}: field 'url' must be a non-empty string")
+    item_id = raw.get("id", str(index))
+    if not isinstance(item_id, str | int):
+        raise ApiError(400, f"item {index}: field 'id' must be a string")
+    return ItemRequest(str(item_id), modality, url)
+
+
+def item_json(answer: ItemAnswer) -> dict[str, Any]:
+    emb = answer.embedding
+    return {
+        "id": answer.request.id,
+        "modality": answer.request.modality,
+        "hash": emb.hash,
+        "shape": list(emb.shape),
+        "dtype": emb.dtype,
+        "num_tokens": answer.prepared.item.num_tokens,
+        "grid_thw": list(answer.prepared.item.grid_thw),
+        "handle": {"http": f"/v1/embeddings/{emb.hash}"},
+    }
+
+
+def create_app(config: EricConfig, is_engine_alive: Callable[[], bool]) -> FastAPI:
+    """The router app; its lifespan connects to an engine that is already running."""
+    metrics = EricMetrics()
+    mp = load_processor(config.model)
+    model_name = str(config.model)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client = EngineClient(config, is_engine_alive, on_status=metrics.observe_status)
+        client.start()
+        fetcher = MediaFetcher(config.url_policy, config.media)
+        processor = Processor(mp, config.media, config.preprocess_threads, model_fingerprint(config.model))
+        state["client"] = client
+        state["service"] = EncodeService(fetcher, processor, client, EmbeddingStore(config.embedding_cache_bytes),
+                                         metrics)
+        try:
+            yield
+        finally:
+            await client.close()
+            await fetcher.aclose()
+            processor.close()
+
+    app = FastAPI(title="Eric encode server", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.retry_after)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+    @app.post("/v1/encode")
+    async def encode(request: Request) -> JSONResponse:
+        try:
+            items = parse_encode_body(await read_body(request, config.max_body_bytes), mp.modalities,
+                                      config.max_items_per_request)
+            answers = await state["service"].encode(items)
+        except ApiError as e:
+            metrics.requests.labels(status=str(e.status)).inc()
+            raise
+        metrics.requests.labels(status="200").inc()
+        return JSONResponse({"model": model_name, "items": [item_json(a) for a in answers]})
+
+    @app.get("/v1/embeddings/{content_hash}")
+    async def embedding(content_hash: str) -> Response:
+        entry = state["service"].store.get(content_hash)
+        if entry is None:
+            raise ApiError(404, f"no embedding with hash {content_hash} (never encoded here, or evicted)")
+        return Response(entry.to_safetensors(), media_type="application/octet-stream",
+                        headers={"X-Eric-Shape": ",".join(map(str, entry.shape)), "X-Eric-Dtype": entry.dtype})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        client: EngineClient = state["client"]
+        status = await client.status() if is_engine_alive() else None
+        if status is None or not status.healthy:
+            reason = client.dead_reason or (status.reason if status else "engine not answering")
+            return JSONResponse({"status": "unhealthy", "reason": reason}, 503)
+        return JSONResponse({"status": "ok", "queued_items": status.queued_items,
+                             "running_items": status.running_items, "worker_pids": status.worker_pids})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "owned_by": "eric-epd", "modalities": list(mp.modalities),
+            "tp_size": config.tp_size, "dtype": config.dtype,
+        }]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if is_engine_alive():
+            await state["client"].status(timeout_s=0.5)  # refreshes queue depth and batch counts
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

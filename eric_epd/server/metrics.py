@@ -1,0 +1,44 @@
+"""Prometheus metrics of one Eric server, in a registry owned by the app (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from eric_epd.engine.messages import EngineStatusMsg
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class EricMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("eric_queue_depth", "Items accepted and not yet finished (engine view)", registry=r)
+        self.inflight_items = Gauge("eric_inflight_items", "Items submitted to the engine by this router",
+                                    registry=r)
+        self.batches = Counter("eric_batches", "Executed batches by the modalities they held", ["modalities"],
+                               registry=r)
+        self.batch_items = Histogram("eric_batch_items", "Items per batch", ["modality"], buckets=_BATCH_BUCKETS,
+                                     registry=r)
+        self.batch_patches = Histogram("eric_batch_patches", "Vision patches per batch", ["modality"],
+                                       buckets=(64, 256, 1024, 4096, 16384, 65536), registry=r)
+        self.batch_seconds = Histogram("eric_batch_seconds", "Engine time per batch", ["modality"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.encode_latency = Histogram("eric_encode_latency_seconds", "Latency of /v1/encode requests",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.items = Counter("eric_items", "Items answered, by modality and source (encoded, cached)",
+                             ["modality", "source"], registry=r)
+        self.requests = Counter("eric_requests", "Encode requests by HTTP status", ["status"], registry=r)
+
+    def observe_status(self, status: EngineStatusMsg) -> None:
+        self.queue_depth.set(status.queued_items + status.running_items)
+        for b in status.batches:
+            modality = "+".join(b.modalities)
+            self.batches.labels(modalities=modality).inc()
+            self.batch_items.labels(modality=modality).observe(b.num_items)
+            self.batch_patches.labels(modality=modality).observe(b.num_patches)
+            self.batch_seconds.labels(modality=modality).observe(b.seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,75 @@
+"""Processor: decodes media and runs the model's ModalityProcessor in a thread pool; computes the content hash."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
+from eric_epd.server.media import MediaLimits, decode_image, decode_video
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """A preprocessed item and its content hash (the key used everywhere downstream)."""
+
+    hash: str
+    item: ProcessedItem
+
+
+def model_fingerprint(model_dir: Path) -> bytes:
+    """What identifies the encoder's output space: the vision config, not the path it was loaded from."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vision = {"model_type": cfg.get("model_type"), "vision_config": cfg.get("vision_config")}
+    return json.dumps(vision, sort_keys=True, default=str).encode()
+
+
+class Processor:
+    """Turns fetched bytes into PreparedItems off the event loop."""
+
+    def __init__(self, modality_processor: BaseModalityProcessor, limits: MediaLimits, threads: int,
+                 model_id: bytes) -> None:
+        self._mp = modality_processor
+        self._limits = limits
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eric-preprocess")
+        self._salt = {m: self._hash_salt(m, model_id) for m in modality_processor.modalities}
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return self._mp.modalities
+
+    def _hash_salt(self, modality: str, model_id: bytes) -> bytes:
+        sampling = b""
+        if modality == "video":
+            sampling = f"fps={self._limits.video_fps};max={self._limits.max_video_frames}".encode()
+        return hashlib.sha256(model_id + b"\0" + modality.encode() + b"\0" + self._mp.fingerprint(modality)
+                              + b"\0" + sampling).digest()
+
+    async def prepare(self, modality: str, data: bytes) -> PreparedItem:
+        """Decode, hash and preprocess one item; media errors propagate as MediaError."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare_sync, modality, data)
+
+    def _prepare_sync(self, modality: str, data: bytes) -> PreparedItem:
+        if modality == "image":
+            image = decode_image(data, self._limits)
+            pixels = np.asarray(image)
+            item = self._mp.process_image(image)
+        else:
+            pixels, _fps = decode_video(data, self._limits)
+            item = self._mp.process_video(pixels)
+        return PreparedItem(self._content_hash(modality, pixels), item)
+
+    def _content_hash(self, modality: str, pixels: np.ndarray) -> str:
+        h = hashlib.sha256(self._salt[modality])
+        h.update(str(pixels.shape).encode())
+        h.update(np.ascontiguousarray(pixels).data)
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Offline test fixtures shared by tests, benchmarks and the default model."""

