@@ -23,6 +23,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches)
     p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items)
     p.add_argument("--preprocess-threads", type=int, default=2)
+    p.add_argument("--max-body-bytes", type=int, default=EricConfig.max_body_bytes)
+    p.add_argument("--max-items-per-request", type=int, default=EricConfig.max_items_per_request)
     p.add_argument("--file-root", type=Path, action="append", default=[],
                    help="allow file:// URLs under this directory (repeatable)")
     p.add_argument("--allow-private-hosts", action="store_true",
@@ -41,7 +43,8 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         model = ensure_checkpoint("qwen2_vl", "tiny")
     return EricConfig(
         model=Path(model).resolve(), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
-        port=args.port, preprocess_threads=args.preprocess_threads,
+        port=args.port, preprocess_threads=args.preprocess_threads, max_body_bytes=args.max_body_bytes,
+        max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
@@ -68,4 +71,4 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from eric_epd.testing.checkpoints import build_checkpoint
 
-        print(build_checkpoint(args.out, args.family, args.size, args.seed))  # noqa: T201 (CLI output)
+        print(build_checkpoint(args.out, args.family, args.size, args.seed))

@@ -1,4 +1,4 @@
-"""ModelExecutor: spawns one worker per TP rank, broadcasts each batch through shared memory, gathers rank 0's output."""
+"""ModelExecutor: one worker per TP rank; broadcasts each batch through shared memory, gathers rank 0 output."""
 
 from __future__ import annotations
 

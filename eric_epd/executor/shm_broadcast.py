@@ -1,13 +1,10 @@
-"""Single-writer, N-reader shared-memory ring buffer that broadcasts batches from the engine to its workers.
+"""Shared-memory ring buffer: one writer (the engine) broadcasts each batch to N reader processes (workers).
 
-A message is a small header (msgspec bytes) plus raw buffers (tensor payloads): copied once, never pickled.
-"""
+A message is a small msgspec header plus raw buffers (tensor payloads): copied once, never pickled."""
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import os
 import secrets
 import struct
@@ -34,9 +31,7 @@ _ALIGN, _PAGE = 64, 4096
 _G_CLOSED = 4  # int64 words of the global header: magic, n_readers, n_slots, slot_bytes, closed
 _C_SEQ, _C_LEN, _C_NAME_LEN, _C_READ = 0, 1, 2, 16  # int64 words of a slot control block
 _NAME_OFF, _MAX_NAME = 64, 40  # spill name bytes in a control block; "<name>_<seq>" must fit 64 B
-_ABORT_CHECK_S = 0.01  # should_abort() may be a syscall (is_alive, getppid): rate-limit it
-_MIN_SLEEP_S, _MAX_SLEEP_S = 2e-5, 5e-4
-_HAS_TRACK = "track" in inspect.signature(SharedMemory.__init__).parameters  # Python >= 3.13
+_ABORT_CHECK_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 0.01, 2e-5, 5e-4  # should_abort() may be a syscall: rate-limit
 
 
 class BroadcastAborted(RuntimeError):  # noqa: N818 (name fixed by the executor's API)
@@ -56,16 +51,16 @@ class BroadcastHandle(msgspec.Struct, frozen=True):
     slot_bytes: int
 
 
-# Memory fence. Payload stores must become visible before the seq store that publishes them, and a
-# reader's payload loads must be done before the read[r] store that hands the slot back. x86-64 (TSO)
-# never reorders store->store or load->load and never lets a store pass an earlier load, so there the
-# fence only stops reordering by the compiler / interpreter. AArch64 may reorder all of these; as in
-# vLLM's shm_broadcast, a lock acquire + release (atomic read-modify-writes with acquire/release
-# semantics in the pthread/sem code) sits between the payload accesses and the flag store. Flag words
-# are aligned int64, which both architectures load/store single-copy atomically (numpy item access is
-# one 8-byte access), so a torn value is never seen. Flags hold only growing sequence numbers compared
-# for equality: a stale value means "not yet", never "ready".
+# Memory fence. Payload stores must be visible before the seq store that publishes them, and a reader's
+# payload loads must be done before the read[r] store that hands the slot back. x86-64 (TSO) never
+# reorders store->store or load->load nor lets a store pass an earlier load: there the fence only stops
+# compiler / interpreter reordering. AArch64 may reorder all of these; as vLLM's shm_broadcast does, a
+# lock acquire + release (atomic read-modify-writes with acquire/release semantics) sits between payload
+# accesses and the flag store. Flags are aligned int64 words, accessed single-copy atomically (numpy
+# item access is one 8-byte access) on both, and hold growing sequence numbers compared for equality:
+# a stale value means "not yet", never "ready".
 _fence_lock = threading.Lock()
+_tracker_lock = threading.Lock()
 
 
 def _memory_fence() -> None:
@@ -78,43 +73,43 @@ def _align(n: int, a: int = _ALIGN) -> int:
 
 
 def _geometry(n_readers: int, n_slots: int, slot_bytes: int) -> tuple[int, int, int, int]:
-    """(ctrl_stride, data_off, slot_stride, segment size) in bytes."""
+    """-> (ctrl_stride, data_off, slot_stride, segment size) in bytes; see ShmBroadcast."""
     ctrl = _align(_C_READ * 8 + 8 * n_readers)
     data_off, slot_stride = _align(64 + n_slots * ctrl, _PAGE), _align(slot_bytes, _PAGE)
     return ctrl, data_off, slot_stride, data_off + n_slots * slot_stride
 
 
-_tracker_lock = threading.Lock()
+class _Shm(SharedMemory):
+    """SharedMemory without a lingering fd whose close() leaves the mapping to any live export (tensor)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "_fd", -1) >= 0:  # POSIX: only close() uses it; the mapping stays valid
+            os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        try:  # not contextlib.suppress: this also runs from __del__ at interpreter shutdown
+            super().close()
+        except BufferError:
+            return
+
+    __del__ = close
 
 
-def _no_register(name: str, rtype: str) -> None:
-    return None
-
-
-def _attach_untracked(name: str) -> SharedMemory:
-    """Map an existing segment without registering it with the resource_tracker.
-
-    On Python < 3.13 attaching registers the name; spawned children share the parent's tracker, so
-    unregistering afterwards would drop the creator's registration (KeyError noise at unlink) and not
-    unregistering makes the tracker unlink/warn about the segment. Suppressing register avoids both.
-    """
-    if _HAS_TRACK:
-        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    with _tracker_lock:
-        orig, resource_tracker.register = resource_tracker.register, _no_register
+def _attach_untracked(name: str) -> _Shm:
+    """Map an existing segment without registering it with the resource_tracker (see below)."""
+    # Attaching registers the name (Python < 3.13 has no track=False). Spawned children share the
+    # parent's tracker, so unregistering afterwards drops the creator's own registration (KeyError noise
+    # at unlink), and staying registered lets the tracker unlink / warn at exit. So never register.
+    if sys.version_info >= (3, 13):
+        return _Shm(name=name, track=False)
+    with _tracker_lock:  # register is patched process-wide for the duration of the attach
+        orig, resource_tracker.register = resource_tracker.register, lambda *args: None
         try:
-            return SharedMemory(name=name)
+            return _Shm(name=name)
         finally:
             resource_tracker.register = orig
-
-
-def _try_close(shm: SharedMemory) -> bool:
-    """Unmap; False (retry later) while an ndarray / tensor still exports the memory."""
-    try:
-        shm.close()
-    except BufferError:
-        return False
-    return True
 
 
 def _as_bytes(obj: Any) -> memoryview:
@@ -122,27 +117,16 @@ def _as_bytes(obj: Any) -> memoryview:
     torch_mod = sys.modules.get("torch")
     if torch_mod is not None and isinstance(obj, torch_mod.Tensor):
         return tensor_to_buffer(obj)
-    if not isinstance(obj, np.ndarray):
-        mv = memoryview(obj)
-        if mv.ndim == 1 and mv.format in ("B", "b", "c") and mv.c_contiguous:
-            return mv if mv.format == "B" else mv.cast("B")
-        obj = np.asarray(mv)
-    return memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
+    arr = obj if isinstance(obj, np.ndarray) else np.asarray(memoryview(obj))  # no copy if contiguous
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
 def _poll(ready: Callable[[], bool], timeout: float | None, should_abort: Callable[[], bool] | None,
           what: str) -> None:
     """Wait until ready(), sleeping with exponential backoff; TimeoutError / BroadcastAborted otherwise."""
-    if ready():
-        return
-    start = time.monotonic()
-    deadline = None if timeout is None else start + timeout
-    next_abort_check, sleep = start, _MIN_SLEEP_S
-    while True:
-        time.sleep(sleep)
-        sleep = min(sleep * 2, _MAX_SLEEP_S)
-        if ready():
-            return
+    next_abort_check, sleep = time.monotonic(), _MIN_SLEEP_S
+    deadline = None if timeout is None else next_abort_check + timeout
+    while not ready():
         now = time.monotonic()
         if should_abort is not None and now >= next_abort_check:
             if should_abort():
@@ -150,6 +134,8 @@ def _poll(ready: Callable[[], bool], timeout: float | None, should_abort: Callab
             next_abort_check = now + _ABORT_CHECK_S
         if deadline is not None and now >= deadline:
             raise TimeoutError(f"{what}: timed out after {timeout:.3f}s")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, _MAX_SLEEP_S)
 
 
 class ShmBroadcast:
@@ -166,25 +152,21 @@ class ShmBroadcast:
                     +128  read[r]   seq of the message reader r last released from this slot (reader r)
         data_off  data of slot s, align4096(slot_bytes) B each; data_off = align4096(64 + n_slots*ctrl)
 
-    Payload (in the slot, or in a spill segment ``<name>_<index>`` when larger than slot_bytes)::
+    Payload, in the slot or (if larger than slot_bytes) in a spill segment ``<name>_<index>``: count
+    (= 1 + number of buffers) | len[0] (header) | len[1..] (buffers), then each part 64-byte aligned.
 
-        count (= 1 + number of buffers) | len[0] (header) | len[1..count-1] (buffers)
-        then each part at the next 64-byte aligned offset: header, buffer 0, buffer 1, ...
+    Protocol: message i goes to slot ``i % n_slots``. The writer reuses a slot once every ``read[r]``
+    equals its ``seq`` (all readers released the previous message), writes the payload, fences, stores
+    ``seq = i + 1``. Reader r waits for exactly ``seq == i + 1``, fences, reads, fences, stores
+    ``read[r] = i + 1``. Sequence numbers only grow: no reader takes an old message (or spill name) for
+    a new one, and every reader sees every message.
 
-    Protocol: message i goes to slot ``i % n_slots``. The writer reuses a slot only once every
-    ``read[r]`` equals its ``seq`` (all readers released the previous message), writes the payload,
-    fences, then stores ``seq = i + 1``. Reader r waits for exactly ``seq == i + 1``, fences, reads,
-    fences, stores ``read[r] = i + 1``. Sequence numbers only grow, so a reader never takes an old
-    message (or an old spill name) for a new one, and every reader sees every message.
-
-    Spill segments are owned and unlinked by the writer: as soon as it sees that all readers released
-    the message (checked on every enqueue, at the latest when the slot is reused) and at unlink/close.
-    Readers map them untracked and unmap them at release(). At most n_slots exist at a time; should the
-    writer process die, its resource_tracker unlinks what is left (main segment included).
-    """
+    The writer owns and unlinks spill segments, once all readers released the message (checked on every
+    enqueue, at the latest when the slot is reused) and at unlink()/close(); readers map them untracked
+    and unmap at release(). At most n_slots exist; if the writer dies its resource_tracker unlinks all."""
 
     def __init__(self, shm: SharedMemory, handle: BroadcastHandle) -> None:
-        self._shm: SharedMemory | None = shm
+        self._shm = shm
         self.name, self.n_readers = handle.name, handle.n_readers
         self.n_slots, self.slot_bytes = handle.n_slots, handle.slot_bytes
         ctrl, self._data_off, self._slot_stride, _ = _geometry(self.n_readers, self.n_slots, self.slot_bytes)
@@ -196,12 +178,10 @@ class ShmBroadcast:
     def create(n_readers: int, n_slots: int = 4, slot_bytes: int = 32 << 20, *,
                name: str | None = None) -> ShmBroadcastWriter:
         """Create the segment (engine process). The creator owns it: close() unlinks it."""
-        if n_readers < 1 or n_slots < 1 or slot_bytes < _ALIGN:
-            raise ValueError(f"bad geometry: {n_readers=} {n_slots=} {slot_bytes=}")
         name = name or f"ebc_{os.getpid():x}_{secrets.token_hex(4)}"
-        if len(name) > _MAX_NAME:
-            raise ValueError(f"segment name longer than {_MAX_NAME} characters: {name!r}")
-        shm = SharedMemory(name=name, create=True, size=_geometry(n_readers, n_slots, slot_bytes)[3])
+        if n_readers < 1 or n_slots < 1 or slot_bytes < _ALIGN or len(name) > _MAX_NAME:
+            raise ValueError(f"bad {n_readers=} {n_slots=} {slot_bytes=} or {name=} (max {_MAX_NAME} chars)")
+        shm = _Shm(name=name, create=True, size=_geometry(n_readers, n_slots, slot_bytes)[3])
         writer = ShmBroadcastWriter(shm, BroadcastHandle(shm.name, n_readers, n_slots, slot_bytes))
         writer._glob[:5] = (_MAGIC, n_readers, n_slots, slot_bytes, 0)
         logger.debug("broadcast %s: %d readers, %d slots of %d B", shm.name, n_readers, n_slots, slot_bytes)
@@ -222,29 +202,13 @@ class ShmBroadcast:
     def handle(self) -> BroadcastHandle:
         return BroadcastHandle(self.name, self.n_readers, self.n_slots, self.slot_bytes)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BroadcastClosed(f"broadcast {self.name} is closed in this process")
-
     def _slot_view(self, slot: int, nbytes: int) -> memoryview:
-        assert self._shm is not None
         start = self._data_off + slot * self._slot_stride
         return self._shm.buf[start:start + nbytes]
 
     def _unmap(self) -> None:
-        self._glob = self._ctrl = np.zeros((0, 0), np.int64)  # drop our exports of the mapping first
-        if self._shm is not None and not _try_close(self._shm):
-            logger.warning("broadcast %s: views still referenced at close(), left mapped", self.name)
-        self._shm = None
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> ShmBroadcast:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._glob = self._ctrl = np.zeros((0, 0), np.int64)  # drop our own exports of the mapping first
+        self._shm.close()  # stays mapped while a caller's tensor still uses it (see _Shm)
 
 
 class ShmBroadcastWriter(ShmBroadcast):
@@ -252,8 +216,7 @@ class ShmBroadcastWriter(ShmBroadcast):
 
     def __init__(self, shm: SharedMemory, handle: BroadcastHandle) -> None:
         super().__init__(shm, handle)
-        self._seq = 0  # index of the next message
-        self._slot_seq = [0] * self.n_slots  # the seq word we last stored per slot
+        self._seq, self._slot_seq = 0, [0] * self.n_slots  # next message index; seq we last stored per slot
         self._spills: dict[int, SharedMemory] = {}
         self._unlinked = False
         self.n_spilled = 0  # messages that did not fit a slot and used a spill segment
@@ -262,28 +225,20 @@ class ShmBroadcastWriter(ShmBroadcast):
         return bool((self._ctrl[slot, _C_READ:_C_READ + self.n_readers] == self._slot_seq[slot]).all())
 
     def _drop_spill(self, slot: int) -> None:
-        spill = self._spills.pop(slot, None)
-        if spill is not None:
-            _try_close(spill)
+        if (spill := self._spills.pop(slot, None)) is not None:
+            spill.close()
             with suppress(FileNotFoundError):
                 spill.unlink()
-
-    def reclaim(self) -> None:
-        """Unlink the spill segments every reader has released (enqueue does this too)."""
-        for slot in list(self._spills):
-            if self._slot_free(slot):
-                self._drop_spill(slot)
 
     def enqueue(self, header: bytes | bytearray | memoryview,
                 buffers: Sequence[memoryview | bytes | bytearray | np.ndarray | torch.Tensor] = (), *,
                 timeout: float | None = None, should_abort: Callable[[], bool] | None = None) -> None:
-        """Publish one message to all readers, first waiting (up to ``timeout`` s) for its slot.
+        """Publish one message to all readers, first waiting (up to ``timeout`` s) for its slot to free up.
 
-        Raises TimeoutError, or BroadcastAborted once ``should_abort()`` is True while waiting (polled
-        every ~10 ms; e.g. ``lambda: not all(p.is_alive() for p in workers)``). Either way nothing was
-        published and the call may be retried.
-        """
-        self._check_open()
+        TimeoutError, or BroadcastAborted once ``should_abort()`` (polled every ~10 ms, e.g. ``lambda: not
+        all(p.is_alive() for p in workers)``) is True: then nothing was published and a retry is fine."""
+        if self._closed:
+            raise BroadcastClosed(f"broadcast {self.name}: enqueue after close()")
         parts = [_as_bytes(header), *(_as_bytes(b) for b in buffers)]
         lens = [p.nbytes for p in parts]
         offsets, total = [], _align(8 * (1 + len(parts)))
@@ -291,21 +246,21 @@ class ShmBroadcastWriter(ShmBroadcast):
             offsets.append(total)
             total = _align(total + n)
         seq, slot = self._seq, self._seq % self.n_slots
-        self.reclaim()
+        for s in [s for s in self._spills if self._slot_free(s)]:  # unlink released spills early
+            self._drop_spill(s)
         _poll(lambda: self._slot_free(slot), timeout, should_abort, f"broadcast {self.name} enqueue #{seq}")
         _memory_fence()  # saw all read[r] stores before we overwrite the slot
         self._drop_spill(slot)
         if total <= self.slot_bytes:
             name, dst = b"", self._slot_view(slot, total)
         else:
-            spill = self._spills[slot] = SharedMemory(name=f"{self.name}_{seq}", create=True, size=total)
+            spill = self._spills[slot] = _Shm(name=f"{self.name}_{seq}", create=True, size=total)
             self.n_spilled += 1
             name, dst = spill.name.encode(), spill.buf[:total]
         with dst:
             struct.pack_into(f"<{1 + len(lens)}Q", dst, 0, len(parts), *lens)
             for o, n, p in zip(offsets, lens, parts, strict=True):
-                if n:
-                    dst[o:o + n] = p
+                dst[o:o + n] = p
         self._ctrl[slot, _C_LEN], self._ctrl[slot, _C_NAME_LEN] = total, len(name)
         if name:
             self._ctrl.view(np.uint8)[slot, _NAME_OFF:_NAME_OFF + len(name)] = np.frombuffer(name, np.uint8)
@@ -317,7 +272,7 @@ class ShmBroadcastWriter(ShmBroadcast):
         """Remove the names of the segment and of outstanding spills (mappings stay valid). Idempotent."""
         for slot in list(self._spills):
             self._drop_spill(slot)
-        if not self._unlinked and self._shm is not None:
+        if not self._unlinked:
             self._unlinked = True
             with suppress(FileNotFoundError):
                 self._shm.unlink()
@@ -327,12 +282,10 @@ class ShmBroadcastWriter(ShmBroadcast):
         if self._closed:
             return
         self._closed = True
-        try:
-            _memory_fence()  # all published messages precede the closed flag
-            self._glob[_G_CLOSED] = 1
-        finally:
-            self.unlink()
-            self._unmap()
+        _memory_fence()  # all published messages precede the closed flag
+        self._glob[_G_CLOSED] = 1
+        self.unlink()
+        self._unmap()
 
 
 class ShmBroadcastReader(ShmBroadcast):
@@ -340,10 +293,8 @@ class ShmBroadcastReader(ShmBroadcast):
 
     def __init__(self, shm: SharedMemory, handle: BroadcastHandle, reader_rank: int) -> None:
         super().__init__(shm, handle)
-        self.reader_rank = reader_rank
-        self._seq = 0  # index of the next message to read
+        self.reader_rank, self._seq = reader_rank, 0  # _seq: index of the next message to read
         self._pending: tuple[int, SharedMemory | None, list[memoryview]] | None = None  # slot, spill, views
-        self._zombies: list[SharedMemory] = []  # spill mappings still referenced by a caller's tensor
 
     def _ready(self, slot: int, want: int) -> bool:
         if int(self._ctrl[slot, _C_SEQ]) == want:
@@ -357,12 +308,10 @@ class ShmBroadcastReader(ShmBroadcast):
 
     def dequeue(self, timeout: float | None = None,
                 should_abort: Callable[[], bool] | None = None) -> tuple[bytes, list[memoryview]]:
-        """Wait for the next message: (header copy, read-only zero-copy views of the buffers).
-
-        The views, and tensors made from them, are valid only until release(): then the writer may
-        overwrite the slot. Raises TimeoutError, BroadcastAborted or BroadcastClosed.
-        """
-        self._check_open()
+        """Next message: (header copy, read-only zero-copy views), or TimeoutError / BroadcastAborted /
+        BroadcastClosed. The views stay mapped while referenced, but their data is valid until release()."""
+        if self._closed:
+            raise BroadcastClosed(f"broadcast {self.name}: dequeue after close()")
         if self._pending is not None:
             raise RuntimeError("release() the previous message before dequeue()")
         slot, want = self._seq % self.n_slots, self._seq + 1
@@ -386,8 +335,7 @@ class ShmBroadcastReader(ShmBroadcast):
             for n in struct.unpack_from(f"<{count}Q", base, 8):
                 views.append(base[off:off + n].toreadonly())
                 off = _align(off + n)
-        with views.pop(0) as header_view:
-            header = bytes(header_view)
+        header = bytes(views.pop(0))
         self._pending = (slot, spill, views)
         return header, views
 
@@ -396,16 +344,12 @@ class ShmBroadcastReader(ShmBroadcast):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        slot, spill, views = pending
-        for v in views:  # later use of a plain view raises instead of reading a recycled slot
-            with suppress(BufferError):  # an ndarray / tensor still wraps it: caller's responsibility
-                v.release()
+        slot, spill, _ = pending  # views are not released: a tensor over one must keep the mapping alive
         _memory_fence()  # all payload loads are done before the writer may reuse the slot
         self._ctrl[slot, _C_READ + self.reader_rank] = self._seq + 1
         self._seq += 1
         if spill is not None:
-            self._zombies.append(spill)
-        self._zombies = [z for z in self._zombies if not _try_close(z)]
+            spill.close()  # unmapped now, or when the last tensor over it dies (see _Shm)
 
     @contextmanager
     def receive(self, timeout: float | None = None,
@@ -420,62 +364,35 @@ class ShmBroadcastReader(ShmBroadcast):
     def dequeue_copy(self, timeout: float | None = None,
                      should_abort: Callable[[], bool] | None = None) -> tuple[bytes, list[bytearray]]:
         """dequeue(), private writable copies of the buffers, release()."""
-        header, views = self.dequeue(timeout, should_abort)
-        try:
+        with self.receive(timeout, should_abort) as (header, views):
             return header, [bytearray(v) for v in views]
-        finally:
-            self.release()
 
     def close(self) -> None:
         """Release a pending message and unmap; never unlinks (the writer owns the names). Idempotent."""
-        if self._closed:
-            return
-        self.release()
-        self._closed = True
-        self._zombies = [z for z in self._zombies if not _try_close(z)]
-        self._unmap()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``, the form buffer_to_tensor() accepts."""
-    return str(dtype).removeprefix("torch.")
+        if not self._closed:
+            self.release()
+            self._closed = True
+            self._unmap()
 
 
 def tensor_to_buffer(t: torch.Tensor) -> memoryview:
-    """Flat uint8 view of a CPU tensor's bytes, any dtype (bfloat16 too); keeps the tensor alive.
-
-    Zero-copy for contiguous tensors; others are made contiguous (one copy) first.
-    """
+    """Flat uint8 view of a CPU tensor's bytes (any dtype, bfloat16 too; copies only if non-contiguous)."""
     import torch
 
-    if t.device.type != "cpu":
-        raise ValueError(f"tensor_to_buffer needs a CPU tensor, got {t.device}")
     t = t.detach().resolve_conj().resolve_neg().contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def buffer_to_tensor(buf: memoryview | bytes | bytearray, dtype: str | torch.dtype,
                      shape: Sequence[int]) -> torch.Tensor:
-    """Tensor of ``dtype`` (e.g. "bfloat16") and ``shape`` over ``buf``, without copying.
+    """Tensor of ``dtype`` (e.g. "bfloat16") and ``shape`` over ``buf``, zero-copy; it keeps ``buf`` mapped.
 
-    Over a dequeue() view the tensor is valid only until release() (clone() to keep it), and it shares
-    memory with the other readers: treat it as read-only (PyTorch cannot enforce that). 0 bytes give a
-    fresh empty tensor.
-    """
+    Over a dequeue() view its data is valid only until release() (clone() to keep it), and it is shared
+    with the other readers: treat it as read-only (PyTorch cannot enforce that)."""
     import torch
 
-    tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(tdtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {dtype!r}")
-    shape = tuple(int(s) for s in shape)
-    mv = memoryview(buf)
-    expected = math.prod(shape) * tdtype.itemsize
-    if mv.nbytes != expected:
-        raise ValueError(f"buffer has {mv.nbytes} B but {dtype_name(tdtype)}{list(shape)} needs {expected} B")
-    if expected == 0:
-        return torch.empty(shape, dtype=tdtype)
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
+    tdtype = getattr(torch, str(dtype).removeprefix("torch."))  # "bfloat16", "torch.bfloat16" or a dtype
+    arr = np.frombuffer(buf, np.uint8)  # holds a buffer export, so the mapping outlives the tensor
     with warnings.catch_warnings():  # read-only views: torch warns (once) but wraps them fine
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(mv, dtype=tdtype).reshape(shape)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr).view(tdtype).reshape(tuple(shape))  # size mismatch: RuntimeError

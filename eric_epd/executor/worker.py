@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,9 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
 
 def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], device: torch.device,
                dtype: torch.dtype) -> torch.Tensor:
-    parts = [torch.frombuffer(v, dtype=torch.float32) for v in views]
+    with warnings.catch_warnings():  # read-only shared memory: we only read it, and torch.cat copies below
+        warnings.simplefilter("ignore", UserWarning)
+        parts = [torch.frombuffer(v, dtype=torch.float32) for v in views]
     pixels = torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.empty(0)
     patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
     pixels = pixels.view(-1, patch_dim)

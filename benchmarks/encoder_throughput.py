@@ -1,0 +1,200 @@
+"""Eric (TP 1, over HTTP, concurrency 8) against transformers (HF processor + vision tower, one at a time, in-process).
+
+Same checkpoint (the offline *small* Qwen2-VL), same dtype, same run; float32 and bfloat16; three workloads.
+Also measures this CPU's matmul FLOP/s and reports the fraction Eric's vision tower reaches.
+Writes benchmarks/results/encoder_throughput.{json,png}.  Usage: python benchmarks/encoder_throughput.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from eric_epd.testing.checkpoints import ensure_checkpoint
+from eric_epd.testing.media import image_bytes, random_image
+from eric_epd.testing.server import EricServer
+
+logger = logging.getLogger("encoder_throughput")
+RESULTS = Path(__file__).parent / "results"
+
+WORKLOADS = {  # name -> (min side, max side, number of images)
+    "small": (112, 224, 64),
+    "mixed": (56, 896, 24),
+    "large": (448, 896, 12),
+}
+
+
+def make_images(name: str, scale: float) -> list[bytes]:
+    lo, hi, n = WORKLOADS[name]
+    rng = np.random.default_rng(len(name))
+    sizes = rng.integers(lo, hi + 1, size=(max(2, int(n * scale)), 2))
+    return [image_bytes(random_image(int(w), int(h), seed=i)) for i, (w, h) in enumerate(sizes)]
+
+
+def matmul_flops(dtype: torch.dtype) -> float:
+    """Best-of-5 FLOP/s of a 2048^3 matmul on this machine."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(5))
+    return 2 * 2048**3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def vision_flops(cfg: dict, grid: tuple[int, int, int]) -> float:
+    """Matmul FLOPs of the Qwen2-VL vision tower for one item (linear layers + attention)."""
+    v = cfg["vision_config"]
+    d, depth = v["embed_dim"], v["depth"]
+    mlp = d * v["mlp_ratio"]
+    n = grid[0] * grid[1] * grid[2]
+    seq = grid[1] * grid[2]
+    per_block = 2 * n * (3 * d * d + d * d + 2 * d * mlp) + 4 * n * seq * d
+    patch = 2 * n * d * 3 * 2 * 14 * 14
+    merged = n // 4
+    merger = 2 * merged * (4 * d) * (4 * d + v["hidden_size"])
+    return depth * per_block + patch + merger
+
+
+def run_transformers(model_dir: Path, dtype: torch.dtype, images: list[bytes]) -> dict:
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir).image_processor
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
+    latencies, grids = [], []
+
+    def one(data: bytes) -> None:
+        import io
+
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        inputs = processor(images=[image], return_tensors="pt")
+        with torch.inference_mode():
+            model.model.get_image_features(inputs["pixel_values"].to(dtype), inputs["image_grid_thw"])
+        grids.append(tuple(inputs["image_grid_thw"][0].tolist()))
+
+    one(images[0])  # warm-up
+    grids.clear()
+    start = time.perf_counter()
+    for data in images:
+        latencies.append(_timed(lambda d=data: one(d)))
+    wall = time.perf_counter() - start
+    return _summary(latencies, wall, len(images)) | {"grids": grids}
+
+
+async def _eric_load(url: str, images: list[bytes], concurrency: int) -> tuple[list[float], float]:
+    import base64
+
+    bodies = [{"items": [{"modality": "image", "url": "data:image/png;base64," + base64.b64encode(d).decode()}]}
+              for d in images]
+    latencies: list[float] = []
+    queue = list(reversed(bodies))
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def worker() -> None:
+            while queue:
+                body = queue.pop()
+                t0 = time.perf_counter()
+                r = await client.post(url + "/v1/encode", json=body)
+                r.raise_for_status()
+                latencies.append(time.perf_counter() - t0)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, time.perf_counter() - start
+
+
+def run_eric(url: str, images: list[bytes], concurrency: int, warmup: list[bytes]) -> dict:
+    asyncio.run(_eric_load(url, warmup, concurrency))
+    latencies, wall = asyncio.run(_eric_load(url, images, concurrency))
+    return _summary(latencies, wall, len(images))
+
+
+def _summary(latencies: list[float], wall: float, n: int) -> dict:
+    return {"images_per_s": n / wall, "p50_s": float(np.percentile(latencies, 50)),
+            "p99_s": float(np.percentile(latencies, 99)), "wall_s": wall, "n": n}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["runs"]), figsize=(5 * len(results["runs"]), 4), squeeze=False)
+    for ax, (dtype, runs) in zip(axes[0], results["runs"].items()):
+        names = list(runs)
+        x = np.arange(len(names))
+        ax.bar(x - 0.2, [runs[n]["transformers"]["images_per_s"] for n in names], 0.4, label="transformers")
+        ax.bar(x + 0.2, [runs[n]["eric"]["images_per_s"] for n in names], 0.4, label="Eric (HTTP, c=8)")
+        for i, n in enumerate(names):
+            ax.text(i + 0.2, runs[n]["eric"]["images_per_s"], f"{runs[n]['ratio']:.2f}x", ha="center", va="bottom")
+        ax.set_xticks(x, names)
+        ax.set_ylabel("images/s")
+        ax.set_title(f"vision encoder throughput, {dtype}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    scale = 0.25 if args.quick else 1.0
+    model_dir = ensure_checkpoint("qwen2_vl", "small")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    workloads = {name: make_images(name, scale) for name in WORKLOADS}
+    results: dict = {"checkpoint": "qwen2_vl small (offline random)", "concurrency": args.concurrency,
+                     "torch_threads": torch.get_num_threads(), "runs": {}, "matmul_flops": {}}
+    RESULTS.mkdir(exist_ok=True)
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        peak = matmul_flops(dtype)
+        results["matmul_flops"][dtype_name] = peak
+        runs: dict = {}
+        for name, images in workloads.items():
+            logger.info("transformers %s %s (%d images)", dtype_name, name, len(images))
+            runs[name] = {"transformers": run_transformers(model_dir, dtype, images)}
+        with EricServer(model_dir, extra_args=("--dtype", dtype_name), log_path=RESULTS / "eric_bench.log") as eric:
+            for name, images in workloads.items():
+                logger.info("eric %s %s", dtype_name, name)
+                eric_run = run_eric(eric.url, images, args.concurrency, workloads[name][:4])
+                flops = sum(vision_flops(cfg, g) for g in runs[name]["transformers"].pop("grids"))
+                eric_run["vision_flops_per_s"] = flops / eric_run["wall_s"]
+                eric_run["fraction_of_matmul_peak"] = eric_run["vision_flops_per_s"] / peak
+                runs[name]["eric"] = eric_run
+                runs[name]["ratio"] = eric_run["images_per_s"] / runs[name]["transformers"]["images_per_s"]
+        results["runs"][dtype_name] = runs
+    (RESULTS / "encoder_throughput.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / "encoder_throughput.png")
+    _print_table(results)
+
+
+def _print_table(results: dict) -> None:
+    lines = [f"{'dtype':9} {'workload':8} {'HF img/s':>9} {'Eric img/s':>10} {'ratio':>6} {'HF p50':>7} "
+             f"{'Eric p50':>8} {'Eric p99':>8} {'peak frac':>9}"]
+    for dtype, runs in results["runs"].items():
+        for name, r in runs.items():
+            hf, er = r["transformers"], r["eric"]
+            lines.append(f"{dtype:9} {name:8} {hf['images_per_s']:9.2f} {er['images_per_s']:10.2f} {r['ratio']:6.2f} "
+                         f"{hf['p50_s']:7.3f} {er['p50_s']:8.3f} {er['p99_s']:8.3f} "
+                         f"{er['fraction_of_matmul_peak']:9.2f}")
+    logger.info("results\n%s", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

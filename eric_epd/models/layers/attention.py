@@ -1,0 +1,129 @@
+"""Variable-length attention over packed sequences (flash-attn varlen on CUDA, length-grouped SDPA otherwise)
+and the 2-D vision rotary embedding of Qwen2-VL / Qwen2.5-VL, applied in float32 as Hugging Face does."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+def _import_flash_varlen() -> Callable | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch/CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+FLASH_VARLEN: Callable | None = _import_flash_varlen()
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """How to run attention over one packing of segments; built once per forward and shared by all layers.
+
+    `groups` holds, per distinct segment length L, the token indices (n, L) of the n segments of that length,
+    or None when a single group covers the whole packed sequence in order (then a plain view suffices).
+    """
+
+    cu_seqlens: torch.Tensor  # (num_segments + 1,) int32 on the compute device
+    max_seqlen: int
+    total: int
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+    @classmethod
+    def build(cls, cu_seqlens: Sequence[int] | torch.Tensor, device: torch.device) -> VarlenPlan:
+        cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+        starts_by_len: dict[int, list[int]] = {}
+        for a, b in itertools.pairwise(cu):
+            if b > a:
+                starts_by_len.setdefault(b - a, []).append(a)
+        total = cu[-1]
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        if len(starts_by_len) == 1:
+            (length,) = starts_by_len
+            groups.append((length, None))
+        else:
+            for length, starts in sorted(starts_by_len.items()):
+                idx = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(length)[None, :]
+                groups.append((length, idx.to(device)))
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+        return cls(cu_t, max(starts_by_len, default=0), total, tuple(groups))
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, scale: float | None = None
+) -> torch.Tensor:
+    """Non-causal attention within each packed segment; q, k, v and the result are (N, heads, head_dim)."""
+    n_tok, heads, head_dim = q.shape
+    if n_tok != plan.total:
+        raise ValueError(f"attention got {n_tok} tokens but the plan covers {plan.total}")
+    if n_tok == 0:
+        return torch.empty_like(q)
+    if FLASH_VARLEN is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return FLASH_VARLEN(
+            q,
+            k,
+            v,
+            plan.cu_seqlens,
+            plan.cu_seqlens,
+            plan.max_seqlen,
+            plan.max_seqlen,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=False,
+        )
+    out = None if plan.groups[0][1] is None else torch.empty_like(q)
+    for length, idx in plan.groups:
+        if idx is None:  # one group covering everything: (n, L, H, d) is a view
+            qs, ks, vs = (t.view(-1, length, heads, head_dim) for t in (q, k, v))
+        else:
+            qs, ks, vs = (t[idx] for t in (q, k, v))
+        res = F.scaled_dot_product_attention(
+            qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), scale=scale
+        )
+        res = res.transpose(1, 2)  # (n, L, H, d)
+        if idx is None:
+            return res.reshape(n_tok, heads, head_dim)
+        out[idx.reshape(-1)] = res.reshape(-1, heads, head_dim)
+    return out
+
+
+def vision_rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (N, head_dim) in float32 for (N, 2) (row, col) position ids, laid out like HF:
+    [h-freqs, w-freqs, h-freqs, w-freqs], each head_dim/4 wide."""
+    spatial_dim = head_dim // 2
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float, device=device) / spatial_dim)
+    )
+    freqs = position_ids.to(device)[..., None].float() * inv_freq  # (N, 2, head_dim/4)
+    freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_vision_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q, k (N, heads, head_dim) in float32 with (N, head_dim) cos/sin; cast back to their dtype."""
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    qf, kf = q.float(), k.float()
+    q_out = qf * cos + _rotate_half(qf) * sin
+    k_out = kf * cos + _rotate_half(kf) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)

@@ -1,0 +1,98 @@
+"""Tensor-parallel Qwen2.5-VL vision tower: RMSNorm, gated SiLU MLP, windowed and full-attention blocks.
+
+Builds on the Qwen2-VL encoder; only the norms, the MLP and the window layout differ.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from eric_epd.models.layers.attention import VarlenPlan
+from eric_epd.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
+from eric_epd.models.qwen2_vl import Grid, Qwen2VLVisionEncoder, frame_cu_seqlens, get_activation
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, weight applied in the input dtype (as HF's Qwen2_5_VLRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, dim: int, hidden: int, act: str, tp: TPContext, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(dim, hidden, True, tp, dtype)
+        self.up_proj = ColumnParallelLinear(dim, hidden, True, tp, dtype)
+        self.down_proj = RowParallelLinear(hidden, dim, True, tp, dtype)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def window_layout(grid: Grid, merge: int, window_size: int, patch_size: int) -> tuple[np.ndarray, list[int]]:
+    """Merge-unit permutation that groups each frame's tokens by attention window (windows row-major, tokens
+    row-major inside), and the cumulative window boundaries in patches, as HF's get_vision_window_index."""
+    win = window_size // merge // patch_size
+    if win < 1:
+        raise ValueError(f"window_size {window_size} smaller than one merged patch ({merge * patch_size})")
+    orders: list[np.ndarray] = []
+    cu = [0]
+    offset = 0
+    for t, h, w in grid:
+        lh, lw = h // merge, w // merge
+        nh, nw = -(-lh // win), -(-lw // win)
+        padded = np.full((t, nh * win, nw * win), -1, dtype=np.int64)
+        padded[:, :lh, :lw] = np.arange(t * lh * lw).reshape(t, lh, lw)
+        windows = padded.reshape(t, nh, win, nw, win).transpose(0, 1, 3, 2, 4).reshape(-1, win * win)
+        valid = windows >= 0
+        orders.append(windows[valid] + offset)
+        cu.extend((np.cumsum(valid.sum(1)) * merge * merge + cu[-1]).tolist())
+        offset += t * lh * lw
+    order = np.concatenate(orders) if orders else np.zeros(0, dtype=np.int64)
+    return order, cu
+
+
+class Qwen2_5_VLVisionEncoder(Qwen2VLVisionEncoder):  # noqa: N801 - HF naming
+    """Qwen2.5-VL vision tower: same forward contract as Qwen2VLVisionEncoder."""
+
+    def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, tp, dtype)
+        self.window_size = int(self.cfg.get("window_size", 112))
+        self.fullatt_block_indexes = frozenset(
+            int(i) for i in self.cfg.get("fullatt_block_indexes", [7, 15, 23, 31])
+        )
+
+    def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
+        return int(cfg.get("hidden_size", 1280)), int(cfg.get("out_hidden_size", 3584))
+
+    def _make_norm(self, dim: int) -> nn.Module:
+        return RMSNorm(dim, dtype=self.param_dtype)
+
+    def _make_mlp(self) -> nn.Module:
+        hidden = int(self.cfg.get("intermediate_size", 3420))
+        return GatedMLP(self.width, hidden, self.cfg.get("hidden_act", "silu"), self.tp, self.param_dtype)
+
+    def _layout(self, grid: Grid, device: torch.device) -> tuple[list[VarlenPlan], torch.Tensor | None]:
+        order, cu_window = window_layout(grid, self.merge, self.window_size, self.patch_size)
+        full = VarlenPlan.build(frame_cu_seqlens(grid), device)
+        windowed = VarlenPlan.build(cu_window, device)
+        plans = [full if i in self.fullatt_block_indexes else windowed for i in range(self.depth)]
+        return plans, torch.from_numpy(order)

@@ -1,0 +1,341 @@
+"""Tensor-parallel Qwen2-VL vision tower (patch embed, ViT blocks, patch merger) equal to HF's `model.visual`.
+
+Shared pieces (patch embed, attention, blocks, merger, weight loading) are reused by the Qwen2.5-VL encoder.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eric_epd.models.layers.attention import (
+    VarlenPlan,
+    apply_vision_rope,
+    varlen_attention,
+    vision_rotary_cos_sin,
+)
+from eric_epd.models.layers.parallel import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    copy_into,
+    default_weight_loader,
+    read_full,
+)
+
+logger = logging.getLogger(__name__)
+
+VISION_PREFIXES: tuple[str, ...] = ("model.visual.", "visual.")
+IGNORED_SUFFIXES: tuple[str, ...] = (
+    "rotary_pos_emb.inv_freq",
+)  # non-persistent buffers some exports contain
+
+Grid = list[tuple[int, int, int]]
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A vision config as a plain dict (accepts a dict or a transformers config object)."""
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(vars(config))
+
+
+def rope_theta(cfg: dict[str, Any]) -> float:
+    """Vision rope base: rope_parameters.rope_theta in transformers 5 configs, 10000 otherwise."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": _quick_gelu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported vision activation {name!r}; known: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def grid_list(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Grid:
+    """(n, 3) grid as a list of int triples."""
+    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
+
+
+def vision_position_ids(grid: Grid, merge: int) -> torch.Tensor:
+    """(N, 2) (row, col) patch coordinates in the processor's merge-block order, repeated over frames."""
+    out = []
+    for t, h, w in grid:
+        rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        hw = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], dim=-1)
+        out.append(hw.repeat(t, 1))
+    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.long)
+
+
+def frame_cu_seqlens(grid: Grid) -> list[int]:
+    """Cumulative boundaries of per-frame attention segments (h*w tokens each, t per item)."""
+    cu = [0]
+    for t, h, w in grid:
+        base = cu[-1]
+        cu.extend(base + h * w * (i + 1) for i in range(t))
+    return cu
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with HF's vision eps."""
+
+    def __init__(self, dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, eps=1e-6, dtype=dtype)
+
+
+class PatchProj(nn.Module):
+    """Conv3d with stride == kernel as a Linear over flat (C, T, P, P) patches; loads the 5-D conv weight."""
+
+    def __init__(self, in_dim: int, embed_dim: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(embed_dim, in_dim, dtype=dtype), requires_grad=False)
+
+    def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        copy_into(param, read_full(full).reshape(param.shape[0], -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        temporal_patch_size: int,
+        patch_size: int,
+        embed_dim: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.in_dim = in_channels * temporal_patch_size * patch_size * patch_size
+        self.proj = PatchProj(self.in_dim, embed_dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.reshape(-1, self.in_dim))
+
+
+class VisionAttention(nn.Module):
+    """Fused-qkv self-attention; heads split over ranks (qkv column-parallel, proj row-parallel)."""
+
+    def __init__(self, dim: int, num_heads: int, tp: TPContext, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.qkv = QKVParallelLinear(dim, num_heads, True, tp, dtype)
+        self.proj = RowParallelLinear(dim, dim, True, tp, dtype)
+        self.heads = self.qkv.num_heads_local
+        self.head_dim = dim // num_heads
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        q, k = apply_vision_rope(q, k, cos, sin)
+        out = varlen_attention(q, k, v, plan, scale=self.head_dim**-0.5)
+        return self.proj(out.reshape(x.shape[0], -1))
+
+
+class VisionMLP(nn.Module):
+    """fc1 (column) -> activation -> fc2 (row)."""
+
+    def __init__(self, dim: int, hidden: int, act: str, tp: TPContext, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(dim, hidden, True, tp, dtype)
+        self.fc2 = RowParallelLinear(hidden, dim, True, tp, dtype)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)); x + mlp(norm2(x))."""
+
+    def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: VisionAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Gelu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
+class PatchMerger(nn.Module):
+    """Norm, group merge**2 neighbouring tokens, then Linear (column) -> GELU -> Linear (row)."""
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        context_dim: int,
+        out_dim: int,
+        merge: int,
+        tp: TPContext,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.hidden = context_dim * merge * merge
+        self.ln_q = norm
+        self.mlp = nn.Sequential(
+            ColumnParallelLinear(self.hidden, self.hidden, True, tp, dtype),
+            _Gelu(),
+            RowParallelLinear(self.hidden, out_dim, True, tp, dtype),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+class Qwen2VLVisionEncoder(nn.Module):
+    """Qwen2-VL vision tower. forward(pixel_values (P, C*T*p*p), grid_thw (n, 3)) -> (P // merge**2, out_dim),
+    identical (replicated) on every tensor-parallel rank."""
+
+    def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        cfg = config_to_dict(config)
+        self.cfg = cfg
+        self.tp = tp or TPContext()
+        self.param_dtype = dtype
+        self.width, self.out_dim = self._dims(cfg)
+        self.num_heads = int(cfg.get("num_heads", 16))
+        self.depth = int(cfg.get("depth", 32))
+        self.merge = int(cfg.get("spatial_merge_size", 2))
+        self.patch_size = int(cfg.get("patch_size", cfg.get("spatial_patch_size", 14)))
+        self.temporal_patch_size = int(cfg.get("temporal_patch_size", 2))
+        self.in_channels = int(cfg.get("in_channels", cfg.get("in_chans", 3)))
+        self.rope_theta = rope_theta(cfg)
+        if self.width % self.num_heads:
+            raise ValueError(f"vision width {self.width} not divisible by {self.num_heads} heads")
+        self.head_dim = self.width // self.num_heads
+        self.patch_embed = PatchEmbed(
+            self.in_channels, self.temporal_patch_size, self.patch_size, self.width, dtype
+        )
+        self.blocks = nn.ModuleList([self._make_block(i) for i in range(self.depth)])
+        self.merger = PatchMerger(
+            self._make_norm(self.width), self.width, self.out_dim, self.merge, self.tp, dtype
+        )
+
+    # ---- per-family construction hooks -------------------------------------------------------------------
+    def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
+        return int(cfg.get("embed_dim", 1280)), int(cfg.get("hidden_size", 3584))
+
+    def _make_norm(self, dim: int) -> nn.Module:
+        return LayerNorm(dim, dtype=self.param_dtype)
+
+    def _make_mlp(self) -> nn.Module:
+        hidden = int(self.width * float(self.cfg.get("mlp_ratio", 4)))
+        return VisionMLP(
+            self.width, hidden, self.cfg.get("hidden_act", "quick_gelu"), self.tp, self.param_dtype
+        )
+
+    def _make_block(self, index: int) -> VisionBlock:
+        attn = VisionAttention(self.width, self.num_heads, self.tp, self.param_dtype)
+        return VisionBlock(self._make_norm(self.width), self._make_norm(self.width), attn, self._make_mlp())
+
+    def _layout(self, grid: Grid, device: torch.device) -> tuple[list[VarlenPlan], torch.Tensor | None]:
+        """Attention plan per block and an optional permutation of merge units (None: natural order)."""
+        plan = VarlenPlan.build(frame_cu_seqlens(grid), device)
+        return [plan] * self.depth, None
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def num_tokens(self, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[int]:
+        """Output tokens per item."""
+        return [t * h * w // (self.merge * self.merge) for t, h, w in grid_list(grid_thw)]
+
+    @torch.inference_mode()
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        grid = grid_list(grid_thw)
+        n_patches = sum(t * h * w for t, h, w in grid)
+        if pixel_values.shape[0] != n_patches:
+            raise ValueError(
+                f"pixel_values has {pixel_values.shape[0]} patches, grid_thw implies {n_patches}"
+            )
+        device = self.device
+        x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))
+        positions = vision_position_ids(grid, self.merge)
+        plans, order = self._layout(grid, device)
+        unit = self.merge * self.merge
+        if order is not None:
+            x = x.view(-1, unit, x.shape[-1])[order.to(device)].view(-1, x.shape[-1])
+            positions = positions.view(-1, unit, 2)[order].view(-1, 2)
+        cos, sin = vision_rotary_cos_sin(positions, self.head_dim, self.rope_theta, device)
+        for block, plan in zip(self.blocks, plans, strict=True):
+            x = block(x, cos, sin, plan)
+        out = self.merger(x)
+        if order is not None:
+            out = out[torch.argsort(order).to(device)]
+        return out
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    @staticmethod
+    def strip_prefix(name: str) -> str:
+        for prefix in VISION_PREFIXES:
+            if name.startswith(prefix):
+                return name[len(prefix) :]
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Load (name, tensor-or-safetensors-slice) pairs, names with or without the `visual.` /
+        `model.visual.` prefix; each tensor is sliced to this rank's shard. Raises on unexpected names and,
+        at the end, on any parameter left unloaded. Returns the loaded parameter names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            key = self.strip_prefix(name)
+            if key.endswith(IGNORED_SUFFIXES):
+                continue
+            if key not in params:
+                raise KeyError(f"unexpected vision weight {name!r} for {type(self).__name__}")
+            if key in loaded:
+                raise KeyError(f"vision weight {name!r} given twice")
+            module = self.get_submodule(key.rpartition(".")[0])
+            loader = getattr(module, "weight_loader", None)
+            try:
+                (loader or default_weight_loader)(params[key], tensor)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"{len(missing)} vision weights missing from the checkpoint, e.g. {missing[:5]}")
+        logger.debug(
+            "loaded %d vision tensors (tp rank %d/%d)", len(loaded), self.tp.rank, self.tp.world_size
+        )
+        return loaded

@@ -1,0 +1,163 @@
+"""Registry of supported checkpoints by HF `model_type`, and loaders that build only the vision tower and
+stream only its tensors (this rank's shard) out of the checkpoint's safetensors files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eric_epd.models.layers.parallel import TPContext
+from eric_epd.models.processor import BaseModalityProcessor
+from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
+from eric_epd.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionEncoder
+from eric_epd.models.qwen2_vl_processor import Qwen2VLModalityProcessor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What Eric needs to serve one model family."""
+
+    model_type: str
+    encoder_cls: type[nn.Module]
+    processor_cls: type[BaseModalityProcessor]
+    weight_prefixes: tuple[str, ...]
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    spec.model_type: spec
+    for spec in (
+        ModelSpec("qwen2_vl", Qwen2VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
+        ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
+    )
+}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(MODEL_SPECS)
+
+
+def get_model_spec(model_type: str) -> ModelSpec:
+    """The spec for an HF model_type; ValueError naming the supported types otherwise."""
+    try:
+        return MODEL_SPECS[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; Eric supports {sorted(MODEL_SPECS)}"
+        ) from None
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
+    return json.loads(path.read_text())
+
+
+def resolve_dtype(name: str | torch.dtype, config: dict[str, Any]) -> torch.dtype:
+    """ "auto" -> the checkpoint's dtype / torch_dtype (float32 if absent); otherwise the named dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        name = config.get("dtype") or config.get("torch_dtype") or "float32"
+        if not isinstance(name, str):
+            name = str(name)
+        name = name.removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_vision_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """(name, safetensors slice) for every tensor whose name starts with a vision prefix; slices are read
+    lazily (only the requested rows/columns), and no other tensor is ever read."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    wanted: dict[str, list[str]] | None = None
+    if index.exists():
+        wanted = {}
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            if name.startswith(prefixes):
+                wanted.setdefault(fname, []).append(name)
+    files = [model_dir / f for f in sorted(wanted)] if wanted is not None else _safetensors_files(model_dir)
+    for path in files:  # with an index, files holding only language-model tensors are never opened
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = (
+                wanted[path.name] if wanted is not None else [k for k in f.keys() if k.startswith(prefixes)]  # noqa: SIM118
+            )
+            for name in names:
+                yield name, f.get_slice(name)
+
+
+def build_encoder(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None
+) -> nn.Module:
+    """The vision encoder of a checkpoint, parameters allocated (uninitialised) on `device`; no weights."""
+    config = read_model_config(Path(model_dir))
+    spec = get_model_spec(config.get("model_type", ""))
+    if "vision_config" not in config:
+        raise ValueError(f"{model_dir}/config.json has no vision_config")
+    with torch.device("meta"):
+        encoder = spec.encoder_cls(config["vision_config"], tp or TPContext(), dtype)
+    return encoder.to_empty(device=torch.device(device)).eval()
+
+
+def load_encoder(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None
+) -> nn.Module:
+    """Build the vision tower of `model_dir` on `device` in `dtype` and load this rank's shard of its weights.
+
+    The language model is never built and its tensors are never read."""
+    model_dir = Path(model_dir)
+    config = read_model_config(model_dir)
+    spec = get_model_spec(config.get("model_type", ""))
+    encoder = build_encoder(model_dir, dtype, device, tp)
+    loaded = encoder.load_weights(iter_vision_tensors(model_dir, spec.weight_prefixes))
+    n_params = sum(p.numel() for p in encoder.parameters())
+    tp = tp or TPContext()
+    logger.info(
+        "loaded %s vision encoder from %s: %d tensors, %.1fM params/rank, %s on %s, tp %d/%d",
+        spec.model_type,
+        model_dir,
+        len(loaded),
+        n_params / 1e6,
+        dtype,
+        device,
+        tp.rank,
+        tp.world_size,
+    )
+    return encoder
+
+
+def load_processor(model_dir: str | Path) -> BaseModalityProcessor:
+    """The modality processor for a checkpoint directory."""
+    config = read_model_config(Path(model_dir))
+    return get_model_spec(config.get("model_type", "")).processor_cls(Path(model_dir))

@@ -1,0 +1,168 @@
+"""Eric's Qwen2-VL modality processor against transformers' AutoProcessor (torchvision backend): bit-exact
+pixel_values and grids for images of many sizes/modes and for videos, with both resize backends."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from eric_epd.models.processor import ProcessedItem
+from eric_epd.models.qwen2_vl_processor import Qwen2VLModalityProcessor, smart_resize
+from eric_epd.models.registry import load_processor
+from eric_epd.testing.checkpoints import build_checkpoint
+
+BACKENDS = ("torch", "numpy")
+# (width, height): tiny, huge, portrait, landscape, odd, extreme aspect ratio, exact multiples of 28
+IMAGE_SIZES = [
+    (20, 20),
+    (1000, 700),
+    (700, 1000),
+    (300, 800),
+    (800, 300),
+    (97, 131),
+    (33, 900),
+    (56, 84),
+    (224, 224),
+    (1, 150),
+]
+VIDEO_SHAPES = [(5, 84, 112), (3, 250, 190), (1, 60, 60), (4, 28, 28)]  # (frames, height, width)
+
+
+def _variant(src: Path, dst: Path, image: dict, video: dict) -> Path:
+    """Copy a checkpoint's processor/tokenizer files with some preprocessing settings changed."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name, changes in (("preprocessor_config.json", image), ("video_preprocessor_config.json", video)):
+        cfg = json.loads((dst / name).read_text())
+        cfg.update(changes)
+        if "min_pixels" in changes:
+            cfg["size"] = {"shortest_edge": changes["min_pixels"], "longest_edge": changes["max_pixels"]}
+        (dst / name).write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ckpt_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tiny = build_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen2_vl", "tiny", seed=0)
+    base = tmp_path_factory.mktemp("variants")
+    # the real Qwen2-VL limits (images 56*56..28*28*1280 px; videos 128*28*28..28*28*768 px)
+    real = _variant(
+        tiny,
+        base / "real",
+        {"min_pixels": 3136, "max_pixels": 12845056},
+        {"min_pixels": 100352, "max_pixels": 602112},
+    )
+    other = _variant(
+        tiny,
+        base / "other",
+        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+        {"cap_pixels_per_frame": True, "max_video_tokens": 64},
+    )
+    return {"tiny": tiny, "real": real, "other": other}
+
+
+@pytest.fixture(scope="module")
+def hf_processors(ckpt_dirs: dict[str, Path]) -> dict:
+    from transformers import AutoProcessor
+
+    return {k: AutoProcessor.from_pretrained(d) for k, d in ckpt_dirs.items()}
+
+
+def _images() -> list[Image.Image]:
+    rng = np.random.default_rng(7)
+    out = []
+    for i, (w, h) in enumerate(IMAGE_SIZES):
+        if i % 2:  # smooth, photo-like content
+            y, x = np.mgrid[0:h, 0:w]
+            arr = np.stack([(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)), (x + y) % 256], -1)
+            arr = (arr + rng.normal(0, 8, arr.shape)).clip(0, 255).astype(np.uint8)
+        else:  # noise: the worst case for rounding differences
+            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        out.append(Image.fromarray(arr))
+    return out
+
+
+def _assert_same(item: ProcessedItem, hf_pixels: np.ndarray, hf_grid: list[int], merge: int = 2) -> None:
+    assert item.grid_thw == tuple(hf_grid)
+    assert item.num_tokens == int(np.prod(hf_grid)) // merge**2
+    assert item.pixel_values.dtype == np.float32
+    assert item.pixel_values.shape == hf_pixels.shape
+    np.testing.assert_array_equal(item.pixel_values, hf_pixels)  # bit-exact, not just close
+
+
+@pytest.mark.parametrize("variant", ["tiny", "real", "other"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_images_equal_hf(ckpt_dirs: dict, hf_processors: dict, variant: str, backend: str) -> None:
+    ours = Qwen2VLModalityProcessor(ckpt_dirs[variant], resize_backend=backend)
+    hf = hf_processors[variant].image_processor
+    for image in _images():
+        ref = hf(images=[image], return_tensors="np")
+        _assert_same(ours.process_image(image), ref["pixel_values"], ref["image_grid_thw"][0].tolist())
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK"])
+def test_image_modes_equal_hf(ckpt_dirs: dict, hf_processors: dict, mode: str) -> None:
+    ours = load_processor(ckpt_dirs["tiny"])
+    image = _images()[5].convert(mode)
+    ref = hf_processors["tiny"].image_processor(images=[image], return_tensors="np")
+    _assert_same(ours.process_image(image), ref["pixel_values"], ref["image_grid_thw"][0].tolist())
+
+
+@pytest.mark.parametrize("variant", ["tiny", "real", "other"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_videos_equal_hf(ckpt_dirs: dict, hf_processors: dict, variant: str, backend: str) -> None:
+    ours = Qwen2VLModalityProcessor(ckpt_dirs[variant], resize_backend=backend)
+    hf = hf_processors[variant].video_processor
+    rng = np.random.default_rng(3)
+    for shape in VIDEO_SHAPES:
+        frames = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+        ref = hf(videos=[frames], do_sample_frames=False, return_tensors="np")
+        _assert_same(
+            ours.process_video(frames), ref["pixel_values_videos"], ref["video_grid_thw"][0].tolist()
+        )
+
+
+def test_video_pads_odd_frame_count_with_last_frame(ckpt_dirs: dict) -> None:
+    ours = load_processor(ckpt_dirs["tiny"])
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (3, 56, 56, 3), dtype=np.uint8)
+    padded = ours.process_video(np.concatenate([frames, frames[-1:]]))
+    item = ours.process_video(frames)
+    assert item.grid_thw == (2, 4, 4) and item.num_tokens == 8
+    np.testing.assert_array_equal(item.pixel_values, padded.pixel_values)
+    still = ours.process_video(frames[:1])  # one frame == the image path
+    np.testing.assert_array_equal(
+        still.pixel_values, ours.process_image(Image.fromarray(frames[0])).pixel_values
+    )
+
+
+def test_fingerprint(ckpt_dirs: dict) -> None:
+    a, b = (
+        load_processor(ckpt_dirs["tiny"]),
+        Qwen2VLModalityProcessor(ckpt_dirs["tiny"], resize_backend="numpy"),
+    )
+    assert a.modalities == ("image", "video")
+    assert a.fingerprint("image") == b.fingerprint("image") and isinstance(a.fingerprint("image"), bytes)
+    assert a.fingerprint("image") != a.fingerprint("video")
+    real, other = load_processor(ckpt_dirs["real"]), load_processor(ckpt_dirs["other"])
+    assert len({a.fingerprint("image"), real.fingerprint("image"), other.fingerprint("image")}) == 3
+    assert len({a.fingerprint("video"), real.fingerprint("video"), other.fingerprint("video")}) == 3
+    with pytest.raises(ValueError):
+        a.fingerprint("audio")
+
+
+def test_errors(ckpt_dirs: dict) -> None:
+    ours = load_processor(ckpt_dirs["tiny"])
+    with pytest.raises(ValueError, match="aspect ratio"):
+        ours.process_image(Image.new("RGB", (1, 300)))
+    with pytest.raises(ValueError, match="uint8"):
+        ours.process_video(np.zeros((2, 56, 56, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        ours.process_video(np.zeros((2, 56, 56, 4), dtype=np.uint8))
+    with pytest.raises(ValueError, match="unsupported modality"):
+        ours.process("audio", np.zeros(3))
+    assert smart_resize(20, 20, 28, 3136, 50176) == (56, 56)

@@ -1,0 +1,181 @@
+"""A real Eric server (router, engine and worker processes): encode, fetch, batching by modality, metrics."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from eric_epd.testing.media import image_bytes, image_data_url, random_image, video_data_url
+from eric_epd.testing.server import EricServer
+
+
+@pytest.fixture(scope="module")
+def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("eric") / "eric.log"
+    with EricServer(qwen2_vl_tiny, tp=2, log_path=log,
+                    extra_args=("--max-batch-items", "8", "--max-body-bytes", str(2**20))) as server:
+        yield server
+
+
+def _encode(url: str, items: list[dict], timeout: float = 60) -> httpx.Response:
+    return httpx.post(url + "/v1/encode", json={"items": items}, timeout=timeout)
+
+
+def _metric_samples(text: str, name: str) -> dict[str, float]:
+    """label-string -> value for one metric family in Prometheus text."""
+    out = {}
+    for m in re.finditer(rf"^{name}\{{(.*?)\}} (\S+)$", text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_models_and_health(eric: EricServer) -> None:
+    models = httpx.get(eric.url + "/v1/models").json()["data"][0]
+    assert models["tp_size"] == 2 and set(models["modalities"]) == {"image", "video"}
+    health = httpx.get(eric.url + "/health")
+    assert health.status_code == 200 and len(health.json()["worker_pids"]) == 2
+
+
+def test_encode_matches_transformers(eric: EricServer, qwen2_vl_tiny: Path) -> None:
+    """The served embedding equals transformers' get_image_features on the same checkpoint (float32)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    image = random_image(120, 90, seed=7)
+    resp = _encode(eric.url, [{"id": "cat", "modality": "image", "url": image_data_url(120, 90, seed=7)}])
+    assert resp.status_code == 200, resp.text
+    item = resp.json()["items"][0]
+    assert item["id"] == "cat" and len(item["hash"]) == 64 and item["dtype"] == "float32"
+    fetched = httpx.get(eric.url + item["handle"]["http"])
+    assert fetched.status_code == 200
+    ours = load_safetensors(fetched.content)["embedding"]
+    assert list(ours.shape) == item["shape"] and ours.shape[0] == item["num_tokens"]
+
+    processor = AutoProcessor.from_pretrained(qwen2_vl_tiny)
+    inputs = processor.image_processor(images=[image], return_tensors="pt")
+    assert inputs["image_grid_thw"][0].tolist() == item["grid_thw"]
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_same_content_same_hash(eric: EricServer) -> None:
+    url = image_data_url(64, 64, seed=3)
+    a = _encode(eric.url, [{"modality": "image", "url": url}, {"modality": "image", "url": url}]).json()["items"]
+    png_again = "data:image/png;base64," + __import__("base64").b64encode(
+        image_bytes(random_image(64, 64, seed=3))).decode()
+    b = _encode(eric.url, [{"modality": "image", "url": png_again}]).json()["items"]
+    assert a[0]["hash"] == a[1]["hash"] == b[0]["hash"]
+    other = _encode(eric.url, [{"modality": "image", "url": image_data_url(64, 64, seed=4)}]).json()["items"]
+    assert other[0]["hash"] != a[0]["hash"]
+
+
+def test_concurrent_mixed_requests_batch_one_modality(eric: EricServer) -> None:
+    def request(i: int) -> httpx.Response:
+        if i % 3 == 0:
+            items = [{"modality": "video", "url": video_data_url(6, 56 + 8 * (i % 4), 56, seed=i)}]
+        else:
+            items = [{"modality": "image", "url": image_data_url(40 + 17 * k + i, 60 + 9 * k, seed=100 * i + k)}
+                     for k in range(3)]
+            items.append({"modality": "video", "url": video_data_url(4, 64, 48, seed=1000 + i)})
+        return _encode(eric.url, items)
+
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(request, range(24)))
+    for r in responses:
+        assert r.status_code == 200, r.text
+        for item in r.json()["items"]:
+            assert item["num_tokens"] == np.prod(item["grid_thw"]) // 4 == item["shape"][0]
+
+    metrics = httpx.get(eric.url + "/metrics").text
+    batches = _metric_samples(metrics, "eric_batches_total")
+    assert set(batches) == {'modalities="image"', 'modalities="video"'}, batches
+    assert batches['modalities="image"'] >= 1 and batches['modalities="video"'] >= 1
+    # several requests' items shared batches: fewer image batches than image items
+    items = _metric_samples(metrics, "eric_items_total")
+    assert items['modality="image",source="encoded"'] > batches['modalities="image"']
+
+
+def _closed_port() -> int:
+    from eric_epd.testing.server import free_port
+
+    return free_port()
+
+
+def _bomb_png() -> bytes:
+    """A valid PNG header declaring 50000x50000 pixels, with almost no data."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", 50000, 50000, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 1024)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _bad_cases(tmp: Path) -> list[tuple[str, object, int, str]]:
+    import base64
+
+    def durl(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    png = image_bytes(random_image(64, 64))
+    outside = tmp / "outside.png"
+    outside.write_bytes(png)
+    return [
+        ("corrupt bytes", {"items": [{"modality": "image", "url": durl(b"not an image at all")}]}, 400, "image"),
+        ("truncated png", {"items": [{"modality": "image", "url": durl(png[: len(png) // 2])}]}, 400, "image"),
+        ("zero-size image", {"items": [{"modality": "image", "url": durl(b"")}]}, 400, "empty"),
+        ("decompression bomb", {"items": [{"modality": "image", "url": durl(_bomb_png())}]}, 413, "pixels"),
+        ("unsupported scheme", {"items": [{"modality": "image", "url": "ftp://example.com/a.png"}]}, 400, "scheme"),
+        ("file outside roots", {"items": [{"modality": "image", "url": outside.as_uri()}]}, 403, "file"),
+        ("unreachable host", {"items": [{"modality": "image",
+                                         "url": f"http://127.0.0.1:{_closed_port()}/a.png"}]}, 400, "fetch"),
+        ("private host", {"items": [{"modality": "image", "url": "http://10.1.2.3/a.png"}]}, 400, "10.1.2.3"),
+        ("oversized body", {"items": [{"modality": "image", "url": durl(b"x" * (2**20))}]}, 413, "body"),
+        ("wrong modality", {"items": [{"modality": "audio", "url": durl(png)}]}, 400, "modality"),
+        ("video bytes are an image", {"items": [{"modality": "video", "url": durl(png)}]}, 400, "video"),
+        ("empty list", {"items": []}, 400, "empty"),
+        ("no items field", {"pictures": []}, 400, "items"),
+        ("malformed json", b'{"items": [', 400, "JSON"),
+    ]
+
+
+def test_bad_input_gets_4xx_and_server_keeps_serving(eric: EricServer, tmp_path: Path) -> None:
+    good = [{"modality": "image", "url": image_data_url(50, 70, seed=11)}]
+    for name, body, status, word in _bad_cases(tmp_path):
+        if isinstance(body, bytes):
+            resp = httpx.post(eric.url + "/v1/encode", content=body, headers={"content-type": "application/json"})
+        else:
+            resp = httpx.post(eric.url + "/v1/encode", json=body, timeout=30)
+        assert resp.status_code == status, (name, resp.status_code, resp.text)
+        message = resp.json()["error"]["message"]
+        assert word.lower() in message.lower(), (name, message)
+        assert _encode(eric.url, good).status_code == 200, name
+
+
+def test_missing_embedding_is_404(eric: EricServer) -> None:
+    resp = httpx.get(eric.url + "/v1/embeddings/" + "0" * 64)
+    assert resp.status_code == 404 and "no embedding" in resp.json()["error"]["message"]
+
+
+def test_file_url_under_root(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """file:// works inside --file-root; the embedding equals the data: URL's (same content, same hash)."""
+    png = image_bytes(random_image(80, 60, seed=5))
+    (tmp_path / "a.png").write_bytes(png)
+    with EricServer(qwen2_vl_tiny, extra_args=("--file-root", str(tmp_path))) as server:
+        by_file = _encode(server.url, [{"modality": "image", "url": (tmp_path / "a.png").as_uri()}])
+        by_data = _encode(server.url, [{"modality": "image", "url": image_data_url(80, 60, seed=5)}])
+        assert by_file.status_code == by_data.status_code == 200, by_file.text
+        assert by_file.json()["items"][0]["hash"] == by_data.json()["items"][0]["hash"]
+        tensor = load_safetensors(httpx.get(server.url + by_file.json()["items"][0]["handle"]["http"]).content)
+        assert torch.isfinite(tensor["embedding"]).all()
