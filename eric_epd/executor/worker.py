@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from eric_epd.executor.messages import (
     from_worker_encoder,
     to_worker_decoder,
 )
-from eric_epd.executor.shm_broadcast import BroadcastHandle, ShmBroadcast
+from eric_epd.executor.shm_broadcast import BroadcastClosed, BroadcastHandle, ShmBroadcast, buffer_to_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +63,7 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
 
 def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], device: torch.device,
                dtype: torch.dtype) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only shared memory: we only read it, and torch.cat copies below
-        warnings.simplefilter("ignore", UserWarning)
-        parts = [torch.frombuffer(v, dtype=torch.float32) for v in views]
+    parts = [buffer_to_tensor(v, torch.float32, (-1,)) for v in views]
     pixels = torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.empty(0)
     patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
     pixels = pixels.view(-1, patch_dim)
@@ -91,6 +88,8 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
                 header, views = reader.dequeue(timeout=1.0, should_abort=parent_gone)
             except TimeoutError:
                 continue
+            except BroadcastClosed:
+                return
             try:
                 msg = decoder.decode(header)
                 if isinstance(msg, StopWorkerMsg):

@@ -317,6 +317,9 @@ def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
     with container:
         if not container.streams.video:
             raise MediaError(400, "could not decode video: no video stream")
+        fmt = container.format.name
+        if fmt.endswith("_pipe") or fmt == "image2":  # ffmpeg opens a lone still image as a one-frame "video"
+            raise MediaError(400, f"not a video: the data is a still image ({fmt}); send it as modality 'image'")
         stream = container.streams.video[0]
         _check_frame_size(stream.codec_context.width, stream.codec_context.height, limits)
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
