@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from eric_epd.config import DTYPES, BatchLimits, EricConfig
+from eric_epd.config import DTYPES, TRANSFER_BACKENDS, BatchLimits, EricConfig, TransferConfig
 from eric_epd.server.media import MediaLimits, UrlPolicy
 
 
@@ -30,6 +30,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-private-hosts", action="store_true",
                    help="allow media URLs on loopback/private/link-local addresses")
     p.add_argument("--allowed-host", action="append", default=[], help="host always allowed for media URLs")
+    p.add_argument("--pool-bytes", type=int, default=TransferConfig.pool_bytes,
+                   help="size of the shared-memory pool holding finished embeddings")
+    p.add_argument("--embedding-ttl", type=float, default=TransferConfig.ttl_s,
+                   help="seconds an unacknowledged embedding is kept")
+    p.add_argument("--pool-wait", type=float, default=TransferConfig.pool_wait_s,
+                   help="seconds new work waits for pool space before 503")
+    p.add_argument("--transfer-backends", default=",".join(TransferConfig.backends),
+                   help=f"comma-separated subset of {TRANSFER_BACKENDS} (HTTP is always on)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host consumers use to reach this Eric (default: --host, or 127.0.0.1 for 0.0.0.0)")
+    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
+    p.add_argument("--mooncake-device", default="", help="RDMA device names for Mooncake")
     p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps)
     p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames)
 
@@ -47,6 +59,11 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
+        transfer=TransferConfig(
+            pool_bytes=args.pool_bytes, ttl_s=args.embedding_ttl, pool_wait_s=args.pool_wait,
+            backends=tuple(b for b in args.transfer_backends.split(",") if b),
+            advertise_host=args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"),
+            mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device),
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
                              allow_private_hosts=args.allow_private_hosts,
                              host_allowlist=frozenset(args.allowed_host)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,35 @@ class BatchLimits:
             raise ValueError("batch limits must be positive")
 
 
+TRANSFER_BACKENDS = ("shm", "mooncake", "nixl")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """The embedding pool and the backends that serve it (HTTP is always on)."""
+
+    pool_bytes: int = 512 * 2**20
+    """Size of the preallocated shared-memory pool holding finished embeddings."""
+    ttl_s: float = 300.0
+    """An entry not acknowledged within this long (since its last lease) is freed."""
+    pool_wait_s: float = 10.0
+    """How long new work waits for pool space before answering 503."""
+    backends: tuple[str, ...] = ("shm",)
+    advertise_host: str = "127.0.0.1"
+    """Host name consumers use to reach this Eric (HTTP control API, Mooncake, NIXL)."""
+    mooncake_protocol: str = "tcp"
+    """"tcp" or "rdma"."""
+    mooncake_device: str = ""
+    """RDMA device names for Mooncake (empty: auto)."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.backends) - set(TRANSFER_BACKENDS)
+        if unknown:
+            raise ValueError(f"unknown transfer backends {sorted(unknown)}; choose from {TRANSFER_BACKENDS}")
+        if self.pool_bytes < 4096 or self.ttl_s <= 0 or self.pool_wait_s < 0:
+            raise ValueError("pool_bytes must be >= 4096, ttl_s > 0, pool_wait_s >= 0")
+
+
 @dataclass(frozen=True)
 class EricConfig:
     """Everything one Eric server needs; frozen, validated without I/O."""
@@ -51,10 +81,11 @@ class EricConfig:
     """An accepted request that has no result after this long fails with 504."""
     worker_timeout_s: float = 120.0
     """A batch that takes longer than this marks the workers unhealthy."""
-    embedding_cache_bytes: int = 1 * 2**30
-    """Bound on finished embeddings kept for GET /v1/embeddings/{hash}."""
+    transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="eric-")))
     """Directory for the ipc sockets between the processes of this server."""
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    """New at every start: names the pool and NIXL agent, and lets consumers detect a restarted producer."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -63,6 +94,14 @@ class EricConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    @property
+    def pool_name(self) -> str:
+        return f"eric-pool-{self.instance_id}"
+
+    @property
+    def public_url(self) -> str:
+        return f"http://{self.transfer.advertise_host}:{self.port}"
 
     @property
     def engine_input_addr(self) -> str:

@@ -10,6 +10,7 @@ import uvicorn
 from eric_epd.config import EricConfig
 from eric_epd.engine.process import EngineProcess
 from eric_epd.server.app import create_app
+from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)
 
@@ -17,11 +18,17 @@ logger = logging.getLogger(__name__)
 def serve(config: EricConfig) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    engine = EngineProcess.spawn(config)
+    hub = TransferHub(config)  # the pool must exist before workers attach to it
     try:
-        app = create_app(config, engine.is_alive)
+        engine = EngineProcess.spawn(config)
+    except BaseException:
+        hub.close()
+        raise
+    try:
+        app = create_app(config, engine.is_alive, hub)
         logger.info("Eric serving %s (tp=%d) on http://%s:%d", config.model, config.tp_size, config.host, config.port)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
+        hub.close()
         shutil.rmtree(config.run_dir, ignore_errors=True)

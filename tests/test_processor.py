@@ -14,7 +14,6 @@ from PIL import Image
 from eric_epd.models.processor import ProcessedItem
 from eric_epd.models.qwen2_vl_processor import Qwen2VLModalityProcessor, smart_resize
 from eric_epd.models.registry import load_processor
-from eric_epd.testing.checkpoints import build_checkpoint
 
 BACKENDS = ("torch", "numpy")
 # (width, height): tiny, huge, portrait, landscape, odd, extreme aspect ratio, exact multiples of 28
@@ -46,8 +45,8 @@ def _variant(src: Path, dst: Path, image: dict, video: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ckpt_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tiny = build_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen2_vl", "tiny", seed=0)
+def ckpt_dirs(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tiny = qwen2_vl_tiny
     base = tmp_path_factory.mktemp("variants")
     # the real Qwen2-VL limits (images 56*56..28*28*1280 px; videos 128*28*28..28*28*768 px)
     real = _variant(
@@ -121,9 +120,7 @@ def test_videos_equal_hf(ckpt_dirs: dict, hf_processors: dict, variant: str, bac
     for shape in VIDEO_SHAPES:
         frames = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
         ref = hf(videos=[frames], do_sample_frames=False, return_tensors="np")
-        _assert_same(
-            ours.process_video(frames), ref["pixel_values_videos"], ref["video_grid_thw"][0].tolist()
-        )
+        _assert_same(ours.process_video(frames), ref["pixel_values_videos"], ref["video_grid_thw"][0].tolist())
 
 
 def test_video_pads_odd_frame_count_with_last_frame(ckpt_dirs: dict) -> None:
@@ -135,9 +132,7 @@ def test_video_pads_odd_frame_count_with_last_frame(ckpt_dirs: dict) -> None:
     assert item.grid_thw == (2, 4, 4) and item.num_tokens == 8
     np.testing.assert_array_equal(item.pixel_values, padded.pixel_values)
     still = ours.process_video(frames[:1])  # one frame == the image path
-    np.testing.assert_array_equal(
-        still.pixel_values, ours.process_image(Image.fromarray(frames[0])).pixel_values
-    )
+    np.testing.assert_array_equal(still.pixel_values, ours.process_image(Image.fromarray(frames[0])).pixel_values)
 
 
 def test_fingerprint(ckpt_dirs: dict) -> None:

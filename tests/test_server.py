@@ -52,7 +52,7 @@ def test_encode_matches_transformers(eric: EricServer, qwen2_vl_tiny: Path) -> N
     assert resp.status_code == 200, resp.text
     item = resp.json()["items"][0]
     assert item["id"] == "cat" and len(item["hash"]) == 64 and item["dtype"] == "float32"
-    fetched = httpx.get(eric.url + item["handle"]["http"])
+    fetched = httpx.get(item["handle"]["http"])
     assert fetched.status_code == 200
     ours = load_safetensors(fetched.content)["embedding"]
     assert list(ours.shape) == item["shape"] and ours.shape[0] == item["num_tokens"]
@@ -177,5 +177,5 @@ def test_file_url_under_root(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
         by_data = _encode(server.url, [{"modality": "image", "url": image_data_url(80, 60, seed=5)}])
         assert by_file.status_code == by_data.status_code == 200, by_file.text
         assert by_file.json()["items"][0]["hash"] == by_data.json()["items"][0]["hash"]
-        tensor = load_safetensors(httpx.get(server.url + by_file.json()["items"][0]["handle"]["http"]).content)
+        tensor = load_safetensors(httpx.get(by_file.json()["items"][0]["handle"]["http"]).content)
         assert torch.isfinite(tensor["embedding"]).all()

@@ -25,7 +25,7 @@ class WorkersDeadError(Exception):
 
 
 class Executor(Protocol):
-    def execute_model(self, batch: Batch) -> list[tuple[ItemResult, memoryview]]: ...
+    def execute_model(self, batch: Batch) -> list[ItemResult]: ...
     def worker_pids(self) -> list[int]: ...
     def check_workers(self) -> str | None: ...
 
@@ -36,7 +36,7 @@ Outgoing = tuple[EncodeResultMsg, list[memoryview]]
 @dataclass
 class _RequestState:
     num_items: int
-    results: dict[int, tuple[ItemResult, memoryview]] = field(default_factory=dict)
+    results: dict[int, ItemResult] = field(default_factory=dict)
     batches: list[BatchStat] = field(default_factory=list)
 
 
@@ -110,7 +110,7 @@ class Engine:
             batches=batches,
         )
 
-    def _complete(self, batch: Batch, outputs: list[tuple[ItemResult, memoryview]], stat: BatchStat) -> list[Outgoing]:
+    def _complete(self, batch: Batch, outputs: list[ItemResult], stat: BatchStat) -> list[Outgoing]:
         done: list[Outgoing] = []
         for entry, output in zip(batch.entries, outputs):
             state = self._requests.get(entry.request_id)
@@ -122,8 +122,7 @@ class Engine:
             if len(state.results) == state.num_items:
                 del self._requests[entry.request_id]
                 ordered = [state.results[i] for i in range(state.num_items)]
-                msg = EncodeResultMsg(entry.request_id, [r for r, _ in ordered], batches=state.batches)
-                done.append((msg, [b for _, b in ordered]))
+                done.append((EncodeResultMsg(entry.request_id, ordered, batches=state.batches), []))
         return done
 
     def _fail_batch(self, batch: Batch, status: int, reason: str) -> list[Outgoing]:

@@ -1,7 +1,8 @@
 """Messages between the router (EngineClient) and the Engine process, over ZMQ ipc.
 
-Wire format: frame 0 is a one-byte opcode, frame 1 the msgspec-msgpack header, frames 2.. raw tensor bytes
-(pixels towards the engine, embeddings back), one frame per item in header order. No pickle.
+Wire format: frame 0 is a one-byte opcode, frame 1 the msgspec-msgpack header, frames 2.. raw pixel bytes towards
+the engine, one frame per item in header order. Embeddings do not come back this way: workers write them into the
+router's shared-memory pool. No pickle.
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ class Op(bytes, enum.Enum):
 
 
 class EncodeItem(msgspec.Struct, array_like=True, frozen=True):
-    """One preprocessed media item; its pixels travel as the matching extra frame."""
+    """One preprocessed media item; its pixels travel as the matching extra frame.
+
+    The router reserved `out_nbytes` at `out_offset` of the embedding pool; worker rank 0 writes the result there.
+    """
 
     hash: str
     modality: str
     grid_thw: tuple[int, int, int]
     num_patches: int
     patch_dim: int
+    out_offset: int
+    out_nbytes: int
 
 
 class EncodeRequestMsg(msgspec.Struct, array_like=True, frozen=True):
@@ -36,7 +42,7 @@ class EncodeRequestMsg(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ItemResult(msgspec.Struct, array_like=True, frozen=True):
-    """One finished embedding; its bytes travel as the matching extra frame."""
+    """One finished embedding, now in the pool at the item's reserved region."""
 
     hash: str
     shape: tuple[int, ...]

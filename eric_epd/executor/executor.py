@@ -7,7 +7,6 @@ import multiprocessing as mp
 import socket
 import time
 
-import torch
 import zmq
 
 from eric_epd.config import EricConfig
@@ -93,27 +92,27 @@ class ModelExecutor:
                     break
         return self._dead_reason
 
-    def execute_model(self, batch: Batch) -> list[tuple[ItemResult, memoryview]]:
-        """Run one batch on all ranks; return one (result, embedding bytes) per item, in batch order."""
+    def execute_model(self, batch: Batch) -> list[ItemResult]:
+        """Run one batch on all ranks; rank 0 wrote the embeddings into the pool. One result per item, in order."""
         if (reason := self.check_workers()) is not None:
             raise WorkersDeadError(reason)
         msg = ExecuteBatchMsg(batch.batch_id, batch.modality,
-                              [BatchItemMsg(e.item.hash, e.item.modality, e.item.grid_thw) for e in batch.entries])
+                              [BatchItemMsg(e.item.hash, e.item.modality, e.item.grid_thw, e.item.out_offset,
+                                            e.item.out_nbytes) for e in batch.entries])
         try:
             self._broadcast.enqueue(to_worker_encoder.encode(msg), [e.pixels for e in batch.entries],
                                     timeout=self._config.worker_timeout_s,
                                     should_abort=lambda: self.check_workers() is not None)
         except Exception as e:
             raise WorkersDeadError(self.check_workers() or f"broadcast to workers failed: {e!r}") from e
-        header, frame = self._gather(batch.batch_id)
-        return self._split(batch, header, frame)
+        return self._split(batch, self._gather(batch.batch_id))
 
-    def _gather(self, batch_id: int) -> tuple[WorkerResultMsg, memoryview]:
+    def _gather(self, batch_id: int) -> WorkerResultMsg:
         """Wait for every rank's answer to batch_id; rank 0 carries the embeddings."""
         deadline = time.monotonic() + self._config.worker_timeout_s
         pending = set(range(len(self._procs)))
         errors: list[str] = []
-        rank0: tuple[WorkerResultMsg, memoryview] | None = None
+        rank0: WorkerResultMsg | None = None
         while pending:
             if (reason := self.check_workers()) is not None:
                 raise WorkersDeadError(reason)
@@ -122,8 +121,7 @@ class ModelExecutor:
                 raise WorkersDeadError(self._dead_reason)
             if not self._results.poll(_POLL_MS):
                 continue
-            frames = self._results.recv_multipart(copy=False)
-            msg = self._decoder.decode(frames[0].buffer)
+            msg = self._decoder.decode(self._results.recv())
             if not isinstance(msg, WorkerResultMsg) or msg.batch_id != batch_id:
                 logger.warning("dropping stale worker message %r", msg)
                 continue
@@ -131,23 +129,16 @@ class ModelExecutor:
             if msg.error is not None:
                 errors.append(f"rank {msg.rank}: {msg.error}")
             elif msg.rank == 0:
-                rank0 = (msg, frames[1].buffer)
+                rank0 = msg
         if errors or rank0 is None:
             raise BatchFailedError("; ".join(errors) or "rank 0 returned no output")
         return rank0
 
-    def _split(self, batch: Batch, header: WorkerResultMsg, frame: memoryview) -> list[tuple[ItemResult, memoryview]]:
+    def _split(self, batch: Batch, header: WorkerResultMsg) -> list[ItemResult]:
         counts = _token_counts(batch, self._merge_unit)
         if not header.shape or header.shape[0] != sum(counts):
             raise BatchFailedError(f"encoder returned shape {header.shape}, expected {sum(counts)} tokens")
-        dim = header.shape[1]
-        row_bytes = dim * torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
-        out: list[tuple[ItemResult, memoryview]] = []
-        offset = 0
-        for entry, n in zip(batch.entries, counts):
-            out.append((ItemResult(entry.item.hash, (n, dim), header.dtype), frame[offset: offset + n * row_bytes]))
-            offset += n * row_bytes
-        return out
+        return [ItemResult(e.item.hash, (n, header.shape[1]), header.dtype) for e, n in zip(batch.entries, counts)]
 
     def shutdown(self) -> None:
         """Ask workers to stop, then terminate stragglers; idempotent."""

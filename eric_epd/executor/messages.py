@@ -1,8 +1,8 @@
 """Messages between the Engine (ModelExecutor) and its workers.
 
 Engine -> workers: `ExecuteBatchMsg` header plus one pixel buffer per item, broadcast through shared memory.
-Workers -> engine: `WorkerReadyMsg` once, then one `WorkerResultMsg` per batch per rank over ZMQ (rank 0 adds the
-embeddings of the whole batch as one extra frame). msgspec only, no pickle.
+Workers -> engine: `WorkerReadyMsg` once, then one `WorkerResultMsg` per batch per rank over ZMQ. Rank 0 writes the
+embeddings into the embedding pool (shared memory) before it answers. msgspec only, no pickle.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ class BatchItemMsg(msgspec.Struct, array_like=True, frozen=True):
     hash: str
     modality: str
     grid_thw: tuple[int, int, int]
+    out_offset: int
+    """Where rank 0 writes this item's embedding in the pool."""
+    out_nbytes: int
 
 
 class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):

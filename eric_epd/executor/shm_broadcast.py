@@ -14,12 +14,14 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+
+from eric_epd.common.shm import Segment as _Shm
+from eric_epd.common.shm import attach_untracked as _attach_untracked
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +62,6 @@ class BroadcastHandle(msgspec.Struct, frozen=True):
 # item access is one 8-byte access) on both, and hold growing sequence numbers compared for equality:
 # a stale value means "not yet", never "ready".
 _fence_lock = threading.Lock()
-_tracker_lock = threading.Lock()
 
 
 def _memory_fence() -> None:
@@ -77,39 +78,6 @@ def _geometry(n_readers: int, n_slots: int, slot_bytes: int) -> tuple[int, int, 
     ctrl = _align(_C_READ * 8 + 8 * n_readers)
     data_off, slot_stride = _align(64 + n_slots * ctrl, _PAGE), _align(slot_bytes, _PAGE)
     return ctrl, data_off, slot_stride, data_off + n_slots * slot_stride
-
-
-class _Shm(SharedMemory):
-    """SharedMemory without a lingering fd whose close() leaves the mapping to any live export (tensor)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if getattr(self, "_fd", -1) >= 0:  # POSIX: only close() uses it; the mapping stays valid
-            os.close(self._fd)
-            self._fd = -1
-
-    def close(self) -> None:
-        try:  # not contextlib.suppress: this also runs from __del__ at interpreter shutdown
-            super().close()
-        except BufferError:
-            return
-
-    __del__ = close
-
-
-def _attach_untracked(name: str) -> _Shm:
-    """Map an existing segment without registering it with the resource_tracker (see below)."""
-    # Attaching registers the name (Python < 3.13 has no track=False). Spawned children share the
-    # parent's tracker, so unregistering afterwards drops the creator's own registration (KeyError noise
-    # at unlink), and staying registered lets the tracker unlink / warn at exit. So never register.
-    if sys.version_info >= (3, 13):
-        return _Shm(name=name, track=False)
-    with _tracker_lock:  # register is patched process-wide for the duration of the attach
-        orig, resource_tracker.register = resource_tracker.register, lambda *args: None
-        try:
-            return _Shm(name=name)
-        finally:
-            resource_tracker.register = orig
 
 
 def _as_bytes(obj: Any) -> memoryview:

@@ -7,9 +7,11 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import zmq
 
+from eric_epd.common.shm import attach_untracked
 from eric_epd.config import EricConfig, torch_threads_per_worker
 from eric_epd.executor.messages import (
     ExecuteBatchMsg,
@@ -73,9 +75,22 @@ def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memor
     return out.to("cpu").contiguous()
 
 
+def _write_to_pool(pool: np.ndarray, msg: ExecuteBatchMsg, out: torch.Tensor) -> None:
+    """Rank 0 only: copy each item's rows of the batch output to the pool region the router reserved for it."""
+    flat = out.view(torch.uint8).reshape(-1).numpy() if out.numel() else np.empty(0, np.uint8)
+    if flat.nbytes != sum(i.out_nbytes for i in msg.items):
+        raise ValueError(f"output of {flat.nbytes} bytes does not fill the {len(msg.items)} reserved regions")
+    start = 0
+    for item in msg.items:
+        pool[item.out_offset: item.out_offset + item.out_nbytes] = flat[start: start + item.out_nbytes]
+        start += item.out_nbytes
+
+
 def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
            push: zmq.Socket) -> None:
     reader = ShmBroadcast.attach(args.broadcast, args.rank)
+    segment = attach_untracked(args.config.pool_name) if args.rank == 0 else None
+    pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf) if segment is not None else None
     decoder = to_worker_decoder()
     parent = os.getppid()
 
@@ -94,28 +109,29 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
                 msg = decoder.decode(header)
                 if isinstance(msg, StopWorkerMsg):
                     return
-                _execute_and_reply(args.rank, encoder, msg, views, device, dtype, push)
+                _execute_and_reply(args.rank, encoder, msg, views, device, dtype, push, pool)
             finally:
                 reader.release()
     finally:
         reader.close()
+        if segment is not None:
+            segment.close()
 
 
 def _execute_and_reply(rank: int, encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview],
-                       device: torch.device, dtype: torch.dtype, push: zmq.Socket) -> None:
+                       device: torch.device, dtype: torch.dtype, push: zmq.Socket, pool: np.ndarray | None) -> None:
     modalities = tuple(sorted({i.modality for i in msg.items}))
     try:
         out = _run_batch(encoder, msg, views, device, dtype)
+        if pool is not None:
+            _write_to_pool(pool, msg, out)
     except Exception as e:  # reported to the engine, which fails the batch's requests
         logger.exception("rank %d: batch %d failed", rank, msg.batch_id)
         push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])
         return
     result = WorkerResultMsg(msg.batch_id, rank, shape=tuple(out.shape), dtype=str(out.dtype).removeprefix("torch."),
                              modalities=modalities)
-    frames: list[object] = [from_worker_encoder.encode(result)]
-    if rank == 0:
-        frames.append(memoryview(out.view(torch.uint8).numpy()) if out.numel() else b"")
-    push.send_multipart(frames, copy=False)
+    push.send(from_worker_encoder.encode(result))
 
 
 def main(args: WorkerArgs) -> None:

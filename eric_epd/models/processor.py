@@ -126,9 +126,7 @@ def _resize_axis_numpy(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     return np.clip(acc, 0, 255).astype(np.uint8)
 
 
-def resize_bicubic_uint8(
-    frames: np.ndarray, height: int, width: int, backend: ResizeBackend = "torch"
-) -> np.ndarray:
+def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int, backend: ResizeBackend = "torch") -> np.ndarray:
     """Antialiased bicubic resize of uint8 (T, H, W, C) frames to (T, height, width, C).
 
     "torch" runs torch.nn.functional.interpolate on the uint8 tensor, the very kernel HF's default

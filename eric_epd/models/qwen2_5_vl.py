@@ -76,12 +76,10 @@ class Qwen2_5_VLVisionEncoder(Qwen2VLVisionEncoder):  # noqa: N801 - HF naming
     def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, tp, dtype)
         self.window_size = int(self.cfg.get("window_size", 112))
-        self.fullatt_block_indexes = frozenset(
-            int(i) for i in self.cfg.get("fullatt_block_indexes", [7, 15, 23, 31])
-        )
+        self.fullatt_block_indexes = frozenset(int(i) for i in self.cfg.get("fullatt_block_indexes", [7, 15, 23, 31]))
 
     def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
-        return int(cfg.get("hidden_size", 1280)), int(cfg.get("out_hidden_size", 3584))
+        return int(cfg.get("hidden_size", 3584)), int(cfg.get("out_hidden_size", 3584))
 
     def _make_norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, dtype=self.param_dtype)

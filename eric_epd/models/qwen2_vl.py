@@ -6,7 +6,8 @@ Shared pieces (patch embed, attention, blocks, merger, weight loading) are reuse
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,9 +33,7 @@ from eric_epd.models.layers.parallel import (
 logger = logging.getLogger(__name__)
 
 VISION_PREFIXES: tuple[str, ...] = ("model.visual.", "visual.")
-IGNORED_SUFFIXES: tuple[str, ...] = (
-    "rotary_pos_emb.inv_freq",
-)  # non-persistent buffers some exports contain
+IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_pos_emb.inv_freq",)  # non-persistent buffers some exports contain
 
 Grid = list[tuple[int, int, int]]
 
@@ -58,13 +57,15 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": _quick_gelu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
+    {
+        "quick_gelu": _quick_gelu,
+        "silu": F.silu,
+        "swish": F.silu,
+        "gelu": F.gelu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    }
+)
 
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -121,6 +122,8 @@ class PatchProj(nn.Module):
 
 
 class PatchEmbed(nn.Module):
+    """Embeds flattened (C*T*P*P) patches; the weight is HF's `patch_embed.proj` Conv3d weight, reshaped."""
+
     def __init__(
         self,
         in_channels: int,
@@ -147,9 +150,7 @@ class VisionAttention(nn.Module):
         self.heads = self.qkv.num_heads_local
         self.head_dim = dim // num_heads
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
         q, k = apply_vision_rope(q, k, cos, sin)
         out = varlen_attention(q, k, v, plan, scale=self.head_dim**-0.5)
@@ -176,9 +177,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
@@ -234,13 +233,9 @@ class Qwen2VLVisionEncoder(nn.Module):
         if self.width % self.num_heads:
             raise ValueError(f"vision width {self.width} not divisible by {self.num_heads} heads")
         self.head_dim = self.width // self.num_heads
-        self.patch_embed = PatchEmbed(
-            self.in_channels, self.temporal_patch_size, self.patch_size, self.width, dtype
-        )
+        self.patch_embed = PatchEmbed(self.in_channels, self.temporal_patch_size, self.patch_size, self.width, dtype)
         self.blocks = nn.ModuleList([self._make_block(i) for i in range(self.depth)])
-        self.merger = PatchMerger(
-            self._make_norm(self.width), self.width, self.out_dim, self.merge, self.tp, dtype
-        )
+        self.merger = PatchMerger(self._make_norm(self.width), self.width, self.out_dim, self.merge, self.tp, dtype)
 
     # ---- per-family construction hooks -------------------------------------------------------------------
     def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
@@ -251,9 +246,7 @@ class Qwen2VLVisionEncoder(nn.Module):
 
     def _make_mlp(self) -> nn.Module:
         hidden = int(self.width * float(self.cfg.get("mlp_ratio", 4)))
-        return VisionMLP(
-            self.width, hidden, self.cfg.get("hidden_act", "quick_gelu"), self.tp, self.param_dtype
-        )
+        return VisionMLP(self.width, hidden, self.cfg.get("hidden_act", "quick_gelu"), self.tp, self.param_dtype)
 
     def _make_block(self, index: int) -> VisionBlock:
         attn = VisionAttention(self.width, self.num_heads, self.tp, self.param_dtype)
@@ -278,15 +271,11 @@ class Qwen2VLVisionEncoder(nn.Module):
         return [t * h * w // (self.merge * self.merge) for t, h, w in grid_list(grid_thw)]
 
     @torch.inference_mode()
-    def forward(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]
-    ) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         grid = grid_list(grid_thw)
         n_patches = sum(t * h * w for t, h, w in grid)
         if pixel_values.shape[0] != n_patches:
-            raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} patches, grid_thw implies {n_patches}"
-            )
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw implies {n_patches}")
         device = self.device
         x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))
         positions = vision_position_ids(grid, self.merge)
@@ -335,7 +324,5 @@ class Qwen2VLVisionEncoder(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise KeyError(f"{len(missing)} vision weights missing from the checkpoint, e.g. {missing[:5]}")
-        logger.debug(
-            "loaded %d vision tensors (tp rank %d/%d)", len(loaded), self.tp.rank, self.tp.world_size
-        )
+        logger.debug("loaded %d vision tensors (tp rank %d/%d)", len(loaded), self.tp.rank, self.tp.world_size)
         return loaded

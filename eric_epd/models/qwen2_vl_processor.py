@@ -103,9 +103,7 @@ class VisionPreprocessSettings:
         return self.patch_size * self.merge_size
 
 
-def patchify(
-    frames: np.ndarray, lut: np.ndarray, patch: int, temporal: int, merge: int
-) -> tuple[np.ndarray, int]:
+def patchify(frames: np.ndarray, lut: np.ndarray, patch: int, temporal: int, merge: int) -> tuple[np.ndarray, int]:
     """Normalize (through `lut`, (C, 256)) and flatten uint8 (T, h, w, C) frames into HF's patch layout
     (t, h/m, w/m, m, m | C, tp, p, p), padding T to a multiple of `temporal` by repeating the last frame.
     Returns (pixel_values float32 (t*gh*gw, C*tp*p*p), grid_t)."""
@@ -173,22 +171,16 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         max_pixels = s.max_pixels
         if modality == "video" and s.cap_pixels_per_frame:
             total = int(s.max_video_tokens * s.factor * s.factor * 0.9)
-            max_pixels = max(
-                min(max_pixels, total * s.temporal_patch_size // num_frames), int(s.min_pixels * 1.05)
-            )
+            max_pixels = max(min(max_pixels, total * s.temporal_patch_size // num_frames), int(s.min_pixels * 1.05))
         return smart_resize(height, width, s.factor, s.min_pixels, max_pixels)
 
     def _process(self, modality: str, frames: np.ndarray) -> ProcessedItem:
         s = self.settings[modality]
         h, w = self.target_size(modality, frames.shape[1], frames.shape[2], frames.shape[0])
         frames = resize_bicubic_uint8(frames, h, w, self.resize_backend)
-        pixels, grid_t = patchify(
-            frames, self._luts[modality], s.patch_size, s.temporal_patch_size, s.merge_size
-        )
+        pixels, grid_t = patchify(frames, self._luts[modality], s.patch_size, s.temporal_patch_size, s.merge_size)
         grid = (grid_t, h // s.patch_size, w // s.patch_size)
-        return ProcessedItem(
-            modality, pixels, grid, grid[0] * grid[1] * grid[2] // (s.merge_size * s.merge_size)
-        )
+        return ProcessedItem(modality, pixels, grid, grid[0] * grid[1] * grid[2] // (s.merge_size * s.merge_size))
 
     def process_image(self, image: Image.Image) -> ProcessedItem:
         return self._process("image", image_to_rgb_array(image))

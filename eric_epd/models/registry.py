@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,24 +33,28 @@ class ModelSpec:
     weight_prefixes: tuple[str, ...]
 
 
-MODEL_SPECS: dict[str, ModelSpec] = {
-    spec.model_type: spec
-    for spec in (
-        ModelSpec("qwen2_vl", Qwen2VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
-        ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
-    )
-}
+MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType(
+    {
+        spec.model_type: spec
+        for spec in (
+            ModelSpec("qwen2_vl", Qwen2VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
+            ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
+        )
+    }
+)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
+)
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -61,12 +66,10 @@ def get_model_spec(model_type: str) -> ModelSpec:
     try:
         return MODEL_SPECS[model_type]
     except KeyError:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; Eric supports {sorted(MODEL_SPECS)}"
-        ) from None
+        raise ValueError(f"unsupported model_type {model_type!r}; Eric supports {sorted(MODEL_SPECS)}") from None
 
 
-def read_model_config(model_dir: Path) -> dict[str, Any]:
+def read_model_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
@@ -94,7 +97,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_vision_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+def iter_vision_tensors(model_dir: str | Path, prefixes: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     """(name, safetensors slice) for every tensor whose name starts with a vision prefix; slices are read
     lazily (only the requested rows/columns), and no other tensor is ever read."""
     from safetensors import safe_open

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -15,12 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eric_epd import __version__
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
-from eric_epd.models.registry import load_processor
+from eric_epd.models.registry import load_processor, read_model_config, resolve_dtype
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import Processor, model_fingerprint
-from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest
-from eric_epd.server.store import EmbeddingStore
+from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest, OutputSpec
+from eric_epd.server.store import safetensors_bytes
+from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +80,29 @@ def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> ItemReques
 
 
 def item_json(answer: ItemAnswer) -> dict[str, Any]:
-    emb = answer.embedding
+    handle = answer.handle
     return {
         "id": answer.request.id,
         "modality": answer.request.modality,
-        "hash": emb.hash,
-        "shape": list(emb.shape),
-        "dtype": emb.dtype,
+        "hash": handle.hash,
+        "shape": list(handle.shape),
+        "dtype": handle.dtype,
         "num_tokens": answer.prepared.item.num_tokens,
         "grid_thw": list(answer.prepared.item.grid_thw),
-        "handle": {"http": f"/v1/embeddings/{emb.hash}"},
+        "handle": msgspec.to_builtins(handle),
     }
 
 
-def create_app(config: EricConfig, is_engine_alive: Callable[[], bool]) -> FastAPI:
-    """The router app; its lifespan connects to an engine that is already running."""
+def output_spec(config: EricConfig) -> OutputSpec:
+    """Width and dtype of the encoder's output, known before any batch runs (to reserve pool space)."""
+    cfg = read_model_config(config.model)
+    vision = cfg.get("vision_config", {})
+    dim = vision.get("out_hidden_size") or vision["hidden_size"]
+    return OutputSpec(int(dim), str(resolve_dtype(config.dtype, cfg)).removeprefix("torch."))
+
+
+def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: TransferHub) -> FastAPI:
+    """The router app; its lifespan connects to an engine that is already running and serves `hub`'s pool."""
     metrics = EricMetrics()
     mp = load_processor(config.model)
     model_name = str(config.model)
@@ -104,11 +115,12 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool]) -> FastA
         fetcher = MediaFetcher(config.url_policy, config.media)
         processor = Processor(mp, config.media, config.preprocess_threads, model_fingerprint(config.model))
         state["client"] = client
-        state["service"] = EncodeService(fetcher, processor, client, EmbeddingStore(config.embedding_cache_bytes),
-                                         metrics)
+        state["service"] = EncodeService(fetcher, processor, client, hub, metrics, output_spec(config))
+        expiry = asyncio.create_task(hub.expiry_loop())
         try:
             yield
         finally:
+            expiry.cancel()
             await client.close()
             await fetcher.aclose()
             processor.close()
@@ -137,11 +149,33 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool]) -> FastA
 
     @app.get("/v1/embeddings/{content_hash}")
     async def embedding(content_hash: str) -> Response:
-        entry = state["service"].store.get(content_hash)
-        if entry is None:
-            raise ApiError(404, f"no embedding with hash {content_hash} (never encoded here, or evicted)")
-        return Response(entry.to_safetensors(), media_type="application/octet-stream",
-                        headers={"X-Eric-Shape": ",".join(map(str, entry.shape)), "X-Eric-Dtype": entry.dtype})
+        entry = hub.pool.get(content_hash)
+        if entry is None or not entry.ready:
+            raise ApiError(404, f"no embedding {content_hash} held: never encoded here, acknowledged, or expired")
+        body = safetensors_bytes(hub.pool.view(entry), entry.shape, entry.dtype)
+        return Response(body, media_type="application/octet-stream",
+                        headers={"X-Eric-Shape": ",".join(map(str, entry.shape)), "X-Eric-Dtype": entry.dtype,
+                                 "X-Eric-Instance": hub.instance_id})
+
+    @app.post("/v1/embeddings/{content_hash}/ack")
+    async def ack(content_hash: str, request: Request) -> JSONResponse:
+        body = await read_body(request, 4096)
+        instance_id = json.loads(body).get("instance_id") if body.strip() else None
+        status, message = hub.ack(content_hash, instance_id)
+        if status != 200:
+            raise ApiError(status, message)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/transfer")
+    async def transfer() -> JSONResponse:
+        return JSONResponse(hub.stats())
+
+    @app.get("/v1/transfer/nixl/metadata")
+    async def nixl_metadata() -> Response:
+        backend = hub.backend("nixl")
+        if backend is None:
+            raise ApiError(404, "NIXL is not enabled on this Eric (--transfer-backends)")
+        return Response(backend.metadata(), media_type="application/octet-stream")
 
     @app.get("/health")
     async def health() -> JSONResponse:

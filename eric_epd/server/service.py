@@ -1,4 +1,4 @@
-"""Encode orchestration in the router: fetch, preprocess, dedupe by content hash, submit, store results."""
+"""Encode orchestration in the router: fetch, preprocess, dedupe by content hash, reserve pool space, submit, lease."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from eric_epd.engine.client import EngineClient, EngineUnavailableError
 from eric_epd.engine.messages import EncodeItem
 from eric_epd.server.media import MediaError, MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import PreparedItem, Processor
-from eric_epd.server.store import EmbeddingStore, StoredEmbedding
+from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.transfer.pool import PoolEntry
+from eric_epd.transfer.producer import PoolFullError, TransferHub
 
 logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class ApiError(Exception):
@@ -38,25 +44,37 @@ class ItemRequest:
 class ItemAnswer:
     request: ItemRequest
     prepared: PreparedItem
-    embedding: StoredEmbedding
+    handle: EmbeddingHandle
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What the encoder emits per merged token."""
+
+    dim: int
+    dtype: str
+
+    def nbytes(self, num_tokens: int) -> int:
+        return num_tokens * self.dim * _DTYPE_BYTES[self.dtype]
 
 
 class EncodeService:
-    def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, store: EmbeddingStore,
-                 metrics: EricMetrics) -> None:
+    def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
+                 metrics: EricMetrics, output: OutputSpec) -> None:
         self._fetcher = fetcher
         self._processor = processor
         self._client = client
-        self.store = store
+        self.hub = hub
         self._metrics = metrics
-        self._inflight: dict[str, asyncio.Future[StoredEmbedding]] = {}
+        self._output = output
+        self._inflight: dict[str, asyncio.Future[None]] = {}
 
     async def encode(self, items: list[ItemRequest]) -> list[ItemAnswer]:
         start = time.perf_counter()
         prepared = await asyncio.gather(*(self._prepare(i, item) for i, item in enumerate(items)))
-        embeddings = await self._embed(prepared)
+        handles = await self._embed(prepared)
         self._metrics.encode_latency.observe(time.perf_counter() - start)
-        return [ItemAnswer(r, p, embeddings[p.hash]) for r, p in zip(items, prepared)]
+        return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
 
     async def _prepare(self, index: int, item: ItemRequest) -> PreparedItem:
         try:
@@ -65,56 +83,78 @@ class EncodeService:
         except MediaError as e:
             raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
 
-    async def _embed(self, prepared: list[PreparedItem]) -> dict[str, StoredEmbedding]:
-        """Every distinct hash encoded at most once, across concurrent requests too."""
-        found: dict[str, StoredEmbedding] = {}
-        waiting: dict[str, asyncio.Future[StoredEmbedding]] = {}
-        mine: dict[str, PreparedItem] = {}
-        for p in prepared:
-            if p.hash in found or p.hash in waiting or p.hash in mine:
-                continue
-            if (hit := self.store.get(p.hash)) is not None:
-                found[p.hash] = hit
-                self._metrics.items.labels(modality=p.item.modality, source="cached").inc()
-            elif (future := self._inflight.get(p.hash)) is not None:
-                waiting[p.hash] = future
-            else:
-                mine[p.hash] = p
-                self._inflight[p.hash] = asyncio.get_running_loop().create_future()
-        if mine:
-            await self._submit(mine)
-        for key, future in waiting.items():
-            found[key] = await asyncio.shield(future)
-        for key in mine:
-            found[key] = self._inflight.pop(key).result()
-        return found
+    async def _embed(self, prepared: list[PreparedItem]) -> dict[str, EmbeddingHandle]:
+        """One lease per distinct hash; every hash encoded at most once at a time, across requests too."""
+        distinct = {p.hash: p for p in prepared}
+        handles: dict[str, EmbeddingHandle] = {}
+        for _attempt in range(3):  # an entry may be freed between another request's commit and our lease
+            waiting: list[asyncio.Future[None]] = []
+            mine: dict[str, PreparedItem] = {}
+            for key, p in distinct.items():
+                if key in handles:
+                    continue
+                entry = self.hub.pool.get(key)
+                if entry is not None and entry.ready:
+                    handles[key] = self.hub.handle(self.hub.pool.lease(key))
+                    self._metrics.items.labels(modality=p.item.modality, source="cached").inc()
+                elif key in self._inflight:
+                    waiting.append(self._inflight[key])
+                else:
+                    mine[key] = p
+            if mine:
+                handles.update(await self._submit(mine))
+            if not waiting:
+                return handles
+            await asyncio.gather(*(asyncio.shield(f) for f in waiting))
+        raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
 
-    async def _submit(self, mine: dict[str, PreparedItem]) -> None:
-        items = [EncodeItem(p.hash, p.item.modality, p.item.grid_thw, *p.item.pixel_values.shape)
-                 for p in mine.values()]
+    async def _submit(self, mine: dict[str, PreparedItem]) -> dict[str, EmbeddingHandle]:
+        loop = asyncio.get_running_loop()
+        for key in mine:
+            self._inflight[key] = loop.create_future()
+        entries: list[PoolEntry] = []
+        try:
+            for key, p in mine.items():
+                entries.append(await self.hub.reserve(key, self._output.nbytes(p.item.num_tokens),
+                                                      (p.item.num_tokens, self._output.dim), self._output.dtype))
+            await self._run(mine, entries)
+        except BaseException as e:
+            for entry in entries:
+                self.hub.release(entry.hash)
+            self._finish(mine, e)
+            if isinstance(e, PoolFullError):
+                raise ApiError(503, str(e), retry_after=1.0) from e
+            if isinstance(e, EngineUnavailableError):
+                raise ApiError(e.status, e.message, e.retry_after) from e
+            raise
+        handles = {}
+        for entry in entries:
+            self.hub.pool.commit(entry.hash)
+            handles[entry.hash] = self.hub.handle(self.hub.pool.lease(entry.hash))
+            self._metrics.items.labels(modality=mine[entry.hash].item.modality, source="encoded").inc()
+        self._finish(mine, None)
+        return handles
+
+    async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry]) -> None:
+        items = [EncodeItem(p.hash, p.item.modality, p.item.grid_thw, *p.item.pixel_values.shape, e.offset, e.nbytes)
+                 for p, e in zip(mine.values(), entries)]
         self._metrics.inflight_items.inc(len(items))
         try:
-            msg, buffers = await self._client.encode(items, [p.item.pixel_values for p in mine.values()])
-            if msg.error is not None:
-                raise ApiError(msg.status, msg.error)
-        except (EngineUnavailableError, ApiError) as e:
-            error = e if isinstance(e, ApiError) else ApiError(e.status, e.message, e.retry_after)
-            self._fail(mine, error)
-            raise error from e
-        except BaseException as e:  # cancelled or unexpected: never leave waiters hanging
-            self._fail(mine, ApiError(500, f"encode failed: {e!r}"))
-            raise
+            msg, _ = await self._client.encode(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
         finally:
             self._metrics.inflight_items.dec(len(items))
-        for result, buf in zip(msg.items, buffers):
-            entry = StoredEmbedding(result.hash, tuple(result.shape), result.dtype, bytes(buf))
-            self.store.put(entry)
-            self._inflight[result.hash].set_result(entry)
-            self._metrics.items.labels(modality=mine[result.hash].item.modality, source="encoded").inc()
+        if msg.error is not None:
+            raise ApiError(msg.status, msg.error)
+        for result, entry in zip(msg.items, entries):
+            if tuple(result.shape) != entry.shape or result.dtype != entry.dtype:
+                raise ApiError(500, f"encoder produced {result.shape} {result.dtype}, "
+                                    f"expected {entry.shape} {entry.dtype}")
 
-    def _fail(self, mine: dict[str, PreparedItem], error: ApiError) -> None:
+    def _finish(self, mine: dict[str, PreparedItem], error: BaseException | None) -> None:
+        """Wake requests waiting on these hashes (they re-check the pool, so an error needs no propagation)."""
         for key in mine:
             future = self._inflight.pop(key, None)
             if future is not None and not future.done():
-                future.set_exception(error)
-                future.exception()  # mark retrieved: nobody else may be waiting
+                future.set_result(None)
+        if error is not None and not isinstance(error, ApiError | PoolFullError | EngineUnavailableError):
+            logger.warning("encode of %d items failed: %r", len(mine), error)

@@ -88,9 +88,7 @@ def varlen_attention(
             qs, ks, vs = (t.view(-1, length, heads, head_dim) for t in (q, k, v))
         else:
             qs, ks, vs = (t[idx] for t in (q, k, v))
-        res = F.scaled_dot_product_attention(
-            qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), scale=scale
-        )
+        res = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), scale=scale)
         res = res.transpose(1, 2)  # (n, L, H, d)
         if idx is None:
             return res.reshape(n_tok, heads, head_dim)
@@ -104,9 +102,7 @@ def vision_rotary_cos_sin(
     """cos/sin of shape (N, head_dim) in float32 for (N, 2) (row, col) position ids, laid out like HF:
     [h-freqs, w-freqs, h-freqs, w-freqs], each head_dim/4 wide."""
     spatial_dim = head_dim // 2
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float, device=device) / spatial_dim)
-    )
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float, device=device) / spatial_dim))
     freqs = position_ids.to(device)[..., None].float() * inv_freq  # (N, 2, head_dim/4)
     freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)

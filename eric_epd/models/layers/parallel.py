@@ -87,9 +87,7 @@ class _ParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
         self.bias = (
-            nn.Parameter(torch.empty(bias_size, dtype=dtype), requires_grad=False)
-            if bias_size is not None
-            else None
+            nn.Parameter(torch.empty(bias_size, dtype=dtype), requires_grad=False) if bias_size is not None else None
         )
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:  # pragma: no cover - overridden
@@ -152,9 +150,7 @@ class QKVParallelLinear(_ParallelLinear):
         if shape_of(full)[0] != 3 * self.hidden:
             raise ValueError(f"fused qkv expects {3 * self.hidden} rows, got {shape_of(full)}")
         start = self.tp.rank * self.local
-        parts = [
-            read_rows(full, j * self.hidden + start, j * self.hidden + start + self.local) for j in range(3)
-        ]
+        parts = [read_rows(full, j * self.hidden + start, j * self.hidden + start + self.local) for j in range(3)]
         copy_into(param, torch.cat(parts, dim=0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

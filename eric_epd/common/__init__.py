@@ -1,0 +1,1 @@
+"""Small pieces shared by several processes of Eric."""

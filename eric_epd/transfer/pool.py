@@ -1,0 +1,152 @@
+"""The embedding pool: one preallocated shared-memory segment, addressed by content hash, bounded, leased.
+
+Workers write embeddings straight into it (rank 0, at offsets the router reserved); transfer backends register it
+once; consumers read from it and acknowledge. An entry is freed when every lease is acknowledged or its TTL passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from eric_epd.common.shm import Segment
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 256  # bytes; keeps every entry cache-line and DMA friendly
+
+
+@dataclass
+class PoolEntry:
+    hash: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    ready: bool = False
+    """False while the workers have not written it yet."""
+    leases: int = 0
+    expires_at: float = 0.0
+
+
+class FreeList:
+    """First-fit allocator over [0, size) with coalescing of neighbouring free ranges."""
+
+    def __init__(self, size: int) -> None:
+        self._starts: list[int] = [0]
+        self._sizes: list[int] = [size]
+
+    def allocate(self, nbytes: int) -> int | None:
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        for i, size in enumerate(self._sizes):
+            if size >= need:
+                start = self._starts[i]
+                if size == need:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i] += need
+                    self._sizes[i] -= need
+                return start
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        i = bisect.bisect_left(self._starts, start)
+        self._starts.insert(i, start)
+        self._sizes.insert(i, size)
+        if i + 1 < len(self._starts) and start + size == self._starts[i + 1]:  # merge with the next range
+            self._sizes[i] += self._sizes.pop(i + 1)
+            self._starts.pop(i + 1)
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:  # and with the previous one
+            self._sizes[i - 1] += self._sizes.pop(i)
+            self._starts.pop(i)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self._sizes)
+
+
+class EmbeddingPool:
+    """Owned by the router process (single-threaded asyncio use; not thread-safe by design)."""
+
+    def __init__(self, name: str, nbytes: int, ttl_s: float) -> None:
+        self._shm: Segment | None = Segment(name=name, create=True, size=nbytes)
+        self.name = name
+        self.nbytes = nbytes
+        self.ttl_s = ttl_s
+        self.array = np.ndarray((nbytes,), dtype=np.uint8, buffer=self._shm.buf)
+        self.base_addr = self.array.ctypes.data
+        self._free = FreeList(nbytes)
+        self._entries: dict[str, PoolEntry] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        return self.nbytes - self._free.free_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> PoolEntry | None:
+        return self._entries.get(key)
+
+    def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry | None:
+        """Space for an embedding the workers will write; None when the pool is full."""
+        if key in self._entries:
+            raise KeyError(f"{key} already in the pool")
+        offset = self._free.allocate(nbytes)
+        if offset is None:
+            return None
+        entry = PoolEntry(key, offset, nbytes, shape, dtype, expires_at=time.monotonic() + self.ttl_s)
+        self._entries[key] = entry
+        return entry
+
+    def commit(self, key: str) -> None:
+        self._entries[key].ready = True
+
+    def lease(self, key: str) -> PoolEntry:
+        """One more consumer will read this entry; the TTL restarts."""
+        entry = self._entries[key]
+        entry.leases += 1
+        entry.expires_at = time.monotonic() + self.ttl_s
+        return entry
+
+    def ack(self, key: str) -> bool:
+        """A consumer is done; the entry goes when no lease is left. False if the entry is unknown."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.ready:
+            return False
+        entry.leases -= 1
+        if entry.leases <= 0:
+            self.release(key)
+        return True
+
+    def release(self, key: str) -> None:
+        """Free an entry now (failed encode, last ack, expiry)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._free.free(entry.offset, entry.nbytes)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free ready entries whose TTL passed; return their hashes."""
+        now = time.monotonic() if now is None else now
+        gone = [k for k, e in self._entries.items() if e.ready and e.expires_at <= now]
+        for key in gone:
+            self.release(key)
+        if gone:
+            logger.info("expired %d pool entries", len(gone))
+        return gone
+
+    def view(self, entry: PoolEntry) -> np.ndarray:
+        return self.array[entry.offset: entry.offset + entry.nbytes]
+
+    def close(self) -> None:
+        """Unmap and unlink the segment; idempotent."""
+        if self._shm is None:
+            return
+        self._shm.unlink()
+        self._shm.close()  # unmaps once no view is left (Segment tolerates live exports)
+        self._shm = None

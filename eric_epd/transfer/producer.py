@@ -1,0 +1,113 @@
+"""Producer side of the transfer layer, inside the Eric router: the pool, its backends, leases, acks and expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from eric_epd.config import EricConfig
+from eric_epd.transfer.backends.base import ProducerBackend
+from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
+
+logger = logging.getLogger(__name__)
+
+
+class PoolFullError(Exception):
+    """No pool space within the configured wait."""
+
+
+def create_backends(config: EricConfig) -> list[ProducerBackend]:
+    """Instantiate the configured producer backends (imports are lazy: unused engines need not be installed)."""
+    backends: list[ProducerBackend] = []
+    tc = config.transfer
+    for name in tc.backends:
+        if name == "shm":
+            from eric_epd.transfer.backends.shm import ShmProducer
+
+            backends.append(ShmProducer(config.pool_name))
+        elif name == "mooncake":
+            from eric_epd.transfer.backends.mooncake import MooncakeProducer
+
+            backends.append(MooncakeProducer(tc.advertise_host, tc.mooncake_protocol, tc.mooncake_device))
+        elif name == "nixl":
+            from eric_epd.transfer.backends.nixl import NixlProducer
+
+            backends.append(NixlProducer(f"eric-{config.instance_id}",
+                                         f"{config.public_url}/v1/transfer/nixl/metadata"))
+    return backends
+
+
+class TransferHub:
+    """Owns the pool for the router. Use from the event loop only."""
+
+    def __init__(self, config: EricConfig) -> None:
+        self._config = config
+        tc = config.transfer
+        self.pool = EmbeddingPool(config.pool_name, tc.pool_bytes, tc.ttl_s)
+        self.backends = create_backends(config)
+        for backend in self.backends:
+            backend.register(self.pool.base_addr, self.pool.nbytes)
+        self._space_freed = asyncio.Event()
+
+    @property
+    def instance_id(self) -> str:
+        return self._config.instance_id
+
+    def backend(self, name: str) -> ProducerBackend | None:
+        return next((b for b in self.backends if b.name == name), None)
+
+    async def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry:
+        """Pool space for one embedding, waiting up to pool_wait_s for acks or expiry to free some."""
+        deadline = time.monotonic() + self._config.transfer.pool_wait_s
+        while (entry := self.pool.reserve(key, nbytes, shape, dtype)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or nbytes > self.pool.nbytes:
+                raise PoolFullError(f"embedding pool full ({self.pool.used_bytes} of {self.pool.nbytes} bytes held "
+                                    f"by {len(self.pool)} unacknowledged entries); retry later")
+            self._space_freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._space_freed.wait(), remaining)
+        return entry
+
+    def release(self, key: str) -> None:
+        self.pool.release(key)
+        self._space_freed.set()
+
+    def ack(self, key: str, instance_id: str | None) -> tuple[int, str]:
+        """(HTTP status, message) for a consumer's acknowledgement."""
+        if instance_id is not None and instance_id != self.instance_id:
+            return 409, f"instance {instance_id} is gone: this Eric restarted (now {self.instance_id})"
+        if not self.pool.ack(key):
+            return 404, f"no embedding {key} held: never encoded here, already acknowledged, or expired"
+        self._space_freed.set()
+        return 200, "ok"
+
+    def handle(self, entry: PoolEntry) -> EmbeddingHandle:
+        url = self._config.public_url
+        locations: dict[str, Any] = {b.name: b.location(entry.offset) for b in self.backends}
+        return EmbeddingHandle(hash=entry.hash, shape=entry.shape, dtype=entry.dtype, nbytes=entry.nbytes,
+                               producer=url, instance_id=self.instance_id, http=f"{url}/v1/embeddings/{entry.hash}",
+                               **locations)
+
+    async def expiry_loop(self, period_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if self.pool.expire():
+                self._space_freed.set()
+
+    def stats(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "pool_name": self.pool.name, "pool_bytes": self.pool.nbytes,
+                "used_bytes": self.pool.used_bytes, "entries": len(self.pool),
+                "backends": ["http", *(b.name for b in self.backends)]}
+
+    def close(self) -> None:
+        for backend in self.backends:
+            try:
+                backend.close()
+            except Exception:
+                logger.exception("closing transfer backend %s", backend.name)
+        self.pool.close()
