@@ -1,0 +1,127 @@
+"""Consumer client used by the engine plugins: fetch an embedding by handle over the best backend, then acknowledge.
+
+Protocol: read the bytes (they stay valid while the lease is held), then POST the ack. A 2xx ack proves the bytes
+were the producer's: if the entry expired or the producer restarted before the ack, the ack fails and so does the
+fetch, so a consumer never uses memory that was reused underneath it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import torch
+
+from eric_epd.transfer.backends.base import ConsumerBackend, TransferError
+from eric_epd.transfer.handles import BACKENDS, EmbeddingHandle
+
+logger = logging.getLogger(__name__)
+
+
+def as_handle(handle: EmbeddingHandle | dict[str, Any]) -> EmbeddingHandle:
+    """Accept the JSON form /v1/encode returns."""
+    return handle if isinstance(handle, EmbeddingHandle) else msgspec.convert(handle, EmbeddingHandle)
+
+
+def _usable(backend: ConsumerBackend, handle: EmbeddingHandle) -> bool:
+    check = getattr(backend, "usable", None)
+    if check is not None:
+        return bool(check(handle))
+    return getattr(handle, backend.name, None) is not None
+
+
+def _make_backend(name: str, http_timeout_s: float) -> ConsumerBackend:
+    if name == "shm":
+        from eric_epd.transfer.backends.shm import ShmConsumer
+
+        return ShmConsumer()
+    if name == "mooncake":
+        from eric_epd.transfer.backends.mooncake import MooncakeConsumer
+
+        return MooncakeConsumer()
+    if name == "nixl":
+        from eric_epd.transfer.backends.nixl import NixlConsumer
+
+        return NixlConsumer()
+    if name == "http":
+        from eric_epd.transfer.backends.http import HttpConsumer
+
+        return HttpConsumer(http_timeout_s)
+    raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
+
+
+class EmbeddingFetcher:
+    """Thread-safe; one per consumer process. `backends` lists what this consumer may use, best first."""
+
+    def __init__(self, backends: Sequence[str] = BACKENDS, http_timeout_s: float = 30.0) -> None:
+        for name in backends:
+            if name not in BACKENDS:
+                raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
+        self._order = tuple(backends)
+        self._http_timeout_s = http_timeout_s
+        self._backends: dict[str, ConsumerBackend] = {}
+        self._http = httpx.Client(timeout=http_timeout_s)
+        self.last_backend: str | None = None
+
+    def _backend(self, name: str) -> ConsumerBackend:
+        if name not in self._backends:
+            self._backends[name] = _make_backend(name, self._http_timeout_s)
+        return self._backends[name]
+
+    def fetch(self, handle: EmbeddingHandle | dict[str, Any], out: torch.Tensor | None = None,
+              ack: bool = True) -> torch.Tensor:
+        """The embedding as a tensor (written into `out` when given: contiguous, handle.nbytes bytes, any device)."""
+        h = as_handle(handle)
+        dtype = getattr(torch, h.dtype)
+        if out is not None and (not out.is_contiguous() or out.numel() * out.element_size() != h.nbytes):
+            raise ValueError(f"out must be contiguous with {h.nbytes} bytes, got {tuple(out.shape)} {out.dtype}")
+        host = out if out is not None and out.device.type == "cpu" else torch.empty(h.shape, dtype=dtype)
+        self._read(h, host.view(torch.uint8).reshape(-1).numpy())
+        if ack:
+            self.ack(h)
+        if out is not None and out is not host:
+            out.copy_(host.view(out.dtype).view(out.shape))
+            return out
+        return host.view(dtype).view(h.shape) if out is None else out
+
+    def _read(self, h: EmbeddingHandle, dst: np.ndarray) -> None:
+        errors = []
+        for name in self._order:
+            backend = self._backend(name)
+            if not _usable(backend, h):
+                continue
+            try:
+                backend.read(h, dst)
+            except TransferError as e:
+                logger.warning("fetch of %s over %s failed: %s", h.hash[:12], name, e)
+                errors.append(f"{name}: {e}")
+                continue
+            self.last_backend = name
+            return
+        raise TransferError(f"could not fetch embedding {h.hash} from {h.producer}: "
+                            + ("; ".join(errors) or f"no usable backend among {self._order}"))
+
+    def ack(self, handle: EmbeddingHandle | dict[str, Any]) -> None:
+        """Release our lease. Raises TransferError if the entry expired or the producer restarted."""
+        h = as_handle(handle)
+        url = f"{h.producer}/v1/embeddings/{h.hash}/ack"
+        try:
+            resp = self._http.post(url, json={"instance_id": h.instance_id})
+        except httpx.HTTPError as e:
+            raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
+        if resp.status_code != 200:
+            try:
+                message = resp.json()["error"]["message"]
+            except Exception:
+                message = resp.text[:200]
+            raise TransferError(f"embedding {h.hash} from {h.producer} is no longer valid: {message}")
+
+    def close(self) -> None:
+        for backend in self._backends.values():
+            backend.close()
+        self._backends.clear()
+        self._http.close()
