@@ -178,7 +178,7 @@ def test_ttl_expiry_gives_clear_error(qwen2_vl_tiny: Path, tmp_path: Path) -> No
         while _transfer_stats(eric.url)["entries"]:
             assert time.monotonic() < deadline, "entry never expired"
             time.sleep(0.2)
-        with pytest.raises(TransferError, match="no longer valid|expired"):
+        with pytest.raises(TransferError, match=r"no longer valid|expired"):
             EmbeddingFetcher(["shm", "http"]).fetch(item["handle"])
 
 

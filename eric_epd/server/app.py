@@ -22,8 +22,8 @@ from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import Processor, model_fingerprint
 from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest, OutputSpec
-from eric_epd.server.store import safetensors_bytes
 from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.routes import TransferApiError, transfer_routes
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,10 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return error_response(e.status, e.message, e.retry_after)
 
+    @app.exception_handler(TransferApiError)
+    async def _transfer_error(_: Request, e: TransferApiError) -> JSONResponse:
+        return error_response(e.status, e.message)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail))
@@ -147,35 +151,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         metrics.requests.labels(status="200").inc()
         return JSONResponse({"model": model_name, "items": [item_json(a) for a in answers]})
 
-    @app.get("/v1/embeddings/{content_hash}")
-    async def embedding(content_hash: str) -> Response:
-        entry = hub.pool.get(content_hash)
-        if entry is None or not entry.ready:
-            raise ApiError(404, f"no embedding {content_hash} held: never encoded here, acknowledged, or expired")
-        body = safetensors_bytes(hub.pool.view(entry), entry.shape, entry.dtype)
-        return Response(body, media_type="application/octet-stream",
-                        headers={"X-Eric-Shape": ",".join(map(str, entry.shape)), "X-Eric-Dtype": entry.dtype,
-                                 "X-Eric-Instance": hub.instance_id})
-
-    @app.post("/v1/embeddings/{content_hash}/ack")
-    async def ack(content_hash: str, request: Request) -> JSONResponse:
-        body = await read_body(request, 4096)
-        instance_id = json.loads(body).get("instance_id") if body.strip() else None
-        status, message = hub.ack(content_hash, instance_id)
-        if status != 200:
-            raise ApiError(status, message)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/transfer")
-    async def transfer() -> JSONResponse:
-        return JSONResponse(hub.stats())
-
-    @app.get("/v1/transfer/nixl/metadata")
-    async def nixl_metadata() -> Response:
-        backend = hub.backend("nixl")
-        if backend is None:
-            raise ApiError(404, "NIXL is not enabled on this Eric (--transfer-backends)")
-        return Response(backend.metadata(), media_type="application/octet-stream")
+    app.include_router(transfer_routes(hub))
 
     @app.get("/health")
     async def health() -> JSONResponse:

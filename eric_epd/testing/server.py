@@ -19,34 +19,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EricServer:
-    """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", ...)`."""
+class ServerProcess:
+    """A server subprocess in its own process group, started and stopped around a `with` block."""
 
-    def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 log_path: Path | None = None, startup_timeout_s: float = 180.0) -> None:
-        self.port = port or free_port()
+    health_path = "/health"
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path | None = None,
+                 startup_timeout_s: float = 180.0) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
-        self._cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
-                     "--port", str(self.port), "--allowed-host", "127.0.0.1", *extra_args]
+        self._cmd = cmd
         self._log_path = log_path
         self._timeout = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> EricServer:
+    def start(self):
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"Eric exited with code {self.proc.returncode}; log: {self._log_path}")
+                raise RuntimeError(f"{self._cmd[2:4]} exited with code {self.proc.returncode}; log: {self._log_path}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise TimeoutError(f"Eric not healthy after {self._timeout}s; log: {self._log_path}")
+        raise TimeoutError(f"{self._cmd[2:4]} not healthy after {self._timeout}s; log: {self._log_path}")
 
     def stop(self) -> None:
         """SIGINT (graceful), then SIGKILL of the whole process group; idempotent."""
@@ -65,8 +66,32 @@ class EricServer:
         self.proc.wait()
         self.proc = None
 
-    def __enter__(self) -> EricServer:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EricServer(ServerProcess):
+    """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", ...)`."""
+
+    def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
+                 log_path: Path | None = None, startup_timeout_s: float = 180.0) -> None:
+        port = port or free_port()
+        cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
+               "--port", str(port), "--allowed-host", "127.0.0.1", *extra_args]
+        super().__init__(cmd, port, log_path, startup_timeout_s)
+
+
+class PoolServer(ServerProcess):
+    """The transfer-only producer of eric_epd.testing.pool_server."""
+
+    health_path = "/v1/transfer"
+
+    def __init__(self, backends: str = "shm,mooncake,nixl", pool_bytes: int = 1 << 30, ttl_s: float = 300.0,
+                 log_path: Path | None = None) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "eric_epd.testing.pool_server", "--port", str(port), "--backends", backends,
+               "--pool-bytes", str(pool_bytes), "--ttl", str(ttl_s)]
+        super().__init__(cmd, port, log_path, 60.0)

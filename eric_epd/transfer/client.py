@@ -80,7 +80,7 @@ class EmbeddingFetcher:
         if out is not None and (not out.is_contiguous() or out.numel() * out.element_size() != h.nbytes):
             raise ValueError(f"out must be contiguous with {h.nbytes} bytes, got {tuple(out.shape)} {out.dtype}")
         host = out if out is not None and out.device.type == "cpu" else torch.empty(h.shape, dtype=dtype)
-        self._read(h, host.view(torch.uint8).reshape(-1).numpy())
+        self.read_into(h, host.view(torch.uint8).reshape(-1).numpy())
         if ack:
             self.ack(h)
         if out is not None and out is not host:
@@ -88,7 +88,8 @@ class EmbeddingFetcher:
             return out
         return host.view(dtype).view(h.shape) if out is None else out
 
-    def _read(self, h: EmbeddingHandle, dst: np.ndarray) -> None:
+    def read_into(self, h: EmbeddingHandle, dst: np.ndarray) -> None:
+        """Copy the bytes into dst (uint8, handle.nbytes) over the first backend that works; no ack."""
         errors = []
         for name in self._order:
             backend = self._backend(name)

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import struct
-
 import httpx
 import numpy as np
 
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.handles import EmbeddingHandle
-
-
-def safetensors_payload(body: bytes) -> memoryview:
-    """The data bytes of a one-tensor safetensors file."""
-    (header_len,) = struct.unpack("<Q", body[:8])
-    header = json.loads(body[8: 8 + header_len])
-    (meta,) = [v for k, v in header.items() if k != "__metadata__"]
-    start, end = meta["data_offsets"]
-    return memoryview(body)[8 + header_len + start: 8 + header_len + end]
+from eric_epd.transfer.safetensors_io import safetensors_payload
 
 
 class HttpConsumer:

@@ -1,0 +1,71 @@
+"""A transfer-only producer for tests and benchmarks: Eric's pool, backends and control API, no model.
+
+`python -m eric_epd.testing.pool_server --port P --backends shm,mooncake,nixl`; then
+POST /v1/testing/entries {"hash", "nbytes", "seed", "leases"} stores seeded random bytes and returns the handle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from eric_epd.config import EricConfig, TransferConfig
+from eric_epd.server.app import error_response
+from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.routes import TransferApiError, transfer_routes
+
+
+def seeded_bytes(nbytes: int, seed: int) -> np.ndarray:
+    """The bytes an entry made with `seed` holds (consumers regenerate them to check)."""
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def create_pool_app(hub: TransferHub) -> FastAPI:
+    app = FastAPI(title="eric-epd transfer test producer")
+    app.include_router(transfer_routes(hub))
+
+    @app.exception_handler(TransferApiError)
+    async def _error(_: Request, e: TransferApiError) -> JSONResponse:
+        return error_response(e.status, e.message)
+
+    @app.post("/v1/testing/entries")
+    async def put(request: Request) -> JSONResponse:
+        body = await request.json()
+        key, nbytes = body["hash"], int(body["nbytes"])
+        entry = await hub.reserve(key, nbytes, (nbytes,), "uint8")
+        hub.pool.view(entry)[:] = seeded_bytes(nbytes, int(body.get("seed", 0)))
+        hub.pool.commit(key)
+        for _ in range(int(body.get("leases", 1))):
+            hub.pool.lease(key)
+        return JSONResponse(msgspec.to_builtins(hub.handle(entry)))
+
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--backends", default="shm,mooncake,nixl")
+    ap.add_argument("--pool-bytes", type=int, default=1 << 30)
+    ap.add_argument("--ttl", type=float, default=300.0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    config = EricConfig(model=Path("."), port=args.port,
+                        transfer=TransferConfig(pool_bytes=args.pool_bytes, ttl_s=args.ttl,
+                                                backends=tuple(args.backends.split(","))))
+    hub = TransferHub(config)
+    try:
+        uvicorn.run(create_pool_app(hub), host="127.0.0.1", port=args.port, log_level="warning")
+    finally:
+        hub.close()
+
+
+if __name__ == "__main__":
+    main()
