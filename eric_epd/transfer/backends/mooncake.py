@@ -1,5 +1,5 @@
 """Mooncake TransferEngine backend (P2P handshake, no metadata server): Eric registers its pool once, and
-consumers pull entries into registered staging buffers over TCP or RDMA. Quiet Mooncake with MC_LOG_LEVEL=ERROR."""
+consumers pull entries into registered staging buffers over TCP or RDMA."""
 
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ logger = logging.getLogger(__name__)
 
 _NO_BATCH = (0, (1 << 64) - 1)  # what batch_transfer_async_read returns when it could not submit
 _DONE, _FAILED, _ENGINE_TIMEOUT = 1, -1, -2  # transfer_check_status; 1 and -1 also free the batch
-_MAX_POLL_S = 200e-6
+_SPIN_S, _MAX_POLL_S = 100e-6, 200e-6
 _MAX_OPENED = 4096
 
 
 def _new_engine(host: str, protocol: str, device: str) -> Any:
+    """Mooncake logs through glog at INFO; MC_LOG_LEVEL=ERROR in the environment quiets it, but it is read only when
+    mooncake.engine is first imported, which this module does lazily, at the first engine."""
     from mooncake.engine import TransferEngine  # optional dependency: imported only when the backend is used
 
     engine = TransferEngine()
@@ -35,7 +37,8 @@ def _new_engine(host: str, protocol: str, device: str) -> Any:
 
 
 class MooncakeProducer:
-    """Inside Eric: one engine that serves the registered pool; a handle names it by session id host:rpc_port."""
+    """Inside Eric: one engine that serves the registered pool; a handle names it by session id host:rpc_port, so
+    `host` must be the address consumers reach (not 0.0.0.0). `device` filters RDMA NICs (e.g. "mlx5_0")."""
 
     name = "mooncake"
 
@@ -196,18 +199,20 @@ class MooncakeConsumer:
             return f"could not be submitted: {e!r}"
         if batch in _NO_BATCH:
             return "could not be submitted (session cannot be opened: producer gone?)"
-        delay = 10e-6
+        delay, spin_until = 10e-6, time.monotonic() + _SPIN_S  # spin briefly: small reads finish in ~50 us
         while True:
             status = self._engine.transfer_check_status(batch)
             if status == _DONE:
                 return None
             if status == _FAILED:
                 return "failed (producer gone, restarted, or address not registered)"
-            if status == _ENGINE_TIMEOUT or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if status == _ENGINE_TIMEOUT or now >= deadline:
                 slot.pending = submit
                 return f"did not complete within {self.timeout_s:g} s (producer stalled or unreachable)"
-            time.sleep(delay)
-            delay = min(2 * delay, _MAX_POLL_S)
+            if now >= spin_until:
+                time.sleep(delay)
+                delay = min(2 * delay, _MAX_POLL_S)
 
     def _new_slot(self) -> _Slot:
         slot = _Slot(np.empty(self._chunk, dtype=np.uint8))
