@@ -111,7 +111,7 @@ class EmbeddingFetcher:
         h = as_handle(handle)
         url = f"{h.producer}/v1/embeddings/{h.hash}/ack"
         try:
-            resp = self._http.post(url, json={"instance_id": h.instance_id})
+            resp = self._http.post(url, json={"instance_id": h.instance_id, "generation": h.generation})
         except httpx.HTTPError as e:
             raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
         if resp.status_code != 200:

@@ -49,6 +49,8 @@ class EmbeddingHandle(msgspec.Struct, frozen=True, omit_defaults=True):
     shm: ShmLocation | None = None
     mooncake: MooncakeLocation | None = None
     nixl: NixlLocation | None = None
+    generation: int = 0
+    """Identifies this pool entry; an ack for an entry freed and re-created since fails."""
 
 
 BACKENDS = ("shm", "nixl", "mooncake", "http")

@@ -7,6 +7,7 @@ once; consumers read from it and acknowledge. An entry is freed when every lease
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ class PoolEntry:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+    generation: int = 0
+    """Unique per reservation: a handle to a freed and re-encoded entry no longer matches."""
     ready: bool = False
     """False while the workers have not written it yet."""
     leases: int = 0
@@ -82,6 +85,7 @@ class EmbeddingPool:
         self.base_addr = self.array.ctypes.data
         self._free = FreeList(nbytes)
         self._entries: dict[str, PoolEntry] = {}
+        self._generations = itertools.count(1)
 
     @property
     def used_bytes(self) -> int:
@@ -100,7 +104,8 @@ class EmbeddingPool:
         offset = self._free.allocate(nbytes)
         if offset is None:
             return None
-        entry = PoolEntry(key, offset, nbytes, shape, dtype, expires_at=time.monotonic() + self.ttl_s)
+        entry = PoolEntry(key, offset, nbytes, shape, dtype, generation=next(self._generations),
+                          expires_at=time.monotonic() + self.ttl_s)
         self._entries[key] = entry
         return entry
 
@@ -114,10 +119,11 @@ class EmbeddingPool:
         entry.expires_at = time.monotonic() + self.ttl_s
         return entry
 
-    def ack(self, key: str) -> bool:
-        """A consumer is done; the entry goes when no lease is left. False if the entry is unknown."""
+    def ack(self, key: str, generation: int | None = None) -> bool:
+        """A consumer is done; the entry goes when no lease is left. False if the entry is unknown (or was
+        replaced since the consumer's handle was made)."""
         entry = self._entries.get(key)
-        if entry is None or not entry.ready:
+        if entry is None or not entry.ready or (generation is not None and generation != entry.generation):
             return False
         entry.leases -= 1
         if entry.leases <= 0:

@@ -77,11 +77,11 @@ class TransferHub:
         self.pool.release(key)
         self._space_freed.set()
 
-    def ack(self, key: str, instance_id: str | None) -> tuple[int, str]:
+    def ack(self, key: str, instance_id: str | None, generation: int | None = None) -> tuple[int, str]:
         """(HTTP status, message) for a consumer's acknowledgement."""
         if instance_id is not None and instance_id != self.instance_id:
             return 409, f"instance {instance_id} is gone: this Eric restarted (now {self.instance_id})"
-        if not self.pool.ack(key):
+        if not self.pool.ack(key, generation):
             return 404, f"no embedding {key} held: never encoded here, already acknowledged, or expired"
         self._space_freed.set()
         return 200, "ok"
@@ -90,8 +90,8 @@ class TransferHub:
         url = self._config.public_url
         locations: dict[str, Any] = {b.name: b.location(entry.offset) for b in self.backends}
         return EmbeddingHandle(hash=entry.hash, shape=entry.shape, dtype=entry.dtype, nbytes=entry.nbytes,
-                               producer=url, instance_id=self.instance_id, http=f"{url}/v1/embeddings/{entry.hash}",
-                               **locations)
+                               producer=url, instance_id=self.instance_id, generation=entry.generation,
+                               http=f"{url}/v1/embeddings/{entry.hash}", **locations)
 
     async def expiry_loop(self, period_s: float = 1.0) -> None:
         while True:

@@ -52,7 +52,7 @@ def _cause(e: BaseException) -> str:
 
 
 class NixlProducer:
-    """Inside Eric: one agent over the whole pool; consumers read it without any work in this process's threads."""
+    """Inside Eric: one agent over the whole pool, read one-sidedly (an idle-cheap progress thread serves TCP peers)."""
 
     name = "nixl"
 

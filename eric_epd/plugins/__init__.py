@@ -1,0 +1,1 @@
+"""Engine plugins: vLLM (encoder-cache connector) and SGLang (encoder-disaggregation protocol)."""

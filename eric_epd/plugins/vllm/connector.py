@@ -1,0 +1,213 @@
+"""EricECConnector: vLLM's encoder-cache connector (consumer role) backed by Eric.
+
+Scheduler side (EngineCore process): resolves each multimodal identifier (= Eric's content hash) to a handle held by
+one of the configured Erics; requests whose items can be neither fetched nor encoded locally are failed cleanly.
+Worker side (each vLLM worker): fetches the embedding over the configured transfer backend straight into vLLM's
+encoder cache, then acknowledges it to Eric.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+
+from eric_epd.plugins.vllm.resolver import HandleResolver, has_raw_media
+from eric_epd.plugins.vllm.stats import EricECStats
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher, as_handle
+from eric_epd.transfer.handles import BACKENDS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EricLoad:
+    request_id: str
+    mm_hash: str
+    num_tokens: int
+    handle: dict[str, Any]
+
+
+@dataclass
+class EricECMetadata(ECConnectorMetadata):
+    """Scheduler -> workers, once per step: what to pull into the encoder cache."""
+
+    loads: list[EricLoad] = field(default_factory=list)
+
+
+@dataclass
+class EricWorkerMetadata(ECConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: requests whose embeddings could not be fetched."""
+
+    failed_request_ids: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        assert isinstance(other, EricWorkerMetadata)
+        return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids)
+
+
+@dataclass(frozen=True)
+class EricConnectorSettings:
+    """`ec_connector_extra_config` keys, parsed once."""
+
+    eric_urls: tuple[str, ...]
+    backends: tuple[str, ...]
+    lookup_timeout_s: float
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> EricConnectorSettings:
+        urls = extra.get("eric_urls", [])
+        if isinstance(urls, str):
+            urls = [u for u in urls.split(",") if u]
+        if not urls:
+            raise ValueError('EricECConnector needs ec_connector_extra_config {"eric_urls": ["http://host:port"]}')
+        backends = tuple(extra.get("backends", BACKENDS))
+        unknown = set(backends) - set(BACKENDS)
+        if unknown:
+            raise ValueError(f"unknown Eric transfer backends {sorted(unknown)}; choose from {BACKENDS}")
+        return cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)))
+
+
+class EricECConnector(ECConnectorBase):
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        if not self.is_consumer or self.is_producer:
+            raise ValueError("EricECConnector is a consumer: use ec_role 'ec_consumer' (Eric is the producer)")
+        assert vllm_config.ec_transfer_config is not None
+        self._settings = EricConnectorSettings.parse(vllm_config.ec_transfer_config.ec_connector_extra_config)
+        self._stats = EricECStats()
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if role == ECConnectorRole.SCHEDULER:
+            self._resolver = HandleResolver(self._settings.eric_urls, self._settings.lookup_timeout_s)
+            self._pending: list[EricLoad] = []
+            self._unavailable: set[str] = set()
+        else:
+            self._fetcher = EmbeddingFetcher(self._settings.backends)
+            self._dtype = vllm_config.model_config.dtype
+            self._failed: set[str] = set()
+
+    # ---- scheduler side --------------------------------------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._resolver.lookup(identifier) is not None
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """Hold back (and later fail) a request whose item is neither at an Eric nor present as raw media."""
+        if request.request_id in self._unavailable:
+            return False
+        for feature in request.mm_features:
+            if self._resolver.lookup(feature.identifier) is None and not has_raw_media(feature):
+                logger.warning("request %s: item %s is at no Eric (%s) and carries no media to encode locally",
+                               request.request_id, feature.identifier, ", ".join(self._settings.eric_urls))
+                self._unavailable.add(request.request_id)
+                self._stats.record(unavailable_requests=1)
+                return False
+        return True
+
+    def take_unavailable_requests(self) -> set[str]:
+        taken, self._unavailable = self._unavailable, set()
+        return taken
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        feature = request.mm_features[index]
+        handle = self._resolver.lookup(feature.identifier)
+        if handle is None:
+            return
+        if self._tp_size > 1:  # every TP rank reads and acknowledges once
+            self._resolver.add_leases(handle, self._tp_size - 1)
+        self._pending.append(EricLoad(request.request_id, feature.identifier,
+                                      request.get_num_encoder_embeds(index), handle))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
+        self._stats.record(local_encoder_items=local, external_items=len(self._pending))
+        meta, self._pending = EricECMetadata(self._pending), []
+        for load in meta.loads:
+            self._resolver.forget(load.mm_hash)  # one fetch per resolution; a later request resolves again
+        return meta
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if isinstance(meta, EricWorkerMetadata) and meta.failed_request_ids:
+            self._unavailable |= meta.failed_request_ids
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # ---- worker side -----------------------------------------------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, EricECMetadata)
+        for load in meta.loads:
+            if load.mm_hash not in encoder_cache:
+                encoder_cache[load.mm_hash] = self._load(load)
+
+    def _load(self, load: EricLoad) -> torch.Tensor:
+        from vllm.platforms import current_platform
+
+        handle = as_handle(load.handle)
+        device = torch.device(current_platform.device_type)
+        if current_platform.is_cuda_alike():
+            device = torch.device(device.type, current_platform.current_device())
+        try:
+            tensor = self._fetcher.fetch(handle)
+            if tensor.shape[0] != load.num_tokens:
+                raise TransferError(f"embedding has {tensor.shape[0]} rows, the prompt has {load.num_tokens} slots")
+        except TransferError as e:
+            logger.error("request %s: cannot fetch embedding %s: %s", load.request_id, load.mm_hash, e)
+            self._failed.add(load.request_id)
+            self._stats.record(load_failures=1)
+            # keep this step well-formed; the scheduler fails the request before it returns any output
+            return torch.zeros(load.num_tokens, handle.shape[-1], dtype=self._dtype, device=device)
+        self._stats.record(loaded_items=1, loaded_bytes=handle.nbytes)
+        return tensor.to(device=device, dtype=self._dtype, non_blocking=False)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        """Consumer only: nothing to save."""
+
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        if not self._failed:
+            return None
+        failed, self._failed = self._failed, set()
+        return EricWorkerMetadata(failed)
+
+    # ---- both ------------------------------------------------------------------------------------------------
+
+    def get_ec_connector_stats(self) -> EricECStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, EricECStats()
+        return stats
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> EricECStats:
+        return EricECStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]):  # -> EricECPromMetrics
+        from eric_epd.plugins.vllm.stats import EricECPromMetrics
+
+        return EricECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.role == ECConnectorRole.WORKER:
+            self._fetcher.close()
+        else:
+            self._resolver.close()

@@ -1,0 +1,60 @@
+"""Counters of the Eric connector, reported through vLLM's EC connector stats and Prometheus metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
+
+COUNTERS = {
+    "external_items": "Multimodal items whose embeddings were scheduled to load from Eric",
+    "local_encoder_items": "Multimodal items vLLM's own encoder was scheduled to encode",
+    "loaded_items": "Embeddings fetched from Eric into the encoder cache",
+    "loaded_bytes": "Bytes fetched from Eric",
+    "load_failures": "Embeddings that could not be fetched (their requests fail)",
+    "unavailable_requests": "Requests failed because an item was at no Eric and had no raw media",
+}
+
+
+@dataclass
+class EricECStats(ECConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, **counts: int) -> None:
+        for key, n in counts.items():
+            if n:
+                self.data[key] = self.data.get(key, 0) + n
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: ECConnectorStats) -> EricECStats:
+        merged = EricECStats(dict(self.data))
+        merged.record(**other.data)
+        return merged
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class EricECPromMetrics(ECConnectorPromMetrics):
+    """vllm:eric_ec_<counter>_total, one series per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: {engine: self._counter_cls(name=f"vllm:eric_ec_{key}", documentation=doc,
+                                            labelnames=labelnames).labels(*values)
+                  for engine, values in per_engine_labelvalues.items()}
+            for key, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key in self._counters and value:
+                self._counters[key][engine_idx].inc(value)
