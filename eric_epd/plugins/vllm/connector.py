@@ -52,13 +52,17 @@ class EricECMetadata(ECConnectorMetadata):
 
 @dataclass
 class EricWorkerMetadata(ECConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: requests whose embeddings could not be fetched."""
+    """Workers -> scheduler, once per step: requests whose embeddings could not be fetched, and counters
+    (vLLM collects connector stats on the scheduler side only)."""
 
     failed_request_ids: set[str] = field(default_factory=set)
+    counts: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, EricWorkerMetadata)
-        return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids)
+        merged = EricECStats(dict(self.counts))
+        merged.record(**other.counts)
+        return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids, merged.data)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class EricECConnector(ECConnectorBase):
             self._resolver = HandleResolver(self._settings.eric_urls, self._settings.lookup_timeout_s)
             self._pending: list[EricLoad] = []
             self._unavailable: set[str] = set()
+            self._scheduled: set[str] = set()  # identifiers whose load went to the workers
         else:
             self._fetcher = EmbeddingFetcher(self._settings.backends)
             self._dtype = vllm_config.model_config.dtype
@@ -111,6 +116,9 @@ class EricECConnector(ECConnectorBase):
         if request.request_id in self._unavailable:
             return False
         for feature in request.mm_features:
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens or feature.identifier in self._scheduled:
+                continue  # already in the KV cache, or its load is already scheduled
             if self._resolver.lookup(feature.identifier) is None and not has_raw_media(feature):
                 logger.warning("request %s: item %s is at no Eric (%s) and carries no media to encode locally",
                                request.request_id, feature.identifier, ", ".join(self._settings.eric_urls))
@@ -139,12 +147,18 @@ class EricECConnector(ECConnectorBase):
         meta, self._pending = EricECMetadata(self._pending), []
         for load in meta.loads:
             self._resolver.forget(load.mm_hash)  # one fetch per resolution; a later request resolves again
+            self._scheduled.add(load.mm_hash)
         return meta
+
+    def update_state_after_free(self, request: Request, index: int) -> None:
+        """vLLM dropped the item from its encoder cache: a later use must resolve it again."""
+        self._scheduled.discard(request.mm_features[index].identifier)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
-        if isinstance(meta, EricWorkerMetadata) and meta.failed_request_ids:
+        if isinstance(meta, EricWorkerMetadata):
             self._unavailable |= meta.failed_request_ids
+            self._stats.record(**meta.counts)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return False, None
@@ -182,10 +196,11 @@ class EricECConnector(ECConnectorBase):
         """Consumer only: nothing to save."""
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        if not self._failed:
+        if not self._failed and self._stats.is_empty():
             return None
-        failed, self._failed = self._failed, set()
-        return EricWorkerMetadata(failed)
+        meta = EricWorkerMetadata(self._failed, self._stats.data)
+        self._failed, self._stats = set(), EricECStats()
+        return meta
 
     # ---- both ------------------------------------------------------------------------------------------------
 
