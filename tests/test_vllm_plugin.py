@@ -136,7 +136,8 @@ class VllmServe(ServerProcess):
         port = free_port()
         ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
               "ec_connector_extra_config": {"eric_urls": [eric_url], "backends": ["shm", "http"]}}
-        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
+        vllm = str(Path(sys.executable).parent / "vllm")
+        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", "float32",
                "--max-model-len", "4096", "--enforce-eager", "--enable-mm-embeds",
                "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
                "--ec-transfer-config", json.dumps(ec),

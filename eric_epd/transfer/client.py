@@ -8,6 +8,7 @@ fetch, so a consumer never uses memory that was reused underneath it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,13 +65,15 @@ class EmbeddingFetcher:
         self._order = tuple(backends)
         self._http_timeout_s = http_timeout_s
         self._backends: dict[str, ConsumerBackend] = {}
+        self._lock = threading.Lock()
         self._http = httpx.Client(timeout=http_timeout_s)
         self.last_backend: str | None = None
 
     def _backend(self, name: str) -> ConsumerBackend:
-        if name not in self._backends:
-            self._backends[name] = _make_backend(name, self._http_timeout_s)
-        return self._backends[name]
+        with self._lock:  # one consumer agent/engine per backend, even when threads race here
+            if name not in self._backends:
+                self._backends[name] = _make_backend(name, self._http_timeout_s)
+            return self._backends[name]
 
     def fetch(self, handle: EmbeddingHandle | dict[str, Any], out: torch.Tensor | None = None,
               ack: bool = True) -> torch.Tensor:
@@ -92,11 +95,17 @@ class EmbeddingFetcher:
         """Copy the bytes into dst (uint8, handle.nbytes) over the first backend that works; no ack."""
         errors = []
         for name in self._order:
-            backend = self._backend(name)
-            if not _usable(backend, h):
+            if getattr(h, name, None) is None and name != "http":
                 continue
             try:
+                backend = self._backend(name)
+                if not _usable(backend, h):
+                    continue
                 backend.read(h, dst)
+            except (ImportError, OSError) as e:  # the backend's library is missing or cannot start here
+                logger.warning("transfer backend %s unavailable: %r", name, e)
+                errors.append(f"{name}: unavailable ({e!r})")
+                continue
             except TransferError as e:
                 logger.warning("fetch of %s over %s failed: %s", h.hash[:12], name, e)
                 errors.append(f"{name}: {e}")
