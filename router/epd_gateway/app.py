@@ -1,0 +1,179 @@
+"""The gateway app: OpenAI-compatible routes, adaptive EPD/PD routing, encoder admin, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from epd_gateway.config import GatewayConfig
+from epd_gateway.content import collect_media, remote_hosts, with_embeddings
+from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
+from epd_gateway.errors import GatewayError
+from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.upstream import Upstreams
+from eric_epd.server.url_policy import MediaError
+
+logger = logging.getLogger(__name__)
+
+_FORWARD_HEADERS = ("authorization", "x-request-id")
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GatewayError(400, f"malformed JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object")
+    return body
+
+
+class Gateway:
+    """Routing decisions; the FastAPI routes below are thin."""
+
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
+                                    config.encode_timeout_s)
+        self.upstreams = Upstreams(config, client, metrics)
+
+    def check_api_key(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
+            raise GatewayError(401, "Unauthorized")
+
+    async def chat(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+        refs = collect_media(body, self.config.url_policy, self.config.max_items)
+        await self._check_hosts(refs)
+        if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
+            path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
+            return path, await self.upstreams.complete("/v1/chat/completions", body, headers)
+        start = time.perf_counter()
+        try:
+            items, fanout = await self.encoders.encode(refs)
+        except EncodersUnavailableError as e:
+            logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
+            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers)
+        self.metrics.encode_latency.observe(time.perf_counter() - start)
+        self.metrics.fanout.observe(fanout)
+        return "epd", await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
+
+    async def _check_hosts(self, refs: list) -> None:
+        policy = self.config.url_policy
+        for host, port in remote_hosts(refs):
+            try:
+                await policy.resolve_host(host, port)
+            except MediaError as e:
+                raise GatewayError(e.status if e.status < 500 else 400, e.message) from e
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    metrics = GatewayMetrics()
+    state: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client:
+            state["gw"] = Gateway(config, client, metrics)
+            health = asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))
+            try:
+                yield
+            finally:
+                health.cancel()
+
+    app = FastAPI(title="eric-epd gateway", lifespan=lifespan)
+
+    @app.exception_handler(GatewayError)
+    async def _error(_: Request, e: GatewayError) -> JSONResponse:
+        if e.status < 500:
+            metrics.client_errors.labels(status=str(e.status)).inc()
+        return e.response()
+
+    def forwarded(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        gw = state["gw"]
+        gw.check_api_key(request)
+        body = await read_json(request, config.max_body_bytes)
+        start = time.perf_counter()
+        path, response = await gw.chat(body, forwarded(request))
+        metrics.requests.labels(path=path).inc()
+        metrics.latency.labels(path=path).observe(time.perf_counter() - start)
+        response.headers["x-epd-path"] = path
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gw = state["gw"]
+        gw.check_api_key(request)
+        body = await read_json(request, config.max_body_bytes)
+        start = time.perf_counter()
+        response = await gw.upstreams.complete("/v1/completions", body, forwarded(request))
+        metrics.requests.labels(path="pd").inc()
+        metrics.latency.labels(path="pd").observe(time.perf_counter() - start)
+        return response
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gw = state["gw"]
+        gw.check_api_key(request)
+        return await gw.upstreams.get("/v1/models", forwarded(request))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        gw = state["gw"]
+        return JSONResponse({"status": "ok", "encoders": gw.encoders.status()})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/admin/encoders")
+    async def register(request: Request) -> JSONResponse:
+        url = await _admin_url(request)
+        state["gw"].encoders.register(url)
+        return JSONResponse({"encoders": state["gw"].encoders.urls})
+
+    @app.delete("/admin/encoders")
+    async def deregister(request: Request) -> JSONResponse:
+        url = await _admin_url(request)
+        if not state["gw"].encoders.deregister(url):
+            raise GatewayError(404, f"encoder {url} is not registered")
+        return JSONResponse({"encoders": state["gw"].encoders.urls})
+
+    async def _admin_url(request: Request) -> str:
+        given = request.headers.get("authorization", "")
+        if config.admin_key is None or not hmac.compare_digest(given.encode(), f"Bearer {config.admin_key}".encode()):
+            raise GatewayError(401, "Unauthorized")
+        body = await read_json(request, 4096)
+        url = body.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise GatewayError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
+        return url.rstrip("/")
+
+    return app

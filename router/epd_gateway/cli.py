@@ -1,0 +1,20 @@
+"""`epd-gateway --encoder-urls ... --colocated-urls ...` (or --prefill-urls/--decode-urls)."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from epd_gateway.app import create_app
+from epd_gateway.config import parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

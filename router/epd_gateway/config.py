@@ -1,0 +1,77 @@
+"""The gateway's one typed configuration, parsed once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eric_epd.server.url_policy import UrlPolicy
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    encoder_urls: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    colocated_urls: tuple[str, ...] = ()
+    """Instances that prefill and decode themselves (no KV transfer)."""
+    backend: str = "vllm"
+    epd_min_items: int = 2
+    """Requests with at least this many media items take the encoder path."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_key: str | None = None
+    max_body_bytes: int = 64 * 2**20
+    max_items: int = 16
+    url_policy: UrlPolicy = field(default_factory=UrlPolicy)
+    health_interval_s: float = 2.0
+    eject_after_failures: int = 2
+    encode_timeout_s: float = 60.0
+    upstream_timeout_s: float = 300.0
+    sglang_bootstrap_port: int = 8998
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("vllm", "sglang"):
+            raise ValueError("backend must be vllm or sglang")
+        if not self.colocated_urls and not (self.prefill_urls and self.decode_urls):
+            raise ValueError("give --colocated-urls, or both --prefill-urls and --decode-urls")
+        if self.epd_min_items < 1 or self.max_items < 1:
+            raise ValueError("--epd-min-items and --max-items must be >= 1")
+
+
+def _urls(value: str) -> tuple[str, ...]:
+    return tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="epd-gateway", description="OpenAI-compatible EPD/PD gateway")
+    p.add_argument("--encoder-urls", type=_urls, default=(), help="comma-separated Eric base URLs")
+    p.add_argument("--prefill-urls", type=_urls, default=())
+    p.add_argument("--decode-urls", type=_urls, default=())
+    p.add_argument("--colocated-urls", type=_urls, default=(), help="instances that prefill and decode")
+    p.add_argument("--backend", choices=("vllm", "sglang"), default="vllm")
+    p.add_argument("--epd-min-items", type=int, default=2)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    p.add_argument("--admin-key", default=None, help="key for /admin/encoders (registration disabled without it)")
+    p.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
+    p.add_argument("--max-items", type=int, default=GatewayConfig.max_items, help="media items per request")
+    p.add_argument("--allow-private-hosts", action="store_true", help="allow media URLs on private addresses")
+    p.add_argument("--allowed-host", action="append", default=[], help="media host always allowed (repeatable)")
+    p.add_argument("--file-root", type=Path, action="append", default=[],
+                   help="allow file:// media under this directory (repeatable; encoders must see the same path)")
+    p.add_argument("--health-interval", type=float, default=GatewayConfig.health_interval_s)
+    p.add_argument("--eject-after-failures", type=int, default=GatewayConfig.eject_after_failures)
+    p.add_argument("--sglang-bootstrap-port", type=int, default=GatewayConfig.sglang_bootstrap_port)
+    a = p.parse_args(argv)
+    return GatewayConfig(
+        encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
+        colocated_urls=a.colocated_urls, backend=a.backend, epd_min_items=a.epd_min_items, host=a.host, port=a.port,
+        api_key=a.api_key, admin_key=a.admin_key, max_body_bytes=a.max_body_bytes, max_items=a.max_items,
+        url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
+                             file_roots=tuple(r.resolve() for r in a.file_root)),
+        health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,
+        sglang_bootstrap_port=a.sglang_bootstrap_port)

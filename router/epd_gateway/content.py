@@ -1,0 +1,89 @@
+"""Reads and rewrites the media parts of OpenAI chat requests (counting, URL policy, embeds substitution)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from epd_gateway.errors import GatewayError
+from eric_epd.server.url_policy import MediaError, UrlPolicy
+
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+ALLOWED_PARTS = {"text", *MEDIA_PARTS, "image_embeds", "video_embeds"}
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """Where one media item sits in the request."""
+
+    message: int
+    part: int
+    modality: str
+    url: str
+
+    @property
+    def routing_key(self) -> bytes:
+        """Stable key for consistent hashing: the same image (same URL or bytes) lands on the same Eric."""
+        return hashlib.blake2b(self.url.encode(), digest_size=8).digest()
+
+
+def _part_url(part: dict[str, Any], kind: str, where: str) -> str:
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise GatewayError(400, f"{where}: '{kind}' needs a non-empty 'url'", param=kind)
+    return url
+
+
+def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> list[MediaRef]:
+    """Every image/video part of a chat request, validated; 400 for anything the gateway cannot route."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "'messages' must be a non-empty list", param="messages")
+    refs: list[MediaRef] = []
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise GatewayError(400, f"messages[{m}] must be an object", param="messages")
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ALLOWED_PARTS:
+                raise GatewayError(400, f"{where}: unsupported content part type {kind!r}; supported: "
+                                        f"{sorted(ALLOWED_PARTS)}", param="messages")
+            if kind in MEDIA_PARTS:
+                url = _part_url(part, kind, where)
+                try:
+                    policy.check(url)
+                except MediaError as e:
+                    raise GatewayError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
+                refs.append(MediaRef(m, p, MEDIA_PARTS[kind], url))
+    if len(refs) > max_items:
+        raise GatewayError(400, f"too many media items: {len(refs)} > {max_items}", param="messages")
+    return refs
+
+
+def remote_hosts(refs: list[MediaRef]) -> set[tuple[str, int]]:
+    """(host, port) of every http(s) media URL, for DNS-time policy checks."""
+    hosts = set()
+    for ref in refs:
+        parts = urlsplit(ref.url)
+        if parts.scheme in ("http", "https") and parts.hostname:
+            hosts.add((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
+    return hosts
+
+
+def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A copy of the request whose media parts are metadata-only embeds parts keyed by Eric's content hash."""
+    out = dict(body)
+    out["messages"] = copy.deepcopy(body["messages"])
+    for ref, item in zip(refs, items, strict=True):
+        kind = f"{ref.modality}_embeds"
+        out["messages"][ref.message]["content"][ref.part] = {
+            "type": kind, kind: {f"{ref.modality}_grid_thw": item["grid_thw"]}, "uuid": item["hash"]}
+    return out

@@ -1,0 +1,155 @@
+"""The encoder pool: rendezvous (consistent) hashing with a load bound, health checks, eject and readmit."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from epd_gateway.content import MediaRef
+from epd_gateway.errors import GatewayError
+from epd_gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EncoderState:
+    url: str
+    healthy: bool = True
+    failures: int = 0
+    inflight: int = 0
+
+
+class EncodersUnavailableError(Exception):
+    """No encoder could encode the items (all down or failing)."""
+
+
+class EncoderPool:
+    def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, metrics: GatewayMetrics,
+                 eject_after: int, timeout_s: float) -> None:
+        self._members = {u: EncoderState(u) for u in urls}
+        self._client = client
+        self._metrics = metrics
+        self._eject_after = eject_after
+        self._timeout = timeout_s
+        self._refresh_gauge()
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._members)
+
+    def status(self) -> dict[str, bool]:
+        return {m.url: m.healthy for m in self._members.values()}
+
+    def healthy(self) -> list[EncoderState]:
+        return [m for m in self._members.values() if m.healthy]
+
+    def register(self, url: str) -> None:
+        self._members.setdefault(url.rstrip("/"), EncoderState(url.rstrip("/")))
+        self._refresh_gauge()
+
+    def deregister(self, url: str) -> bool:
+        found = self._members.pop(url.rstrip("/"), None) is not None
+        self._refresh_gauge()
+        return found
+
+    def _refresh_gauge(self) -> None:
+        self._metrics.encoders_healthy.set(len(self.healthy()))
+
+    def preference(self, key: bytes, exclude: set[str]) -> list[EncoderState]:
+        """Healthy encoders by rendezvous weight for this key: the same content prefers the same Eric."""
+        members = [m for m in self.healthy() if m.url not in exclude]
+        return sorted(members, key=lambda m: hashlib.blake2b(key + m.url.encode(), digest_size=8).digest(),
+                      reverse=True)
+
+    def choose(self, key: bytes, exclude: set[str]) -> EncoderState | None:
+        """The key's preferred encoder unless it is much busier than the least loaded one (bounded load)."""
+        order = self.preference(key, exclude)
+        if not order:
+            return None
+        least = min(m.inflight for m in order)
+        return next(m for m in order if m.inflight <= 2 * least + 4)
+
+    async def encode(self, refs: list[MediaRef]) -> tuple[list[dict[str, Any]], int]:
+        """Encode every item somewhere; returns (items in ref order, number of encoders used)."""
+        results: dict[int, dict[str, Any]] = {}
+        tried: dict[int, set[str]] = defaultdict(set)
+        pending = list(range(len(refs)))
+        used: set[str] = set()
+        while pending:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for i in pending:
+                member = self.choose(refs[i].routing_key, tried[i])
+                if member is None:
+                    raise EncodersUnavailableError(f"no healthy encoder left for item {i} "
+                                                   f"(tried {sorted(tried[i]) or 'none'})")
+                groups[member.url].append(i)
+            outcomes = await asyncio.gather(*(self._call(url, [refs[i] for i in idx]) for url, idx in groups.items()))
+            pending = []
+            for (url, idx), items in zip(groups.items(), outcomes):
+                if items is None:
+                    self._metrics.failovers.inc()
+                    for i in idx:
+                        tried[i].add(url)
+                    pending.extend(idx)
+                else:
+                    used.add(url)
+                    results.update(zip(idx, items))
+        return [results[i] for i in range(len(refs))], len(used)
+
+    async def _call(self, url: str, refs: list[MediaRef]) -> list[dict[str, Any]] | None:
+        """Items from one encoder, None if the encoder failed (5xx, timeout, unreachable)."""
+        member = self._members.get(url) or EncoderState(url)
+        member.inflight += 1
+        body = {"items": [{"id": str(i), "modality": r.modality, "url": r.url} for i, r in enumerate(refs)]}
+        try:
+            resp = await self._client.post(f"{url}/v1/encode", json=body, timeout=self._timeout)
+        except httpx.HTTPError as e:
+            logger.warning("encoder %s failed: %r", url, e)
+            self._record_failure(member)
+            return None
+        finally:
+            member.inflight -= 1
+        if resp.status_code >= 500:
+            logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
+            self._record_failure(member)
+            return None
+        if resp.status_code != 200:  # the client's media is bad: no other encoder will do better
+            try:
+                message = resp.json()["error"]["message"]
+            except Exception:
+                message = resp.text[:300]
+            raise GatewayError(resp.status_code, f"media rejected by encoder: {message}")
+        member.failures = 0
+        return resp.json()["items"]
+
+    def _record_failure(self, member: EncoderState) -> None:
+        self._metrics.failures.labels(stage="encode").inc()
+        member.failures += 1
+        if member.healthy and member.failures >= self._eject_after:
+            member.healthy = False
+            logger.warning("ejecting encoder %s after %d failures", member.url, member.failures)
+            self._refresh_gauge()
+
+    async def health_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
+
+    async def _probe(self, member: EncoderState) -> None:
+        try:
+            ok = (await self._client.get(f"{member.url}/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok and not member.healthy:
+            logger.info("readmitting encoder %s", member.url)
+            member.healthy, member.failures = True, 0
+        elif not ok and member.healthy:
+            self._record_failure(member)
+        self._refresh_gauge()

@@ -1,0 +1,139 @@
+"""Calls to the inference engines: colocated, or prefill then decode with the engine's KV-transfer parameters."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from epd_gateway.config import GatewayConfig
+from epd_gateway.errors import GatewayError
+from epd_gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+class Upstreams:
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+        self._config = config
+        self._client = client
+        self._metrics = metrics
+        self._colocated = itertools.cycle(config.colocated_urls) if config.colocated_urls else None
+        self._prefill = itertools.cycle(config.prefill_urls) if config.prefill_urls else None
+        self._decode = itertools.cycle(config.decode_urls) if config.decode_urls else None
+
+    async def get(self, path: str, headers: dict[str, str]) -> Response:
+        """A read-only call (e.g. /v1/models) answered by the first decode-capable upstream."""
+        url = (self._config.colocated_urls or self._config.decode_urls)[0]
+        try:
+            resp = await self._client.get(url + path, headers=headers)
+        except httpx.HTTPError as e:
+            raise GatewayError(503, f"upstream {url} unreachable: {e!r}") from e
+        return _passthrough(resp)
+
+    async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        """Run one (chat) completion to the end; streams when the client asked for it."""
+        if self._colocated is not None:
+            return await self._forward("decode", next(self._colocated), path, body, headers)
+        assert self._prefill is not None and self._decode is not None
+        prefill_url, decode_url = next(self._prefill), next(self._decode)
+        if self._config.backend == "sglang":
+            return await self._sglang(prefill_url, decode_url, path, body, headers)
+        return await self._vllm_pd(prefill_url, decode_url, path, body, headers)
+
+    async def _vllm_pd(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> Response:
+        """vLLM disaggregated prefill: one prefill token with do_remote_decode, then decode with the returned
+        kv_transfer_params (remote block ids, host, port...)."""
+        prefill_body = {**body, "max_tokens": 1, "stream": False,
+                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                               "remote_engine_id": None, "remote_block_ids": None,
+                                               "remote_host": None, "remote_port": None}}
+        prefill_body.pop("max_completion_tokens", None)
+        prefill_body.pop("stream_options", None)
+        resp = await self._post("prefill", prefill_url, path, prefill_body, headers)
+        if resp.status_code != 200:
+            return _passthrough(resp)
+        params = resp.json().get("kv_transfer_params")
+        if not params:
+            self._metrics.failures.labels(stage="prefill").inc()
+            raise GatewayError(502, f"prefill at {prefill_url} returned no kv_transfer_params "
+                                    "(is it started with a KV connector as kv_producer?)")
+        return await self._forward("decode", decode_url, path, {**body, "kv_transfer_params": params}, headers)
+
+    async def _sglang(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str]) -> Response:
+        """SGLang PD: the same request to prefill and decode with one bootstrap room; decode's answer returns."""
+        room = random.getrandbits(63)
+        host = urlsplit(prefill_url).hostname
+        pd_body = {**body, "bootstrap_host": host, "bootstrap_port": self._config.sglang_bootstrap_port,
+                   "bootstrap_room": room}
+        prefill = asyncio.create_task(self._post("prefill", prefill_url, path, {**pd_body, "stream": False}, headers))
+        try:
+            return await self._forward("decode", decode_url, path, pd_body, headers)
+        finally:
+            try:
+                result = await prefill
+                if result.status_code != 200:
+                    logger.warning("SGLang prefill answered %d: %s", result.status_code, result.text[:200])
+            except GatewayError:
+                pass
+
+    async def _post(self, stage: str, url: str, path: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> httpx.Response:
+        try:
+            return await self._client.post(url + path, json=body, headers=headers,
+                                           timeout=self._config.upstream_timeout_s)
+        except httpx.TimeoutException as e:
+            self._metrics.failures.labels(stage=stage).inc()
+            raise GatewayError(504, f"{stage} at {url} timed out") from e
+        except httpx.HTTPError as e:
+            self._metrics.failures.labels(stage=stage).inc()
+            raise GatewayError(502 if stage == "prefill" else 503, f"{stage} at {url} unreachable: {e!r}") from e
+
+    async def _forward(self, stage: str, url: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> Response:
+        """The final call; its response (streamed or not) goes back to the client unchanged."""
+        request = self._client.build_request("POST", url + path, json=body, headers=headers,
+                                             timeout=self._config.upstream_timeout_s)
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx.TimeoutException as e:
+            self._metrics.failures.labels(stage=stage).inc()
+            raise GatewayError(504, f"{stage} at {url} timed out") from e
+        except httpx.HTTPError as e:
+            self._metrics.failures.labels(stage=stage).inc()
+            raise GatewayError(503, f"{stage} at {url} unreachable: {e!r}") from e
+        if resp.status_code >= 500:
+            self._metrics.failures.labels(stage=stage).inc()
+        if not body.get("stream"):
+            content = await resp.aread()
+            await resp.aclose()
+            return Response(content, resp.status_code, headers=_headers(resp))
+        return StreamingResponse(_relay(resp), resp.status_code, headers=_headers(resp))
+
+
+async def _relay(resp: httpx.Response):  # -> AsyncIterator[bytes]
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    finally:
+        await resp.aclose()
+
+
+def _headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _passthrough(resp: httpx.Response) -> Response:
+    return Response(resp.content, resp.status_code, headers=_headers(resp))
+
+
