@@ -13,6 +13,7 @@ def _checkpoint_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built checkpoints go to one directory per test session (servers started by tests inherit it)."""
     cache = Path(os.environ.get("ERIC_EPD_TEST_CACHE") or tmp_path_factory.mktemp("eric-cache"))
     os.environ["ERIC_EPD_CACHE"] = str(cache)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per vLLM instance: the tests' models are tiny
     return cache
 
 

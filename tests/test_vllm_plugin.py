@@ -137,7 +137,7 @@ class VllmServe(ServerProcess):
         ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
               "ec_connector_extra_config": {"eric_urls": [eric_url], "backends": ["shm", "http"]}}
         vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", "float32",
+        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.15",
                "--max-model-len", "4096", "--enforce-eager", "--enable-mm-embeds",
                "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
                "--ec-transfer-config", json.dumps(ec),

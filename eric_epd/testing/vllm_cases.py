@@ -85,6 +85,7 @@ def epd_prompt(case: Case, items: list[dict[str, Any]]) -> dict[str, Any]:
 
 def llm_kwargs(model: Path) -> dict[str, Any]:
     return dict(model=str(model), dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
+                gpu_memory_utilization=0.15,
                 limit_mm_per_prompt={"image": 4, "video": 1})
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import collect_media, remote_hosts, with_embeddings
@@ -78,7 +78,13 @@ class Gateway:
             return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers)
         self.metrics.encode_latency.observe(time.perf_counter() - start)
         self.metrics.fanout.observe(fanout)
-        return "epd", await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
+        response = await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
+        if _embeddings_lost(response):
+            # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
+            logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
+            self.metrics.failovers.inc()
+            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers)
+        return "epd", response
 
     async def _check_hosts(self, refs: list) -> None:
         policy = self.config.url_policy
@@ -89,13 +95,27 @@ class Gateway:
                 raise GatewayError(e.status if e.status < 500 else 400, e.message) from e
 
 
+def _embeddings_lost(response: Response) -> bool:
+    """A non-streamed EPD answer that failed upstream (5xx, or vLLM's finish_reason "error")."""
+    if response.status_code >= 500:
+        return True
+    if isinstance(response, StreamingResponse) or response.status_code != 200:
+        return False
+    try:
+        choices = json.loads(response.body).get("choices", [])
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return any(c.get("finish_reason") == "error" for c in choices)
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     metrics = GatewayMetrics()
     state: dict[str, Gateway] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        # idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
         async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client:
             state["gw"] = Gateway(config, client, metrics)
             health = asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))

@@ -87,11 +87,21 @@ class Upstreams:
             except GatewayError:
                 pass
 
+    async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        """Send once more if a pooled keep-alive connection turned out to be closed by the server (the request
+        never reached it); any other failure propagates."""
+        try:
+            return await self._client.send(request, stream=stream)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            logger.info("retrying %s on a fresh connection after %r", request.url, e)
+            return await self._client.send(request, stream=stream)
+
     async def _post(self, stage: str, url: str, path: str, body: dict[str, Any],
                     headers: dict[str, str]) -> httpx.Response:
+        request = self._client.build_request("POST", url + path, json=body, headers=headers,
+                                             timeout=self._config.upstream_timeout_s)
         try:
-            return await self._client.post(url + path, json=body, headers=headers,
-                                           timeout=self._config.upstream_timeout_s)
+            return await self._send(request, stream=False)
         except httpx.TimeoutException as e:
             self._metrics.failures.labels(stage=stage).inc()
             raise GatewayError(504, f"{stage} at {url} timed out") from e
@@ -105,7 +115,7 @@ class Upstreams:
         request = self._client.build_request("POST", url + path, json=body, headers=headers,
                                              timeout=self._config.upstream_timeout_s)
         try:
-            resp = await self._client.send(request, stream=True)
+            resp = await self._send(request, stream=True)
         except httpx.TimeoutException as e:
             self._metrics.failures.labels(stage=stage).inc()
             raise GatewayError(504, f"{stage} at {url} timed out") from e

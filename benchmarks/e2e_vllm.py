@@ -1,0 +1,306 @@
+"""End-to-end TTFT p50/p99 and requests/s of `vllm serve` alone (monolithic) against vLLM behind Eric (EPD), for
+chat requests with 4 images; small offline Qwen2-VL, float32, same run, concurrency 1 and 4, distinct and repeated
+images.  Writes benchmarks/results/e2e_vllm.{json,png}.  Usage: python benchmarks/e2e_vllm.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from eric_epd.testing.checkpoints import ensure_checkpoint
+from eric_epd.testing.media import data_url, image_bytes, random_image
+from eric_epd.testing.server import EricServer, ServerProcess, free_port
+
+logger = logging.getLogger("e2e_vllm")
+RESULTS = Path(__file__).parent / "results"
+
+IMAGES_PER_REQUEST = 4
+SIDES = (224, 448)  # image width and height, drawn uniformly: 64..256 LLM tokens per image
+MAX_TOKENS = 8
+DTYPE = "float32"
+SERIES = ("distinct", "repeat")  # repeat: 2 of the 4 images of every request were sent by an earlier request
+TEXT = "Describe what you see."
+
+
+class VllmServe(ServerProcess):
+    """`vllm serve` on the checkpoint: monolithic without eric_url, else an ec_consumer of that Eric."""
+
+    def __init__(self, model: Path, eric_url: str | None, log_path: Path) -> None:
+        port = free_port()
+        vllm = str(Path(sys.executable).parent / "vllm")
+        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", DTYPE, "--max-model-len", "4096",
+               "--max-num-seqs", "8", "--enforce-eager", "--seed", "0",
+               "--limit-mm-per-prompt", json.dumps({"image": IMAGES_PER_REQUEST, "video": 0})]
+        if eric_url is not None:
+            ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
+                  "ec_connector_extra_config": {"eric_urls": [eric_url], "backends": ["shm", "http"]}}
+            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
+                    "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
+        super().__init__(cmd, port, log_path, startup_timeout_s=600)
+
+
+# ---- workload -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """The requests of one (series, concurrency) run: each a list of IMAGES_PER_REQUEST data URLs."""
+
+    name: str
+    concurrency: int
+    requests: list[list[str]]
+    num_repeats: int = 0
+
+
+def _fresh(rng: np.random.Generator, seed: int) -> str:
+    w, h = rng.integers(SIDES[0], SIDES[1] + 1, size=2)
+    return data_url(image_bytes(random_image(int(w), int(h), seed=seed)))
+
+
+def make_workload(series: str, concurrency: int, num_requests: int, earlier: list[str]) -> Workload:
+    """Fresh images never sent before (seeds unique per run); in the repeat series 2 of the 4 slots (random ones)
+    reuse an image of an earlier request of the run (of the warm-up, `earlier`, for the first request)."""
+    base = 1_000_000 * (1 + SERIES.index(series)) + 10_000 * concurrency
+    rng = np.random.default_rng(base)
+    seen = list(earlier)
+    requests, repeats = [], 0
+    for i in range(num_requests):
+        urls = [_fresh(rng, base + IMAGES_PER_REQUEST * i + j) for j in range(IMAGES_PER_REQUEST)]
+        if series == "repeat":
+            slots = rng.choice(IMAGES_PER_REQUEST, IMAGES_PER_REQUEST // 2, replace=False)
+            for slot, old in zip(slots, rng.choice(len(seen), len(slots), replace=False)):
+                urls[slot] = seen[old]
+                repeats += 1
+        seen += [u for u in urls if u not in seen]
+        requests.append(urls)
+    return Workload(f"{series}_c{concurrency}", concurrency, requests, repeats)
+
+
+def warmup_workload(num_requests: int) -> Workload:
+    rng = np.random.default_rng(7)
+    return Workload("warmup", 4, [[_fresh(rng, 7_000_000 + IMAGES_PER_REQUEST * i + j)
+                                for j in range(IMAGES_PER_REQUEST)] for i in range(num_requests)])
+
+
+# ---- one request, one run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    latency_s: float
+    encode_s: float = 0.0  # EPD: the Eric /v1/encode call, part of ttft_s
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Client:
+    """Sends one chat request with 4 images, streaming, and times it from before any work to the first chunk
+    (vLLM sends its first chunk with the first generated token)."""
+
+    vllm_url: str
+    eric_url: str | None
+    model: str = ""
+    http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=600))
+
+    def __post_init__(self) -> None:
+        import openai
+
+        self.openai = openai.AsyncOpenAI(base_url=self.vllm_url + "/v1", api_key="unused", max_retries=0,
+                                         timeout=600)
+
+    async def request(self, urls: list[str]) -> Sample:
+        t0 = time.perf_counter()
+        encode_s = 0.0
+        if self.eric_url is None:
+            parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        else:
+            resp = await self.http.post(self.eric_url + "/v1/encode",
+                                        json={"items": [{"modality": "image", "url": u} for u in urls]})
+            resp.raise_for_status()
+            encode_s = time.perf_counter() - t0
+            parts = [{"type": "image_embeds", "image_embeds": {"image_grid_thw": item["grid_thw"]},
+                      "uuid": item["hash"]} for item in resp.json()["items"]]
+        stream = await self.openai.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}],
+            max_tokens=MAX_TOKENS, temperature=0.0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        ttft, finish, usage = None, None, None
+        async for chunk in stream:
+            if chunk.choices and ttft is None:
+                ttft = time.perf_counter() - t0
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        if ttft is None or finish != "length":
+            raise RuntimeError(f"request ended with finish_reason {finish!r} (ttft {ttft})")
+        return Sample(ttft, time.perf_counter() - t0, encode_s, usage.prompt_tokens if usage else 0)
+
+    async def run(self, workload: Workload) -> tuple[list[Sample], float]:
+        if not self.model:
+            self.model = (await self.openai.models.list()).data[0].id
+        queue = list(reversed(workload.requests))
+        samples: list[Sample] = []
+
+        async def worker() -> None:
+            while queue:
+                samples.append(await self.request(queue.pop()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+        return samples, time.perf_counter() - start
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.openai.close()
+
+
+def summary(samples: list[Sample], wall: float) -> dict:
+    ttft = [s.ttft_s for s in samples]
+    return {"n": len(samples), "wall_s": wall, "requests_per_s": len(samples) / wall,
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "ttft_mean_s": float(np.mean(ttft)),
+            "latency_p50_s": float(np.percentile([s.latency_s for s in samples], 50)),
+            "encode_p50_s": float(np.percentile([s.encode_s for s in samples], 50)),
+            "prompt_tokens_mean": float(np.mean([s.prompt_tokens for s in samples]))}
+
+
+def eric_counters(vllm_url: str) -> dict[str, float]:
+    """vLLM's EricECConnector counters (items from Eric, loaded, encoded locally) from its /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(vllm_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:eric_ec_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0].removeprefix("vllm:eric_ec_")
+            if key.endswith("_total"):
+                out[key.removesuffix("_total")] = out.get(key.removesuffix("_total"), 0.0) + float(value)
+    return out
+
+
+def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads: list[Workload],
+               warmup: Workload) -> dict:
+    """Start vLLM for one system, warm it up, run every workload one after the other, stop it."""
+    eric_url = eric.url if eric is not None else None
+    runs: dict = {}
+    with VllmServe(model_dir, eric_url, RESULTS / f"e2e_vllm_{system}.log") as server:
+        client = Client(server.url, eric_url)
+
+        async def all_runs() -> None:
+            await client.run(warmup)
+            for workload in workloads:
+                logger.info("%s %s (%d requests)", system, workload.name, len(workload.requests))
+                samples, wall = await client.run(workload)
+                runs[workload.name] = summary(samples, wall)
+                logger.info("%s %s: %s", system, workload.name,
+                            {k: round(v, 3) for k, v in runs[workload.name].items()})
+            await client.close()
+
+        before = eric_counters(server.url) if eric is not None else {}
+        asyncio.run(all_runs())
+        if eric is not None:
+            after = eric_counters(server.url)
+            runs["eric_ec_counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return runs
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+
+def ratios(results: dict) -> dict:
+    out = {}
+    for name in results["runs"]["monolithic"]:
+        if name == "eric_ec_counters":
+            continue
+        mono, epd = results["runs"]["monolithic"][name], results["runs"]["epd"][name]
+        out[name] = {"ttft_p50": epd["ttft_p50_s"] / mono["ttft_p50_s"],
+                     "ttft_p99": epd["ttft_p99_s"] / mono["ttft_p99_s"],
+                     "requests_per_s": epd["requests_per_s"] / mono["requests_per_s"]}
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["ratios"])
+    x = np.arange(len(names))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = [("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p99_s", "TTFT p99 (s)"), ("requests_per_s", "requests/s")]
+    for ax, (key, label) in zip(axes, panels):
+        for dx, system, title in ((-0.2, "monolithic", "vLLM"), (0.2, "epd", "vLLM + Eric")):
+            ax.bar(x + dx, [results["runs"][system][n][key] for n in names], 0.4, label=title)
+        ratio_key = key.removesuffix("_s")
+        for i, n in enumerate(names):
+            top = max(results["runs"][s][n][key] for s in ("monolithic", "epd"))
+            ax.text(i, top, f"{results['ratios'][n][ratio_key]:.2f}x", ha="center", va="bottom")
+        ax.set_xticks(x, names)
+        ax.set_ylabel(label)
+        ax.set_title(f"{label}, EPD/monolithic above")
+        ax.legend()
+    fig.suptitle(f"{IMAGES_PER_REQUEST} images/request ({SIDES[0]}-{SIDES[1]} px), qwen2_vl small, {DTYPE}, "
+                 f"{os.cpu_count()} CPU cores shared")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _print_table(results: dict) -> None:
+    lines = [f"{'run':12} {'mono p50':>8} {'EPD p50':>8} {'mono p99':>8} {'EPD p99':>8} {'mono r/s':>8} "
+             f"{'EPD r/s':>8} | {'p50 x':>6} {'p99 x':>6} {'r/s x':>6}"]
+    for name, r in results["ratios"].items():
+        mono, epd = results["runs"]["monolithic"][name], results["runs"]["epd"][name]
+        lines.append(f"{name:12} {mono['ttft_p50_s']:8.3f} {epd['ttft_p50_s']:8.3f} {mono['ttft_p99_s']:8.3f} "
+                     f"{epd['ttft_p99_s']:8.3f} {mono['requests_per_s']:8.3f} {epd['requests_per_s']:8.3f} | "
+                     f"{r['ttft_p50']:6.2f} {r['ttft_p99']:6.2f} {r['requests_per_s']:6.2f}")
+    lines.append("ratios are EPD/monolithic: TTFT below 1 and requests/s above 1 favour EPD")
+    logger.info("results\n%s", "\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run, ~3 minutes)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per run at concurrency 1 "
+                    "(twice as many at concurrency 4; default 8, --quick 2)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # both vLLMs get the same two cores for their OpenMP threads; Eric (EPD only) shares them
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    n1 = args.requests or (2 if args.quick else 8)
+    start = time.perf_counter()
+    model_dir = ensure_checkpoint("qwen2_vl", "small")
+    warmup = warmup_workload(4 if not args.quick else 2)
+    earlier = [u for r in warmup.requests for u in r]
+    workloads = [make_workload(s, c, n1 if c == 1 else 2 * n1, earlier) for s in SERIES for c in (1, 4)]
+    RESULTS.mkdir(exist_ok=True)
+    results: dict = {"checkpoint": "qwen2_vl small (offline random)", "dtype": DTYPE,
+                     "images_per_request": IMAGES_PER_REQUEST, "image_sides_px": SIDES, "max_tokens": MAX_TOKENS,
+                     "cpu_cores": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                     "repeats_per_run": {w.name: w.num_repeats for w in workloads},
+                     "ttft": "from before the request (EPD: before Eric's /v1/encode) to vLLM's first streamed chunk",
+                     "runs": {}}
+    results["runs"]["monolithic"] = run_system("monolithic", model_dir, None, workloads, warmup)
+    with EricServer(model_dir, extra_args=("--dtype", DTYPE), log_path=RESULTS / "e2e_vllm_eric.log") as eric:
+        results["runs"]["epd"] = run_system("epd", model_dir, eric, workloads, warmup)
+    results["ratios"] = ratios(results)
+    results["runtime_s"] = time.perf_counter() - start
+    (RESULTS / "e2e_vllm.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / "e2e_vllm.png")
+    _print_table(results)
+    logger.info("total %.0f s", results["runtime_s"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The gateway in front of real Erics and a real vLLM (with the Eric connector), queried with the openai client."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from eric_epd.testing.media import image_data_url
+from eric_epd.testing.server import EricServer, ServerProcess, free_port
+
+API_KEY = "sk-test"
+
+
+class VllmServe(ServerProcess):
+    def __init__(self, model: Path, log_path: Path, eric_urls: list[str] | None = None,
+                 extra: tuple[str, ...] = (), env_note: str = "") -> None:
+        port = free_port()
+        vllm = str(Path(sys.executable).parent / "vllm")
+        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+               "--gpu-memory-utilization", "0.15", "--enforce-eager",
+               "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
+        if eric_urls:
+            ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
+                  "ec_connector_extra_config": {"eric_urls": eric_urls, "backends": ["shm", "http"]}}
+            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
+                    "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
+        super().__init__(cmd, port, log_path, startup_timeout_s=300)
+
+
+class Gateway(ServerProcess):
+    def __init__(self, log_path: Path, *args: str) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
+               "--health-interval", "0.5", *args]
+        super().__init__(cmd, port, log_path, startup_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("stack")
+    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log").start() for i in range(2)]
+    vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics]).start()
+    gateway = Gateway(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
+                      "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4").start()
+    yield {"erics": erics, "vllm": vllm, "gateway": gateway}
+    for server in (gateway, vllm, *erics):
+        server.stop()
+
+
+def messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def ask(base_url: str, msgs: list[dict], key: str = API_KEY, **kw) -> openai.types.chat.ChatCompletion:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0.0,
+                                          extra_body={"ignore_eos": True}, **kw)
+
+
+def paths(gateway: ServerProcess) -> dict[str, float]:
+    text = httpx.get(gateway.url + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^gateway_requests_total\{path="(\w+)"\} (\S+)$',
+                                                                 text, re.M)}
+
+
+IMAGES = [image_data_url(64 + 24 * i, 72, seed=300 + i) for i in range(3)]
+
+
+def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
+    direct = ask(stack["vllm"].url, messages(IMAGES))  # vLLM's own encoder on the raw images
+    via = ask(stack["gateway"].url, messages(IMAGES))
+    assert via.choices[0].message.content == direct.choices[0].message.content
+    assert via.usage.prompt_tokens == direct.usage.prompt_tokens
+    stream = ask(stack["gateway"].url, messages([*IMAGES[1:], IMAGES[0]]), stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    expected = ask(stack["vllm"].url, messages([*IMAGES[1:], IMAGES[0]])).choices[0].message.content
+    assert streamed == expected
+
+
+def test_paths_by_number_of_images(stack) -> None:
+    gw = stack["gateway"]
+    before = paths(gw)
+    text_only = [{"role": "user", "content": "Hello there."}]
+    assert ask(gw.url, text_only).choices[0].message.content
+    assert ask(gw.url, messages(IMAGES[:1])).choices[0].message.content
+    assert ask(gw.url, messages(IMAGES[:2])).choices[0].message.content
+    after = paths(gw)
+    assert after.get("pd", 0) - before.get("pd", 0) == 2
+    assert after.get("epd", 0) - before.get("epd", 0) == 1
+
+
+def test_bad_requests_shaped_like_vllm(stack) -> None:
+    url = stack["gateway"].url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url, content=b'{"model": "m", "messages": [', headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "m", "messages": messages(IMAGES + IMAGES)}, headers=auth)
+    assert r.status_code == 400 and "too many media items" in r.json()["error"]["message"]
+    bad_part = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
+    r = httpx.post(url, json={"model": "m", "messages": bad_part}, headers=auth)
+    assert r.status_code == 400 and "unsupported content part type 'input_audio'" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "m", "messages": messages(["http://10.0.0.1/a.png"])}, headers=auth)
+    assert r.status_code == 400 and "private" in r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        ask(stack["gateway"].url, messages(IMAGES[:2]), key="wrong")
+    r = httpx.post(url, json={"model": "m", "messages": messages(IMAGES[:2])})
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+
+
+def test_encoder_killed_under_load_every_request_answers(stack) -> None:
+    gw = stack["gateway"]
+    sets = [[image_data_url(56 + 8 * k, 64, seed=1000 + 10 * s + k) for k in range(3)] for s in range(4)]
+    expected = [ask(stack["vllm"].url, messages(s)).choices[0].message.content for s in sets]
+    failovers_before = _failovers(gw)
+
+    def one(i: int) -> bool:
+        if i == 40:
+            stack["erics"][0].stop()  # killed while requests are in flight
+        return ask(gw.url, messages(sets[i % 4])).choices[0].message.content == expected[i % 4]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(200)))
+    assert all(results), results.count(False)
+    assert _failovers(gw) > failovers_before
+    health = httpx.get(gw.url + "/health").json()
+    assert health["encoders"][stack["erics"][0].url] is False
+
+
+def _failovers(gateway: ServerProcess) -> float:
+    m = re.search(r"^gateway_failovers_total (\S+)$", httpx.get(gateway.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
