@@ -188,6 +188,17 @@ def eric_counters(vllm_url: str) -> dict[str, float]:
     return out
 
 
+def eric_stats(eric_url: str) -> dict:
+    """Eric's view: items encoded or served from its pool, and pool entries still leased (a repeat that vLLM
+    found in its own encoder cache is encoded or leased at Eric but never fetched, so never acknowledged)."""
+    items: dict[str, float] = {}
+    for line in httpx.get(eric_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("eric_items_total{"):
+            source = line.split('source="')[1].split('"')[0]
+            items[source] = items.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {"items": items, "pool": httpx.get(eric_url + "/v1/transfer", timeout=30).json()}
+
+
 def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads: list[Workload],
                warmup: Workload) -> dict:
     """Start vLLM for one system, warm it up, run every workload one after the other, stop it."""
@@ -201,7 +212,7 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
             for workload in workloads:
                 logger.info("%s %s (%d requests)", system, workload.name, len(workload.requests))
                 samples, wall = await client.run(workload)
-                runs[workload.name] = summary(samples, wall)
+                runs[workload.name] = summary(samples, wall) | {"loadavg_1m": os.getloadavg()[0]}
                 logger.info("%s %s: %s", system, workload.name,
                             {k: round(v, 3) for k, v in runs[workload.name].items()})
             await client.close()
@@ -211,6 +222,7 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
         if eric is not None:
             after = eric_counters(server.url)
             runs["eric_ec_counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            runs["eric"] = eric_stats(eric.url)
     return runs
 
 
@@ -219,9 +231,7 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
 
 def ratios(results: dict) -> dict:
     out = {}
-    for name in results["runs"]["monolithic"]:
-        if name == "eric_ec_counters":
-            continue
+    for name in results["repeats_per_run"]:
         mono, epd = results["runs"]["monolithic"][name], results["runs"]["epd"][name]
         out[name] = {"ttft_p50": epd["ttft_p50_s"] / mono["ttft_p50_s"],
                      "ttft_p99": epd["ttft_p99_s"] / mono["ttft_p99_s"],
@@ -242,7 +252,7 @@ def plot(results: dict, path: Path) -> None:
     for ax, (key, label) in zip(axes, panels):
         for dx, system, title in ((-0.2, "monolithic", "vLLM"), (0.2, "epd", "vLLM + Eric")):
             ax.bar(x + dx, [results["runs"][system][n][key] for n in names], 0.4, label=title)
-        ratio_key = key.removesuffix("_s")
+        ratio_key = key if key == "requests_per_s" else key.removesuffix("_s")
         for i, n in enumerate(names):
             top = max(results["runs"][s][n][key] for s in ("monolithic", "epd"))
             ax.text(i, top, f"{results['ratios'][n][ratio_key]:.2f}x", ha="center", va="bottom")
@@ -272,13 +282,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run, ~3 minutes)")
     ap.add_argument("--requests", type=int, default=None, help="requests per run at concurrency 1 "
-                    "(twice as many at concurrency 4; default 8, --quick 2)")
+                    "(twice as many at concurrency 4; default 6, --quick 2)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # both vLLMs get the same two cores for their OpenMP threads; Eric (EPD only) shares them
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    n1 = args.requests or (2 if args.quick else 8)
+    n1 = args.requests or (2 if args.quick else 6)
     start = time.perf_counter()
     model_dir = ensure_checkpoint("qwen2_vl", "small")
     warmup = warmup_workload(4 if not args.quick else 2)

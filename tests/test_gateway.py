@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,33 +11,10 @@ import openai
 import pytest
 
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, ServerProcess, free_port
+from eric_epd.testing.server import EricServer, ServerProcess
+from eric_epd.testing.stack import GatewayServer, VllmServe
 
 API_KEY = "sk-test"
-
-
-class VllmServe(ServerProcess):
-    def __init__(self, model: Path, log_path: Path, eric_urls: list[str] | None = None,
-                 extra: tuple[str, ...] = (), env_note: str = "") -> None:
-        port = free_port()
-        vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
-               "--gpu-memory-utilization", "0.15", "--enforce-eager",
-               "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
-        if eric_urls:
-            ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
-                  "ec_connector_extra_config": {"eric_urls": eric_urls, "backends": ["shm", "http"]}}
-            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
-                    "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
-        super().__init__(cmd, port, log_path, startup_timeout_s=300)
-
-
-class Gateway(ServerProcess):
-    def __init__(self, log_path: Path, *args: str) -> None:
-        port = free_port()
-        cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
-               "--health-interval", "0.5", *args]
-        super().__init__(cmd, port, log_path, startup_timeout_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +22,7 @@ def stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("stack")
     erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log").start() for i in range(2)]
     vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics]).start()
-    gateway = Gateway(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
+    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
                       "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4").start()
     yield {"erics": erics, "vllm": vllm, "gateway": gateway}
     for server in (gateway, vllm, *erics):

@@ -1,0 +1,77 @@
+"""The plain PD path: the gateway joins a prefill and a decode vLLM (NixlConnector, CPU buffers); decode's answer
+equals monolithic vLLM's. Multi-image requests go through Eric first and then the same prefill/decode pair."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from eric_epd.testing.media import image_data_url
+from eric_epd.testing.server import EricServer, ServerProcess
+from eric_epd.testing.stack import GatewayServer, pd_vllm
+
+API_KEY = "unused"
+
+
+@pytest.fixture(scope="module")
+def pd_stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("pd")
+    eric = EricServer(qwen2_vl_tiny, log_path=logs / "eric.log").start()
+    prefill = pd_vllm(qwen2_vl_tiny, "kv_producer", 0, logs / "prefill.log", [eric.url]).start()
+    decode = pd_vllm(qwen2_vl_tiny, "kv_consumer", 1, logs / "decode.log", [eric.url]).start()
+    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--prefill-urls", prefill.url,
+                      "--decode-urls", decode.url).start()
+    yield {"eric": eric, "prefill": prefill, "decode": decode, "gateway": gateway}
+    for server in (gateway, decode, prefill, eric):
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def monolithic(pd_stack):
+    """The reference: the prefill instance asked directly, without kv_transfer_params, runs the whole request
+    itself (its own vision encoder on the raw images, its own decode), as a monolithic vLLM does."""
+    return pd_stack["prefill"]
+
+
+def messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def ask(base_url: str, msgs: list[dict], **kw):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0.0,
+                                          extra_body={"ignore_eos": True}, **kw)
+
+
+def paths(gateway: ServerProcess) -> dict[str, float]:
+    text = httpx.get(gateway.url + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^gateway_requests_total\{path="(\w+)"\} (\S+)$',
+                                                                 text, re.M)}
+
+
+TEXT = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog, please."}]
+ONE = messages([image_data_url(120, 90, seed=41)])
+THREE = messages([image_data_url(64 + 20 * i, 80, seed=50 + i) for i in range(3)])
+
+
+def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
+    gw = pd_stack["gateway"]
+    before = paths(gw)
+    for msgs in (TEXT, ONE, THREE):
+        expected = ask(monolithic.url, msgs).choices[0].message.content
+        assert ask(gw.url, msgs).choices[0].message.content == expected
+    after = paths(gw)
+    assert after.get("pd", 0) - before.get("pd", 0) == 2  # text and one image: prefill -> decode
+    assert after.get("epd", 0) - before.get("epd", 0) == 1  # three images: Eric -> prefill -> decode
+
+
+def test_pd_streaming_equals_monolithic(pd_stack, monolithic) -> None:
+    expected = ask(monolithic.url, ONE).choices[0].message.content
+    stream = ask(pd_stack["gateway"].url, ONE, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
