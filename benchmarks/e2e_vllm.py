@@ -1,6 +1,6 @@
-"""End-to-end TTFT p50/p99 and requests/s of `vllm serve` alone (monolithic) against vLLM behind Eric (EPD), for
-chat requests with 4 images; small offline Qwen2-VL, float32, same run, concurrency 1 and 4, distinct and repeated
-images.  Writes benchmarks/results/e2e_vllm.{json,png}.  Usage: python benchmarks/e2e_vllm.py [--quick]
+"""End-to-end TTFT p50/p99 and requests/s, 4-image chat requests, monolithic `vllm serve` against vLLM + Eric (EPD).
+
+Writes benchmarks/results/e2e_vllm.{json,png}.  Usage: python benchmarks/e2e_vllm.py [--quick]
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def make_workload(series: str, concurrency: int, num_requests: int, earlier: lis
 
 
 def warmup_workload(num_requests: int) -> Workload:
+    """Distinct images of their own, sent once to each system before its runs."""
     rng = np.random.default_rng(7)
     return Workload("warmup", 4, [[_fresh(rng, 7_000_000 + IMAGES_PER_REQUEST * i + j)
                                 for j in range(IMAGES_PER_REQUEST)] for i in range(num_requests)])
@@ -280,7 +281,8 @@ def _print_table(results: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run, ~3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run: ~2 minutes of requests "
+                    "plus two vLLM start-ups)")
     ap.add_argument("--requests", type=int, default=None, help="requests per run at concurrency 1 "
                     "(twice as many at concurrency 4; default 6, --quick 2)")
     args = ap.parse_args()
@@ -301,6 +303,8 @@ def main() -> None:
                      "cpu_cores": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                      "repeats_per_run": {w.name: w.num_repeats for w in workloads},
                      "ttft": "from before the request (EPD: before Eric's /v1/encode) to vLLM's first streamed chunk",
+                     "layout": "one system at a time; vLLM's OpenMP threads bound to all cores in both systems; Eric "
+                               "(TP 1, EPD only) shares the same cores",
                      "runs": {}}
     results["runs"]["monolithic"] = run_system("monolithic", model_dir, None, workloads, warmup)
     with EricServer(model_dir, extra_args=("--dtype", DTYPE), log_path=RESULTS / "e2e_vllm_eric.log") as eric:

@@ -18,6 +18,7 @@ from eric_epd import __version__
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, read_model_config, resolve_dtype
+from eric_epd.plugins.sglang.adapter import sglang_routes
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import Processor, model_fingerprint
@@ -152,6 +153,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         return JSONResponse({"model": model_name, "items": [item_json(a) for a in answers]})
 
     app.include_router(transfer_routes(hub))
+    app.include_router(sglang_routes(config, hub, state))  # SGLang encoder protocol (/encode, /send, ...)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 _FORWARD_HEADERS = ("authorization", "x-request-id")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    """(raw body, parsed object): the raw bytes are forwarded as they are when nothing needs rewriting."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise GatewayError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
@@ -38,13 +39,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise GatewayError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise GatewayError(400, f"malformed JSON body: {e}") from e
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
-    return body
+    return raw, body
 
 
 class Gateway:
@@ -64,18 +66,18 @@ class Gateway:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
             raise GatewayError(401, "Unauthorized")
 
-    async def chat(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+    async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
         refs = collect_media(body, self.config.url_policy, self.config.max_items)
         await self._check_hosts(refs)
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
-            return path, await self.upstreams.complete("/v1/chat/completions", body, headers)
+            return path, await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         start = time.perf_counter()
         try:
             items, fanout = await self.encoders.encode(refs)
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
-            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers)
+            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         self.metrics.encode_latency.observe(time.perf_counter() - start)
         self.metrics.fanout.observe(fanout)
         response = await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
@@ -83,7 +85,7 @@ class Gateway:
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
             logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
             self.metrics.failovers.inc()
-            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers)
+            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         return "epd", response
 
     async def _check_hosts(self, refs: list) -> None:
@@ -102,8 +104,8 @@ def _embeddings_lost(response: Response) -> bool:
     if isinstance(response, StreamingResponse) or response.status_code != 200:
         return False
     try:
-        choices = json.loads(response.body).get("choices", [])
-    except (json.JSONDecodeError, AttributeError):
+        choices = orjson.loads(response.body).get("choices", [])
+    except (orjson.JSONDecodeError, AttributeError):
         return False
     return any(c.get("finish_reason") == "error" for c in choices)
 
@@ -139,9 +141,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
-        body = await read_json(request, config.max_body_bytes)
+        raw, body = await read_json(request, config.max_body_bytes)
         start = time.perf_counter()
-        path, response = await gw.chat(body, forwarded(request))
+        path, response = await gw.chat(raw, body, forwarded(request))
         metrics.requests.labels(path=path).inc()
         metrics.latency.labels(path=path).observe(time.perf_counter() - start)
         response.headers["x-epd-path"] = path
@@ -151,9 +153,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
-        body = await read_json(request, config.max_body_bytes)
+        raw, body = await read_json(request, config.max_body_bytes)
         start = time.perf_counter()
-        response = await gw.upstreams.complete("/v1/completions", body, forwarded(request))
+        response = await gw.upstreams.complete("/v1/completions", body, forwarded(request), raw)
         metrics.requests.labels(path="pd").inc()
         metrics.latency.labels(path="pd").observe(time.perf_counter() - start)
         return response
@@ -190,7 +192,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         given = request.headers.get("authorization", "")
         if config.admin_key is None or not hmac.compare_digest(given.encode(), f"Bearer {config.admin_key}".encode()):
             raise GatewayError(401, "Unauthorized")
-        body = await read_json(request, 4096)
+        _, body = await read_json(request, 4096)
         url = body.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise GatewayError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")

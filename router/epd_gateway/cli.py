@@ -13,7 +13,8 @@ from epd_gateway.config import parse_args
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False,
+                loop="uvloop", http="httptools")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from epd_gateway.config import GatewayConfig
@@ -39,10 +40,12 @@ class Upstreams:
             raise GatewayError(503, f"upstream {url} unreachable: {e!r}") from e
         return _passthrough(resp)
 
-    async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        """Run one (chat) completion to the end; streams when the client asked for it."""
+    async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                       raw: bytes | None = None) -> Response:
+        """Run one (chat) completion to the end; streams when the client asked for it. `raw`, when given, is the
+        client's unmodified body (forwarded without re-encoding)."""
         if self._colocated is not None:
-            return await self._forward("decode", next(self._colocated), path, body, headers)
+            return await self._forward("decode", next(self._colocated), path, body, headers, raw)
         assert self._prefill is not None and self._decode is not None
         prefill_url, decode_url = next(self._prefill), next(self._decode)
         if self._config.backend == "sglang":
@@ -98,7 +101,8 @@ class Upstreams:
 
     async def _post(self, stage: str, url: str, path: str, body: dict[str, Any],
                     headers: dict[str, str]) -> httpx.Response:
-        request = self._client.build_request("POST", url + path, json=body, headers=headers,
+        request = self._client.build_request("POST", url + path, content=orjson.dumps(body),
+                                             headers={**headers, "content-type": "application/json"},
                                              timeout=self._config.upstream_timeout_s)
         try:
             return await self._send(request, stream=False)
@@ -110,9 +114,11 @@ class Upstreams:
             raise GatewayError(502 if stage == "prefill" else 503, f"{stage} at {url} unreachable: {e!r}") from e
 
     async def _forward(self, stage: str, url: str, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> Response:
+                       headers: dict[str, str], raw: bytes | None = None) -> Response:
         """The final call; its response (streamed or not) goes back to the client unchanged."""
-        request = self._client.build_request("POST", url + path, json=body, headers=headers,
+        content = raw if raw is not None else orjson.dumps(body)
+        request = self._client.build_request("POST", url + path, content=content,
+                                             headers={**headers, "content-type": "application/json"},
                                              timeout=self._config.upstream_timeout_s)
         try:
             resp = await self._send(request, stream=True)
