@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from eric_epd.common.shm import attach_untracked
-from eric_epd.testing.media import data_url
 from eric_epd.testing.server import EricServer, ServerProcess, free_port
-from eric_epd.testing.vllm_cases import CASES, MAX_TOKENS, Case, epd_prompt, llm_kwargs
+from eric_epd.testing.vllm_cases import CASES, MAX_TOKENS, Case, encode_case, epd_prompt, greedy, llm_kwargs
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 CHANGED = Case("changed", ((80, 80),), seed=9)
@@ -54,17 +53,11 @@ def llm(qwen2_vl_tiny: Path, erics):
 
 
 def encode(eric: EricServer, case: Case) -> list[dict]:
-    items = [{"modality": "image", "url": data_url(b)} for b in case.images()]
-    items += [{"modality": "video", "url": data_url(v, "video/mp4")} for v in case.videos()]
-    resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["items"]
+    return encode_case(eric.url, case)
 
 
 def generate(llm, prompt: dict):
-    from vllm import SamplingParams
-
-    return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    return greedy(llm, prompt)
 
 
 def eric_counters(llm) -> dict[str, float]:

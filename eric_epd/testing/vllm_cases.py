@@ -1,7 +1,8 @@
 """Shared prompts and media for the vLLM tests and benchmark: the same images and videos go to monolithic vLLM
 (raw media) and to vLLM behind Eric (metadata + uuid), so their greedy tokens can be compared.
 
-`python -m eric_epd.testing.vllm_cases MODEL OUT.json` runs monolithic vLLM on every case and writes its tokens.
+`python -m eric_epd.testing.vllm_cases MODEL OUT.json [CASE ...]` runs monolithic vLLM on the cases (default all)
+and writes its tokens.
 """
 
 from __future__ import annotations
@@ -83,6 +84,26 @@ def epd_prompt(case: Case, items: list[dict[str, Any]]) -> dict[str, Any]:
     return {"prompt": case.prompt(), "multi_modal_data": mm, "multi_modal_uuids": uuids}
 
 
+def encode_case(eric_url: str, case: Case) -> list[dict[str, Any]]:
+    """POST the case's media to an Eric; its answer items (hash, grid_thw, handle...)."""
+    import httpx
+
+    from eric_epd.testing.media import data_url
+
+    items = [{"modality": "image", "url": data_url(b)} for b in case.images()]
+    items += [{"modality": "video", "url": data_url(v, "video/mp4")} for v in case.videos()]
+    resp = httpx.post(eric_url + "/v1/encode", json={"items": items}, timeout=120)
+    resp.raise_for_status()
+    return resp.json()["items"]
+
+
+def greedy(llm: Any, prompt: dict[str, Any]) -> Any:
+    """One greedy generation of MAX_TOKENS tokens (EOS ignored, so every run has the same length)."""
+    from vllm import SamplingParams
+
+    return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+
+
 def llm_kwargs(model: Path) -> dict[str, Any]:
     return dict(model=str(model), dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
                 gpu_memory_utilization=0.15,
@@ -93,11 +114,12 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    model, out = Path(sys.argv[1]), Path(sys.argv[2])
+    model, out, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    cases = [c for c in CASES if not names or c.name in names]
     llm = LLM(**llm_kwargs(model))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([raw_prompt(c) for c in CASES], params)
-    out.write_text(json.dumps({c.name: list(o.outputs[0].token_ids) for c, o in zip(CASES, outputs)}))
+    outputs = llm.generate([raw_prompt(c) for c in cases], params)
+    out.write_text(json.dumps({c.name: list(o.outputs[0].token_ids) for c, o in zip(cases, outputs)}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+"""Qwen2.5-VL (windowed vision attention) behind Eric in real vLLM: greedy tokens equal vLLM's own encoder's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eric_epd.testing.server import EricServer
+from eric_epd.testing.vllm_cases import CASES, encode_case, epd_prompt, greedy, llm_kwargs, raw_prompt
+
+IMAGE_CASES = ("two_images", "four_images")
+
+
+def test_qwen25_epd_tokens_equal_monolithic(qwen2_5_vl_tiny: Path, tmp_path: Path) -> None:
+    """The reference is the same engine given the raw images: the connector declines identifiers that are not
+    Eric hashes, so vLLM runs its own Qwen2.5-VL vision encoder on them, exactly as a monolithic vLLM does."""
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    with EricServer(qwen2_5_vl_tiny, tp=2, log_path=tmp_path / "eric.log") as eric:
+        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
+                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
+        llm = LLM(**llm_kwargs(qwen2_5_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
+        for case in (c for c in CASES if c.name in IMAGE_CASES):
+            monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)
+            epd = list(greedy(llm, epd_prompt(case, encode_case(eric.url, case))).outputs[0].token_ids)
+            assert epd == monolithic, case.name
+        counters = {m.name: m.value for m in llm.get_metrics() if "eric_ec" in m.name}
+        assert counters["vllm:eric_ec_loaded_items"] == 6  # 2 + 4 images came from Eric
+        assert counters["vllm:eric_ec_local_encoder_items"] == 6  # the raw-image runs used vLLM's encoder
+        del llm
