@@ -36,6 +36,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds an unacknowledged embedding is kept")
     p.add_argument("--pool-wait", type=float, default=TransferConfig.pool_wait_s,
                    help="seconds new work waits for pool space before 503")
+    p.add_argument("--keep-acked-bytes", type=int, default=TransferConfig.keep_acked_bytes,
+                   help="keep acknowledged embeddings as a content cache up to this many bytes (0: free at ack)")
     p.add_argument("--transfer-backends", default=",".join(TransferConfig.backends),
                    help=f"comma-separated subset of {TRANSFER_BACKENDS} (HTTP is always on)")
     p.add_argument("--advertise-host", default=None,
@@ -61,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
         transfer=TransferConfig(
             pool_bytes=args.pool_bytes, ttl_s=args.embedding_ttl, pool_wait_s=args.pool_wait,
+            keep_acked_bytes=args.keep_acked_bytes,
             backends=tuple(b for b in args.transfer_backends.split(",") if b),
             advertise_host=args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"),
             mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device),

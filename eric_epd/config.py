@@ -43,6 +43,9 @@ class TransferConfig:
     """An entry not acknowledged within this long (since its last lease) is freed."""
     pool_wait_s: float = 10.0
     """How long new work waits for pool space before answering 503."""
+    keep_acked_bytes: int = 0
+    """Acknowledged embeddings kept as a content cache (evicted first, LRU) up to this many bytes, so repeated
+    images are not encoded again; 0 frees them at the last acknowledgement."""
     backends: tuple[str, ...] = ("shm",)
     advertise_host: str = "127.0.0.1"
     """Host name consumers use to reach this Eric (HTTP control API, Mooncake, NIXL)."""

@@ -58,6 +58,24 @@ def test_pool_lease_ack_expire() -> None:
         pool.close()
 
 
+def test_pool_keeps_acked_entries_as_cache() -> None:
+    pool = EmbeddingPool(f"eric-test-{time.monotonic_ns()}", 4 * ALIGN, ttl_s=60, keep_acked_bytes=2 * ALIGN)
+    try:
+        for key in ("a", "b"):
+            pool.reserve(key, ALIGN, (ALIGN,), "uint8")
+            pool.commit(key)
+            pool.lease(key)
+            assert pool.ack(key)
+        assert len(pool) == 0 and pool.used_bytes == 0 and pool.cached_bytes == 2 * ALIGN
+        assert pool.get("a") is not None and not pool.ack("a")  # cached, not leased
+        pool.lease("a")  # a repeat: served from the cache, no encode
+        assert len(pool) == 1 and pool.cached_bytes == ALIGN
+        assert pool.reserve("big", 3 * ALIGN, (1,), "uint8") is not None  # evicts "b" to make room
+        assert pool.get("b") is None and pool.get("a") is not None
+    finally:
+        pool.close()
+
+
 def _shm_producer(name: str, sizes: list[int], out: mp.Queue, done: mp.Event) -> None:
     pool = EmbeddingPool(name, sum(s + ALIGN for s in sizes), ttl_s=60)
     backend = ShmProducer(name)

@@ -10,6 +10,7 @@ import bisect
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +77,7 @@ class FreeList:
 class EmbeddingPool:
     """Owned by the router process (single-threaded asyncio use; not thread-safe by design)."""
 
-    def __init__(self, name: str, nbytes: int, ttl_s: float) -> None:
+    def __init__(self, name: str, nbytes: int, ttl_s: float, keep_acked_bytes: int = 0) -> None:
         self._shm: Segment | None = Segment(name=name, create=True, size=nbytes)
         self.name = name
         self.nbytes = nbytes
@@ -86,13 +87,23 @@ class EmbeddingPool:
         self._free = FreeList(nbytes)
         self._entries: dict[str, PoolEntry] = {}
         self._generations = itertools.count(1)
+        # Acknowledged entries kept as a content cache (LRU, first to go when space is needed), up to this budget.
+        self._keep_acked_bytes = keep_acked_bytes
+        self._acked: OrderedDict[str, PoolEntry] = OrderedDict()
+        self._acked_bytes = 0
 
     @property
     def used_bytes(self) -> int:
-        return self.nbytes - self._free.free_bytes
+        """Bytes held for consumers (leased or in flight); acknowledged cache entries are not counted."""
+        return self.nbytes - self._free.free_bytes - self._acked_bytes
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._acked_bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Entries held for consumers (acknowledged cache entries are not counted)."""
+        return len(self._entries) - len(self._acked)
 
     def get(self, key: str) -> PoolEntry | None:
         return self._entries.get(key)
@@ -102,6 +113,9 @@ class EmbeddingPool:
         if key in self._entries:
             raise KeyError(f"{key} already in the pool")
         offset = self._free.allocate(nbytes)
+        while offset is None and self._acked:  # make room from the cache of acknowledged entries
+            self.release(next(iter(self._acked)))
+            offset = self._free.allocate(nbytes)
         if offset is None:
             return None
         entry = PoolEntry(key, offset, nbytes, shape, dtype, generation=next(self._generations),
@@ -115,6 +129,8 @@ class EmbeddingPool:
     def lease(self, key: str) -> PoolEntry:
         """One more consumer will read this entry; the TTL restarts."""
         entry = self._entries[key]
+        if self._acked.pop(key, None) is not None:  # a cached entry is wanted again
+            self._acked_bytes -= entry.nbytes
         entry.leases += 1
         entry.expires_at = time.monotonic() + self.ttl_s
         return entry
@@ -125,21 +141,35 @@ class EmbeddingPool:
         entry = self._entries.get(key)
         if entry is None or not entry.ready or (generation is not None and generation != entry.generation):
             return False
+        if key in self._acked:
+            return False
         entry.leases -= 1
         if entry.leases <= 0:
-            self.release(key)
+            self._retire(entry)
         return True
+
+    def _retire(self, entry: PoolEntry) -> None:
+        """No lease left: free the entry, or keep it as cache within the budget (evicting the oldest)."""
+        if entry.nbytes > self._keep_acked_bytes:
+            self.release(entry.hash)
+            return
+        self._acked[entry.hash] = entry
+        self._acked_bytes += entry.nbytes
+        while self._acked_bytes > self._keep_acked_bytes:
+            self.release(next(iter(self._acked)))
 
     def release(self, key: str) -> None:
         """Free an entry now (failed encode, last ack, expiry)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
+            if self._acked.pop(key, None) is not None:
+                self._acked_bytes -= entry.nbytes
             self._free.free(entry.offset, entry.nbytes)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Free ready entries whose TTL passed; return their hashes."""
         now = time.monotonic() if now is None else now
-        gone = [k for k, e in self._entries.items() if e.ready and e.expires_at <= now]
+        gone = [k for k, e in self._entries.items() if e.ready and e.expires_at <= now and k not in self._acked]
         for key in gone:
             self.release(key)
         if gone:

@@ -47,7 +47,7 @@ class TransferHub:
     def __init__(self, config: EricConfig) -> None:
         self._config = config
         tc = config.transfer
-        self.pool = EmbeddingPool(config.pool_name, tc.pool_bytes, tc.ttl_s)
+        self.pool = EmbeddingPool(config.pool_name, tc.pool_bytes, tc.ttl_s, tc.keep_acked_bytes)
         self.backends = create_backends(config)
         for backend in self.backends:
             backend.register(self.pool.base_addr, self.pool.nbytes)
@@ -101,7 +101,7 @@ class TransferHub:
 
     def stats(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, "pool_name": self.pool.name, "pool_bytes": self.pool.nbytes,
-                "used_bytes": self.pool.used_bytes, "entries": len(self.pool),
+                "used_bytes": self.pool.used_bytes, "entries": len(self.pool), "cached_bytes": self.pool.cached_bytes,
                 "backends": ["http", *(b.name for b in self.backends)]}
 
     def close(self) -> None:

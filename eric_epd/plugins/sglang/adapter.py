@@ -79,6 +79,9 @@ class SglangSettings:
     """How long a rank's early call waits for the part's /encode (SGLANG_ENCODER_REQ_TIMEOUT)."""
     register_retry_s: float = 5.0
     register_attempts: int = 30
+    dtype: str = "auto"
+    """dtype of the rows sent (ERIC_SGLANG_DTYPE): must be the prefill's model dtype, since mooncake/NIXL landing
+    buffers are read in it. "auto" applies SGLang's own --dtype auto rule to the checkpoint (float32 -> float16)."""
 
     @classmethod
     def from_env(cls) -> SglangSettings:
@@ -89,7 +92,26 @@ class SglangSettings:
             send_timeout_s=_env_float("SGLANG_ENCODER_SEND_TIMEOUT", cls.send_timeout_s),
             req_timeout_s=_env_float("SGLANG_ENCODER_REQ_TIMEOUT", cls.req_timeout_s),
             register_retry_s=_env_float("ERIC_SGLANG_REGISTER_RETRY", cls.register_retry_s),
+            dtype=os.environ.get("ERIC_SGLANG_DTYPE", "").strip() or cls.dtype,
         )
+
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def wire_dtype(setting: str, model_cfg: dict[str, Any]) -> str:
+    """The dtype SGLang's prefill runs the model in, by its own --dtype auto rule (model_config._get_and_verify_dtype:
+    the checkpoint's dtype, but float16 for a float32 checkpoint), unless set explicitly."""
+    if setting != "auto":
+        if setting not in _ELEMENT_BYTES:
+            raise ValueError(f"ERIC_SGLANG_DTYPE must be auto, float32, bfloat16 or float16, not {setting!r}")
+        return setting
+    text = model_cfg.get("text_config") or {}
+    declared = str(model_cfg.get("dtype") or model_cfg.get("torch_dtype") or text.get("dtype")
+                   or text.get("torch_dtype") or "float32").removeprefix("torch.")
+    if declared in ("float32", "float"):
+        return "float16"
+    return declared if declared in _ELEMENT_BYTES else "float16"
 
 
 class SglangError(Exception):
@@ -182,6 +204,10 @@ class Part:
     active: int = 0
     released: bool = False
     delivering: bool = False
+    acked: bool = False
+    staged: str | None = None
+    """Pool key of the part's rows converted to the wire dtype (one contiguous entry), when Eric's dtype differs."""
+    wire_bytes: int = 0
 
     def set_mode(self, mode: str) -> None:
         if self.mode is None:
@@ -192,10 +218,6 @@ class Part:
                                    "every prefill rank must use the same --encoder-transfer-backend")
 
     @property
-    def nbytes(self) -> int:
-        return sum(a.handle.nbytes for a in self.answers or ())
-
-    @property
     def tokens(self) -> int:
         return sum(a.handle.shape[0] for a in self.answers or ())
 
@@ -204,13 +226,19 @@ class SglangEncoder:
     """The protocol state of one Eric: parts by req_id, the ZMQ context and the push engines."""
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangSettings,
-                 dim: int, dtype: str, model_type: str, temporal_patch_size: int) -> None:
+                 dim: int, eric_dtype: str, wire: str, model_type: str, temporal_patch_size: int) -> None:
         self.config = config
         self.hub = hub
         self._state = state
         self.settings = settings
         self.dim = dim
-        self.dtype = dtype
+        self.eric_dtype = eric_dtype
+        self.dtype = wire
+        """What the part header announces and the rows are in (the prefill's model dtype)."""
+        if wire != eric_dtype:
+            import torch  # noqa: F401  (parts are converted: load it now, not at the first request)
+
+            logger.info("SGLang parts are sent as %s (Eric computes %s)", wire, eric_dtype)
         self.model_type = model_type
         self.temporal_patch_size = temporal_patch_size
         self.parts: dict[str, Part] = {}
@@ -274,6 +302,15 @@ class SglangEncoder:
         part.released = True
         if self.parts.get(part.req_id) is part:
             del self.parts[part.req_id]
+        if part.staged is not None:
+            self.hub.release(part.staged)
+        self._ack(part)
+
+    def _ack(self, part: Part) -> None:
+        """Return Eric's leases (once per distinct pool entry); idempotent."""
+        if part.acked:
+            return
+        part.acked = True
         seen = set()
         for answer in part.answers or ():
             h = answer.handle
@@ -322,6 +359,13 @@ class SglangEncoder:
             part.done.set()
             self._release(part)
             raise
+        try:
+            await self._stage(part)
+        except BaseException as e:
+            part.error = (f"{type(e).__name__}: {e}", 503)
+            part.done.set()
+            self._deliver_error(part)
+            raise SglangError(503, f"could not stage the part in the wire dtype: {e}") from e
         part.done.set()
         if part.mode == "tokenizer":
             return await self._deliver_direct(part)
@@ -335,8 +379,41 @@ class SglangEncoder:
         if part.mode == "scheduler":
             return await self._deliver_registered(part)
         return {"req_id": req.req_id, "num_parts": req.num_parts, "part_idx": req.part_idx,
-                "modality": modality, "embedding_size": part.nbytes, "embedding_len": part.tokens,
+                "modality": modality, "embedding_size": part.wire_bytes, "embedding_len": part.tokens,
                 "embedding_dim": self.dim}
+
+    async def _stage(self, part: Part) -> None:
+        """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (registered
+        with the push engines like every pool byte), after which Eric's own leases are returned."""
+        part.wire_bytes = part.tokens * self.dim * _ELEMENT_BYTES[self.dtype]
+        if self.dtype == self.eric_dtype:
+            return
+        import torch
+
+        key = f"sglang-stage:{part.req_id}"
+        entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim), self.dtype)
+        part.staged = key
+        src_dtype, offset = getattr(torch, self.eric_dtype), 0
+        dst = torch.from_numpy(self.hub.pool.view(entry)).view(getattr(torch, self.dtype))
+        for row in self._entries(part, staged=False):
+            rows = torch.from_numpy(self.hub.pool.view(row)).view(src_dtype)
+            dst[offset: offset + rows.numel()] = rows  # the same rounding as Tensor.to(dtype)
+            offset += rows.numel()
+        self._ack(part)
+
+    def _entries(self, part: Part, staged: bool = True) -> list[Any]:
+        if staged and part.staged is not None:
+            entry = self.hub.pool.get(part.staged)
+            if entry is None:
+                raise SglangError(500, f"staged part {part.req_id} left the pool")
+            return [entry]
+        entries = []
+        for answer in part.answers or ():
+            entry = self.hub.pool.get(answer.handle.hash)
+            if entry is None or entry.generation != answer.handle.generation:
+                raise SglangError(500, f"embedding {answer.handle.hash} left the pool before it was sent")
+            entries.append(entry)
+        return entries
 
     def _header(self, part: Part) -> bytes:
         req = part.request
@@ -356,26 +433,13 @@ class SglangEncoder:
             shape=[part.tokens, self.dim], extra=extra))
 
     def _payload(self, part: Part) -> memoryview | bytes:
-        """The part's rows, contiguous: a view of the pool for one item, a copy for several."""
-        views = []
-        for answer in part.answers or ():
-            entry = self.hub.pool.get(answer.handle.hash)
-            if entry is None or entry.generation != answer.handle.generation:
-                raise SglangError(500, f"embedding {answer.handle.hash} left the pool before it was sent")
-            views.append(self.hub.pool.view(entry))
-        if len(views) == 1:
-            return memoryview(views[0])
-        return np.concatenate(views).tobytes()
+        """The part's rows, contiguous: a view of the pool for one entry, a copy for several."""
+        views = [self.hub.pool.view(e) for e in self._entries(part)]
+        return memoryview(views[0]) if len(views) == 1 else np.concatenate(views).tobytes()
 
     def _ranges(self, part: Part) -> tuple[list[int], list[int]]:
-        srcs, lens = [], []
-        for answer in part.answers or ():
-            entry = self.hub.pool.get(answer.handle.hash)
-            if entry is None or entry.generation != answer.handle.generation:
-                raise SglangError(500, f"embedding {answer.handle.hash} left the pool before it was sent")
-            srcs.append(self.hub.pool.base_addr + entry.offset)
-            lens.append(entry.nbytes)
-        return srcs, lens
+        entries = self._entries(part)
+        return [self.hub.pool.base_addr + e.offset for e in entries], [e.nbytes for e in entries]
 
     # -------------------------------------------------------------------------------------------------------- ZMQ
 
@@ -531,15 +595,15 @@ class SglangEncoder:
 
     async def meta(self, req: MetaRequest) -> dict[str, Any]:
         part = await self.wait_encoded(req.req_id, create=True)
-        return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.nbytes,
+        return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.wire_bytes,
                 "embedding_len": part.tokens, "embedding_dim": self.dim}
 
     async def send(self, req: SendRequest) -> None:
         part = await self.wait_encoded(req.req_id, create=False)
         if part.released:
             raise SglangError(500, f"no staged embedding for req_id={req.req_id} (already released)")
-        if req.embedding_size is not None and req.embedding_size != part.nbytes:
-            raise SglangError(400, f"embedding_size {req.embedding_size} != {part.nbytes} of req_id={req.req_id}")
+        if req.embedding_size is not None and req.embedding_size != part.wire_bytes:
+            raise SglangError(400, f"embedding_size {req.embedding_size} != {part.wire_bytes} of req_id={req.req_id}")
         endpoint = _host_port(req.prefill_host, req.embedding_port)
         part.active += 1
         try:
@@ -633,7 +697,8 @@ def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
         return APIRouter()
     spec = output_spec(config)
     model_cfg = read_model_config(config.model)
-    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, str(model_cfg.get("model_type", "")),
+    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire_dtype(settings.dtype, model_cfg),
+                            str(model_cfg.get("model_type", "")),
                             int(model_cfg.get("vision_config", {}).get("temporal_patch_size", 2)))
 
     @asynccontextmanager
