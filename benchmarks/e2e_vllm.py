@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,8 @@ import numpy as np
 
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import data_url, image_bytes, random_image
-from eric_epd.testing.server import EricServer, ServerProcess, free_port
+from eric_epd.testing.server import EricServer
+from eric_epd.testing.stack import VllmServe
 
 logger = logging.getLogger("e2e_vllm")
 RESULTS = Path(__file__).parent / "results"
@@ -33,21 +33,9 @@ SERIES = ("distinct", "repeat")  # repeat: 2 of the 4 images of every request we
 TEXT = "Describe what you see."
 
 
-class VllmServe(ServerProcess):
-    """`vllm serve` on the checkpoint: monolithic without eric_url, else an ec_consumer of that Eric."""
-
-    def __init__(self, model: Path, eric_url: str | None, log_path: Path) -> None:
-        port = free_port()
-        vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", DTYPE, "--max-model-len", "4096",
-               "--max-num-seqs", "8", "--enforce-eager", "--seed", "0",
-               "--limit-mm-per-prompt", json.dumps({"image": IMAGES_PER_REQUEST, "video": 0})]
-        if eric_url is not None:
-            ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
-                  "ec_connector_extra_config": {"eric_urls": [eric_url], "backends": ["shm", "http"]}}
-            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
-                    "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
-        super().__init__(cmd, port, log_path, startup_timeout_s=600)
+# both systems: the same vLLM flags, its OpenMP threads bound to every core (Eric, EPD only, shares them)
+VLLM_EXTRA = ("--max-num-seqs", "8", "--seed", "0")
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
 
 
 # ---- workload -------------------------------------------------------------------------------------------------
@@ -205,7 +193,8 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
     """Start vLLM for one system, warm it up, run every workload one after the other, stop it."""
     eric_url = eric.url if eric is not None else None
     runs: dict = {}
-    with VllmServe(model_dir, eric_url, RESULTS / f"e2e_vllm_{system}.log") as server:
+    with VllmServe(model_dir, RESULTS / f"e2e_vllm_{system}.log", [eric_url] if eric_url else None, VLLM_EXTRA,
+                   VLLM_ENV, DTYPE) as server:
         client = Client(server.url, eric_url)
 
         async def all_runs() -> None:
@@ -287,10 +276,8 @@ def main() -> None:
                     "(twice as many at concurrency 4; default 6, --quick 2)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    # both vLLMs get the same two cores for their OpenMP threads; Eric (EPD only) shares them
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    for name in ("httpx", "httpx2"):  # openai uses httpx2
+        logging.getLogger(name).setLevel(logging.WARNING)
     n1 = args.requests or (2 if args.quick else 6)
     start = time.perf_counter()
     model_dir = ensure_checkpoint("qwen2_vl", "small")
@@ -300,14 +287,16 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     results: dict = {"checkpoint": "qwen2_vl small (offline random)", "dtype": DTYPE,
                      "images_per_request": IMAGES_PER_REQUEST, "image_sides_px": SIDES, "max_tokens": MAX_TOKENS,
-                     "cpu_cores": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                     "cpu_cores": os.cpu_count(), "vllm_env": VLLM_ENV,
                      "repeats_per_run": {w.name: w.num_repeats for w in workloads},
                      "ttft": "from before the request (EPD: before Eric's /v1/encode) to vLLM's first streamed chunk",
                      "layout": "one system at a time; vLLM's OpenMP threads bound to all cores in both systems; Eric "
                                "(TP 1, EPD only) shares the same cores",
                      "runs": {}}
     results["runs"]["monolithic"] = run_system("monolithic", model_dir, None, workloads, warmup)
-    with EricServer(model_dir, extra_args=("--dtype", DTYPE), log_path=RESULTS / "e2e_vllm_eric.log") as eric:
+    # keep acknowledged embeddings as a content cache so repeated images are not encoded again
+    eric_args = ("--dtype", DTYPE, "--keep-acked-bytes", str(256 << 20))
+    with EricServer(model_dir, extra_args=eric_args, log_path=RESULTS / "e2e_vllm_eric.log") as eric:
         results["runs"]["epd"] = run_system("epd", model_dir, eric, workloads, warmup)
     results["ratios"] = ratios(results)
     results["runtime_s"] = time.perf_counter() - start
