@@ -23,7 +23,8 @@ def stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log").start() for i in range(2)]
     vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics]).start()
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-                      "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4").start()
+                      "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4",
+                            "--admin-key", "admin-test").start()
     yield {"erics": erics, "vllm": vllm, "gateway": gateway}
     for server in (gateway, vllm, *erics):
         server.stop()
@@ -90,6 +91,18 @@ def test_bad_requests_shaped_like_vllm(stack) -> None:
         ask(stack["gateway"].url, messages(IMAGES[:2]), key="wrong")
     r = httpx.post(url, json={"model": "m", "messages": messages(IMAGES[:2])})
     assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+
+
+def test_encoder_registration_needs_admin_key(stack) -> None:
+    url = stack["gateway"].url + "/admin/encoders"
+    extra = "http://127.0.0.1:9"  # nothing listens there: health checks eject it
+    assert httpx.post(url, json={"url": extra}).status_code == 401
+    assert httpx.post(url, json={"url": extra}, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+    admin = {"Authorization": "Bearer admin-test"}
+    assert extra in httpx.post(url, json={"url": extra}, headers=admin).json()["encoders"]
+    assert httpx.post(url, json={"url": "ftp://x"}, headers=admin).status_code == 400
+    assert extra not in httpx.request("DELETE", url, json={"url": extra}, headers=admin).json()["encoders"]
+    assert httpx.request("DELETE", url, json={"url": extra}, headers=admin).status_code == 404
 
 
 def test_encoder_killed_under_load_every_request_answers(stack) -> None:

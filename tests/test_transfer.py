@@ -125,6 +125,38 @@ def test_shm_two_process_byte_exact_and_concurrent() -> None:
         ShmConsumer().read(handles[0], np.empty(handles[0].nbytes, np.uint8))
 
 
+def test_every_backend_byte_exact_from_a_producer_process() -> None:
+    """A model-free producer process (Eric's pool, backends and control API) serves 4 KiB..64 MiB entries; each
+    backend delivers them byte-exact, also 16 at a time."""
+    from eric_epd.testing.pool_server import seeded_bytes
+    from eric_epd.testing.server import PoolServer
+
+    with PoolServer(pool_bytes=200 << 20) as producer:
+        handles = []
+        for i, size in enumerate(SIZES):
+            resp = httpx.post(producer.url + "/v1/testing/entries",
+                              json={"hash": f"e{i}", "nbytes": size, "seed": i, "leases": 100}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            handles.append(as_handle(resp.json()))
+        for backend in ("shm", "nixl", "mooncake", "http"):
+            fetcher = EmbeddingFetcher([backend], http_timeout_s=60)
+            for i, h in enumerate(handles):
+                dst = np.empty(h.nbytes, np.uint8)
+                fetcher.read_into(h, dst)
+                assert fetcher.last_backend == backend
+                assert np.array_equal(dst, seeded_bytes(h.nbytes, i)), (backend, h.nbytes)
+
+            def one(i: int, f: EmbeddingFetcher = fetcher) -> bool:
+                h = handles[i % 3]  # the three smaller sizes, 16 concurrent reads
+                dst = np.empty(h.nbytes, np.uint8)
+                f.read_into(h, dst)
+                return bool(np.array_equal(dst, seeded_bytes(h.nbytes, i % 3)))
+
+            with ThreadPoolExecutor(16) as pool:
+                assert all(pool.map(one, range(16))), backend
+            fetcher.close()
+
+
 # ---- through a live Eric ----------------------------------------------------------------------------------------
 
 BACKENDS = ["shm", "mooncake", "nixl"]
@@ -204,11 +236,11 @@ def test_fetch_after_producer_restart_fails_clearly(qwen2_vl_tiny: Path, tmp_pat
     from eric_epd.testing.server import free_port
 
     port = free_port()
-    args = ("--transfer-backends", "shm,mooncake")
+    args = ("--transfer-backends", "shm,mooncake,nixl")
     with EricServer(qwen2_vl_tiny, port=port, extra_args=args, log_path=tmp_path / "a.log") as eric:
         item = _encode(eric.url, IMAGES[:1])[0]
     with EricServer(qwen2_vl_tiny, port=port, extra_args=args, log_path=tmp_path / "b.log") as eric:
-        for backends in (["shm"], ["mooncake"], ["http"]):
+        for backends in (["shm"], ["mooncake"], ["nixl"], ["http"]):
             start = time.monotonic()
             with pytest.raises(TransferError):
                 EmbeddingFetcher(backends).fetch(item["handle"])
