@@ -8,7 +8,7 @@ import struct
 import numpy as np
 
 # safetensors dtype names for the dtypes an encoder emits
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U8"}
 
 
 def safetensors_bytes(data: np.ndarray, shape: tuple[int, ...], dtype: str, name: str = "embedding") -> bytes:
