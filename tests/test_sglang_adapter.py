@@ -15,6 +15,7 @@ memory instead of cuda:N; its allocator and the RDMA landing logic are SGLang's)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import re
@@ -110,6 +111,7 @@ class Job(msgspec.Struct, kw_only=True):
     env: dict[str, str] = msgspec.field(default_factory=dict)
     use_bootstrap: bool = False
     local_reference: bool = False
+    dtype: str = "auto"  # the prefill's --dtype
     timeout_s: float = 120.0
 
 
@@ -119,7 +121,7 @@ class JobResult(msgspec.Struct, kw_only=True):
     dispatch_error: str | None = None
 
 
-class RankJob(msgspec.Struct, kw_only=True):
+class RankJob(msgspec.Struct, tag=True, kw_only=True):
     model: str
     backend: str
     encoder_urls: list[str]
@@ -127,10 +129,11 @@ class RankJob(msgspec.Struct, kw_only=True):
     prompt: str
     num_items_assigned: dict[str, list[int]]
     env: dict[str, str]
+    dtype: str
     timeout_s: float
 
 
-class RankEvent(msgspec.Struct, kw_only=True):
+class RankEvent(msgspec.Struct, tag=True, kw_only=True):
     rid: str
     error_msg: str
     error_code: int
@@ -199,27 +202,27 @@ def _spy_grids(mm_processor: Any, captured: dict[str, Any]) -> None:
     mm_processor.get_validated_mm_data = spy
 
 
-def _server_args(job_model: str, backend: str, urls: list[str], tp: int) -> Any:
+def _server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: str) -> Any:
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=job_model, language_only=True, encoder_urls=urls, encoder_transfer_backend=backend,
-                      device="cpu", host="127.0.0.1", tp_size=tp)
+                      device="cpu", host="127.0.0.1", tp_size=tp, dtype=dtype)
     args.resolve_once()
     return args
 
 
 class FakeSchedulerStandIn:
     """Stands in for SGLang's Scheduler (it owns the model runner, which cannot run here): only the attributes
-    MMReceiverBase reads from it (model config for dtype/eos/vocab, tokenizer, metrics flags for aborts)."""
+    MMReceiverBase reads from it. model_config is SGLang's own ModelConfig for the checkpoint."""
 
-    def __init__(self, model: str, hf_config: Any) -> None:
+    def __init__(self, args: Any) -> None:
         from types import SimpleNamespace
 
+        from sglang.srt.configs.model_config import ModelConfig
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model_config = SimpleNamespace(hf_config=hf_config, dtype=torch.float32, vocab_size=hf_config.vocab_size,
-                                            hf_eos_token_id={self.tokenizer.eos_token_id})
+        self.model_config = ModelConfig.from_server_args(args)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.disaggregation_mode = None
         self.metrics_reporter = SimpleNamespace(enable_metrics=False)
         self.metrics_collector = None
@@ -248,76 +251,82 @@ def _cpu_landing_pool(engine: Any, size: int = 64 << 20) -> Any:
 
 def _rank_main(conn: Any, world_rank: int, tp: int, port: int) -> None:
     """One scheduler TP rank (forked from the prefill host after load_plugins, as SGLang's scheduler loads them)."""
-    from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.managers.io_struct import EncoderDispatchErrorReq, TokenizedGenerateReqInput
-    from sglang.srt.multimodal.modality import Modality
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from transformers import AutoConfig
-
-    from eric_epd.plugins.sglang import plugin
-
     decoder = msgspec.msgpack.Decoder(RankJob | RankEvent | Stop)
     pools: dict[int, Any] = {}
-    initialized = False
     while True:
         cmd = decoder.decode(conn.recv_bytes())
         if isinstance(cmd, Stop):
             os._exit(0)
         if isinstance(cmd, RankEvent):
             continue  # a dispatch error for a request already finished
-        os.environ.pop(plugin.ENV, None)
         saved_env = {k: os.environ.get(k) for k in cmd.env}
-        os.environ.update(cmd.env)
-        args = _server_args(cmd.model, cmd.backend, cmd.encoder_urls, tp)
-        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
-        if not initialized:
-            parallel_state.init_distributed_environment(world_size=tp, rank=world_rank, local_rank=world_rank,
-                                                        distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                                        backend="gloo")
-            parallel_state.initialize_model_parallel()
-            initialized = True
-        hf_config = AutoConfig.from_pretrained(cmd.model)
-        receiver = MMReceiverHTTP(args, dtype=torch.float32, hf_config=hf_config,
-                                  scheduler=FakeSchedulerStandIn(cmd.model, hf_config))
-        engine = type(getattr(receiver, "embeddings_engine", None)).__name__
-        if getattr(receiver, "embeddings_engine", None) is not None:
-            key = id(receiver.embeddings_engine)
-            if key not in pools:
-                pools[key] = _cpu_landing_pool(receiver.embeddings_engine)
-            receiver.embedding_pool = pools[key]
-        captured: dict[str, Any] = {}
-        _spy_grids(receiver.mm_processor, captured)
-        req = TokenizedGenerateReqInput(
-            rid=cmd.rid, input_text=cmd.prompt, input_ids=None, input_embeds=None, mm_inputs=None,
-            token_type_ids=None, sampling_params=SamplingParams(), return_logprob=False, logprob_start_len=-1,
-            top_logprobs_num=0, token_ids_logprob=None, stream=False, need_wait_for_mm_inputs=True,
-            num_items_assigned={Modality[k]: v for k, v in cmd.num_items_assigned.items()},
-            encoder_urls=cmd.encoder_urls)
-        pending: list[Any] = [req]
-        deadline = time.monotonic() + cmd.timeout_s
-        outcome = None
-        while outcome is None:
-            while conn.poll(0):
-                event = decoder.decode(conn.recv_bytes())
-                if isinstance(event, RankEvent):
-                    pending.append(EncoderDispatchErrorReq(rid=event.rid, error_msg=event.error_msg,
-                                                           error_code=event.error_code))
-            ready, aborts = receiver.process_waiting_requests(pending)
-            pending = []
-            if ready:
-                outcome = _outcome_from_mm(ready[0].mm_inputs, captured, world_rank, engine)
-            elif aborts:
-                _, message, code = aborts[0]
-                outcome = Outcome(ok=False, error_msg=str(message), error_code=int(code) if code else None,
-                                  rank=world_rank, engine=engine)
-            elif time.monotonic() > deadline:
-                outcome = Outcome(ok=False, error_msg="harness: no outcome in time", rank=world_rank)
-            else:
-                time.sleep(0.005)
+        try:
+            outcome = _rank_job(cmd, world_rank, tp, port, conn, decoder, pools)
+        except Exception:
+            import traceback
+
+            outcome = Outcome(ok=False, error_msg="HARNESS ERROR " + traceback.format_exc(), rank=world_rank)
         _restore_env(saved_env)
         conn.send_bytes(msgspec.msgpack.encode(outcome))
+
+
+def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, decoder: Any,
+              pools: dict[int, Any]) -> Outcome:
+    """What Scheduler does around its MMReceiverHTTP for one tokenized request, until it is ready or aborted."""
+    from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.managers.io_struct import EncoderDispatchErrorReq, TokenizedGenerateReqInput
+    from sglang.srt.multimodal.modality import Modality
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from eric_epd.plugins.sglang import plugin
+
+    os.environ.pop(plugin.ENV, None)
+    os.environ.update(cmd.env)
+    args = _server_args(cmd.model, cmd.backend, cmd.encoder_urls, tp, cmd.dtype)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
+    if not torch.distributed.is_initialized():  # SGLang's own TP group, on gloo
+        parallel_state.init_distributed_environment(world_size=tp, rank=world_rank, local_rank=world_rank,
+                                                    distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                                    backend="gloo")
+        parallel_state.initialize_model_parallel()
+    scheduler = FakeSchedulerStandIn(args)  # as Scheduler.__init__: create_mm_receiver(model_config.dtype, ...)
+    receiver = MMReceiverHTTP(args, dtype=scheduler.model_config.dtype, hf_config=scheduler.model_config.hf_config,
+                              scheduler=scheduler)
+    engine = getattr(receiver, "embeddings_engine", None)
+    if engine is not None:
+        if id(engine) not in pools:
+            pools[id(engine)] = _cpu_landing_pool(engine)
+        receiver.embedding_pool = pools[id(engine)]
+    captured: dict[str, Any] = {}
+    _spy_grids(receiver.mm_processor, captured)
+    req = TokenizedGenerateReqInput(
+        rid=cmd.rid, input_text=cmd.prompt, input_ids=None, input_embeds=None, mm_inputs=None,
+        token_type_ids=None, sampling_params=SamplingParams(), return_logprob=False, logprob_start_len=-1,
+        top_logprobs_num=0, token_ids_logprob=None, stream=False, need_wait_for_mm_inputs=True,
+        num_items_assigned={Modality[k]: v for k, v in cmd.num_items_assigned.items()},
+        encoder_urls=cmd.encoder_urls)
+    engine_name = type(engine).__name__ if engine is not None else ""
+    pending: list[Any] = [req]
+    deadline = time.monotonic() + cmd.timeout_s
+    while True:
+        while conn.poll(0):
+            event = decoder.decode(conn.recv_bytes())
+            if isinstance(event, RankEvent):
+                pending.append(EncoderDispatchErrorReq(rid=event.rid, error_msg=event.error_msg,
+                                                       error_code=event.error_code))
+        ready, aborts = receiver.process_waiting_requests(pending)
+        pending = []
+        if ready:
+            return _outcome_from_mm(ready[0].mm_inputs, captured, world_rank, engine_name)
+        if aborts:
+            _, message, code = aborts[0]
+            return Outcome(ok=False, error_msg=str(message), error_code=int(code) if code else None,
+                           rank=world_rank, engine=engine_name)
+        if time.monotonic() > deadline:
+            return Outcome(ok=False, error_msg="harness: no outcome in time", rank=world_rank)
+        time.sleep(0.005)
 
 
 def _restore_env(saved: dict[str, str | None]) -> None:
@@ -395,8 +404,8 @@ class PrefillHost:
     def start_bootstrap(self, port: int) -> None:
         from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
 
-        self.bootstrap = EncoderBootstrapServer("127.0.0.1", port, urls=self.bootstrap_urls, health_check_interval=1.0,
-                                                health_check_timeout=2.0)
+        self.bootstrap = EncoderBootstrapServer("127.0.0.1", port, urls=self.bootstrap_urls, health_check_interval=2.0,
+                                                health_check_timeout=10.0)
 
     def _tokenizer_side(self, job: Job) -> tuple[Any, Any]:
         from sglang.srt.configs.model_config import ModelConfig
@@ -409,7 +418,7 @@ class PrefillHost:
         from eric_epd.plugins.sglang import plugin
 
         os.environ.pop(plugin.ENV, None)
-        args = _server_args(job.model, job.backend, [] if job.use_bootstrap else job.encoder_urls, job.tp)
+        args = _server_args(job.model, job.backend, [] if job.use_bootstrap else job.encoder_urls, job.tp, job.dtype)
         publish(args, role="tokenizer")
         model_config = ModelConfig.from_server_args(args)
         import_processors("sglang.srt.multimodal.processors")
@@ -453,7 +462,7 @@ class PrefillHost:
         rank_job = msgspec.msgpack.encode(RankJob(
             model=job.model, backend=job.backend, encoder_urls=list(obj.encoder_urls), rid=obj.rid, prompt=job.prompt,
             num_items_assigned={m.name: list(v) for m, v in obj.num_items_assigned.items()}, env=job.env,
-            timeout_s=job.timeout_s))
+            dtype=job.dtype, timeout_s=job.timeout_s))
         with self._send_lock:
             for conn in ranks:
                 conn.send_bytes(rank_job)
@@ -463,6 +472,7 @@ class PrefillHost:
 
     def _run_tokenizer(self, job: Job, obj: Any, mm_processor: Any, receiver: Any) -> JobResult:
         from fastapi import HTTPException
+        from sglang.srt.managers.io_struct import GenerateReqInput
         from sglang.srt.managers.tokenizer_manager import _reject_missing_dispatched_encoder_embedding
 
         captured: dict[str, Any] = {}
@@ -479,7 +489,7 @@ class PrefillHost:
             outcome = _outcome_from_mm(mm, captured)
         local = None
         if job.local_reference:  # SGLang's own, non-disaggregated path: its HF preprocessing and placement
-            ref = GenerateReqInputLike(job)
+            ref = GenerateReqInput(text=job.prompt, image_data=job.images or None)
             local_mm = asyncio.run(mm_processor.process_mm_data_async(
                 image_data=job.images, input_text=job.prompt, request_obj=ref, max_req_input_len=4096))
             local = Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids],
@@ -491,32 +501,35 @@ class PrefillHost:
         decoder = msgspec.msgpack.Decoder(Command)
         while True:
             cmd = decoder.decode(conn.recv_bytes())
-            if isinstance(cmd, Stop):
-                for conns in self.groups.values():
-                    for c in conns:
-                        c.send_bytes(msgspec.msgpack.encode(Stop()))
-                if self.bootstrap is not None:
-                    self.bootstrap.close()
-                conn.send_bytes(b"")
-                return
-            if isinstance(cmd, ParseArgs):
-                reply: Any = self.parse(cmd.argv)
-            elif isinstance(cmd, WireCheck):
-                reply = self.wire_check()
-            elif isinstance(cmd, RunJob):
-                reply = self.run(cmd.job)
-            elif isinstance(cmd, Bootstrap):
-                self.start_bootstrap(cmd.port)
-                reply = "ok"
-            else:
-                reply = list(self.bootstrap.list_urls()) if self.bootstrap else []
+            try:
+                reply = self.handle(cmd)
+            except Exception:
+                import traceback
+
+                reply = "HARNESS ERROR " + traceback.format_exc()
             conn.send_bytes(msgspec.msgpack.encode(reply))
+            if isinstance(cmd, Stop):
+                return
 
-
-def GenerateReqInputLike(job: Job) -> Any:  # noqa: N802  (a real GenerateReqInput for SGLang's local path)
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    return GenerateReqInput(text=job.prompt, image_data=job.images or None)
+    def handle(self, cmd: Any) -> Any:
+        if isinstance(cmd, Stop):
+            for conns in self.groups.values():
+                for c in conns:
+                    with contextlib.suppress(OSError):
+                        c.send_bytes(msgspec.msgpack.encode(Stop()))
+            if self.bootstrap is not None:
+                self.bootstrap.close()
+            return "stopped"
+        if isinstance(cmd, ParseArgs):
+            return self.parse(cmd.argv)
+        if isinstance(cmd, WireCheck):
+            return self.wire_check()
+        if isinstance(cmd, RunJob):
+            return self.run(cmd.job)
+        if isinstance(cmd, Bootstrap):
+            self.start_bootstrap(cmd.port)
+            return "ok"
+        return list(self.bootstrap.list_urls()) if self.bootstrap else []
 
 
 def _prefill_main(conn: Any, entry_point_dir: str) -> None:
@@ -539,7 +552,7 @@ class Prefill:
     def __init__(self, entry_point_dir: Path) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_main, args=(child, str(entry_point_dir)), daemon=True)
+        self.proc = ctx.Process(target=_prefill_main, args=(child, str(entry_point_dir)))  # forks the ranks
         self.proc.start()
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
@@ -553,7 +566,10 @@ class Prefill:
         self.conn.send_bytes(msgspec.msgpack.encode(cmd))
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"prefill host did not answer {type(cmd).__name__}")
-        return msgspec.msgpack.decode(self.conn.recv_bytes(), type=reply)
+        raw = msgspec.msgpack.decode(self.conn.recv_bytes())
+        if isinstance(raw, str) and raw.startswith("HARNESS ERROR"):
+            raise RuntimeError(raw)
+        return msgspec.convert(raw, reply)
 
     def job(self, **kwargs: Any) -> JobResult:
         return self.call(RunJob(Job(**kwargs)), JobResult)
@@ -580,7 +596,9 @@ def bootstrap_port() -> int:
 def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_path_factory: pytest.TempPathFactory):
     """Three Erics (booting while the prefill host imports SGLang) and the prefill host.
 
-    A: Qwen2-VL; B: Qwen2.5-VL; C: Qwen2-VL that registers itself with the prefill's EncoderBootstrapServer.
+    A: Qwen2-VL, parts sent as float16 (SGLang's --dtype auto for these float32 checkpoints; Eric converts).
+    B: Qwen2.5-VL, ERIC_SGLANG_DTYPE=float32 for prefills run with --dtype float32 (no conversion).
+    C: Qwen2-VL like A, and it registers itself with the prefill's EncoderBootstrapServer.
     """
     tmp = tmp_path_factory.mktemp("sglang")
     dist = tmp / "entry" / "eric_epd_sglang_entry_point-0.0.0.dist-info"  # eric_epd's plugin entry point
@@ -589,10 +607,13 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
     (dist / "entry_points.txt").write_text(
         "[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
     backends = ("--transfer-backends", "shm")
-    erics = {
-        "A": EricServer(qwen2_vl_tiny, extra_args=backends, log_path=tmp / "A.log"),
-        "B": EricServer(qwen2_5_vl_tiny, extra_args=backends, log_path=tmp / "B.log"),
-        "C": EricServer(qwen2_vl_tiny, extra_args=backends, log_path=tmp / "C.log"),
+    erics = {  # A also runs Eric's own Mooncake and NIXL producers, beside the adapter's push engines
+        "A": (EricServer(qwen2_vl_tiny, extra_args=("--transfer-backends", "shm,mooncake,nixl"),
+                         log_path=tmp / "A.log"), {}),
+        "B": (EricServer(qwen2_5_vl_tiny, extra_args=backends, log_path=tmp / "B.log"),
+              {"ERIC_SGLANG_DTYPE": "float32"}),
+        "C": (EricServer(qwen2_vl_tiny, extra_args=backends, log_path=tmp / "C.log"),
+              {"ERIC_SGLANG_REGISTER_URLS": f"http://127.0.0.1:{bootstrap_port}"}),  # retries every 5 s for 150 s
     }
     errors: list[BaseException] = []
 
@@ -603,20 +624,14 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
             errors.append(e)
 
     threads = []
-    for name, eric in erics.items():
-        env = {"ERIC_SGLANG_REGISTER_URLS": f"http://127.0.0.1:{bootstrap_port}", "ERIC_SGLANG_REGISTER_RETRY": "0.5"}
+    for eric, env in erics.values():
         saved = {k: os.environ.get(k) for k in env}
-        if name == "C":
-            os.environ.update(env)
+        os.environ.update(env)
         threads.append(threading.Thread(target=boot, args=(eric,)))
         threads[-1].start()
         while eric.proc is None and threads[-1].is_alive():  # until Popen has copied the environment
             time.sleep(0.01)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _restore_env(saved)
     prefill = Prefill(tmp / "entry")
     try:
         prefill.wait_ready()
@@ -625,10 +640,10 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
             t.join()
         if errors:
             raise errors[0]
-        yield prefill, erics
+        yield prefill, {name: eric for name, (eric, _) in erics.items()}
     finally:
         prefill.stop()
-        for eric in erics.values():
+        for eric, _ in erics.values():
             if eric.proc is not None and eric.proc.poll() is None:
                 os.kill(eric.proc.pid, signal.SIGCONT)
             eric.stop()
@@ -666,15 +681,19 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
         fetcher.close()
 
 
-def check_equal(outcome: Outcome, eric: list[tuple[torch.Tensor, list[int]]], hf: tuple[list[torch.Tensor], list]
-                | None, modality: str = "IMAGE") -> None:
+def check_equal(outcome: Outcome, eric: list[tuple[torch.Tensor, list[int]]],
+                hf: tuple[list[torch.Tensor], list] | None, dtype: torch.dtype, modality: str = "IMAGE") -> None:
+    """The receiver's rows are Eric's, bit for bit, in the prefill's dtype (a float32 -> float16 cast is Eric's
+    Tensor.to), and transformers' within float32 (RTOL/ATOL) or float16 rounding (1e-3) tolerance."""
     assert outcome.ok, f"rank {outcome.rank}: {outcome.error_code} {outcome.error_msg}"
     got = [unpack(t) for t, m in zip(outcome.embeddings, outcome.modalities) if m == modality]
     assert len(got) == len(eric)
     for i, (mine, (ours, _grid)) in enumerate(zip(got, eric)):
-        assert torch.equal(mine, ours), f"item {i}: SGLang's receiver holds other bytes than Eric serves"
+        assert mine.dtype == dtype
+        assert torch.equal(mine, ours.to(dtype)), f"item {i}: SGLang's receiver holds other rows than Eric serves"
         if hf is not None:
-            torch.testing.assert_close(mine, hf[0][i], rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"item {i}: {m}")
+            tol = {"rtol": RTOL, "atol": ATOL} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
+            torch.testing.assert_close(mine.float(), hf[0][i], **tol, msg=lambda m, i=i: f"item {i}: {m}")
     key = "img_grid_thw" if modality == "IMAGE" else "video_grid_thw"
     assert outcome.grid[key] == [g for _, g in eric]
     if hf is not None:
@@ -690,28 +709,21 @@ def items_counter(eric: EricServer) -> float:
 
 
 def documented_commands() -> list[list[str]]:
-    """The SGLang command lines in eric_epd/plugins/sglang/README.md (shell continuation lines joined)."""
+    """The SGLang command lines in eric_epd/plugins/sglang/README.md."""
     import shlex
 
-    text = README.read_text().replace("\\\n", " ")
-    commands = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("python -m sglang.launch_server"):
-            argv = shlex.split(line)[3:]
-            commands.append(argv)
-    return commands
+    return [shlex.split(line)[3:] for line in README.read_text().splitlines()
+            if line.startswith("python -m sglang.launch_server")]
 
 
 def test_sglang_parser_accepts_documented_command_lines(setup, qwen2_vl_tiny: Path) -> None:
     prefill, _ = setup
     commands = documented_commands()
-    assert len(commands) >= 4, "README lists the prefill command lines"
+    assert len(commands) >= 5, "README lists the prefill command lines"
     seen = set()
     for argv in commands:
-        argv = [str(qwen2_vl_tiny) if a == "Qwen/Qwen2.5-VL-7B-Instruct" else a for a in argv]
-        argv = [a for a in argv if not a.startswith("--tp")] + ["--device", "cpu"]  # this host has no GPUs
-        parsed = prefill.call(ParseArgs(argv), ParsedArgs)
+        argv = [str(qwen2_vl_tiny) if a == "/models/Qwen2.5-VL-7B-Instruct" else a for a in argv]
+        parsed = prefill.call(ParseArgs([*argv, "--device", "cpu"]), ParsedArgs)  # this host has no GPU
         assert parsed.error is None, f"{argv}: {parsed.error}"
         assert parsed.language_only and not parsed.encoder_only
         seen.add(parsed.encoder_transfer_backend)
@@ -719,7 +731,7 @@ def test_sglang_parser_accepts_documented_command_lines(setup, qwen2_vl_tiny: Pa
             assert (parsed.resolved_backend, parsed.nixl_env) == ("mooncake", "nixl")
         else:
             assert parsed.resolved_backend == parsed.encoder_transfer_backend and parsed.nixl_env == ""
-        assert parsed.encoder_urls or parsed.encoder_bootstrap_port
+        assert parsed.encoder_urls or parsed.encoder_bootstrap_port == 8997
     assert {"zmq_to_scheduler", "zmq_to_tokenizer", "mooncake", "nixl"} <= seen
     bad = prefill.call(ParseArgs(["--model-path", str(qwen2_vl_tiny), "--language-only",
                                   "--encoder-transfer-backend", "carrier-pigeon"]), ParsedArgs)
@@ -735,42 +747,42 @@ def test_part_message_is_the_embedding_data_sglang_sends(setup) -> None:
 
 
 def test_zmq_to_tokenizer_qwen2_vl(setup, references, qwen2_vl_tiny: Path) -> None:
-    """Tokenizer-side receiver (TP-agnostic); SGLang's own local processing places the tokens the same way."""
+    """Tokenizer-side receiver; SGLang's own local processing of the same images places the tokens the same way."""
     prefill, erics = setup
     urls = [image_url(*spec) for spec in IMAGES]
     result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
                          encoder_urls=[erics["A"].url], images=urls, prompt=prompt_for(len(urls)),
                          local_reference=True)
     (outcome,) = result.outcomes
-    check_equal(outcome, eric_tensors(erics["A"], urls), references["qwen2_vl"]["images"])
+    check_equal(outcome, eric_tensors(erics["A"], urls), references["qwen2_vl"]["images"], torch.float16)
     local = result.local
     assert local is not None and local.grid["img_grid_thw"] == outcome.grid["img_grid_thw"]
-    assert outcome.input_ids == local.input_ids  # same placeholder expansion as SGLang's own preprocessing
-    assert torch.equal(unpack(outcome.mrope), unpack(local.mrope))  # same M-RoPE positions
+    assert outcome.input_ids == local.input_ids  # the same placeholder expansion as SGLang's own preprocessing
+    assert torch.equal(unpack(outcome.mrope), unpack(local.mrope))  # the same M-RoPE positions
 
 
-@pytest.mark.parametrize("backend,family,eric", [
-    ("zmq_to_scheduler", "qwen2_5_vl", "B"),
-    ("mooncake", "qwen2_vl", "A"),
-    ("nixl", "qwen2_5_vl", "B"),
+@pytest.mark.parametrize("backend,family", [
+    ("zmq_to_scheduler", "qwen2_5_vl"),
+    ("mooncake", "qwen2_vl"),
+    ("nixl", "qwen2_5_vl"),
+    ("nixl", "qwen2_vl"),
 ])
 def test_scheduler_ranks_tp2(setup, references, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, backend: str,
-                             family: str, eric: str) -> None:
-    """Two TP ranks (receive_count 2) each end up holding Eric's tensors, equal to transformers'."""
+                             family: str) -> None:
+    """Two TP ranks (receive_count 2, SGLang's gloo TP group) each end up holding Eric's rows."""
     prefill, erics = setup
-    ckpt = qwen2_vl_tiny if family == "qwen2_vl" else qwen2_5_vl_tiny
+    ckpt, eric, dtype = ((qwen2_vl_tiny, erics["A"], "auto") if family == "qwen2_vl"
+                         else (qwen2_5_vl_tiny, erics["B"], "float32"))
     urls = [image_url(*spec) for spec in IMAGES]
-    result = prefill.job(kind="scheduler", model=str(ckpt), backend=backend, encoder_urls=[erics[eric].url],
-                         images=urls, prompt=prompt_for(len(urls)), tp=2)
+    result = prefill.job(kind="scheduler", model=str(ckpt), backend=backend, encoder_urls=[eric.url], images=urls,
+                         prompt=prompt_for(len(urls)), tp=2, dtype=dtype)
     assert result.dispatch_error is None
-    expected = eric_tensors(erics[eric], urls)
+    expected = eric_tensors(eric, urls)
     assert [o.rank for o in result.outcomes] == [0, 1]
     for outcome in result.outcomes:
-        check_equal(outcome, expected, references[family]["images"])
-        if backend == "nixl":
-            assert outcome.engine == "NixlLandingEngine"  # the plugin's engine, not Mooncake
-        elif backend == "mooncake":
-            assert outcome.engine == "MooncakeTransferEngine"
+        check_equal(outcome, expected, references[family]["images"],
+                    torch.float16 if dtype == "auto" else torch.float32)
+        assert outcome.engine == {"nixl": "NixlLandingEngine", "mooncake": "MooncakeTransferEngine"}.get(backend, "")
     assert result.outcomes[0].input_ids == result.outcomes[1].input_ids
 
 
@@ -780,11 +792,12 @@ def test_zmq_to_scheduler_tp1_images_and_video(setup, references, qwen2_5_vl_tin
     urls = [image_url(*spec) for spec in IMAGES[:2]]
     video = video_data_url(num_frames=8, width=56, height=56, fps=4, seed=5)
     result = prefill.job(kind="scheduler", model=str(qwen2_5_vl_tiny), backend="zmq_to_scheduler",
-                         encoder_urls=[erics["B"].url], images=urls, videos=[video], prompt=prompt_for(2, 1), tp=1)
+                         encoder_urls=[erics["B"].url], images=urls, videos=[video], prompt=prompt_for(2, 1), tp=1,
+                         dtype="float32")
     (outcome,) = result.outcomes
     ref = references["qwen2_5_vl"]["images"]
-    check_equal(outcome, eric_tensors(erics["B"], urls), (ref[0][:2], ref[1][:2]))
-    check_equal(outcome, eric_tensors(erics["B"], [video], "video"), None, modality="VIDEO")
+    check_equal(outcome, eric_tensors(erics["B"], urls), (ref[0][:2], ref[1][:2]), torch.float32)
+    check_equal(outcome, eric_tensors(erics["B"], [video], "video"), None, torch.float32, modality="VIDEO")
     assert outcome.extra["second_per_grid_ts"] == [1.0]  # temporal_patch_size 2 / Eric's 2 fps sampling
     assert outcome.modalities == ["IMAGE", "IMAGE", "VIDEO"]
 
@@ -796,13 +809,13 @@ def test_request_split_across_two_erics_is_reassembled_in_order(setup, reference
     before = (items_counter(a), items_counter(c))
     result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
                          encoder_urls=[a.url, c.url], images=urls, prompt=prompt_for(len(urls)))
-    (outcome,) = result.outcomes
-    assert (items_counter(a) - before[0], items_counter(c) - before[1]) == (2, 2)  # num_parts 2, both Erics
-    check_equal(outcome, eric_tensors(a, urls), references["qwen2_vl"]["split"])
+    assert (items_counter(a) - before[0], items_counter(c) - before[1]) == (2, 2)  # num_parts 2: both Erics
+    expected = eric_tensors(a, urls)
+    check_equal(result.outcomes[0], expected, references["qwen2_vl"]["split"], torch.float16)
     sched = prefill.job(kind="scheduler", model=str(qwen2_vl_tiny), backend="mooncake", encoder_urls=[c.url, a.url],
                         images=urls, prompt=prompt_for(len(urls)), tp=2)
-    for o in sched.outcomes:
-        check_equal(o, eric_tensors(c, urls), references["qwen2_vl"]["split"])
+    for outcome in sched.outcomes:
+        check_equal(outcome, expected, references["qwen2_vl"]["split"], torch.float16)
 
 
 def test_eric_registers_with_sglang_bootstrap(setup, references, qwen2_vl_tiny: Path) -> None:
@@ -816,7 +829,7 @@ def test_eric_registers_with_sglang_bootstrap(setup, references, qwen2_vl_tiny: 
     urls = [image_url(*spec) for spec in IMAGES]
     result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer", encoder_urls=[],
                          images=urls, prompt=prompt_for(len(urls)), use_bootstrap=True)
-    check_equal(result.outcomes[0], eric_tensors(c, urls), references["qwen2_vl"]["images"])
+    check_equal(result.outcomes[0], eric_tensors(c, urls), references["qwen2_vl"]["images"], torch.float16)
     assert httpx.get(c.url + "/health_generate", timeout=60).status_code == 200
     c.stop()  # a graceful stop unregisters
     assert prefill.call(BootstrapUrls(), list[str]) == []
@@ -824,8 +837,8 @@ def test_eric_registers_with_sglang_bootstrap(setup, references, qwen2_vl_tiny: 
 
 def test_eric_down_or_frozen_fails_like_sglangs_own_encoder(setup, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> None:
     """SGLang classifies encoder failures itself (receiver._extract_encoder_error): a refused connection is 502,
-    a client timeout 504 "Encoder HTTP request timeout", an encoder's error body gives its status and message.
-    Eric down, Eric frozen and Eric refusing bad media land in exactly those places."""
+    a client timeout 504 "Encoder ... timeout", an encoder's error body gives its status and message. Eric down,
+    Eric frozen and Eric refusing bad media land in exactly those places."""
     prefill, erics = setup
     down = f"http://127.0.0.1:{free_port()}"
     urls = [image_url(*spec) for spec in IMAGES[:2]]
@@ -841,16 +854,50 @@ def test_eric_down_or_frozen_fails_like_sglangs_own_encoder(setup, qwen2_vl_tiny
     frozen = erics["B"]
     os.kill(frozen.proc.pid, signal.SIGSTOP)
     try:
-        env = {"SGLANG_ENCODER_HTTP_TIMEOUT": "3"}
-        res = prefill.job(kind="scheduler", backend="mooncake", encoder_urls=[frozen.url], tp=2, env=env,
-                          **{**common, "model": str(qwen2_5_vl_tiny)})
+        res = prefill.job(kind="scheduler", backend="mooncake", encoder_urls=[frozen.url], tp=2,
+                          env={"SGLANG_ENCODER_HTTP_TIMEOUT": "3"}, **{**common, "model": str(qwen2_5_vl_tiny)})
         for o in res.outcomes:  # the dispatch (/encode) or the rank's size pull, whichever SGLang saw first
             assert (o.ok, o.error_code) == (False, 504)
-            assert re.fullmatch(r"Encoder (HTTP request|/scheduler_receive_meta_data) timeout \(3\.0s\)", o.error_msg)
+            assert re.fullmatch(r"Encoder (HTTP request|/scheduler_receive_meta_data) timeout \(3\.0s\)",
+                                o.error_msg), o.error_msg
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
 
     bad = {**common, "images": [urls[0], "data:image/png;base64,iVBORw0KGgo="]}
     res = prefill.job(kind="scheduler", backend="zmq_to_scheduler", encoder_urls=[erics["A"].url], tp=2, **bad)
     for o in res.outcomes:
-        assert not o.ok and o.error_code == 400 and "item 1" in o.error_msg
+        assert not o.ok and o.error_code == 400 and "item 1" in o.error_msg, (o.error_code, o.error_msg)
+
+
+def test_adapter_rules_without_servers() -> None:
+    """SGLang's --dtype auto rule for the wire dtype, and how SGLang's mm_items become Eric media URLs."""
+    from eric_epd.plugins.sglang.adapter import SglangError, item_url, wire_dtype
+
+    assert wire_dtype("auto", {"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert wire_dtype("auto", {"dtype": "float32"}) == "float16"
+    assert wire_dtype("float32", {"dtype": "bfloat16"}) == "float32"
+    assert item_url("https://x/a.png", 0) == "https://x/a.png"
+    assert item_url({"url": "data:image/png;base64,AAAA", "content_hash": "h"}, 0) == "data:image/png;base64,AAAA"
+    assert item_url("/srv/a.png", 0) == "file:///srv/a.png"
+    assert item_url("iVBORw0KGgo=", 0) == "data:application/octet-stream;base64,iVBORw0KGgo="
+    with pytest.raises(SglangError, match="max_pixels"):
+        item_url({"url": "https://x/a.png", "preprocess_kwargs": None, "max_pixels": 4096}, 3)
+
+
+def test_documented_eric_command_lines_parse() -> None:
+    """The README's `eric-epd serve` lines (with the environment they set) are accepted by Eric's parser."""
+    import argparse
+    import shlex
+
+    from eric_epd.cli import _serve_parser
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="command"))
+    lines = [line.split("#")[0] for line in README.read_text().splitlines() if "eric-epd serve" in line]
+    assert len(lines) >= 2
+    for line in lines:
+        words = shlex.split(line)
+        start = words.index("eric-epd")
+        assert all("=" in w for w in words[:start])  # only environment assignments before the command
+        args = parser.parse_args(words[start + 1:])
+        assert args.command == "serve" and args.port == 8100

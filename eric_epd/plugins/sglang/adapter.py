@@ -1,18 +1,5 @@
-"""SGLang 0.5.23's encoder-server protocol on Eric: the routes `--language-only --encoder-urls` prefills call.
-
-Mounted into Eric's own app (`app.include_router(sglang_routes(config, hub, state))`), so parts leave straight from
-Eric's embedding pool: ZMQ frames point into the shared-memory pool, Mooncake and NIXL write from its registered
-memory. Endpoints, bodies, status codes and error bodies ({"status": "error", "message", "req_id"}) are those of
-sglang/srt/disaggregation/encoder/http_server.py; which transfer a prefill uses is told by what it calls:
-
-- zmq_to_tokenizer: /encode carries `embedding_port`; the part is pushed there before /encode answers.
-- zmq_to_scheduler: every TP rank POSTs /scheduler_receive_url; /encode answers once all `receive_count` ranks
-  got the part (or with 502/504, as SGLang's encoder does).
-- mooncake (and NIXL through eric_epd.plugins.sglang.plugin): ranks pull sizes from /scheduler_receive_meta_data,
-  then POST /send with their session and buffer address; Eric writes there and notifies the rank over ZMQ.
-
-Eric never unpickles anything; the only pickle it writes is the allowlisted part header (see wire.py).
-"""
+"""SGLang 0.5.23's encoder-server protocol on Eric: the routes a `--language-only --encoder-urls` prefill calls,
+mounted in Eric's own app so parts leave straight from the embedding pool."""
 
 from __future__ import annotations
 
@@ -47,7 +34,7 @@ from eric_epd.plugins.sglang.wire import (
     embedding_data_pickle,
 )
 from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest
-from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.producer import PoolFullError, TransferHub
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +210,20 @@ class Part:
 
 
 class SglangEncoder:
-    """The protocol state of one Eric: parts by req_id, the ZMQ context and the push engines."""
+    """The protocol state of one Eric: parts by req_id, the ZMQ context and the push engines.
+
+    Endpoints, bodies, status codes and error bodies ({"status": "error", "message", "req_id"}) are those of
+    sglang/srt/disaggregation/encoder/http_server.py. Which transfer a prefill uses is told by what it calls:
+
+    - zmq_to_tokenizer: /encode carries `embedding_port`; the part is pushed there before /encode answers.
+    - zmq_to_scheduler: every TP rank POSTs /scheduler_receive_url; /encode answers once all `receive_count`
+      ranks got the part (or with 502/504, as SGLang's encoder does).
+    - mooncake (and NIXL, see plugin.py): ranks pull sizes from /scheduler_receive_meta_data, then POST /send
+      with their session and buffer address; Eric writes there and notifies the rank over ZMQ.
+
+    ZMQ frames point into the shared-memory pool; Mooncake and NIXL write from its registered memory. Eric never
+    unpickles anything; the only pickle it writes is the allowlisted part header (wire.py).
+    """
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangSettings,
                  dim: int, eric_dtype: str, wire: str, model_type: str, temporal_patch_size: int) -> None:
@@ -347,32 +347,30 @@ class SglangEncoder:
             part.set_mode("tokenizer")
         try:
             part.answers = await self.service.encode(items)
-        except (ApiError, SglangError) as e:
-            status = e.status
-            message = e.message
-            part.error = (message, status)
-            part.done.set()
-            self._deliver_error(part)
-            raise SglangError(status, message) from e
-        except BaseException:
+            await self._stage(part)
+        except asyncio.CancelledError:
             part.error = ("encoder request cancelled", 500)
             part.done.set()
             self._release(part)
             raise
-        try:
-            await self._stage(part)
-        except BaseException as e:
-            part.error = (f"{type(e).__name__}: {e}", 503)
+        except Exception as e:
+            if isinstance(e, ApiError | SglangError):
+                status, message = e.status, e.message
+            elif isinstance(e, PoolFullError):
+                status, message = 503, str(e)
+            else:
+                status, message = 500, f"{type(e).__name__}: {e}"
+            part.error = (message, status)
             part.done.set()
-            self._deliver_error(part)
-            raise SglangError(503, f"could not stage the part in the wire dtype: {e}") from e
+            self._deliver_error(part)  # ranks waiting on ZMQ get it too, as from SGLang's encoder
+            raise SglangError(status, message) from e
         part.done.set()
         if part.mode == "tokenizer":
             return await self._deliver_direct(part)
         if part.mode is None:
             try:
                 await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 self._release(part)
                 raise SglangError(504, f"[{req.req_id}] embedding delivery failed: no prefill rank asked for the "
                                        f"part within {self.settings.send_timeout_s:g}s") from None
@@ -528,7 +526,7 @@ class SglangEncoder:
                                f"{part.expected} destination(s) initiated")
                     code = 504
                     break
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(part.changed.wait(), remaining)
             results = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
             failed = [ep for (ep, _), r in zip(tasks, results) if isinstance(r, BaseException)]
@@ -553,7 +551,7 @@ class SglangEncoder:
 
         async def scheduler() -> None:
             if part.mode is None:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
             if part.mode == "scheduler":
                 with contextlib.suppress(Exception):
@@ -587,7 +585,7 @@ class SglangEncoder:
         part.set_mode("pull")
         try:
             await asyncio.wait_for(part.done.wait(), self.settings.req_timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise SglangError(504, "encode metadata not ready") from None
         if part.error is not None:
             raise SglangError(500, part.error[0])

@@ -1,21 +1,5 @@
-"""SGLang plugin (entry point group `sglang.srt.plugins`): NIXL as the encoder transfer on SGLang's prefill side.
-
-SGLang 0.5.23's mooncake flow is transport-neutral except for one object: the receiver's transfer engine, used as
-``register(ptr, n)``, ``deregister(ptr)`` and ``session_id`` (which the encoder gets in /send and writes to). This
-plugin keeps SGLang's whole flow (tokenizer dispatch, /scheduler_receive_meta_data, landing buffer or
-EmbeddingPool, /send, ZMQ completion, TP status all-reduce) and swaps only that engine for a NIXL agent, through
-SGLang's own hook points; no SGLang file is patched:
-
-- ``ServerArgs.add_cli_args`` (HookRegistry, AFTER): ``--encoder-transfer-backend`` also accepts ``nixl``.
-- resolution step ``handle_encoder_disaggregation`` (register_resolution_hook): ``nixl`` resolves to SGLang's
-  ``mooncake`` flow and sets ERIC_SGLANG_ENCODER_TRANSFER=nixl, which the scheduler processes inherit.
-- ``MMReceiverBase.__init__``, ``get_mooncake_transfer_engine``, ``init_mooncake_transfer_engine`` (AROUND):
-  inside an encoder receiver's construction, and only then, the engine is a `NixlLandingEngine`.
-- ``maybe_init_shared_mooncake_transfer_engine`` (AROUND): no Mooncake engine is started for the encoder alone.
-
-The encoder side of this transfer is Eric (eric_epd/plugins/sglang/adapter.py); SGLang's own --encoder-only server
-does not speak it, so ``--encoder-only --encoder-transfer-backend nixl`` is refused.
-"""
+"""SGLang plugin (entry point group `sglang.srt.plugins`): NIXL as the encoder transfer on SGLang's prefill side,
+through SGLang's hook registry and resolution hooks (no SGLang file is patched)."""
 
 from __future__ import annotations
 
@@ -195,7 +179,23 @@ RESOLUTION_STEP = "handle_encoder_disaggregation"
 
 
 def register() -> None:
-    """The `sglang.srt.plugins` entry point: SGLang's load_plugins() calls it in every process, then applies hooks."""
+    """The `sglang.srt.plugins` entry point: SGLang's load_plugins() calls it in every process, then applies hooks.
+
+    SGLang 0.5.23's mooncake flow is transport-neutral except for one object, the receiver's transfer engine, used
+    as ``register(ptr, n)``, ``deregister(ptr)`` and ``session_id`` (which the encoder gets in /send and writes
+    to). The hooks keep SGLang's whole flow (tokenizer dispatch, /scheduler_receive_meta_data, landing buffer or
+    EmbeddingPool, /send, ZMQ completion, TP status all-reduce) and swap only that engine:
+
+    - ``ServerArgs.add_cli_args`` (HookRegistry, AFTER): ``--encoder-transfer-backend`` also accepts ``nixl``.
+    - resolution step ``handle_encoder_disaggregation`` (register_resolution_hook): ``nixl`` resolves to SGLang's
+      ``mooncake`` flow and sets ERIC_SGLANG_ENCODER_TRANSFER=nixl, which the scheduler processes inherit.
+    - ``MMReceiverBase.__init__``, ``get_mooncake_transfer_engine``, ``init_mooncake_transfer_engine`` (AROUND):
+      inside an encoder receiver's construction, and only there, the engine is a `NixlLandingEngine`.
+    - ``maybe_init_shared_mooncake_transfer_engine`` (AROUND): no Mooncake engine is started for the encoder alone.
+
+    The encoder side is Eric (adapter.py); SGLang's own --encoder-only server does not speak this transfer, so
+    ``--encoder-only --encoder-transfer-backend nixl`` is refused.
+    """
     global _registered
     if _registered:
         return

@@ -1,9 +1,5 @@
-"""Eric-side writers for SGLang's push transfers: Eric writes a part from its pool into a prefill rank's buffer.
-
-SGLang's mooncake flow is push (the encoder calls transfer_sync_write into the rank's registered landing buffer),
-unlike Eric's own pull backends; so the adapter owns one Mooncake engine and one NIXL agent of its own, each with
-the pool registered once. Both are created on first use: an Eric that never sees /send never starts them.
-"""
+"""Eric-side writers for SGLang's push transfers (mooncake, NIXL): Eric writes a part from its pool into a prefill
+rank's registered landing buffer, with engines of its own that register the pool once, on first use."""
 
 from __future__ import annotations
 

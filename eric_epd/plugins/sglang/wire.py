@@ -1,11 +1,5 @@
-"""SGLang 0.5.23 encoder-disaggregation wire format: typed HTTP messages and the one pickled object SGLang reads.
-
-SGLang's receivers read every ZMQ part message with ``safe_pickle_loads`` (an allowlisting unpickler) and expect an
-instance of ``sglang.srt.disaggregation.encoder.receiver.EmbeddingData``. Eric therefore has to *write* a pickle, but
-never reads one: `embedding_data_pickle` emits protocol-4 opcodes by hand from a typed `EmbeddingPart`, naming only
-globals on SGLang's allowlist (``EmbeddingData``, ``Modality``, ``torch.<dtype>``), with plain lists and numbers for
-everything else. No stdlib pickler runs on Eric's side, and sglang need not be installed next to Eric.
-"""
+"""SGLang 0.5.23 encoder-disaggregation wire format: typed HTTP bodies, and the part header SGLang unpickles,
+written by hand from allowlisted globals only (Eric never reads a pickle)."""
 
 from __future__ import annotations
 
@@ -214,7 +208,13 @@ class _PickleWriter:
 
 
 def embedding_data_pickle(part: EmbeddingPart) -> bytes:
-    """The pickle of the EmbeddingData SGLang's own encoder would send for `part` (its attributes, in its order)."""
+    """The pickle of the EmbeddingData SGLang's own encoder would send for `part` (its attributes, in its order).
+
+    SGLang's receivers read every ZMQ part message with ``safe_pickle_loads`` (an allowlisting unpickler) and expect
+    a ``sglang.srt.disaggregation.encoder.receiver.EmbeddingData``. These protocol-4 opcodes name only globals on
+    that allowlist (``EmbeddingData``, ``Modality``, ``torch.<dtype>``), with plain lists and numbers for the rest;
+    no stdlib pickler runs, and sglang need not be installed next to Eric.
+    """
     if part.modality not in MODALITY_VALUES:
         raise ValueError(f"unknown modality {part.modality!r}")
     if part.dtype is not None and part.dtype not in TORCH_DTYPES:
