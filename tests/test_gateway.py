@@ -12,7 +12,8 @@ import pytest
 
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.server import EricServer, ServerProcess
-from eric_epd.testing.stack import GatewayServer, VllmServe
+from eric_epd.testing.stack import GatewayServer, VllmServe, gateway_paths, image_messages
+from eric_epd.testing.stack import ask as _ask
 
 API_KEY = "sk-test"
 
@@ -30,46 +31,32 @@ def stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
         server.stop()
 
 
-def messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def ask(base_url: str, msgs: list[dict], key: str = API_KEY, **kw) -> openai.types.chat.ChatCompletion:
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
-    model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0.0,
-                                          extra_body={"ignore_eos": True}, **kw)
-
-
-def paths(gateway: ServerProcess) -> dict[str, float]:
-    text = httpx.get(gateway.url + "/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^gateway_requests_total\{path="(\w+)"\} (\S+)$',
-                                                                 text, re.M)}
+def ask(base_url: str, msgs: list[dict], key: str = API_KEY, **kw):
+    return _ask(base_url, msgs, key=key, **kw)
 
 
 IMAGES = [image_data_url(64 + 24 * i, 72, seed=300 + i) for i in range(3)]
 
 
 def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
-    direct = ask(stack["vllm"].url, messages(IMAGES))  # vLLM's own encoder on the raw images
-    via = ask(stack["gateway"].url, messages(IMAGES))
+    direct = ask(stack["vllm"].url, image_messages(IMAGES))  # vLLM's own encoder on the raw images
+    via = ask(stack["gateway"].url, image_messages(IMAGES))
     assert via.choices[0].message.content == direct.choices[0].message.content
     assert via.usage.prompt_tokens == direct.usage.prompt_tokens
-    stream = ask(stack["gateway"].url, messages([*IMAGES[1:], IMAGES[0]]), stream=True)
+    stream = ask(stack["gateway"].url, image_messages([*IMAGES[1:], IMAGES[0]]), stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    expected = ask(stack["vllm"].url, messages([*IMAGES[1:], IMAGES[0]])).choices[0].message.content
+    expected = ask(stack["vllm"].url, image_messages([*IMAGES[1:], IMAGES[0]])).choices[0].message.content
     assert streamed == expected
 
 
 def test_paths_by_number_of_images(stack) -> None:
     gw = stack["gateway"]
-    before = paths(gw)
+    before = gateway_paths(gw.url)
     text_only = [{"role": "user", "content": "Hello there."}]
     assert ask(gw.url, text_only).choices[0].message.content
-    assert ask(gw.url, messages(IMAGES[:1])).choices[0].message.content
-    assert ask(gw.url, messages(IMAGES[:2])).choices[0].message.content
-    after = paths(gw)
+    assert ask(gw.url, image_messages(IMAGES[:1])).choices[0].message.content
+    assert ask(gw.url, image_messages(IMAGES[:2])).choices[0].message.content
+    after = gateway_paths(gw.url)
     assert after.get("pd", 0) - before.get("pd", 0) == 2
     assert after.get("epd", 0) - before.get("epd", 0) == 1
 
@@ -80,16 +67,16 @@ def test_bad_requests_shaped_like_vllm(stack) -> None:
     r = httpx.post(url, content=b'{"model": "m", "messages": [', headers={**auth, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     assert "JSON" in r.json()["error"]["message"]
-    r = httpx.post(url, json={"model": "m", "messages": messages(IMAGES + IMAGES)}, headers=auth)
+    r = httpx.post(url, json={"model": "m", "messages": image_messages(IMAGES + IMAGES)}, headers=auth)
     assert r.status_code == 400 and "too many media items" in r.json()["error"]["message"]
     bad_part = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
     r = httpx.post(url, json={"model": "m", "messages": bad_part}, headers=auth)
     assert r.status_code == 400 and "unsupported content part type 'input_audio'" in r.json()["error"]["message"]
-    r = httpx.post(url, json={"model": "m", "messages": messages(["http://10.0.0.1/a.png"])}, headers=auth)
+    r = httpx.post(url, json={"model": "m", "messages": image_messages(["http://10.0.0.1/a.png"])}, headers=auth)
     assert r.status_code == 400 and "private" in r.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
-        ask(stack["gateway"].url, messages(IMAGES[:2]), key="wrong")
-    r = httpx.post(url, json={"model": "m", "messages": messages(IMAGES[:2])})
+        ask(stack["gateway"].url, image_messages(IMAGES[:2]), key="wrong")
+    r = httpx.post(url, json={"model": "m", "messages": image_messages(IMAGES[:2])})
     assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
 
 
@@ -108,13 +95,13 @@ def test_encoder_registration_needs_admin_key(stack) -> None:
 def test_encoder_killed_under_load_every_request_answers(stack) -> None:
     gw = stack["gateway"]
     sets = [[image_data_url(56 + 8 * k, 64, seed=1000 + 10 * s + k) for k in range(3)] for s in range(4)]
-    expected = [ask(stack["vllm"].url, messages(s)).choices[0].message.content for s in sets]
+    expected = [ask(stack["vllm"].url, image_messages(s)).choices[0].message.content for s in sets]
     failovers_before = _failovers(gw)
 
     def one(i: int) -> bool:
         if i == 40:
             stack["erics"][0].stop()  # killed while requests are in flight
-        return ask(gw.url, messages(sets[i % 4])).choices[0].message.content == expected[i % 4]
+        return ask(gw.url, image_messages(sets[i % 4])).choices[0].message.content == expected[i % 4]
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(200)))

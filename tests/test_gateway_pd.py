@@ -3,18 +3,13 @@ equals monolithic vLLM's. Multi-image requests go through Eric first and then th
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, ServerProcess
-from eric_epd.testing.stack import GatewayServer, pd_vllm
-
-API_KEY = "unused"
+from eric_epd.testing.server import EricServer
+from eric_epd.testing.stack import GatewayServer, ask, gateway_paths, image_messages, pd_vllm
 
 
 @pytest.fixture(scope="module")
@@ -37,36 +32,18 @@ def monolithic(pd_stack):
     return pd_stack["prefill"]
 
 
-def messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def ask(base_url: str, msgs: list[dict], **kw):
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
-    model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0.0,
-                                          extra_body={"ignore_eos": True}, **kw)
-
-
-def paths(gateway: ServerProcess) -> dict[str, float]:
-    text = httpx.get(gateway.url + "/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^gateway_requests_total\{path="(\w+)"\} (\S+)$',
-                                                                 text, re.M)}
-
-
 TEXT = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog, please."}]
-ONE = messages([image_data_url(120, 90, seed=41)])
-THREE = messages([image_data_url(64 + 20 * i, 80, seed=50 + i) for i in range(3)])
+ONE = image_messages([image_data_url(120, 90, seed=41)])
+THREE = image_messages([image_data_url(64 + 20 * i, 80, seed=50 + i) for i in range(3)])
 
 
 def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
     gw = pd_stack["gateway"]
-    before = paths(gw)
+    before = gateway_paths(gw.url)
     for msgs in (TEXT, ONE, THREE):
         expected = ask(monolithic.url, msgs).choices[0].message.content
         assert ask(gw.url, msgs).choices[0].message.content == expected
-    after = paths(gw)
+    after = gateway_paths(gw.url)
     assert after.get("pd", 0) - before.get("pd", 0) == 2  # text and one image: prefill -> decode
     assert after.get("epd", 0) - before.get("epd", 0) == 1  # three images: Eric -> prefill -> decode
 

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eric_epd import __version__
+from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, read_model_config, resolve_dtype
@@ -37,17 +38,11 @@ def error_response(status: int, message: str, retry_after: float | None = None) 
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The request body, refusing more than `limit` bytes (413) before reading it all."""
+    try:
+        return await read_limited_body(request, limit)
+    except BodyTooLargeError as e:
+        raise ApiError(413, str(e)) from e
 
 
 def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[ItemRequest]:

@@ -62,3 +62,30 @@ class GatewayServer(ServerProcess):
         cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
         super().__init__(cmd, port, log_path, startup_timeout_s=60)
+
+
+def image_messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
+    """One user turn with these image URLs, then the text."""
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, **kw):  # -> ChatCompletion
+    """A greedy chat completion through the official openai client (EOS ignored: fixed length)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0.0,
+                                          extra_body={"ignore_eos": True}, **kw)
+
+
+def gateway_paths(gateway_url: str) -> dict[str, float]:
+    """gateway_requests_total by path (epd, pd, fallback)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(gateway_url + "/metrics").text
+    pattern = r'^gateway_requests_total\{path="(\w+)"\} (\S+)$'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}

@@ -21,6 +21,7 @@ from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.upstream import Upstreams
+from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.server.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
@@ -30,16 +31,10 @@ _FORWARD_HEADERS = ("authorization", "x-request-id")
 
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
     """(raw body, parsed object): the raw bytes are forwarded as they are when nothing needs rewriting."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        raw = await read_limited_body(request, limit)
+    except BodyTooLargeError as e:
+        raise GatewayError(413, str(e)) from e
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
