@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +16,14 @@ import numpy as np
 
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 from eric_epd.server.media import MediaLimits, decode_image, decode_video
+
+
+def _lower_thread_priority() -> None:
+    """Preprocessing yields the CPU to the encoder workers: on a host where they share cores, a preprocessing
+    thread that preempts one OpenMP thread of a matmul stalls the whole parallel region. Linux sets nice per
+    thread; elsewhere this is a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,8 @@ class Processor:
                  model_id: bytes) -> None:
         self._mp = modality_processor
         self._limits = limits
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eric-preprocess")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eric-preprocess",
+                                        initializer=_lower_thread_priority)
         self._salt = {m: self._hash_salt(m, model_id) for m in modality_processor.modalities}
 
     @property
