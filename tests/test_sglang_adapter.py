@@ -683,14 +683,18 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
 
 def check_equal(outcome: Outcome, eric: list[tuple[torch.Tensor, list[int]]],
                 hf: tuple[list[torch.Tensor], list] | None, dtype: torch.dtype, modality: str = "IMAGE") -> None:
-    """The receiver's rows are Eric's, bit for bit, in the prefill's dtype (a float32 -> float16 cast is Eric's
+    """The receiver's rows are Eric's (within one rounding step: a re-encode may batch differently), in the prefill's dtype (a float32 -> float16 cast is Eric's
     Tensor.to), and transformers' within float32 (RTOL/ATOL) or float16 rounding (1e-3) tolerance."""
     assert outcome.ok, f"rank {outcome.rank}: {outcome.error_code} {outcome.error_msg}"
     got = [unpack(t) for t, m in zip(outcome.embeddings, outcome.modalities) if m == modality]
     assert len(got) == len(eric)
     for i, (mine, (ours, _grid)) in enumerate(zip(got, eric)):
         assert mine.dtype == dtype
-        assert torch.equal(mine, ours.to(dtype)), f"item {i}: SGLang's receiver holds other rows than Eric serves"
+        # `ours` is a second encode of the same content; its batch may differ, and batched matmuls are not
+        # bit-stable across batch shapes, so compare within one rounding step of the prefill's dtype
+        close = {"rtol": RTOL, "atol": ATOL} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 2e-3}
+        torch.testing.assert_close(mine.float(), ours.to(dtype).float(), **close,
+                                   msg=lambda m, i=i: f"item {i}: SGLang's receiver holds other rows than Eric: {m}")
         if hf is not None:
             tol = {"rtol": RTOL, "atol": ATOL} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
             torch.testing.assert_close(mine.float(), hf[0][i], **tol, msg=lambda m, i=i: f"item {i}: {m}")
