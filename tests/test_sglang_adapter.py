@@ -683,7 +683,8 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
 
 def check_equal(outcome: Outcome, eric: list[tuple[torch.Tensor, list[int]]],
                 hf: tuple[list[torch.Tensor], list] | None, dtype: torch.dtype, modality: str = "IMAGE") -> None:
-    """The receiver's rows are Eric's (within one rounding step: a re-encode may batch differently), in the prefill's dtype (a float32 -> float16 cast is Eric's
+    """The receiver's rows are Eric's (within one rounding step: a re-encode may batch differently), in the
+    prefill's dtype (a float32 -> float16 cast is Eric's
     Tensor.to), and transformers' within float32 (RTOL/ATOL) or float16 rounding (1e-3) tolerance."""
     assert outcome.ok, f"rank {outcome.rank}: {outcome.error_code} {outcome.error_msg}"
     got = [unpack(t) for t, m in zip(outcome.embeddings, outcome.modalities) if m == modality]
