@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -233,3 +234,16 @@ def test_stalled_producer_times_out(producer: Producer, monkeypatch: pytest.Monk
     finally:
         c.close()
         p.shutdown()
+
+
+def test_process_with_an_agent_exits_cleanly() -> None:
+    """nixl's bundled rdma-core next to the system's verbs providers crashed at exit (SIGSEGV in libnl's
+    destructors); a process that used a consumer agent must exit with status 0."""
+    code = (
+        "from eric_epd.transfer.backends.nixl import NixlConsumer\n"
+        "c = NixlConsumer()\nc.close()\nprint('closed')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1:] == ["closed"], done.stderr
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"

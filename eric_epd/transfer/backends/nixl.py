@@ -24,12 +24,33 @@ _POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
 """Backoff between check_xfer_state calls (only network transports get there: CMA completes in the post)."""
 
 
+def _skip_ucx_ib_without_rdma_devices() -> None:
+    """Keep UCX from loading its InfiniBand modules on a host with no RDMA device (unless UCX_MODULES is set).
+
+    nixl's wheel bundles its own rdma-core and libnl; its libibverbs still dlopens the system's verbs providers,
+    which pull in the system's libnl-route too, and the two copies crash in their exit-time destructors
+    (SIGSEGV in rtnl_tc_unregister, measured here whenever apt's ibverbs-providers is installed). Without an
+    RDMA device the ib modules have nothing to offer, so they are left out; with one, nothing changes.
+    """
+    if "UCX_MODULES" not in os.environ and not _rdma_devices():
+        os.environ["UCX_MODULES"] = "^ib"
+        logger.info("no RDMA device: UCX loads no InfiniBand modules (UCX_MODULES=^ib)")
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
 def _new_agent(name: str, progress_thread: bool) -> Any:
     """A nixl_agent with one UCX backend and NIXL's own locking off (callers serialize).
 
     The stock wrapper hard-codes pthrDelay=0, whose progress thread busy-polls a whole core; with a progress
     thread the core agent is rebuilt here with an event-driven 100 ms poll timeout before the backend exists.
     """
+    _skip_ucx_ib_without_rdma_devices()
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixlBind
     except ImportError as e:
