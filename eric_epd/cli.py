@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
-from eric_epd.config import DTYPES, TRANSFER_BACKENDS, BatchLimits, EricConfig, TransferConfig
+from eric_epd.config import (
+    DTYPES,
+    SGLANG_DTYPES,
+    TRANSFER_BACKENDS,
+    BatchLimits,
+    EricConfig,
+    SglangConfig,
+    TransferConfig,
+)
 from eric_epd.server.media import MediaLimits, UrlPolicy
 
 
@@ -46,6 +55,24 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mooncake-device", default="", help="RDMA device names for Mooncake")
     p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps)
     p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames)
+    g = p.add_argument_group("SGLang encoder protocol (for --language-only --encoder-urls prefills)")
+    g.add_argument("--no-sglang", action="store_true", help="do not serve SGLang's encoder endpoints")
+    g.add_argument("--sglang-register-url", action="append", default=[],
+                   help="SGLang encoder bootstrap server to register with (repeatable)")
+    g.add_argument("--sglang-dtype", choices=SGLANG_DTYPES, default=SglangConfig.dtype,
+                   help="dtype of the rows sent: the prefill's --dtype (auto: SGLang's own rule)")
+    g.add_argument("--sglang-send-timeout", type=float, default=_env_float("SGLANG_ENCODER_SEND_TIMEOUT",
+                   SglangConfig.send_timeout_s), help="seconds a finished part waits for its ranks")
+    g.add_argument("--sglang-req-timeout", type=float, default=_env_float("SGLANG_ENCODER_REQ_TIMEOUT",
+                   SglangConfig.req_timeout_s), help="seconds a rank's early call waits for the part's /encode")
+    g.add_argument("--sglang-register-retry", type=float, default=SglangConfig.register_retry_s,
+                   help="seconds between registration attempts")
+
+
+def _env_float(name: str, default: float) -> float:
+    """A default taken from SGLang's own environment variable, so Eric and the prefill agree when it is set."""
+    value = os.environ.get(name, "").strip()
+    return float(value) if value else default
 
 
 def config_from_args(args: argparse.Namespace) -> EricConfig:
@@ -67,6 +94,10 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
             backends=tuple(b for b in args.transfer_backends.split(",") if b),
             advertise_host=args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"),
             mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device),
+        sglang=SglangConfig(
+            enabled=not args.no_sglang, register_urls=tuple(u.rstrip("/") for u in args.sglang_register_url),
+            dtype=args.sglang_dtype, send_timeout_s=args.sglang_send_timeout, req_timeout_s=args.sglang_req_timeout,
+            register_retry_s=args.sglang_register_retry),
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
                              allow_private_hosts=args.allow_private_hosts,
                              host_allowlist=frozenset(args.allowed_host)),

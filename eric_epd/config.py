@@ -62,6 +62,35 @@ class TransferConfig:
             raise ValueError("pool_bytes must be >= 4096, ttl_s > 0, pool_wait_s >= 0")
 
 
+SGLANG_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """SGLang's encoder-server protocol on Eric (plugins/sglang): on by default, answers beside the native API."""
+
+    enabled: bool = True
+    register_urls: tuple[str, ...] = ()
+    """SGLang EncoderBootstrapServer URLs this Eric registers with (for prefills started without --encoder-urls)."""
+    send_timeout_s: float = 180.0
+    """How long a finished part waits for its ranks (SGLang's SGLANG_ENCODER_SEND_TIMEOUT)."""
+    req_timeout_s: float = 180.0
+    """How long a rank's early call waits for the part's /encode (SGLang's SGLANG_ENCODER_REQ_TIMEOUT)."""
+    register_retry_s: float = 5.0
+    register_attempts: int = 30
+    dtype: str = "auto"
+    """dtype of the rows sent: must be the prefill's model dtype, since Mooncake/NIXL landing buffers are read in
+    it. "auto" applies SGLang's own --dtype auto rule to the checkpoint (float32 -> float16)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SGLANG_DTYPES:
+            raise ValueError(f"SGLang dtype must be one of {SGLANG_DTYPES}, got {self.dtype!r}")
+        if self.send_timeout_s <= 0 or self.req_timeout_s <= 0 or self.register_retry_s < 0:
+            raise ValueError("SGLang timeouts must be positive")
+        if self.register_attempts < 1:
+            raise ValueError("register_attempts must be >= 1")
+
+
 @dataclass(frozen=True)
 class EricConfig:
     """Everything one Eric server needs; frozen, validated without I/O."""
@@ -85,6 +114,7 @@ class EricConfig:
     worker_timeout_s: float = 120.0
     """A batch that takes longer than this marks the workers unhealthy."""
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
+    sglang: SglangConfig = field(default_factory=lambda: SglangConfig())
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="eric-")))
     """Directory for the ipc sockets between the processes of this server."""
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])

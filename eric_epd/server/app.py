@@ -19,7 +19,7 @@ from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, read_model_config, resolve_dtype
-from eric_epd.plugins.sglang.adapter import sglang_routes
+from eric_epd.plugins.sglang.routes import sglang_routes
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import Processor, model_fingerprint

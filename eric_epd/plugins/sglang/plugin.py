@@ -193,7 +193,7 @@ def register() -> None:
       inside an encoder receiver's construction, and only there, the engine is a `NixlLandingEngine`.
     - ``maybe_init_shared_mooncake_transfer_engine`` (AROUND): no Mooncake engine is started for the encoder alone.
 
-    The encoder side is Eric (adapter.py); SGLang's own --encoder-only server does not speak this transfer, so
+    The encoder side is Eric (routes.py); SGLang's own --encoder-only server does not speak this transfer, so
     ``--encoder-only --encoder-transfer-backend nixl`` is refused.
     """
     global _registered

@@ -1,0 +1,149 @@
+"""SGLang 0.5.23 encoder-protocol pieces with no I/O: request checks, errors shaped like SGLang's, the state of
+one part, and the dtype the prefill reads its rows in."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi.responses import JSONResponse
+
+from eric_epd.plugins.sglang.wire import EncodeRequest
+from eric_epd.server.service import ItemAnswer
+
+# SGLang's encoder health probe image (http_server.MINIMUM_PNG_PICTURE_BASE64): a 32x32 black PNG.
+HEALTH_PNG = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAACAAAAAgCAYAAABzenr0AAAACXBIWXMAAA7EAAAOxAGVKw4bAAAAbUlEQVRYhe3VsQ2AMAx"
+    "E0Y/lIgNQULD/OqyCMgCihCKSG4yRuKuiNH6JLsoEbMACOGBcua9HOR7Y6w6swBwMy0qLTpkeI77qdEBpBFAHBBDAGH8WrwJKI4AAegUCfAKgEgpQDvh3CR3oQ"
+    "Cuav58qlAw73kKCSgAAAABJRU5ErkJggg=="
+)
+MODALITIES = {"IMAGE": "image", "VIDEO": "video"}
+_URL_SCHEMES = ("http://", "https://", "data:", "file://")
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def wire_dtype(setting: str, model_cfg: dict[str, Any]) -> str:
+    """The dtype SGLang's prefill runs the model in, by its own --dtype auto rule (model_config._get_and_verify_dtype:
+    the checkpoint's dtype, but float16 for a float32 checkpoint), unless set explicitly."""
+    if setting != "auto":
+        if setting not in ELEMENT_BYTES:
+            raise ValueError(f"the SGLang dtype must be auto, float32, bfloat16 or float16, not {setting!r}")
+        return setting
+    text = model_cfg.get("text_config") or {}
+    declared = str(model_cfg.get("dtype") or model_cfg.get("torch_dtype") or text.get("dtype")
+                   or text.get("torch_dtype") or "float32").removeprefix("torch.")
+    if declared in ("float32", "float"):
+        return "float16"
+    return declared if declared in ELEMENT_BYTES else "float16"
+
+
+class SglangError(Exception):
+    """Answered as SGLang's encoder answers: {"status": "error", "message", "req_id"} with this status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str, req_id: str | None) -> JSONResponse:
+    return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status)
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as e:
+        raise SglangError(400, f"invalid {kind.__name__} body: {e}") from e
+
+
+def tcp_endpoint(endpoint: str) -> str:
+    """"host:port" (IPv6 in brackets) as a ZMQ tcp endpoint."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise SglangError(400, f"bad receive endpoint {endpoint!r}; expected host:port")
+    return f"tcp://{host}:{port}"
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def item_url(item: str | dict[str, Any], index: int) -> str:
+    """SGLang's mm_item (a URL, data URL, local path or raw base64; or {"url", ...options}) as an Eric media URL."""
+    if isinstance(item, dict):
+        options = sorted(k for k, v in item.items() if k not in ("url", "content_hash", "modality") and v is not None)
+        if options:
+            raise SglangError(400, f"mm_items[{index}]: per-item options {options} are not supported by Eric "
+                                   "(it preprocesses with the checkpoint's processor settings)")
+        url = item.get("url")
+    else:
+        url = item
+    if not isinstance(url, str) or not url:
+        raise SglangError(400, f"mm_items[{index}] has no url")
+    if url.startswith(_URL_SCHEMES):
+        return url
+    if url.startswith("/"):
+        return "file://" + url  # Eric serves files only under its --file-root directories
+    return "data:application/octet-stream;base64," + url  # SGLang's loaders take bare base64 too
+
+
+def validate(req: EncodeRequest, max_items: int) -> None:
+    """The checks of SGLang's runtime.validate_encode_request, with its messages."""
+    if not req.req_id:
+        raise SglangError(400, "missing or invalid req_id")
+    if req.modality.upper() not in ("IMAGE", "VIDEO", "AUDIO"):
+        raise SglangError(400, f"unsupported modality: {req.modality}")
+    if req.modality.upper() not in MODALITIES:
+        raise SglangError(400, f"unsupported modality: {req.modality} (Eric encodes images and videos)")
+    if not req.mm_items:
+        raise SglangError(400, "missing or empty mm_items")
+    if len(req.mm_items) > max_items:
+        raise SglangError(400, f"too many mm_items: {len(req.mm_items)} > {max_items}")
+    if req.num_parts <= 0:
+        raise SglangError(400, "num_parts must be a positive integer")
+    if not 0 <= req.part_idx < req.num_parts:
+        raise SglangError(400, f"part_idx must be in [0, {req.num_parts})")
+
+
+@dataclass
+class Part:
+    """One encoder part (SGLang req_id "<rid>_local_part_<i>") from its first sighting until it is released."""
+
+    req_id: str
+    touched: float = field(default_factory=time.monotonic)
+    request: EncodeRequest | None = None
+    answers: list[ItemAnswer] | None = None
+    error: tuple[str, int] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the encode finished, successfully (answers) or not (error)."""
+    mode: str | None = None
+    """"tokenizer", "scheduler" (zmq_to_scheduler) or "pull" (mooncake / NIXL), fixed by the first caller."""
+    mode_set: asyncio.Event = field(default_factory=asyncio.Event)
+    destinations: set[str] = field(default_factory=set)
+    expected: int | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    sent_to: set[str] = field(default_factory=set)
+    active: int = 0
+    released: bool = False
+    delivering: bool = False
+    acked: bool = False
+    staged: str | None = None
+    """Pool key of the part's rows converted to the wire dtype (one contiguous entry), when Eric's dtype differs."""
+    wire_bytes: int = 0
+
+    def set_mode(self, mode: str) -> None:
+        if self.mode is None:
+            self.mode = mode
+            self.mode_set.set()
+        elif self.mode != mode:
+            raise SglangError(400, f"req_id={self.req_id} is already served as {self.mode}, not {mode}: "
+                                   "every prefill rank must use the same --encoder-transfer-backend")
+
+    @property
+    def tokens(self) -> int:
+        return sum(a.handle.shape[0] for a in self.answers or ())

@@ -1,0 +1,95 @@
+"""The HTTP routes of SGLang's encoder server (sglang/srt/disaggregation/encoder/http_server.py), mounted in Eric's
+own app so parts leave straight from the embedding pool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from eric_epd.config import EricConfig
+from eric_epd.plugins.sglang.encoder import SglangEncoder
+from eric_epd.plugins.sglang.protocol import SglangError, decode_body, error_response, wire_dtype
+from eric_epd.plugins.sglang.registration import register, unregister
+from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
+from eric_epd.transfer.producer import TransferHub
+
+logger = logging.getLogger(__name__)
+
+
+def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
+                  ) -> APIRouter:
+    """The SGLang encoder endpoints over Eric's EncodeService (`state["service"]`, set by Eric's lifespan)."""
+    from eric_epd.models.registry import read_model_config
+    from eric_epd.server.app import output_spec
+
+    settings = config.sglang
+    if not settings.enabled:
+        return APIRouter()
+    spec = output_spec(config)
+    model_cfg = read_model_config(config.model)
+    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire_dtype(settings.dtype, model_cfg),
+                            str(model_cfg.get("model_type", "")),
+                            int(model_cfg.get("vision_config", {}).get("temporal_patch_size", 2)))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        encoder.start()
+        client = httpx.AsyncClient(timeout=5.0)
+        for bootstrap in settings.register_urls:
+            encoder._spawn(register(client, bootstrap, config.public_url, settings))
+        try:
+            yield
+        finally:
+            await unregister(client, config.public_url, settings)
+            await encoder.stop()
+            await client.aclose()
+
+    router = APIRouter(lifespan=lifespan)
+
+    async def run(request: Request, kind: type[msgspec.Struct], handler: Any) -> Response:
+        req_id = None
+        try:
+            body = decode_body(await request.body(), kind)
+            req_id = getattr(body, "req_id", None)
+            result = await handler(body)
+        except SglangError as e:
+            if e.status >= 500:
+                logger.error("SGLang %s %s: %d %s", request.url.path, req_id, e.status, e.message)
+            return error_response(e.status, e.message, req_id)
+        except Exception as e:  # as SGLang's encoder: any other failure is a 500 naming it
+            logger.exception("SGLang %s %s failed", request.url.path, req_id)
+            return error_response(500, f"{type(e).__name__}: {e}", req_id)
+        return JSONResponse(result)
+
+    @router.post("/encode")
+    async def encode(request: Request) -> Response:
+        return await run(request, EncodeRequest, encoder.encode)
+
+    @router.post("/scheduler_receive_url")
+    async def scheduler_receive_url(request: Request) -> Response:
+        async def handler(body: ReceiveUrlRequest) -> None:
+            encoder.register_destination(body)
+
+        return await run(request, ReceiveUrlRequest, handler)
+
+    @router.post("/scheduler_receive_meta_data")
+    async def scheduler_receive_meta_data(request: Request) -> Response:
+        return await run(request, MetaRequest, encoder.meta)
+
+    @router.post("/send")
+    async def send(request: Request) -> Response:
+        return await run(request, SendRequest, encoder.send)
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        return Response(status_code=200 if await encoder.health_generate() else 503)
+
+    router.encoder = encoder  # type: ignore[attr-defined]  # for tests and introspection
+    return router

@@ -1,0 +1,121 @@
+"""Messages between the test process, the prefill host and its ranks: msgspec msgpack over Connection.send_bytes."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+
+class Tensor(msgspec.Struct):
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
+def pack(t: torch.Tensor) -> Tensor:
+    t = t.detach().cpu().contiguous()
+    return Tensor(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", list(t.shape),
+                  str(t.dtype).removeprefix("torch."))
+
+
+def unpack(t: Tensor) -> torch.Tensor:
+    dtype = getattr(torch, t.dtype)
+    return torch.frombuffer(bytearray(t.data), dtype=torch.uint8).view(dtype).reshape(t.shape).clone()
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    """What one SGLang receiver ended up holding, or how it failed."""
+
+    ok: bool
+    error_msg: str | None = None
+    error_code: int | None = None
+    embeddings: list[Tensor] = msgspec.field(default_factory=list)
+    """mm_items[i].precomputed_embeddings, in prompt order."""
+    modalities: list[str] = msgspec.field(default_factory=list)
+    input_ids: list[int] = msgspec.field(default_factory=list)
+    mrope: Tensor | None = None
+    grid: dict[str, list[list[int]]] = msgspec.field(default_factory=dict)
+    """img_grid_thw / video_grid_thw the receiver handed SGLang's processor."""
+    extra: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    rank: int = -1
+    engine: str = ""
+
+
+class Job(msgspec.Struct, kw_only=True):
+    kind: str  # "tokenizer" (zmq_to_tokenizer) or "scheduler" (zmq_to_scheduler, mooncake, nixl)
+    model: str
+    backend: str
+    encoder_urls: list[str]
+    images: list[str] = msgspec.field(default_factory=list)
+    videos: list[str] = msgspec.field(default_factory=list)
+    prompt: str = ""
+    tp: int = 1
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    use_bootstrap: bool = False
+    local_reference: bool = False
+    dtype: str = "auto"  # the prefill's --dtype
+    timeout_s: float = 120.0
+
+
+class JobResult(msgspec.Struct, kw_only=True):
+    outcomes: list[Outcome]
+    local: Outcome | None = None
+    dispatch_error: str | None = None
+
+
+class RankJob(msgspec.Struct, tag=True, kw_only=True):
+    model: str
+    backend: str
+    encoder_urls: list[str]
+    rid: str
+    prompt: str
+    num_items_assigned: dict[str, list[int]]
+    env: dict[str, str]
+    dtype: str
+    timeout_s: float
+
+
+class RankEvent(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    error_msg: str
+    error_code: int
+
+
+class ParseArgs(msgspec.Struct, tag=True):
+    argv: list[str]
+
+
+class ParsedArgs(msgspec.Struct, kw_only=True):
+    error: str | None = None
+    language_only: bool = False
+    encoder_only: bool = False
+    encoder_urls: list[str] = msgspec.field(default_factory=list)
+    encoder_transfer_backend: str = ""
+    resolved_backend: str = ""
+    encoder_register_urls: list[str] = msgspec.field(default_factory=list)
+    encoder_bootstrap_port: int = 0
+    tp_size: int = 1
+    nixl_env: str = ""
+
+
+class WireCheck(msgspec.Struct, tag=True):
+    pass
+
+
+class RunJob(msgspec.Struct, tag=True):
+    job: Job
+
+
+class Bootstrap(msgspec.Struct, tag=True):
+    port: int
+
+
+class BootstrapUrls(msgspec.Struct, tag=True):
+    pass
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+Command = ParseArgs | WireCheck | RunJob | Bootstrap | BootstrapUrls | Stop
