@@ -161,3 +161,26 @@ def test_errors(ckpt_dirs: dict) -> None:
     with pytest.raises(ValueError, match="unsupported modality"):
         ours.process("audio", np.zeros(3))
     assert smart_resize(20, 20, 28, 3136, 50176) == (56, 56)
+
+
+@pytest.mark.parametrize("video_fps,max_frames", [(2.0, 32), (1.0, 32), (10.0, 6)])
+def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tiny: Path, video_fps: float,
+                                             max_frames: int) -> None:
+    """Qwen2.5-VL's M-RoPE spaces video frames by time: the value Eric reports per video is the one transformers'
+    processor computes from the same sampled frames and their metadata (temporal_patch_size / sampled fps)."""
+    from transformers import AutoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from eric_epd.server.media import MediaLimits, decode_video
+    from eric_epd.testing.media import video_bytes
+
+    data = video_bytes(20, 56, 56, fps=10, seed=1)  # 2 s
+    frames, sampled_fps = decode_video(data, MediaLimits(video_fps=video_fps, max_video_frames=max_frames))
+    ours = load_processor(qwen2_5_vl_tiny).process_video(frames, sampled_fps)
+    metadata = VideoMetadata(total_num_frames=20, fps=10.0, frames_indices=list(range(len(frames))))  # count matters
+    hf = AutoProcessor.from_pretrained(qwen2_5_vl_tiny)(
+        text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[frames], video_metadata=[metadata],
+        do_sample_frames=False, return_tensors="np")
+    assert list(ours.grid_thw) == hf["video_grid_thw"][0].tolist()
+    assert ours.second_per_grid_ts == pytest.approx(float(hf["second_per_grid_ts"][0]))
+    assert load_processor(qwen2_vl_tiny).process_video(frames, sampled_fps).second_per_grid_ts is None  # Qwen2-VL

@@ -25,6 +25,9 @@ class ProcessedItem:
     pixel_values: np.ndarray  # float32 (num_patches, C*T*P*P), the layout HF's processor produces
     grid_thw: tuple[int, int, int]
     num_tokens: int  # t*h*w // merge**2
+    second_per_grid_ts: float | None = None
+    """Seconds between temporal grid steps of a video, for models whose M-RoPE spaces frames by time (Qwen2.5-VL:
+    temporal_patch_size / sampled fps, as its HF processor computes); None otherwise."""
 
 
 class BaseModalityProcessor(ABC):
@@ -37,8 +40,9 @@ class BaseModalityProcessor(ABC):
         """One PIL image (any mode; converted to RGB)."""
 
     @abstractmethod
-    def process_video(self, frames: np.ndarray) -> ProcessedItem:
-        """Already-sampled frames, uint8 (T, H, W, 3) RGB."""
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0) -> ProcessedItem:
+        """Already-sampled frames, uint8 (T, H, W, 3) RGB, taken at `sampled_fps` frames per second (2.0, HF's
+        default for a video without metadata)."""
 
     @abstractmethod
     def fingerprint(self, modality: str) -> bytes:

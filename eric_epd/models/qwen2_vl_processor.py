@@ -3,6 +3,7 @@ numpy, reading the checkpoint's preprocessor_config.json / video_preprocessor_co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -185,5 +186,14 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
     def process_image(self, image: Image.Image) -> ProcessedItem:
         return self._process("image", image_to_rgb_array(image))
 
-    def process_video(self, frames: np.ndarray) -> ProcessedItem:
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0) -> ProcessedItem:
         return self._process("video", frames_to_rgb_array(frames))
+
+
+class Qwen2_5_VLModalityProcessor(Qwen2VLModalityProcessor):  # noqa: N801  (HF naming)
+    """Qwen2.5-VL: the same pixels; videos also carry second_per_grid_ts, which its M-RoPE uses."""
+
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0) -> ProcessedItem:
+        item = super().process_video(frames, sampled_fps)
+        seconds = self.settings["video"].temporal_patch_size / sampled_fps
+        return dataclasses.replace(item, second_per_grid_ts=seconds)

@@ -18,7 +18,7 @@ from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from eric_epd.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionEncoder
-from eric_epd.models.qwen2_vl_processor import Qwen2VLModalityProcessor
+from eric_epd.models.qwen2_vl_processor import Qwen2_5_VLModalityProcessor, Qwen2VLModalityProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType(
         spec.model_type: spec
         for spec in (
             ModelSpec("qwen2_vl", Qwen2VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
-            ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
+            ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2_5_VLModalityProcessor, VISION_PREFIXES),
         )
     }
 )

@@ -301,7 +301,9 @@ def _count_frames(data: bytes) -> int:
 
 
 def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
-    """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, source_fps).
+    """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, sampled_fps).
+
+    sampled_fps is transformers' VideoMetadata.sampled_fps: frames taken / frames in the source * source fps.
 
     Frames are sampled uniformly at ``limits.video_fps`` (at least 2, at most ``max_video_frames``;
     a one-frame video yields that frame twice). 400 for undecodable input, 413 for oversize frames.
@@ -358,4 +360,4 @@ def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
         logger.warning("video has fewer frames than its header says; padding %d samples", len(missing))
         fill = last.to_ndarray(format="rgb24", width=size[0], height=size[1])
         picked.update(dict.fromkeys(missing, fill))
-    return np.stack([picked[i] for i in indices]), src_fps
+    return np.stack([picked[i] for i in indices]), len(indices) / total * src_fps

@@ -73,8 +73,8 @@ class Processor:
             pixels = np.asarray(image)
             item = self._mp.process_image(image)
         else:
-            pixels, _fps = decode_video(data, self._limits)
-            item = self._mp.process_video(pixels)
+            pixels, sampled_fps = decode_video(data, self._limits)
+            item = self._mp.process_video(pixels, sampled_fps)
         return PreparedItem(self._content_hash(modality, pixels), item)
 
     def _content_hash(self, modality: str, pixels: np.ndarray) -> str:

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd_gateway.config import GatewayConfig
-from epd_gateway.content import collect_media, remote_hosts, with_embeddings
+from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, with_embeddings
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
@@ -64,6 +64,8 @@ class Gateway:
     async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
         refs = collect_media(body, self.config.url_policy, self.config.max_items)
         await self._check_hosts(refs)
+        if self.config.backend == "sglang":
+            return await self._sglang_chat(raw, body, headers, len(refs))
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
             return path, await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
@@ -75,6 +77,9 @@ class Gateway:
             return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         self.metrics.encode_latency.observe(time.perf_counter() - start)
         self.metrics.fanout.observe(fanout)
+        if not vllm_can_place(items):
+            logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
+            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         response = await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
         if _embeddings_lost(response):
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
@@ -82,6 +87,26 @@ class Gateway:
             self.metrics.failovers.inc()
             return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         return "epd", response
+
+    async def _sglang_chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str],
+                           items: int) -> tuple[str, Response]:
+        """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so
+        the request goes there unchanged; if that prefill fails, a plain prefill encodes the raw media."""
+        if items < self.config.epd_min_items or not self.config.epd_prefill_urls:
+            return "pd", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+        try:
+            response = await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=True)
+        except GatewayError as e:
+            if e.status not in (502, 504) or not self.config.prefill_urls:
+                raise
+            response = None
+            logger.warning("SGLang EPD prefill failed (%s); plain PD path", e.message)
+        if response is not None and response.status_code < 500:
+            return "epd", response
+        if isinstance(response, StreamingResponse):
+            await response.body_iterator.aclose()  # type: ignore[attr-defined]  # releases the upstream stream
+        self.metrics.failovers.inc()
+        return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
 
     async def _check_hosts(self, refs: list) -> None:
         policy = self.config.url_policy

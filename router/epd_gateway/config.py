@@ -16,6 +16,9 @@ class GatewayConfig:
     decode_urls: tuple[str, ...] = ()
     colocated_urls: tuple[str, ...] = ()
     """Instances that prefill and decode themselves (no KV transfer)."""
+    epd_prefill_urls: tuple[str, ...] = ()
+    """SGLang only: `--language-only` prefills whose `--encoder-urls` are the Erics. SGLang's prefill dispatches the
+    media to the encoders itself, so EPD requests go there unchanged; the rest go to --prefill-urls."""
     backend: str = "vllm"
     epd_min_items: int = 2
     """Requests with at least this many media items take the encoder path."""
@@ -37,6 +40,8 @@ class GatewayConfig:
             raise ValueError("backend must be vllm or sglang")
         if not self.colocated_urls and not (self.prefill_urls and self.decode_urls):
             raise ValueError("give --colocated-urls, or both --prefill-urls and --decode-urls")
+        if self.epd_prefill_urls and (self.backend != "sglang" or not self.decode_urls):
+            raise ValueError("--epd-prefill-urls is for --backend sglang, with --decode-urls")
         if self.epd_min_items < 1 or self.max_items < 1:
             raise ValueError("--epd-min-items and --max-items must be >= 1")
 
@@ -51,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--prefill-urls", type=_urls, default=())
     p.add_argument("--decode-urls", type=_urls, default=())
     p.add_argument("--colocated-urls", type=_urls, default=(), help="instances that prefill and decode")
+    p.add_argument("--epd-prefill-urls", type=_urls, default=(),
+                   help="SGLang: --language-only prefills using the Erics as --encoder-urls (EPD requests go there)")
     p.add_argument("--backend", choices=("vllm", "sglang"), default="vllm")
     p.add_argument("--epd-min-items", type=int, default=2)
     p.add_argument("--host", default="127.0.0.1")
@@ -69,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     a = p.parse_args(argv)
     return GatewayConfig(
         encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
-        colocated_urls=a.colocated_urls, backend=a.backend, epd_min_items=a.epd_min_items, host=a.host, port=a.port,
+        colocated_urls=a.colocated_urls, epd_prefill_urls=a.epd_prefill_urls, backend=a.backend,
+        epd_min_items=a.epd_min_items, host=a.host, port=a.port,
         api_key=a.api_key, admin_key=a.admin_key, max_body_bytes=a.max_body_bytes, max_items=a.max_items,
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
                              file_roots=tuple(r.resolve() for r in a.file_root)),

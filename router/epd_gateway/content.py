@@ -78,6 +78,12 @@ def remote_hosts(refs: list[MediaRef]) -> set[tuple[str, int]]:
     return hosts
 
 
+def vllm_can_place(items: list[dict[str, Any]]) -> bool:
+    """vLLM (0.32, 0.33) keeps only the grid of a metadata-only video and spaces its frames 1 s per temporal grid
+    step (it drops second_per_grid_ts); a Qwen2.5-VL video sampled at another rate must go with its raw media."""
+    return all(abs(float(i.get("second_per_grid_ts", 1.0)) - 1.0) < 1e-6 for i in items)
+
+
 def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict[str, Any]]) -> dict[str, Any]:
     """A copy of the request whose media parts are metadata-only embeds parts keyed by Eric's content hash."""
     out = dict(body)

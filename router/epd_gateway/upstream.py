@@ -30,6 +30,7 @@ class Upstreams:
         self._colocated = itertools.cycle(config.colocated_urls) if config.colocated_urls else None
         self._prefill = itertools.cycle(config.prefill_urls) if config.prefill_urls else None
         self._decode = itertools.cycle(config.decode_urls) if config.decode_urls else None
+        self._epd_prefill = itertools.cycle(config.epd_prefill_urls) if config.epd_prefill_urls else None
 
     async def get(self, path: str, headers: dict[str, str]) -> Response:
         """A read-only call (e.g. /v1/models) answered by the first decode-capable upstream."""
@@ -41,13 +42,15 @@ class Upstreams:
         return _passthrough(resp)
 
     async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                       raw: bytes | None = None) -> Response:
+                       raw: bytes | None = None, sglang_epd: bool = False) -> Response:
         """Run one (chat) completion to the end; streams when the client asked for it. `raw`, when given, is the
-        client's unmodified body (forwarded without re-encoding)."""
+        client's unmodified body (forwarded without re-encoding). `sglang_epd`: prefill on an --epd-prefill-urls
+        instance (SGLang --language-only, which has its media encoded by the Erics)."""
         if self._colocated is not None:
             return await self._forward("decode", next(self._colocated), path, body, headers, raw)
         assert self._prefill is not None and self._decode is not None
-        prefill_url, decode_url = next(self._prefill), next(self._decode)
+        pool = self._epd_prefill if sglang_epd and self._epd_prefill is not None else self._prefill
+        prefill_url, decode_url = next(pool), next(self._decode)
         if self._config.backend == "sglang":
             return await self._sglang(prefill_url, decode_url, path, body, headers)
         return await self._vllm_pd(prefill_url, decode_url, path, body, headers)
@@ -74,21 +77,22 @@ class Upstreams:
 
     async def _sglang(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
                       headers: dict[str, str]) -> Response:
-        """SGLang PD: the same request to prefill and decode with one bootstrap room; decode's answer returns."""
+        """SGLang PD: the same request to prefill and decode with one bootstrap room; decode's answer returns,
+        unless prefill fails first (decode would only wait for KV that never comes): then a 502."""
         room = random.getrandbits(63)
         host = urlsplit(prefill_url).hostname
         pd_body = {**body, "bootstrap_host": host, "bootstrap_port": self._config.sglang_bootstrap_port,
                    "bootstrap_room": room}
         prefill = asyncio.create_task(self._post("prefill", prefill_url, path, {**pd_body, "stream": False}, headers))
-        try:
-            return await self._forward("decode", decode_url, path, pd_body, headers)
-        finally:
-            try:
-                result = await prefill
-                if result.status_code != 200:
-                    logger.warning("SGLang prefill answered %d: %s", result.status_code, result.text[:200])
-            except GatewayError:
-                pass
+        decode = asyncio.create_task(self._forward("decode", decode_url, path, pd_body, headers))
+        await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+        failure = _failure(prefill) if prefill.done() else None
+        if failure is not None:
+            await _discard(decode)
+            self._metrics.failures.labels(stage="prefill").inc()
+            raise GatewayError(502, f"prefill at {prefill_url} failed: {failure}")
+        prefill.add_done_callback(_log_prefill)
+        return await decode
 
     async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
         """Send once more if a pooled keep-alive connection turned out to be closed by the server (the request
@@ -135,6 +139,32 @@ class Upstreams:
             await resp.aclose()
             return Response(content, resp.status_code, headers=_headers(resp))
         return StreamingResponse(_relay(resp), resp.status_code, headers=_headers(resp))
+
+
+def _failure(prefill: asyncio.Task[httpx.Response]) -> str | None:
+    """Why a finished SGLang prefill call failed (an exception or a 5xx), or None."""
+    if prefill.cancelled():
+        return "cancelled"
+    if (e := prefill.exception()) is not None:
+        return e.message if isinstance(e, GatewayError) else repr(e)
+    resp = prefill.result()
+    return f"HTTP {resp.status_code}: {resp.text[:200]}" if resp.status_code >= 500 else None
+
+
+def _log_prefill(prefill: asyncio.Task[httpx.Response]) -> None:
+    if (failure := _failure(prefill)) is not None:
+        logger.warning("SGLang prefill failed after decode answered: %s", failure)
+
+
+async def _discard(decode: asyncio.Task[Response]) -> None:
+    """Cancel a decode call, closing its upstream stream if it had one."""
+    decode.cancel()
+    try:
+        response = await decode
+    except (asyncio.CancelledError, GatewayError):
+        return
+    if isinstance(response, StreamingResponse):
+        await response.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def _relay(resp: httpx.Response):  # -> AsyncIterator[bytes]

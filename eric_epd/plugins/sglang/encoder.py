@@ -249,8 +249,9 @@ class SglangEncoder:
                 dtype=None, shape=None, error_msg=part.error[0], error_code=part.error[1]))
         answers = part.answers or []
         extra: dict[str, list[float]] = {}
-        if modality == "VIDEO" and self.model_type == "qwen2_5_vl":  # its M-RoPE spaces frames by time
-            extra["second_per_grid_ts"] = [self.temporal_patch_size / self.config.media.video_fps] * len(answers)
+        seconds = [a.prepared.item.second_per_grid_ts for a in answers]
+        if modality == "VIDEO" and all(s is not None for s in seconds):  # Qwen2.5-VL's M-RoPE spaces frames by time
+            extra["second_per_grid_ts"] = seconds
         return embedding_data_pickle(EmbeddingPart(
             req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality,
             grid=[list(a.prepared.item.grid_thw) for a in answers], dtype=self.dtype,

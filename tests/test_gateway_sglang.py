@@ -1,0 +1,84 @@
+"""The gateway with --backend sglang: EPD requests go unchanged to the --language-only prefills (SGLang has the
+Erics encode them through its own --encoder-urls protocol, tested in test_sglang_adapter.py), the rest to plain
+prefills, each joined to decode by one bootstrap room. SGLang's servers are SglangServerStandIn (it cannot run a
+model here); the gateway and the openai client are real."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eric_epd.testing.media import image_data_url
+from eric_epd.testing.server import ServerProcess, free_port
+from eric_epd.testing.stack import GatewayServer, ask, gateway_paths, image_messages
+
+IMAGES = [image_data_url(40 + 8 * i, 40, seed=i) for i in range(3)]
+
+
+class SglangServerStandIn(ServerProcess):
+    def __init__(self, name: str, log_path: Path, delay_s: float = 0.0) -> None:
+        port = free_port()
+        super().__init__([sys.executable, "-m", "eric_epd.testing.sglang_standin", "--port", str(port), "--name", name,
+                          "--delay", str(delay_s)], port, log_path, startup_timeout_s=60)
+
+    def requests(self) -> list[dict]:
+        return httpx.get(self.url + "/requests").json()
+
+    def fail(self, on: bool) -> None:
+        httpx.post(self.url + "/fail", json={"on": on}).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def sglang(tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("sglang-gw")
+    servers = {n: SglangServerStandIn(n, logs / f"{n}.log", delay_s=1.0 if n == "decode" else 0.0).start()
+               for n in ("lang_only", "prefill", "decode")}  # decode answers after prefill, as it waits for KV
+    gateway = GatewayServer(logs / "gateway.log", "--backend", "sglang", "--epd-prefill-urls",
+                            servers["lang_only"].url, "--prefill-urls", servers["prefill"].url,
+                            "--decode-urls", servers["decode"].url, "--sglang-bootstrap-port", "8998").start()
+    yield {**servers, "gateway": gateway}
+    for server in (gateway, *servers.values()):
+        server.stop()
+
+
+def _last(server: SglangServerStandIn) -> dict:
+    return server.requests()[-1]
+
+
+def test_multi_image_requests_go_to_the_language_only_prefill(sglang) -> None:
+    before = gateway_paths(sglang["gateway"].url)
+    answer = ask(sglang["gateway"].url, image_messages(IMAGES))
+    assert answer.choices[0].message.content == "answer from decode"
+    sent, decoded = _last(sglang["lang_only"]), _last(sglang["decode"])
+    assert sent["messages"] == image_messages(IMAGES)  # unchanged: SGLang dispatches the media to the Erics
+    assert sent["bootstrap_room"] == decoded["bootstrap_room"] and sent["bootstrap_port"] == 8998
+    assert sent["bootstrap_host"] == "127.0.0.1" and sent["stream"] is False
+    assert sglang["prefill"].requests() == []
+    assert gateway_paths(sglang["gateway"].url).get("epd", 0) - before.get("epd", 0) == 1
+
+
+def test_one_image_and_text_take_the_plain_prefill(sglang) -> None:
+    before = gateway_paths(sglang["gateway"].url)
+    for messages in (image_messages(IMAGES[:1]), [{"role": "user", "content": "Hi."}]):
+        assert ask(sglang["gateway"].url, messages).choices[0].message.content == "answer from decode"
+        assert _last(sglang["prefill"])["messages"] == messages
+        assert _last(sglang["prefill"])["bootstrap_room"] == _last(sglang["decode"])["bootstrap_room"]
+    assert gateway_paths(sglang["gateway"].url).get("pd", 0) - before.get("pd", 0) == 2
+
+
+def test_failing_language_only_prefill_falls_back_to_plain_prefill(sglang) -> None:
+    before = gateway_paths(sglang["gateway"].url)
+    sglang["lang_only"].fail(True)
+    try:
+        stream = ask(sglang["gateway"].url, image_messages(IMAGES[:2]), stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "answer from decode "
+    finally:
+        sglang["lang_only"].fail(False)
+    assert _last(sglang["prefill"])["messages"] == image_messages(IMAGES[:2])
+    after = gateway_paths(sglang["gateway"].url)
+    assert after.get("fallback", 0) - before.get("fallback", 0) == 1
+    metrics = httpx.get(sglang["gateway"].url + "/metrics").text
+    assert "gateway_failovers_total" in metrics
