@@ -61,6 +61,27 @@ def test_paths_by_number_of_images(stack) -> None:
     assert after.get("epd", 0) - before.get("epd", 0) == 1
 
 
+def test_completions_equal_vllm_streamed_and_not(stack) -> None:
+    """/v1/completions (text prompts) passes through on the PD path, streaming or not."""
+    import openai
+
+    def complete(url: str, key: str, **kw):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        return client.completions.create(model=client.models.list().data[0].id, prompt="The capital of France is",
+                                         max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}, **kw)
+
+    gw = stack["gateway"].url
+    before = gateway_paths(gw)
+    direct = complete(stack["vllm"].url, "unused")
+    via = complete(gw, API_KEY)
+    assert via.choices[0].text == direct.choices[0].text and via.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in complete(gw, API_KEY, stream=True) if c.choices)
+    assert streamed == direct.choices[0].text
+    assert gateway_paths(gw).get("pd", 0) - before.get("pd", 0) == 2
+    with pytest.raises(openai.AuthenticationError):
+        complete(gw, "wrong")
+
+
 def test_bad_requests_shaped_like_vllm(stack) -> None:
     url = stack["gateway"].url + "/v1/chat/completions"
     auth = {"Authorization": f"Bearer {API_KEY}"}

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -89,6 +90,23 @@ def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, list[int]]
     assert after["loaded_items"] - before.get("loaded_items", 0) == num_items
     assert after["local_encoder_items"] == before.get("local_encoder_items", 0)
     # each embedding was fetched and acknowledged: Eric's pool is empty again
+    assert httpx.get(main.url + "/v1/transfer").json()["entries"] == 0
+
+
+def test_items_vllm_already_holds_give_their_lease_back(llm, erics) -> None:
+    """The same images again: vLLM serves them from its encoder cache, and the second encode's leases are returned
+    when the request finishes (not kept until the TTL)."""
+    main, _ = erics
+    case = Case("twice", ((72, 56), (120, 88)), seed=21)  # images no other test sent
+    before = eric_counters(llm)
+    outputs = [list(generate(llm, epd_prompt(case, encode(main, case))).outputs[0].token_ids) for _ in range(2)]
+    assert outputs[0] == outputs[1]
+    after = eric_counters(llm)
+    assert after["loaded_items"] - before.get("loaded_items", 0) == 2  # fetched once
+    assert after["released_items"] - before.get("released_items", 0) == 2
+    deadline = time.monotonic() + 30
+    while httpx.get(main.url + "/v1/transfer").json()["entries"] and time.monotonic() < deadline:
+        time.sleep(0.1)  # the release runs in the background
     assert httpx.get(main.url + "/v1/transfer").json()["entries"] == 0
 
 

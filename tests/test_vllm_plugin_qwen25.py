@@ -1,4 +1,5 @@
-"""Qwen2.5-VL (windowed vision attention) behind Eric in real vLLM: greedy tokens equal vLLM's own encoder's."""
+"""Qwen2.5-VL (windowed vision attention) behind Eric in real vLLM: greedy tokens equal vLLM's own encoder's,
+for images and a video (whose M-RoPE spacing in time comes from its sampled fps)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from eric_epd.testing.server import EricServer
 from eric_epd.testing.vllm_cases import CASES, encode_case, epd_prompt, greedy, llm_kwargs, raw_prompt
 
-IMAGE_CASES = ("two_images", "four_images")
+CASES_RUN = ("two_images", "four_images", "one_video")
 
 
 def test_qwen25_epd_tokens_equal_monolithic(qwen2_5_vl_tiny: Path, tmp_path: Path) -> None:
@@ -20,11 +21,14 @@ def test_qwen25_epd_tokens_equal_monolithic(qwen2_5_vl_tiny: Path, tmp_path: Pat
         ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
                               ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
         llm = LLM(**llm_kwargs(qwen2_5_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
-        for case in (c for c in CASES if c.name in IMAGE_CASES):
-            monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)
-            epd = list(greedy(llm, epd_prompt(case, encode_case(eric.url, case))).outputs[0].token_ids)
+        for case in (c for c in CASES if c.name in CASES_RUN):
+            monolithic = list(greedy(llm, raw_prompt(case, video_metadata=True)).outputs[0].token_ids)
+            items = encode_case(eric.url, case)
+            if case.video_frames:  # 8 frames at 4 fps sampled at 2 fps: the 1 s per grid step vLLM assumes
+                assert [i["second_per_grid_ts"] for i in items if i["modality"] == "video"] == [1.0]
+            epd = list(greedy(llm, epd_prompt(case, items)).outputs[0].token_ids)
             assert epd == monolithic, case.name
         counters = {m.name: m.value for m in llm.get_metrics() if "eric_ec" in m.name}
-        assert counters["vllm:eric_ec_loaded_items"] == 6  # 2 + 4 images came from Eric
-        assert counters["vllm:eric_ec_local_encoder_items"] == 6  # the raw-image runs used vLLM's encoder
+        assert counters["vllm:eric_ec_loaded_items"] == 7  # 2 + 4 images and the video came from Eric
+        assert counters["vllm:eric_ec_local_encoder_items"] == 7  # the raw-media runs used vLLM's encoder
         del llm

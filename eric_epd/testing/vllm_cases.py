@@ -56,8 +56,19 @@ def decoded_video(data: bytes) -> np.ndarray:
     return decode_video(data, MediaLimits())[0]
 
 
-def raw_prompt(case: Case) -> dict[str, Any]:
-    """The monolithic request: raw pixels, decoded exactly as Eric decodes them."""
+def decoded_video_with_metadata(data: bytes) -> tuple[np.ndarray, dict[str, Any]]:
+    """Eric's frames with the metadata vLLM's Qwen2.5-VL processor needs (its time spacing: the sampled fps)."""
+    from eric_epd.server.media import MediaLimits, decode_video
+
+    frames, sampled_fps = decode_video(data, MediaLimits())
+    n = len(frames)
+    return frames, {"fps": sampled_fps, "duration": n / sampled_fps, "total_num_frames": n,
+                    "frames_indices": list(range(n)), "video_backend": "eric", "do_sample_frames": False}
+
+
+def raw_prompt(case: Case, video_metadata: bool = False) -> dict[str, Any]:
+    """The monolithic request: raw pixels, decoded exactly as Eric decodes them (videos with their metadata for
+    models that need it, like Qwen2.5-VL)."""
     import io
 
     from PIL import Image
@@ -66,7 +77,8 @@ def raw_prompt(case: Case) -> dict[str, Any]:
     if case.image_sizes:
         mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images()]
     if case.video_frames:
-        mm["video"] = [decoded_video(v) for v in case.videos()]
+        decode = decoded_video_with_metadata if video_metadata else decoded_video
+        mm["video"] = [decode(v) for v in case.videos()]
     return {"prompt": case.prompt(), "multi_modal_data": mm}
 
 

@@ -20,7 +20,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from eric_epd.plugins.vllm.resolver import HandleResolver, has_raw_media
+from eric_epd.plugins.vllm.resolver import HandleResolver, has_raw_media, is_content_hash
 from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
@@ -101,6 +101,7 @@ class EricECConnector(ECConnectorBase):
             self._pending: list[EricLoad] = []
             self._unavailable: set[str] = set()
             self._scheduled: set[str] = set()  # identifiers whose load went to the workers
+            self._loaded_for: dict[str, set[str]] = {}  # request id -> identifiers loaded for it
         else:
             self._fetcher = EmbeddingFetcher(self._settings.backends)
             self._dtype = vllm_config.model_config.dtype
@@ -140,6 +141,7 @@ class EricECConnector(ECConnectorBase):
             self._resolver.add_leases(handle, self._tp_size - 1)
         self._pending.append(EricLoad(request.request_id, feature.identifier,
                                       request.get_num_encoder_embeds(index), handle))
+        self._loaded_for.setdefault(request.request_id, set()).add(feature.identifier)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
@@ -161,6 +163,14 @@ class EricECConnector(ECConnectorBase):
             self._stats.record(**meta.counts)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Eric items of this request that were never loaded for it (vLLM already had them cached, or the request
+        ended first) still hold the lease their encode took: give it back now rather than at the TTL."""
+        loaded = self._loaded_for.pop(request.request_id, set())
+        unused = [f.identifier for f in request.mm_features
+                  if f.identifier not in loaded and is_content_hash(f.identifier) and not has_raw_media(f)]
+        if unused:
+            self._resolver.release(unused)
+            self._stats.record(released_items=len(unused))
         return False, None
 
     # ---- worker side -----------------------------------------------------------------------------------------

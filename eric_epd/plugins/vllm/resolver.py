@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -16,6 +17,10 @@ _CONTENT_HASH = re.compile(r"^[0-9a-f]{64}$")
 _NEGATIVE_TTL_S = 2.0
 _MAX_CACHED = 4096
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_embeds")
+
+
+def is_content_hash(identifier: str) -> bool:
+    return bool(_CONTENT_HASH.match(identifier))
 
 
 def has_raw_media(feature: Any) -> bool:
@@ -39,9 +44,10 @@ class HandleResolver:
         self._client = httpx.Client(timeout=timeout_s)
         self._found: dict[str, dict[str, Any]] = {}
         self._missing: dict[str, float] = {}
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-release")
 
     def lookup(self, identifier: str) -> dict[str, Any] | None:
-        if not _CONTENT_HASH.match(identifier):
+        if not is_content_hash(identifier):
             return None  # not an Eric content hash (vLLM's own hash, or a LoRA-prefixed identifier)
         if (found := self._found.get(identifier)) is not None:
             return found
@@ -77,5 +83,26 @@ class HandleResolver:
     def forget(self, identifier: str) -> None:
         self._found.pop(identifier, None)
 
+    def release(self, identifiers: Iterable[str]) -> None:
+        """Return, in the background, the lease each encode request took on these items when they were never
+        fetched (vLLM already held them in its encoder cache), so Eric need not keep them until the TTL."""
+        self._releaser.submit(self._release, list(identifiers))
+
+    def _release(self, identifiers: list[str]) -> None:
+        for identifier in identifiers:
+            for url in self._urls:  # asked afresh: the scheduler thread owns the caches
+                handle = self._ask(url, identifier)
+                if handle is None:
+                    continue
+                try:
+                    resp = self._client.post(f"{handle['producer']}/v1/embeddings/{identifier}/ack",
+                                             json={"instance_id": handle["instance_id"],
+                                                   "generation": handle["generation"]})
+                    logger.debug("released unused lease on %s: %d", identifier[:12], resp.status_code)
+                except httpx.HTTPError as e:
+                    logger.warning("could not release the lease on %s: %r", identifier, e)
+                break
+
     def close(self) -> None:
+        self._releaser.shutdown(wait=True, cancel_futures=False)
         self._client.close()

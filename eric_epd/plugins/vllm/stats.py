@@ -14,6 +14,7 @@ COUNTERS = {
     "loaded_bytes": "Bytes fetched from Eric",
     "load_failures": "Embeddings that could not be fetched (their requests fail)",
     "unavailable_requests": "Requests failed because an item was at no Eric and had no raw media",
+    "released_items": "Eric items never fetched for their request (vLLM had them cached) whose lease was returned",
 }
 
 
