@@ -10,17 +10,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, with_embeddings
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
-from epd_gateway.upstream import Upstreams
+from epd_gateway.upstream import Upstreams, new_session
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.server.url_policy import MediaError
 
@@ -47,12 +50,13 @@ async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]
 class Gateway:
     """Routing decisions; the FastAPI routes below are thin."""
 
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
                                     config.encode_timeout_s)
-        self.upstreams = Upstreams(config, client, metrics)
+        self.upstreams = Upstreams(config, session, metrics)
 
     def check_api_key(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -130,26 +134,25 @@ def _embeddings_lost(response: Response) -> bool:
     return any(c.get("finish_reason") == "error" for c in choices)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig) -> Starlette:
     metrics = GatewayMetrics()
     state: dict[str, Gateway] = {}
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         # idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
-        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client:
-            state["gw"] = Gateway(config, client, metrics)
+        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client, \
+                new_session(config) as session:
+            state["gw"] = Gateway(config, client, session, metrics)
             health = asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))
             try:
                 yield
             finally:
                 health.cancel()
 
-    app = FastAPI(title="eric-epd gateway", lifespan=lifespan)
-
-    @app.exception_handler(GatewayError)
-    async def _error(_: Request, e: GatewayError) -> JSONResponse:
+    async def on_gateway_error(_: Request, e: Exception) -> Response:
+        assert isinstance(e, GatewayError)
         if e.status < 500:
             metrics.client_errors.labels(status=str(e.status)).inc()
         return e.response()
@@ -157,7 +160,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def forwarded(request: Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
@@ -169,7 +171,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
         response.headers["x-epd-path"] = path
         return response
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
@@ -180,28 +181,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         metrics.latency.labels(path="pd").observe(time.perf_counter() - start)
         return response
 
-    @app.get("/v1/models")
     async def models(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
         return await gw.upstreams.get("/v1/models", forwarded(request))
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        gw = state["gw"]
-        return JSONResponse({"status": "ok", "encoders": gw.encoders.status()})
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "encoders": state["gw"].encoders.status()})
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(_: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/admin/encoders")
     async def register(request: Request) -> JSONResponse:
         url = await _admin_url(request)
         state["gw"].encoders.register(url)
         return JSONResponse({"encoders": state["gw"].encoders.urls})
 
-    @app.delete("/admin/encoders")
     async def deregister(request: Request) -> JSONResponse:
         url = await _admin_url(request)
         if not state["gw"].encoders.deregister(url):
@@ -218,4 +213,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise GatewayError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
         return url.rstrip("/")
 
-    return app
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/admin/encoders", register, methods=["POST"]),
+        Route("/admin/encoders", deregister, methods=["DELETE"]),
+    ]
+    # plain Starlette: no route needs FastAPI's validation, and it costs time on every proxied request
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={GatewayError: on_gateway_error})

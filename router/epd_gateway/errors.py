@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
           502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
