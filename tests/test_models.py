@@ -256,3 +256,27 @@ def test_encoder_accepts_hf_config_object(checkpoints: dict[str, Path]) -> None:
     enc = Qwen2VLVisionEncoder(cfg.vision_config, TPContext(), torch.float32)
     assert enc.width == cfg.vision_config.embed_dim and enc.out_dim == cfg.vision_config.hidden_size
     assert enc.num_tokens([(1, 8, 12), (3, 4, 4)]) == [24, 12]
+
+
+def test_varlen_attention_equals_per_segment_attention() -> None:
+    """Segments of unique lengths (attended as views), repeated lengths (gathered into one batched call) and empty
+    ones, against plain attention over each segment alone."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from eric_epd.models.layers.attention import VarlenPlan, varlen_attention
+
+    lengths = [5, 9, 5, 0, 12, 9, 5, 3]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(cu[-1], 4, 16, generator=gen) for _ in range(3))
+    plan = VarlenPlan.build(cu, torch.device("cpu"))
+    assert sorted(length for length, _ in plan.groups) == [5, 9] and sorted(plan.slices) == [(19, 12), (45, 3)]
+    out = varlen_attention(q, k, v, plan, scale=0.25)
+    for a, b in itertools.pairwise(cu):
+        if b > a:
+            ref = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=0.25)
+            torch.testing.assert_close(out[a:b], ref.transpose(0, 1), rtol=1e-5, atol=1e-6)

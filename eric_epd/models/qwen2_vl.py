@@ -53,8 +53,15 @@ def rope_theta(cfg: dict[str, Any]) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
+QUICK_GELU_SCALE = 1.702
+
+
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
+    return x * torch.sigmoid(QUICK_GELU_SCALE * x)
+
+
+def _silu_inplace(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x, inplace=True)
 
 
 ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
@@ -164,7 +171,20 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.fc1 = ColumnParallelLinear(dim, hidden, True, tp, dtype)
         self.fc2 = RowParallelLinear(hidden, dim, True, tp, dtype)
+        self.act_name = act
         self.act = get_activation(act)
+
+    def after_load(self) -> None:
+        """float32 quick_gelu: x*sigmoid(1.702x) = silu(1.702x)/1.702, so 1.702 goes into fc1 and 1/1.702 into
+        fc2's weight and the activation becomes one in-place pass (three passes and two allocations before).
+        Lower-precision weights are left as they are (scaling them would round them again)."""
+        if self.act_name != "quick_gelu" or self.fc1.weight.dtype not in (torch.float32, torch.float64):
+            return
+        with torch.no_grad():
+            self.fc1.weight.mul_(QUICK_GELU_SCALE)
+            self.fc1.bias.mul_(QUICK_GELU_SCALE)
+            self.fc2.weight.div_(QUICK_GELU_SCALE)
+        self.act_name, self.act = "silu_folded", _silu_inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -324,5 +344,8 @@ class Qwen2VLVisionEncoder(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise KeyError(f"{len(missing)} vision weights missing from the checkpoint, e.g. {missing[:5]}")
+        for module in self.modules():  # rewrites that need the loaded weights (e.g. folded activation scales)
+            if (after_load := getattr(module, "after_load", None)) is not None:
+                after_load()
         logger.debug("loaded %d vision tensors (tp rank %d/%d)", len(loaded), self.tp.rank, self.tp.world_size)
         return loaded

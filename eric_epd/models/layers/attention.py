@@ -31,12 +31,15 @@ class VarlenPlan:
 
     `groups` holds, per distinct segment length L, the token indices (n, L) of the n segments of that length,
     or None when a single group covers the whole packed sequence in order (then a plain view suffices).
+    `slices` holds (start, length) of segments whose length no other segment shares: those are contiguous, so
+    they are attended as views, with no gather or scatter.
     """
 
     cu_seqlens: torch.Tensor  # (num_segments + 1,) int32 on the compute device
     max_seqlen: int
     total: int
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    slices: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def build(cls, cu_seqlens: Sequence[int] | torch.Tensor, device: torch.device) -> VarlenPlan:
@@ -49,15 +52,19 @@ class VarlenPlan:
                 starts_by_len.setdefault(b - a, []).append(a)
         total = cu[-1]
         groups: list[tuple[int, torch.Tensor | None]] = []
+        slices: list[tuple[int, int]] = []
         if len(starts_by_len) == 1:
             (length,) = starts_by_len
             groups.append((length, None))
         else:
             for length, starts in sorted(starts_by_len.items()):
+                if len(starts) == 1:
+                    slices.append((starts[0], length))
+                    continue
                 idx = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(length)[None, :]
                 groups.append((length, idx.to(device)))
         cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
-        return cls(cu_t, max(starts_by_len, default=0), total, tuple(groups))
+        return cls(cu_t, max(starts_by_len, default=0), total, tuple(groups), tuple(slices))
 
 
 def varlen_attention(
@@ -82,18 +89,25 @@ def varlen_attention(
             softmax_scale=scale,
             causal=False,
         )
-    out = None if plan.groups[0][1] is None else torch.empty_like(q)
-    for length, idx in plan.groups:
-        if idx is None:  # one group covering everything: (n, L, H, d) is a view
-            qs, ks, vs = (t.view(-1, length, heads, head_dim) for t in (q, k, v))
-        else:
-            qs, ks, vs = (t[idx] for t in (q, k, v))
-        res = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), scale=scale)
-        res = res.transpose(1, 2)  # (n, L, H, d)
-        if idx is None:
-            return res.reshape(n_tok, heads, head_dim)
+    if plan.groups and plan.groups[0][1] is None:  # one group covering everything: (n, L, H, d) is a view
+        length = plan.groups[0][0]
+        qs, ks, vs = (t.view(-1, length, heads, head_dim) for t in (q, k, v))
+        return _sdpa(qs, ks, vs, scale).reshape(n_tok, heads, head_dim)
+    out = torch.empty_like(q)
+    for start, length in plan.slices:
+        end = start + length
+        out[start:end] = _sdpa(q[None, start:end], k[None, start:end], v[None, start:end], scale)[0]
+    for _, idx in plan.groups:
+        assert idx is not None
+        res = _sdpa(q[idx], k[idx], v[idx], scale)
         out[idx.reshape(-1)] = res.reshape(-1, heads, head_dim)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """(n, L, H, d) in and out."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          scale=scale).transpose(1, 2)
 
 
 def vision_rotary_cos_sin(
