@@ -82,3 +82,11 @@ def test_failing_language_only_prefill_falls_back_to_plain_prefill(sglang) -> No
     assert after.get("fallback", 0) - before.get("fallback", 0) == 1
     metrics = httpx.get(sglang["gateway"].url + "/metrics").text
     assert "gateway_failovers_total" in metrics
+
+
+def test_unknown_paths_and_methods_get_json_errors(sglang) -> None:
+    r = httpx.get(sglang["gateway"].url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    assert "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.get(sglang["gateway"].url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405

@@ -14,6 +14,7 @@ import aiohttp
 import httpx
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -157,6 +158,12 @@ def create_app(config: GatewayConfig) -> Starlette:
             metrics.client_errors.labels(status=str(e.status)).inc()
         return e.response()
 
+    async def on_http_error(request: Request, e: Exception) -> Response:
+        """Unknown paths (404) and wrong methods (405), shaped like every other error."""
+        assert isinstance(e, HTTPException)
+        return await on_gateway_error(request, GatewayError(e.status_code, f"{request.method} {request.url.path}: "
+                                                                          f"{e.detail}"))
+
     def forwarded(request: Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
 
@@ -223,4 +230,5 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/admin/encoders", deregister, methods=["DELETE"]),
     ]
     # plain Starlette: no route needs FastAPI's validation, and it costs time on every proxied request
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={GatewayError: on_gateway_error})
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_error})
