@@ -84,6 +84,7 @@ class Gateway:
         self.metrics.fanout.observe(fanout)
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
+            await self.encoders.release(items)
             return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         response = await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
         if _embeddings_lost(response):

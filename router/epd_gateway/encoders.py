@@ -129,6 +129,18 @@ class EncoderPool:
         member.failures = 0
         return resp.json()["items"]
 
+    async def release(self, items: list[dict[str, Any]]) -> None:
+        """Give back the leases an encode took on items that will never be fetched (the request went elsewhere),
+        so the Erics free them now instead of at their TTL. Best effort: a failure only leaves the TTL to act."""
+        async def ack(handle: dict[str, Any]) -> None:
+            try:
+                await self._client.post(f"{handle['producer']}/v1/embeddings/{handle['hash']}/ack", timeout=2.0,
+                                        json={"instance_id": handle["instance_id"], "generation": handle["generation"]})
+            except (httpx.HTTPError, KeyError) as e:
+                logger.debug("releasing %s failed: %r", handle.get("hash"), e)
+
+        await asyncio.gather(*(ack(item["handle"]) for item in items if isinstance(item.get("handle"), dict)))
+
     def _record_failure(self, member: EncoderState) -> None:
         self._metrics.failures.labels(stage="encode").inc()
         member.failures += 1

@@ -1,0 +1,61 @@
+"""Qwen2.5-VL videos through the gateway and real vLLM behind Eric: a video sampled at Eric's 2 fps goes EPD; one
+whose frames end up spaced otherwise (here a 1 fps source) would be misplaced in time by vLLM's metadata-only path,
+so it goes with its raw media, and the leases its encode took are given back at once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eric_epd.testing.media import image_data_url, video_data_url
+from eric_epd.testing.server import EricServer
+from eric_epd.testing.stack import GatewayServer, VllmServe, ask, gateway_paths
+
+
+@pytest.fixture(scope="module")
+def stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("qwen25-video")
+    eric = EricServer(qwen2_5_vl_tiny, log_path=logs / "eric.log").start()
+    vllm = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", eric_urls=[eric.url]).start()
+    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url).start()
+    yield {"eric": eric, "vllm": vllm, "gateway": gateway}
+    for server in (gateway, vllm, eric):
+        server.stop()
+
+
+def _messages(video_url: str) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_data_url(64, 56, seed=5)}},
+        {"type": "video_url", "video_url": {"url": video_url}},
+        {"type": "text", "text": "What happens?"}]}]
+
+
+def _encode_video(eric: EricServer, url: str) -> dict:
+    items = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": url}]}).json()["items"]
+    httpx.post(f"{eric.url}/v1/embeddings/{items[0]['hash']}/ack", json={
+        "instance_id": items[0]["handle"]["instance_id"], "generation": items[0]["handle"]["generation"]})
+    return items[0]
+
+
+def test_videos_take_epd_only_when_vllm_can_place_them(stack) -> None:
+    gw, eric = stack["gateway"].url, stack["eric"]
+    at_2fps = video_data_url(8, 56, 56, fps=4, seed=1)  # 2 s: 4 of 8 frames, 1 s per temporal grid step
+    at_1fps = video_data_url(4, 56, 56, fps=1, seed=2)  # 4 s at 1 fps: every frame, 2 s per grid step
+    assert _encode_video(eric, at_2fps)["second_per_grid_ts"] == 1.0
+    assert _encode_video(eric, at_1fps)["second_per_grid_ts"] == 2.0
+
+    before = gateway_paths(gw)
+    assert ask(gw, _messages(at_2fps)).choices[0].message.content
+    after = gateway_paths(gw)
+    assert after.get("epd", 0) - before.get("epd", 0) == 1
+
+    direct = ask(stack["vllm"].url, _messages(at_1fps)).choices[0].message.content  # vLLM encodes it itself
+    assert ask(gw, _messages(at_1fps)).choices[0].message.content == direct
+    assert gateway_paths(gw).get("fallback", 0) - after.get("fallback", 0) == 1
+    deadline = time.monotonic() + 30
+    while httpx.get(eric.url + "/v1/transfer").json()["entries"] and time.monotonic() < deadline:
+        time.sleep(0.1)  # the EPD request's items are acknowledged by vLLM, the fallback's by the gateway
+    assert httpx.get(eric.url + "/v1/transfer").json()["entries"] == 0
