@@ -52,3 +52,21 @@ def test_pd_streaming_equals_monolithic(pd_stack, monolithic) -> None:
     expected = ask(monolithic.url, ONE).choices[0].message.content
     stream = ask(pd_stack["gateway"].url, ONE, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_dead_prefill_or_decode_gives_a_clear_error_not_a_hang(pd_stack, tmp_path: Path) -> None:
+    import httpx
+
+    from eric_epd.testing.server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    live = {"prefill": pd_stack["prefill"].url, "decode": pd_stack["decode"].url}
+    model = httpx.get(live["decode"] + "/v1/models").json()["data"][0]["id"]
+    for role, status in (("prefill", 502), ("decode", 503)):
+        urls = {**live, role: dead}
+        with GatewayServer(tmp_path / f"gw-{role}.log", "--prefill-urls", urls["prefill"],
+                           "--decode-urls", urls["decode"]) as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", json={"model": model, "messages": TEXT, "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == status, r.text
+            assert r.json()["error"]["message"].startswith(f"{role} at {dead}")
