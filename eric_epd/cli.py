@@ -29,7 +29,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--max-batch-items", type=int, default=BatchLimits.max_items)
-    p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches)
+    p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
+                   help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
     p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items)
     p.add_argument("--preprocess-threads", type=int, default=2)
     p.add_argument("--max-body-bytes", type=int, default=EricConfig.max_body_bytes)

@@ -79,7 +79,7 @@ def main(config: EricConfig, ready: Connection) -> None:
             executor.shutdown()
         return
     try:
-        _EngineLoop(config, Engine(config.batch, executor), ready).run()
+        _EngineLoop(config, Engine(config.batch_limits(), executor), ready).run()
     finally:
         executor.shutdown()
 
