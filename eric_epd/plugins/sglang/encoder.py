@@ -13,7 +13,6 @@ import numpy as np
 
 from eric_epd.config import EricConfig, SglangConfig
 from eric_epd.plugins.sglang.protocol import (
-    ELEMENT_BYTES,
     HEALTH_PNG,
     MODALITIES,
     Part,
@@ -24,14 +23,13 @@ from eric_epd.plugins.sglang.protocol import (
     validate,
 )
 from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError
+from eric_epd.plugins.sglang.rows import PartRows
 from eric_epd.plugins.sglang.wire import (
-    EmbeddingPart,
     EncodeRequest,
     MetaRequest,
     ReceiveUrlRequest,
     SendRequest,
     decode_nixl_session,
-    embedding_data_pickle,
 )
 from eric_epd.plugins.sglang.zmq_push import ZmqSender
 from eric_epd.server.service import ApiError, EncodeService, ItemRequest
@@ -57,21 +55,17 @@ class SglangEncoder:
     """
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangConfig,
-                 dim: int, eric_dtype: str, wire: str, model_type: str, temporal_patch_size: int) -> None:
+                 dim: int, eric_dtype: str, wire: str) -> None:
         self.config = config
         self.hub = hub
         self._state = state
         self.settings = settings
         self.dim = dim
-        self.eric_dtype = eric_dtype
-        self.dtype = wire
-        """What the part header announces and the rows are in (the prefill's model dtype)."""
         if wire != eric_dtype:
             import torch  # noqa: F401  (parts are converted: load it now, not at the first request)
 
             logger.info("SGLang parts are sent as %s (Eric computes %s)", wire, eric_dtype)
-        self.model_type = model_type
-        self.temporal_patch_size = temporal_patch_size
+        self.rows = PartRows(hub, dim, eric_dtype, wire)
         self.parts: dict[str, Part] = {}
         self._zmq: ZmqSender | None = None
         self._mooncake: MooncakePusher | None = None
@@ -207,64 +201,8 @@ class SglangEncoder:
                 "embedding_dim": self.dim}
 
     async def _stage(self, part: Part) -> None:
-        """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (registered
-        with the push engines like every pool byte), after which Eric's own leases are returned."""
-        part.wire_bytes = part.tokens * self.dim * ELEMENT_BYTES[self.dtype]
-        if self.dtype == self.eric_dtype:
-            return
-        import torch
-
-        key = f"sglang-stage:{part.req_id}"
-        entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim), self.dtype)
-        part.staged = key
-        src_dtype, offset = getattr(torch, self.eric_dtype), 0
-        dst = torch.from_numpy(self.hub.pool.view(entry)).view(getattr(torch, self.dtype))
-        for row in self._entries(part, staged=False):
-            rows = torch.from_numpy(self.hub.pool.view(row)).view(src_dtype)
-            dst[offset: offset + rows.numel()] = rows  # the same rounding as Tensor.to(dtype)
-            offset += rows.numel()
-        self._ack(part)
-
-    def _entries(self, part: Part, staged: bool = True) -> list[Any]:
-        if staged and part.staged is not None:
-            entry = self.hub.pool.get(part.staged)
-            if entry is None:
-                raise SglangError(500, f"staged part {part.req_id} left the pool")
-            return [entry]
-        entries = []
-        for answer in part.answers or ():
-            entry = self.hub.pool.get(answer.handle.hash)
-            if entry is None or entry.generation != answer.handle.generation:
-                raise SglangError(500, f"embedding {answer.handle.hash} left the pool before it was sent")
-            entries.append(entry)
-        return entries
-
-    def _header(self, part: Part) -> bytes:
-        req = part.request
-        assert req is not None
-        modality = req.modality.upper()
-        if part.error is not None:
-            return embedding_data_pickle(EmbeddingPart(
-                req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=None,
-                dtype=None, shape=None, error_msg=part.error[0], error_code=part.error[1]))
-        answers = part.answers or []
-        extra: dict[str, list[float]] = {}
-        seconds = [a.prepared.item.second_per_grid_ts for a in answers]
-        if modality == "VIDEO" and all(s is not None for s in seconds):  # Qwen2.5-VL's M-RoPE spaces frames by time
-            extra["second_per_grid_ts"] = seconds
-        return embedding_data_pickle(EmbeddingPart(
-            req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality,
-            grid=[list(a.prepared.item.grid_thw) for a in answers], dtype=self.dtype,
-            shape=[part.tokens, self.dim], extra=extra))
-
-    def _payload(self, part: Part) -> memoryview | bytes:
-        """The part's rows, contiguous: a view of the pool for one entry, a copy for several."""
-        views = [self.hub.pool.view(e) for e in self._entries(part)]
-        return memoryview(views[0]) if len(views) == 1 else np.concatenate(views).tobytes()
-
-    def _ranges(self, part: Part) -> tuple[list[int], list[int]]:
-        entries = self._entries(part)
-        return [self.hub.pool.base_addr + e.offset for e in entries], [e.nbytes for e in entries]
+        if await self.rows.stage(part):
+            self._ack(part)  # the converted copy is what is sent: Eric's own entries can go
 
     # ----------------------------------------------------------------------------------------------- delivery
 
@@ -274,8 +212,8 @@ class SglangEncoder:
         await self._zmq.push(endpoint, frames, cached)
 
     def _frames(self, part: Part) -> list[Any]:
-        header = self._header(part)
-        return [header] if part.error is not None else [header, self._payload(part)]
+        header = self.rows.header(part)
+        return [header] if part.error is not None else [header, self.rows.payload(part)]
 
     async def _deliver_direct(self, part: Part) -> None:
         """zmq_to_tokenizer (or a /encode naming scheduler ports itself): push, release, then answer."""
@@ -400,7 +338,7 @@ class SglangEncoder:
         endpoint = host_port(req.prefill_host, req.embedding_port)
         part.active += 1
         try:
-            srcs, lens = self._ranges(part)
+            srcs, lens = self.rows.ranges(part)
             dsts = list(np.cumsum([0, *lens[:-1]], dtype=np.int64) + req.buffer_address) if lens else []
             nixl = decode_nixl_session(req.session_id)
             timeout = self.settings.send_timeout_s
@@ -410,7 +348,7 @@ class SglangEncoder:
             elif lens:
                 pusher = await self._pusher("mooncake")
                 await asyncio.to_thread(pusher.write, req.session_id, srcs, [int(d) for d in dsts], lens, timeout)
-            await self._send(endpoint, [self._header(part)], cached=False)
+            await self._send(endpoint, [self.rows.header(part)], cached=False)
         except PushError as e:
             raise SglangError(500, str(e)) from e
         except SglangError:

@@ -34,9 +34,7 @@ def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
         return APIRouter()
     spec = output_spec(config)
     model_cfg = read_model_config(config.model)
-    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire_dtype(settings.dtype, model_cfg),
-                            str(model_cfg.get("model_type", "")),
-                            int(model_cfg.get("vision_config", {}).get("temporal_patch_size", 2)))
+    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire_dtype(settings.dtype, model_cfg))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

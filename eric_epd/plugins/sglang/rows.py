@@ -1,0 +1,80 @@
+"""A part's rows in the pool: staged in the prefill's dtype, and read out as SGLang's header, payload or ranges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from eric_epd.plugins.sglang.protocol import ELEMENT_BYTES, Part, SglangError
+from eric_epd.plugins.sglang.wire import EmbeddingPart, embedding_data_pickle
+from eric_epd.transfer.producer import TransferHub
+
+
+class PartRows:
+    def __init__(self, hub: TransferHub, dim: int, eric_dtype: str, wire_dtype: str) -> None:
+        self.hub = hub
+        self.dim = dim
+        self.eric_dtype = eric_dtype
+        self.dtype = wire_dtype
+        """What the part header announces and the rows are in (the prefill's model dtype)."""
+
+    async def stage(self, part: Part) -> bool:
+        """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (registered
+        with the push engines like every pool byte). True if a copy was made (Eric's own entries are then free)."""
+        part.wire_bytes = part.tokens * self.dim * ELEMENT_BYTES[self.dtype]
+        if self.dtype == self.eric_dtype:
+            return False
+        import torch
+
+        key = f"sglang-stage:{part.req_id}"
+        entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim), self.dtype)
+        part.staged = key
+        src_dtype, offset = getattr(torch, self.eric_dtype), 0
+        dst = torch.from_numpy(self.hub.pool.view(entry)).view(getattr(torch, self.dtype))
+        for row in self.entries(part, staged=False):
+            rows = torch.from_numpy(self.hub.pool.view(row)).view(src_dtype)
+            dst[offset: offset + rows.numel()] = rows  # the same rounding as Tensor.to(dtype)
+            offset += rows.numel()
+        return True
+
+    def entries(self, part: Part, staged: bool = True) -> list[Any]:
+        if staged and part.staged is not None:
+            entry = self.hub.pool.get(part.staged)
+            if entry is None:
+                raise SglangError(500, f"staged part {part.req_id} left the pool")
+            return [entry]
+        entries = []
+        for answer in part.answers or ():
+            entry = self.hub.pool.get(answer.handle.hash)
+            if entry is None or entry.generation != answer.handle.generation:
+                raise SglangError(500, f"embedding {answer.handle.hash} left the pool before it was sent")
+            entries.append(entry)
+        return entries
+
+    def header(self, part: Part) -> bytes:
+        req = part.request
+        assert req is not None
+        modality = req.modality.upper()
+        if part.error is not None:
+            return embedding_data_pickle(EmbeddingPart(
+                req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=None,
+                dtype=None, shape=None, error_msg=part.error[0], error_code=part.error[1]))
+        answers = part.answers or []
+        extra: dict[str, list[float]] = {}
+        seconds = [a.prepared.item.second_per_grid_ts for a in answers]
+        if modality == "VIDEO" and all(s is not None for s in seconds):  # Qwen2.5-VL's M-RoPE spaces frames by time
+            extra["second_per_grid_ts"] = seconds
+        return embedding_data_pickle(EmbeddingPart(
+            req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality,
+            grid=[list(a.prepared.item.grid_thw) for a in answers], dtype=self.dtype,
+            shape=[part.tokens, self.dim], extra=extra))
+
+    def payload(self, part: Part) -> memoryview | bytes:
+        """The part's rows, contiguous: a view of the pool for one entry, a copy for several."""
+        views = [self.hub.pool.view(e) for e in self.entries(part)]
+        return memoryview(views[0]) if len(views) == 1 else np.concatenate(views).tobytes()
+
+    def ranges(self, part: Part) -> tuple[list[int], list[int]]:
+        entries = self.entries(part)
+        return [self.hub.pool.base_addr + e.offset for e in entries], [e.nbytes for e in entries]
