@@ -132,23 +132,22 @@ class Upstreams:
             except _RETRY_ONCE as e:
                 logger.info("retrying %s on a fresh connection after %r", url, e)
                 return await self._session.post(url, data=content, headers=headers)
-        except asyncio.TimeoutError as e:
-            self._metrics.failures.labels(stage=stage).inc()
-            raise GatewayError(504, f"{stage} at {url} timed out") from e
-        except aiohttp.ClientError as e:
-            self._metrics.failures.labels(stage=stage).inc()
-            raise GatewayError(502 if stage == "prefill" else 503, f"{stage} at {url} unreachable: {e!r}") from e
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            raise self._failed(stage, url, "unreachable", e) from e
 
     async def _read(self, stage: str, url: str, resp: aiohttp.ClientResponse) -> Reply:
         try:
             async with resp:
                 return Reply(resp.status, await resp.read(), _headers(resp))
-        except asyncio.TimeoutError as e:
-            self._metrics.failures.labels(stage=stage).inc()
-            raise GatewayError(504, f"{stage} at {url} timed out") from e
-        except aiohttp.ClientError as e:
-            self._metrics.failures.labels(stage=stage).inc()
-            raise GatewayError(502 if stage == "prefill" else 503, f"{stage} at {url} failed: {e!r}") from e
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            raise self._failed(stage, url, "failed", e) from e
+
+    def _failed(self, stage: str, url: str, what: str, e: BaseException) -> GatewayError:
+        """Count an upstream failure and name it: 504 for a timeout, else 502 for prefill and 503 for decode."""
+        self._metrics.failures.labels(stage=stage).inc()
+        if isinstance(e, asyncio.TimeoutError):
+            return GatewayError(504, f"{stage} at {url} timed out")
+        return GatewayError(502 if stage == "prefill" else 503, f"{stage} at {url} {what}: {e!r}")
 
     async def _post(self, stage: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
         resp = await self._open(stage, url + path, orjson.dumps(body), headers)
