@@ -28,6 +28,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--api-key", default=None,
+                   help="callers must send 'Authorization: Bearer KEY' (default: $ERIC_API_KEY; none: no check)")
     p.add_argument("--max-batch-items", type=int, default=BatchLimits.max_items)
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
                    help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
@@ -66,6 +68,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    SglangConfig.send_timeout_s), help="seconds a finished part waits for its ranks")
     g.add_argument("--sglang-req-timeout", type=float, default=_env_float("SGLANG_ENCODER_REQ_TIMEOUT",
                    SglangConfig.req_timeout_s), help="seconds a rank's early call waits for the part's /encode")
+    g.add_argument("--sglang-allowed-peer", action="append", default=[],
+                   help="CIDR Eric may push SGLang parts to besides the caller's own address (repeatable)")
     g.add_argument("--sglang-register-retry", type=float, default=SglangConfig.register_retry_s,
                    help="seconds between registration attempts")
 
@@ -98,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         sglang=SglangConfig(
             enabled=not args.no_sglang, register_urls=tuple(u.rstrip("/") for u in args.sglang_register_url),
             dtype=args.sglang_dtype, send_timeout_s=args.sglang_send_timeout, req_timeout_s=args.sglang_req_timeout,
-            register_retry_s=args.sglang_register_retry),
+            register_retry_s=args.sglang_register_retry, allowed_peers=tuple(args.sglang_allowed_peer)),
+        api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None,
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
                              allow_private_hosts=args.allow_private_hosts,
                              host_allowlist=frozenset(args.allowed_host)),

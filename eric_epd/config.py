@@ -87,6 +87,9 @@ class SglangConfig:
     dtype: str = "auto"
     """dtype of the rows sent: must be the prefill's model dtype, since Mooncake/NIXL landing buffers are read in
     it. "auto" applies SGLang's own --dtype auto rule to the checkpoint (float32 -> float16)."""
+    allowed_peers: tuple[str, ...] = ()
+    """CIDRs (e.g. 10.0.0.0/24) Eric may push parts to besides the address a request came from; SGLang's receivers
+    send no key, so where Eric connects is bounded by this and by the caller's own address."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SGLANG_DTYPES:
@@ -119,6 +122,9 @@ class EricConfig:
     """An accepted request that has no result after this long fails with 504."""
     worker_timeout_s: float = 120.0
     """A batch that takes longer than this marks the workers unhealthy."""
+    api_key: str | None = None
+    """Callers of every HTTP route but /health, /metrics and SGLang's protocol must send 'Authorization: Bearer
+    KEY' (--api-key, or the ERIC_API_KEY environment variable)."""
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
     sglang: SglangConfig = field(default_factory=lambda: SglangConfig())
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="eric-")))

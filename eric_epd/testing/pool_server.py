@@ -1,7 +1,8 @@
 """A transfer-only producer for tests and benchmarks: Eric's pool, backends and control API, no model.
 
 `python -m eric_epd.testing.pool_server --port P --backends shm,mooncake,nixl`; then
-POST /v1/testing/entries {"hash", "nbytes", "seed", "leases"} stores seeded random bytes and returns the handle.
+POST /v1/testing/entries {"hash", "nbytes", "seed", "leases"} stores seeded random bytes and returns the first
+lease's handle plus every lease token ("leases").
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ def create_pool_app(hub: TransferHub) -> FastAPI:
         entry = await hub.reserve(key, nbytes, (nbytes,), "uint8")
         hub.pool.view(entry)[:] = seeded_bytes(nbytes, int(body.get("seed", 0)))
         hub.pool.commit(key)
-        for _ in range(int(body.get("leases", 1))):
-            hub.pool.lease(key)
-        return JSONResponse(msgspec.to_builtins(hub.handle(entry)))
+        handles = [hub.lease(key) for _ in range(int(body.get("leases", 1)))]
+        return JSONResponse(msgspec.to_builtins(handles[0]) | {"leases": [h.lease for h in handles]})
 
     return app
 

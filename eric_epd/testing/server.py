@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,17 +26,22 @@ class ServerProcess:
     health_path = "/health"
 
     def __init__(self, cmd: list[str], port: int, log_path: Path | None = None,
-                 startup_timeout_s: float = 180.0) -> None:
+                 startup_timeout_s: float = 180.0, env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        """The key this server checks (None: no check); secrets go by environment, never on the command line."""
         self._cmd = cmd
+        self._env = env or {}
         self._log_path = log_path
         self._timeout = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self):
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **self._env})
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,6 +72,11 @@ class ServerProcess:
         self.proc.wait()
         self.proc = None
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a caller sends to pass this server's key check."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def __enter__(self):
         return self.start()
 
@@ -73,15 +84,22 @@ class ServerProcess:
         self.stop()
 
 
+def new_key() -> str:
+    """A fresh API key, for launchers given none."""
+    return secrets.token_urlsafe(24)
+
+
 class EricServer(ServerProcess):
-    """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", ...)`."""
+    """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", headers=eric.headers, ...)`.
+    Its API key is generated unless given (ERIC_API_KEY in its environment)."""
 
     def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 log_path: Path | None = None, startup_timeout_s: float = 180.0) -> None:
+                 log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None) -> None:
         port = port or free_port()
+        api_key = api_key or new_key()
         cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
                "--port", str(port), "--allowed-host", "127.0.0.1", *extra_args]
-        super().__init__(cmd, port, log_path, startup_timeout_s)
+        super().__init__(cmd, port, log_path, startup_timeout_s, env={"ERIC_API_KEY": api_key}, api_key=api_key)
 
 
 class PoolServer(ServerProcess):

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from eric_epd.testing.server import ServerProcess, free_port
+from eric_epd.testing.server import ServerProcess, free_port, new_key
 
 
 def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http")) -> dict:
@@ -18,12 +18,14 @@ def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "ht
 
 
 class VllmServe(ServerProcess):
-    """`vllm serve` on a small local model; with eric_urls, behind Eric (connector + guard middleware)."""
+    """`vllm serve` on a small local model; with eric_urls, behind Eric (connector + guard middleware, the Erics'
+    key in ERIC_API_KEY). vLLM checks its own generated key (VLLM_API_KEY), which the gateway sends."""
 
     def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
-                 max_model_len: int = 4096) -> None:
+                 max_model_len: int = 4096, eric_api_key: str | None = None, api_key: str | None = None) -> None:
         port = free_port()
+        api_key = api_key or new_key()
         vllm = str(Path(sys.executable).parent / "vllm")
         cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--gpu-memory-utilization", "0.15", "--enforce-eager",
@@ -31,37 +33,31 @@ class VllmServe(ServerProcess):
         if eric_urls:
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(eric_ec_config(eric_urls)),
                     "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
-        super().__init__(cmd, port, log_path, startup_timeout_s=300)
-        self._env = env or {}
-
-    def start(self):
-        saved = {k: os.environ.get(k) for k in self._env}
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.update(self._env)
-        try:
-            return super().start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
+               **({"ERIC_API_KEY": eric_api_key} if eric_api_key else {}), **(env or {})}
+        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, api_key=api_key)
 
 
-def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls: list[str]) -> VllmServe:
+def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls: list[str],
+            eric_api_key: str | None = None, api_key: str | None = None) -> VllmServe:
     """One half of a vLLM prefill/decode pair over NIXL with CPU buffers, pinned to its own core (unpinned, both
-    bind the same cores and NIXL's 5 s handshake times out)."""
+    bind the same cores and NIXL's 5 s handshake times out). Give both halves the same api_key."""
     kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-    return VllmServe(model, log_path, eric_urls, extra=("--kv-transfer-config", json.dumps(kv)), env=env)
+    return VllmServe(model, log_path, eric_urls, extra=("--kv-transfer-config", json.dumps(kv)), env=env,
+                     eric_api_key=eric_api_key, api_key=api_key)
 
 
 class GatewayServer(ServerProcess):
-    def __init__(self, log_path: Path | None, *args: str) -> None:
+    """The gateway; the Erics' and the engines' keys reach it by environment (ERIC_API_KEY, VLLM_API_KEY)."""
+
+    def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
+                 upstream_api_key: str | None = None) -> None:
         port = free_port()
         cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
-        super().__init__(cmd, port, log_path, startup_timeout_s=60)
+        env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key)) if v}
+        super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env)
 
 
 def image_messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:

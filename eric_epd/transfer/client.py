@@ -17,8 +17,9 @@ import msgspec
 import numpy as np
 import torch
 
+from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import ConsumerBackend, TransferError
-from eric_epd.transfer.handles import BACKENDS, EmbeddingHandle
+from eric_epd.transfer.handles import BACKENDS, LEASE_HEADER, EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def _usable(backend: ConsumerBackend, handle: EmbeddingHandle) -> bool:
     return getattr(handle, backend.name, None) is not None
 
 
-def _make_backend(name: str, http_timeout_s: float) -> ConsumerBackend:
+def _make_backend(name: str, http_timeout_s: float, api_key: str | None) -> ConsumerBackend:
     if name == "shm":
         from eric_epd.transfer.backends.shm import ShmConsumer
 
@@ -47,32 +48,35 @@ def _make_backend(name: str, http_timeout_s: float) -> ConsumerBackend:
     if name == "nixl":
         from eric_epd.transfer.backends.nixl import NixlConsumer
 
-        return NixlConsumer()
+        return NixlConsumer(api_key=api_key)
     if name == "http":
         from eric_epd.transfer.backends.http import HttpConsumer
 
-        return HttpConsumer(http_timeout_s)
+        return HttpConsumer(http_timeout_s, api_key)
     raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
 
 
 class EmbeddingFetcher:
-    """Thread-safe; one per consumer process. `backends` lists what this consumer may use, best first."""
+    """Thread-safe; one per consumer process. `backends` lists what this consumer may use, best first; `api_key` is
+    the producers' (their control routes need it)."""
 
-    def __init__(self, backends: Sequence[str] = BACKENDS, http_timeout_s: float = 30.0) -> None:
+    def __init__(self, backends: Sequence[str] = BACKENDS, http_timeout_s: float = 30.0,
+                 api_key: str | None = None) -> None:
         for name in backends:
             if name not in BACKENDS:
                 raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
         self._order = tuple(backends)
         self._http_timeout_s = http_timeout_s
+        self._api_key = api_key
         self._backends: dict[str, ConsumerBackend] = {}
         self._lock = threading.Lock()
-        self._http = httpx.Client(timeout=http_timeout_s)
+        self._http = httpx.Client(timeout=http_timeout_s, headers=bearer(api_key))
         self.last_backend: str | None = None
 
     def _backend(self, name: str) -> ConsumerBackend:
         with self._lock:  # one consumer agent/engine per backend, even when threads race here
             if name not in self._backends:
-                self._backends[name] = _make_backend(name, self._http_timeout_s)
+                self._backends[name] = _make_backend(name, self._http_timeout_s, self._api_key)
             return self._backends[name]
 
     def fetch(self, handle: EmbeddingHandle | dict[str, Any], out: torch.Tensor | None = None,
@@ -120,7 +124,7 @@ class EmbeddingFetcher:
         h = as_handle(handle)
         url = f"{h.producer}/v1/embeddings/{h.hash}/ack"
         try:
-            resp = self._http.post(url, json={"instance_id": h.instance_id, "generation": h.generation})
+            resp = self._http.post(url, json={"instance_id": h.instance_id}, headers={LEASE_HEADER: h.lease})
         except httpx.HTTPError as e:
             raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
         if resp.status_code != 200:

@@ -50,8 +50,14 @@ class EmbeddingHandle(msgspec.Struct, frozen=True, omit_defaults=True):
     mooncake: MooncakeLocation | None = None
     nixl: NixlLocation | None = None
     generation: int = 0
-    """Identifies this pool entry; an ack for an entry freed and re-created since fails."""
+    """Identifies this pool entry (informational: the lease token already names one lease of one entry)."""
+    lease: str = ""
+    """The lease token: a capability that alone reads this entry over HTTP, adds child leases and acknowledges.
+    Sent as the X-Eric-Lease header. The one-sided planes (shm, NIXL, Mooncake) cannot check it."""
 
+
+LEASE_HEADER = "X-Eric-Lease"
+"""HTTP header carrying a lease token on Eric's embedding routes."""
 
 BACKENDS = ("shm", "nixl", "mooncake", "http")
 """Consumer preference order: fastest first."""

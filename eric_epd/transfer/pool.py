@@ -2,6 +2,7 @@
 
 Workers write embeddings straight into it (rank 0, at offsets the router reserved); transfer backends register it
 once; consumers read from it and acknowledge. An entry is freed when every lease is acknowledged or its TTL passes.
+Each lease is a capability: an unguessable token that alone reads, extends (child leases) or releases it.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +22,22 @@ from eric_epd.common.shm import Segment
 logger = logging.getLogger(__name__)
 
 ALIGN = 256  # bytes; keeps every entry cache-line and DMA friendly
+MAX_CHILD_LEASES = 64
+"""Most child leases one lease may add (one per tensor-parallel rank of a consumer)."""
+
+
+class LeaseError(Exception):
+    """A lease operation refused: `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def new_token() -> str:
+    """An unguessable lease token (128 bits)."""
+    return secrets.token_urlsafe(16)
 
 
 @dataclass
@@ -33,8 +51,15 @@ class PoolEntry:
     """Unique per reservation: a handle to a freed and re-encoded entry no longer matches."""
     ready: bool = False
     """False while the workers have not written it yet."""
-    leases: int = 0
+    leases: dict[str, str] = field(default_factory=dict)
+    """Outstanding lease token -> the token of the lease it was added from (itself for a root lease)."""
+    children: dict[str, int] = field(default_factory=dict)
+    """Root token -> child leases added from it (bounded by MAX_CHILD_LEASES)."""
     expires_at: float = 0.0
+
+    def holds(self, token: str | None) -> bool:
+        """True if `token` names an outstanding lease on this (written) entry."""
+        return self.ready and token is not None and token in self.leases
 
 
 class FreeList:
@@ -126,30 +151,55 @@ class EmbeddingPool:
     def commit(self, key: str) -> None:
         self._entries[key].ready = True
 
-    def lease(self, key: str) -> PoolEntry:
-        """One more consumer will read this entry; the TTL restarts."""
+    def lease(self, key: str) -> tuple[PoolEntry, str]:
+        """One more consumer will read this entry: (entry, the new lease's token); the TTL restarts."""
         entry = self._entries[key]
         if self._acked.pop(key, None) is not None:  # a cached entry is wanted again
             self._acked_bytes -= entry.nbytes
-        entry.leases += 1
+        token = new_token()
+        entry.leases[token] = token
         entry.expires_at = time.monotonic() + self.ttl_s
+        return entry, token
+
+    def holder(self, key: str, token: str | None) -> PoolEntry:
+        """The entry `token` holds a lease on; LeaseError 404 (the same for an unknown hash and a wrong token, so a
+        stranger learns nothing about what is held)."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.holds(token):
+            raise LeaseError(404, f"no lease with this token on embedding {key} (never encoded here, already "
+                                  "acknowledged, expired, or a wrong token)")
         return entry
 
-    def ack(self, key: str, generation: int | None = None) -> bool:
-        """A consumer is done; the entry goes when no lease is left. False if the entry is unknown (or was
-        replaced since the consumer's handle was made)."""
+    def add_leases(self, key: str, token: str | None, count: int) -> list[str]:
+        """`count` child leases of the lease `token` names (e.g. one per tensor-parallel rank of a consumer); a
+        lease and its children may add at most MAX_CHILD_LEASES in all."""
+        entry = self.holder(key, token)
+        assert token is not None
+        root = entry.leases[token]
+        added = entry.children.get(root, 0)
+        if count < 1 or added + count > MAX_CHILD_LEASES:
+            raise LeaseError(400, f"a lease may add 1 to {MAX_CHILD_LEASES} child leases in all; "
+                                  f"{added} added, {count} more asked")
+        entry.children[root] = added + count
+        tokens = [new_token() for _ in range(count)]
+        entry.leases.update((t, root) for t in tokens)
+        entry.expires_at = time.monotonic() + self.ttl_s
+        return tokens
+
+    def ack(self, key: str, token: str | None) -> bool:
+        """The consumer holding `token` is done: exactly that lease ends (repeating it changes nothing); the entry
+        goes when no lease is left. False if no such lease is held."""
         entry = self._entries.get(key)
-        if entry is None or not entry.ready or (generation is not None and generation != entry.generation):
+        if entry is None or not entry.holds(token):
             return False
-        if key in self._acked:
-            return False
-        entry.leases -= 1
-        if entry.leases <= 0:
+        del entry.leases[token]  # type: ignore[arg-type]
+        if not entry.leases:
             self._retire(entry)
         return True
 
     def _retire(self, entry: PoolEntry) -> None:
         """No lease left: free the entry, or keep it as cache within the budget (evicting the oldest)."""
+        entry.children.clear()
         if entry.nbytes > self._keep_acked_bytes:
             self.release(entry.hash)
             return

@@ -77,21 +77,27 @@ class TransferHub:
         self.pool.release(key)
         self._space_freed.set()
 
-    def ack(self, key: str, instance_id: str | None, generation: int | None = None) -> tuple[int, str]:
-        """(HTTP status, message) for a consumer's acknowledgement."""
+    def ack(self, key: str, token: str | None, instance_id: str | None = None) -> tuple[int, str]:
+        """(HTTP status, message) for the acknowledgement of the lease `token` names."""
         if instance_id is not None and instance_id != self.instance_id:
             return 409, f"instance {instance_id} is gone: this Eric restarted (now {self.instance_id})"
-        if not self.pool.ack(key, generation):
-            return 404, f"no embedding {key} held: never encoded here, already acknowledged, or expired"
+        if not self.pool.ack(key, token):
+            return 404, (f"no lease with this token on embedding {key} (never encoded here, already acknowledged, "
+                         "expired, or a wrong token)")
         self._space_freed.set()
         return 200, "ok"
 
-    def handle(self, entry: PoolEntry) -> EmbeddingHandle:
+    def lease(self, key: str) -> EmbeddingHandle:
+        """A new lease on a held entry, as the handle its consumer reads and acknowledges with."""
+        entry, token = self.pool.lease(key)
+        return self.handle(entry, token)
+
+    def handle(self, entry: PoolEntry, token: str) -> EmbeddingHandle:
         url = self._config.public_url
         locations: dict[str, Any] = {b.name: b.location(entry.offset) for b in self.backends}
         return EmbeddingHandle(hash=entry.hash, shape=entry.shape, dtype=entry.dtype, nbytes=entry.nbytes,
                                producer=url, instance_id=self.instance_id, generation=entry.generation,
-                               http=f"{url}/v1/embeddings/{entry.hash}", **locations)
+                               http=f"{url}/v1/embeddings/{entry.hash}", lease=token, **locations)
 
     async def expiry_loop(self, period_s: float = 1.0) -> None:
         while True:

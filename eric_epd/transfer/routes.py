@@ -1,4 +1,7 @@
-"""HTTP control API of the transfer layer: embedding fetch (the fallback backend), ack, stats, NIXL metadata."""
+"""HTTP control API of the transfer layer: embedding fetch (the fallback backend), lease, ack, stats, NIXL metadata.
+
+Every per-embedding route needs the lease token (X-Eric-Lease) the encode answer handed out; a wrong or missing
+token is answered exactly like an unknown hash (404) and changes nothing."""
 
 from __future__ import annotations
 
@@ -8,8 +11,14 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.transfer.pool import LeaseError, PoolEntry
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.safetensors_io import safetensors_bytes
+
+CONTROL_BODY_LIMIT = 4096
+"""Lease and ack bodies are a few fields; anything larger is refused (413) before it is read."""
 
 
 class TransferApiError(Exception):
@@ -21,15 +30,38 @@ class TransferApiError(Exception):
         self.message = message
 
 
+async def _small_json(request: Request) -> dict:
+    """A control body: at most CONTROL_BODY_LIMIT bytes of JSON object (empty means {})."""
+    try:
+        body = await read_limited_body(request, CONTROL_BODY_LIMIT)
+    except BodyTooLargeError as e:
+        raise TransferApiError(413, str(e)) from e
+    if not body.strip():
+        return {}
+    try:
+        fields = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TransferApiError(400, f"malformed JSON body: {e}") from e
+    if not isinstance(fields, dict):
+        raise TransferApiError(400, "the body must be a JSON object")
+    return fields
+
+
+def _leased(hub: TransferHub, content_hash: str, request: Request) -> tuple[PoolEntry, str]:
+    """(entry, token) for the lease the request's X-Eric-Lease header names, else 404."""
+    token = request.headers.get(LEASE_HEADER)
+    try:
+        return hub.pool.holder(content_hash, token), token  # type: ignore[return-value]
+    except LeaseError as e:
+        raise TransferApiError(e.status, e.message) from e
+
+
 def transfer_routes(hub: TransferHub) -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/embeddings/{content_hash}")
-    async def embedding(content_hash: str) -> Response:
-        entry = hub.pool.get(content_hash)
-        if entry is None or not entry.ready:
-            raise TransferApiError(404, f"no embedding {content_hash} held: never encoded here, acknowledged, "
-                                        "or expired")
+    async def embedding(content_hash: str, request: Request) -> Response:
+        entry, _ = _leased(hub, content_hash, request)
         body = safetensors_bytes(hub.pool.view(entry), entry.shape, entry.dtype)
         return Response(body, media_type="application/octet-stream",
                         headers={"X-Eric-Shape": ",".join(map(str, entry.shape)), "X-Eric-Dtype": entry.dtype,
@@ -37,38 +69,34 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
 
     @router.post("/v1/embeddings/{content_hash}/ack")
     async def ack(content_hash: str, request: Request) -> JSONResponse:
-        body = await request.body()
-        try:
-            fields = json.loads(body) if body.strip() else {}
-            instance_id, generation = fields.get("instance_id"), fields.get("generation")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise TransferApiError(400, f'ack body must be {{"instance_id": "...", "generation": N}}: {e}') from e
-        status, message = hub.ack(content_hash, instance_id, generation)
+        """Ends exactly the lease the token names; repeating it is a 404 that changes nothing."""
+        fields = await _small_json(request)
+        instance_id = fields.get("instance_id")
+        if instance_id is not None and not isinstance(instance_id, str):
+            raise TransferApiError(400, '"instance_id" must be a string')
+        status, message = hub.ack(content_hash, request.headers.get(LEASE_HEADER), instance_id)
         if status != 200:
             raise TransferApiError(status, message)
         return JSONResponse({"status": "ok"})
 
     @router.get("/v1/embeddings/{content_hash}/handle")
-    async def handle(content_hash: str) -> JSONResponse:
-        """Where an embedding held here can be read; adds no lease (the encode request already took one)."""
-        entry = hub.pool.get(content_hash)
-        if entry is None or not entry.ready:
-            raise TransferApiError(404, f"no embedding {content_hash} held here")
-        return JSONResponse(msgspec.to_builtins(hub.handle(entry)))
+    async def handle(content_hash: str, request: Request) -> JSONResponse:
+        """Where the embedding the token leases can be read; adds no lease."""
+        entry, token = _leased(hub, content_hash, request)
+        return JSONResponse(msgspec.to_builtins(hub.handle(entry, token)))
 
     @router.post("/v1/embeddings/{content_hash}/lease")
     async def lease(content_hash: str, request: Request) -> JSONResponse:
-        """More readers of one entry (e.g. every tensor-parallel rank of a consumer); each acknowledges once."""
-        body = await request.json()
-        count = body.get("count", 1) if isinstance(body, dict) else None
-        if not isinstance(count, int) or not 1 <= count <= 1024:
-            raise TransferApiError(400, '"count" must be an integer from 1 to 1024')
-        entry = hub.pool.get(content_hash)
-        if entry is None or not entry.ready:
-            raise TransferApiError(404, f"no embedding {content_hash} held here")
-        for _ in range(count):
-            hub.pool.lease(content_hash)
-        return JSONResponse({"leases": entry.leases})
+        """Child leases of the token's lease (e.g. one per tensor-parallel rank of a consumer), each acknowledged
+        on its own; bounded per lease (pool.MAX_CHILD_LEASES)."""
+        count = (await _small_json(request)).get("count", 1)
+        if not isinstance(count, int) or isinstance(count, bool):
+            raise TransferApiError(400, '"count" must be an integer')
+        try:
+            tokens = hub.pool.add_leases(content_hash, request.headers.get(LEASE_HEADER), count)
+        except LeaseError as e:
+            raise TransferApiError(e.status, e.message) from e
+        return JSONResponse({"leases": tokens})
 
     @router.get("/v1/transfer")
     async def transfer() -> JSONResponse:

@@ -19,18 +19,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from epd_gateway.boundary import check_messages, check_request_fields
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, with_embeddings
+from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.upstream import Upstreams, new_session
-from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.common.http import BodyTooLargeError, bearer, read_limited_body
 from eric_epd.server.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
-
-_FORWARD_HEADERS = ("authorization", "x-request-id")
 
 
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
@@ -67,6 +67,10 @@ class Gateway:
             raise GatewayError(401, "Unauthorized")
 
     async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+        check_request_fields(body)
+        check_messages(body, allow_embeddings=self.config.client_embeddings is not None)
+        if self.config.client_embeddings is not None:
+            check_embeds_parts(body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items)
         await self._check_hosts(refs)
         if self.config.backend == "sglang":
@@ -144,7 +148,8 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         # idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
-        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client, \
+        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s,
+                                     headers=bearer(config.eric_api_key)) as client, \
                 new_session(config) as session:
             state["gw"] = Gateway(config, client, session, metrics)
             health = asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))
@@ -165,8 +170,10 @@ def create_app(config: GatewayConfig) -> Starlette:
         return await on_gateway_error(request, GatewayError(e.status_code, f"{request.method} {request.url.path}: "
                                                                           f"{e.detail}"))
 
-    def forwarded(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+    upstream_headers = bearer(config.upstream_api_key)  # the client's own key and ids are never forwarded
+
+    def forwarded(_: Request) -> dict[str, str]:
+        return upstream_headers
 
     async def chat(request: Request) -> Response:
         gw = state["gw"]
@@ -183,6 +190,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         gw = state["gw"]
         gw.check_api_key(request)
         raw, body = await read_json(request, config.max_body_bytes)
+        check_request_fields(body)
         start = time.perf_counter()
         response = await gw.upstreams.complete("/v1/completions", body, forwarded(request), raw)
         metrics.requests.labels(path="pd").inc()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epd_gateway.embeds import EmbeddingShape
 from eric_epd.server.url_policy import UrlPolicy
 
 
@@ -25,7 +27,15 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    """Clients' key. Never forwarded: upstreams get their own keys below."""
     admin_key: str | None = None
+    eric_api_key: str | None = None
+    """Sent to the Erics (--eric-api-key, or $ERIC_API_KEY)."""
+    upstream_api_key: str | None = None
+    """Sent to vLLM/SGLang instead of the client's key (--upstream-api-key, or $VLLM_API_KEY)."""
+    client_embeddings: EmbeddingShape | None = None
+    """Set by --allow-client-embeddings MODEL_DIR: image/video embeds parts accepted (trusted callers only),
+    checked against their grid and this shape; None refuses them."""
     max_body_bytes: int = 64 * 2**20
     max_items: int = 16
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
@@ -64,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
     p.add_argument("--admin-key", default=None, help="key for /admin/encoders (registration disabled without it)")
+    p.add_argument("--eric-api-key", default=None, help="the Erics' --api-key (default: $ERIC_API_KEY)")
+    p.add_argument("--upstream-api-key", default=None,
+                   help="the engines' --api-key, sent instead of the client's (default: $VLLM_API_KEY)")
+    p.add_argument("--allow-client-embeddings", type=Path, default=None, metavar="MODEL_DIR",
+                   help="accept image_embeds/video_embeds parts from (trusted) clients, checked against the model "
+                        "in MODEL_DIR (its config.json); off by default")
     p.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
     p.add_argument("--max-items", type=int, default=GatewayConfig.max_items, help="media items per request")
     p.add_argument("--allow-private-hosts", action="store_true", help="allow media URLs on private addresses")
@@ -78,7 +94,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
         colocated_urls=a.colocated_urls, epd_prefill_urls=a.epd_prefill_urls, backend=a.backend,
         epd_min_items=a.epd_min_items, host=a.host, port=a.port,
-        api_key=a.api_key, admin_key=a.admin_key, max_body_bytes=a.max_body_bytes, max_items=a.max_items,
+        api_key=a.api_key, admin_key=a.admin_key,
+        eric_api_key=a.eric_api_key or os.environ.get("ERIC_API_KEY") or None,
+        upstream_api_key=a.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
+        client_embeddings=EmbeddingShape.from_checkpoint(a.allow_client_embeddings) if a.allow_client_embeddings
+        else None, max_body_bytes=a.max_body_bytes, max_items=a.max_items,
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
                              file_roots=tuple(r.resolve() for r in a.file_root)),
         health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,

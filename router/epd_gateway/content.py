@@ -9,10 +9,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from epd_gateway.errors import GatewayError
+from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.server.url_policy import MediaError, UrlPolicy
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
-ALLOWED_PARTS = {"text", *MEDIA_PARTS, "image_embeds", "video_embeds"}
 
 
 @dataclass(frozen=True)
@@ -39,23 +39,16 @@ def _part_url(part: dict[str, Any], kind: str, where: str) -> str:
 
 
 def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> list[MediaRef]:
-    """Every image/video part of a chat request, validated; 400 for anything the gateway cannot route."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise GatewayError(400, "'messages' must be a non-empty list", param="messages")
+    """Every image/video part of a chat request (whose parts boundary.check_messages already validated), each URL
+    through the URL policy; 400 for anything the gateway cannot route."""
     refs: list[MediaRef] = []
-    for m, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise GatewayError(400, f"messages[{m}] must be an object", param="messages")
+    for m, message in enumerate(body["messages"]):
         content = message.get("content")
         if not isinstance(content, list):
             continue
         for p, part in enumerate(content):
             where = f"messages[{m}].content[{p}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ALLOWED_PARTS:
-                raise GatewayError(400, f"{where}: unsupported content part type {kind!r}; supported: "
-                                        f"{sorted(ALLOWED_PARTS)}", param="messages")
+            kind = part["type"]
             if kind in MEDIA_PARTS:
                 url = _part_url(part, kind, where)
                 try:
@@ -85,11 +78,13 @@ def vllm_can_place(items: list[dict[str, Any]]) -> bool:
 
 
 def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A copy of the request whose media parts are metadata-only embeds parts keyed by Eric's content hash."""
+    """A copy of the request whose media parts are metadata-only embeds parts keyed by Eric's content hash (the
+    gateway mints every uuid, from content Eric encoded), with the handles and their lease tokens beside it."""
     out = dict(body)
     out["messages"] = copy.deepcopy(body["messages"])
     for ref, item in zip(refs, items, strict=True):
         kind = f"{ref.modality}_embeds"
         out["messages"][ref.message]["content"][ref.part] = {
             "type": kind, kind: {f"{ref.modality}_grid_thw": item["grid_thw"]}, "uuid": item["hash"]}
+    out["vllm_xargs"] = handles_xargs(item["handle"] for item in {i["hash"]: i for i in items}.values())
     return out

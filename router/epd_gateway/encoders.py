@@ -14,6 +14,7 @@ import httpx
 from epd_gateway.content import MediaRef
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
+from eric_epd.transfer.handles import LEASE_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +136,13 @@ class EncoderPool:
         async def ack(handle: dict[str, Any]) -> None:
             try:
                 await self._client.post(f"{handle['producer']}/v1/embeddings/{handle['hash']}/ack", timeout=2.0,
-                                        json={"instance_id": handle["instance_id"], "generation": handle["generation"]})
+                                        json={"instance_id": handle["instance_id"]},
+                                        headers={LEASE_HEADER: handle["lease"]})
             except (httpx.HTTPError, KeyError) as e:
                 logger.debug("releasing %s failed: %r", handle.get("hash"), e)
 
-        await asyncio.gather(*(ack(item["handle"]) for item in items if isinstance(item.get("handle"), dict)))
+        handles = {item["handle"]["lease"]: item["handle"] for item in items if isinstance(item.get("handle"), dict)}
+        await asyncio.gather(*(ack(handle) for handle in handles.values()))
 
     def _record_failure(self, member: EncoderState) -> None:
         self._metrics.failures.labels(stage="encode").inc()

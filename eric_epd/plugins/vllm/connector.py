@@ -1,17 +1,21 @@
 """EricECConnector: vLLM's encoder-cache connector (consumer role) backed by Eric.
 
-Scheduler side (EngineCore process): resolves each multimodal identifier (= Eric's content hash) to a handle held by
-one of the configured Erics; requests whose items can be neither fetched nor encoded locally are failed cleanly.
+Scheduler side (EngineCore process): each request brings the handles (with lease tokens) of its Eric items beside
+it, in `sampling_params.extra_args` (the gateway writes them); they are checked (a configured Eric, the model's
+embedding width, a consistent byte length) and looked up locally, with no network call; a request whose items can be
+neither fetched nor encoded locally, or whose handles fail the checks, is failed alone.
 Worker side (each vLLM worker): fetches the embedding over the configured transfer backend straight into vLLM's
-encoder cache, then acknowledges it to Eric.
+encoder cache, with its rank's own lease, then acknowledges it to Eric.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -20,11 +24,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from eric_epd.plugins.vllm.resolver import HandleResolver, has_raw_media, is_content_hash
+from eric_epd.plugins.vllm.handoff import HandleError, model_embedding_width, offered_handles
+from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
 from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.handles import BACKENDS
+from eric_epd.transfer.handles import BACKENDS, EmbeddingHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,6 +39,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+API_KEY_ENV = "ERIC_API_KEY"
+"""The Erics' API key reaches vLLM's processes through the environment, never a command line."""
+
 
 @dataclass
 class EricLoad:
@@ -41,6 +49,8 @@ class EricLoad:
     mm_hash: str
     num_tokens: int
     handle: dict[str, Any]
+    leases: list[str]
+    """One lease token per tensor-parallel rank of this engine (rank i reads and acknowledges with leases[i])."""
 
 
 @dataclass
@@ -67,14 +77,15 @@ class EricWorkerMetadata(ECConnectorWorkerMetadata):
 
 @dataclass(frozen=True)
 class EricConnectorSettings:
-    """`ec_connector_extra_config` keys, parsed once."""
+    """`ec_connector_extra_config` keys and the ERIC_API_KEY environment variable, parsed once."""
 
     eric_urls: tuple[str, ...]
     backends: tuple[str, ...]
     lookup_timeout_s: float
+    api_key: str | None
 
     @classmethod
-    def parse(cls, extra: dict[str, Any]) -> EricConnectorSettings:
+    def parse(cls, extra: dict[str, Any], environ: dict[str, str] | os._Environ = os.environ) -> EricConnectorSettings:
         urls = extra.get("eric_urls", [])
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u]
@@ -84,7 +95,8 @@ class EricConnectorSettings:
         unknown = set(backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown Eric transfer backends {sorted(unknown)}; choose from {BACKENDS}")
-        return cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)))
+        return cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)),
+                   environ.get(API_KEY_ENV) or None)
 
 
 class EricECConnector(ECConnectorBase):
@@ -97,32 +109,67 @@ class EricECConnector(ECConnectorBase):
         self._stats = EricECStats()
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         if role == ECConnectorRole.SCHEDULER:
-            self._resolver = HandleResolver(self._settings.eric_urls, self._settings.lookup_timeout_s)
+            self._width = model_embedding_width(vllm_config.model_config)
+            self._leases = LeaseClient(self._settings.api_key, self._settings.lookup_timeout_s)
+            self._offers: dict[str, dict[str, EmbeddingHandle]] = {}  # request id -> its items' handles
+            self._available: dict[str, dict[str, EmbeddingHandle]] = {}  # hash -> request id -> unused handle
             self._pending: list[EricLoad] = []
             self._unavailable: set[str] = set()
             self._scheduled: set[str] = set()  # identifiers whose load went to the workers
-            self._loaded_for: dict[str, set[str]] = {}  # request id -> identifiers loaded for it
+            self._loaded_for: dict[str, set[str]] = {}  # request id -> identifiers loaded with its own handles
         else:
-            self._fetcher = EmbeddingFetcher(self._settings.backends)
+            self._fetcher = EmbeddingFetcher(self._settings.backends, api_key=self._settings.api_key)
             self._dtype = vllm_config.model_config.dtype
             self._failed: set[str] = set()
 
     # ---- scheduler side --------------------------------------------------------------------------------------
 
+    def _offers_of(self, request: Request) -> dict[str, EmbeddingHandle]:
+        """The request's own handles (parsed and checked once); a request with a bad handle is failed."""
+        rid = request.request_id
+        if rid in self._offers:
+            return self._offers[rid]
+        params = getattr(request, "sampling_params", None)
+        try:
+            offered = offered_handles(getattr(params, "extra_args", None), self._settings.eric_urls, self._width)
+        except HandleError as e:
+            logger.warning("request %s: refused Eric handles: %s", rid, e)
+            self._unavailable.add(rid)
+            self._stats.record(unavailable_requests=1)
+            offered = {}
+        wanted = {f.identifier for f in request.mm_features}
+        offers = self._offers[rid] = {k: h for k, h in offered.items() if k in wanted}
+        for key, handle in offers.items():
+            self._available.setdefault(key, {})[rid] = handle
+        return offers
+
+    def _take(self, key: str, rid: str) -> EmbeddingHandle | None:
+        """The request's own unused handle for `key`, else another live request's; removed from the available."""
+        holders = self._available.get(key)
+        if not holders:
+            return None
+        handle = holders.pop(rid, None) if rid in holders else holders.pop(next(iter(holders)))
+        if not holders:
+            del self._available[key]
+        return handle
+
     def has_cache_item(self, identifier: str) -> bool:
-        return self._resolver.lookup(identifier) is not None
+        return bool(self._available.get(identifier))
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Hold back (and later fail) a request whose item is neither at an Eric nor present as raw media."""
+        """Hold back (and later fail) a request whose item is neither offered by an Eric handle nor present as raw
+        media, or whose handles failed their checks."""
+        offers = self._offers_of(request)
         if request.request_id in self._unavailable:
             return False
         for feature in request.mm_features:
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens or feature.identifier in self._scheduled:
                 continue  # already in the KV cache, or its load is already scheduled
-            if self._resolver.lookup(feature.identifier) is None and not has_raw_media(feature):
-                logger.warning("request %s: item %s is at no Eric (%s) and carries no media to encode locally",
-                               request.request_id, feature.identifier, ", ".join(self._settings.eric_urls))
+            if feature.identifier not in offers and not self.has_cache_item(feature.identifier) \
+                    and not has_raw_media(feature):
+                logger.warning("request %s: item %s has no Eric handle and carries no media to encode locally",
+                               request.request_id, feature.identifier)
                 self._unavailable.add(request.request_id)
                 self._stats.record(unavailable_requests=1)
                 return False
@@ -134,26 +181,32 @@ class EricECConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
-        handle = self._resolver.lookup(feature.identifier)
+        rid = request.request_id
+        own = feature.identifier in self._offers_of(request)
+        handle = self._take(feature.identifier, rid)
         if handle is None:
             return
-        if self._tp_size > 1:  # every TP rank reads and acknowledges once
-            self._resolver.add_leases(handle, self._tp_size - 1)
-        self._pending.append(EricLoad(request.request_id, feature.identifier,
-                                      request.get_num_encoder_embeds(index), handle))
-        self._loaded_for.setdefault(request.request_id, set()).add(feature.identifier)
+        leases = [handle.lease]
+        if self._tp_size > 1:  # every TP rank reads and acknowledges its own lease
+            leases += self._leases.add_children(handle, self._tp_size - 1)
+            if len(leases) < self._tp_size:
+                self._unavailable.add(rid)  # the load still runs (the step stays well-formed); the request fails
+                leases += [handle.lease] * (self._tp_size - len(leases))
+        self._pending.append(EricLoad(rid, feature.identifier, request.get_num_encoder_embeds(index),
+                                      msgspec.to_builtins(handle), leases))
+        if own:
+            self._loaded_for.setdefault(rid, set()).add(feature.identifier)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
         self._stats.record(local_encoder_items=local, external_items=len(self._pending))
         meta, self._pending = EricECMetadata(self._pending), []
         for load in meta.loads:
-            self._resolver.forget(load.mm_hash)  # one fetch per resolution; a later request resolves again
             self._scheduled.add(load.mm_hash)
         return meta
 
     def update_state_after_free(self, request: Request, index: int) -> None:
-        """vLLM dropped the item from its encoder cache: a later use must resolve it again."""
+        """vLLM dropped the item from its encoder cache: a later use must load it again."""
         self._scheduled.discard(request.mm_features[index].identifier)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
@@ -163,13 +216,19 @@ class EricECConnector(ECConnectorBase):
             self._stats.record(**meta.counts)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Eric items of this request that were never loaded for it (vLLM already had them cached, or the request
-        ended first) still hold the lease their encode took: give it back now rather than at the TTL."""
-        loaded = self._loaded_for.pop(request.request_id, set())
-        unused = [f.identifier for f in request.mm_features
-                  if f.identifier not in loaded and is_content_hash(f.identifier) and not has_raw_media(f)]
+        """Eric items of this request that were never loaded with its own leases (vLLM already had them cached, or
+        the request ended first) still hold the leases its encode took: give them back now, not at the TTL."""
+        rid = request.request_id
+        offers = self._offers_of(request)
+        del self._offers[rid]
+        for key in offers:
+            holders = self._available.get(key)
+            if holders is not None and holders.pop(rid, None) is not None and not holders:
+                del self._available[key]
+        loaded = self._loaded_for.pop(rid, set())
+        unused = [h for key, h in offers.items() if key not in loaded]
         if unused:
-            self._resolver.release(unused)
+            self._leases.release(unused)
             self._stats.record(released_items=len(unused))
         return False, None
 
@@ -183,16 +242,18 @@ class EricECConnector(ECConnectorBase):
                 encoder_cache[load.mm_hash] = self._load(load)
 
     def _load(self, load: EricLoad) -> torch.Tensor:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
-        handle = as_handle(load.handle)
+        rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
+        handle = msgspec.structs.replace(as_handle(load.handle), lease=load.leases[rank % len(load.leases)])
         device = torch.device(current_platform.device_type)
         if current_platform.is_cuda_alike():
             device = torch.device(device.type, current_platform.current_device())
         try:
+            if handle.shape[0] != load.num_tokens:  # checked before any byte moves
+                raise TransferError(f"embedding has {handle.shape[0]} rows, the prompt has {load.num_tokens} slots")
             tensor = self._fetcher.fetch(handle)
-            if tensor.shape[0] != load.num_tokens:
-                raise TransferError(f"embedding has {tensor.shape[0]} rows, the prompt has {load.num_tokens} slots")
         except TransferError as e:
             logger.error("request %s: cannot fetch embedding %s: %s", load.request_id, load.mm_hash, e)
             self._failed.add(load.request_id)
@@ -235,4 +296,4 @@ class EricECConnector(ECConnectorBase):
         if self.role == ECConnectorRole.WORKER:
             self._fetcher.close()
         else:
-            self._resolver.close()
+            self._leases.close()

@@ -5,23 +5,24 @@ from __future__ import annotations
 import httpx
 import numpy as np
 
+from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
 from eric_epd.transfer.safetensors_io import safetensors_payload
 
 
 class HttpConsumer:
     name = "http"
 
-    def __init__(self, timeout_s: float = 30.0) -> None:
-        self._client = httpx.Client(timeout=timeout_s)
+    def __init__(self, timeout_s: float = 30.0, api_key: str | None = None) -> None:
+        self._client = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
 
     def usable(self, handle: EmbeddingHandle) -> bool:
         return bool(handle.http)
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
         try:
-            resp = self._client.get(handle.http)
+            resp = self._client.get(handle.http, headers={LEASE_HEADER: handle.lease})
         except httpx.HTTPError as e:
             raise TransferError(f"http: cannot reach {handle.http}: {e!r}") from e
         if resp.status_code != 200:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.handles import EmbeddingHandle, NixlLocation
 
@@ -139,8 +140,10 @@ class NixlConsumer:
     name = "nixl"
 
     def __init__(
-        self, agent_name: str | None = None, metadata_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0
+        self, agent_name: str | None = None, metadata_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0,
+        api_key: str | None = None,
     ) -> None:
+        self._headers = bearer(api_key)  # the producer's metadata route is behind its API key
         self.agent_name = agent_name or f"eric-consumer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.metadata_timeout_s = metadata_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
@@ -225,7 +228,7 @@ class NixlConsumer:
                 if loc.agent in self._remotes:
                     return self._remotes[loc.agent][1]
             try:
-                r = httpx.get(loc.metadata_url, timeout=self.metadata_timeout_s)
+                r = httpx.get(loc.metadata_url, timeout=self.metadata_timeout_s, headers=self._headers)
                 r.raise_for_status()
             except httpx.HTTPError as e:
                 raise TransferError(

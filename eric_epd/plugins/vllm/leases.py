@@ -1,0 +1,71 @@
+"""Scheduler-side lease calls of the connector: child leases for the other tensor-parallel ranks, and giving back
+the leases of items a request never loaded (vLLM had them cached). Lookups are local: handles come with requests."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from eric_epd.common.http import bearer
+from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
+
+logger = logging.getLogger(__name__)
+
+_CONTENT_HASH = re.compile(r"^[0-9a-f]{64}$")
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_embeds")
+
+
+def is_content_hash(identifier: str) -> bool:
+    return bool(_CONTENT_HASH.match(identifier))
+
+
+def has_raw_media(feature: Any) -> bool:
+    """True if vLLM can encode this item itself (its pixels came with the request, or its processor cache has
+    them); False for a metadata-only item (grid but no pixels), which only an Eric can serve."""
+    data = getattr(feature, "data", None)
+    if data is None:
+        return True
+    return any(key in data for key in _MEDIA_KEYS)
+
+
+class LeaseClient:
+    """Lease calls to the Erics, with their API key. add_children is synchronous (its tokens go to the workers in
+    this step); releases run in a background thread."""
+
+    def __init__(self, api_key: str | None, timeout_s: float) -> None:
+        self._client = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-release")
+
+    def add_children(self, handle: EmbeddingHandle, count: int) -> list[str]:
+        """`count` child leases of the handle's lease (one per further TP rank); [] when Eric refuses."""
+        try:
+            resp = self._client.post(f"{handle.producer}/v1/embeddings/{handle.hash}/lease", json={"count": count},
+                                     headers={LEASE_HEADER: handle.lease})
+            resp.raise_for_status()
+            tokens = resp.json()["leases"]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            logger.warning("could not add %d leases on %s: %r", count, handle.hash[:16], e)
+            return []
+        return [t for t in tokens if isinstance(t, str)][:count]
+
+    def release(self, handles: Iterable[EmbeddingHandle]) -> None:
+        """Acknowledge, in the background, the leases of items a request never loaded."""
+        self._releaser.submit(self._release, list(handles))
+
+    def _release(self, handles: list[EmbeddingHandle]) -> None:
+        for h in handles:
+            try:
+                resp = self._client.post(f"{h.producer}/v1/embeddings/{h.hash}/ack", headers={LEASE_HEADER: h.lease},
+                                         json={"instance_id": h.instance_id})
+                logger.debug("released unused lease on %s: %d", h.hash[:12], resp.status_code)
+            except httpx.HTTPError as e:
+                logger.warning("could not release the lease on %s: %r", h.hash[:16], e)
+
+    def close(self) -> None:
+        self._releaser.shutdown(wait=True, cancel_futures=False)
+        self._client.close()
