@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -9,9 +10,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from epd_gateway.content import MediaRef
 
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, ServerProcess
+from eric_epd.testing.server import EricServer, ServerProcess, new_key
 from eric_epd.testing.stack import GatewayServer, VllmServe, gateway_paths, image_messages
 from eric_epd.testing.stack import ask as _ask
 
@@ -21,11 +23,12 @@ API_KEY = "sk-test"
 @pytest.fixture(scope="module")
 def stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("stack")
-    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log").start() for i in range(2)]
-    vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics]).start()
+    key = new_key()  # one key for the Erics behind one engine
+    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key).start() for i in range(2)]
+    vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics], eric_api_key=key).start()
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-                      "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4",
-                            "--admin-key", "admin-test").start()
+                            "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4",
+                            "--admin-key", "admin-test", eric_api_key=key, upstream_api_key=vllm.api_key).start()
     yield {"erics": erics, "vllm": vllm, "gateway": gateway}
     for server in (gateway, vllm, *erics):
         server.stop()
@@ -35,17 +38,22 @@ def ask(base_url: str, msgs: list[dict], key: str = API_KEY, **kw):
     return _ask(base_url, msgs, key=key, **kw)
 
 
+def direct(stack, msgs: list[dict], **kw):
+    """vLLM asked directly (its own encoder on the raw media), with its own key."""
+    return _ask(stack["vllm"].url, msgs, key=stack["vllm"].api_key, **kw)
+
+
 IMAGES = [image_data_url(64 + 24 * i, 72, seed=300 + i) for i in range(3)]
 
 
 def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
-    direct = ask(stack["vllm"].url, image_messages(IMAGES))  # vLLM's own encoder on the raw images
+    mono = direct(stack, image_messages(IMAGES))  # vLLM's own encoder on the raw images
     via = ask(stack["gateway"].url, image_messages(IMAGES))
-    assert via.choices[0].message.content == direct.choices[0].message.content
-    assert via.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert via.choices[0].message.content == mono.choices[0].message.content
+    assert via.usage.prompt_tokens == mono.usage.prompt_tokens
     stream = ask(stack["gateway"].url, image_messages([*IMAGES[1:], IMAGES[0]]), stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    expected = ask(stack["vllm"].url, image_messages([*IMAGES[1:], IMAGES[0]])).choices[0].message.content
+    expected = direct(stack, image_messages([*IMAGES[1:], IMAGES[0]])).choices[0].message.content
     assert streamed == expected
 
 
@@ -72,11 +80,11 @@ def test_completions_equal_vllm_streamed_and_not(stack) -> None:
 
     gw = stack["gateway"].url
     before = gateway_paths(gw)
-    direct = complete(stack["vllm"].url, "unused")
+    mono = complete(stack["vllm"].url, stack["vllm"].api_key)
     via = complete(gw, API_KEY)
-    assert via.choices[0].text == direct.choices[0].text and via.usage.completion_tokens == 8
+    assert via.choices[0].text == mono.choices[0].text and via.usage.completion_tokens == 8
     streamed = "".join(c.choices[0].text for c in complete(gw, API_KEY, stream=True) if c.choices)
-    assert streamed == direct.choices[0].text
+    assert streamed == mono.choices[0].text
     assert gateway_paths(gw).get("pd", 0) - before.get("pd", 0) == 2
     with pytest.raises(openai.AuthenticationError):
         complete(gw, "wrong")
@@ -90,9 +98,9 @@ def test_bad_requests_shaped_like_vllm(stack) -> None:
     assert "JSON" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "m", "messages": image_messages(IMAGES + IMAGES)}, headers=auth)
     assert r.status_code == 400 and "too many media items" in r.json()["error"]["message"]
-    bad_part = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
+    bad_part = [{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}}]}]
     r = httpx.post(url, json={"model": "m", "messages": bad_part}, headers=auth)
-    assert r.status_code == 400 and "unsupported content part type 'input_audio'" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "unsupported content part type 'file'" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "m", "messages": image_messages(["http://10.0.0.1/a.png"])}, headers=auth)
     assert r.status_code == 400 and "private" in r.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
@@ -113,10 +121,22 @@ def test_encoder_registration_needs_admin_key(stack) -> None:
     assert httpx.request("DELETE", url, json={"url": extra}, headers=admin).status_code == 404
 
 
+def _prefers(url: str, erics: list[EricServer]) -> str:
+    """The Eric the gateway's rendezvous hashing places this media URL on (both healthy, no load)."""
+    key = MediaRef(0, 0, "image", url).routing_key
+    return max(erics, key=lambda e: hashlib.blake2b(key + e.url.encode(), digest_size=8).digest()).url
+
+
 def test_encoder_killed_under_load_every_request_answers(stack) -> None:
-    gw = stack["gateway"]
-    sets = [[image_data_url(56 + 8 * k, 64, seed=1000 + 10 * s + k) for k in range(3)] for s in range(4)]
-    expected = [ask(stack["vllm"].url, image_messages(s)).choices[0].message.content for s in sets]
+    """The killed Eric holds work by construction: every image set has an image the gateway places on it."""
+    gw, doomed = stack["gateway"], stack["erics"][0]
+    sets, seed = [], 1000
+    while len(sets) < 4:
+        images = [image_data_url(56 + 8 * k, 64, seed=seed + k) for k in range(3)]
+        seed += 10
+        if any(_prefers(u, stack["erics"]) == doomed.url for u in images):
+            sets.append(images)
+    expected = [direct(stack, image_messages(s)).choices[0].message.content for s in sets]
     failovers_before = _failovers(gw)
 
     def one(i: int) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer
+from eric_epd.testing.server import EricServer, new_key
 from eric_epd.testing.stack import GatewayServer, ask, gateway_paths, image_messages, pd_vllm
 
 
@@ -16,10 +16,13 @@ from eric_epd.testing.stack import GatewayServer, ask, gateway_paths, image_mess
 def pd_stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("pd")
     eric = EricServer(qwen2_vl_tiny, log_path=logs / "eric.log").start()
-    prefill = pd_vllm(qwen2_vl_tiny, "kv_producer", 0, logs / "prefill.log", [eric.url]).start()
-    decode = pd_vllm(qwen2_vl_tiny, "kv_consumer", 1, logs / "decode.log", [eric.url]).start()
+    vllm_key = new_key()  # one key for both halves, which the gateway sends
+    prefill = pd_vllm(qwen2_vl_tiny, "kv_producer", 0, logs / "prefill.log", [eric.url], eric.api_key,
+                      vllm_key).start()
+    decode = pd_vllm(qwen2_vl_tiny, "kv_consumer", 1, logs / "decode.log", [eric.url], eric.api_key,
+                     vllm_key).start()
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--prefill-urls", prefill.url,
-                      "--decode-urls", decode.url).start()
+                            "--decode-urls", decode.url, eric_api_key=eric.api_key, upstream_api_key=vllm_key).start()
     yield {"eric": eric, "prefill": prefill, "decode": decode, "gateway": gateway}
     for server in (gateway, decode, prefill, eric):
         server.stop()
@@ -41,7 +44,7 @@ def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
     gw = pd_stack["gateway"]
     before = gateway_paths(gw.url)
     for msgs in (TEXT, ONE, THREE):
-        expected = ask(monolithic.url, msgs).choices[0].message.content
+        expected = ask(monolithic.url, msgs, key=monolithic.api_key).choices[0].message.content
         assert ask(gw.url, msgs).choices[0].message.content == expected
     after = gateway_paths(gw.url)
     assert after.get("pd", 0) - before.get("pd", 0) == 2  # text and one image: prefill -> decode
@@ -49,7 +52,7 @@ def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
 
 
 def test_pd_streaming_equals_monolithic(pd_stack, monolithic) -> None:
-    expected = ask(monolithic.url, ONE).choices[0].message.content
+    expected = ask(monolithic.url, ONE, key=monolithic.api_key).choices[0].message.content
     stream = ask(pd_stack["gateway"].url, ONE, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
@@ -61,11 +64,12 @@ def test_dead_prefill_or_decode_gives_a_clear_error_not_a_hang(pd_stack, tmp_pat
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     live = {"prefill": pd_stack["prefill"].url, "decode": pd_stack["decode"].url}
-    model = httpx.get(live["decode"] + "/v1/models").json()["data"][0]["id"]
+    key = pd_stack["decode"].api_key
+    model = httpx.get(live["decode"] + "/v1/models", headers=pd_stack["decode"].headers).json()["data"][0]["id"]
     for role, status in (("prefill", 502), ("decode", 503)):
         urls = {**live, role: dead}
         with GatewayServer(tmp_path / f"gw-{role}.log", "--prefill-urls", urls["prefill"],
-                           "--decode-urls", urls["decode"]) as gw:
+                           "--decode-urls", urls["decode"], upstream_api_key=key) as gw:
             r = httpx.post(gw.url + "/v1/chat/completions", json={"model": model, "messages": TEXT, "max_tokens": 4},
                            timeout=60)
             assert r.status_code == status, r.text

@@ -13,14 +13,16 @@ import pytest
 from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.server import EricServer
 from eric_epd.testing.stack import GatewayServer, VllmServe, ask, gateway_paths
+from eric_epd.transfer.handles import LEASE_HEADER
 
 
 @pytest.fixture(scope="module")
 def stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("qwen25-video")
     eric = EricServer(qwen2_5_vl_tiny, log_path=logs / "eric.log").start()
-    vllm = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", eric_urls=[eric.url]).start()
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url).start()
+    vllm = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key).start()
+    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key).start()
     yield {"eric": eric, "vllm": vllm, "gateway": gateway}
     for server in (gateway, vllm, eric):
         server.stop()
@@ -34,9 +36,11 @@ def _messages(video_url: str) -> list[dict]:
 
 
 def _encode_video(eric: EricServer, url: str) -> dict:
-    items = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": url}]}).json()["items"]
-    httpx.post(f"{eric.url}/v1/embeddings/{items[0]['hash']}/ack", json={
-        "instance_id": items[0]["handle"]["instance_id"], "generation": items[0]["handle"]["generation"]})
+    items = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": url}]},
+                       headers=eric.headers).json()["items"]
+    ack = httpx.post(f"{eric.url}/v1/embeddings/{items[0]['hash']}/ack",
+                     headers={**eric.headers, LEASE_HEADER: items[0]["handle"]["lease"]})
+    assert ack.status_code == 200, ack.text
     return items[0]
 
 
@@ -52,10 +56,12 @@ def test_videos_take_epd_only_when_vllm_can_place_them(stack) -> None:
     after = gateway_paths(gw)
     assert after.get("epd", 0) - before.get("epd", 0) == 1
 
-    direct = ask(stack["vllm"].url, _messages(at_1fps)).choices[0].message.content  # vLLM encodes it itself
+    vllm = stack["vllm"]
+    direct = ask(vllm.url, _messages(at_1fps), key=vllm.api_key).choices[0].message.content  # vLLM encodes it itself
     assert ask(gw, _messages(at_1fps)).choices[0].message.content == direct
     assert gateway_paths(gw).get("fallback", 0) - after.get("fallback", 0) == 1
     deadline = time.monotonic() + 30
-    while httpx.get(eric.url + "/v1/transfer").json()["entries"] and time.monotonic() < deadline:
+    while httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] and \
+            time.monotonic() < deadline:
         time.sleep(0.1)  # the EPD request's items are acknowledged by vLLM, the fallback's by the gateway
-    assert httpx.get(eric.url + "/v1/transfer").json()["entries"] == 0
+    assert httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] == 0

@@ -14,13 +14,16 @@ import numpy as np
 import pytest
 
 from eric_epd.common.shm import attach_untracked
-from eric_epd.testing.server import EricServer, ServerProcess, free_port
+from eric_epd.plugins.vllm.handoff import handles_xargs
+from eric_epd.testing.server import EricServer, new_key
+from eric_epd.testing.stack import VllmServe
 from eric_epd.testing.vllm_cases import (
     CASES,
     MAX_TOKENS,
     Case,
     encode_case,
     epd_prompt,
+    eric_key_in_env,
     greedy,
     llm_kwargs,
     raw_prompt,
@@ -43,8 +46,9 @@ def reference(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """A TP-2 Eric serving the requests, and a TP-1 Eric that a test kills."""
     logs = tmp_path_factory.mktemp("erics")
-    main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log").start()
-    doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log").start()
+    key = new_key()  # one key for the Erics behind one engine
+    main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key).start()
+    doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log", api_key=key).start()
     yield main, doomed
     main.stop()
     doomed.stop()
@@ -57,17 +61,23 @@ def llm(qwen2_vl_tiny: Path, erics):
 
     ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
                           ec_connector_extra_config={"eric_urls": [e.url for e in erics], "backends": ["shm", "http"]})
-    engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
+    with eric_key_in_env(erics[0].api_key):
+        engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
     yield engine
     del engine
 
 
 def encode(eric: EricServer, case: Case) -> list[dict]:
-    return encode_case(eric.url, case)
+    return encode_case(eric.url, case, eric.api_key)
 
 
-def generate(llm, prompt: dict):
-    return greedy(llm, prompt)
+def generate(llm, prompt: dict, items: list[dict] | None = None):
+    """Greedy tokens; `items` hands their Eric handles to the connector beside the request."""
+    return greedy(llm, prompt, items)
+
+
+def pool_entries(eric: EricServer) -> int:
+    return httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"]
 
 
 def eric_counters(llm) -> dict[str, float]:
@@ -81,7 +91,7 @@ def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, list[int]]
     for case in CASES:
         items = encode(main, case)
         num_items += len(items)
-        out = generate(llm, epd_prompt(case, items))
+        out = generate(llm, epd_prompt(case, items), items)
         assert out.outputs[0].finish_reason == "length", case.name
         assert list(out.outputs[0].token_ids) == reference[case.name], case.name
     after = eric_counters(llm)
@@ -90,7 +100,7 @@ def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, list[int]]
     assert after["loaded_items"] - before.get("loaded_items", 0) == num_items
     assert after["local_encoder_items"] == before.get("local_encoder_items", 0)
     # each embedding was fetched and acknowledged: Eric's pool is empty again
-    assert httpx.get(main.url + "/v1/transfer").json()["entries"] == 0
+    assert pool_entries(main) == 0
 
 
 def test_items_vllm_already_holds_give_their_lease_back(llm, erics) -> None:
@@ -99,15 +109,18 @@ def test_items_vllm_already_holds_give_their_lease_back(llm, erics) -> None:
     main, _ = erics
     case = Case("twice", ((72, 56), (120, 88)), seed=21)  # images no other test sent
     before = eric_counters(llm)
-    outputs = [list(generate(llm, epd_prompt(case, encode(main, case))).outputs[0].token_ids) for _ in range(2)]
+    outputs = []
+    for _ in range(2):
+        items = encode(main, case)
+        outputs.append(list(generate(llm, epd_prompt(case, items), items).outputs[0].token_ids))
     assert outputs[0] == outputs[1]
     after = eric_counters(llm)
     assert after["loaded_items"] - before.get("loaded_items", 0) == 2  # fetched once
     assert after["released_items"] - before.get("released_items", 0) == 2
     deadline = time.monotonic() + 30
-    while httpx.get(main.url + "/v1/transfer").json()["entries"] and time.monotonic() < deadline:
+    while pool_entries(main) and time.monotonic() < deadline:
         time.sleep(0.1)  # the release runs in the background
-    assert httpx.get(main.url + "/v1/transfer").json()["entries"] == 0
+    assert pool_entries(main) == 0
 
 
 def test_changed_embedding_changes_output(llm, erics) -> None:
@@ -124,7 +137,7 @@ def test_changed_embedding_changes_output(llm, erics) -> None:
     emb *= -3.0
     del emb, pool
     segment.close()
-    tokens = list(generate(llm, epd_prompt(CHANGED, items)).outputs[0].token_ids)
+    tokens = list(generate(llm, epd_prompt(CHANGED, items), items).outputs[0].token_ids)
     assert tokens != unchanged
 
 
@@ -133,34 +146,23 @@ def test_killed_eric_fails_request_engine_survives(llm, erics, reference: dict[s
     case = Case("doomed", ((70, 70),), seed=11)
     items = encode(doomed, case)
     doomed.stop()
-    out = generate(llm, epd_prompt(case, items))
-    assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
+    out = generate(llm, epd_prompt(case, items), items)
+    # the worker finds the Eric gone during the step that needed it; vLLM collects failed requests before it reads
+    # that step's worker output, so the step's one token (computed on a zero placeholder) comes with the error
+    assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) <= 1
     # metadata only, no uuid: also an error for that request, not a dead engine
     no_uuid = epd_prompt(case, items)
     del no_uuid["multi_modal_uuids"]
-    assert generate(llm, no_uuid).outputs[0].finish_reason == "error"
+    assert generate(llm, no_uuid, items).outputs[0].finish_reason == "error"
     # the engine still serves: a fresh encode of a known case still gives monolithic's tokens
     two = next(c for c in CASES if c.name == "two_images")
     again = Case("two_images_again", two.image_sizes, seed=two.seed)
-    tokens = list(generate(llm, epd_prompt(again, encode(main, again))).outputs[0].token_ids)
+    items = encode(main, again)
+    tokens = list(generate(llm, epd_prompt(again, items), items).outputs[0].token_ids)
     assert tokens == reference["two_images"]
 
 
 # ---- vllm serve + the openai client ---------------------------------------------------------------------------
-
-
-class VllmServe(ServerProcess):
-    def __init__(self, model: Path, eric_url: str, log_path: Path) -> None:
-        port = free_port()
-        ec = {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
-              "ec_connector_extra_config": {"eric_urls": [eric_url], "backends": ["shm", "http"]}}
-        vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.15",
-               "--max-model-len", "4096", "--enforce-eager", "--enable-mm-embeds",
-               "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
-               "--ec-transfer-config", json.dumps(ec),
-               "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
-        super().__init__(cmd, port, log_path, startup_timeout_s=300)
 
 
 def chat_parts(items: list[dict]) -> list[dict]:
@@ -175,14 +177,15 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
     import openai
 
     with EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log") as eric, \
-            VllmServe(qwen2_vl_tiny, eric.url, tmp_path / "vllm.log") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+            VllmServe(qwen2_vl_tiny, tmp_path / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
         model = client.models.list().data[0].id
         for case in (c for c in CASES if c.name in ("four_images", "one_video")):
             items = encode(eric, case)
             resp = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": chat_parts(items)}], max_tokens=MAX_TOKENS,
-                temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+                temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                             "vllm_xargs": handles_xargs(i["handle"] for i in items)})
             assert resp.choices[0].token_ids == reference[case.name], case.name
         # metadata without a uuid is refused before it reaches the engine
         bad = chat_parts(items)

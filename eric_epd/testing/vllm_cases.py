@@ -7,9 +7,11 @@ and writes its tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,24 +98,44 @@ def epd_prompt(case: Case, items: list[dict[str, Any]]) -> dict[str, Any]:
     return {"prompt": case.prompt(), "multi_modal_data": mm, "multi_modal_uuids": uuids}
 
 
-def encode_case(eric_url: str, case: Case) -> list[dict[str, Any]]:
-    """POST the case's media to an Eric; its answer items (hash, grid_thw, handle...)."""
+def encode_case(eric_url: str, case: Case, api_key: str | None = None) -> list[dict[str, Any]]:
+    """POST the case's media to an Eric; its answer items (hash, grid_thw, handle with its lease token...)."""
     import httpx
 
+    from eric_epd.common.http import bearer
     from eric_epd.testing.media import data_url
 
     items = [{"modality": "image", "url": data_url(b)} for b in case.images()]
     items += [{"modality": "video", "url": data_url(v, "video/mp4")} for v in case.videos()]
-    resp = httpx.post(eric_url + "/v1/encode", json={"items": items}, timeout=120)
+    resp = httpx.post(eric_url + "/v1/encode", json={"items": items}, timeout=120, headers=bearer(api_key))
     resp.raise_for_status()
     return resp.json()["items"]
 
 
-def greedy(llm: Any, prompt: dict[str, Any]) -> Any:
-    """One greedy generation of MAX_TOKENS tokens (EOS ignored, so every run has the same length)."""
+def greedy(llm: Any, prompt: dict[str, Any], items: list[dict[str, Any]] | None = None) -> Any:
+    """One greedy generation of MAX_TOKENS tokens (EOS ignored, so every run has the same length); `items` (Eric's
+    answer) hands their handles to the connector beside the request, as the gateway does."""
     from vllm import SamplingParams
 
-    return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    from eric_epd.plugins.vllm.handoff import handles_xargs
+
+    extra = handles_xargs(i["handle"] for i in {i["hash"]: i for i in items}.values()) if items else None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra)
+    return llm.generate(prompt, params)[0]
+
+
+@contextlib.contextmanager
+def eric_key_in_env(api_key: str | None) -> Iterator[None]:
+    """ERIC_API_KEY set while an offline LLM starts (its engine processes inherit it; the connector reads it)."""
+    saved = os.environ.get("ERIC_API_KEY")
+    os.environ["ERIC_API_KEY"] = api_key or ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("ERIC_API_KEY", None)
+        else:
+            os.environ["ERIC_API_KEY"] = saved
 
 
 def llm_kwargs(model: Path) -> dict[str, Any]:

@@ -162,10 +162,17 @@ class EricECConnector(ECConnectorBase):
         offers = self._offers_of(request)
         if request.request_id in self._unavailable:
             return False
-        for feature in request.mm_features:
+        for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens or feature.identifier in self._scheduled:
                 continue  # already in the KV cache, or its load is already scheduled
+            own = offers.get(feature.identifier)
+            if own is not None and own.shape[0] != request.get_num_encoder_embeds(index):
+                logger.warning("request %s: embedding %s has %d rows, its grid needs %d", request.request_id,
+                               feature.identifier[:16], own.shape[0], request.get_num_encoder_embeds(index))
+                self._unavailable.add(request.request_id)
+                self._stats.record(unavailable_requests=1)
+                return False
             if feature.identifier not in offers and not self.has_cache_item(feature.identifier) \
                     and not has_raw_media(feature):
                 logger.warning("request %s: item %s has no Eric handle and carries no media to encode locally",
