@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tempfile
 import uuid
@@ -71,6 +72,13 @@ CPU_MAX_BATCH_PATCHES = 4096
 CUDA_MAX_BATCH_PATCHES = 32768
 
 
+def _network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    try:
+        return ipaddress.ip_network(cidr.strip(), strict=False)
+    except ValueError as e:
+        raise ValueError(f"SGLang allowed peer {cidr!r} is not a CIDR such as 10.0.0.0/24: {e}") from None
+
+
 @dataclass(frozen=True)
 class SglangConfig:
     """SGLang's encoder-server protocol on Eric (plugins/sglang): on by default, answers beside the native API."""
@@ -90,8 +98,12 @@ class SglangConfig:
     allowed_peers: tuple[str, ...] = ()
     """CIDRs (e.g. 10.0.0.0/24) Eric may push parts to besides the address a request came from; SGLang's receivers
     send no key, so where Eric connects is bounded by this and by the caller's own address."""
+    peer_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
+        init=False, repr=False, compare=False)
+    """allowed_peers parsed (set by __post_init__; a bad CIDR fails at start)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "peer_networks", tuple(_network(cidr) for cidr in self.allowed_peers))
         if self.dtype not in SGLANG_DTYPES:
             raise ValueError(f"SGLang dtype must be one of {SGLANG_DTYPES}, got {self.dtype!r}")
         if self.send_timeout_s <= 0 or self.req_timeout_s <= 0 or self.register_retry_s < 0:

@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ README = Path(__file__).resolve().parents[1] / "eric_epd" / "plugins" / "sglang"
 RTOL, ATOL = 1e-4, 1e-5  # float32, as tests/test_server.py: Eric's batched varlen attention vs HF per image
 IMAGES = [(64, 48, 1), (40, 90, 2), (112, 84, 3)]  # (width, height, seed); different sizes catch misplaced rows
 SPLIT_IMAGES = [(56, 56, 11), (84, 28, 12), (28, 112, 13), (70, 98, 14)]
+ELSEWHERE = "127.0.0.2"  # a local address that is not the callers' (tests call from 127.0.0.1)
 IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_TAG = "<|vision_start|><|video_pad|><|vision_end|>"
 
@@ -63,7 +67,8 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
     """Three Erics (booting while the prefill host imports SGLang) and the prefill host.
 
     A: Qwen2-VL, parts sent as float16 (SGLang's --dtype auto for these float32 checkpoints; Eric converts).
-    B: Qwen2.5-VL, --sglang-dtype float32 for prefills run with --dtype float32 (no conversion).
+    B: Qwen2.5-VL, --sglang-dtype float32 for prefills run with --dtype float32 (no conversion); it may also push
+       to 127.0.0.2 (--sglang-allowed-peer), A and C only to their callers (127.0.0.1).
     C: Qwen2-VL like A, and it registers itself with the prefill's EncoderBootstrapServer.
     """
     tmp = tmp_path_factory.mktemp("sglang")
@@ -75,7 +80,8 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
     backends = ("--transfer-backends", "shm")
     erics = {  # A also runs Eric's own Mooncake and NIXL producers, beside the adapter's push engines
         "A": EricServer(qwen2_vl_tiny, extra_args=("--transfer-backends", "shm,mooncake,nixl"), log_path=tmp / "A.log"),
-        "B": EricServer(qwen2_5_vl_tiny, extra_args=(*backends, "--sglang-dtype", "float32"), log_path=tmp / "B.log"),
+        "B": EricServer(qwen2_5_vl_tiny, log_path=tmp / "B.log", extra_args=(
+            *backends, "--sglang-dtype", "float32", "--sglang-allowed-peer", f"{ELSEWHERE}/32")),
         "C": EricServer(qwen2_vl_tiny, log_path=tmp / "C.log",  # retries every 5 s, 30 times
                         extra_args=(*backends, "--sglang-register-url", f"http://127.0.0.1:{bootstrap_port}")),
     }
@@ -130,7 +136,7 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
     from eric_epd.transfer.client import EmbeddingFetcher
 
     resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": modality, "url": u} for u in urls]},
-                      timeout=120)
+                      headers=eric.headers, timeout=120)
     assert resp.status_code == 200, resp.text
     fetcher = EmbeddingFetcher(["http"])
     try:
@@ -362,3 +368,210 @@ def test_documented_eric_command_lines_parse() -> None:
         args = parser.parse_args(shlex.split(line)[1:])
         assert args.command == "serve" and args.port == 8100
         config_from_args(args)  # and make a valid config
+
+
+# ------------------------------------------------------------------------------- where Eric connects, body limits
+
+
+class Listener:
+    """A TCP listener on another local address that records whether anyone connected."""
+
+    def __init__(self, host: str = ELSEWHERE) -> None:
+        self.sock = socket.create_server((host, 0))
+        self.sock.settimeout(1.5)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.endpoint = f"{host}:{self.port}"
+
+    def connected(self) -> bool:
+        try:
+            conn, _ = self.sock.accept()
+        except TimeoutError:
+            return False
+        conn.close()
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def client_from(source: str) -> httpx.Client:
+    """An HTTP client whose connections leave from `source` (Eric sees it as the caller's address)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60)
+
+
+def assert_sglang_error(resp: httpx.Response, status: int, *words: str) -> None:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert body["status"] == "error" and isinstance(body["message"], str) and "req_id" in body, body
+    for word in words:
+        assert word in body["message"], body["message"]
+
+
+def encoded_pull_part(client: httpx.Client, eric: EricServer) -> str:
+    """A part encoded in SGLang's pull flow (mooncake / NIXL): a rank's size pull beside the /encode."""
+    rid = f"{uuid.uuid4().hex}_local_part_0"
+    with ThreadPoolExecutor(2) as pool:
+        meta = pool.submit(client.post, eric.url + "/scheduler_receive_meta_data", json={"req_id": rid, "part_idx": 0})
+        enc = client.post(eric.url + "/encode", json={"req_id": rid, "mm_items": [image_url(*IMAGES[0])],
+                                                      "num_parts": 1, "part_idx": 0, "modality": "IMAGE"})
+        assert enc.status_code == 200 and meta.result().status_code == 200, (enc.text, meta.result().text)
+    return rid
+
+
+def send_body(rid: str, host: str, port: int, session: str) -> dict[str, Any]:
+    return {"req_id": rid, "part_idx": 0, "prefill_host": host, "embedding_port": port, "session_id": session,
+            "buffer_address": 4096, "receive_count": 1}
+
+
+def test_push_targets_are_the_caller_or_allowed(setup) -> None:
+    """/encode (zmq_to_tokenizer), /scheduler_receive_url and /send (Mooncake session) naming a host that is neither
+    the caller's address nor allowed get 403 before Eric connects anywhere or encodes; so do a part's rank calls
+    from another address than its /encode's."""
+    _, erics = setup
+    eric, listener = erics["A"], Listener()
+    client = client_from("127.0.0.1")
+    try:
+        before = items_counter(eric)
+        rid = f"{uuid.uuid4().hex}_local_part_0"
+        resp = client.post(eric.url + "/encode", json={
+            "req_id": rid, "mm_items": [image_url(*IMAGES[0])], "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
+            "prefill_host": ELSEWHERE, "embedding_port": listener.port})
+        assert_sglang_error(resp, 403, "prefill_host", ELSEWHERE, "--sglang-allowed-peer")
+        assert resp.json()["req_id"] == rid
+        assert items_counter(eric) == before  # refused before anything was encoded
+
+        resp = client.post(eric.url + "/scheduler_receive_url", json={
+            "req_id": f"{uuid.uuid4().hex}_local_part_0", "receive_count": 1, "receive_url": listener.endpoint})
+        assert_sglang_error(resp, 403, "receive_url", ELSEWHERE)
+
+        rid = encoded_pull_part(client, eric)
+        resp = client.post(eric.url + "/send", json=send_body(rid, "127.0.0.1", free_port(), listener.endpoint))
+        assert_sglang_error(resp, 403, "mooncake session", ELSEWHERE)
+        local_session = f"127.0.0.1:{free_port()}"
+        resp = client.post(eric.url + "/send", json=send_body(rid, ELSEWHERE, listener.port, local_session))
+        assert_sglang_error(resp, 403, "prefill_host", ELSEWHERE)
+        time.sleep(0.5)  # a ZMQ or Mooncake connect would be under way by now
+        assert not listener.connected(), "Eric connected to a host neither the caller's nor allowed"
+
+        # another address may not act on this part, even pointing at itself
+        other, own = client_from("127.0.0.3"), Listener("127.0.0.3")
+        try:
+            resp = other.post(eric.url + "/send", json=send_body(rid, own.host, own.port, own.endpoint))
+            assert_sglang_error(resp, 403, "posted from another address")
+            resp = other.post(eric.url + "/scheduler_receive_meta_data", json={"req_id": rid, "part_idx": 0})
+            assert_sglang_error(resp, 403, "posted from another address")
+            assert not own.connected()
+        finally:
+            other.close()
+            own.close()
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_allowed_peer_lets_pushes_through(setup, references, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> None:
+    """SGLang's own receivers advertising 127.0.0.2 (SGLANG_HOST_IP) while calling from 127.0.0.1: refused by A
+    before it encodes anything (SGLang's tokenizer reports any dispatch failure as its 503), served by B, whose
+    --sglang-allowed-peer covers 127.0.0.2."""
+    prefill, erics = setup
+    urls = [image_url(*spec) for spec in IMAGES]
+    elsewhere = {"SGLANG_HOST_IP": ELSEWHERE}
+    before = items_counter(erics["A"])
+    refused = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer", env=elsewhere,
+                          encoder_urls=[erics["A"].url], images=urls, prompt=prompt_for(len(urls))).outcomes[0]
+    assert not refused.ok and refused.error_code == 503, (refused.error_code, refused.error_msg)
+    assert items_counter(erics["A"]) == before
+
+    expected = eric_tensors(erics["B"], urls)
+    tok = prefill.job(kind="tokenizer", model=str(qwen2_5_vl_tiny), backend="zmq_to_tokenizer", env=elsewhere,
+                      encoder_urls=[erics["B"].url], images=urls, prompt=prompt_for(len(urls)), dtype="float32")
+    check_equal(tok.outcomes[0], expected, references["qwen2_5_vl"]["images"], torch.float32)
+    sched = prefill.job(kind="scheduler", model=str(qwen2_5_vl_tiny), backend="zmq_to_scheduler", env=elsewhere,
+                        encoder_urls=[erics["B"].url], images=urls, prompt=prompt_for(len(urls)), tp=1,
+                        dtype="float32")
+    check_equal(sched.outcomes[0], expected, references["qwen2_5_vl"]["images"], torch.float32)
+
+
+def raw_post(url: str, path: str, declared: int, sent: int) -> tuple[int, dict[str, Any]]:
+    """POST declaring `declared` body bytes but sending only `sent`, then read the answer (10 s at most): a server
+    that waited for the whole body would not answer."""
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {declared}\r\n\r\n".encode() + b"x" * sent)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, json.loads(resp.read())
+
+
+SGLANG_POSTS = ("/encode", "/send", "/scheduler_receive_url", "/scheduler_receive_meta_data")
+
+
+def test_oversized_bodies_get_413_without_being_read(setup) -> None:
+    """48 MiB to each SGLang POST route: 413 in SGLang's error shape, declared (Content-Length, answered with most
+    of the body unsent) or streamed (chunked); the server keeps serving."""
+    _, erics = setup
+    eric, big = erics["A"], 48 << 20
+    for path in SGLANG_POSTS:
+        status, body = raw_post(eric.url, path, big, 1 << 16)
+        assert status == 413 and body["status"] == "error" and "limit" in body["message"], (path, status, body)
+        resp = httpx.post(eric.url + path, content=b"x" * big, timeout=60)
+        assert_sglang_error(resp, 413, "limit")
+
+        def chunks():
+            for _ in range(big >> 20):
+                yield b"x" * (1 << 20)
+
+        resp = httpx.post(eric.url + path, content=chunks(), timeout=60)  # no Content-Length: streamed
+        assert_sglang_error(resp, 413, "limit")
+    assert httpx.get(eric.url + "/health", timeout=10).status_code == 200
+    resp = httpx.post(eric.url + "/scheduler_receive_url",
+                      json={"req_id": "r", "receive_count": 0, "receive_url": "127.0.0.1:1"}, timeout=10)
+    assert_sglang_error(resp, 400, "receive_count")
+
+
+def test_peer_policy_rules_without_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allowed: the caller's own address or inside an allowed network; a name only if every address it resolves
+    to is; loopback is no exception. A bad CIDR fails when the config is made."""
+    import asyncio
+    import ipaddress
+
+    from eric_epd.config import SglangConfig
+    from eric_epd.plugins.sglang.peers import PeerPolicy
+    from eric_epd.plugins.sglang.protocol import SglangError
+
+    with pytest.raises(ValueError, match="not a CIDR"):
+        SglangConfig(allowed_peers=("10.0.0.0/33",))
+    policy = PeerPolicy(SglangConfig(allowed_peers=("10.0.0.0/24", "fd00::/64")).peer_networks)
+    names = {"two.example": ["10.0.0.7", "10.0.0.8"], "mixed.example": ["10.0.0.7", "203.0.113.5"]}
+
+    def fake_getaddrinfo(host: str, *args: Any, **kwargs: Any) -> list[tuple]:
+        if host not in names:
+            raise socket.gaierror(socket.EAI_NONAME, "unknown")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+
+    def host(name: str, caller: str | None) -> str | int:
+        try:
+            return asyncio.run(policy.host(name, caller, "host"))
+        except SglangError as e:
+            return e.status
+
+    assert host("10.0.0.9", "192.0.2.1") == "10.0.0.9"
+    assert host("fd00::5", None) == "fd00::5"
+    assert host("::ffff:10.0.0.9", None) == "::ffff:10.0.0.9"  # IPv4-mapped: checked as 10.0.0.9
+    assert host("192.0.2.1", "192.0.2.1") == "192.0.2.1"  # the caller's own address
+    assert host("192.0.2.1", "::ffff:192.0.2.1") == "192.0.2.1"
+    assert host("127.0.0.1", "192.0.2.1") == 403  # loopback is just another address
+    assert host("10.0.1.1", "192.0.2.1") == 403
+    assert host("two.example", None) == "10.0.0.7"
+    assert host("mixed.example", None) == 403  # every resolved address must be allowed
+    assert host("nowhere.example", None) == 400
+    assert asyncio.run(policy.endpoint("[fd00::5]:7000", None, "x")) == "[fd00::5]:7000"
+    assert policy.allows_caller("10.0.0.3", "192.0.2.1") and policy.allows_caller("192.0.2.1", "192.0.2.1")
+    assert not policy.allows_caller("192.0.2.2", "192.0.2.1") and policy.allows_caller("192.0.2.2", None)
+    assert ipaddress.ip_network("10.0.0.0/24") in policy.networks

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from eric_epd.config import EricConfig, SglangConfig
+from eric_epd.plugins.sglang.peers import PeerPolicy
 from eric_epd.plugins.sglang.protocol import (
     HEALTH_PNG,
     MODALITIES,
@@ -19,7 +20,6 @@ from eric_epd.plugins.sglang.protocol import (
     SglangError,
     host_port,
     item_url,
-    tcp_endpoint,
     validate,
 )
 from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError
@@ -29,7 +29,6 @@ from eric_epd.plugins.sglang.wire import (
     MetaRequest,
     ReceiveUrlRequest,
     SendRequest,
-    decode_nixl_session,
 )
 from eric_epd.plugins.sglang.zmq_push import ZmqSender
 from eric_epd.server.service import ApiError, EncodeService, ItemRequest
@@ -66,6 +65,7 @@ class SglangEncoder:
 
             logger.info("SGLang parts are sent as %s (Eric computes %s)", wire, eric_dtype)
         self.rows = PartRows(hub, dim, eric_dtype, wire)
+        self.peers = PeerPolicy(settings.peer_networks)
         self.parts: dict[str, Part] = {}
         self._zmq: ZmqSender | None = None
         self._mooncake: MooncakePusher | None = None
@@ -154,8 +154,9 @@ class SglangEncoder:
 
     # ------------------------------------------------------------------------------------------------------ encode
 
-    async def encode(self, req: EncodeRequest) -> Any:
+    async def encode(self, req: EncodeRequest, caller: str | None) -> Any:
         validate(req, self.config.max_items_per_request)
+        req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
         items = [ItemRequest(str(i), MODALITIES[modality], item_url(it, i)) for i, it in enumerate(req.mm_items)]
         part = self.part(req.req_id)
@@ -163,6 +164,7 @@ class SglangEncoder:
         if part.request is not None:
             raise SglangError(400, f"duplicate /encode for req_id={req.req_id}")
         part.request = req
+        self._claim(part, caller)
         if req.embedding_port is not None:
             part.set_mode("tokenizer")
         try:
@@ -199,6 +201,13 @@ class SglangEncoder:
         return {"req_id": req.req_id, "num_parts": req.num_parts, "part_idx": req.part_idx,
                 "modality": modality, "embedding_size": part.wire_bytes, "embedding_len": part.tokens,
                 "embedding_dim": self.dim}
+
+    def _claim(self, part: Part, caller: str | None) -> None:
+        """The /encode caller owns the part: ranks registered earlier from addresses it may not use are dropped."""
+        part.owner = caller
+        for endpoint in part.drop_destinations(lambda who: self.peers.allows_caller(who, caller)):
+            logger.warning("SGLang part %s: dropped rank %s registered from an address other than %s",
+                           part.req_id, endpoint, caller)
 
     async def _stage(self, part: Part) -> None:
         if await self.rows.stage(part):
@@ -248,7 +257,7 @@ class SglangEncoder:
             frames = self._frames(part)
             while True:
                 part.changed.clear()
-                for endpoint in sorted(part.destinations - sent):
+                for endpoint in sorted(part.destinations.keys() - sent):
                     sent.add(endpoint)
                     tasks.append((endpoint, asyncio.create_task(self._send(endpoint, frames, cached=True))))
                 if part.expected is not None and len(sent) >= part.expected:
@@ -296,10 +305,13 @@ class SglangEncoder:
 
     # ------------------------------------------------------------------------------------------- rank endpoints
 
-    def register_destination(self, req: ReceiveUrlRequest) -> None:
+    async def register_destination(self, req: ReceiveUrlRequest, caller: str | None) -> None:
         if req.receive_count <= 0:
             raise SglangError(400, "receive_count must be a positive integer")
-        tcp_endpoint(req.receive_url)
+        endpoint = await self.peers.endpoint(req.receive_url, caller, "receive_url")
+        known = self.parts.get(req.req_id)
+        if known is not None:
+            self.peers.check_caller(caller, known.owner, req.req_id)
         part = self.part(req.req_id)
         assert part is not None
         part.set_mode("scheduler")
@@ -308,7 +320,7 @@ class SglangEncoder:
         elif part.expected != req.receive_count:
             raise SglangError(400, f"Inconsistent receive_count for req_id={req.req_id}: registered "
                                    f"{part.expected}, got {req.receive_count}")
-        part.destinations.add(req.receive_url)
+        part.destinations[endpoint] = caller
         part.changed.set()
 
     async def wait_encoded(self, req_id: str, create: bool) -> Part:
@@ -324,30 +336,31 @@ class SglangEncoder:
             raise SglangError(500, part.error[0])
         return part
 
-    async def meta(self, req: MetaRequest) -> dict[str, Any]:
+    async def meta(self, req: MetaRequest, caller: str | None) -> dict[str, Any]:
         part = await self.wait_encoded(req.req_id, create=True)
+        self.peers.check_caller(caller, part.owner, req.req_id)
         return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.wire_bytes,
                 "embedding_len": part.tokens, "embedding_dim": self.dim}
 
-    async def send(self, req: SendRequest) -> None:
+    async def send(self, req: SendRequest, caller: str | None) -> None:
+        endpoint, session, nixl = await self.peers.send_targets(req, caller)
         part = await self.wait_encoded(req.req_id, create=False)
+        self.peers.check_caller(caller, part.owner, req.req_id)
         if part.released:
             raise SglangError(500, f"no staged embedding for req_id={req.req_id} (already released)")
         if req.embedding_size is not None and req.embedding_size != part.wire_bytes:
             raise SglangError(400, f"embedding_size {req.embedding_size} != {part.wire_bytes} of req_id={req.req_id}")
-        endpoint = host_port(req.prefill_host, req.embedding_port)
         part.active += 1
         try:
             srcs, lens = self.rows.ranges(part)
             dsts = list(np.cumsum([0, *lens[:-1]], dtype=np.int64) + req.buffer_address) if lens else []
-            nixl = decode_nixl_session(req.session_id)
             timeout = self.settings.send_timeout_s
             if nixl is not None:
                 pusher: Any = await self._pusher("nixl")
                 await asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens, timeout)
             elif lens:
                 pusher = await self._pusher("mooncake")
-                await asyncio.to_thread(pusher.write, req.session_id, srcs, [int(d) for d in dsts], lens, timeout)
+                await asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens, timeout)
             await self._send(endpoint, [self.rows.header(part)], cached=False)
         except PushError as e:
             raise SglangError(500, str(e)) from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +125,10 @@ class Part:
     mode: str | None = None
     """"tokenizer", "scheduler" (zmq_to_scheduler) or "pull" (mooncake / NIXL), fixed by the first caller."""
     mode_set: asyncio.Event = field(default_factory=asyncio.Event)
-    destinations: set[str] = field(default_factory=set)
+    owner: str | None = None
+    """The address the part's /encode came from; its ranks must call from there or from the allowlist."""
+    destinations: dict[str, str | None] = field(default_factory=dict)
+    """zmq_to_scheduler: checked rank endpoint ("ip:port") -> the address that registered it."""
     expected: int | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     sent_to: set[str] = field(default_factory=set)
@@ -143,6 +147,16 @@ class Part:
         elif self.mode != mode:
             raise SglangError(400, f"req_id={self.req_id} is already served as {self.mode}, not {mode}: "
                                    "every prefill rank must use the same --encoder-transfer-backend")
+
+    def drop_destinations(self, keep: Callable[[str | None], bool]) -> list[str]:
+        """Forget ranks whose registering address `keep` refuses; with none left, the next rank sets the mode."""
+        dropped = [ep for ep, who in self.destinations.items() if not keep(who)]
+        for endpoint in dropped:
+            del self.destinations[endpoint]
+        if dropped and not self.destinations:
+            self.expected, self.mode = None, None
+            self.mode_set.clear()
+        return dropped
 
     @property
     def tokens(self) -> int:

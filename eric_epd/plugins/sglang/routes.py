@@ -13,6 +13,7 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.config import EricConfig
 from eric_epd.plugins.sglang.encoder import SglangEncoder
 from eric_epd.plugins.sglang.protocol import SglangError, decode_body, error_response, wire_dtype
@@ -21,6 +22,9 @@ from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlR
 from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)
+
+SMALL_BODY_BYTES = 1 << 20
+"""Limit for the rank routes' bodies (a few hundred bytes of JSON; a NIXL session adds a few KiB)."""
 
 
 def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
@@ -51,12 +55,16 @@ def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
 
     router = APIRouter(lifespan=lifespan)
 
-    async def run(request: Request, kind: type[msgspec.Struct], handler: Any) -> Response:
+    async def run(request: Request, kind: type[msgspec.Struct], handler: Any, limit: int = SMALL_BODY_BYTES
+                  ) -> Response:
+        """Read at most `limit` bytes (413 past it), decode, and call handler(body, caller's address)."""
         req_id = None
         try:
-            body = decode_body(await request.body(), kind)
+            body = decode_body(await read_limited_body(request, limit), kind)
             req_id = getattr(body, "req_id", None)
-            result = await handler(body)
+            result = await handler(body, request.client.host if request.client else None)
+        except BodyTooLargeError as e:
+            return error_response(413, str(e), None)
         except SglangError as e:
             if e.status >= 500:
                 logger.error("SGLang %s %s: %d %s", request.url.path, req_id, e.status, e.message)
@@ -68,12 +76,12 @@ def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
 
     @router.post("/encode")
     async def encode(request: Request) -> Response:
-        return await run(request, EncodeRequest, encoder.encode)
+        return await run(request, EncodeRequest, encoder.encode, config.max_body_bytes)
 
     @router.post("/scheduler_receive_url")
     async def scheduler_receive_url(request: Request) -> Response:
-        async def handler(body: ReceiveUrlRequest) -> None:
-            encoder.register_destination(body)
+        async def handler(body: ReceiveUrlRequest, caller: str | None) -> None:
+            await encoder.register_destination(body, caller)
 
         return await run(request, ReceiveUrlRequest, handler)
 
