@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -13,25 +12,23 @@ import pytest
 from epd_gateway.content import MediaRef
 
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, ServerProcess, new_key
-from eric_epd.testing.stack import GatewayServer, VllmServe, gateway_paths, image_messages
+from eric_epd.testing.server import EricServer, ServerProcess
+from eric_epd.testing.stack import GatewayServer, gateway_paths, image_messages
 from eric_epd.testing.stack import ask as _ask
 
 API_KEY = "sk-test"
 
 
 @pytest.fixture(scope="module")
-def stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+def stack(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("stack")
-    key = new_key()  # one key for the Erics behind one engine
-    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key).start() for i in range(2)]
-    vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics], eric_api_key=key).start()
+    erics, vllm = vllm_behind_erics["erics"], vllm_behind_erics["vllm"]
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
                             "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4",
-                            "--admin-key", "admin-test", eric_api_key=key, upstream_api_key=vllm.api_key).start()
+                            "--admin-key", "admin-test", eric_api_key=vllm_behind_erics["eric_key"],
+                            upstream_api_key=vllm.api_key).start()
     yield {"erics": erics, "vllm": vllm, "gateway": gateway}
-    for server in (gateway, vllm, *erics):
-        server.stop()
+    gateway.stop()
 
 
 def ask(base_url: str, msgs: list[dict], key: str = API_KEY, **kw):
@@ -144,12 +141,15 @@ def test_encoder_killed_under_load_every_request_answers(stack) -> None:
             stack["erics"][0].stop()  # killed while requests are in flight
         return ask(gw.url, image_messages(sets[i % 4])).choices[0].message.content == expected[i % 4]
 
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, range(200)))
-    assert all(results), results.count(False)
-    assert _failovers(gw) > failovers_before
-    health = httpx.get(gw.url + "/health").json()
-    assert health["encoders"][stack["erics"][0].url] is False
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(200)))
+        assert all(results), results.count(False)
+        assert _failovers(gw) > failovers_before
+        health = httpx.get(gw.url + "/health").json()
+        assert health["encoders"][doomed.url] is False
+    finally:
+        doomed.start()  # the Erics are shared by the session's gateway tests
 
 
 def _failovers(gateway: ServerProcess) -> float:
