@@ -1,4 +1,8 @@
-"""EngineClient: the router's async handle on the engine process (ZMQ ipc, msgspec, one future per request)."""
+"""EngineClient: the router's async handle on the engine process (ZMQ ipc, msgspec, one future per request).
+
+A request's pool space may be reused only after the engine's final answer for it (or once the engine is known
+dead): workers write into the pool at the reserved offsets until then. Abandoned requests are aborted, not forgotten.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import zmq
@@ -14,6 +20,7 @@ import zmq.asyncio
 
 from eric_epd.config import EricConfig
 from eric_epd.engine.messages import (
+    AbortRequestMsg,
     EncodeItem,
     EncodeRequestMsg,
     EncodeResultMsg,
@@ -39,6 +46,16 @@ class EngineUnavailableError(Exception):
         self.retry_after = retry_after
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request in the engine. `result` resolves with the engine's final answer, or fails with
+    EngineUnavailableError once the engine is known dead: only then may its pool space be freed."""
+
+    request_id: str
+    num_items: int
+    result: asyncio.Future[EncodeOutput]
+
+
 class EngineClient:
     """Submits requests, matches results to futures, and fails everything pending if the engine dies."""
 
@@ -52,37 +69,64 @@ class EngineClient:
         self._input.connect(config.engine_input_addr)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.connect(config.engine_output_addr)
-        self._pending: dict[str, tuple[asyncio.Future[EncodeOutput], int]] = {}
+        self._pending: dict[str, EngineRequest] = {}
         self._status_waiters: list[asyncio.Future[EngineStatusMsg]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_reason: str | None = None
 
     @property
     def num_inflight_items(self) -> int:
-        return sum(n for _, n in self._pending.values())
+        return sum(r.num_items for r in self._pending.values())
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self._config.request_timeout_s
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
 
-    async def encode(self, items: Sequence[EncodeItem], pixels: Sequence[np.ndarray]) -> EncodeOutput:
-        """Encode items (float32 pixel arrays); raise EngineUnavailableError when it cannot."""
+    def submit(self, items: Sequence[EncodeItem], pixels: Sequence[np.ndarray]) -> EngineRequest:
+        """Hand items (float32 pixel arrays) to the engine; raise EngineUnavailableError when it cannot take them.
+        Not a coroutine, so a caller cannot be cancelled between sending a request and holding its handle."""
         if self._dead_reason is not None:
             raise EngineUnavailableError(503, f"encoder unavailable: {self._dead_reason}")
         limit = self._config.batch.max_queued_items
         if self.num_inflight_items + len(items) > limit:
             raise EngineUnavailableError(503, f"encoder queue full ({limit} items); retry later", retry_after=1.0)
-        request_id = uuid.uuid4().hex
-        future: asyncio.Future[EncodeOutput] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (future, len(items))
+        request = EngineRequest(uuid.uuid4().hex, len(items), asyncio.get_running_loop().create_future())
+        frames = encode_frames(Op.ENCODE, EncodeRequestMsg(request.request_id, list(items)),
+                               [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in pixels])
+        self._pending[request.request_id] = request
+        self._send(frames, request)
+        return request
+
+    def abort(self, request: EngineRequest, items: Sequence[int] | None = None) -> None:
+        """Ask the engine to drop the request's queued items at `items` (indices; all when None). Its final answer
+        (request.result) still comes, listing what finished anyway."""
+        if request.result.done() or request.request_id not in self._pending:
+            return
+        msg = AbortRequestMsg(request.request_id, sorted(items) if items is not None else None)
+        self._send(encode_frames(Op.ABORT, msg))
+
+    def _send(self, frames: list[object], request: EngineRequest | None = None) -> None:
+        """Queue frames on the input socket without awaiting: sends stay in order (an ABORT never overtakes its
+        ENCODE), and a request that could not be sent fails (the engine never saw it, so nothing writes for it)."""
         try:
-            frames = encode_frames(Op.ENCODE, EncodeRequestMsg(request_id, list(items)),
-                                   [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in pixels])
-            await self._input.send_multipart(frames, copy=False)
-            return await asyncio.wait_for(asyncio.shield(future), self._config.request_timeout_s)
-        except TimeoutError as e:
-            raise EngineUnavailableError(504, f"encode timed out after {self._config.request_timeout_s}s") from e
-        finally:
-            self._pending.pop(request_id, None)
+            sent = self._input.send_multipart(frames, copy=False)
+        except zmq.ZMQError as e:
+            self._on_sent(request, e)
+            return
+        sent.add_done_callback(partial(self._sent_done, request))
+
+    def _sent_done(self, request: EngineRequest | None, sent: asyncio.Future[object]) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            self._on_sent(request, sent.exception())
+
+    def _on_sent(self, request: EngineRequest | None, error: BaseException | None) -> None:
+        logger.error("sending to the engine failed: %r", error)
+        if (request is not None and self._pending.pop(request.request_id, None) is not None
+                and not request.result.done()):
+            request.result.set_exception(EngineUnavailableError(503, f"encoder unavailable: {error!r}"))
 
     async def status(self, timeout_s: float = 2.0) -> EngineStatusMsg | None:
         """Ask the engine for its status; None if it does not answer in time."""
@@ -112,9 +156,9 @@ class EngineClient:
                 logger.exception("undecodable message from the engine")
                 continue
             if op is Op.RESULT and isinstance(msg, EncodeResultMsg):
-                entry = self._pending.get(msg.request_id)
-                if entry is not None and not entry[0].done():
-                    entry[0].set_result((msg, buffers))
+                request = self._pending.pop(msg.request_id, None)
+                if request is not None and not request.result.done():
+                    request.result.set_result((msg, buffers))
             elif op is Op.STATUS and isinstance(msg, EngineStatusMsg):
                 self._handle_status(msg)
 
@@ -135,9 +179,10 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         self._dead_reason = self._dead_reason or reason
-        for future, _ in self._pending.values():
-            if not future.done():
-                future.set_exception(EngineUnavailableError(503, f"encoder unavailable: {reason}"))
+        pending, self._pending = self._pending, {}
+        for request in pending.values():
+            if not request.result.done():
+                request.result.set_exception(EngineUnavailableError(503, f"encoder unavailable: {reason}"))
 
     async def close(self) -> None:
         """Tell the engine to stop, then close sockets; idempotent."""

@@ -8,12 +8,20 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from eric_epd.config import BatchLimits
-from eric_epd.engine.messages import BatchStat, EncodeRequestMsg, EncodeResultMsg, EngineStatusMsg, ItemResult
+from eric_epd.engine.messages import (
+    AbortRequestMsg,
+    BatchStat,
+    EncodeRequestMsg,
+    EncodeResultMsg,
+    EngineStatusMsg,
+    ItemResult,
+)
 from eric_epd.engine.scheduler import Batch, QueuedItem, Scheduler
 
 logger = logging.getLogger(__name__)
 
 PIXEL_BYTES = 4  # the router always sends float32 pixels
+ABORTED_STATUS = 499  # nginx's "client closed request": the router's client went away
 
 
 class BatchFailedError(Exception):
@@ -38,6 +46,13 @@ class _RequestState:
     num_items: int
     results: dict[int, ItemResult] = field(default_factory=dict)
     batches: list[BatchStat] = field(default_factory=list)
+    dropped: set[int] = field(default_factory=set)
+    """Items aborted while still queued: never run, never written."""
+
+    @property
+    def open_items(self) -> int:
+        """Items neither finished nor dropped (queued, or in the batch that is running)."""
+        return self.num_items - len(self.results) - len(self.dropped)
 
 
 class Engine:
@@ -74,6 +89,16 @@ class Engine:
         )
         return []
 
+    def abort(self, msg: AbortRequestMsg) -> list[Outgoing]:
+        """Drop the request's queued items (those listed, or all); answer it now if nothing of it is left to run,
+        else when the batch holding the rest ends. Unknown (already answered) requests are ignored."""
+        state = self._requests.get(msg.request_id)
+        if state is None:
+            return []
+        indices = set(msg.items) if msg.items is not None else None
+        state.dropped |= self._scheduler.drop_items(msg.request_id, indices)
+        return self._answer_if_done(msg.request_id, state)
+
     def step(self) -> list[Outgoing]:
         """Run the next batch, if any; return the requests it finished (or failed)."""
         reason = self._executor.check_workers()
@@ -105,7 +130,7 @@ class Engine:
             healthy=self._dead_reason is None,
             reason=self._dead_reason or "",
             queued_items=self._scheduler.num_queued,
-            running_items=sum(s.num_items - len(s.results) for s in self._requests.values()),
+            running_items=sum(s.open_items for s in self._requests.values()),
             worker_pids=self._executor.worker_pids(),
             batches=batches,
         )
@@ -119,11 +144,20 @@ class Engine:
             state.results[entry.index] = output
             if stat not in state.batches:
                 state.batches.append(stat)
-            if len(state.results) == state.num_items:
-                del self._requests[entry.request_id]
-                ordered = [state.results[i] for i in range(state.num_items)]
-                done.append((EncodeResultMsg(entry.request_id, ordered, batches=state.batches), []))
+            done += self._answer_if_done(entry.request_id, state)
         return done
+
+    def _answer_if_done(self, request_id: str, state: _RequestState) -> list[Outgoing]:
+        """The request's one answer once every item is finished or dropped: all results, or (something was
+        dropped) the finished ones with a 499 error."""
+        if state.open_items > 0:
+            return []
+        del self._requests[request_id]
+        finished = [state.results[i] for i in sorted(state.results)]
+        if not state.dropped:
+            return [(EncodeResultMsg(request_id, finished, batches=state.batches), [])]
+        reason = f"request aborted: {len(state.dropped)} of {state.num_items} items dropped before they ran"
+        return [(EncodeResultMsg(request_id, finished, reason, ABORTED_STATUS, state.batches), [])]
 
     def _fail_batch(self, batch: Batch, status: int, reason: str) -> list[Outgoing]:
         failed: list[Outgoing] = []

@@ -19,6 +19,7 @@ class Op(bytes, enum.Enum):
     STATUS_REQUEST = b"S"
     STATUS = b"s"
     SHUTDOWN = b"X"
+    ABORT = b"A"
 
 
 class EncodeItem(msgspec.Struct, array_like=True, frozen=True):
@@ -59,7 +60,8 @@ class BatchStat(msgspec.Struct, array_like=True, frozen=True):
 
 
 class EncodeResultMsg(msgspec.Struct, array_like=True, frozen=True):
-    """The end of one request: all its items, or an error that names the cause."""
+    """The end of one request: all its items, or an error that names the cause. An aborted request (status 499)
+    lists the items that were finished anyway; the others were never written."""
 
     request_id: str
     items: list[ItemResult] = []
@@ -77,6 +79,18 @@ class EngineStatusMsg(msgspec.Struct, array_like=True, frozen=True):
     batches: list[BatchStat] = []
 
 
+class AbortRequestMsg(msgspec.Struct, array_like=True, frozen=True):
+    """Drop a request's still-queued items: those at `items` (indices in the request), or all when None.
+
+    Items already encoded stay encoded. The engine still answers the request exactly once, when none of it is
+    queued or running: with its finished items and, if any item was dropped, an error (status 499). Only then may
+    the router free the request's pool space. Unknown or finished request ids are ignored.
+    """
+
+    request_id: str
+    items: list[int] | None = None
+
+
 class ShutdownMsg(msgspec.Struct, array_like=True, frozen=True):
     reason: str = ""
 
@@ -86,10 +100,11 @@ _DECODERS = {
     Op.RESULT: msgspec.msgpack.Decoder(EncodeResultMsg),
     Op.STATUS: msgspec.msgpack.Decoder(EngineStatusMsg),
     Op.SHUTDOWN: msgspec.msgpack.Decoder(ShutdownMsg),
+    Op.ABORT: msgspec.msgpack.Decoder(AbortRequestMsg),
 }
 _ENCODER = msgspec.msgpack.Encoder()
 
-Message = EncodeRequestMsg | EncodeResultMsg | EngineStatusMsg | ShutdownMsg | None
+Message = EncodeRequestMsg | EncodeResultMsg | EngineStatusMsg | ShutdownMsg | AbortRequestMsg | None
 
 
 def encode_frames(op: Op, msg: msgspec.Struct | None, buffers: Sequence[object] = ()) -> list[object]:

@@ -13,7 +13,7 @@ import zmq
 
 from eric_epd.config import EricConfig
 from eric_epd.engine.engine import Engine, Outgoing
-from eric_epd.engine.messages import EncodeRequestMsg, Op, ShutdownMsg, decode_frames, encode_frames
+from eric_epd.engine.messages import AbortRequestMsg, EncodeRequestMsg, Op, ShutdownMsg, decode_frames, encode_frames
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class _EngineLoop:
                 self._send_status()
             elif op is Op.ENCODE and isinstance(msg, EncodeRequestMsg):
                 self._send(self._engine.add_request(msg, buffers))
+            elif op is Op.ABORT and isinstance(msg, AbortRequestMsg):
+                self._send(self._engine.abort(msg))
             else:
                 logger.warning("ignoring unexpected message %s", op)
         return True

@@ -57,6 +57,18 @@ class Scheduler:
         """Forget every queued item of a request (it failed or was cancelled)."""
         self._queue = deque(e for e in self._queue if e.request_id != request_id)
 
+    def drop_items(self, request_id: str, indices: set[int] | None = None) -> set[int]:
+        """Forget a request's queued items at `indices` (all when None); return the indices actually dropped."""
+        dropped: set[int] = set()
+        kept: deque[QueuedItem] = deque()
+        for entry in self._queue:
+            if entry.request_id == request_id and (indices is None or entry.index in indices):
+                dropped.add(entry.index)
+            else:
+                kept.append(entry)
+        self._queue = kept
+        return dropped
+
     def next_batch(self) -> Batch | None:
         if not self._queue:
             return None

@@ -15,7 +15,7 @@ import httpx
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -27,6 +27,7 @@ from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.upstream import Upstreams, new_session
+from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import BodyTooLargeError, bearer, read_limited_body
 from eric_epd.server.url_policy import MediaError
 
@@ -178,9 +179,15 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def chat(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
-        raw, body = await read_json(request, config.max_body_bytes)
-        start = time.perf_counter()
-        path, response = await gw.chat(raw, body, forwarded(request))
+        try:
+            raw, body = await read_json(request, config.max_body_bytes)
+            start = time.perf_counter()
+            # a client that leaves before the answer starts cancels the encode (closing the calls to the Erics, which
+            # drop the work; leases of items already returned are given back) or the upstream call
+            path, response = await until_disconnect(request, gw.chat(raw, body, forwarded(request)))
+        except (ClientDisconnectedError, ClientDisconnect):  # after the body was read, or while it was
+            logger.info("client left a chat completion before its answer started: its work was cancelled")
+            return Response(status_code=499)
         metrics.requests.labels(path=path).inc()
         metrics.latency.labels(path=path).observe(time.perf_counter() - start)
         response.headers["x-epd-path"] = path

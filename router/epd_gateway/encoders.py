@@ -78,8 +78,19 @@ class EncoderPool:
         return next(m for m in order if m.inflight <= 2 * least + 4)
 
     async def encode(self, refs: list[MediaRef]) -> tuple[list[dict[str, Any]], int]:
-        """Encode every item somewhere; returns (items in ref order, number of encoders used)."""
+        """Encode every item somewhere; returns (items in ref order, number of encoders used). If this fails or is
+        cancelled (the client left), the calls still running are cancelled (each Eric sees its caller disconnect
+        and drops the work) and the leases of items already returned are given back."""
         results: dict[int, dict[str, Any]] = {}
+        try:
+            used = await self._encode_into(refs, results)
+        except BaseException:
+            await asyncio.shield(self.release(list(results.values())))
+            raise
+        return [results[i] for i in range(len(refs))], len(used)
+
+    async def _encode_into(self, refs: list[MediaRef], results: dict[int, dict[str, Any]]) -> set[str]:
+        """Fill `results` (ref index -> item), failing over between encoders; returns the encoders used."""
         tried: dict[int, set[str]] = defaultdict(set)
         pending = list(range(len(refs)))
         used: set[str] = set()
@@ -91,7 +102,7 @@ class EncoderPool:
                     raise EncodersUnavailableError(f"no healthy encoder left for item {i} "
                                                    f"(tried {sorted(tried[i]) or 'none'})")
                 groups[member.url].append(i)
-            outcomes = await asyncio.gather(*(self._call(url, [refs[i] for i in idx]) for url, idx in groups.items()))
+            outcomes = await self._call_groups({url: [refs[i] for i in idx] for url, idx in groups.items()})
             pending = []
             for (url, idx), items in zip(groups.items(), outcomes):
                 if items is None:
@@ -102,7 +113,22 @@ class EncoderPool:
                 else:
                     used.add(url)
                     results.update(zip(idx, items))
-        return [results[i] for i in range(len(refs))], len(used)
+        return used
+
+    async def _call_groups(self, groups: dict[str, list[MediaRef]]) -> list[list[dict[str, Any]] | None]:
+        """Each encoder's answer for its group, called concurrently. If one call raises or this is cancelled, the
+        other calls are cancelled too and the items already returned in this round are given back."""
+        calls = [asyncio.create_task(self._call(url, group)) for url, group in groups.items()]
+        try:
+            return [await call for call in calls]
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            returned = [item for call in calls if not call.cancelled() and call.exception() is None
+                        for item in call.result() or []]
+            await asyncio.shield(self.release(returned))
+            raise
 
     async def _call(self, url: str, refs: list[MediaRef]) -> list[dict[str, Any]] | None:
         """Items from one encoder, None if the encoder failed (5xx, timeout, unreachable)."""
