@@ -13,9 +13,11 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from eric_epd import __version__
-from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
+from eric_epd.common.http import ApiKeyMiddleware, BodyTooLargeError, read_limited_body
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, read_model_config, resolve_dtype
@@ -136,19 +138,29 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         return error_response(e.status_code, str(e.detail))
 
     @app.post("/v1/encode")
-    async def encode(request: Request) -> JSONResponse:
+    async def encode(request: Request) -> Response:
         try:
             items = parse_encode_body(await read_body(request, config.max_body_bytes), mp.modalities,
                                       config.max_items_per_request)
-            answers = await state["service"].encode(items)
+            # a client that leaves cancels its work: queued items are dropped, its leases given back
+            answers = await until_disconnect(request, state["service"].encode(items))
         except ApiError as e:
             metrics.requests.labels(status=str(e.status)).inc()
             raise
+        except (ClientDisconnectedError, ClientDisconnect):  # after the body was read, or while it was
+            metrics.requests.labels(status="499").inc()
+            logger.info("client left POST /v1/encode: its work was cancelled")
+            return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
         return JSONResponse({"model": model_name, "items": [item_json(a) for a in answers]})
 
     app.include_router(transfer_routes(hub))
-    app.include_router(sglang_routes(config, hub, state))  # SGLang encoder protocol (/encode, /send, ...)
+    sglang = sglang_routes(config, hub, state)  # SGLang encoder protocol (/encode, /send, ...)
+    app.include_router(sglang)
+    if config.api_key:
+        # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
+        open_paths = frozenset({"/health", "/metrics", *(r.path for r in sglang.routes)})
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
     @app.get("/health")
     async def health() -> JSONResponse:

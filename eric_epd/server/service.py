@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from eric_epd.engine.client import EngineClient, EngineUnavailableError
-from eric_epd.engine.messages import EncodeItem
+from eric_epd.engine.client import EngineClient, EngineRequest, EngineUnavailableError
+from eric_epd.engine.messages import EncodeItem, ItemResult
 from eric_epd.server.media import MediaError, MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import PreparedItem, Processor
@@ -58,6 +60,14 @@ class OutputSpec:
         return num_tokens * self.dim * _DTYPE_BYTES[self.dtype]
 
 
+@dataclass(frozen=True)
+class _Flight:
+    """One engine request and each hash's item index in it (for aborting single items)."""
+
+    request: EngineRequest
+    index: dict[str, int]
+
+
 class EncodeService:
     def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
                  metrics: EricMetrics, output: OutputSpec) -> None:
@@ -68,6 +78,11 @@ class EncodeService:
         self._metrics = metrics
         self._output = output
         self._inflight: dict[str, asyncio.Future[None]] = {}
+        # cancellation bookkeeping: see _unwant
+        self._wanted: Counter[str] = Counter()  # in-flight hash -> live requests waiting for it (owner included)
+        self._flights: dict[str, _Flight] = {}  # hash -> the engine request encoding it, until settled
+        self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
+        self._settling: set[asyncio.Task[ApiError | None]] = set()
 
     async def encode(self, items: list[ItemRequest]) -> list[ItemAnswer]:
         start = time.perf_counter()
@@ -84,71 +99,170 @@ class EncodeService:
             raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
 
     async def _embed(self, prepared: list[PreparedItem]) -> dict[str, EmbeddingHandle]:
-        """One lease per distinct hash; every hash encoded at most once at a time, across requests too."""
+        """One lease per distinct hash; every hash encoded at most once at a time, across requests too.
+
+        Cancellation-safe: on any failure or cancellation (the client left) the leases taken are given back, and
+        in-flight work that no other live request wants is aborted in the engine."""
         distinct = {p.hash: p for p in prepared}
         handles: dict[str, EmbeddingHandle] = {}
-        for _attempt in range(3):  # an entry may be freed between another request's commit and our lease
-            waiting: list[asyncio.Future[None]] = []
-            mine: dict[str, PreparedItem] = {}
-            for key, p in distinct.items():
-                if key in handles:
-                    continue
-                entry = self.hub.pool.get(key)
-                if entry is not None and entry.ready:
-                    handles[key] = self.hub.handle(self.hub.pool.lease(key))
-                    self._metrics.items.labels(modality=p.item.modality, source="cached").inc()
-                elif key in self._inflight:
-                    waiting.append(self._inflight[key])
-                else:
-                    mine[key] = p
-            if mine:
-                handles.update(await self._submit(mine))
-            if not waiting:
-                return handles
-            await asyncio.gather(*(asyncio.shield(f) for f in waiting))
-        raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
+        waited: list[str] = []  # hashes another request is encoding for us too (counted in self._wanted)
+        try:
+            for _attempt in range(3):  # an entry may be freed between another request's commit and our lease
+                waiting: dict[str, asyncio.Future[None]] = {}
+                mine: dict[str, PreparedItem] = {}
+                for key, p in distinct.items():
+                    if key in handles:
+                        continue
+                    entry = self.hub.pool.get(key)
+                    if entry is not None and entry.ready:
+                        handles[key] = self.hub.lease(key)
+                        self._metrics.items.labels(modality=p.item.modality, source="cached").inc()
+                    elif key in self._inflight:
+                        waiting[key] = self._inflight[key]
+                    else:
+                        mine[key] = p
+                self._want(waiting)
+                self._unwant(waited)  # only now: the pass above leased what they were held for
+                waited = list(waiting)
+                if mine:
+                    handles.update(await self._submit(mine))
+                if not waiting:
+                    return handles
+                await asyncio.gather(*(asyncio.shield(f) for f in waiting.values()))
+            raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
+        except BaseException:
+            self._unwant(waited)
+            self._give_back(handles.values())
+            raise
 
     async def _submit(self, mine: dict[str, PreparedItem]) -> dict[str, EmbeddingHandle]:
+        """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
         loop = asyncio.get_running_loop()
         for key in mine:
             self._inflight[key] = loop.create_future()
+        self._want(mine)
+        try:
+            entries = await self._reserve(mine)
+            await self._run(mine, entries)
+        except BaseException:
+            self._unwant(mine)  # aborts in the engine whatever no other request waits for
+            raise
+        handles = {}
+        for entry in entries:
+            handles[entry.hash] = self.hub.lease(entry.hash)
+            self._metrics.items.labels(modality=mine[entry.hash].item.modality, source="encoded").inc()
+        self._unwant(mine)
+        return handles
+
+    async def _reserve(self, mine: dict[str, PreparedItem]) -> list[PoolEntry]:
+        """Pool space for every item; on failure (or cancellation) what was reserved is freed: nothing was sent to
+        the engine yet, so nothing can write there."""
         entries: list[PoolEntry] = []
         try:
             for key, p in mine.items():
                 entries.append(await self.hub.reserve(key, self._output.nbytes(p.item.num_tokens),
                                                       (p.item.num_tokens, self._output.dim), self._output.dtype))
-            await self._run(mine, entries)
         except BaseException as e:
             for entry in entries:
                 self.hub.release(entry.hash)
             self._finish(mine, e)
             if isinstance(e, PoolFullError):
                 raise ApiError(503, str(e), retry_after=1.0) from e
-            if isinstance(e, EngineUnavailableError):
-                raise ApiError(e.status, e.message, e.retry_after) from e
             raise
-        handles = {}
-        for entry in entries:
-            self.hub.pool.commit(entry.hash)
-            handles[entry.hash] = self.hub.handle(self.hub.pool.lease(entry.hash))
-            self._metrics.items.labels(modality=mine[entry.hash].item.modality, source="encoded").inc()
-        self._finish(mine, None)
-        return handles
+        return entries
 
     async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry]) -> None:
+        """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
+        cancellation of this request never frees pool space the engine may still write."""
         items = [EncodeItem(p.hash, p.item.modality, p.item.grid_thw, *p.item.pixel_values.shape, e.offset, e.nbytes)
                  for p, e in zip(mine.values(), entries)]
-        self._metrics.inflight_items.inc(len(items))
         try:
-            msg, _ = await self._client.encode(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
+            request = self._client.submit(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
+        except EngineUnavailableError as e:
+            for entry in entries:
+                self.hub.release(entry.hash)  # never sent
+            self._finish(mine, e)
+            raise ApiError(e.status, e.message, e.retry_after) from e
+        flight = _Flight(request, {key: i for i, key in enumerate(mine)})
+        self._flights.update(dict.fromkeys(mine, flight))
+        self._metrics.inflight_items.inc(len(items))
+        settling = asyncio.create_task(self._settle(flight, mine, entries))
+        self._settling.add(settling)
+        settling.add_done_callback(self._settling.discard)
+        timeout = self._client.request_timeout_s
+        try:
+            error = await asyncio.wait_for(asyncio.shield(settling), timeout)
+        except TimeoutError as e:
+            raise ApiError(504, f"encode timed out after {timeout}s") from e
+        if error is not None:
+            raise error
+
+    async def _settle(self, flight: _Flight, mine: dict[str, PreparedItem],
+                      entries: list[PoolEntry]) -> ApiError | None:
+        """After the engine's final answer (or its death): commit what was written, free the rest, wake waiters.
+        Each written entry keeps one bridge lease until no live request waits for it any more."""
+        finished: dict[str, ItemResult] = {}
+        error: ApiError | None = None
+        try:
+            msg, _ = await flight.request.result
+            finished = {r.hash: r for r in msg.items}
+            error = ApiError(msg.status, msg.error) if msg.error is not None else None
+        except EngineUnavailableError as e:
+            error = ApiError(e.status, e.message, e.retry_after)
         finally:
-            self._metrics.inflight_items.dec(len(items))
-        if msg.error is not None:
-            raise ApiError(msg.status, msg.error)
-        for result, entry in zip(msg.items, entries):
-            if tuple(result.shape) != entry.shape or result.dtype != entry.dtype:
-                raise ApiError(500, f"encoder produced {result.shape} {result.dtype}, "
-                                    f"expected {entry.shape} {entry.dtype}")
+            self._metrics.inflight_items.dec(len(entries))
+        for entry in entries:
+            self._flights.pop(entry.hash, None)
+            result = finished.get(entry.hash)
+            if result is not None and tuple(result.shape) == entry.shape and result.dtype == entry.dtype:
+                self.hub.pool.commit(entry.hash)
+                self._bridges[entry.hash] = self.hub.lease(entry.hash)
+                continue
+            if result is not None:
+                error = ApiError(500, f"encoder produced {result.shape} {result.dtype}, "
+                                      f"expected {entry.shape} {entry.dtype}")
+            error = error or ApiError(500, f"the engine's answer lacks item {entry.hash}")
+            self.hub.release(entry.hash)  # the engine has answered: nothing writes there any more
+        self._finish(mine, error)
+        for entry in entries:
+            if self._wanted[entry.hash] <= 0:
+                self._drop_bridge(entry.hash)
+        return error
+
+    def _want(self, keys: Iterable[str]) -> None:
+        """One more live request wants each of these in-flight hashes."""
+        for key in keys:
+            self._wanted[key] += 1
+
+    def _unwant(self, keys: Iterable[str]) -> None:
+        """A request no longer waits for these hashes (it leased them, failed or left). A hash nobody wants any
+        more gives back its bridge lease if it is written, or is aborted in the engine if it is still queued."""
+        aborts: dict[str, tuple[_Flight, list[int]]] = {}
+        for key in keys:
+            self._wanted[key] -= 1
+            if self._wanted[key] > 0:
+                continue
+            del self._wanted[key]
+            self._drop_bridge(key)
+            flight = self._flights.get(key)
+            if flight is not None:
+                aborts.setdefault(flight.request.request_id, (flight, []))[1].append(flight.index[key])
+        for flight, indices in aborts.values():
+            logger.info("aborting %d unwanted items of engine request %s", len(indices), flight.request.request_id)
+            self._client.abort(flight.request, indices)
+
+    def _drop_bridge(self, key: str) -> None:
+        handle = self._bridges.pop(key, None)
+        if handle is not None:
+            self._give_back([handle])
+
+    def _give_back(self, handles: Iterable[EmbeddingHandle]) -> None:
+        """End exactly the leases this router took (for a request that failed or whose client left, or a bridge):
+        the entry is freed, or kept as the --keep-acked-bytes content cache allows, once no lease is left."""
+        for handle in handles:
+            status, message = self.hub.ack(handle.hash, handle.lease)
+            if status != 200:
+                logger.debug("giving back the lease on %s: %s", handle.hash[:12], message)
 
     def _finish(self, mine: dict[str, PreparedItem], error: BaseException | None) -> None:
         """Wake requests waiting on these hashes (they re-check the pool, so an error needs no propagation)."""
@@ -156,5 +270,6 @@ class EncodeService:
             future = self._inflight.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(None)
-        if error is not None and not isinstance(error, ApiError | PoolFullError | EngineUnavailableError):
+        quiet = ApiError | PoolFullError | EngineUnavailableError | asyncio.CancelledError  # a client that left
+        if error is not None and not isinstance(error, quiet):
             logger.warning("encode of %d items failed: %r", len(mine), error)

@@ -37,7 +37,7 @@ def create_backends(config: EricConfig) -> list[ProducerBackend]:
             from eric_epd.transfer.backends.nixl import NixlProducer
 
             backends.append(NixlProducer(f"eric-{config.instance_id}",
-                                         f"{config.public_url}/v1/transfer/nixl/metadata"))
+                                         f"{config.public_url}/v1/transfer/nixl/metadata", tc.advertise_host))
     return backends
 
 

@@ -137,7 +137,7 @@ class SglangEncoder:
             if (h.hash, h.generation) in seen:
                 continue
             seen.add((h.hash, h.generation))
-            status, message = self.hub.ack(h.hash, h.instance_id, h.generation)
+            status, message = self.hub.ack(h.hash, h.lease)
             if status != 200:
                 logger.debug("ack of %s for %s: %s", h.hash[:12], part.req_id, message)
 
@@ -398,5 +398,5 @@ class SglangEncoder:
             logger.error("SGLang health encode failed: %r", e)
             return False
         for h in {(a.handle.hash, a.handle.generation): a.handle for a in answers}.values():
-            self.hub.ack(h.hash, h.instance_id, h.generation)
+            self.hub.ack(h.hash, h.lease)
         return True

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 
 from eric_epd.common.http import bearer
+from eric_epd.common.net import interface_of
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.handles import EmbeddingHandle, NixlLocation
 
@@ -43,6 +44,15 @@ def _rdma_devices() -> list[str]:
         return os.listdir("/sys/class/infiniband")
     except OSError:
         return []
+
+
+def listen_devices(host: str) -> str:
+    """UCX network devices for a producer advertised at `host`: the one interface carrying that address, so UCX
+    listens there only (by default it listens on every interface). On a host with RDMA devices, or when the
+    address is on no local interface, UCX keeps its default (set UCX_NET_DEVICES by hand there)."""
+    if _rdma_devices() or "UCX_NET_DEVICES" in os.environ:
+        return ""
+    return interface_of(host) or ""
 
 
 def _new_agent(name: str, progress_thread: bool) -> Any:
@@ -78,10 +88,16 @@ class NixlProducer:
 
     name = "nixl"
 
-    def __init__(self, agent_name: str, metadata_url: str) -> None:
+    def __init__(self, agent_name: str, metadata_url: str, advertise_host: str = "") -> None:
         self.agent_name = agent_name
         self.metadata_url = metadata_url
         self._lock = threading.Lock()  # every call on the agent
+        devices = listen_devices(advertise_host) if advertise_host else ""
+        if devices:
+            # the backend's ucx_devices parameter leaves UCX's listener on every interface; the variable does not.
+            # Set in Eric's router process only, whose one UCX user is this agent.
+            os.environ["UCX_NET_DEVICES"] = devices
+            logger.info("NIXL (UCX) listens on %s only (the interface of %s)", devices, advertise_host)
         self._agent: Any = _new_agent(agent_name, progress_thread=True)  # serves TCP peers; CMA needs nothing
         self._reg: Any = None
         self._base = 0
