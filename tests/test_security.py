@@ -6,7 +6,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -229,3 +232,26 @@ def test_vllm_behind_the_gateway_needs_its_own_key(stack) -> None:
     assert httpx.get(vllm.url + "/v1/models", headers={"Authorization": "Bearer unused"}).status_code == 401
     assert httpx.get(vllm.url + "/v1/models", headers=vllm.headers).status_code == 200
     assert answer(stack["strict"].url, [{"role": "user", "content": "hi"}], key="any client key")[0]
+
+
+NIXL_LISTENERS = """
+import json, time
+import numpy as np, psutil
+from eric_epd.transfer.backends.nixl import NixlProducer
+pool = np.zeros(1 << 20, np.uint8)
+producer = NixlProducer("eric-listen-test", "http://127.0.0.1:1/v1/transfer/nixl/metadata", "127.0.0.1")
+producer.register(pool.ctypes.data, pool.nbytes)
+producer.metadata()
+time.sleep(0.5)
+print(json.dumps(sorted({c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"})))
+producer.close()
+"""
+
+
+def test_nixl_producer_listens_only_on_its_advertised_interface() -> None:
+    """UCX listens on every interface by default; Eric's NIXL agent only on the one carrying --advertise-host."""
+    out = subprocess.run([sys.executable, "-c", NIXL_LISTENERS], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    addresses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert addresses == ["127.0.0.1"], addresses
