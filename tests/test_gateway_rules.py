@@ -3,10 +3,19 @@ Eric's embeddings of a video."""
 
 from __future__ import annotations
 
+import base64
+import io
+import json
+
+import numpy as np
 import pytest
+import torch
+from epd_gateway.boundary import STEERING_FIELDS, check_messages, check_request_fields
 from epd_gateway.content import collect_media, vllm_can_place, with_embeddings
+from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
 from epd_gateway.errors import GatewayError
 
+from eric_epd.plugins.vllm.handoff import EXTRA_ARGS_KEY
 from eric_epd.server.url_policy import UrlPolicy
 
 POLICY = UrlPolicy(host_allowlist=frozenset({"127.0.0.1"}))
@@ -27,8 +36,11 @@ def test_media_parts_are_counted_and_rewritten_to_keyed_embeds() -> None:
     body = _body()
     refs = collect_media(body, POLICY, max_items=4)
     assert [(r.message, r.part, r.modality) for r in refs] == [(1, 0, "image"), (1, 2, "video")]
-    items = [{"hash": "a" * 64, "grid_thw": [1, 4, 6]}, {"hash": "b" * 64, "grid_thw": [2, 4, 4]}]
+    items = [{"hash": h * 64, "grid_thw": g, "handle": {"hash": h * 64, "lease": f"token-{h}"}}
+             for h, g in (("a", [1, 4, 6]), ("b", [2, 4, 4]))]
     out = with_embeddings(body, refs, items)
+    handles = json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])  # beside the request, not inside the uuid
+    assert [h["lease"] for h in handles] == ["token-a", "token-b"]
     assert out["messages"][1]["content"][0] == {
         "type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": "a" * 64}
     assert out["messages"][1]["content"][2] == {
@@ -42,3 +54,57 @@ def test_vllm_places_videos_only_at_one_second_per_grid_step() -> None:
     assert vllm_can_place([{"hash": "a"}, {"hash": "b", "second_per_grid_ts": 1.0}])  # images, Qwen2-VL, 2 fps
     assert not vllm_can_place([{"hash": "b", "second_per_grid_ts": 2.0}])  # a 1 fps source: raw media instead
     assert not vllm_can_place([{"hash": "b", "second_per_grid_ts": 0.5}])
+
+
+def _refused(body: dict, match: str, allow_embeddings: bool = False) -> None:
+    with pytest.raises(GatewayError, match=match) as e:
+        check_request_fields(body)
+        check_messages(body, allow_embeddings)
+    assert e.value.status == 400
+
+
+def _user(*parts: dict) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": list(parts)}]}
+
+
+def test_parts_carry_only_their_own_keys() -> None:
+    check_messages(_body(), allow_embeddings=False)
+    url = {"url": "http://127.0.0.1:9/a.png"}
+    _refused(_user({"type": "image_url", "image_url": url, "uuid": "a" * 64}), "'uuid' is not accepted")
+    _refused(_user({"type": "text", "text": "x", "image_url": url}), r"unexpected field\(s\) \['image_url'\]")
+    _refused(_user({"type": "image_url", "image_url": {**url, "uuid": "x"}}), "unexpected field")
+    _refused(_user({"type": "image_embeds", "image_embeds": {}}), "client embeddings are off")
+    _refused(_user({"type": "image_embeds", "image_embeds": {}, "uuid": "a"}), "uuid", allow_embeddings=True)
+    _refused(_user({"type": "file", "file": {}}), "unsupported content part type 'file'")
+    _refused({"messages": [{"role": "user", "content": "x", "image_url": url}]}, "unexpected field")
+    _refused({"messages": [{"role": "user", "content": {"type": "text"}}]}, "string or a list")
+    for name in STEERING_FIELDS:
+        _refused({"messages": [{"role": "user", "content": "x"}], name: 1}, f"'{name}' is not accepted")
+
+
+def _b64(array: np.ndarray, as_torch: bool) -> str:
+    buffer = io.BytesIO()
+    if as_torch:
+        torch.save(torch.from_numpy(array), buffer)
+    else:
+        np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_client_embeddings_checked_against_grid_and_width() -> None:
+    shape = EmbeddingShape(width=8, merge=2)
+    grid = [1, 4, 6]  # 24 patches -> 6 rows
+
+    def part(data: str, g: list = grid) -> dict:
+        return _user({"type": "image_embeds", "image_embeds": {"image_embeds": data, "image_grid_thw": g}})
+
+    for as_torch in (True, False):
+        check_embeds_parts(part(_b64(np.zeros((6, 8), np.float32), as_torch)), shape)
+        for bad in (np.zeros((5, 8), np.float32), np.zeros((6, 9), np.float32), np.zeros((6, 8), np.int64)):
+            with pytest.raises(GatewayError, match="image_embeds"):
+                check_embeds_parts(part(_b64(bad, as_torch)), shape)
+    for data, g in (("not base64!", grid), (_b64(np.zeros((6, 8), np.float32), True), [1, 4, 5]),
+                    (_b64(np.zeros((6, 8), np.float32), True), [1, -4, 6]),
+                    (base64.b64encode(b"\x80\x04K\x01.").decode(), grid)):  # a pickle, refused
+        with pytest.raises(GatewayError):
+            check_embeds_parts(part(data, g), shape)

@@ -124,8 +124,8 @@ class EricECConnector(ECConnectorBase):
 
     # ---- scheduler side --------------------------------------------------------------------------------------
 
-    def _offers_of(self, request: Request) -> dict[str, EmbeddingHandle]:
-        """The request's own handles (parsed and checked once); a request with a bad handle is failed."""
+    def _offers_of(self, request: Request, live: bool = True) -> dict[str, EmbeddingHandle]:
+        """The request's own handles (parsed and checked once); a live request with a bad handle is failed."""
         rid = request.request_id
         if rid in self._offers:
             return self._offers[rid]
@@ -134,8 +134,9 @@ class EricECConnector(ECConnectorBase):
             offered = offered_handles(getattr(params, "extra_args", None), self._settings.eric_urls, self._width)
         except HandleError as e:
             logger.warning("request %s: refused Eric handles: %s", rid, e)
-            self._unavailable.add(rid)
-            self._stats.record(unavailable_requests=1)
+            if live:
+                self._unavailable.add(rid)
+                self._stats.record(unavailable_requests=1)
             offered = {}
         wanted = {f.identifier for f in request.mm_features}
         offers = self._offers[rid] = {k: h for k, h in offered.items() if k in wanted}
@@ -226,7 +227,7 @@ class EricECConnector(ECConnectorBase):
         """Eric items of this request that were never loaded with its own leases (vLLM already had them cached, or
         the request ended first) still hold the leases its encode took: give them back now, not at the TTL."""
         rid = request.request_id
-        offers = self._offers_of(request)
+        offers = self._offers_of(request, live=False)  # also a request that ended before it was ever scheduled
         del self._offers[rid]
         for key in offers:
             holders = self._available.get(key)
