@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import data_url, image_bytes, random_image
 from eric_epd.testing.server import EricServer
@@ -96,35 +97,41 @@ class Sample:
 @dataclass
 class Client:
     """Sends one chat request with 4 images, streaming, and times it from before any work to the first chunk
-    (vLLM sends its first chunk with the first generated token)."""
+    (vLLM sends its first chunk with the first generated token). EPD: Eric's handles (with their lease tokens) go to
+    vLLM beside the metadata-only parts, in vllm_xargs, as the gateway sends them."""
 
     vllm_url: str
+    vllm_api_key: str | None
     eric_url: str | None
+    eric_headers: dict[str, str] = field(default_factory=dict)
     model: str = ""
     http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=600))
 
     def __post_init__(self) -> None:
         import openai
 
-        self.openai = openai.AsyncOpenAI(base_url=self.vllm_url + "/v1", api_key="unused", max_retries=0,
-                                         timeout=600)
+        self.openai = openai.AsyncOpenAI(base_url=self.vllm_url + "/v1", api_key=self.vllm_api_key or "unused",
+                                         max_retries=0, timeout=600)
 
     async def request(self, urls: list[str]) -> Sample:
         t0 = time.perf_counter()
         encode_s = 0.0
+        extra: dict = {"ignore_eos": True}
         if self.eric_url is None:
             parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
         else:
-            resp = await self.http.post(self.eric_url + "/v1/encode",
+            resp = await self.http.post(self.eric_url + "/v1/encode", headers=self.eric_headers,
                                         json={"items": [{"modality": "image", "url": u} for u in urls]})
             resp.raise_for_status()
             encode_s = time.perf_counter() - t0
+            items = resp.json()["items"]
             parts = [{"type": "image_embeds", "image_embeds": {"image_grid_thw": item["grid_thw"]},
-                      "uuid": item["hash"]} for item in resp.json()["items"]]
+                      "uuid": item["hash"]} for item in items]
+            extra["vllm_xargs"] = handles_xargs({item["hash"]: item["handle"] for item in items}.values())
         stream = await self.openai.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}],
             max_tokens=MAX_TOKENS, temperature=0.0, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+            extra_body=extra)
         ttft, finish, usage = None, None, None
         async for chunk in stream:
             if chunk.choices and ttft is None:
@@ -177,15 +184,15 @@ def eric_counters(vllm_url: str) -> dict[str, float]:
     return out
 
 
-def eric_stats(eric_url: str) -> dict:
+def eric_stats(eric: EricServer) -> dict:
     """Eric's view: items encoded or served from its pool, and pool entries still leased (a repeat that vLLM
     found in its own encoder cache is encoded or leased at Eric but never fetched, so never acknowledged)."""
     items: dict[str, float] = {}
-    for line in httpx.get(eric_url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(eric.url + "/metrics", timeout=30).text.splitlines():  # /metrics needs no key
         if line.startswith("eric_items_total{"):
             source = line.split('source="')[1].split('"')[0]
             items[source] = items.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return {"items": items, "pool": httpx.get(eric_url + "/v1/transfer", timeout=30).json()}
+    return {"items": items, "pool": httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()}
 
 
 def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads: list[Workload],
@@ -194,8 +201,8 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
     eric_url = eric.url if eric is not None else None
     runs: dict = {}
     with VllmServe(model_dir, RESULTS / f"e2e_vllm_{system}.log", [eric_url] if eric_url else None, VLLM_EXTRA,
-                   VLLM_ENV, DTYPE) as server:
-        client = Client(server.url, eric_url)
+                   VLLM_ENV, DTYPE, eric_api_key=eric.api_key if eric is not None else None) as server:
+        client = Client(server.url, server.api_key, eric_url, eric.headers if eric is not None else {})
 
         async def all_runs() -> None:
             await client.run(warmup)
@@ -212,7 +219,7 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
         if eric is not None:
             after = eric_counters(server.url)
             runs["eric_ec_counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
-            runs["eric"] = eric_stats(eric.url)
+            runs["eric"] = eric_stats(eric)
     return runs
 
 

@@ -94,19 +94,19 @@ def run_transformers(model_dir: Path, dtype: torch.dtype, images: list[bytes]) -
     return _summary(latencies, wall, len(images)) | {"grids": grids}
 
 
-async def _eric_load(url: str, images: list[bytes], concurrency: int) -> tuple[list[float], float]:
+async def _eric_load(eric: EricServer, images: list[bytes], concurrency: int) -> tuple[list[float], float]:
     import base64
 
     bodies = [{"items": [{"modality": "image", "url": "data:image/png;base64," + base64.b64encode(d).decode()}]}
               for d in images]
     latencies: list[float] = []
     queue = list(reversed(bodies))
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=eric.headers) as client:
         async def worker() -> None:
             while queue:
                 body = queue.pop()
                 t0 = time.perf_counter()
-                r = await client.post(url + "/v1/encode", json=body)
+                r = await client.post(eric.url + "/v1/encode", json=body)
                 r.raise_for_status()
                 latencies.append(time.perf_counter() - t0)
 
@@ -115,9 +115,9 @@ async def _eric_load(url: str, images: list[bytes], concurrency: int) -> tuple[l
         return latencies, time.perf_counter() - start
 
 
-def run_eric(url: str, images: list[bytes], concurrency: int, warmup: list[bytes]) -> dict:
-    asyncio.run(_eric_load(url, warmup, concurrency))
-    latencies, wall = asyncio.run(_eric_load(url, images, concurrency))
+def run_eric(eric: EricServer, images: list[bytes], concurrency: int, warmup: list[bytes]) -> dict:
+    asyncio.run(_eric_load(eric, warmup, concurrency))
+    latencies, wall = asyncio.run(_eric_load(eric, images, concurrency))
     return _summary(latencies, wall, len(images))
 
 
@@ -174,7 +174,7 @@ def main() -> None:
             for name, images in workloads.items():
                 logger.info("eric %s %s", dtype_name, name)
                 warmup = make_images(name, 0.2, seed=len(results["runs"]) + 1)
-                eric_run = run_eric(eric.url, images, args.concurrency, warmup)
+                eric_run = run_eric(eric, images, args.concurrency, warmup)
                 flops = sum(vision_flops(cfg, g) for g in runs[name]["transformers"].pop("grids"))
                 eric_run["vision_flops_per_s"] = flops / eric_run["wall_s"]
                 eric_run["fraction_of_matmul_peak"] = eric_run["vision_flops_per_s"] / peak

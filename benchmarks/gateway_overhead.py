@@ -24,24 +24,27 @@ RESULTS = Path(__file__).parent / "results"
 BODY = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0.0}
 
 
-async def latencies(urls: dict[str, str], n: int) -> dict[str, list[float]]:
+async def latencies(urls: dict[str, tuple[str, dict[str, str]]], n: int) -> dict[str, list[float]]:
+    """name -> (url, headers): vLLM directly needs its key, the gateway sends it upstream itself."""
     out: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=60) as client:
-        model = (await client.get(urls["direct"] + "/v1/models")).json()["data"][0]["id"]
+        direct, direct_headers = urls["direct"]
+        model = (await client.get(direct + "/v1/models", headers=direct_headers)).json()["data"][0]["id"]
         body = {**BODY, "model": model}
         for _ in range(5):  # warm-up
-            for url in urls.values():
-                (await client.post(url + "/v1/chat/completions", json=body)).raise_for_status()
+            for url, headers in urls.values():
+                (await client.post(url + "/v1/chat/completions", json=body, headers=headers)).raise_for_status()
         for _ in range(n):
-            for name, url in urls.items():
+            for name, (url, headers) in urls.items():
                 start = time.perf_counter()
-                (await client.post(url + "/v1/chat/completions", json=body)).raise_for_status()
+                (await client.post(url + "/v1/chat/completions", json=body, headers=headers)).raise_for_status()
                 out[name].append(time.perf_counter() - start)
     return out
 
 
-async def throughput(url: str, seconds: float, concurrency: int) -> float:
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
+async def throughput(url: str, headers: dict[str, str], seconds: float, concurrency: int) -> float:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency),
+                                 headers=headers) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         body = {**BODY, "model": model}
         done = 0
@@ -86,10 +89,12 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     model = ensure_checkpoint("qwen2_vl", "tiny")
     with VllmServe(model, RESULTS / "gateway_vllm.log") as vllm, \
-            GatewayServer(RESULTS / "gateway.log", "--colocated-urls", vllm.url) as gateway:
-        lat = asyncio.run(latencies({"direct": vllm.url, "gateway": gateway.url}, args.requests))
-        rps = {name: asyncio.run(throughput(url, args.seconds, 16))
-               for name, url in (("direct", vllm.url), ("gateway", gateway.url))}
+            GatewayServer(RESULTS / "gateway.log", "--colocated-urls", vllm.url,
+                          upstream_api_key=vllm.api_key) as gateway:
+        targets = {"direct": (vllm.url, vllm.headers), "gateway": (gateway.url, gateway.headers)}
+        lat = asyncio.run(latencies(targets, args.requests))
+        rps = {name: asyncio.run(throughput(url, headers, args.seconds, 16))
+               for name, (url, headers) in targets.items()}
     pct = {name: {q: float(np.percentile(v, q)) * 1e3 for q in (50, 99)} for name, v in lat.items()}
     results = {
         "latency_s": lat, "latency_ms": pct, "max_rps": rps,

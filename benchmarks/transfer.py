@@ -78,7 +78,7 @@ def main() -> None:
             handle = as_handle(resp.json())
             expected = seeded_bytes(nbytes, mib)
             for name in BACKENDS:
-                fetcher = EmbeddingFetcher([name], http_timeout_s=120)
+                fetcher = EmbeddingFetcher([name], http_timeout_s=120, api_key=producer.api_key)  # None: no key
                 dst = np.empty(nbytes, np.uint8)
                 seconds = best_time(lambda f=fetcher, d=dst, h=handle: f.read_into(h, d), repeats)
                 assert np.array_equal(dst, expected), f"{name} delivered wrong bytes at {mib} MiB"

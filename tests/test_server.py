@@ -14,6 +14,7 @@ from safetensors.torch import load as load_safetensors
 
 from eric_epd.testing.media import image_bytes, image_data_url, random_image, video_data_url
 from eric_epd.testing.server import EricServer
+from eric_epd.transfer.handles import LEASE_HEADER
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,13 @@ def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
         yield server
 
 
-def _encode(url: str, items: list[dict], timeout: float = 60) -> httpx.Response:
-    return httpx.post(url + "/v1/encode", json={"items": items}, timeout=timeout)
+def _encode(eric: EricServer, items: list[dict], timeout: float = 60) -> httpx.Response:
+    return httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=timeout)
+
+
+def _fetch(eric: EricServer, item: dict) -> httpx.Response:
+    """The item's embedding over HTTP, read with its own lease."""
+    return httpx.get(item["handle"]["http"], headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
 
 
 def _metric_samples(text: str, name: str) -> dict[str, float]:
@@ -37,7 +43,8 @@ def _metric_samples(text: str, name: str) -> dict[str, float]:
 
 
 def test_models_and_health(eric: EricServer) -> None:
-    models = httpx.get(eric.url + "/v1/models").json()["data"][0]
+    assert httpx.get(eric.url + "/v1/models").status_code == 401  # the key is needed, /health is open
+    models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert models["tp_size"] == 2 and set(models["modalities"]) == {"image", "video"}
     health = httpx.get(eric.url + "/health")
     assert health.status_code == 200 and len(health.json()["worker_pids"]) == 2
@@ -48,11 +55,11 @@ def test_encode_matches_transformers(eric: EricServer, qwen2_vl_tiny: Path) -> N
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     image = random_image(120, 90, seed=7)
-    resp = _encode(eric.url, [{"id": "cat", "modality": "image", "url": image_data_url(120, 90, seed=7)}])
+    resp = _encode(eric, [{"id": "cat", "modality": "image", "url": image_data_url(120, 90, seed=7)}])
     assert resp.status_code == 200, resp.text
     item = resp.json()["items"][0]
     assert item["id"] == "cat" and len(item["hash"]) == 64 and item["dtype"] == "float32"
-    fetched = httpx.get(item["handle"]["http"])
+    fetched = _fetch(eric, item)
     assert fetched.status_code == 200
     ours = load_safetensors(fetched.content)["embedding"]
     assert list(ours.shape) == item["shape"] and ours.shape[0] == item["num_tokens"]
@@ -68,12 +75,12 @@ def test_encode_matches_transformers(eric: EricServer, qwen2_vl_tiny: Path) -> N
 
 def test_same_content_same_hash(eric: EricServer) -> None:
     url = image_data_url(64, 64, seed=3)
-    a = _encode(eric.url, [{"modality": "image", "url": url}, {"modality": "image", "url": url}]).json()["items"]
+    a = _encode(eric, [{"modality": "image", "url": url}, {"modality": "image", "url": url}]).json()["items"]
     png_again = "data:image/png;base64," + __import__("base64").b64encode(
         image_bytes(random_image(64, 64, seed=3))).decode()
-    b = _encode(eric.url, [{"modality": "image", "url": png_again}]).json()["items"]
+    b = _encode(eric, [{"modality": "image", "url": png_again}]).json()["items"]
     assert a[0]["hash"] == a[1]["hash"] == b[0]["hash"]
-    other = _encode(eric.url, [{"modality": "image", "url": image_data_url(64, 64, seed=4)}]).json()["items"]
+    other = _encode(eric, [{"modality": "image", "url": image_data_url(64, 64, seed=4)}]).json()["items"]
     assert other[0]["hash"] != a[0]["hash"]
 
 
@@ -85,7 +92,7 @@ def test_concurrent_mixed_requests_batch_one_modality(eric: EricServer) -> None:
             items = [{"modality": "image", "url": image_data_url(40 + 17 * k + i, 60 + 9 * k, seed=100 * i + k)}
                      for k in range(3)]
             items.append({"modality": "video", "url": video_data_url(4, 64, 48, seed=1000 + i)})
-        return _encode(eric.url, items)
+        return _encode(eric, items)
 
     with ThreadPoolExecutor(12) as pool:
         responses = list(pool.map(request, range(24)))
@@ -154,18 +161,25 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(eric: EricServer, tmp_path:
     good = [{"modality": "image", "url": image_data_url(50, 70, seed=11)}]
     for name, body, status, word in _bad_cases(tmp_path):
         if isinstance(body, bytes):
-            resp = httpx.post(eric.url + "/v1/encode", content=body, headers={"content-type": "application/json"})
+            resp = httpx.post(eric.url + "/v1/encode", content=body,
+                              headers=eric.headers | {"content-type": "application/json"})
         else:
-            resp = httpx.post(eric.url + "/v1/encode", json=body, timeout=30)
+            resp = httpx.post(eric.url + "/v1/encode", json=body, headers=eric.headers, timeout=30)
         assert resp.status_code == status, (name, resp.status_code, resp.text)
         message = resp.json()["error"]["message"]
         assert word.lower() in message.lower(), (name, message)
-        assert _encode(eric.url, good).status_code == 200, name
+        assert _encode(eric, good).status_code == 200, name
 
 
 def test_missing_embedding_is_404(eric: EricServer) -> None:
-    resp = httpx.get(eric.url + "/v1/embeddings/" + "0" * 64)
-    assert resp.status_code == 404 and "no embedding" in resp.json()["error"]["message"]
+    """An unknown hash is a 404 naming it, with or without a lease token (a real token of another entry too)."""
+    item = _encode(eric, [{"modality": "image", "url": image_data_url(52, 52, seed=12)}]).json()["items"][0]
+    for token in (None, item["handle"]["lease"]):
+        headers = eric.headers | ({LEASE_HEADER: token} if token else {})
+        resp = httpx.get(eric.url + "/v1/embeddings/" + "0" * 64, headers=headers)
+        message = resp.json()["error"]["message"]
+        assert resp.status_code == 404 and "no lease" in message and "0" * 64 in message, message
+    assert _fetch(eric, item).status_code == 200
 
 
 def test_file_url_under_root(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
@@ -173,9 +187,9 @@ def test_file_url_under_root(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     png = image_bytes(random_image(80, 60, seed=5))
     (tmp_path / "a.png").write_bytes(png)
     with EricServer(qwen2_vl_tiny, extra_args=("--file-root", str(tmp_path))) as server:
-        by_file = _encode(server.url, [{"modality": "image", "url": (tmp_path / "a.png").as_uri()}])
-        by_data = _encode(server.url, [{"modality": "image", "url": image_data_url(80, 60, seed=5)}])
+        by_file = _encode(server, [{"modality": "image", "url": (tmp_path / "a.png").as_uri()}])
+        by_data = _encode(server, [{"modality": "image", "url": image_data_url(80, 60, seed=5)}])
         assert by_file.status_code == by_data.status_code == 200, by_file.text
         assert by_file.json()["items"][0]["hash"] == by_data.json()["items"][0]["hash"]
-        tensor = load_safetensors(httpx.get(by_file.json()["items"][0]["handle"]["http"]).content)
+        tensor = load_safetensors(_fetch(server, by_file.json()["items"][0]).content)
         assert torch.isfinite(tensor["embedding"]).all()

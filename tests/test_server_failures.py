@@ -18,8 +18,8 @@ def _items(n: int, seed: int) -> list[dict]:
     return [{"modality": "image", "url": image_data_url(64 + 8 * k, 64, seed=seed * 10 + k)} for k in range(n)]
 
 
-def _post(url: str, items: list[dict], timeout: float = 60) -> httpx.Response:
-    return httpx.post(url + "/v1/encode", json={"items": items}, timeout=timeout)
+def _post(eric: EricServer, items: list[dict], timeout: float = 60) -> httpx.Response:
+    return httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=timeout)
 
 
 def test_full_queue_answers_503_with_retry_after(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
@@ -28,12 +28,12 @@ def test_full_queue_answers_503_with_retry_after(qwen2_vl_tiny: Path, tmp_path: 
         os.kill(worker, signal.SIGSTOP)  # nothing finishes while the worker is stopped
         try:
             with ThreadPoolExecutor(1) as pool:
-                first = pool.submit(_post, eric.url, _items(3, 1))
+                first = pool.submit(_post, eric, _items(3, 1))
                 deadline = time.monotonic() + 10
                 while "eric_inflight_items 3.0" not in httpx.get(eric.url + "/metrics").text:
                     assert time.monotonic() < deadline, "first request never reached the engine"
                     time.sleep(0.05)
-                rejected = _post(eric.url, _items(1, 2))
+                rejected = _post(eric, _items(1, 2))
                 assert rejected.status_code == 503, rejected.text
                 assert "queue full" in rejected.json()["error"]["message"]
                 assert int(rejected.headers["retry-after"]) >= 1
@@ -41,16 +41,16 @@ def test_full_queue_answers_503_with_retry_after(qwen2_vl_tiny: Path, tmp_path: 
                 assert first.result(timeout=30).status_code == 200
         finally:
             os.kill(worker, signal.SIGCONT)
-        assert _post(eric.url, _items(1, 3)).status_code == 200
+        assert _post(eric, _items(1, 3)).status_code == 200
 
 
 def test_killed_worker_fails_inflight_requests_and_health(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     with EricServer(qwen2_vl_tiny, tp=2, log_path=tmp_path / "eric.log") as eric:
-        assert _post(eric.url, _items(2, 0)).status_code == 200
+        assert _post(eric, _items(2, 0)).status_code == 200
         pids = httpx.get(eric.url + "/health").json()["worker_pids"]
         os.kill(pids[1], signal.SIGSTOP)  # requests pile up in flight ...
         with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(_post, eric.url, _items(2, 10 + i), 30) for i in range(6)]
+            futures = [pool.submit(_post, eric, _items(2, 10 + i), 30) for i in range(6)]
             time.sleep(1.0)
             assert not any(f.done() for f in futures)
             killed_at = time.monotonic()
@@ -62,5 +62,5 @@ def test_killed_worker_fails_inflight_requests_and_health(qwen2_vl_tiny: Path, t
             assert "worker rank 1" in r.json()["error"]["message"]
         health = httpx.get(eric.url + "/health", timeout=10)
         assert health.status_code == 503 and "worker rank 1" in health.json()["reason"]
-        after = _post(eric.url, _items(1, 99), timeout=10)
+        after = _post(eric, _items(1, 99), timeout=10)
         assert after.status_code == 503

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer
+from eric_epd.testing.server import EricServer, new_key
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.backends.shm import ShmConsumer, ShmProducer
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.handles import EmbeddingHandle
-from eric_epd.transfer.pool import ALIGN, EmbeddingPool, FreeList
+from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
+from eric_epd.transfer.pool import ALIGN, MAX_CHILD_LEASES, EmbeddingPool, FreeList, LeaseError, new_token
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
@@ -38,18 +38,29 @@ def test_free_list_coalesces() -> None:
     assert fl.free_bytes == 10 * ALIGN and fl.allocate(10 * ALIGN) == 0
 
 
+def _pool(nbytes: int = 1 << 20, ttl_s: float = 60, keep_acked_bytes: int = 0) -> EmbeddingPool:
+    return EmbeddingPool(f"eric-test-{time.monotonic_ns()}", nbytes, ttl_s=ttl_s, keep_acked_bytes=keep_acked_bytes)
+
+
+def _held(pool: EmbeddingPool, key: str, nbytes: int = 1000) -> None:
+    """A written entry, not yet leased."""
+    assert pool.reserve(key, nbytes, (nbytes,), "uint8") is not None
+    pool.commit(key)
+
+
 def test_pool_lease_ack_expire() -> None:
-    pool = EmbeddingPool(f"eric-test-{time.monotonic_ns()}", 1 << 20, ttl_s=0.2)
+    pool = _pool(ttl_s=0.2)
     try:
         e = pool.reserve("h", 1000, (10, 25), "float32")
         assert e is not None and pool.used_bytes >= 1000
         assert pool.reserve("big", 2 << 20, (1,), "float32") is None
         pool.commit("h")
-        pool.lease("h")
-        pool.lease("h")
-        assert pool.ack("h") and pool.get("h") is not None  # one lease left
-        assert pool.ack("h") and pool.get("h") is None and pool.used_bytes == 0
-        assert not pool.ack("h")
+        _, t1 = pool.lease("h")
+        _, t2 = pool.lease("h")
+        assert t1 != t2
+        assert pool.ack("h", t1) and pool.get("h") is not None  # one lease left
+        assert pool.ack("h", t2) and pool.get("h") is None and pool.used_bytes == 0
+        assert not pool.ack("h", t2)
         pool.reserve("t", 10, (10,), "float32")
         pool.commit("t")
         pool.lease("t")
@@ -59,19 +70,160 @@ def test_pool_lease_ack_expire() -> None:
 
 
 def test_pool_keeps_acked_entries_as_cache() -> None:
-    pool = EmbeddingPool(f"eric-test-{time.monotonic_ns()}", 4 * ALIGN, ttl_s=60, keep_acked_bytes=2 * ALIGN)
+    pool = _pool(4 * ALIGN, keep_acked_bytes=2 * ALIGN)
     try:
+        tokens = {}
         for key in ("a", "b"):
             pool.reserve(key, ALIGN, (ALIGN,), "uint8")
             pool.commit(key)
-            pool.lease(key)
-            assert pool.ack(key)
+            _, tokens[key] = pool.lease(key)
+            assert pool.ack(key, tokens[key])
         assert len(pool) == 0 and pool.used_bytes == 0 and pool.cached_bytes == 2 * ALIGN
-        assert pool.get("a") is not None and not pool.ack("a")  # cached, not leased
-        pool.lease("a")  # a repeat: served from the cache, no encode
+        assert pool.get("a") is not None and not pool.ack("a", tokens["a"])  # cached, not leased
+        _, again = pool.lease("a")  # a repeat: served from the cache, no encode
         assert len(pool) == 1 and pool.cached_bytes == ALIGN
+        assert again != tokens["a"] and not pool.ack("a", tokens["a"])  # the old lease stays ended
         assert pool.reserve("big", 3 * ALIGN, (1,), "uint8") is not None  # evicts "b" to make room
         assert pool.get("b") is None and pool.get("a") is not None
+    finally:
+        pool.close()
+
+
+def _snapshot(pool: EmbeddingPool, key: str) -> tuple:
+    entry = pool.get(key)
+    assert entry is not None
+    return dict(entry.leases), dict(entry.children), entry.expires_at, pool.used_bytes, len(pool)
+
+
+def test_pool_stranger_token_changes_nothing() -> None:
+    """A token that holds no lease on the entry (made up, missing, or another entry's) cannot read, add leases or
+    acknowledge: every attempt is the same 404 and the entry is exactly as it was."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        _held(pool, "other")
+        _, owner = pool.lease("h")
+        _, elsewhere = pool.lease("other")  # a real lease, but on another entry
+        before = _snapshot(pool, "h")
+        for stranger in (new_token(), None, "", elsewhere):
+            assert not pool.ack("h", stranger)
+            with pytest.raises(LeaseError) as err:
+                pool.holder("h", stranger)
+            assert err.value.status == 404
+            for count in (1, MAX_CHILD_LEASES, 1024):
+                with pytest.raises(LeaseError) as err:
+                    pool.add_leases("h", stranger, count)
+                assert err.value.status == 404
+            assert _snapshot(pool, "h") == before
+        with pytest.raises(LeaseError) as err:  # an unknown hash looks the same as a wrong token
+            pool.holder("never-encoded", owner)
+        assert err.value.status == 404
+        assert pool.holder("h", owner) is pool.get("h")  # the owner still reads and acknowledges
+        assert pool.ack("h", owner) and pool.get("h") is None
+        assert pool.ack("other", elsewhere) and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+def test_pool_ack_frees_exactly_its_lease() -> None:
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        tokens = [pool.lease("h")[1] for _ in range(3)]
+        entry = pool.get("h")
+        assert entry is not None and len(entry.leases) == 3
+        assert pool.ack("h", tokens[0]) and set(entry.leases) == set(tokens[1:])
+        assert not pool.ack("h", tokens[0])  # repeating it changes nothing
+        assert set(entry.leases) == set(tokens[1:]) and pool.get("h") is entry
+        with pytest.raises(LeaseError):
+            pool.holder("h", tokens[0])  # an ended lease no longer reads
+        assert pool.holder("h", tokens[1]) is entry
+        assert pool.ack("h", tokens[2]) and pool.ack("h", tokens[1])
+        assert pool.get("h") is None and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+def test_pool_two_requests_leases_are_independent() -> None:
+    """Two requests leased the same content: one acknowledging twice (or more) cannot free the other's lease."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        _, a = pool.lease("h")
+        _, b = pool.lease("h")
+        a_children = pool.add_leases("h", a, 2)
+        assert pool.ack("h", a)
+        for _ in range(3):
+            assert not pool.ack("h", a)
+        for child in a_children:
+            assert pool.ack("h", child) and not pool.ack("h", child)
+        entry = pool.get("h")
+        assert entry is not None and list(entry.leases) == [b]  # all of a's gone, b's untouched
+        assert pool.holder("h", b) is entry and pool.add_leases("h", b, 1)  # b still reads and extends
+        assert pool.used_bytes >= 1000
+    finally:
+        pool.close()
+
+
+def test_pool_child_leases_are_bounded() -> None:
+    """A lease and the children added from it may add MAX_CHILD_LEASES in all; beyond that a 400 that adds
+    nothing. Each root lease has its own budget; each child is acknowledged on its own."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        entry, root = pool.lease("h")
+        for count in (0, -1, MAX_CHILD_LEASES + 1, 1024):
+            with pytest.raises(LeaseError) as err:
+                pool.add_leases("h", root, count)
+            assert err.value.status == 400
+        assert len(entry.leases) == 1
+        first = pool.add_leases("h", root, 10)
+        assert len(first) == len(set(first)) == 10 and len(entry.leases) == 11
+        rest = pool.add_leases("h", first[0], MAX_CHILD_LEASES - 10)  # a child spends its root's budget
+        assert len(entry.leases) == 1 + MAX_CHILD_LEASES
+        for token in (root, first[0], rest[-1]):
+            with pytest.raises(LeaseError) as err:
+                pool.add_leases("h", token, 1)
+            assert err.value.status == 400
+        assert len(entry.leases) == 1 + MAX_CHILD_LEASES
+        assert pool.ack("h", first[0])  # acknowledging a child gives no budget back
+        with pytest.raises(LeaseError):
+            pool.add_leases("h", root, 1)
+        _, other = pool.lease("h")  # another request's lease has a budget of its own
+        assert len(pool.add_leases("h", other, MAX_CHILD_LEASES)) == MAX_CHILD_LEASES
+        for token in list(entry.leases):
+            assert pool.ack("h", token)
+        assert pool.get("h") is None and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("freed_by", ["ack", "expiry"])
+def test_pool_old_generation_token_cannot_touch_new_entry(freed_by: str) -> None:
+    """An entry freed (acknowledged, or expired with its lease still out) and reserved again under the same hash is
+    a new generation: the old token can neither read, extend nor acknowledge it."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        old_entry, old = pool.lease("h")
+        if freed_by == "ack":
+            spare = pool.add_leases("h", old, 1)[0]
+            assert pool.ack("h", spare)
+            assert pool.ack("h", old)
+        else:
+            assert pool.expire(time.monotonic() + 3600) == ["h"]
+        assert pool.get("h") is None
+        _held(pool, "h")
+        entry, new = pool.lease("h")
+        assert entry is not old_entry and entry.generation > old_entry.generation
+        before = _snapshot(pool, "h")
+        assert not pool.ack("h", old)
+        with pytest.raises(LeaseError):
+            pool.holder("h", old)
+        with pytest.raises(LeaseError):
+            pool.add_leases("h", old, 1)
+        assert _snapshot(pool, "h") == before
+        assert pool.ack("h", new) and pool.get("h") is None
     finally:
         pool.close()
 
@@ -170,15 +322,22 @@ def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
         yield server
 
 
-def _encode(url: str, urls: list[str]) -> list[dict]:
-    resp = httpx.post(url + "/v1/encode", json={"items": [{"modality": "image", "url": u} for u in urls]},
-                      timeout=60)
+def _encode(eric: EricServer, urls: list[str]) -> list[dict]:
+    resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": u} for u in urls]},
+                      headers=eric.headers, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()["items"]
 
 
-def _transfer_stats(url: str) -> dict:
-    return httpx.get(url + "/v1/transfer").json()
+def _transfer_stats(eric: EricServer) -> dict:
+    resp = httpx.get(eric.url + "/v1/transfer", headers=eric.headers)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _leased(eric: EricServer, token: str | None) -> dict[str, str]:
+    """Eric's key plus, when given, a lease token."""
+    return eric.headers | ({LEASE_HEADER: token} if token is not None else {})
 
 
 IMAGES = [image_data_url(64 + 16 * i, 80, seed=500 + i) for i in range(4)]
@@ -186,13 +345,13 @@ IMAGES = [image_data_url(64 + 16 * i, 80, seed=500 + i) for i in range(4)]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fetch_through_backend_equals_http(eric: EricServer, backend: str) -> None:
-    items = _encode(eric.url, IMAGES)
-    fetcher = EmbeddingFetcher([backend])
-    http = EmbeddingFetcher(["http"])
+    items = _encode(eric, IMAGES)
+    fetcher = EmbeddingFetcher([backend], api_key=eric.api_key)
+    http = EmbeddingFetcher(["http"], api_key=eric.api_key)
     try:
         for item in items:
             h = as_handle(item["handle"])
-            assert getattr(h, backend) is not None
+            assert getattr(h, backend) is not None and h.lease
             ours = fetcher.fetch(h, ack=False)
             assert fetcher.last_backend == backend
             ref = http.fetch(h)  # acks the lease
@@ -207,47 +366,130 @@ def test_fetch_through_backend_equals_http(eric: EricServer, backend: str) -> No
 
 
 def test_acks_return_pool_to_zero(eric: EricServer) -> None:
-    fetcher = EmbeddingFetcher()
-    items = _encode(eric.url, IMAGES) + _encode(eric.url, IMAGES[:2])  # the repeat leases the same entries
+    fetcher = EmbeddingFetcher(api_key=eric.api_key)
+    items = _encode(eric, IMAGES) + _encode(eric, IMAGES[:2])  # the repeat leases the same entries
     assert len({i["hash"] for i in items}) == 4
-    stats = _transfer_stats(eric.url)
+    assert len({i["handle"]["lease"] for i in items}) == len(items)  # every item its own lease
+    stats = _transfer_stats(eric)
     assert stats["entries"] == 4 and stats["used_bytes"] > 0
     with ThreadPoolExecutor(6) as pool:
         tensors = list(pool.map(lambda item: fetcher.fetch(item["handle"]), items))
     assert all(torch.isfinite(t).all() for t in tensors)
     assert torch.equal(tensors[0], tensors[4])
-    stats = _transfer_stats(eric.url)
+    stats = _transfer_stats(eric)
     assert stats["entries"] == 0 and stats["used_bytes"] == 0
     fetcher.close()
 
 
+def _assert_401(resp: httpx.Response, what: str) -> None:
+    assert resp.status_code == 401, (what, resp.status_code, resp.text)
+    error = resp.json()["error"]
+    assert isinstance(error["message"], str) and error["message"], what
+    assert isinstance(error["type"], str) and error["type"], what
+    assert error["code"] == 401, what
+
+
+def test_api_key_and_lease_tokens_guard_every_route(eric: EricServer) -> None:
+    """Without Eric's key every data route is a 401 (even with a valid lease token); /health and /metrics stay
+    open. With the key, a missing, made-up or other entry's lease token gets a 404 on the per-embedding routes and
+    changes nothing: the owner's single ack still frees the entry, so no lease was added or taken."""
+    base = _transfer_stats(eric)
+    items = _encode(eric, [image_data_url(72, 56, seed=4242), image_data_url(56, 72, seed=4243)])
+    item, other = items
+    h, token = item["hash"], item["handle"]["lease"]
+    emb = f"{eric.url}/v1/embeddings/{h}"
+    held = _transfer_stats(eric)
+    assert held["entries"] == base["entries"] + 2 and held["used_bytes"] > base["used_bytes"]
+    owner_bytes = httpx.get(emb, headers=_leased(eric, token))
+    assert owner_bytes.status_code == 200
+
+    routes = [("POST", eric.url + "/v1/encode", {"items": [{"modality": "image", "url": IMAGES[0]}]}),
+              ("GET", emb, None), ("GET", emb + "/handle", None), ("POST", emb + "/lease", {"count": 1}),
+              ("POST", emb + "/ack", {}), ("GET", eric.url + "/v1/transfer", None),
+              ("GET", eric.url + "/v1/models", None), ("GET", eric.url + "/v1/transfer/nixl/metadata", None)]
+    for keys in ({}, {"Authorization": "Bearer wrong-" + eric.api_key}, {"Authorization": eric.api_key}):
+        for method, url, body in routes:
+            resp = httpx.request(method, url, json=body, headers=keys | {LEASE_HEADER: token}, timeout=30)
+            _assert_401(resp, (method, url, keys))
+        for open_path in ("/health", "/metrics"):
+            assert httpx.get(eric.url + open_path, headers=keys).status_code == 200, open_path
+
+    strangers = {"no token": None, "made up": new_token(), "empty": "", "another entry's": other["handle"]["lease"]}
+    for name, bad in strangers.items():
+        headers = _leased(eric, bad)
+        for method, url, body in [("GET", emb, None), ("GET", emb + "/handle", None),
+                                  ("POST", emb + "/lease", {"count": 1024}), ("POST", emb + "/lease", {"count": 1}),
+                                  ("POST", emb + "/ack", {}), ("POST", emb + "/ack", None)]:
+            resp = httpx.request(method, url, json=body, headers=headers, timeout=30)
+            assert resp.status_code == 404, (name, method, url, resp.status_code, resp.text)
+            assert resp.json()["error"]["code"] == 404, (name, url)
+        stats = _transfer_stats(eric)
+        assert (stats["entries"], stats["used_bytes"]) == (held["entries"], held["used_bytes"]), name
+
+    # beyond the child-lease bound: a 400 that adds nothing, with the owner's own token
+    for count in (MAX_CHILD_LEASES + 1, 1024):
+        resp = httpx.post(emb + "/lease", json={"count": count}, headers=_leased(eric, token), timeout=30)
+        assert resp.status_code == 400, (count, resp.text)
+        assert resp.json()["error"]["code"] == 400
+
+    # the owner still reads (the same bytes) and sees its handle; then its one ack frees the entry
+    again = httpx.get(emb, headers=_leased(eric, token))
+    assert again.status_code == 200 and again.content == owner_bytes.content
+    handle = httpx.get(emb + "/handle", headers=_leased(eric, token))
+    assert handle.status_code == 200 and handle.json()["lease"] == token and handle.json()["hash"] == h
+    assert httpx.post(emb + "/ack", headers=_leased(eric, token)).status_code == 200
+    stats = _transfer_stats(eric)
+    assert stats["entries"] == held["entries"] - 1 and stats["used_bytes"] < held["used_bytes"]
+    assert httpx.post(emb + "/ack", headers=_leased(eric, token)).status_code == 404  # exactly once
+    assert httpx.get(emb, headers=_leased(eric, token)).status_code == 404
+    ack_other = httpx.post(f"{eric.url}/v1/embeddings/{other['hash']}/ack",
+                           headers=_leased(eric, other["handle"]["lease"]))
+    assert ack_other.status_code == 200, ack_other.text
+    stats = _transfer_stats(eric)
+    assert (stats["entries"], stats["used_bytes"]) == (base["entries"], base["used_bytes"])
+
+
+def test_ack_from_another_instance_is_409(eric: EricServer) -> None:
+    """The ack body's instance_id names the Eric the handle came from: one from a restarted Eric is a 409 that
+    keeps the lease; the right one (or none) ends it."""
+    item = _encode(eric, [image_data_url(48, 48, seed=4300)])[0]
+    url = f"{eric.url}/v1/embeddings/{item['hash']}/ack"
+    headers = _leased(eric, item["handle"]["lease"])
+    gone = httpx.post(url, json={"instance_id": "not-" + item["handle"]["instance_id"]}, headers=headers)
+    assert gone.status_code == 409 and "restarted" in gone.json()["error"]["message"]
+    assert httpx.post(url, json={"instance_id": item["handle"]["instance_id"]}, headers=headers).status_code == 200
+    assert httpx.post(url, json={"instance_id": item["handle"]["instance_id"]}, headers=headers).status_code == 404
+    assert _transfer_stats(eric)["entries"] == 0
+
+
 def test_ttl_expiry_gives_clear_error(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     with EricServer(qwen2_vl_tiny, extra_args=("--embedding-ttl", "1"), log_path=tmp_path / "e.log") as eric:
-        item = _encode(eric.url, IMAGES[:1])[0]
+        item = _encode(eric, IMAGES[:1])[0]
         deadline = time.monotonic() + 10
-        while _transfer_stats(eric.url)["entries"]:
+        while _transfer_stats(eric)["entries"]:
             assert time.monotonic() < deadline, "entry never expired"
             time.sleep(0.2)
         with pytest.raises(TransferError, match=r"no longer valid|expired"):
-            EmbeddingFetcher(["shm", "http"]).fetch(item["handle"])
+            EmbeddingFetcher(["shm", "http"], api_key=eric.api_key).fetch(item["handle"])
 
 
 def test_fetch_after_producer_restart_fails_clearly(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     from eric_epd.testing.server import free_port
 
-    port = free_port()
+    port, key = free_port(), new_key()  # the same key: the old handle fails on its lease, not on the key
     args = ("--transfer-backends", "shm,mooncake,nixl")
-    with EricServer(qwen2_vl_tiny, port=port, extra_args=args, log_path=tmp_path / "a.log") as eric:
-        item = _encode(eric.url, IMAGES[:1])[0]
-    with EricServer(qwen2_vl_tiny, port=port, extra_args=args, log_path=tmp_path / "b.log") as eric:
+    with EricServer(qwen2_vl_tiny, port=port, extra_args=args, log_path=tmp_path / "a.log", api_key=key) as eric:
+        item = _encode(eric, IMAGES[:1])[0]
+    with EricServer(qwen2_vl_tiny, port=port, extra_args=args, log_path=tmp_path / "b.log", api_key=key) as eric:
         for backends in (["shm"], ["mooncake"], ["nixl"], ["http"]):
             start = time.monotonic()
             with pytest.raises(TransferError):
-                EmbeddingFetcher(backends).fetch(item["handle"])
+                EmbeddingFetcher(backends, api_key=key).fetch(item["handle"])
             assert time.monotonic() - start < 15
-        fresh = _encode(eric.url, IMAGES[:1])[0]  # same content, new instance: a new, valid handle
+        fresh = _encode(eric, IMAGES[:1])[0]  # same content, new instance: a new, valid handle
         assert fresh["hash"] == item["hash"] and fresh["handle"]["instance_id"] != item["handle"]["instance_id"]
-        assert torch.isfinite(EmbeddingFetcher(["shm"]).fetch(fresh["handle"])).all()
+        assert fresh["handle"]["lease"] != item["handle"]["lease"]
+        assert torch.isfinite(EmbeddingFetcher(["shm"], api_key=key).fetch(fresh["handle"])).all()
 
 
 def test_full_pool_back_pressure(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
@@ -255,10 +497,11 @@ def test_full_pool_back_pressure(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     args = ("--pool-bytes", str(72 << 10), "--pool-wait", "0.5")
     with EricServer(qwen2_vl_tiny, extra_args=args, log_path=tmp_path / "e.log") as eric:
         big = [image_data_url(224, 224, seed=900 + i) for i in range(3)]
-        first = _encode(eric.url, big[:2])
-        resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": big[2]}]}, timeout=30)
+        first = _encode(eric, big[:2])
+        resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": big[2]}]},
+                          headers=eric.headers, timeout=30)
         assert resp.status_code == 503 and "pool full" in resp.json()["error"]["message"]
         assert "retry-after" in resp.headers
-        EmbeddingFetcher(["shm"]).fetch(first[0]["handle"])  # ack frees one slot
-        assert len(_encode(eric.url, big[2:])) == 1
+        EmbeddingFetcher(["shm"], api_key=eric.api_key).fetch(first[0]["handle"])  # ack frees one slot
+        assert len(_encode(eric, big[2:])) == 1
         assert httpx.get(eric.url + "/health").status_code == 200

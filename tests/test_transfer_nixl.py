@@ -23,6 +23,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned children inherit sys.path
     sys.path.insert(0, _ROOT)
 
+from eric_epd.testing.server import new_key  # noqa: E402
 from eric_epd.transfer.backends.base import TransferError  # noqa: E402
 from eric_epd.transfer.handles import EmbeddingHandle  # noqa: E402
 
@@ -33,14 +34,17 @@ logger = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 1, 100_003]  # the last two: odd sizes
 GAP = 123  # regions start at unaligned addresses
+KEY = new_key()
+"""The producers' API key: like Eric's, their metadata route answers 401 without it."""
 
 
 def _expected(seed: int, i: int, size: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng([seed, i]).bytes(size), dtype=np.uint8)
 
 
-def _producer_main(seed: int, q: mp.Queue, stop: mp.Event) -> None:
-    """Child: fill a pool, register it, serve the agent metadata over HTTP, hand out msgspec-encoded handles."""
+def _producer_main(seed: int, q: mp.Queue, stop: mp.Event, api_key: str) -> None:
+    """Child: fill a pool, register it, serve the agent metadata over HTTP (to callers with the API key, as Eric
+    does), hand out msgspec-encoded handles."""
     pool = np.empty(sum(SIZES) + GAP * (len(SIZES) + 1), dtype=np.uint8)
     offsets, off = [], GAP
     for i, size in enumerate(SIZES):
@@ -52,6 +56,11 @@ def _producer_main(seed: int, q: mp.Queue, stop: mp.Event) -> None:
 
     class Metadata(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.headers.get("Authorization") != f"Bearer {api_key}":
+                self.send_response(401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             body = producer.metadata()
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -78,6 +87,7 @@ def _producer_main(seed: int, q: mp.Queue, stop: mp.Event) -> None:
             instance_id=instance,
             http=f"{base_url}/v1/embeddings/h{i}",
             nixl=producer.location(offsets[i]),
+            lease=f"lease-{i}",
         )
         for i, size in enumerate(SIZES)
     ]
@@ -90,7 +100,7 @@ def _producer_main(seed: int, q: mp.Queue, stop: mp.Event) -> None:
 class Producer:
     def __init__(self, seed: int) -> None:
         self.seed, self.q, self.stop = seed, CTX.Queue(), CTX.Event()
-        self.proc = CTX.Process(target=_producer_main, args=(seed, self.q, self.stop), daemon=True)
+        self.proc = CTX.Process(target=_producer_main, args=(seed, self.q, self.stop, KEY), daemon=True)
         self.proc.start()
         deadline = time.monotonic() + 60
         while True:
@@ -123,7 +133,7 @@ def producer():
 
 @pytest.fixture(scope="module")
 def consumer():
-    c = NixlConsumer()
+    c = NixlConsumer(api_key=KEY)
     yield c
     c.close()
     c.close()
@@ -188,8 +198,29 @@ def test_bad_handles(producer: Producer, consumer: NixlConsumer) -> None:
     assert np.array_equal(_read(consumer, h), producer.expected(1))  # the failures dropped nothing for good
 
 
+def test_metadata_needs_the_api_key(producer: Producer) -> None:
+    """The metadata fetch carries the consumer's key: without it (or with a wrong one) the producer answers 401 and
+    the read fails fast, naming the agent; the keyed consumer reads the same handle."""
+    h = producer.handles[1]
+    for key in (None, "wrong-" + KEY):
+        c = NixlConsumer(api_key=key)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="401") as err:
+                _read(c, h)
+            assert time.monotonic() - t0 < 5
+            assert h.nixl is not None and h.nixl.agent in str(err.value)
+        finally:
+            c.close()
+    keyed = NixlConsumer(api_key=KEY)
+    try:
+        assert np.array_equal(_read(keyed, h), producer.expected(1))
+    finally:
+        keyed.close()
+
+
 def test_killed_producer_fails_fast() -> None:
-    p, c = Producer(seed=2), NixlConsumer()
+    p, c = Producer(seed=2), NixlConsumer(api_key=KEY)
     try:
         assert np.array_equal(_read(c, p.handles[2]), p.expected(2))
         p.proc.kill()
@@ -212,7 +243,7 @@ def test_stalled_producer_times_out(producer: Producer, monkeypatch: pytest.Monk
     producer proceed meanwhile, and after it resumes the consumer reconnects."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # CMA would still read a stopped process's memory
     p = Producer(seed=3)
-    c = NixlConsumer(transfer_timeout_s=2.0)
+    c = NixlConsumer(transfer_timeout_s=2.0, api_key=KEY)
     try:
         assert np.array_equal(_read(c, p.handles[2]), p.expected(2))
         assert np.array_equal(_read(c, producer.handles[2]), producer.expected(2))
