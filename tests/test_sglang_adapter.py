@@ -138,7 +138,7 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
     resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": modality, "url": u} for u in urls]},
                       headers=eric.headers, timeout=120)
     assert resp.status_code == 200, resp.text
-    fetcher = EmbeddingFetcher(["http"])
+    fetcher = EmbeddingFetcher(["http"], api_key=eric.api_key)
     try:
         return [(fetcher.fetch(item["handle"]), item["grid_thw"]) for item in resp.json()["items"]]
     finally:
