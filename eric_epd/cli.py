@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from eric_epd.common.cpus import parse_cpus
 from eric_epd.config import (
     DTYPES,
     SGLANG_DTYPES,
@@ -34,7 +35,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
                    help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
     p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items)
-    p.add_argument("--preprocess-threads", type=int, default=2)
+    p.add_argument("--cpus", type=parse_cpus, default=(),
+                   help="CPUs this Eric may use, e.g. 0-3 (workers split them; default: all); leave the rest to "
+                        "an engine on the same host")
+    p.add_argument("--preprocess-threads", type=int, default=0, help="0: one per CPU of --cpus, at most 4")
     p.add_argument("--max-body-bytes", type=int, default=EricConfig.max_body_bytes)
     p.add_argument("--max-items-per-request", type=int, default=EricConfig.max_items_per_request)
     p.add_argument("--file-root", type=Path, action="append", default=[],
@@ -89,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         model = ensure_checkpoint("qwen2_vl", "tiny")
     return EricConfig(
         model=Path(model).resolve(), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
-        port=args.port, preprocess_threads=args.preprocess_threads, max_body_bytes=args.max_body_bytes,
+        port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads, max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),

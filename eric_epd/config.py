@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
 import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eric_epd.common.cpus import available_cpus, split_cpus
 from eric_epd.server.media import MediaLimits, UrlPolicy
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -126,7 +126,11 @@ class EricConfig:
     batch: BatchLimits = field(default_factory=BatchLimits)
     media: MediaLimits = field(default_factory=MediaLimits)
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
-    preprocess_threads: int = 2
+    cpus: tuple[int, ...] = ()
+    """CPUs this Eric may use (router, engine and workers; the workers split them, one slice per rank, torch sized to
+    its slice); () = every CPU the process may use. Give an engine on the same host the other CPUs."""
+    preprocess_threads: int = 0
+    """Media decode + preprocessing threads in the router; 0 = one per CPU of `cpus`, at most 4."""
     max_body_bytes: int = 32 * 2**20
     """Largest accepted /v1/encode body (base64 media counts)."""
     max_items_per_request: int = 64
@@ -147,6 +151,8 @@ class EricConfig:
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if any(c < 0 for c in self.cpus) or self.preprocess_threads < 0:
+            raise ValueError("cpus must be CPU numbers and preprocess_threads >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -186,11 +192,18 @@ class EricConfig:
         patches = CPU_MAX_BATCH_PATCHES if self.resolved_device() == "cpu" else CUDA_MAX_BATCH_PATCHES
         return dataclasses.replace(self.batch, max_patches=patches)
 
+    def own_cpus(self) -> tuple[int, ...]:
+        """`cpus`, or every CPU this process may use."""
+        return self.cpus or available_cpus()
+
+    def worker_cpus(self, rank: int) -> tuple[int, ...]:
+        """The slice of this Eric's CPUs that tensor-parallel rank `rank` runs on."""
+        return split_cpus(self.own_cpus(), self.tp_size)[rank]
+
+    def preprocess_pool_size(self) -> int:
+        return self.preprocess_threads or min(4, len(self.own_cpus()))
+
     def replace(self, **changes: object) -> EricConfig:
         return dataclasses.replace(self, **changes)
 
 
-def torch_threads_per_worker(tp_size: int) -> int:
-    """CPU threads each worker's torch may use: the cores split evenly across ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // tp_size)

@@ -7,6 +7,7 @@ import shutil
 
 import uvicorn
 
+from eric_epd.common.cpus import pin_process
 from eric_epd.config import EricConfig
 from eric_epd.engine.process import EngineProcess
 from eric_epd.server.app import create_app
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 def serve(config: EricConfig) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers."""
+    if config.cpus:
+        pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
     config.run_dir.mkdir(parents=True, exist_ok=True)
     hub = TransferHub(config)  # the pool must exist before workers attach to it
     try:

@@ -54,7 +54,7 @@ class _FakeExecutor:
         self.ran += [e.item.hash for e in batch.entries]
         return [ItemResult(e.item.hash, (e.item.num_patches // 4, 8), "float32") for e in batch.entries]
 
-    def worker_pids(self) -> list[int]:
+    def workers(self) -> list:
         return []
 
     def check_workers(self) -> str | None:

@@ -193,3 +193,25 @@ def test_file_url_under_root(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
         assert by_file.json()["items"][0]["hash"] == by_data.json()["items"][0]["hash"]
         tensor = load_safetensors(_fetch(server, by_file.json()["items"][0]).content)
         assert torch.isfinite(tensor["embedding"]).all()
+
+
+def test_cpus_pin_every_process_and_size_torch(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """`--cpus` pins the router, the engine and the workers; each worker rank gets its own slice, torch sized to it
+    (unpinned, each worker's torch would take every core of the machine)."""
+    import os
+
+    import psutil
+
+    last = max(os.sched_getaffinity(0))
+    with EricServer(qwen2_vl_tiny, tp=1, log_path=tmp_path / "one.log", extra_args=("--cpus", str(last))) as eric:
+        workers = httpx.get(eric.url + "/health").json()["workers"]
+        assert [(w["cpus"], w["threads"]) for w in workers] == [([last], 1)]
+        tree = [psutil.Process(eric.proc.pid), *psutil.Process(eric.proc.pid).children(recursive=True)]
+        assert len(tree) >= 3 and all(p.cpu_affinity() == [last] for p in tree)  # router, engine, worker
+        assert _encode(eric, [{"modality": "image", "url": image_data_url(64, 64, seed=3)}]).status_code == 200
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    spec = ",".join(map(str, cpus))
+    with EricServer(qwen2_vl_tiny, tp=2, log_path=tmp_path / "two.log", extra_args=("--cpus", spec)) as eric:
+        workers = httpx.get(eric.url + "/health").json()["workers"]
+        expected = [([c], 1) for c in cpus] if len(cpus) == 2 else [(cpus, 1), (cpus, 1)]
+        assert [(w["cpus"], w["threads"]) for w in workers] == expected

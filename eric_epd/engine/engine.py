@@ -15,6 +15,7 @@ from eric_epd.engine.messages import (
     EncodeResultMsg,
     EngineStatusMsg,
     ItemResult,
+    WorkerInfo,
 )
 from eric_epd.engine.scheduler import Batch, QueuedItem, Scheduler
 
@@ -34,7 +35,7 @@ class WorkersDeadError(Exception):
 
 class Executor(Protocol):
     def execute_model(self, batch: Batch) -> list[ItemResult]: ...
-    def worker_pids(self) -> list[int]: ...
+    def workers(self) -> list[WorkerInfo]: ...
     def check_workers(self) -> str | None: ...
 
 
@@ -131,7 +132,7 @@ class Engine:
             reason=self._dead_reason or "",
             queued_items=self._scheduler.num_queued,
             running_items=sum(s.open_items for s in self._requests.values()),
-            worker_pids=self._executor.worker_pids(),
+            workers=self._executor.workers(),
             batches=batches,
         )
 

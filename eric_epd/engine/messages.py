@@ -70,12 +70,20 @@ class EncodeResultMsg(msgspec.Struct, array_like=True, frozen=True):
     batches: list[BatchStat] = []
 
 
+class WorkerInfo(msgspec.Struct, array_like=True, frozen=True):
+    """One worker process: its pid, the CPUs it is pinned to and its torch threads (0 until it reported)."""
+
+    pid: int
+    cpus: list[int] = []
+    threads: int = 0
+
+
 class EngineStatusMsg(msgspec.Struct, array_like=True, frozen=True):
     healthy: bool
     reason: str
     queued_items: int
     running_items: int
-    worker_pids: list[int]
+    workers: list[WorkerInfo]
     batches: list[BatchStat] = []
 
 

@@ -11,7 +11,7 @@ import zmq
 
 from eric_epd.config import EricConfig
 from eric_epd.engine.engine import BatchFailedError, WorkersDeadError
-from eric_epd.engine.messages import ItemResult
+from eric_epd.engine.messages import ItemResult, WorkerInfo
 from eric_epd.engine.scheduler import Batch
 from eric_epd.executor.messages import (
     BatchItemMsg,
@@ -51,6 +51,7 @@ class ModelExecutor:
         self._results.bind(config.worker_result_addr)
         self._decoder = from_worker_decoder()
         self._broadcast = ShmBroadcast.create(n_readers=config.tp_size)
+        self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")
         dist_init = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [
@@ -79,9 +80,11 @@ class ModelExecutor:
                 if msg.error is not None:
                     raise RuntimeError(f"worker rank {msg.rank} failed to load: {msg.error}")
                 ready.add(msg.rank)
+                self._settings[msg.rank] = (msg.cpus, msg.threads)
+                logger.info("worker rank %d: cpus %s, %d torch threads", msg.rank, msg.cpus, msg.threads)
 
-    def worker_pids(self) -> list[int]:
-        return [p.pid or 0 for p in self._procs]
+    def workers(self) -> list[WorkerInfo]:
+        return [WorkerInfo(p.pid or 0, *self._settings.get(rank, ([], 0))) for rank, p in enumerate(self._procs)]
 
     def check_workers(self) -> str | None:
         """None while every worker lives; otherwise why not (sticky)."""

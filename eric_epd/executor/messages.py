@@ -33,6 +33,9 @@ class WorkerReadyMsg(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     rank: int
     pid: int
     error: str | None = None
+    cpus: list[int] = []
+    """The CPUs this rank runs on, and its torch intra-op threads."""
+    threads: int = 0
 
 
 class WorkerResultMsg(msgspec.Struct, array_like=True, frozen=True, tag="result"):

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 import zmq
 
+from eric_epd.common.cpus import pin_process, pin_torch
 from eric_epd.common.shm import attach_untracked
-from eric_epd.config import EricConfig, torch_threads_per_worker
+from eric_epd.config import EricConfig
 from eric_epd.executor.messages import (
     ExecuteBatchMsg,
     StopWorkerMsg,
@@ -52,11 +53,13 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
     from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
 
     device = torch.device(args.config.resolved_device())
+    cpus = args.config.worker_cpus(args.rank)
     if device.type == "cuda":
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        pin_process(cpus)  # host-side work stays on this rank's CPUs
     else:
-        torch.set_num_threads(torch_threads_per_worker(args.config.tp_size))
+        pin_torch(cpus)  # this rank's slice, torch's pool sized to it
     dtype = resolve_dtype(args.config.dtype, read_model_config(args.config.model))
     tp = _init_distributed(args, device)
     encoder = load_encoder(args.config.model, dtype, device, tp)
@@ -150,7 +153,9 @@ def main(args: WorkerArgs) -> None:
             push.send(from_worker_encoder.encode(WorkerReadyMsg(args.rank, os.getpid(), error=repr(e))))
             return
         logger.info("rank %d loaded %s on %s in %.1fs", args.rank, dtype, device, time.perf_counter() - start)
-        push.send(from_worker_encoder.encode(WorkerReadyMsg(args.rank, os.getpid())))
+        ready = WorkerReadyMsg(args.rank, os.getpid(), cpus=sorted(os.sched_getaffinity(0)),
+                               threads=torch.get_num_threads() if device.type == "cpu" else 0)
+        push.send(from_worker_encoder.encode(ready))
         _serve(args, encoder, device, dtype, push)
     finally:
         if torch.distributed.is_initialized():

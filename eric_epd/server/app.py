@@ -111,7 +111,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         client = EngineClient(config, is_engine_alive, on_status=metrics.observe_status)
         client.start()
         fetcher = MediaFetcher(config.url_policy, config.media)
-        processor = Processor(mp, config.media, config.preprocess_threads, model_fingerprint(config.model))
+        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(config.model))
         state["client"] = client
         state["service"] = EncodeService(fetcher, processor, client, hub, metrics, output_spec(config))
         expiry = asyncio.create_task(hub.expiry_loop())
@@ -170,7 +170,10 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
             reason = client.dead_reason or (status.reason if status else "engine not answering")
             return JSONResponse({"status": "unhealthy", "reason": reason}, 503)
         return JSONResponse({"status": "ok", "queued_items": status.queued_items,
-                             "running_items": status.running_items, "worker_pids": status.worker_pids})
+                             "running_items": status.running_items,
+                             "worker_pids": [w.pid for w in status.workers],
+                             "workers": [{"pid": w.pid, "cpus": w.cpus, "threads": w.threads}
+                                         for w in status.workers]})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
