@@ -18,10 +18,9 @@ import httpx
 import numpy as np
 
 from eric_epd.plugins.vllm.handoff import handles_xargs
+from eric_epd.stack.servers import EricServer, VllmServe
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import data_url, image_bytes, random_image
-from eric_epd.testing.server import EricServer
-from eric_epd.testing.stack import VllmServe
 
 logger = logging.getLogger("e2e_vllm")
 RESULTS = Path(__file__).parent / "results"

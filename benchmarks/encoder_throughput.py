@@ -18,9 +18,9 @@ import httpx
 import numpy as np
 import torch
 
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_bytes, random_image
-from eric_epd.testing.server import EricServer
 
 logger = logging.getLogger("encoder_throughput")
 RESULTS = Path(__file__).parent / "results"

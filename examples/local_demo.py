@@ -13,10 +13,9 @@ from contextlib import ExitStack
 import httpx
 import openai
 
+from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_data_url, video_data_url
-from eric_epd.testing.server import EricServer
-from eric_epd.testing.stack import GatewayServer, VllmServe
 
 
 def main() -> None:

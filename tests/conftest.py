@@ -35,8 +35,8 @@ def qwen2_5_vl_tiny(_checkpoint_cache: Path) -> Path:
 def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two Erics (one shared key) and one colocated `vllm serve` behind them, shared by every test that puts a
     gateway in front (one vLLM per configuration per session). A test that stops an Eric starts it again."""
-    from eric_epd.testing.server import EricServer, new_key
-    from eric_epd.testing.stack import VllmServe
+    from eric_epd.stack.process import new_key
+    from eric_epd.stack.servers import EricServer, VllmServe
 
     logs = tmp_path_factory.mktemp("epd-backend")
     key = new_key()

@@ -31,9 +31,10 @@ from eric_epd.models.processor import ProcessedItem
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import PreparedItem
 from eric_epd.server.service import ApiError, EncodeService, ItemRequest, OutputSpec
+from eric_epd.stack.process import ServerProcess, free_port
+from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image
-from eric_epd.testing.server import EricServer, ServerProcess, free_port
-from eric_epd.testing.stack import GatewayServer, image_messages
+from eric_epd.testing.stack import image_messages
 from eric_epd.transfer.producer import TransferHub
 
 ERIC_KEY = "eric-disconnect-test"

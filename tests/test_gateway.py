@@ -11,10 +11,11 @@ import openai
 import pytest
 from epd_gateway.content import MediaRef
 
+from eric_epd.stack.process import ServerProcess
+from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, ServerProcess
-from eric_epd.testing.stack import GatewayServer, gateway_paths, image_messages
 from eric_epd.testing.stack import ask as _ask
+from eric_epd.testing.stack import gateway_paths, image_messages
 
 API_KEY = "sk-test"
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from eric_epd.stack.process import new_key
+from eric_epd.stack.servers import EricServer, GatewayServer, pd_vllm
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, new_key
-from eric_epd.testing.stack import GatewayServer, ask, gateway_paths, image_messages, pd_vllm
+from eric_epd.testing.stack import ask, gateway_paths, image_messages
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_pd_streaming_equals_monolithic(pd_stack, monolithic) -> None:
 def test_dead_prefill_or_decode_gives_a_clear_error_not_a_hang(pd_stack, tmp_path: Path) -> None:
     import httpx
 
-    from eric_epd.testing.server import free_port
+    from eric_epd.stack.process import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     live = {"prefill": pd_stack["prefill"].url, "decode": pd_stack["decode"].url}

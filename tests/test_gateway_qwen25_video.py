@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.media import image_data_url, video_data_url
-from eric_epd.testing.server import EricServer
-from eric_epd.testing.stack import GatewayServer, VllmServe, ask, gateway_paths
+from eric_epd.testing.stack import ask, gateway_paths
 from eric_epd.transfer.handles import LEASE_HEADER
 
 

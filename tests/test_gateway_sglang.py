@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eric_epd.stack.process import ServerProcess, free_port
+from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import ServerProcess, free_port
-from eric_epd.testing.stack import GatewayServer, ask, gateway_paths, image_messages
+from eric_epd.testing.stack import ask, gateway_paths, image_messages
 
 IMAGES = [image_data_url(40 + 8 * i, 40, seed=i) for i in range(3)]
 

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from eric_epd.plugins.vllm.handoff import handles_xargs
+from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.stack import GatewayServer, image_messages
+from eric_epd.testing.stack import image_messages
 from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
 
 VICTIM = [image_data_url(96, 64, seed=700), image_data_url(72, 88, seed=701)]

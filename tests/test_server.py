@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, image_data_url, random_image, video_data_url
-from eric_epd.testing.server import EricServer
 from eric_epd.transfer.handles import LEASE_HEADER
 
 
@@ -111,7 +111,7 @@ def test_concurrent_mixed_requests_batch_one_modality(eric: EricServer) -> None:
 
 
 def _closed_port() -> int:
-    from eric_epd.testing.server import free_port
+    from eric_epd.stack.process import free_port
 
     return free_port()
 

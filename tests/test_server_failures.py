@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer
 
 
 def _items(n: int, seed: int) -> list[dict]:

@@ -20,8 +20,9 @@ import httpx
 import pytest
 import torch
 
+from eric_epd.stack.process import free_port
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, random_image, video_data_url
-from eric_epd.testing.server import EricServer, free_port
 from eric_epd.testing.sglang_prefill import (
     Bootstrap,
     BootstrapUrls,

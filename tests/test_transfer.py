@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from eric_epd.stack.process import new_key
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.server import EricServer, new_key
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.backends.shm import ShmConsumer, ShmProducer
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
@@ -474,7 +475,7 @@ def test_ttl_expiry_gives_clear_error(qwen2_vl_tiny: Path, tmp_path: Path) -> No
 
 
 def test_fetch_after_producer_restart_fails_clearly(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
-    from eric_epd.testing.server import free_port
+    from eric_epd.stack.process import free_port
 
     port, key = free_port(), new_key()  # the same key: the old handle fails on its lease, not on the key
     args = ("--transfer-backends", "shm,mooncake,nixl")

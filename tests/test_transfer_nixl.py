@@ -23,7 +23,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned children inherit sys.path
     sys.path.insert(0, _ROOT)
 
-from eric_epd.testing.server import new_key  # noqa: E402
+from eric_epd.stack.process import new_key  # noqa: E402
 from eric_epd.transfer.backends.base import TransferError  # noqa: E402
 from eric_epd.transfer.handles import EmbeddingHandle  # noqa: E402
 

@@ -15,8 +15,8 @@ import pytest
 
 from eric_epd.common.shm import attach_untracked
 from eric_epd.plugins.vllm.handoff import handles_xargs
-from eric_epd.testing.server import EricServer, new_key
-from eric_epd.testing.stack import VllmServe
+from eric_epd.stack.process import new_key
+from eric_epd.stack.servers import EricServer, VllmServe
 from eric_epd.testing.vllm_cases import (
     CASES,
     MAX_TOKENS,

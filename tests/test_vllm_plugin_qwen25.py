@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eric_epd.testing.server import EricServer
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.vllm_cases import (
     CASES,
     encode_case,

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import torch
 
-from eric_epd.testing.server import free_port
+from eric_epd.stack.process import free_port
 from eric_epd.testing.sglang_prefill.messages import (
     Bootstrap,
     Command,
