@@ -1,4 +1,5 @@
-"""Command line: `eric-epd serve` runs an Eric encode server; `eric-epd build-checkpoint` writes a tiny model."""
+"""Command line: `eric-epd serve` runs an Eric encode server; `eric-epd up` the whole local EPD stack;
+`eric-epd build-checkpoint` writes a tiny model."""
 
 from __future__ import annotations
 
@@ -84,15 +85,30 @@ def _env_float(name: str, default: float) -> float:
     return float(value) if value else default
 
 
-def config_from_args(args: argparse.Namespace) -> EricConfig:
-    """Parse once; the result goes to every process."""
-    model = args.model
+def _up_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="the whole local EPD stack (Eric, vLLM behind Eric, the gateway) on disjoint CPUs")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint directory (default: the built-in tiny Qwen2-VL)")
+    p.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    p.add_argument("--tp", type=int, default=1, help="Eric's tensor-parallel size")
+    p.add_argument("--api-key", default=None, help="clients' key for the gateway (default: $EPD_GATEWAY_API_KEY)")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
+    p.add_argument("--ready-file", type=Path, default=None, help="write the gateway URL here once serving")
+
+
+def _model_or_default(model: Path | None) -> Path:
+    """The given checkpoint, or the built-in tiny random Qwen2-VL (built offline on first use)."""
     if model is None:
         from eric_epd.testing.checkpoints import ensure_checkpoint
 
         model = ensure_checkpoint("qwen2_vl", "tiny")
+    return Path(model).resolve()
+
+
+def config_from_args(args: argparse.Namespace) -> EricConfig:
+    """Parse once; the result goes to every process."""
     return EricConfig(
-        model=Path(model).resolve(), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
+        model=_model_or_default(args.model), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
         port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads, max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
@@ -123,12 +139,19 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--family", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl")
     b.add_argument("--size", choices=("tiny", "small"), default="tiny")
     b.add_argument("--seed", type=int, default=0)
+    _up_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
         from eric_epd.launch import serve
 
         serve(config_from_args(args))
+    elif args.command == "up":
+        from eric_epd.stack.up import UpConfig, up
+
+        raise SystemExit(up(UpConfig(model=_model_or_default(args.model), port=args.port, tp=args.tp,
+                                     api_key=args.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
+                                     log_dir=args.log_dir, ready_file=args.ready_file)))
     else:
         from eric_epd.testing.checkpoints import build_checkpoint
 

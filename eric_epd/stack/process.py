@@ -3,6 +3,7 @@ block; free ports and fresh keys for the launchers."""
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -27,21 +28,24 @@ class ServerProcess:
 
     def __init__(self, cmd: list[str], port: int, log_path: Path | None = None,
                  startup_timeout_s: float = 180.0, env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, cpus: tuple[int, ...] | None = None) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         """The key this server checks (None: no check); secrets go by environment, never on the command line."""
         self._cmd = cmd
         self._env = env or {}
+        self.cpus = cpus
+        """The CPUs the process (and everything it starts) is pinned to; None: unpinned."""
         self._log_path = log_path
         self._timeout = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self):
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
+        pin = functools.partial(os.sched_setaffinity, 0, self.cpus) if self.cpus else None
         self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **self._env})
+                                     env={**os.environ, **self._env}, preexec_fn=pin)
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

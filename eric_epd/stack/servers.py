@@ -8,20 +8,32 @@ import os
 import sys
 from pathlib import Path
 
+from eric_epd.common.cpus import available_cpus, format_cpus, split_cpus
 from eric_epd.stack.process import ServerProcess, free_port, new_key
+
+
+def host_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(Eric's CPUs, the engine's CPUs): this host's CPUs in two disjoint halves (Eric first; on 2 cores one each),
+    so Eric's torch threads and vLLM's OpenMP threads never spin on the same cores."""
+    eric, engine = split_cpus(available_cpus(), 2)
+    return eric, engine
 
 
 class EricServer(ServerProcess):
     """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", headers=eric.headers, ...)`.
-    Its API key is generated unless given (ERIC_API_KEY in its environment)."""
+    Its API key is generated unless given (ERIC_API_KEY in its environment); it runs on `cpus` (default: Eric's
+    half of host_split())."""
 
     def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None) -> None:
+                 log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None,
+                 cpus: tuple[int, ...] | None = None) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
+        cpus = cpus or host_split()[0]
         cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
-               "--port", str(port), "--allowed-host", "127.0.0.1", *extra_args]
-        super().__init__(cmd, port, log_path, startup_timeout_s, env={"ERIC_API_KEY": api_key}, api_key=api_key)
+               "--port", str(port), "--allowed-host", "127.0.0.1", "--cpus", format_cpus(cpus), *extra_args]
+        super().__init__(cmd, port, log_path, startup_timeout_s, env={"ERIC_API_KEY": api_key}, api_key=api_key,
+                         cpus=cpus)
 
 
 def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http")) -> dict:
@@ -32,12 +44,15 @@ def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "ht
 
 class VllmServe(ServerProcess):
     """`vllm serve` on a small local model; with eric_urls, behind Eric (connector + guard middleware, the Erics'
-    key in ERIC_API_KEY). vLLM checks its own generated key (VLLM_API_KEY), which the gateway sends."""
+    key in ERIC_API_KEY). vLLM checks its own generated key (VLLM_API_KEY), which the gateway sends. It runs on
+    `cpus` (default: the engine's half of host_split()), its OpenMP threads bound to them."""
 
     def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
-                 max_model_len: int = 4096, eric_api_key: str | None = None, api_key: str | None = None) -> None:
-        port = free_port()
+                 max_model_len: int = 4096, eric_api_key: str | None = None, api_key: str | None = None,
+                 cpus: tuple[int, ...] | None = None, port: int | None = None) -> None:
+        port = port or free_port()
+        cpus = cpus or host_split()[1]
         api_key = api_key or new_key()
         vllm = str(Path(sys.executable).parent / "vllm")
         cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
@@ -47,8 +62,9 @@ class VllmServe(ServerProcess):
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(eric_ec_config(eric_urls)),
                     "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
+               "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
                **({"ERIC_API_KEY": eric_api_key} if eric_api_key else {}), **(env or {})}
-        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, api_key=api_key)
+        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, api_key=api_key, cpus=cpus)
 
 
 def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls: list[str],
@@ -56,18 +72,21 @@ def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls:
     """One half of a vLLM prefill/decode pair over NIXL with CPU buffers, pinned to its own core (unpinned, both
     bind the same cores and NIXL's 5 s handshake times out). Give both halves the same api_key."""
     kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     return VllmServe(model, log_path, eric_urls, extra=("--kv-transfer-config", json.dumps(kv)), env=env,
-                     eric_api_key=eric_api_key, api_key=api_key)
+                     eric_api_key=eric_api_key, api_key=api_key, cpus=(core,))
 
 
 class GatewayServer(ServerProcess):
     """The gateway; the Erics' and the engines' keys reach it by environment (ERIC_API_KEY, VLLM_API_KEY)."""
 
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
-                 upstream_api_key: str | None = None) -> None:
-        port = free_port()
+                 upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
+                 cpus: tuple[int, ...] | None = None) -> None:
+        port = port or free_port()
         cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
-        env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key)) if v}
-        super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env)
+        env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
+                                 ("EPD_GATEWAY_API_KEY", api_key)) if v}
+        super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key,
+                         cpus=cpus or host_split()[0])

@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--epd-min-items", type=int, default=2)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (default: $EPD_GATEWAY_API_KEY)")
     p.add_argument("--admin-key", default=None, help="key for /admin/encoders (registration disabled without it)")
     p.add_argument("--eric-api-key", default=None, help="the Erics' --api-key (default: $ERIC_API_KEY)")
     p.add_argument("--upstream-api-key", default=None,
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
         colocated_urls=a.colocated_urls, epd_prefill_urls=a.epd_prefill_urls, backend=a.backend,
         epd_min_items=a.epd_min_items, host=a.host, port=a.port,
-        api_key=a.api_key, admin_key=a.admin_key,
+        api_key=a.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None, admin_key=a.admin_key,
         eric_api_key=a.eric_api_key or os.environ.get("ERIC_API_KEY") or None,
         upstream_api_key=a.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
         client_embeddings=EmbeddingShape.from_checkpoint(a.allow_client_embeddings) if a.allow_client_embeddings

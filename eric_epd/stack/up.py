@@ -1,0 +1,74 @@
+"""`eric-epd up`: the whole local EPD stack on one host (Eric, vLLM behind Eric, the gateway), on disjoint CPUs,
+with every key generated and wired; serves until Ctrl-C or SIGTERM, then stops every process it started."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from eric_epd.common.cpus import format_cpus
+from eric_epd.stack.process import ServerProcess
+from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What `eric-epd up` starts."""
+
+    model: Path
+    port: int = 8000
+    tp: int = 1
+    api_key: str | None = None
+    """The clients' key for the gateway (none: open, as on a laptop)."""
+    log_dir: Path | None = None
+    ready_file: Path | None = None
+    """Written with the gateway URL once every server is healthy (for scripts that start `up` in the background)."""
+
+
+def _watch(servers: list[ServerProcess], stop: threading.Event) -> str | None:
+    """Wait until `stop` is set or a server exits; the name of the one that exited, else None."""
+    while not stop.wait(0.5):
+        for server in servers:
+            if server.proc is not None and server.proc.poll() is not None:
+                return f"{server._cmd[2:4]} exited with code {server.proc.returncode}"
+    return None
+
+
+def up(config: UpConfig) -> int:
+    """Start the stack, serve until stopped (signal) or until a server dies; 0 on a clean stop."""
+    logs = config.log_dir or Path(tempfile.mkdtemp(prefix="eric-epd-up-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    eric_cpus, engine_cpus = host_split()
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with ExitStack() as stack:
+            logger.info("Eric on CPUs %s, vLLM on CPUs %s; logs in %s", format_cpus(eric_cpus),
+                        format_cpus(engine_cpus), logs)
+            eric = stack.enter_context(EricServer(config.model, tp=config.tp, cpus=eric_cpus,
+                                                  log_path=logs / "eric.log"))
+            vllm = stack.enter_context(VllmServe(config.model, logs / "vllm.log", eric_urls=[eric.url],
+                                                 eric_api_key=eric.api_key, cpus=engine_cpus))
+            gateway = stack.enter_context(GatewayServer(
+                logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key=config.api_key, port=config.port,
+                cpus=eric_cpus))
+            logger.info("EPD stack serving: %s/v1 (gateway) -> Eric %s -> vLLM %s", gateway.url, eric.url, vllm.url)
+            if config.ready_file is not None:
+                config.ready_file.write_text(gateway.url)
+            died = _watch([eric, vllm, gateway], stop)
+            if died is not None:
+                logger.error("stopping the stack: %s (logs in %s)", died, logs)
+                return 1
+            logger.info("stopping the stack")
+            return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

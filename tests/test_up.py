@@ -1,0 +1,66 @@
+"""`eric-epd up`: the whole local stack on disjoint CPUs answers a multi-image chat request through the openai
+client on the EPD path, and SIGTERM stops every process it started."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import psutil
+
+from eric_epd.stack.process import free_port
+from eric_epd.testing.media import image_data_url
+from eric_epd.testing.stack import image_messages
+
+
+def _wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 600) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not (ready.exists() and ready.read_text()):
+        assert proc.poll() is None, f"eric-epd up exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "eric-epd up did not come up"
+        time.sleep(0.5)
+    return ready.read_text()
+
+
+def _cpus_by_role(root: psutil.Process) -> dict[str, set[int]]:
+    """CPUs of every process of the Eric server (router, engine, workers) and of the vLLM server (API server,
+    engine core, workers) that `up` started."""
+    roles: dict[str, set[int]] = {"eric": set(), "vllm": set()}
+    for server in root.children():
+        cmd = " ".join(server.cmdline())
+        role = "eric" if "eric_epd serve" in cmd else "vllm" if " serve " in cmd and "vllm" in cmd else None
+        if role is not None:
+            for p in (server, *server.children(recursive=True)):
+                roles[role] |= set(p.cpu_affinity())
+    return roles
+
+
+def test_up_serves_a_multi_image_chat_and_stops_cleanly(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    ready, port = tmp_path / "url", free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "eric_epd", "up", "--model", str(qwen2_vl_tiny), "--port",
+                             str(port), "--log-dir", str(tmp_path / "logs"), "--ready-file", str(ready)])
+    try:
+        url = _wait_ready(ready, proc)
+        assert url == f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        images = [image_data_url(64 + 16 * i, 80, seed=900 + i) for i in range(3)]
+        raw = client.chat.completions.with_raw_response.create(
+            model=client.models.list().data[0].id, messages=image_messages(images), max_tokens=6, temperature=0.0,
+            extra_body={"ignore_eos": True})
+        assert raw.headers["x-epd-path"] == "epd"
+        assert raw.parse().usage.completion_tokens == 6
+        roles = _cpus_by_role(psutil.Process(proc.pid))
+        assert roles["eric"] and roles["vllm"]
+        if psutil.cpu_count() > 1:
+            assert not roles["eric"] & roles["vllm"], roles  # no two thread pools on one core
+        children = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(180)
+    assert code == 0
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.pid for p in alive]
