@@ -24,7 +24,7 @@ from safetensors.numpy import load as load_safetensors
 
 from eric_epd.config import BatchLimits, EricConfig, TransferConfig
 from eric_epd.engine.client import EngineRequest
-from eric_epd.engine.engine import ABORTED_STATUS, Engine
+from eric_epd.engine.engine import ABORTED_STATUS, BatchOutput, Engine
 from eric_epd.engine.messages import AbortRequestMsg, EncodeItem, EncodeRequestMsg, EncodeResultMsg, ItemResult
 from eric_epd.engine.scheduler import Batch
 from eric_epd.models.processor import ProcessedItem
@@ -51,9 +51,9 @@ class _FakeExecutor:
     def __init__(self) -> None:
         self.ran: list[str] = []
 
-    def execute_model(self, batch: Batch) -> list[ItemResult]:
+    def execute_model(self, batch: Batch) -> BatchOutput:
         self.ran += [e.item.hash for e in batch.entries]
-        return [ItemResult(e.item.hash, (e.item.num_patches // 4, 8), "float32") for e in batch.entries]
+        return BatchOutput([ItemResult(e.item.hash, (e.item.num_patches // 4, 8), "float32") for e in batch.entries])
 
     def workers(self) -> list:
         return []

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from eric_epd.server.metrics import STAGES
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, image_data_url, random_image, video_data_url
 from eric_epd.transfer.handles import LEASE_HEADER
@@ -108,6 +109,54 @@ def test_concurrent_mixed_requests_batch_one_modality(eric: EricServer) -> None:
     # several requests' items shared batches: fewer image batches than image items
     items = _metric_samples(metrics, "eric_items_total")
     assert items['modality="image",source="encoded"'] > batches['modalities="image"']
+
+
+def _stage_deltas(before: str, after: str) -> dict[str, tuple[float, float]]:
+    """stage -> (count, sum) of eric_stage_seconds gained between two scrapes."""
+    out = {}
+    for stage in STAGES:
+        label = f'stage="{stage}"'
+        out[stage] = tuple(_metric_samples(after, f"eric_stage_seconds_{part}")[label]
+                           - _metric_samples(before, f"eric_stage_seconds_{part}")[label] for part in ("count", "sum"))
+    return out
+
+
+def _gain(before: str, after: str, name: str) -> float:
+    """How much an unlabelled sample grew between two scrapes."""
+    def value(text: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+    return value(after) - value(before)
+
+
+def test_stage_timings_and_overhead_are_exported(eric: EricServer) -> None:
+    """Every stage of the encode path is timed (engine-side ones travel back in the engine's messages), and the
+    per-request overhead beyond the vision tower is exported: counts follow the requests, items and batches sent."""
+    before = httpx.get(eric.url + "/metrics").text
+    image = image_data_url(48, 72, seed=21)
+    requests = [[{"modality": "image", "url": image}, {"modality": "image", "url": image_data_url(64, 40, seed=22)}],
+                [{"modality": "video", "url": video_data_url(4, 56, 56, seed=23)}],
+                [{"modality": "image", "url": image}]]  # still leased: answered from the pool, no engine request
+    wall = 0.0
+    for items in requests:
+        resp = _encode(eric, items)
+        assert resp.status_code == 200, resp.text
+        wall += resp.elapsed.total_seconds()
+    after = httpx.get(eric.url + "/metrics").text
+    gained = _stage_deltas(before, after)
+    assert all(total >= 0 for _, total in gained.values()), gained
+    counts = {stage: count for stage, (count, _) in gained.items()}
+    assert counts == {"body_read": 3, "fetch": 4, "decode": 4, "preprocess": 4, "hash": 4, "pool_reserve": 2,
+                      "engine_queue": 2, "batch_compute": counts["batch_compute"],
+                      "pool_write": counts["batch_compute"], "answer": 3}, gained
+    assert counts["batch_compute"] >= 2  # an image batch and a video batch
+    for stage in ("fetch", "decode", "preprocess", "hash", "batch_compute", "pool_write"):
+        assert gained[stage][1] > 0, (stage, gained[stage])
+    # every executed batch reported its forward and pool write once (the whole server's life)
+    assert _metric_samples(after, "eric_stage_seconds_count")['stage="batch_compute"'] == sum(
+        _metric_samples(after, "eric_batches_total").values())
+    overhead = _gain(before, after, "eric_request_overhead_seconds_count")
+    overhead_sum = _gain(before, after, "eric_request_overhead_seconds_sum")
+    assert overhead == 3 and 0 <= overhead_sum < wall  # less than what the client waited in all
 
 
 def _closed_port() -> int:

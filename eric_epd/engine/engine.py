@@ -33,8 +33,17 @@ class WorkersDeadError(Exception):
     """A worker died or stopped answering: the engine can no longer run batches."""
 
 
+@dataclass(frozen=True)
+class BatchOutput:
+    """One executed batch: a result per item, in batch order, and rank 0's timings."""
+
+    items: list[ItemResult]
+    compute_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
 class Executor(Protocol):
-    def execute_model(self, batch: Batch) -> list[ItemResult]: ...
+    def execute_model(self, batch: Batch) -> BatchOutput: ...
     def workers(self) -> list[WorkerInfo]: ...
     def check_workers(self) -> str | None: ...
 
@@ -45,6 +54,7 @@ Outgoing = tuple[EncodeResultMsg, list[memoryview]]
 @dataclass
 class _RequestState:
     num_items: int
+    arrived: float = field(default_factory=time.perf_counter)
     results: dict[int, ItemResult] = field(default_factory=dict)
     batches: list[BatchStat] = field(default_factory=list)
     dropped: set[int] = field(default_factory=set)
@@ -110,7 +120,7 @@ class Engine:
             return []
         start = time.perf_counter()
         try:
-            outputs = self._executor.execute_model(batch)
+            output = self._executor.execute_model(batch)
         except WorkersDeadError as e:
             return self._fail_batch(batch, 503, str(e)) + self._fail_all(str(e))
         except BatchFailedError as e:
@@ -121,9 +131,11 @@ class Engine:
             len(batch.entries),
             batch.num_patches,
             time.perf_counter() - start,
+            output.compute_seconds,
+            output.write_seconds,
         )
         self._recent_batches.append(stat)
-        return self._complete(batch, outputs, stat)
+        return self._complete(batch, output.items, stat)
 
     def status(self) -> EngineStatusMsg:
         batches, self._recent_batches = self._recent_batches, []
@@ -155,10 +167,12 @@ class Engine:
             return []
         del self._requests[request_id]
         finished = [state.results[i] for i in sorted(state.results)]
+        # its time here outside its own batches: waiting for them to start
+        queued = max(0.0, time.perf_counter() - state.arrived - sum(b.seconds for b in state.batches))
         if not state.dropped:
-            return [(EncodeResultMsg(request_id, finished, batches=state.batches), [])]
+            return [(EncodeResultMsg(request_id, finished, batches=state.batches, queue_seconds=queued), [])]
         reason = f"request aborted: {len(state.dropped)} of {state.num_items} items dropped before they ran"
-        return [(EncodeResultMsg(request_id, finished, reason, ABORTED_STATUS, state.batches), [])]
+        return [(EncodeResultMsg(request_id, finished, reason, ABORTED_STATUS, state.batches, queued), [])]
 
     def _fail_batch(self, batch: Batch, status: int, reason: str) -> list[Outgoing]:
         failed: list[Outgoing] = []

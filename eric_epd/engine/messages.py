@@ -51,12 +51,17 @@ class ItemResult(msgspec.Struct, array_like=True, frozen=True):
 
 
 class BatchStat(msgspec.Struct, array_like=True, frozen=True):
-    """What one executed batch held, for metrics."""
+    """What one executed batch held and how long it took, for metrics."""
 
     modalities: tuple[str, ...]
     num_items: int
     num_patches: int
     seconds: float
+    """The engine's whole wait for the batch: broadcast, forward, pool write, every rank's answer."""
+    compute_seconds: float = 0.0
+    """Rank 0's forward (the vision tower, output on the host)."""
+    write_seconds: float = 0.0
+    """Rank 0's copy of the output into the pool."""
 
 
 class EncodeResultMsg(msgspec.Struct, array_like=True, frozen=True):
@@ -68,6 +73,8 @@ class EncodeResultMsg(msgspec.Struct, array_like=True, frozen=True):
     error: str | None = None
     status: int = 200
     batches: list[BatchStat] = []
+    queue_seconds: float = 0.0
+    """The request's time in the engine outside its own batches (waiting in the queue for them to start)."""
 
 
 class WorkerInfo(msgspec.Struct, array_like=True, frozen=True):

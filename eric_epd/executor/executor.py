@@ -10,7 +10,7 @@ import time
 import zmq
 
 from eric_epd.config import EricConfig
-from eric_epd.engine.engine import BatchFailedError, WorkersDeadError
+from eric_epd.engine.engine import BatchFailedError, BatchOutput, WorkersDeadError
 from eric_epd.engine.messages import ItemResult, WorkerInfo
 from eric_epd.engine.scheduler import Batch
 from eric_epd.executor.messages import (
@@ -95,8 +95,9 @@ class ModelExecutor:
                     break
         return self._dead_reason
 
-    def execute_model(self, batch: Batch) -> list[ItemResult]:
-        """Run one batch on all ranks; rank 0 wrote the embeddings into the pool. One result per item, in order."""
+    def execute_model(self, batch: Batch) -> BatchOutput:
+        """Run one batch on all ranks; rank 0 wrote the embeddings into the pool. One result per item, in order,
+        with rank 0's forward and pool-write times."""
         if (reason := self.check_workers()) is not None:
             raise WorkersDeadError(reason)
         msg = ExecuteBatchMsg(batch.batch_id, batch.modality,
@@ -108,7 +109,8 @@ class ModelExecutor:
                                     should_abort=lambda: self.check_workers() is not None)
         except Exception as e:
             raise WorkersDeadError(self.check_workers() or f"broadcast to workers failed: {e!r}") from e
-        return self._split(batch, self._gather(batch.batch_id))
+        rank0 = self._gather(batch.batch_id)
+        return BatchOutput(self._split(batch, rank0), rank0.compute_seconds, rank0.write_seconds)
 
     def _gather(self, batch_id: int) -> WorkerResultMsg:
         """Wait for every rank's answer to batch_id; rank 0 carries the embeddings."""

@@ -46,6 +46,10 @@ class WorkerResultMsg(msgspec.Struct, array_like=True, frozen=True, tag="result"
     dtype: str = ""
     modalities: tuple[str, ...] = ()
     """The modalities the worker actually ran in this batch (for the one-modality-per-batch metric)."""
+    compute_seconds: float = 0.0
+    """The forward's time on this rank (until the output is on the host)."""
+    write_seconds: float = 0.0
+    """Rank 0's copy of the output into the pool (0 on other ranks)."""
 
 
 ToWorker = ExecuteBatchMsg | StopWorkerMsg

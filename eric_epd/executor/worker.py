@@ -67,15 +67,19 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
 
 
 def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], device: torch.device,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The batch's output on the host, and the forward's seconds (the encoder and the copy to the host, which waits
+    for the device)."""
     parts = [buffer_to_tensor(v, torch.float32, (-1,)) for v in views]
     pixels = torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.empty(0)
     patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
     pixels = pixels.view(-1, patch_dim)
     grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=device)
+    start = time.perf_counter()
     with torch.inference_mode():
         out = encoder(pixels, grid)
-    return out.to("cpu").contiguous()
+    out = out.to("cpu").contiguous()
+    return out, time.perf_counter() - start
 
 
 def _write_to_pool(pool: np.ndarray, msg: ExecuteBatchMsg, out: torch.Tensor) -> None:
@@ -125,15 +129,17 @@ def _execute_and_reply(rank: int, encoder: torch.nn.Module, msg: ExecuteBatchMsg
                        device: torch.device, dtype: torch.dtype, push: zmq.Socket, pool: np.ndarray | None) -> None:
     modalities = tuple(sorted({i.modality for i in msg.items}))
     try:
-        out = _run_batch(encoder, msg, views, device, dtype)
+        out, compute_s = _run_batch(encoder, msg, views, device, dtype)
+        write_start = time.perf_counter()
         if pool is not None:
             _write_to_pool(pool, msg, out)
+        write_s = time.perf_counter() - write_start
     except Exception as e:  # reported to the engine, which fails the batch's requests
         logger.exception("rank %d: batch %d failed", rank, msg.batch_id)
         push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])
         return
     result = WorkerResultMsg(msg.batch_id, rank, shape=tuple(out.shape), dtype=str(out.dtype).removeprefix("torch."),
-                             modalities=modalities)
+                             modalities=modalities, compute_seconds=compute_s, write_seconds=write_s)
     push.send(from_worker_encoder.encode(result))
 
 

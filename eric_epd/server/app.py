@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +26,7 @@ from eric_epd.plugins.sglang.routes import sglang_routes
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import Processor, model_fingerprint
-from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest, OutputSpec
+from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest, OutputSpec, RequestClock
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import TransferApiError, transfer_routes
 
@@ -139,11 +140,13 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
+        clock = RequestClock()
         try:
-            items = parse_encode_body(await read_body(request, config.max_body_bytes), mp.modalities,
-                                      config.max_items_per_request)
+            body = await read_body(request, config.max_body_bytes)
+            metrics.stages.observe("body_read", time.perf_counter() - clock.start)
+            items = parse_encode_body(body, mp.modalities, config.max_items_per_request)
             # a client that leaves cancels its work: queued items are dropped, its leases given back
-            answers = await until_disconnect(request, state["service"].encode(items))
+            answers = await until_disconnect(request, state["service"].encode(items, clock))
         except ApiError as e:
             metrics.requests.labels(status=str(e.status)).inc()
             raise
@@ -152,7 +155,12 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
             logger.info("client left POST /v1/encode: its work was cancelled")
             return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
-        return JSONResponse({"model": model_name, "items": [item_json(a) for a in answers]})
+        start = time.perf_counter()
+        response = JSONResponse({"model": model_name, "items": [item_json(a) for a in answers]})
+        done = time.perf_counter()
+        metrics.stages.observe("answer", done - start)
+        metrics.overhead.observe(max(0.0, done - clock.start - clock.compute_seconds))
+        return response
 
     app.include_router(transfer_routes(hub))
     sglang = sglang_routes(config, hub, state)  # SGLang encoder protocol (/encode, /send, ...)

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from eric_epd.engine.messages import EngineStatusMsg
+from eric_epd.common.stages import STAGE_BUCKETS, StageHistogram
+from eric_epd.engine.messages import EncodeResultMsg, EngineStatusMsg
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+STAGES = ("body_read", "fetch", "decode", "preprocess", "hash", "pool_reserve", "engine_queue", "batch_compute",
+          "pool_write", "answer")
+"""eric_stage_seconds{stage}: body_read, fetch (media incl. download), decode, preprocess (HF-equal), hash (per
+item); pool_reserve (per engine request); engine_queue (per engine request: its time in the engine outside its own
+batches); batch_compute (rank 0's forward), pool_write (rank 0's copy into the pool) per batch; answer (the JSON)."""
 
 
 class EricMetrics:
@@ -30,6 +37,11 @@ class EricMetrics:
         self.items = Counter("eric_items", "Items answered, by modality and source (encoded, cached)",
                              ["modality", "source"], registry=r)
         self.requests = Counter("eric_requests", "Encode requests by HTTP status", ["status"], registry=r)
+        self.stages = StageHistogram("eric_stage_seconds", "Time per stage of the encode path", "stage", STAGES,
+                                     registry=r)
+        self.overhead = Histogram("eric_request_overhead_seconds",
+                                  "A /v1/encode request's wall time minus the forward time of the batches it rode in",
+                                  buckets=STAGE_BUCKETS, registry=r)
 
     def observe_status(self, status: EngineStatusMsg) -> None:
         self.queue_depth.set(status.queued_items + status.running_items)
@@ -39,6 +51,23 @@ class EricMetrics:
             self.batch_items.labels(modality=modality).observe(b.num_items)
             self.batch_patches.labels(modality=modality).observe(b.num_patches)
             self.batch_seconds.labels(modality=modality).observe(b.seconds)
+            self.stages.observe("batch_compute", b.compute_seconds)
+            self.stages.observe("pool_write", b.write_seconds)
+
+    def observe_item(self, fetch_seconds: float, seconds: tuple[float, float, float]) -> None:
+        """One item's fetch, then its decode, preprocessing and hashing (PreparedItem.seconds)."""
+        stages = self.stages
+        stages.observe("fetch", fetch_seconds)
+        stages.observe("decode", seconds[0])
+        stages.observe("preprocess", seconds[1])
+        stages.observe("hash", seconds[2])
+
+    def observe_result(self, result: EncodeResultMsg) -> float:
+        """An engine request's queue wait; returns the forward time of the batches it rode in."""
+        if not result.batches:
+            return 0.0
+        self.stages.observe("engine_queue", result.queue_seconds)
+        return sum(b.compute_seconds for b in result.batches)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

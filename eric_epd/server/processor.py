@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ class PreparedItem:
 
     hash: str
     item: ProcessedItem
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """How long decoding, preprocessing and hashing took (observed by the caller, on the event loop)."""
 
 
 def model_fingerprint(model_dir: Path) -> bytes:
@@ -68,14 +71,19 @@ class Processor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare_sync, modality, data)
 
     def _prepare_sync(self, modality: str, data: bytes) -> PreparedItem:
+        start = time.perf_counter()
         if modality == "image":
             image = decode_image(data, self._limits)
             pixels = np.asarray(image)
+            decoded = time.perf_counter()
             item = self._mp.process_image(image)
         else:
             pixels, sampled_fps = decode_video(data, self._limits)
+            decoded = time.perf_counter()
             item = self._mp.process_video(pixels, sampled_fps)
-        return PreparedItem(self._content_hash(modality, pixels), item)
+        processed = time.perf_counter()
+        key = self._content_hash(modality, pixels)
+        return PreparedItem(key, item, (decoded - start, processed - decoded, time.perf_counter() - processed))
 
     def _content_hash(self, modality: str, pixels: np.ndarray) -> str:
         h = hashlib.sha256(self._salt[modality])

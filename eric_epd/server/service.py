@@ -7,7 +7,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,6 +60,15 @@ class OutputSpec:
         return num_tokens * self.dim * _DTYPE_BYTES[self.dtype]
 
 
+@dataclass
+class RequestClock:
+    """One encode request's timing: when it began, and the forward time of the batches its items rode in (items
+    another request was already encoding are waited for, and their forward is not counted here)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    compute_seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class _Flight:
     """One engine request and each hash's item index in it (for aborting single items)."""
@@ -82,23 +91,28 @@ class EncodeService:
         self._wanted: Counter[str] = Counter()  # in-flight hash -> live requests waiting for it (owner included)
         self._flights: dict[str, _Flight] = {}  # hash -> the engine request encoding it, until settled
         self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
-        self._settling: set[asyncio.Task[ApiError | None]] = set()
+        self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
 
-    async def encode(self, items: list[ItemRequest]) -> list[ItemAnswer]:
+    async def encode(self, items: list[ItemRequest], clock: RequestClock | None = None) -> list[ItemAnswer]:
+        """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in."""
         start = time.perf_counter()
         prepared = await asyncio.gather(*(self._prepare(i, item) for i, item in enumerate(items)))
-        handles = await self._embed(prepared)
+        handles = await self._embed(prepared, clock or RequestClock())
         self._metrics.encode_latency.observe(time.perf_counter() - start)
         return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
 
     async def _prepare(self, index: int, item: ItemRequest) -> PreparedItem:
         try:
+            start = time.perf_counter()
             data = await self._fetcher.fetch(item.url)
-            return await self._processor.prepare(item.modality, data)
+            fetched = time.perf_counter() - start
+            prepared = await self._processor.prepare(item.modality, data)
         except MediaError as e:
             raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
+        self._metrics.observe_item(fetched, prepared.seconds)
+        return prepared
 
-    async def _embed(self, prepared: list[PreparedItem]) -> dict[str, EmbeddingHandle]:
+    async def _embed(self, prepared: list[PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
         """One lease per distinct hash; every hash encoded at most once at a time, across requests too.
 
         Cancellation-safe: on any failure or cancellation (the client left) the leases taken are given back, and
@@ -125,7 +139,7 @@ class EncodeService:
                 self._unwant(waited)  # only now: the pass above leased what they were held for
                 waited = list(waiting)
                 if mine:
-                    handles.update(await self._submit(mine))
+                    handles.update(await self._submit(mine, clock))
                 if not waiting:
                     return handles
                 await asyncio.gather(*(asyncio.shield(f) for f in waiting.values()))
@@ -135,15 +149,17 @@ class EncodeService:
             self._give_back(handles.values())
             raise
 
-    async def _submit(self, mine: dict[str, PreparedItem]) -> dict[str, EmbeddingHandle]:
+    async def _submit(self, mine: dict[str, PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
         """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
         loop = asyncio.get_running_loop()
         for key in mine:
             self._inflight[key] = loop.create_future()
         self._want(mine)
         try:
+            start = time.perf_counter()
             entries = await self._reserve(mine)
-            await self._run(mine, entries)
+            self._metrics.stages.observe("pool_reserve", time.perf_counter() - start)
+            await self._run(mine, entries, clock)
         except BaseException:
             self._unwant(mine)  # aborts in the engine whatever no other request waits for
             raise
@@ -171,7 +187,7 @@ class EncodeService:
             raise
         return entries
 
-    async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry]) -> None:
+    async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
         """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
         cancellation of this request never frees pool space the engine may still write."""
         items = [EncodeItem(p.hash, p.item.modality, p.item.grid_thw, *p.item.pixel_values.shape, e.offset, e.nbytes)
@@ -191,20 +207,24 @@ class EncodeService:
         settling.add_done_callback(self._settling.discard)
         timeout = self._client.request_timeout_s
         try:
-            error = await asyncio.wait_for(asyncio.shield(settling), timeout)
+            error, compute = await asyncio.wait_for(asyncio.shield(settling), timeout)
         except TimeoutError as e:
             raise ApiError(504, f"encode timed out after {timeout}s") from e
+        clock.compute_seconds += compute
         if error is not None:
             raise error
 
     async def _settle(self, flight: _Flight, mine: dict[str, PreparedItem],
-                      entries: list[PoolEntry]) -> ApiError | None:
+                      entries: list[PoolEntry]) -> tuple[ApiError | None, float]:
         """After the engine's final answer (or its death): commit what was written, free the rest, wake waiters.
-        Each written entry keeps one bridge lease until no live request waits for it any more."""
+        Each written entry keeps one bridge lease until no live request waits for it any more. Returns the error,
+        if any, and the forward time of the batches the items rode in."""
         finished: dict[str, ItemResult] = {}
         error: ApiError | None = None
+        compute = 0.0
         try:
             msg, _ = await flight.request.result
+            compute = self._metrics.observe_result(msg)
             finished = {r.hash: r for r in msg.items}
             error = ApiError(msg.status, msg.error) if msg.error is not None else None
         except EngineUnavailableError as e:
@@ -227,7 +247,7 @@ class EncodeService:
         for entry in entries:
             if self._wanted[entry.hash] <= 0:
                 self._drop_bridge(entry.hash)
-        return error
+        return error, compute
 
     def _want(self, keys: Iterable[str]) -> None:
         """One more live request wants each of these in-flight hashes."""

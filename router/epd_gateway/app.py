@@ -68,30 +68,37 @@ class Gateway:
             raise GatewayError(401, "Unauthorized")
 
     async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+        checking = time.perf_counter()
         check_request_fields(body)
         check_messages(body, allow_embeddings=self.config.client_embeddings is not None)
         if self.config.client_embeddings is not None:
             check_embeds_parts(body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items)
         await self._check_hosts(refs)
+        start = time.perf_counter()
+        self.metrics.stages.observe("validate", start - checking)
         if self.config.backend == "sglang":
             return await self._sglang_chat(raw, body, headers, len(refs))
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
             return path, await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
-        start = time.perf_counter()
         try:
             items, fanout = await self.encoders.encode(refs)
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
-        self.metrics.encode_latency.observe(time.perf_counter() - start)
+        encoded = time.perf_counter() - start
+        self.metrics.encode_latency.observe(encoded)
+        self.metrics.stages.observe("encode", encoded)
         self.metrics.fanout.observe(fanout)
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
             await self.encoders.release(items)
             return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
-        response = await self.upstreams.complete("/v1/chat/completions", with_embeddings(body, refs, items), headers)
+        start = time.perf_counter()
+        rewritten = with_embeddings(body, refs, items)
+        self.metrics.stages.observe("rewrite", time.perf_counter() - start)
+        response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
         if _embeddings_lost(response):
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
             logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
@@ -180,8 +187,10 @@ def create_app(config: GatewayConfig) -> Starlette:
         gw = state["gw"]
         gw.check_api_key(request)
         try:
+            reading = time.perf_counter()
             raw, body = await read_json(request, config.max_body_bytes)
             start = time.perf_counter()
+            metrics.stages.observe("body_read", start - reading)
             # a client that leaves before the answer starts cancels the encode (closing the calls to the Erics, which
             # drop the work; leases of items already returned are given back) or the upstream call
             path, response = await until_disconnect(request, gw.chat(raw, body, forwarded(request)))
@@ -196,9 +205,12 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def completions(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
+        reading = time.perf_counter()
         raw, body = await read_json(request, config.max_body_bytes)
-        check_request_fields(body)
         start = time.perf_counter()
+        check_request_fields(body)
+        metrics.stages.observe("body_read", start - reading)
+        metrics.stages.observe("validate", time.perf_counter() - start)
         response = await gw.upstreams.complete("/v1/completions", body, forwarded(request), raw)
         metrics.requests.labels(path="pd").inc()
         metrics.latency.labels(path="pd").observe(time.perf_counter() - start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -136,7 +137,7 @@ class EncoderPool:
         member.inflight += 1
         body = {"items": [{"id": str(i), "modality": r.modality, "url": r.url} for i, r in enumerate(refs)]}
         try:
-            resp = await self._client.post(f"{url}/v1/encode", json=body, timeout=self._timeout)
+            resp = await self._post_encode(url, body)
         except httpx.HTTPError as e:
             logger.warning("encoder %s failed: %r", url, e)
             self._record_failure(member)
@@ -155,6 +156,18 @@ class EncoderPool:
             raise GatewayError(resp.status_code, f"media rejected by encoder: {message}")
         member.failures = 0
         return resp.json()["items"]
+
+    async def _post_encode(self, url: str, body: dict[str, Any]) -> httpx.Response:
+        """POST /v1/encode and read the answer; the time to its headers is gateway_upstream_seconds{encoder}."""
+        request = self._client.build_request("POST", f"{url}/v1/encode", json=body, timeout=self._timeout)
+        start = time.perf_counter()
+        resp = await self._client.send(request, stream=True)
+        self._metrics.upstreams.observe("encoder", time.perf_counter() - start)
+        try:
+            await resp.aread()
+        finally:
+            await resp.aclose()
+        return resp
 
     async def release(self, items: list[dict[str, Any]]) -> None:
         """Give back the leases an encode took on items that will never be fetched (the request went elsewhere),

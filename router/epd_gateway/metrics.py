@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from eric_epd.common.stages import StageHistogram
+
+STAGES = ("body_read", "validate", "encode", "rewrite")
+"""gateway_stage_seconds{stage}: body_read (read and parse), validate (the boundary checks, media collection and
+the URL policy), encode (the whole call to the Erics, EPD only), rewrite (media parts to keyed embeds, EPD only)."""
+UPSTREAMS = ("encoder", "prefill", "decode", "colocated")
+"""gateway_upstream_seconds{upstream}: from sending a call until the upstream's response headers arrived."""
+
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -21,6 +29,10 @@ class GatewayMetrics:
         self.failovers = Counter("gateway_failovers", "Encode calls retried on another encoder", registry=r)
         self.client_errors = Counter("gateway_client_errors", "Requests refused with a 4xx", ["status"], registry=r)
         self.encoders_healthy = Gauge("gateway_encoders_healthy", "Encoders currently admitted", registry=r)
+        self.stages = StageHistogram("gateway_stage_seconds", "Time per stage of the gateway's own work", "stage",
+                                     STAGES, registry=r)
+        self.upstreams = StageHistogram("gateway_upstream_seconds", "Time to each upstream's response headers",
+                                        "upstream", UPSTREAMS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

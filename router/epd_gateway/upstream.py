@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,8 @@ class Upstreams:
         self._prefill = itertools.cycle(config.prefill_urls) if config.prefill_urls else None
         self._decode = itertools.cycle(config.decode_urls) if config.decode_urls else None
         self._epd_prefill = itertools.cycle(config.epd_prefill_urls) if config.epd_prefill_urls else None
+        # gateway_upstream_seconds label per call stage: a colocated instance answers the "decode" call
+        self._kinds = {"prefill": "prefill", "decode": "colocated" if config.colocated_urls else "decode"}
 
     async def get(self, path: str, headers: dict[str, str]) -> Response:
         """A read-only call (e.g. /v1/models) answered by the first decode-capable upstream."""
@@ -124,16 +127,20 @@ class Upstreams:
         return await decode
 
     async def _open(self, stage: str, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """POST and return the response with its headers read (the body is the caller's to read or relay)."""
+        """POST and return the response with its headers read (the body is the caller's to read or relay); the
+        time to the headers is observed per upstream kind."""
         headers = {**headers, "content-type": "application/json"}
+        start = time.perf_counter()
         try:
             try:
-                return await self._session.post(url, data=content, headers=headers)
+                resp = await self._session.post(url, data=content, headers=headers)
             except _RETRY_ONCE as e:
                 logger.info("retrying %s on a fresh connection after %r", url, e)
-                return await self._session.post(url, data=content, headers=headers)
+                resp = await self._session.post(url, data=content, headers=headers)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             raise self._failed(stage, url, "unreachable", e) from e
+        self._metrics.upstreams.observe(self._kinds[stage], time.perf_counter() - start)
+        return resp
 
     async def _read(self, stage: str, url: str, resp: aiohttp.ClientResponse) -> Reply:
         try:
