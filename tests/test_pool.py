@@ -1,0 +1,211 @@
+"""The embedding pool without servers: its allocator, leases as capability tokens (strangers change nothing, an ack
+ends exactly its lease, child leases bounded, old generations powerless), expiry and the acknowledged-entry cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from eric_epd.transfer.pool import ALIGN, MAX_CHILD_LEASES, EmbeddingPool, FreeList, LeaseError, new_token
+
+
+def test_free_list_coalesces() -> None:
+    fl = FreeList(10 * ALIGN)
+    a, b, c = fl.allocate(ALIGN), fl.allocate(3 * ALIGN - 5), fl.allocate(ALIGN)
+    assert (a, b, c) == (0, ALIGN, 4 * ALIGN)
+    assert fl.allocate(6 * ALIGN) is None
+    fl.free(b, 3 * ALIGN - 5)
+    fl.free(a, ALIGN)
+    fl.free(c, ALIGN)
+    assert fl.free_bytes == 10 * ALIGN and fl.allocate(10 * ALIGN) == 0
+
+
+def _pool(nbytes: int = 1 << 20, ttl_s: float = 60, keep_acked_bytes: int = 0) -> EmbeddingPool:
+    return EmbeddingPool(f"eric-test-{time.monotonic_ns()}", nbytes, ttl_s=ttl_s, keep_acked_bytes=keep_acked_bytes)
+
+
+def _held(pool: EmbeddingPool, key: str, nbytes: int = 1000) -> None:
+    """A written entry, not yet leased."""
+    assert pool.reserve(key, nbytes, (nbytes,), "uint8") is not None
+    pool.commit(key)
+
+
+def test_pool_lease_ack_expire() -> None:
+    pool = _pool(ttl_s=0.2)
+    try:
+        e = pool.reserve("h", 1000, (10, 25), "float32")
+        assert e is not None and pool.used_bytes >= 1000
+        assert pool.reserve("big", 2 << 20, (1,), "float32") is None
+        pool.commit("h")
+        _, t1 = pool.lease("h")
+        _, t2 = pool.lease("h")
+        assert t1 != t2
+        assert pool.ack("h", t1) and pool.get("h") is not None  # one lease left
+        assert pool.ack("h", t2) and pool.get("h") is None and pool.used_bytes == 0
+        assert not pool.ack("h", t2)
+        pool.reserve("t", 10, (10,), "float32")
+        pool.commit("t")
+        pool.lease("t")
+        assert pool.expire(time.monotonic() + 1) == ["t"] and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+def test_pool_keeps_acked_entries_as_cache() -> None:
+    pool = _pool(4 * ALIGN, keep_acked_bytes=2 * ALIGN)
+    try:
+        tokens = {}
+        for key in ("a", "b"):
+            pool.reserve(key, ALIGN, (ALIGN,), "uint8")
+            pool.commit(key)
+            _, tokens[key] = pool.lease(key)
+            assert pool.ack(key, tokens[key])
+        assert len(pool) == 0 and pool.used_bytes == 0 and pool.cached_bytes == 2 * ALIGN
+        assert pool.get("a") is not None and not pool.ack("a", tokens["a"])  # cached, not leased
+        _, again = pool.lease("a")  # a repeat: served from the cache, no encode
+        assert len(pool) == 1 and pool.cached_bytes == ALIGN
+        assert again != tokens["a"] and not pool.ack("a", tokens["a"])  # the old lease stays ended
+        assert pool.reserve("big", 3 * ALIGN, (1,), "uint8") is not None  # evicts "b" to make room
+        assert pool.get("b") is None and pool.get("a") is not None
+    finally:
+        pool.close()
+
+
+def _snapshot(pool: EmbeddingPool, key: str) -> tuple:
+    entry = pool.get(key)
+    assert entry is not None
+    return dict(entry.leases), dict(entry.children), entry.expires_at, pool.used_bytes, len(pool)
+
+
+def test_pool_stranger_token_changes_nothing() -> None:
+    """A token that holds no lease on the entry (made up, missing, or another entry's) cannot read, add leases or
+    acknowledge: every attempt is the same 404 and the entry is exactly as it was."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        _held(pool, "other")
+        _, owner = pool.lease("h")
+        _, elsewhere = pool.lease("other")  # a real lease, but on another entry
+        before = _snapshot(pool, "h")
+        for stranger in (new_token(), None, "", elsewhere):
+            assert not pool.ack("h", stranger)
+            with pytest.raises(LeaseError) as err:
+                pool.holder("h", stranger)
+            assert err.value.status == 404
+            for count in (1, MAX_CHILD_LEASES, 1024):
+                with pytest.raises(LeaseError) as err:
+                    pool.add_leases("h", stranger, count)
+                assert err.value.status == 404
+            assert _snapshot(pool, "h") == before
+        with pytest.raises(LeaseError) as err:  # an unknown hash looks the same as a wrong token
+            pool.holder("never-encoded", owner)
+        assert err.value.status == 404
+        assert pool.holder("h", owner) is pool.get("h")  # the owner still reads and acknowledges
+        assert pool.ack("h", owner) and pool.get("h") is None
+        assert pool.ack("other", elsewhere) and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+def test_pool_ack_frees_exactly_its_lease() -> None:
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        tokens = [pool.lease("h")[1] for _ in range(3)]
+        entry = pool.get("h")
+        assert entry is not None and len(entry.leases) == 3
+        assert pool.ack("h", tokens[0]) and set(entry.leases) == set(tokens[1:])
+        assert not pool.ack("h", tokens[0])  # repeating it changes nothing
+        assert set(entry.leases) == set(tokens[1:]) and pool.get("h") is entry
+        with pytest.raises(LeaseError):
+            pool.holder("h", tokens[0])  # an ended lease no longer reads
+        assert pool.holder("h", tokens[1]) is entry
+        assert pool.ack("h", tokens[2]) and pool.ack("h", tokens[1])
+        assert pool.get("h") is None and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+def test_pool_two_requests_leases_are_independent() -> None:
+    """Two requests leased the same content: one acknowledging twice (or more) cannot free the other's lease."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        _, a = pool.lease("h")
+        _, b = pool.lease("h")
+        a_children = pool.add_leases("h", a, 2)
+        assert pool.ack("h", a)
+        for _ in range(3):
+            assert not pool.ack("h", a)
+        for child in a_children:
+            assert pool.ack("h", child) and not pool.ack("h", child)
+        entry = pool.get("h")
+        assert entry is not None and list(entry.leases) == [b]  # all of a's gone, b's untouched
+        assert pool.holder("h", b) is entry and pool.add_leases("h", b, 1)  # b still reads and extends
+        assert pool.used_bytes >= 1000
+    finally:
+        pool.close()
+
+
+def test_pool_child_leases_are_bounded() -> None:
+    """A lease and the children added from it may add MAX_CHILD_LEASES in all; beyond that a 400 that adds
+    nothing. Each root lease has its own budget; each child is acknowledged on its own."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        entry, root = pool.lease("h")
+        for count in (0, -1, MAX_CHILD_LEASES + 1, 1024):
+            with pytest.raises(LeaseError) as err:
+                pool.add_leases("h", root, count)
+            assert err.value.status == 400
+        assert len(entry.leases) == 1
+        first = pool.add_leases("h", root, 10)
+        assert len(first) == len(set(first)) == 10 and len(entry.leases) == 11
+        rest = pool.add_leases("h", first[0], MAX_CHILD_LEASES - 10)  # a child spends its root's budget
+        assert len(entry.leases) == 1 + MAX_CHILD_LEASES
+        for token in (root, first[0], rest[-1]):
+            with pytest.raises(LeaseError) as err:
+                pool.add_leases("h", token, 1)
+            assert err.value.status == 400
+        assert len(entry.leases) == 1 + MAX_CHILD_LEASES
+        assert pool.ack("h", first[0])  # acknowledging a child gives no budget back
+        with pytest.raises(LeaseError):
+            pool.add_leases("h", root, 1)
+        _, other = pool.lease("h")  # another request's lease has a budget of its own
+        assert len(pool.add_leases("h", other, MAX_CHILD_LEASES)) == MAX_CHILD_LEASES
+        for token in list(entry.leases):
+            assert pool.ack("h", token)
+        assert pool.get("h") is None and pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("freed_by", ["ack", "expiry"])
+def test_pool_old_generation_token_cannot_touch_new_entry(freed_by: str) -> None:
+    """An entry freed (acknowledged, or expired with its lease still out) and reserved again under the same hash is
+    a new generation: the old token can neither read, extend nor acknowledge it."""
+    pool = _pool()
+    try:
+        _held(pool, "h")
+        old_entry, old = pool.lease("h")
+        if freed_by == "ack":
+            spare = pool.add_leases("h", old, 1)[0]
+            assert pool.ack("h", spare)
+            assert pool.ack("h", old)
+        else:
+            assert pool.expire(time.monotonic() + 3600) == ["h"]
+        assert pool.get("h") is None
+        _held(pool, "h")
+        entry, new = pool.lease("h")
+        assert entry is not old_entry and entry.generation > old_entry.generation
+        before = _snapshot(pool, "h")
+        assert not pool.ack("h", old)
+        with pytest.raises(LeaseError):
+            pool.holder("h", old)
+        with pytest.raises(LeaseError):
+            pool.add_leases("h", old, 1)
+        assert _snapshot(pool, "h") == before
+        assert pool.ack("h", new) and pool.get("h") is None
+    finally:
+        pool.close()
