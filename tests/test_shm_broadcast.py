@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")
 SHM_DIR = Path("/dev/shm")
 PREFIX = f"ebc_{os.getpid():x}_"  # default names of every segment this (writer) process creates
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs POSIX shared memory in /dev/shm")
 
 N_MSGS, SLOT = 200, 1 << 20
 SPILL_AT = {3, 57, 58, 121, 199}  # messages with one buffer larger than the slot

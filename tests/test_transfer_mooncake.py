@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +26,6 @@ from eric_epd.transfer.handles import EmbeddingHandle, MooncakeLocation  # noqa:
 
 logger = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs mooncake-transfer-engine")
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 3_000_017]  # the last one is not a multiple of anything
 SEED = 1234
 
@@ -138,7 +136,7 @@ def test_every_size_is_exact(producer, consumer):
 
 
 def test_into_torch_tensor_and_tiny_staging(producer, quiet_mooncake):
-    torch = pytest.importorskip("torch")
+    import torch
     small = MooncakeConsumer(staging_bytes=1 << 20, chunk_bytes=256 << 10)  # four 256 KiB slots
     try:
         for i in (SIZES.index(16 << 20), len(SIZES) - 1, 0):
@@ -202,6 +200,18 @@ def test_rdma_protocol_is_accepted(quiet_mooncake):
         producer.close()
     with pytest.raises(TransferError, match="closed"):
         _fetch(consumer, handle)
+
+
+def test_wide_listeners_are_named(quiet_mooncake, caplog):
+    """Mooncake listens on every interface whatever the host: the producer names those ports so they get firewalled."""
+    with caplog.at_level(logging.WARNING, logger="eric_epd.transfer.backends.mooncake"):
+        producer = MooncakeProducer(host="127.0.0.1")
+    try:
+        rpc_port = int(producer.session_id.rsplit(":", 1)[1])
+        warned = [r.getMessage() for r in caplog.records if "listen on every interface" in r.getMessage()]
+        assert len(warned) == 1 and str(rpc_port) in warned[0] and "firewall" in warned[0]
+    finally:
+        producer.close()
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])

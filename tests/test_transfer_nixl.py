@@ -25,10 +25,8 @@ if _ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned chil
 
 from eric_epd.stack.process import new_key  # noqa: E402
 from eric_epd.transfer.backends.base import TransferError  # noqa: E402
-from eric_epd.transfer.handles import EmbeddingHandle  # noqa: E402
-
-pytest.importorskip("nixl._api")
 from eric_epd.transfer.backends.nixl import NixlConsumer, NixlProducer  # noqa: E402
+from eric_epd.transfer.handles import EmbeddingHandle  # noqa: E402
 
 logger = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")
@@ -148,7 +146,7 @@ def _read(consumer: NixlConsumer, h: EmbeddingHandle) -> np.ndarray:
 def test_reads_are_exact(producer: Producer, consumer: NixlConsumer) -> None:
     for i, h in enumerate(producer.handles):
         assert np.array_equal(_read(consumer, h), producer.expected(i)), SIZES[i]
-    torch = pytest.importorskip("torch")
+    import torch
     t = torch.zeros(SIZES[2], dtype=torch.uint8)
     consumer.read(producer.handles[2], t.numpy())  # a view on a tensor's memory
     assert np.array_equal(t.numpy(), producer.expected(2))

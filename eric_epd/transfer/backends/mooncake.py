@@ -24,15 +24,37 @@ _SPIN_S, _MAX_POLL_S = 100e-6, 200e-6
 _MAX_OPENED = 4096
 
 
+def _listening_ports() -> set[tuple[str, int]]:
+    """This process's listening TCP sockets (address, port)."""
+    import psutil  # a vLLM dependency, imported only when Mooncake is used
+
+    conns = psutil.Process().net_connections(kind="tcp")
+    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def _warn_wide_listeners(before: set[tuple[str, int]], host: str) -> None:
+    """Mooncake cannot bind one interface: say which of its ports listen on every interface, to be firewalled."""
+    wide = sorted(port for ip, port in _listening_ports() - before if ip in ("0.0.0.0", "::"))
+    if wide:
+        logger.warning(
+            "mooncake: ports %s listen on every interface, not only %s (Mooncake has no bind setting); anyone who "
+            "reaches them can read and write this process's registered memory: firewall them to the private network",
+            wide,
+            host,
+        )
+
+
 def _new_engine(host: str, protocol: str, device: str) -> Any:
     """Mooncake logs through glog at INFO; MC_LOG_LEVEL=ERROR in the environment quiets it, but it is read only when
     mooncake.engine is first imported, which this module does lazily, at the first engine."""
     from mooncake.engine import TransferEngine  # optional dependency: imported only when the backend is used
 
     engine = TransferEngine()
+    before = _listening_ports()
     rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
     if rc != 0:
         raise TransferError(f"mooncake: initialize(host={host!r}, protocol={protocol!r}, device={device!r}) rc={rc}")
+    _warn_wide_listeners(before, host)
     return engine
 
 
