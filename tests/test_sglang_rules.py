@@ -86,3 +86,21 @@ def test_peer_policy_rules_without_servers(monkeypatch: pytest.MonkeyPatch) -> N
     assert policy.allows_caller("10.0.0.3", "192.0.2.1") and policy.allows_caller("192.0.2.1", "192.0.2.1")
     assert not policy.allows_caller("192.0.2.2", "192.0.2.1") and policy.allows_caller("192.0.2.2", None)
     assert ipaddress.ip_network("10.0.0.0/24") in policy.networks
+
+
+def test_nixl_landing_buffers_register_on_the_rank_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's receiver passes no gpu_id: each rank's buffers register on its own current CUDA device (rank 1, or
+    --base-gpu-id 3), not device 0. The CUDA device is a stand-in (this machine has no GPU)."""
+    import torch
+
+    from eric_epd.plugins.sglang.plugin import NixlLandingEngine
+
+    assert NixlLandingEngine("h").device == 0 and NixlLandingEngine("h").mem_type == "DRAM"  # host memory here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current = {"device": 3}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    engine = NixlLandingEngine("h")
+    assert engine.mem_type == "VRAM" and engine.device == 3
+    current["device"] = 1  # what a rank whose scheduler process set device 1 sees
+    assert engine.device == 1
+    assert NixlLandingEngine("h", gpu_id=5).device == 5  # an explicit gpu_id wins

@@ -37,9 +37,8 @@ class NixlLandingEngine:
         import torch
 
         self.hostname = hostname
-        self.gpu_id = gpu_id if gpu_id is not None else 0
+        self.gpu_id = gpu_id
         self.mem_type = "VRAM" if torch.cuda.is_available() else "DRAM"
-        self.device = self.gpu_id if self.mem_type == "VRAM" else 0
         self.agent_name = f"sglang-epd-{hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()
         self._agent: Any = None
@@ -52,6 +51,18 @@ class NixlLandingEngine:
             self._agent = _new_agent(self.agent_name, progress_thread=True)
             logger.info("NIXL encoder landing agent %s (%s)", self.agent_name, self.mem_type)
         return self._agent
+
+    @property
+    def device(self) -> int:
+        """The device a landing buffer lives on: SGLang's receiver passes no gpu_id, so the rank's current CUDA
+        device (each rank's scheduler process sets its own, `--base-gpu-id` included); 0 for host memory."""
+        if self.mem_type != "VRAM":
+            return 0
+        if self.gpu_id is not None:
+            return self.gpu_id
+        import torch
+
+        return torch.cuda.current_device()
 
     def register(self, ptr: int, length: int) -> None:
         with self._lock:
