@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from eric_epd.common.cpus import parse_cpus
+from eric_epd.common.net import is_loopback
 from eric_epd.config import (
     DTYPES,
     SGLANG_DTYPES,
@@ -73,6 +74,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    SglangConfig.send_timeout_s), help="seconds a finished part waits for its ranks")
     g.add_argument("--sglang-req-timeout", type=float, default=_env_float("SGLANG_ENCODER_REQ_TIMEOUT",
                    SglangConfig.req_timeout_s), help="seconds a rank's early call waits for the part's /encode")
+    g.add_argument("--sglang-mooncake-protocol", default=os.environ.get("MOONCAKE_PROTOCOL", "rdma"),
+                   choices=("rdma", "tcp", "efa"),
+                   help="transport of the Mooncake pushes to SGLang: the prefills' MOONCAKE_PROTOCOL (SGLang's "
+                        "default: rdma; this flag defaults to MOONCAKE_PROTOCOL from the environment, else rdma)")
     g.add_argument("--sglang-allowed-peer", action="append", default=[],
                    help="CIDR Eric may push SGLang parts to besides the caller's own address (repeatable)")
     g.add_argument("--sglang-register-retry", type=float, default=SglangConfig.register_retry_s,
@@ -105,8 +110,18 @@ def _model_or_default(model: Path | None) -> Path:
     return Path(model).resolve()
 
 
+def _check_reachable(host: str, advertise_host: str | None) -> None:
+    """An address advertised to other hosts must be one Eric listens on: refuse a loopback bind with it."""
+    if advertise_host is None or is_loopback(advertise_host) or not is_loopback(host):
+        return
+    raise SystemExit(f"eric-epd serve: --advertise-host {advertise_host} is given but --host {host} listens on "
+                     "loopback only, so consumers on other hosts cannot reach it; add --host 0.0.0.0 (or the "
+                     "interface's own address)")
+
+
 def config_from_args(args: argparse.Namespace) -> EricConfig:
     """Parse once; the result goes to every process."""
+    _check_reachable(args.host, args.advertise_host)
     return EricConfig(
         model=_model_or_default(args.model), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
         port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads, max_body_bytes=args.max_body_bytes,
@@ -122,7 +137,8 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         sglang=SglangConfig(
             enabled=not args.no_sglang, register_urls=tuple(u.rstrip("/") for u in args.sglang_register_url),
             dtype=args.sglang_dtype, send_timeout_s=args.sglang_send_timeout, req_timeout_s=args.sglang_req_timeout,
-            register_retry_s=args.sglang_register_retry, allowed_peers=tuple(args.sglang_allowed_peer)),
+            register_retry_s=args.sglang_register_retry, allowed_peers=tuple(args.sglang_allowed_peer),
+            mooncake_protocol=args.sglang_mooncake_protocol),
         api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None,
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
                              allow_private_hosts=args.allow_private_hosts,

@@ -95,6 +95,9 @@ class SglangConfig:
     dtype: str = "auto"
     """dtype of the rows sent: must be the prefill's model dtype, since Mooncake/NIXL landing buffers are read in
     it. "auto" applies SGLang's own --dtype auto rule to the checkpoint (float32 -> float16)."""
+    mooncake_protocol: str = "rdma"
+    """Transport of Eric's Mooncake push engine: SGLang's own (its MOONCAKE_PROTOCOL, default rdma); Mooncake picks
+    the transport from the target, so both sides must agree. Without RDMA devices Mooncake falls back to TCP."""
     allowed_peers: tuple[str, ...] = ()
     """CIDRs (e.g. 10.0.0.0/24) Eric may push parts to besides the address a request came from; SGLang's receivers
     send no key, so where Eric connects is bounded by this and by the caller's own address."""

@@ -104,3 +104,28 @@ def test_nixl_landing_buffers_register_on_the_rank_device(monkeypatch: pytest.Mo
     current["device"] = 1  # what a rank whose scheduler process set device 1 sees
     assert engine.device == 1
     assert NixlLandingEngine("h", gpu_id=5).device == 5  # an explicit gpu_id wins
+
+
+def test_mooncake_protocol_follows_sglang_and_advertised_hosts_are_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eric's Mooncake pushes to SGLang use SGLang's protocol (its MOONCAKE_PROTOCOL, default rdma); an address
+    advertised to other hosts with a loopback bind is refused at start with a message naming both flags."""
+    import argparse
+
+    from eric_epd.cli import _serve_parser, config_from_args
+
+    def config(*argv: str, env: str | None = None):
+        if env is None:
+            monkeypatch.delenv("MOONCAKE_PROTOCOL", raising=False)
+        else:
+            monkeypatch.setenv("MOONCAKE_PROTOCOL", env)
+        parser = argparse.ArgumentParser()
+        _serve_parser(parser.add_subparsers(dest="command"))
+        return config_from_args(parser.parse_args(["serve", *argv]))
+
+    assert config().sglang.mooncake_protocol == "rdma" and config().transfer.mooncake_protocol == "tcp"
+    assert config(env="tcp").sglang.mooncake_protocol == "tcp"
+    assert config("--sglang-mooncake-protocol", "tcp", env="rdma").sglang.mooncake_protocol == "tcp"
+    with pytest.raises(SystemExit, match=r"--host 0\.0\.0\.0"):
+        config("--advertise-host", "10.0.0.5")
+    assert config("--host", "0.0.0.0", "--advertise-host", "10.0.0.5").transfer.advertise_host == "10.0.0.5"
+    assert config("--advertise-host", "localhost").transfer.advertise_host == "localhost"

@@ -271,3 +271,23 @@ def test_frozen_producer_is_bounded(producer, quiet_mooncake):
             frozen.proc.join(5)
         warm.close()
         cold.close()
+
+
+def test_fetcher_says_once_why_it_skips_a_transport(quiet_mooncake, caplog):
+    """A consumer whose Mooncake engine uses tcp cannot read an rdma producer: it says so once, counts every skip,
+    and the error names the reason (no silent fall-through); its protocol is a consumer setting."""
+    from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
+
+    loc = MooncakeLocation(session_id="127.0.0.1:1", addr=4096, protocol="rdma")
+    handle = EmbeddingHandle("x" * 64, (8, 4), "float32", 128, "http://p", "i", "http://p/x", mooncake=loc)
+    fetcher = EmbeddingFetcher(["mooncake"], mooncake=MooncakeOptions(protocol="tcp"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="eric_epd.transfer.client"):
+            for _ in range(3):
+                with pytest.raises(TransferError, match="no usable backend"):
+                    fetcher.read_into(handle, np.empty(128, dtype=np.uint8))
+        said = [r.getMessage() for r in caplog.records if "skipping a transport" in r.getMessage()]
+        assert len(said) == 1 and "over rdma" in said[0] and "uses tcp" in said[0]
+        assert fetcher.take_unusable() == 3 and fetcher.take_unusable() == 0
+    finally:
+        fetcher.close()

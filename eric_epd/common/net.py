@@ -24,3 +24,17 @@ def interface_of(host: str) -> str | None:
         if socket.inet_ntoa(packed[20:24]) == ip:
             return name
     return None
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback name or address (localhost, 127.0.0.0/8, ::1); names are resolved."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False

@@ -126,16 +126,27 @@ def greedy(llm: Any, prompt: dict[str, Any], items: list[dict[str, Any]] | None 
 
 @contextlib.contextmanager
 def eric_key_in_env(api_key: str | None) -> Iterator[None]:
-    """ERIC_API_KEY set while an offline LLM starts (its engine processes inherit it; the connector reads it)."""
-    saved = os.environ.get("ERIC_API_KEY")
+    """While an offline LLM starts: ERIC_API_KEY set (its engine processes inherit it; the connector reads it), and
+    this process on the engine's half of the CPUs with vLLM's OpenMP threads bound there, so the engine processes
+    it spawns never share Eric's cores (as `eric-epd up` and VllmServe place them)."""
+    from eric_epd.common.cpus import format_cpus
+    from eric_epd.stack.servers import host_split
+
+    engine_cpus = host_split()[1]
+    saved = {k: os.environ.get(k) for k in ("ERIC_API_KEY", "VLLM_CPU_OMP_THREADS_BIND")}
+    affinity = os.sched_getaffinity(0)
     os.environ["ERIC_API_KEY"] = api_key or ""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = format_cpus(engine_cpus)
+    os.sched_setaffinity(0, engine_cpus)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("ERIC_API_KEY", None)
-        else:
-            os.environ["ERIC_API_KEY"] = saved
+        os.sched_setaffinity(0, affinity)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def llm_kwargs(model: Path) -> dict[str, Any]:

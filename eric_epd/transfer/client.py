@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,6 +32,16 @@ def as_handle(handle: EmbeddingHandle | dict[str, Any]) -> EmbeddingHandle:
     return handle if isinstance(handle, EmbeddingHandle) else msgspec.convert(handle, EmbeddingHandle)
 
 
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """A consumer's own Mooncake engine: the address peers reach it at, its transport (it must match the
+    producer's: Mooncake picks the transport from the target) and its RDMA device names (empty: all)."""
+
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device: str = ""
+
+
 def _usable(backend: ConsumerBackend, handle: EmbeddingHandle) -> bool:
     check = getattr(backend, "usable", None)
     if check is not None:
@@ -36,7 +49,13 @@ def _usable(backend: ConsumerBackend, handle: EmbeddingHandle) -> bool:
     return getattr(handle, backend.name, None) is not None
 
 
-def _make_backend(name: str, http_timeout_s: float, api_key: str | None) -> ConsumerBackend:
+def _why_unusable(name: str, backend: ConsumerBackend, handle: EmbeddingHandle) -> str:
+    explain = getattr(backend, "why_unusable", None)
+    reason = explain(handle) if explain is not None else None
+    return f"{name}: {reason or 'this consumer cannot use the handle location'}"
+
+
+def _make_backend(name: str, http_timeout_s: float, api_key: str | None, mooncake: MooncakeOptions) -> ConsumerBackend:
     if name == "shm":
         from eric_epd.transfer.backends.shm import ShmConsumer
 
@@ -44,7 +63,7 @@ def _make_backend(name: str, http_timeout_s: float, api_key: str | None) -> Cons
     if name == "mooncake":
         from eric_epd.transfer.backends.mooncake import MooncakeConsumer
 
-        return MooncakeConsumer()
+        return MooncakeConsumer(mooncake.host, mooncake.protocol, mooncake.device)
     if name == "nixl":
         from eric_epd.transfer.backends.nixl import NixlConsumer
 
@@ -61,13 +80,16 @@ class EmbeddingFetcher:
     the producers' (their control routes need it)."""
 
     def __init__(self, backends: Sequence[str] = BACKENDS, http_timeout_s: float = 30.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, mooncake: MooncakeOptions | None = None) -> None:
         for name in backends:
             if name not in BACKENDS:
                 raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
         self._order = tuple(backends)
         self._http_timeout_s = http_timeout_s
         self._api_key = api_key
+        self._mooncake = mooncake or MooncakeOptions()
+        self._unusable: Counter[str] = Counter()  # reason -> handles skipped for it since take_unusable()
+        self._told: set[str] = set()
         self._backends: dict[str, ConsumerBackend] = {}
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=http_timeout_s, headers=bearer(api_key))
@@ -76,7 +98,7 @@ class EmbeddingFetcher:
     def _backend(self, name: str) -> ConsumerBackend:
         with self._lock:  # one consumer agent/engine per backend, even when threads race here
             if name not in self._backends:
-                self._backends[name] = _make_backend(name, self._http_timeout_s, self._api_key)
+                self._backends[name] = _make_backend(name, self._http_timeout_s, self._api_key, self._mooncake)
             return self._backends[name]
 
     def fetch(self, handle: EmbeddingHandle | dict[str, Any], out: torch.Tensor | None = None,
@@ -104,6 +126,7 @@ class EmbeddingFetcher:
             try:
                 backend = self._backend(name)
                 if not _usable(backend, h):
+                    self._note_unusable(_why_unusable(name, backend, h))
                     continue
                 backend.read(h, dst)
             except (ImportError, OSError) as e:  # the backend's library is missing or cannot start here
@@ -119,15 +142,46 @@ class EmbeddingFetcher:
         raise TransferError(f"could not fetch embedding {h.hash} from {h.producer}: "
                             + ("; ".join(errors) or f"no usable backend among {self._order}"))
 
-    def ack(self, handle: EmbeddingHandle | dict[str, Any]) -> None:
-        """Release our lease. Raises TransferError if the entry expired or the producer restarted."""
+    def _note_unusable(self, reason: str) -> None:
+        """A transport the handle offers that this consumer cannot use: said once in the log, always counted."""
+        with self._lock:
+            self._unusable[reason] += 1
+            first = reason not in self._told
+            self._told.add(reason)
+        if first:
+            logger.warning("skipping a transport the producer offers: %s (said once; counted)", reason)
+
+    def take_unusable(self) -> int:
+        """Handles whose offered transport was skipped since the last call."""
+        with self._lock:
+            n, self._unusable = sum(self._unusable.values()), Counter()
+        return n
+
+    def ack(self, handle: EmbeddingHandle | dict[str, Any], attempt_timeout_s: float | None = None) -> None:
+        """Release our lease. Raises TransferError if the entry expired or the producer restarted.
+
+        With `attempt_timeout_s`, an unanswered ack is sent again on a new connection until the fetcher's timeout;
+        a 404 after an attempt that was sent but never answered means that attempt ended the lease (the token is
+        ours alone), so it counts as acknowledged."""
         h = as_handle(handle)
         url = f"{h.producer}/v1/embeddings/{h.hash}/ack"
-        try:
-            resp = self._http.post(url, json={"instance_id": h.instance_id}, headers={LEASE_HEADER: h.lease})
-        except httpx.HTTPError as e:
-            raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
-        if resp.status_code != 200:
+        deadline = time.monotonic() + self._http_timeout_s
+        unanswered = False
+        while True:
+            timeout = self._http_timeout_s if attempt_timeout_s is None else attempt_timeout_s
+            try:
+                resp = self._http.post(url, json={"instance_id": h.instance_id}, headers={LEASE_HEADER: h.lease},
+                                       timeout=max(0.1, min(timeout, deadline - time.monotonic())))
+            except httpx.ReadTimeout as e:
+                if attempt_timeout_s is None or time.monotonic() >= deadline:
+                    raise TransferError(f"producer {h.producer} did not answer the ack of {h.hash}: {e!r}") from e
+                logger.warning("ack of %s unanswered after %.1f s; sending it again", h.hash[:12], timeout)
+                unanswered = True
+                continue
+            except httpx.HTTPError as e:
+                raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
+            if resp.status_code == 200 or (resp.status_code == 404 and unanswered):
+                return
             try:
                 message = resp.json()["error"]["message"]
             except Exception:

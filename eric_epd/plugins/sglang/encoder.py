@@ -380,7 +380,7 @@ class SglangEncoder:
             if kind == "mooncake":
                 if self._mooncake is None:
                     self._mooncake = await asyncio.to_thread(
-                        MooncakePusher, tc.advertise_host, tc.mooncake_protocol, tc.mooncake_device,
+                        MooncakePusher, tc.advertise_host, self.config.sglang.mooncake_protocol, tc.mooncake_device,
                         pool.base_addr, pool.nbytes)
                 return self._mooncake
             if self._nixl is None:

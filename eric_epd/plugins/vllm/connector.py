@@ -2,10 +2,11 @@
 
 Scheduler side (EngineCore process): each request brings the handles (with lease tokens) of its Eric items beside
 it, in `sampling_params.extra_args` (the gateway writes them); they are checked (a configured Eric, the model's
-embedding width, a consistent byte length) and looked up locally, with no network call; a request whose items can be
-neither fetched nor encoded locally, or whose handles fail the checks, is failed alone.
-Worker side (each vLLM worker): fetches the embedding over the configured transfer backend straight into vLLM's
-encoder cache, with its rank's own lease, then acknowledges it to Eric.
+embedding width, a consistent byte length). The request waits (`ensure_cache_available` is False) while background
+threads fetch its items into a shared-memory staging area and acknowledge them to Eric; no network call runs on the
+scheduler's loop, and a slow Eric delays only the requests whose items it holds. A request whose items can be neither
+fetched nor encoded locally, or whose handles fail the checks, is failed alone.
+Worker side (each vLLM worker): copies staged items into vLLM's encoder cache (a memcpy, or one host-to-device copy).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -26,9 +26,10 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from eric_epd.plugins.vllm.handoff import HandleError, model_embedding_width, offered_handles
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
+from eric_epd.plugins.vllm.staging import Prefetcher, StagedLoad, StagingReader, State
 from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.client import EmbeddingFetcher, as_handle
+from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
 from eric_epd.transfer.handles import BACKENDS, EmbeddingHandle
 
 if TYPE_CHECKING:
@@ -41,38 +42,41 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "ERIC_API_KEY"
 """The Erics' API key reaches vLLM's processes through the environment, never a command line."""
+IDLE_WAIT_S = 0.002
+"""With nothing to run but requests waiting for their fetches, the scheduler waits this long for one to end."""
 
 
 @dataclass
 class EricLoad:
     request_id: str
     mm_hash: str
-    num_tokens: int
-    handle: dict[str, Any]
-    leases: list[str]
-    """One lease token per tensor-parallel rank of this engine (rank i reads and acknowledges with leases[i])."""
+    shape: tuple[int, ...]
+    staged: StagedLoad | None
+    """None: nothing to copy (the request has failed); the worker fills zeros to keep the step well-formed."""
 
 
 @dataclass
 class EricECMetadata(ECConnectorMetadata):
-    """Scheduler -> workers, once per step: what to pull into the encoder cache."""
+    """Scheduler -> workers, once per step: staged items to copy into the encoder cache."""
 
     loads: list[EricLoad] = field(default_factory=list)
 
 
 @dataclass
 class EricWorkerMetadata(ECConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: requests whose embeddings could not be fetched, and counters
-    (vLLM collects connector stats on the scheduler side only)."""
+    """Workers -> scheduler, once per step: items copied out of staging (their space can be reused), requests
+    whose copy failed, and counters (vLLM collects connector stats on the scheduler side only)."""
 
     failed_request_ids: set[str] = field(default_factory=set)
+    copied: set[str] = field(default_factory=set)
     counts: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, EricWorkerMetadata)
         merged = EricECStats(dict(self.counts))
         merged.record(**other.counts)
-        return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids, merged.data)
+        return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids, self.copied | other.copied,
+                                  merged.data)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,10 @@ class EricConnectorSettings:
     backends: tuple[str, ...]
     lookup_timeout_s: float
     api_key: str | None
+    staging_bytes: int = 1 << 30
+    prefetch_threads: int = 4
+    fetch_timeout_s: float = 30.0
+    mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)
 
     @classmethod
     def parse(cls, extra: dict[str, Any], environ: dict[str, str] | os._Environ = os.environ) -> EricConnectorSettings:
@@ -95,8 +103,19 @@ class EricConnectorSettings:
         unknown = set(backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown Eric transfer backends {sorted(unknown)}; choose from {BACKENDS}")
-        return cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)),
-                   environ.get(API_KEY_ENV) or None)
+        settings = cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)),
+                       environ.get(API_KEY_ENV) or None, int(extra.get("staging_bytes", cls.staging_bytes)),
+                       int(extra.get("prefetch_threads", cls.prefetch_threads)),
+                       float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
+                       MooncakeOptions(str(extra.get("mooncake_host", MooncakeOptions.host)),
+                                       str(extra.get("mooncake_protocol", MooncakeOptions.protocol)),
+                                       str(extra.get("mooncake_device", MooncakeOptions.device))))
+        if settings.mooncake.protocol not in ("tcp", "rdma", "efa"):
+            raise ValueError(f"mooncake_protocol {settings.mooncake.protocol!r}: choose tcp, rdma or efa")
+        if settings.staging_bytes < 1 << 20 or settings.prefetch_threads < 1 or settings.fetch_timeout_s <= 0:
+            raise ValueError("ec_connector_extra_config: staging_bytes >= 1 MiB, prefetch_threads >= 1 and "
+                             "fetch_timeout_s > 0 are required")
+        return settings
 
 
 class EricECConnector(ECConnectorBase):
@@ -105,22 +124,26 @@ class EricECConnector(ECConnectorBase):
         if not self.is_consumer or self.is_producer:
             raise ValueError("EricECConnector is a consumer: use ec_role 'ec_consumer' (Eric is the producer)")
         assert vllm_config.ec_transfer_config is not None
-        self._settings = EricConnectorSettings.parse(vllm_config.ec_transfer_config.ec_connector_extra_config)
+        extra = vllm_config.ec_transfer_config.ec_connector_extra_config
+        self._settings = settings = EricConnectorSettings.parse(extra)
         self._stats = EricECStats()
-        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         if role == ECConnectorRole.SCHEDULER:
             self._width = model_embedding_width(vllm_config.model_config)
-            self._leases = LeaseClient(self._settings.api_key, self._settings.lookup_timeout_s)
+            self._leases = LeaseClient(settings.api_key, settings.lookup_timeout_s)
+            self._fetcher = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key,
+                                             settings.mooncake)
+            self._prefetch = Prefetcher(self._fetcher, settings.staging_bytes, settings.prefetch_threads)
             self._offers: dict[str, dict[str, EmbeddingHandle]] = {}  # request id -> its items' handles
             self._available: dict[str, dict[str, EmbeddingHandle]] = {}  # hash -> request id -> unused handle
+            self._used: dict[str, set[str]] = {}  # request id -> hashes fetched with its own lease
             self._pending: list[EricLoad] = []
             self._unavailable: set[str] = set()
-            self._scheduled: set[str] = set()  # identifiers whose load went to the workers
-            self._loaded_for: dict[str, set[str]] = {}  # request id -> identifiers loaded with its own handles
+            self._cached: set[str] = set()  # identifiers loaded into vLLM's encoder cache and not evicted since
         else:
-            self._fetcher = EmbeddingFetcher(self._settings.backends, api_key=self._settings.api_key)
+            self._reader = StagingReader()
             self._dtype = vllm_config.model_config.dtype
             self._failed: set[str] = set()
+            self._copied: set[str] = set()
 
     # ---- scheduler side --------------------------------------------------------------------------------------
 
@@ -133,10 +156,8 @@ class EricECConnector(ECConnectorBase):
         try:
             offered = offered_handles(getattr(params, "extra_args", None), self._settings.eric_urls, self._width)
         except HandleError as e:
-            logger.warning("request %s: refused Eric handles: %s", rid, e)
             if live:
-                self._unavailable.add(rid)
-                self._stats.record(unavailable_requests=1)
+                self._fail(rid, f"refused Eric handles: {e}")
             offered = {}
         wanted = {f.identifier for f in request.mm_features}
         offers = self._offers[rid] = {k: h for k, h in offered.items() if k in wanted}
@@ -144,44 +165,71 @@ class EricECConnector(ECConnectorBase):
             self._available.setdefault(key, {})[rid] = handle
         return offers
 
-    def _take(self, key: str, rid: str) -> EmbeddingHandle | None:
-        """The request's own unused handle for `key`, else another live request's; removed from the available."""
+    def _fail(self, rid: str, why: str) -> bool:
+        logger.warning("request %s: %s", rid, why)
+        if rid not in self._unavailable:
+            self._unavailable.add(rid)
+            self._stats.record(unavailable_requests=1)
+        return False
+
+    def _offer(self, key: str, rid: str) -> EmbeddingHandle | None:
+        """The request's own unused handle for `key`, else another live request's."""
         holders = self._available.get(key)
         if not holders:
             return None
-        handle = holders.pop(rid, None) if rid in holders else holders.pop(next(iter(holders)))
-        if not holders:
-            del self._available[key]
-        return handle
+        return holders.get(rid) or next(iter(holders.values()))
+
+    def _spend(self, key: str, handle: EmbeddingHandle) -> None:
+        """A fetch took `handle`'s lease: it is no longer offered, nor given back when its request ends."""
+        holders = self._available.get(key, {})
+        owner = next((r for r, h in holders.items() if h is handle), None)
+        if owner is not None:
+            del holders[owner]
+            if not holders:
+                del self._available[key]
+            self._used.setdefault(owner, set()).add(key)
 
     def has_cache_item(self, identifier: str) -> bool:
-        return bool(self._available.get(identifier))
+        """Staged, or loaded earlier: vLLM then schedules a load, never its own encoder, for this item."""
+        return self._prefetch.ready(identifier) or identifier in self._cached
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Hold back (and later fail) a request whose item is neither offered by an Eric handle nor present as raw
-        media, or whose handles failed their checks."""
+        """True once every Eric item the request still needs is staged; until then its fetches run in the
+        background and it waits. Fails a request whose item is at no Eric and carries no media to encode locally,
+        whose handles failed their checks, or whose fetch failed."""
         offers = self._offers_of(request)
-        if request.request_id in self._unavailable:
+        rid = request.request_id
+        if rid in self._unavailable:
             return False
+        ready = True
         for index, feature in enumerate(request.mm_features):
-            pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens or feature.identifier in self._scheduled:
-                continue  # already in the KV cache, or its load is already scheduled
-            own = offers.get(feature.identifier)
-            if own is not None and own.shape[0] != request.get_num_encoder_embeds(index):
-                logger.warning("request %s: embedding %s has %d rows, its grid needs %d", request.request_id,
-                               feature.identifier[:16], own.shape[0], request.get_num_encoder_embeds(index))
-                self._unavailable.add(request.request_id)
-                self._stats.record(unavailable_requests=1)
-                return False
-            if feature.identifier not in offers and not self.has_cache_item(feature.identifier) \
-                    and not has_raw_media(feature):
-                logger.warning("request %s: item %s has no Eric handle and carries no media to encode locally",
-                               request.request_id, feature.identifier)
-                self._unavailable.add(request.request_id)
-                self._stats.record(unavailable_requests=1)
-                return False
-        return True
+            key, pos = feature.identifier, feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens or key in self._cached:
+                continue  # already in the KV cache, or in vLLM's encoder cache
+            rows = request.get_num_encoder_embeds(index)
+            item = self._prefetch.get(key)
+            if item is None or rid not in item.users:
+                handle = self._offer(key, rid) if item is None else offers.get(key) or item.handle
+                if handle is None:
+                    if has_raw_media(feature):
+                        continue  # vLLM encodes it itself
+                    return self._fail(rid, f"item {key[:16]} has no Eric handle and carries no media to encode")
+                if handle.shape[0] != rows:
+                    return self._fail(rid, f"embedding {key[:16]} has {handle.shape[0]} rows, its grid needs {rows}")
+                try:
+                    item = self._prefetch.want(key, handle, rid)
+                except TransferError as e:
+                    return self._fail(rid, str(e))
+                if item is None:  # no room in the staging area now
+                    ready = False
+                    continue
+                if item.handle is handle:
+                    self._spend(key, handle)
+            if item.state is State.FAILED:
+                self._stats.record(load_failures=1)
+                return self._fail(rid, f"cannot fetch embedding {key[:16]}: {item.error}")
+            ready = ready and item.state is State.READY
+        return ready
 
     def take_unavailable_requests(self) -> set[str]:
         taken, self._unavailable = self._unavailable, set()
@@ -189,56 +237,56 @@ class EricECConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
-        rid = request.request_id
-        own = feature.identifier in self._offers_of(request)
-        handle = self._take(feature.identifier, rid)
-        if handle is None:
-            return
-        leases = [handle.lease]
-        if self._tp_size > 1:  # every TP rank reads and acknowledges its own lease
-            leases += self._leases.add_children(handle, self._tp_size - 1)
-            if len(leases) < self._tp_size:
-                self._unavailable.add(rid)  # the load still runs (the step stays well-formed); the request fails
-                leases += [handle.lease] * (self._tp_size - len(leases))
-        self._pending.append(EricLoad(rid, feature.identifier, request.get_num_encoder_embeds(index),
-                                      msgspec.to_builtins(handle), leases))
-        if own:
-            self._loaded_for.setdefault(rid, set()).add(feature.identifier)
+        key, rid = feature.identifier, request.request_id
+        if not self._prefetch.ready(key):
+            if key in self._cached:  # vLLM evicted it in this very step: nothing to load it from
+                self._fail(rid, f"embedding {key[:16]} left vLLM's encoder cache before it was used; retry")
+                self._pending.append(EricLoad(rid, key, (request.get_num_encoder_embeds(index), self._width), None))
+            return  # otherwise vLLM's own encoder computes this item
+        staged = self._prefetch.to_workers(key, rid)
+        self._pending.append(EricLoad(rid, key, staged.shape, staged))
+        self._stats.record(loaded_items=1, loaded_bytes=staged.nbytes)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
-        self._stats.record(local_encoder_items=local, external_items=len(self._pending))
+        self._stats.record(local_encoder_items=local, external_items=len(self._pending),
+                           unusable_transport=self._fetcher.take_unusable())
         meta, self._pending = EricECMetadata(self._pending), []
-        for load in meta.loads:
-            self._scheduled.add(load.mm_hash)
+        self._cached.difference_update(scheduler_output.free_encoder_mm_hashes)
+        self._cached.update(load.mm_hash for load in meta.loads)
+        if not scheduler_output.total_num_scheduled_tokens and self._prefetch.busy():
+            self._prefetch.wait(IDLE_WAIT_S)  # idle until a fetch ends, rather than spin the engine loop
         return meta
-
-    def update_state_after_free(self, request: Request, index: int) -> None:
-        """vLLM dropped the item from its encoder cache: a later use must load it again."""
-        self._scheduled.discard(request.mm_features[index].identifier)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
         if isinstance(meta, EricWorkerMetadata):
+            self._prefetch.copied(list(meta.copied))
             self._unavailable |= meta.failed_request_ids
             self._stats.record(**meta.counts)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Eric items of this request that were never loaded with its own leases (vLLM already had them cached, or
-        the request ended first) still hold the leases its encode took: give them back now, not at the TTL."""
+        """Eric items of this request that were never fetched with its own leases (vLLM already had them cached,
+        or the request ended first) still hold the leases its encode took: give them back now, not at the TTL."""
         rid = request.request_id
         offers = self._offers_of(request, live=False)  # also a request that ended before it was ever scheduled
         del self._offers[rid]
+        for feature in request.mm_features:
+            self._prefetch.drop(feature.identifier, rid)
         for key in offers:
             holders = self._available.get(key)
             if holders is not None and holders.pop(rid, None) is not None and not holders:
                 del self._available[key]
-        loaded = self._loaded_for.pop(rid, set())
-        unused = [h for key, h in offers.items() if key not in loaded]
+        used = self._used.pop(rid, set())
+        unused = [h for key, h in offers.items() if key not in used]
         if unused:
             self._leases.release(unused)
             self._stats.record(released_items=len(unused))
         return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine loop alive while fetches run (their requests may have ended meanwhile)."""
+        return self._prefetch.busy()
 
     # ---- worker side -----------------------------------------------------------------------------------------
 
@@ -248,37 +296,32 @@ class EricECConnector(ECConnectorBase):
         for load in meta.loads:
             if load.mm_hash not in encoder_cache:
                 encoder_cache[load.mm_hash] = self._load(load)
+            self._copied.add(load.mm_hash)
 
     def _load(self, load: EricLoad) -> torch.Tensor:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
-        rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
-        handle = msgspec.structs.replace(as_handle(load.handle), lease=load.leases[rank % len(load.leases)])
         device = torch.device(current_platform.device_type)
         if current_platform.is_cuda_alike():
             device = torch.device(device.type, current_platform.current_device())
-        try:
-            if handle.shape[0] != load.num_tokens:  # checked before any byte moves
-                raise TransferError(f"embedding has {handle.shape[0]} rows, the prompt has {load.num_tokens} slots")
-            tensor = self._fetcher.fetch(handle)
-        except TransferError as e:
-            logger.error("request %s: cannot fetch embedding %s: %s", load.request_id, load.mm_hash, e)
-            self._failed.add(load.request_id)
-            self._stats.record(load_failures=1)
-            # keep this step well-formed; the scheduler fails the request before it returns any output
-            return torch.zeros(load.num_tokens, handle.shape[-1], dtype=self._dtype, device=device)
-        self._stats.record(loaded_items=1, loaded_bytes=handle.nbytes)
-        return tensor.to(device=device, dtype=self._dtype, non_blocking=False)
+        if load.staged is not None:
+            try:
+                return self._reader.tensor(load.staged, self._dtype, device)
+            except (OSError, ValueError, RuntimeError) as e:
+                logger.error("request %s: cannot copy staged embedding %s: %r", load.request_id, load.mm_hash, e)
+                self._failed.add(load.request_id)
+                self._stats.record(load_failures=1)
+        # keep this step well-formed; the scheduler fails the request before it returns any output
+        return torch.zeros(load.shape, dtype=self._dtype, device=device)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Consumer only: nothing to save."""
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        if not self._failed and self._stats.is_empty():
+        if not self._failed and not self._copied and self._stats.is_empty():
             return None
-        meta = EricWorkerMetadata(self._failed, self._stats.data)
-        self._failed, self._stats = set(), EricECStats()
+        meta = EricWorkerMetadata(self._failed, self._copied, self._stats.data)
+        self._failed, self._copied, self._stats = set(), set(), EricECStats()
         return meta
 
     # ---- both ------------------------------------------------------------------------------------------------
@@ -302,6 +345,7 @@ class EricECConnector(ECConnectorBase):
 
     def shutdown(self) -> None:
         if self.role == ECConnectorRole.WORKER:
-            self._fetcher.close()
+            self._reader.close()
         else:
+            self._prefetch.close()
             self._leases.close()

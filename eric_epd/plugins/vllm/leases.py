@@ -1,5 +1,5 @@
-"""Scheduler-side lease calls of the connector: child leases for the other tensor-parallel ranks, and giving back
-the leases of items a request never loaded (vLLM had them cached). Lookups are local: handles come with requests."""
+"""Scheduler-side lease calls of the connector: giving back the leases of items a request never fetched (vLLM had
+them cached, or the request ended first). Lookups are local: handles come with requests."""
 
 from __future__ import annotations
 
@@ -34,24 +34,11 @@ def has_raw_media(feature: Any) -> bool:
 
 
 class LeaseClient:
-    """Lease calls to the Erics, with their API key. add_children is synchronous (its tokens go to the workers in
-    this step); releases run in a background thread."""
+    """Lease calls to the Erics, with their API key, in a background thread (never on the scheduler's loop)."""
 
     def __init__(self, api_key: str | None, timeout_s: float) -> None:
         self._client = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-release")
-
-    def add_children(self, handle: EmbeddingHandle, count: int) -> list[str]:
-        """`count` child leases of the handle's lease (one per further TP rank); [] when Eric refuses."""
-        try:
-            resp = self._client.post(f"{handle.producer}/v1/embeddings/{handle.hash}/lease", json={"count": count},
-                                     headers={LEASE_HEADER: handle.lease})
-            resp.raise_for_status()
-            tokens = resp.json()["leases"]
-        except (httpx.HTTPError, KeyError, ValueError) as e:
-            logger.warning("could not add %d leases on %s: %r", count, handle.hash[:16], e)
-            return []
-        return [t for t in tokens if isinstance(t, str)][:count]
 
     def release(self, handles: Iterable[EmbeddingHandle]) -> None:
         """Acknowledge, in the background, the leases of items a request never loaded."""

@@ -15,6 +15,8 @@ COUNTERS = {
     "load_failures": "Embeddings that could not be fetched (their requests fail)",
     "unavailable_requests": "Requests failed because an item was at no Eric and had no raw media",
     "released_items": "Eric items never fetched for their request (vLLM had them cached) whose lease was returned",
+    "unusable_transport": "Fetches that skipped a transport the handle offered but this engine cannot use (e.g. "
+                          "Mooncake over rdma with a tcp consumer); the log says why, once",
 }
 
 

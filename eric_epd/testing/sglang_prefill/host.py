@@ -35,7 +35,6 @@ from eric_epd.testing.sglang_prefill.ranks import outcome_from_mm, rank_main, re
 
 PREFILL_ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",  # receivers advertise loopback (the machine's NIC address would also do)
-    "MOONCAKE_PROTOCOL": "tcp",  # SGLang's receiver engine; Eric's push engine uses --mooncake-protocol (tcp)
     "MC_LOG_LEVEL": "ERROR",
     "SGLANG_EMBEDDING_POOL_SIZE_MB": "0",  # no cuda pool; the ranks get CpuLandingPoolStandIn instead
     "TOKENIZERS_PARALLELISM": "false",

@@ -155,6 +155,12 @@ class MooncakeConsumer:
     def usable(self, handle: EmbeddingHandle) -> bool:
         return handle.mooncake is not None and handle.mooncake.protocol == self.protocol
 
+    def why_unusable(self, handle: EmbeddingHandle) -> str | None:
+        if handle.mooncake is None or handle.mooncake.protocol == self.protocol:
+            return None
+        return (f"the producer serves Mooncake over {handle.mooncake.protocol}, this consumer's engine uses "
+                f"{self.protocol} (set the consumer's Mooncake protocol to {handle.mooncake.protocol})")
+
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
         loc = handle.mooncake
         if loc is None:

@@ -1,0 +1,255 @@
+"""EPD against colocated vLLM on the same cores, loaded by `vllm bench serve`: TTFT/TPOT p50/p99, throughput and
+goodput under an SLO, over a sweep of request rates, for encoder-heavy, single-image and repeated-image traffic.
+
+Colocated: one `vllm serve` on every core. EPD: Eric (and the gateway) on one half of the cores, vLLM behind Eric
+on the other (`eric-epd up`'s layout). Writes benchmarks/results/epd_vs_colocated.{json,png}.
+Usage: python benchmarks/epd_vs_colocated.py [--quick] [--series heavy,single,repeat,tiny] [--rates 0.5,1,inf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from eric_epd.common.cpus import available_cpus
+from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
+from eric_epd.testing.checkpoints import ensure_checkpoint
+from eric_epd.testing.media import image_bytes, random_image
+
+logger = logging.getLogger("epd_vs_colocated")
+RESULTS = Path(__file__).parent / "results"
+OUTPUT_TOKENS = 32
+SLO = {"ttft": 8000.0, "tpot": 400.0}
+"""Goodput SLO in ms (a request counts when both hold): generous for a 2-core CPU running the small checkpoint."""
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    checkpoint: str
+    """size of the offline qwen2_vl checkpoint"""
+    dataset: list[str]
+    """`vllm bench serve` dataset arguments"""
+    max_images: int
+
+
+def _buckets(sides: tuple[int, ...]) -> str:
+    return "{" + ", ".join(f"({s}, {s}, 1): {1 / len(sides):.4f}" for s in sides) + "}"
+
+
+def _random_mm(items: int, spread: float, sides: tuple[int, ...], limit: int) -> list[str]:
+    return ["--dataset-name", "random-mm", "--random-input-len", "64", "--random-output-len", str(OUTPUT_TOKENS),
+            "--random-mm-base-items-per-request", str(items), "--random-mm-num-mm-items-range-ratio", str(spread),
+            "--random-mm-limit-mm-per-prompt", json.dumps({"image": limit, "video": 0}),
+            "--random-mm-bucket-config", _buckets(sides)]
+
+
+def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int, int], seed: int = 0) -> None:
+    """custom_image JSONL: half of each request's images come from a small shared set (they repeat)."""
+    images = path.parent / "images"
+    images.mkdir(parents=True, exist_ok=True)
+
+    def image(name: str, i: int) -> str:
+        side = sides[i % len(sides)]
+        f = images / f"{name}_{i}.png"
+        if not f.exists():
+            f.write_bytes(image_bytes(random_image(side, side, seed=seed * 100_003 + hash(name) % 997 + i)))
+        return str(f)
+
+    shared = [image("shared", i) for i in range(per_request)]
+    with path.open("w") as out:
+        for p in range(prompts):
+            files = shared[: per_request // 2] + [image(f"fresh{p}", i) for i in range(per_request - per_request // 2)]
+            out.write(json.dumps({"prompt": "Describe these images.", "image_files": files}) + "\n")
+
+
+def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
+    heavy_sides = (224, 448) if quick else (224, 448, 896)
+    repeat = tmp / "repeat.jsonl"
+    repeat_dataset(repeat, prompts, 4, (224, 448))
+    return {
+        "heavy": Series("heavy", "small", _random_mm(6, 0.34, heavy_sides, 8), 8),
+        "single": Series("single", "small", _random_mm(1, 0.0, (224, 448), 1), 8),
+        "repeat": Series("repeat", "small", ["--dataset-name", "custom_image", "--dataset-path", str(repeat),
+                                             "--custom-output-len", str(OUTPUT_TOKENS)], 8),
+        "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
+    }
+
+
+# ---- systems --------------------------------------------------------------------------------------------------
+
+
+def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str]:
+    """One `vllm serve` on every core, its own encoder: (base URL, API key)."""
+    vllm = stack.enter_context(VllmServe(model, logs / "colocated_vllm.log", cpus=available_cpus(),
+                                         extra=vllm_extra(series), max_model_len=16384))
+    return vllm.url, vllm.api_key
+
+
+def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
+    """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, metric URLs)."""
+    eric_cpus, engine_cpus = host_split()
+    eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log"))
+    vllm = stack.enter_context(VllmServe(model, logs / "epd_vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
+                                         cpus=engine_cpus, extra=vllm_extra(series), max_model_len=16384))
+    gateway = stack.enter_context(GatewayServer(
+        logs / "epd_gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+        eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench", cpus=eric_cpus))
+    return gateway.url, "bench", {"eric": eric.url + "/metrics", "gateway": gateway.url + "/metrics"}
+
+
+def vllm_extra(series: Series) -> tuple[str, ...]:
+    return ("--max-num-seqs", "16", "--seed", "0", "--limit-mm-per-prompt",
+            json.dumps({"image": series.max_images, "video": 0}))
+
+
+# ---- load -----------------------------------------------------------------------------------------------------
+
+
+def bench(url: str, key: str, model: Path, series: Series, rate: float, prompts: int, out: Path) -> dict:
+    """One `vllm bench serve` run against an OpenAI chat endpoint; its saved result."""
+    vllm = str(Path(sys.executable).parent / "vllm")
+    cmd = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+           "--base-url", url, "--model", str(model), "--tokenizer", str(model), *series.dataset,
+           "--num-prompts", str(prompts), "--request-rate", "inf" if rate == float("inf") else str(rate),
+           "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
+           "50,99", "--goodput", f"ttft:{SLO['ttft']}", f"tpot:{SLO['tpot']}", "--save-result",
+           "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
+    env = os.environ | {"OPENAI_API_KEY": key}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3600)
+    return json.loads(out.read_text())
+
+
+def stage_means(metrics_url: str, prefix: str) -> dict[str, float]:
+    """Mean seconds per stage from a Prometheus histogram family `<prefix>_seconds{stage=...}`."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=30).text.splitlines():
+        for kind, into in (("_sum{", sums), ("_count{", counts)):
+            if line.startswith(prefix + kind) and 'stage="' in line:
+                stage = line.split('stage="')[1].split('"')[0]
+                into[stage] = into.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {s: sums[s] / counts[s] for s in sums if counts.get(s)}
+
+
+KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_throughput", "output_throughput",
+        "request_goodput", "completed")
+
+
+def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: Path) -> dict:
+    model = ensure_checkpoint("qwen2_vl", series.checkpoint)
+    runs: dict = {}
+    with ExitStack() as stack:
+        if side == "colocated":
+            url, key = start_colocated(stack, model, series, logs)
+            metrics: dict[str, str] = {}
+        else:
+            url, key, metrics = start_epd(stack, model, series, logs)
+        bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json")
+        for rate in rates:
+            result = bench(url, key, model, series, rate, prompts, logs / f"{side}_{series.name}_{rate}.json")
+            runs[str(rate)] = {k: result.get(k) for k in KEYS}
+            logger.info("%s %s rate %s: %s", side, series.name, rate, runs[str(rate)])
+        if metrics:
+            runs["stages_s"] = {"eric": stage_means(metrics["eric"], "eric_stage"),
+                                "gateway": stage_means(metrics["gateway"], "gateway_stage")}
+    return runs
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+
+def ratios(results: dict) -> dict:
+    out: dict = {}
+    for name, sides in results["runs"].items():
+        for rate, epd in sides["epd"].items():
+            col = sides["colocated"].get(rate)
+            if rate == "stages_s" or not col:
+                continue
+            out.setdefault(name, {})[rate] = {
+                k: (epd[k] / col[k]) if epd.get(k) and col.get(k) else None
+                for k in ("p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput", "request_goodput")}
+    return out
+
+
+def print_table(results: dict) -> None:
+    cols = ("p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
+    lines = [f"{'series':8} {'rate':>6} | " + " ".join(f"{c:>18}" for c in cols)]
+    for name, by_rate in results["ratios"].items():
+        for rate, r in by_rate.items():
+            lines.append(f"{name:8} {rate:>6} | " + " ".join(f"{r[c]:18.2f}" if r[c] else f"{'-':>18}" for c in cols))
+    lines.append("EPD/colocated ratios: below 1 is better for TTFT/TPOT, above 1 for throughput and goodput")
+    print("\n".join(lines))
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["runs"])
+    panels = (("p50_ttft_ms", "TTFT p50 (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"),
+              ("request_goodput", "goodput (req/s)"))
+    fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
+    for row, name in enumerate(names):
+        for col, (key, label) in enumerate(panels):
+            ax = axes[row][col]
+            for side in ("colocated", "epd"):
+                rates = [r for r in results["runs"][name][side] if r != "stages_s"]
+                xs = [float(r) if r != "inf" else max(float(x) for x in rates if x != "inf") * 2 for r in rates]
+                ax.plot(xs, [results["runs"][name][side][r][key] or 0 for r in rates], "o-", label=side)
+            ax.set_xlabel("request rate (req/s; rightmost: all at once)")
+            ax.set_title(f"{name}: {label}")
+            ax.legend()
+    fig.suptitle(f"EPD vs colocated vLLM, {os.cpu_count()} CPU cores, SLO TTFT {SLO['ttft']:.0f} ms / TPOT "
+                 f"{SLO['tpot']:.0f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="images up to 448 px, 8 prompts per rate, two rates")
+    ap.add_argument("--series", default="heavy,single,repeat,tiny")
+    ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once)")
+    ap.add_argument("--prompts", type=int, default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    rates = [float(r) for r in (args.rates or ("0.5,inf" if args.quick else "0.25,0.5,1,2,inf")).split(",")]
+    prompts = args.prompts or (8 if args.quick else 32)
+    RESULTS.mkdir(exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        catalogue = make_series(args.quick, Path(tmp), prompts)
+        results: dict = {"slo_ms": SLO, "output_tokens": OUTPUT_TOKENS, "prompts_per_rate": prompts,
+                         "cpu_cores": os.cpu_count(), "rates": rates,
+                         "layout": {"colocated": "vllm serve on every core",
+                                    "epd": "Eric + gateway on one half of the cores, vLLM behind Eric on the other"},
+                         "series": {}, "runs": {}}
+        for name in args.series.split(","):
+            series = catalogue[name]
+            results["series"][name] = {"checkpoint": f"qwen2_vl {series.checkpoint}", "dataset": series.dataset}
+            results["runs"][name] = {side: run_side(side, series, rates, prompts, Path(tmp))
+                                     for side in ("colocated", "epd")}
+    results["ratios"] = ratios(results)
+    results["wall_s"] = time.perf_counter() - start
+    (RESULTS / "epd_vs_colocated.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / "epd_vs_colocated.png")
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The vLLM connector's prefetch into shared-memory staging, against a real producer process (Eric's pool and
+control API, no model): bytes exact, leases acknowledged, space reused only when no request or step holds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from eric_epd.plugins.vllm.connector import EricConnectorSettings
+from eric_epd.plugins.vllm.staging import Prefetcher, StagingReader, State
+from eric_epd.testing.pool_server import seeded_bytes
+from eric_epd.testing.server import PoolServer
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher, as_handle
+
+
+@pytest.fixture(scope="module")
+def producer():
+    with PoolServer(pool_bytes=64 << 20) as server:
+        yield server
+
+
+def _entry(producer, key: str, nbytes: int, seed: int):
+    resp = httpx.post(producer.url + "/v1/testing/entries", json={"hash": key, "nbytes": nbytes, "seed": seed},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    return as_handle(resp.json())
+
+
+def _settled(prefetch: Prefetcher, key: str) -> State:
+    deadline = time.monotonic() + 30
+    while (item := prefetch.get(key)) is not None and item.state is State.PENDING and time.monotonic() < deadline:
+        prefetch.wait(0.05)
+    return prefetch.get(key).state  # type: ignore[union-attr]
+
+
+def _entries(producer) -> int:
+    return httpx.get(producer.url + "/v1/transfer", timeout=30).json()["entries"]
+
+
+def test_prefetch_stages_reads_and_frees(producer) -> None:
+    assert _entries(producer) == 0
+    prefetch = Prefetcher(EmbeddingFetcher(["shm", "http"]), 4 << 20, threads=2)
+    reader = StagingReader()
+    try:
+        handles = [_entry(producer, f"stage{i}", 100_000 + 4 * i, seed=i) for i in range(3)]
+        for i, h in enumerate(handles):
+            assert prefetch.want(h.hash, h, f"r{i}") is not None
+        assert all(_settled(prefetch, h.hash) is State.READY for h in handles)
+        assert _entries(producer) == 0  # every lease acknowledged once its bytes were staged
+        second = prefetch.want(handles[0].hash, handles[0], "r9")  # another request for the same item: no new fetch
+        assert second is prefetch.get(handles[0].hash)
+        used = prefetch.used_bytes()
+        for i, h in enumerate(handles):
+            load = prefetch.to_workers(h.hash, f"r{i}")
+            tensor = reader.tensor(dataclasses.replace(load, shape=(h.nbytes,), dtype="uint8"), torch.uint8,
+                                   torch.device("cpu"))
+            assert np.array_equal(tensor.numpy(), seeded_bytes(h.nbytes, i))
+        prefetch.copied([h.hash for h in handles])
+        assert prefetch.get(handles[1].hash) is None and prefetch.get(handles[2].hash) is None
+        assert prefetch.used_bytes() < used  # r9 still waits for item 0; the others are free
+        prefetch.drop(handles[0].hash, "r9")
+        assert prefetch.used_bytes() == 0 and not prefetch.busy()
+    finally:
+        reader.close()
+        prefetch.close()
+
+
+def test_prefetch_failures_and_room(producer) -> None:
+    prefetch = Prefetcher(EmbeddingFetcher(["shm", "http"]), 1 << 20, threads=1)
+    try:
+        big = _entry(producer, "big", (1 << 20) + 1, seed=5)
+        with pytest.raises(TransferError, match="staging_bytes"):
+            prefetch.want(big.hash, big, "r")
+        half = _entry(producer, "half", 600_000, seed=6)
+        other = _entry(producer, "other", 600_000, seed=7)
+        assert prefetch.want(half.hash, half, "a") is not None
+        assert prefetch.want(other.hash, other, "b") is None  # no room now: the request waits for a later step
+        assert _settled(prefetch, half.hash) is State.READY
+        prefetch.drop(half.hash, "a")  # its request ended: the space comes back
+        assert prefetch.want(other.hash, other, "b") is not None and _settled(prefetch, other.hash) is State.READY
+        forged = msgspec.structs.replace(_entry(producer, "forged", 4096, seed=8), lease="0" * 32)
+        assert prefetch.want(forged.hash, forged, "c") is not None
+        assert _settled(prefetch, forged.hash) is State.FAILED  # a stranger's token: read or ack refused
+        assert "forged" in prefetch.get(forged.hash).error  # type: ignore[union-attr]
+        prefetch.drop(forged.hash, "c")
+        prefetch.drop(other.hash, "b")
+        assert prefetch.used_bytes() == 0
+    finally:
+        prefetch.close()
+
+
+def test_connector_settings() -> None:
+    s = EricConnectorSettings.parse({"eric_urls": "http://a:1,http://b:2/"}, environ={"ERIC_API_KEY": "k"})
+    assert s.eric_urls == ("http://a:1", "http://b:2") and s.api_key == "k" and s.mooncake.protocol == "tcp"
+    s = EricConnectorSettings.parse({"eric_urls": ["http://a:1"], "mooncake_protocol": "rdma", "mooncake_device":
+                                     "mlx5_0", "mooncake_host": "10.0.0.7", "staging_bytes": 1 << 24}, environ={})
+    assert (s.mooncake.protocol, s.mooncake.device, s.mooncake.host, s.staging_bytes, s.api_key) == \
+        ("rdma", "mlx5_0", "10.0.0.7", 1 << 24, None)
+    for bad in ({}, {"eric_urls": ["http://a:1"], "backends": ["carrier-pigeon"]},
+                {"eric_urls": ["http://a:1"], "mooncake_protocol": "udp"},
+                {"eric_urls": ["http://a:1"], "staging_bytes": 10}):
+        with pytest.raises(ValueError):
+            EricConnectorSettings.parse(bad, environ={})
+
+
+def test_unanswered_ack_is_sent_again(producer) -> None:
+    """The producer stops answering (SIGSTOP) right after the bytes were read: the ack is sent again on a new
+    connection; once the producer resumes, the first attempt ends the lease, the retry's 404 counts as done."""
+    fetcher = EmbeddingFetcher(["shm", "http"], http_timeout_s=30)
+    before = _entries(producer)
+    h = _entry(producer, "late-ack", 4096, seed=3)
+    dst = np.empty(h.nbytes, np.uint8)
+    fetcher.read_into(h, dst)
+    os.kill(producer.proc.pid, signal.SIGSTOP)
+    resume = threading.Timer(2.5, os.kill, (producer.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        started = time.monotonic()
+        fetcher.ack(h, attempt_timeout_s=1.0)
+        assert time.monotonic() - started >= 2.0  # it really waited for the stopped producer
+    finally:
+        resume.join()
+        os.kill(producer.proc.pid, signal.SIGCONT)
+        fetcher.close()
+    assert np.array_equal(dst, seeded_bytes(h.nbytes, 3)) and _entries(producer) == before
