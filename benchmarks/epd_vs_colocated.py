@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,8 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
         side = sides[i % len(sides)]
         f = images / f"{name}_{i}.png"
         if not f.exists():
-            f.write_bytes(image_bytes(random_image(side, side, seed=seed * 100_003 + hash(name) % 997 + i)))
+            salt = zlib.crc32(name.encode()) % 997
+            f.write_bytes(image_bytes(random_image(side, side, seed=seed * 100_003 + salt * 101 + i)))
         return str(f)
 
     shared = [image("shared", i) for i in range(per_request)]
@@ -82,7 +84,8 @@ def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
         "heavy": Series("heavy", "small", _random_mm(6, 0.34, heavy_sides, 8), 8),
         "single": Series("single", "small", _random_mm(1, 0.0, (224, 448), 1), 8),
         "repeat": Series("repeat", "small", ["--dataset-name", "custom_image", "--dataset-path", str(repeat),
-                                             "--custom-output-len", str(OUTPUT_TOKENS)], 8),
+                                             "--custom-output-len", str(OUTPUT_TOKENS),
+                                             "--custom-ensure-client-side-data"], 8),
         "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
     }
 

@@ -68,8 +68,6 @@ class TransferConfig:
 
 
 SGLANG_DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_MAX_BATCH_PATCHES = 4096
-CUDA_MAX_BATCH_PATCHES = 32768
 
 
 def _network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
@@ -187,6 +185,16 @@ class EricConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def rank_device(self, rank: int, device_count: int) -> str:
+        """Tensor-parallel rank `rank`'s device: "cpu", or its own CUDA device; more ranks than visible devices is
+        an error naming both numbers (ranks never share a device)."""
+        if self.resolved_device() != "cuda":
+            return "cpu"
+        if device_count < self.tp_size:
+            raise ValueError(f"--tp {self.tp_size} needs {self.tp_size} CUDA devices, {device_count} visible "
+                             "(CUDA_VISIBLE_DEVICES); lower --tp or expose more devices")
+        return f"cuda:{rank}"
 
     def batch_limits(self) -> BatchLimits:
         """`batch` with max_patches resolved for the device."""

@@ -18,6 +18,13 @@ logger = logging.getLogger(__name__)
 
 def serve(config: EricConfig) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers."""
+    if config.resolved_device() == "cuda":
+        import torch
+
+        try:
+            config.rank_device(config.tp_size - 1, torch.cuda.device_count())  # more ranks than devices: fail now
+        except ValueError as e:
+            raise SystemExit(f"eric-epd serve: {e}") from None
     if config.cpus:
         pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
     config.run_dir.mkdir(parents=True, exist_ok=True)

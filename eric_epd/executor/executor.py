@@ -40,6 +40,20 @@ def _token_counts(batch: Batch, merge_unit: int) -> list[int]:
     return [e.item.num_patches // merge_unit for e in batch.entries]
 
 
+def broadcast_geometry(config: EricConfig) -> dict[str, int]:
+    """Broadcast slots that hold the largest batch the scheduler forms (its patch cap x the pixel row, float32)
+    plus headers, so no batch spills into a fresh segment: 4 slots of 32 MiB on CPU; on CUDA, 2 slots of ~155 MB
+    for Qwen2-VL's 32768-patch cap."""
+    from eric_epd.models.registry import read_model_config
+
+    vision = read_model_config(config.model).get("vision_config", {})
+    row = (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
+           * vision.get("patch_size", 14) ** 2)
+    need = config.batch_limits().max_patches * row * 4 + (1 << 20)
+    slot = max(32 << 20, -(-need // (1 << 20)) * (1 << 20))
+    return {"n_slots": 4 if slot <= 32 << 20 else 2, "slot_bytes": slot}
+
+
 class ModelExecutor:
     """Owns the worker processes. execute_model blocks until rank 0 answers, a worker fails, or a timeout."""
 
@@ -50,7 +64,7 @@ class ModelExecutor:
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(config.worker_result_addr)
         self._decoder = from_worker_decoder()
-        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size)
+        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size, **broadcast_geometry(config))
         self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")
         dist_init = f"tcp://127.0.0.1:{_free_port()}"

@@ -45,7 +45,9 @@ def _init_distributed(args: WorkerArgs, device: torch.device):  # -> TPContext
     if world == 1:
         return TPContext(rank=0, world_size=1, group=None)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=world)
+    bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL communicators made now, not at batch 1
+    torch.distributed.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=world,
+                                         **bound)
     return TPContext(rank=args.rank, world_size=world, group=torch.distributed.group.WORLD)
 
 
@@ -55,7 +57,7 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
     device = torch.device(args.config.resolved_device())
     cpus = args.config.worker_cpus(args.rank)
     if device.type == "cuda":
-        device = torch.device("cuda", args.rank % torch.cuda.device_count())
+        device = torch.device(args.config.rank_device(args.rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         pin_process(cpus)  # host-side work stays on this rank's CPUs
     else:
