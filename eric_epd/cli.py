@@ -24,8 +24,11 @@ from eric_epd.server.media import MediaLimits, UrlPolicy
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run an Eric encode server")
-    p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face checkpoint directory (default: the built-in tiny Qwen2-VL)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face repo id; a repo id fetches only the configs and the "
+                        "encoder's shards, through the hub cache (HF_HUB_OFFLINE works) (default: the built-in tiny "
+                        "Qwen2-VL)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub --model")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = the checkpoint's dtype")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -101,13 +104,19 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-file", type=Path, default=None, help="write the gateway URL here once serving")
 
 
-def _model_or_default(model: Path | None) -> Path:
-    """The given checkpoint, or the built-in tiny random Qwen2-VL (built offline on first use)."""
+def _model_or_default(model: str | Path | None, revision: str | None = None) -> Path:
+    """The given checkpoint (a directory, or a hub id resolved through the hub cache), or the built-in tiny random
+    Qwen2-VL (built offline on first use)."""
     if model is None:
         from eric_epd.testing.checkpoints import ensure_checkpoint
 
-        model = ensure_checkpoint("qwen2_vl", "tiny")
-    return Path(model).resolve()
+        return ensure_checkpoint("qwen2_vl", "tiny").resolve()
+    from eric_epd.models.hub import resolve_model
+
+    try:
+        return resolve_model(str(model), revision)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"eric-epd: --model {model}: {e}") from None
 
 
 def _check_reachable(host: str, advertise_host: str | None) -> None:
@@ -123,8 +132,9 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
     """Parse once; the result goes to every process."""
     _check_reachable(args.host, args.advertise_host)
     return EricConfig(
-        model=_model_or_default(args.model), tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host,
-        port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads, max_body_bytes=args.max_body_bytes,
+        model=_model_or_default(args.model, args.revision), tp_size=args.tp, dtype=args.dtype, device=args.device,
+        host=args.host, port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads,
+        max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
