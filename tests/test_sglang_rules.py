@@ -27,23 +27,6 @@ def test_adapter_rules_without_servers() -> None:
         item_url({"url": "https://x/a.png", "preprocess_kwargs": None, "max_pixels": 4096}, 3)
 
 
-def test_documented_eric_command_lines_parse() -> None:
-    """The README's `eric-epd serve` lines are accepted by Eric's parser, SGLang flags included."""
-    import argparse
-    import shlex
-
-    from eric_epd.cli import _serve_parser, config_from_args
-
-    parser = argparse.ArgumentParser()
-    _serve_parser(parser.add_subparsers(dest="command"))
-    lines = [line.split("#")[0] for line in README.read_text().splitlines() if line.startswith("eric-epd serve")]
-    assert len(lines) >= 2
-    for line in lines:
-        args = parser.parse_args(shlex.split(line)[1:])
-        assert args.command == "serve" and args.port == 8100
-        config_from_args(args)  # and make a valid config
-
-
 def test_peer_policy_rules_without_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Allowed: the caller's own address or inside an allowed network; a name only if every address it resolves
     to is; loopback is no exception. A bad CIDR fails when the config is made."""
