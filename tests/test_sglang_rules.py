@@ -1,15 +1,12 @@
-"""The SGLang adapter's rules without servers: the wire dtype, SGLang mm_items as Eric media URLs, the README's
-`eric-epd serve` lines, and where Eric may push (the caller's address or allowed networks, every resolved address)."""
+"""The SGLang adapter's rules without servers: the wire dtype, SGLang mm_items as Eric media URLs, where Eric may
+push (the caller's address or allowed networks, every resolved address), landing devices and Mooncake protocol."""
 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-README = Path(__file__).resolve().parents[1] / "eric_epd" / "plugins" / "sglang" / "README.md"
 
 
 def test_adapter_rules_without_servers() -> None:
