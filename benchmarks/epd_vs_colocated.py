@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from eric_epd.testing.media import image_bytes, random_image
 logger = logging.getLogger("epd_vs_colocated")
 RESULTS = Path(__file__).parent / "results"
 OUTPUT_TOKENS = 32
+MAX_MODEL_LEN = 8192  # the offline checkpoints' max_position_embeddings
 SLO = {"ttft": 8000.0, "tpot": 400.0}
 """Goodput SLO in ms (a request counts when both hold): generous for a 2-core CPU running the small checkpoint."""
 
@@ -77,7 +79,7 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
 
 
 def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
-    heavy_sides = (224, 448) if quick else (224, 448, 896)
+    heavy_sides = (224, 448) if quick else (224, 448, 672)  # 8 images of 896 px would pass the 8192-token context
     repeat = tmp / "repeat.jsonl"
     repeat_dataset(repeat, prompts, 4, (224, 448))
     return {
@@ -96,7 +98,7 @@ def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
 def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str]:
     """One `vllm serve` on every core, its own encoder: (base URL, API key)."""
     vllm = stack.enter_context(VllmServe(model, logs / "colocated_vllm.log", cpus=available_cpus(),
-                                         extra=vllm_extra(series), max_model_len=16384))
+                                         extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
     return vllm.url, vllm.api_key
 
 
@@ -105,7 +107,7 @@ def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tupl
     eric_cpus, engine_cpus = host_split()
     eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log"))
     vllm = stack.enter_context(VllmServe(model, logs / "epd_vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
-                                         cpus=engine_cpus, extra=vllm_extra(series), max_model_len=16384))
+                                         cpus=engine_cpus, extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
     gateway = stack.enter_context(GatewayServer(
         logs / "epd_gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
         eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench", cpus=eric_cpus))
@@ -139,7 +141,7 @@ def stage_means(metrics_url: str, prefix: str) -> dict[str, float]:
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     for line in httpx.get(metrics_url, timeout=30).text.splitlines():
-        for kind, into in (("_sum{", sums), ("_count{", counts)):
+        for kind, into in (("_seconds_sum{", sums), ("_seconds_count{", counts)):
             if line.startswith(prefix + kind) and 'stage="' in line:
                 stage = line.split('stage="')[1].split('"')[0]
                 into[stage] = into.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -235,6 +237,9 @@ def main() -> None:
     prompts = args.prompts or (8 if args.quick else 32)
     RESULTS.mkdir(exist_ok=True)
     start = time.perf_counter()
+    logs = RESULTS / "epd_vs_colocated_logs"  # server logs and vllm bench results, kept for inspection
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         catalogue = make_series(args.quick, Path(tmp), prompts)
         results: dict = {"slo_ms": SLO, "output_tokens": OUTPUT_TOKENS, "prompts_per_rate": prompts,
@@ -245,7 +250,7 @@ def main() -> None:
         for name in args.series.split(","):
             series = catalogue[name]
             results["series"][name] = {"checkpoint": f"qwen2_vl {series.checkpoint}", "dataset": series.dataset}
-            results["runs"][name] = {side: run_side(side, series, rates, prompts, Path(tmp))
+            results["runs"][name] = {side: run_side(side, series, rates, prompts, logs)
                                      for side in ("colocated", "epd")}
     results["ratios"] = ratios(results)
     results["wall_s"] = time.perf_counter() - start

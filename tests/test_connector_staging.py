@@ -61,7 +61,8 @@ def test_prefetch_stages_reads_and_frees(producer) -> None:
         assert second is prefetch.get(handles[0].hash)
         used = prefetch.used_bytes()
         for i, h in enumerate(handles):
-            load = prefetch.to_workers(h.hash, f"r{i}")
+            load, backend = prefetch.to_workers(h.hash, f"r{i}")
+            assert backend == "shm"  # the producer is on this host
             tensor = reader.tensor(dataclasses.replace(load, shape=(h.nbytes,), dtype="uint8"), torch.uint8,
                                    torch.device("cpu"))
             assert np.array_equal(tensor.numpy(), seeded_bytes(h.nbytes, i))

@@ -98,6 +98,7 @@ def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, list[int]]
     # every item came from Eric; vLLM's own encoder was never scheduled
     assert after["external_items"] - before.get("external_items", 0) == num_items
     assert after["loaded_items"] - before.get("loaded_items", 0) == num_items
+    assert after["via_shm"] - before.get("via_shm", 0) == num_items  # Eric is on this host: shared memory
     assert after["local_encoder_items"] == before.get("local_encoder_items", 0)
     # each embedding was fetched and acknowledged: Eric's pool is empty again
     assert pool_entries(main) == 0

@@ -117,8 +117,9 @@ class EmbeddingFetcher:
             return out
         return host.view(dtype).view(h.shape) if out is None else out
 
-    def read_into(self, h: EmbeddingHandle, dst: np.ndarray) -> None:
-        """Copy the bytes into dst (uint8, handle.nbytes) over the first backend that works; no ack."""
+    def read_into(self, h: EmbeddingHandle, dst: np.ndarray) -> str:
+        """Copy the bytes into dst (uint8, handle.nbytes) over the first backend that works; no ack. Returns the
+        backend's name."""
         errors = []
         for name in self._order:
             if getattr(h, name, None) is None and name != "http":
@@ -138,7 +139,7 @@ class EmbeddingFetcher:
                 errors.append(f"{name}: {e}")
                 continue
             self.last_backend = name
-            return
+            return name
         raise TransferError(f"could not fetch embedding {h.hash} from {h.producer}: "
                             + ("; ".join(errors) or f"no usable backend among {self._order}"))
 

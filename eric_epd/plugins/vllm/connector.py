@@ -243,9 +243,9 @@ class EricECConnector(ECConnectorBase):
                 self._fail(rid, f"embedding {key[:16]} left vLLM's encoder cache before it was used; retry")
                 self._pending.append(EricLoad(rid, key, (request.get_num_encoder_embeds(index), self._width), None))
             return  # otherwise vLLM's own encoder computes this item
-        staged = self._prefetch.to_workers(key, rid)
+        staged, backend = self._prefetch.to_workers(key, rid)
         self._pending.append(EricLoad(rid, key, staged.shape, staged))
-        self._stats.record(loaded_items=1, loaded_bytes=staged.nbytes)
+        self._stats.record(loaded_items=1, loaded_bytes=staged.nbytes, **{f"via_{backend}": 1})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())

@@ -45,6 +45,8 @@ class Staged:
     error: str = ""
     users: set[str] = field(default_factory=set)
     in_steps: int = 0
+    backend: str = ""
+    """The transport the bytes came over (shm, nixl, mooncake, http)."""
 
 
 @dataclass(frozen=True)
@@ -112,14 +114,15 @@ class Prefetcher:
         self._done.wait(timeout_s)
         self._done.clear()
 
-    def to_workers(self, key: str, rid: str) -> StagedLoad:
-        """The item goes to the workers in this step; it stays until that step's output is back (`copied`)."""
+    def to_workers(self, key: str, rid: str) -> tuple[StagedLoad, str]:
+        """The item goes to the workers in this step (and the transport it came over); it stays until that step's
+        output is back (`copied`)."""
         with self._lock:
             item = self._items[key]
             item.users.discard(rid)
             item.in_steps += 1
             h = item.handle
-            return StagedLoad(self._segment.name, item.offset, h.nbytes, tuple(h.shape), h.dtype)
+            return StagedLoad(self._segment.name, item.offset, h.nbytes, tuple(h.shape), h.dtype), item.backend
 
     def copied(self, keys: list[str]) -> None:
         """The workers copied these items (their step's output is back)."""
@@ -152,7 +155,7 @@ class Prefetcher:
         """In a pool thread: read the bytes into the item's range, then acknowledge the lease to Eric."""
         h = item.handle
         try:
-            self._fetcher.read_into(h, self._array[item.offset : item.offset + h.nbytes])
+            item.backend = self._fetcher.read_into(h, self._array[item.offset : item.offset + h.nbytes])
             self._fetcher.ack(h, attempt_timeout_s=ACK_ATTEMPT_S)
             state, error = State.READY, ""
         except (TransferError, ValueError) as e:

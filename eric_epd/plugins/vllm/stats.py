@@ -15,6 +15,10 @@ COUNTERS = {
     "load_failures": "Embeddings that could not be fetched (their requests fail)",
     "unavailable_requests": "Requests failed because an item was at no Eric and had no raw media",
     "released_items": "Eric items never fetched for their request (vLLM had them cached) whose lease was returned",
+    "via_shm": "Embeddings that came over shared memory (Eric on this host)",
+    "via_nixl": "Embeddings that came over NIXL (UCX: RDMA or TCP)",
+    "via_mooncake": "Embeddings that came over Mooncake TransferEngine",
+    "via_http": "Embeddings that came over HTTP (the fallback)",
     "unusable_transport": "Fetches that skipped a transport the handle offered but this engine cannot use (e.g. "
                           "Mooncake over rdma with a tcp consumer); the log says why, once",
 }
