@@ -2,7 +2,8 @@
 goodput under an SLO, over a sweep of request rates, for encoder-heavy, single-image and repeated-image traffic.
 
 Colocated: one `vllm serve` on every core. EPD: Eric (and the gateway) on one half of the cores, vLLM behind Eric
-on the other (`eric-epd up`'s layout). Writes benchmarks/results/epd_vs_colocated.{json,png}.
+on the other (`eric-epd up`'s layout, its content cache included).
+Writes benchmarks/results/epd_vs_colocated.{json,png}.
 Usage: python benchmarks/epd_vs_colocated.py [--quick] [--series heavy,single,repeat,tiny] [--rates 0.5,1,inf]
 """
 
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ import httpx
 
 from eric_epd.common.cpus import available_cpus
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
+from eric_epd.stack.up import UpConfig
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_bytes, random_image
 
@@ -45,6 +48,8 @@ class Series:
     dataset: list[str]
     """`vllm bench serve` dataset arguments"""
     max_images: int
+    prepare: Callable[[int], None] | None = None
+    """Writes the dataset file of one run (its seed replaces "{seed}" in `dataset`)."""
 
 
 def _buckets(sides: tuple[int, ...]) -> str:
@@ -59,7 +64,8 @@ def _random_mm(items: int, spread: float, sides: tuple[int, ...], limit: int) ->
 
 
 def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int, int], seed: int = 0) -> None:
-    """custom_image JSONL: half of each request's images come from a small shared set (they repeat)."""
+    """custom_image JSONL: half of each request's images come from a small shared set (they repeat); the other half
+    are new to this run (named by its seed)."""
     images = path.parent / "images"
     images.mkdir(parents=True, exist_ok=True)
 
@@ -74,20 +80,24 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
     shared = [image("shared", i) for i in range(per_request)]
     with path.open("w") as out:
         for p in range(prompts):
-            files = shared[: per_request // 2] + [image(f"fresh{p}", i) for i in range(per_request - per_request // 2)]
+            fresh = [image(f"fresh{seed}_{p}", i) for i in range(per_request - per_request // 2)]
+            files = shared[: per_request // 2] + fresh
             out.write(json.dumps({"prompt": "Describe these images.", "image_files": files}) + "\n")
 
 
 def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
     heavy_sides = (224, 448) if quick else (224, 448, 672)  # 8 images of 896 px would pass the 8192-token context
-    repeat = tmp / "repeat.jsonl"
-    repeat_dataset(repeat, prompts, 4, (224, 448))
+    repeat = tmp / "repeat_{seed}.jsonl"
+
+    def prepare_repeat(seed: int) -> None:
+        repeat_dataset(Path(str(repeat).replace("{seed}", str(seed))), max(prompts, 4), 4, (224, 448), seed)
+
     return {
         "heavy": Series("heavy", "small", _random_mm(6, 0.34, heavy_sides, 8), 8),
         "single": Series("single", "small", _random_mm(1, 0.0, (224, 448), 1), 8),
         "repeat": Series("repeat", "small", ["--dataset-name", "custom_image", "--dataset-path", str(repeat),
                                              "--custom-output-len", str(OUTPUT_TOKENS),
-                                             "--custom-ensure-client-side-data"], 8),
+                                             "--custom-ensure-client-side-data"], 8, prepare_repeat),
         "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
     }
 
@@ -105,7 +115,8 @@ def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -
 def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
     """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, metric URLs)."""
     eric_cpus, engine_cpus = host_split()
-    eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log"))
+    eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log",
+                                          extra_args=("--keep-acked-bytes", str(UpConfig.keep_acked_bytes))))
     vllm = stack.enter_context(VllmServe(model, logs / "epd_vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
                                          cpus=engine_cpus, extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
     gateway = stack.enter_context(GatewayServer(
@@ -122,13 +133,17 @@ def vllm_extra(series: Series) -> tuple[str, ...]:
 # ---- load -----------------------------------------------------------------------------------------------------
 
 
-def bench(url: str, key: str, model: Path, series: Series, rate: float, prompts: int, out: Path) -> dict:
-    """One `vllm bench serve` run against an OpenAI chat endpoint; its saved result."""
+def bench(url: str, key: str, model: Path, series: Series, rate: float, prompts: int, out: Path, seed: int) -> dict:
+    """One `vllm bench serve` run against an OpenAI chat endpoint; its saved result. Each run of a side has its own
+    `seed` (its own random images), so no run reuses another's images through a cache."""
     vllm = str(Path(sys.executable).parent / "vllm")
+    if series.prepare is not None:
+        series.prepare(seed)
+    dataset = [a.replace("{seed}", str(seed)) for a in series.dataset]
     cmd = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-           "--base-url", url, "--model", str(model), "--tokenizer", str(model), *series.dataset,
+           "--base-url", url, "--model", str(model), "--tokenizer", str(model), *dataset,
            "--num-prompts", str(prompts), "--request-rate", "inf" if rate == float("inf") else str(rate),
-           "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
+           "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
            "50,99", "--goodput", f"ttft:{SLO['ttft']}", f"tpot:{SLO['tpot']}", "--save-result",
            "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
     env = os.environ | {"OPENAI_API_KEY": key}
@@ -161,9 +176,9 @@ def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: 
             metrics: dict[str, str] = {}
         else:
             url, key, metrics = start_epd(stack, model, series, logs)
-        bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json")
-        for rate in rates:
-            result = bench(url, key, model, series, rate, prompts, logs / f"{side}_{series.name}_{rate}.json")
+        bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
+        for i, rate in enumerate(rates):
+            result = bench(url, key, model, series, rate, prompts, logs / f"{side}_{series.name}_{rate}.json", seed=i)
             runs[str(rate)] = {k: result.get(k) for k in KEYS}
             logger.info("%s %s rate %s: %s", side, series.name, rate, runs[str(rate)])
         if metrics:
@@ -230,6 +245,7 @@ def main() -> None:
     ap.add_argument("--series", default="heavy,single,repeat,tiny")
     ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once)")
     ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--tag", default="", help="suffix of the result files (epd_vs_colocated<tag>.json/.png)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -254,8 +270,8 @@ def main() -> None:
                                      for side in ("colocated", "epd")}
     results["ratios"] = ratios(results)
     results["wall_s"] = time.perf_counter() - start
-    (RESULTS / "epd_vs_colocated.json").write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "epd_vs_colocated.png")
+    (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / f"epd_vs_colocated{args.tag}.png")
     print_table(results)
 
 

@@ -28,6 +28,9 @@ class UpConfig:
     api_key: str | None = None
     """The clients' key for the gateway (none: open, as on a laptop)."""
     log_dir: Path | None = None
+    keep_acked_bytes: int = 128 << 20
+    """Eric keeps this many bytes of acknowledged embeddings as a content cache, so a repeated image is not encoded
+    again (a quarter of Eric's default 512 MiB pool)."""
     ready_file: Path | None = None
     """Written with the gateway URL once every server is healthy (for scripts that start `up` in the background)."""
 
@@ -53,6 +56,7 @@ def up(config: UpConfig) -> int:
             logger.info("Eric on CPUs %s, vLLM on CPUs %s; logs in %s", format_cpus(eric_cpus),
                         format_cpus(engine_cpus), logs)
             eric = stack.enter_context(EricServer(config.model, tp=config.tp, cpus=eric_cpus,
+                                                  extra_args=("--keep-acked-bytes", str(config.keep_acked_bytes)),
                                                   log_path=logs / "eric.log"))
             vllm = stack.enter_context(VllmServe(config.model, logs / "vllm.log", eric_urls=[eric.url],
                                                  eric_api_key=eric.api_key, cpus=engine_cpus))
