@@ -73,6 +73,7 @@ class Prefetcher:
         self._items: dict[str, Staged] = {}
         self._lock = threading.Lock()
         self._done = threading.Event()
+        self._running = 0  # fetches not yet ended (busy() is asked at every engine step)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="eric-prefetch")
 
     @property
@@ -92,6 +93,7 @@ class Prefetcher:
                 if offset is None:
                     return None
                 item = self._items[key] = Staged(key, offset, handle)
+                self._running += 1
                 self._pool.submit(self._fetch, item)
             item.users.add(rid)
             return item
@@ -107,7 +109,7 @@ class Prefetcher:
     def busy(self) -> bool:
         """True while a fetch is running."""
         with self._lock:
-            return any(item.state is State.PENDING for item in self._items.values())
+            return self._running > 0
 
     def wait(self, timeout_s: float) -> None:
         """Block until some fetch ends (or the timeout): the scheduler idles here instead of spinning."""
@@ -166,6 +168,7 @@ class Prefetcher:
             state, error = State.FAILED, f"{type(e).__name__}: {e}"
         with self._lock:
             item.state, item.error = state, error
+            self._running -= 1
             self._maybe_free(item)
         self._done.set()
 
