@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from eric_epd.plugins.sglang.wire import NixlSession, encode_nixl_session
 from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, random_image, video_data_url
@@ -67,7 +68,8 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
 
     A: Qwen2-VL, parts sent as float16 (SGLang's --dtype auto for these float32 checkpoints; Eric converts).
     B: Qwen2.5-VL, --sglang-dtype float32 for prefills run with --dtype float32 (no conversion); it may also push
-       to 127.0.0.2 (--sglang-allowed-peer), A and C only to their callers (127.0.0.1).
+       to 127.0.0.2 (--sglang-allowed-peer), A and C only to their callers (127.0.0.1). A and B take NIXL sessions
+       from 127.0.0.1 only (allowlisted); C, with no allowlist, from nobody.
     C: Qwen2-VL like A, and it registers itself with the prefill's EncoderBootstrapServer.
     """
     tmp = tmp_path_factory.mktemp("sglang")
@@ -78,9 +80,11 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
         "[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
     backends = ("--transfer-backends", "shm")
     erics = {  # A also runs Eric's own Mooncake and NIXL producers, beside the adapter's push engines
-        "A": EricServer(qwen2_vl_tiny, extra_args=("--transfer-backends", "shm,mooncake,nixl"), log_path=tmp / "A.log"),
+        "A": EricServer(qwen2_vl_tiny, log_path=tmp / "A.log", extra_args=(
+            "--transfer-backends", "shm,mooncake,nixl", "--sglang-allowed-peer", "127.0.0.1/32")),
         "B": EricServer(qwen2_5_vl_tiny, log_path=tmp / "B.log", extra_args=(
-            *backends, "--sglang-dtype", "float32", "--sglang-allowed-peer", f"{ELSEWHERE}/32")),
+            *backends, "--sglang-dtype", "float32", "--sglang-allowed-peer", f"{ELSEWHERE}/32",
+            "--sglang-allowed-peer", "127.0.0.1/32")),
         "C": EricServer(qwen2_vl_tiny, log_path=tmp / "C.log",  # retries every 5 s, 30 times
                         extra_args=(*backends, "--sglang-register-url", f"http://127.0.0.1:{bootstrap_port}")),
     }
@@ -431,6 +435,24 @@ def test_push_targets_are_the_caller_or_allowed(setup) -> None:
         finally:
             other.close()
             own.close()
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_nixl_session_only_from_allowed_callers(setup) -> None:
+    """A NIXL session's UCX addresses are opaque to Eric, so A (allowlist 127.0.0.1/32) refuses one from 127.0.0.3
+    with a 403 before any connection, even for 127.0.0.3's own part (nor is that rank notified)."""
+    _, erics = setup
+    session = encode_nixl_session(NixlSession(agent_metadata=b"\0" * 64, mem_type="DRAM"))
+    client, listener = client_from("127.0.0.3"), Listener("127.0.0.3")
+    try:
+        rid = encoded_pull_part(client, erics["A"])
+        resp = client.post(erics["A"].url + "/send", json=send_body(rid, "127.0.0.3", listener.port, session))
+        assert_sglang_error(resp, 403, "NIXL session", "--sglang-allowed-peer", "127.0.0.3")
+        time.sleep(0.5)
+        assert not listener.connected()
+        assert httpx.get(erics["A"].url + "/health").status_code == 200
     finally:
         client.close()
         listener.close()

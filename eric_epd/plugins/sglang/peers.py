@@ -71,6 +71,13 @@ class PeerPolicy:
         ip = as_ip(caller)
         return ip is not None and (ip == as_ip(owner) or any(ip in net for net in self.networks))
 
+    def check_nixl_caller(self, caller: str | None) -> None:
+        ip = as_ip(caller)
+        if ip is None or not any(ip in net for net in self.networks):
+            logger.warning("SGLang: refused a NIXL session from %s (outside --sglang-allowed-peer)", caller)
+            raise SglangError(403, f"a NIXL session_id is accepted only from callers inside --sglang-allowed-peer; "
+                                   f"{caller} is not (its UCX addresses are opaque to Eric and could name any host)")
+
     def check_caller(self, caller: str | None, owner: str | None, req_id: str) -> None:
         if not self.allows_caller(caller, owner):
             logger.warning("SGLang: refused %s acting on req_id=%s posted from %s", caller, req_id, owner)
@@ -114,12 +121,14 @@ class PeerPolicy:
 
     async def send_targets(self, req: SendRequest, caller: str | None) -> tuple[str, str, NixlSession | None]:
         """/send: the rank's ZMQ endpoint and its Mooncake session (host:rpc_port), hosts checked and replaced by
-        their addresses; or its NIXL session, whose UCX connection info is opaque to Eric (not checked)."""
+        their addresses; or its NIXL session, taken only from a caller inside the allowlist (its UCX connection
+        info is opaque to Eric: from anyone else it could name any host)."""
         endpoint = await self.endpoint(host_port(req.prefill_host, req.embedding_port), caller, "prefill_host")
         try:
             nixl = decode_nixl_session(req.session_id)
         except Exception as e:
             raise SglangError(400, f"bad NIXL session_id: {type(e).__name__}: {e}") from None
         if nixl is not None:
+            self.check_nixl_caller(caller)
             return endpoint, req.session_id, nixl
         return endpoint, await self.endpoint(req.session_id, caller, "mooncake session"), None
