@@ -127,8 +127,9 @@ class _FakeMedia:
     async def fetch(self, url: str) -> bytes:
         return url.encode()
 
-    async def prepare(self, modality: str, data: bytes) -> PreparedItem:
-        return PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
+    async def prepare_many(self, items: list[tuple[str, bytes]]) -> list[PreparedItem]:
+        return [PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
+                for modality, data in items]
 
 
 @contextmanager
@@ -310,8 +311,9 @@ def _encode(eric: EricServer, urls: list[str]) -> list[dict]:
 
 def test_disconnect_storm_frees_the_pool(eric: EricServer) -> None:
     """Six requests of 40 images (up to the model's largest size), each abandoned 0.1-0.6 s after it was sent (20
-    images shared by all, in different orders, 20 of their own): nothing stays held, and the server then answers a
-    normal request correctly."""
+    images shared by all, in different orders, 20 of their own), while the worker is stopped so that none can be
+    answered first (unstopped, Eric encodes such a request in about 0.2 s): nothing stays held, and the server then
+    answers a normal request correctly."""
     shared = [image_data_url(56 + 8 * k, 224, seed=7000 + k) for k in range(20)]
     bodies = [_encode_body(shared[s * 3:] + shared[:s * 3] + [image_data_url(224 - 8 * k, 64, seed=7100 + 20 * s + k)
                                                              for k in range(20)]) for s in range(6)]
@@ -323,8 +325,10 @@ def test_disconnect_storm_frees_the_pool(eric: EricServer) -> None:
         time.sleep(rng.uniform(0.1, 0.6))
         sock.close()
 
-    with ThreadPoolExecutor(6) as pool:
-        list(pool.map(abandon, bodies))
+    with _stopped(_worker(eric)):
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(abandon, bodies))
+        _wait_until("the router saw every disconnect", lambda: _metric(eric, _ABORTED) - aborted == 6)
     _assert_drained(eric)
     assert _metric(eric, _ABORTED) - aborted == 6  # none of them was answered
 

@@ -3,6 +3,7 @@ pixel_values and grids for images of many sizes/modes and for videos, with both 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -184,3 +185,27 @@ def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tin
     assert list(ours.grid_thw) == hf["video_grid_thw"][0].tolist()
     assert ours.second_per_grid_ts == pytest.approx(float(hf["second_per_grid_ts"][0]))
     assert load_processor(qwen2_vl_tiny).process_video(frames, sampled_fps).second_per_grid_ts is None  # Qwen2-VL
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_prepare_many_keeps_order_and_per_item_errors(ckpt_dirs: dict, threads: int) -> None:
+    """Items go to the pool in one chunk per thread; results come back in request order, a bad item as its own
+    MediaError beside its neighbours' results, and each hash equals the one the item gets alone."""
+    from eric_epd.server.media import MediaError, MediaLimits
+    from eric_epd.server.processor import Processor, model_fingerprint
+    from eric_epd.testing.media import image_bytes, random_image
+
+    processor = Processor(Qwen2VLModalityProcessor(ckpt_dirs["tiny"]), MediaLimits(), threads,
+                          model_fingerprint(ckpt_dirs["tiny"]))
+    try:
+        items = [("image", image_bytes(random_image(40 + 8 * i, 56, seed=i), "JPEG")) for i in range(5)]
+        items.insert(2, ("image", b"not an image"))
+        results = asyncio.run(processor.prepare_many(items))
+        alone = [asyncio.run(processor.prepare_many([item]))[0] for item in items]
+    finally:
+        processor.close()
+    assert isinstance(results[2], MediaError) and results[2].status == 400
+    good = [r for i, r in enumerate(results) if i != 2]
+    assert [r.hash for r in good] == [a.hash for i, a in enumerate(alone) if i != 2]
+    assert len({r.hash for r in good}) == 5
+    assert [r.item.grid_thw for r in good] == [a.item.grid_thw for i, a in enumerate(alone) if i != 2]

@@ -96,21 +96,31 @@ class EncodeService:
     async def encode(self, items: list[ItemRequest], clock: RequestClock | None = None) -> list[ItemAnswer]:
         """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in."""
         start = time.perf_counter()
-        prepared = await asyncio.gather(*(self._prepare(i, item) for i, item in enumerate(items)))
+        prepared = await self._prepare(items)
         handles = await self._embed(prepared, clock or RequestClock())
         self._metrics.encode_latency.observe(time.perf_counter() - start)
         return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
 
-    async def _prepare(self, index: int, item: ItemRequest) -> PreparedItem:
+    async def _prepare(self, items: list[ItemRequest]) -> list[PreparedItem]:
+        """Every item fetched (concurrently), then decoded, preprocessed and hashed; the first failure is a 4xx
+        naming its item."""
+        fetched = await asyncio.gather(*(self._fetch(i, item) for i, item in enumerate(items)))
+        results = await self._processor.prepare_many([(item.modality, data) for item, (data, _) in zip(items, fetched)])
+        prepared: list[PreparedItem] = []
+        for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
+            if isinstance(result, MediaError):
+                raise ApiError(result.status, f"item {index} ({item.id}): {result.message}") from result
+            self._metrics.observe_item(seconds, result.seconds)
+            prepared.append(result)
+        return prepared
+
+    async def _fetch(self, index: int, item: ItemRequest) -> tuple[bytes, float]:
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
             data = await self._fetcher.fetch(item.url)
-            fetched = time.perf_counter() - start
-            prepared = await self._processor.prepare(item.modality, data)
         except MediaError as e:
             raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
-        self._metrics.observe_item(fetched, prepared.seconds)
-        return prepared
+        return data, time.perf_counter() - start
 
     async def _embed(self, prepared: list[PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
         """One lease per distinct hash; every hash encoded at most once at a time, across requests too.
