@@ -64,3 +64,39 @@ def test_killed_worker_fails_inflight_requests_and_health(qwen2_vl_tiny: Path, t
         assert health.status_code == 503 and "worker rank 1" in health.json()["reason"]
         after = _post(eric, _items(1, 99), timeout=10)
         assert after.status_code == 503
+
+
+def test_rank_error_with_tp2_fails_fast_not_after_the_worker_timeout(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """Rank 1 fails a batch (its address space capped, so allocating the batch's pixels raises) while rank 0 waits
+    in an all-reduce rank 1 never joins: within seconds (the worker timeout is 120 s) the request gets a 503 naming
+    rank 1's error, /health turns 503, and no worker is left blocked."""
+    import resource
+
+    with EricServer(qwen2_vl_tiny, tp=2, log_path=tmp_path / "eric.log") as eric:
+        assert _post(eric, _items(1, 0)).status_code == 200
+        pids = httpx.get(eric.url + "/health").json()["worker_pids"]
+        with open(f"/proc/{pids[1]}/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+        resource.prlimit(pids[1], resource.RLIMIT_AS, (vm, vm))  # rank 1 can grow no more
+        started = time.monotonic()
+        big = [{"modality": "image", "url": image_data_url(224, 224, seed=100 + k)} for k in range(16)]
+        failed = _post(eric, big, timeout=200)
+        assert time.monotonic() - started < 60
+        assert failed.status_code == 503, failed.text
+        message = failed.json()["error"]["message"]
+        assert "stuck after rank 1" in message and "allocate" in message, message
+        health = httpx.get(eric.url + "/health", timeout=10)
+        assert health.status_code == 503 and "stuck after rank 1" in health.json()["reason"]
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids):
+            assert time.monotonic() < deadline, "a worker is still running"
+            time.sleep(0.1)
+        assert _post(eric, _items(1, 99), timeout=10).status_code == 503
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -28,6 +28,8 @@ from eric_epd.executor.worker import WorkerArgs, main
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+TP_ERROR_GRACE_S = 3.0
+"""After one rank reports an error, how long the other ranks have to report theirs before the group is dead."""
 
 
 def _free_port() -> int:
@@ -127,7 +129,11 @@ class ModelExecutor:
         return BatchOutput(self._split(batch, rank0), rank0.compute_seconds, rank0.write_seconds)
 
     def _gather(self, batch_id: int) -> WorkerResultMsg:
-        """Wait for every rank's answer to batch_id; rank 0 carries the embeddings."""
+        """Wait for every rank's answer to batch_id; rank 0 carries the embeddings.
+
+        With TP > 1, once one rank fails the others get TP_ERROR_GRACE_S to answer too (an error every rank hits
+        fails only the batch); a rank still silent then is stuck in a collective its failed peer never joined, so
+        the workers are declared dead and stopped at once instead of waiting out the worker timeout."""
         deadline = time.monotonic() + self._config.worker_timeout_s
         pending = set(range(len(self._procs)))
         errors: list[str] = []
@@ -136,7 +142,10 @@ class ModelExecutor:
             if (reason := self.check_workers()) is not None:
                 raise WorkersDeadError(reason)
             if time.monotonic() > deadline:
-                self._dead_reason = f"workers did not finish batch {batch_id} within {self._config.worker_timeout_s}s"
+                self._dead_reason = (f"rank(s) {sorted(pending)} stuck after {'; '.join(errors)}" if errors else
+                                     f"workers did not finish batch {batch_id} within "
+                                     f"{self._config.worker_timeout_s}s")
+                self._stop_workers()
                 raise WorkersDeadError(self._dead_reason)
             if not self._results.poll(_POLL_MS):
                 continue
@@ -147,11 +156,19 @@ class ModelExecutor:
             pending.discard(msg.rank)
             if msg.error is not None:
                 errors.append(f"rank {msg.rank}: {msg.error}")
+                deadline = min(deadline, time.monotonic() + TP_ERROR_GRACE_S)
             elif msg.rank == 0:
                 rank0 = msg
         if errors or rank0 is None:
             raise BatchFailedError("; ".join(errors) or "rank 0 returned no output")
         return rank0
+
+    def _stop_workers(self) -> None:
+        """Terminate every worker (a rank blocked in a collective never returns by itself)."""
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        logger.error("workers stopped: %s", self._dead_reason)
 
     def _split(self, batch: Batch, header: WorkerResultMsg) -> list[ItemResult]:
         counts = _token_counts(batch, self._merge_unit)
