@@ -67,12 +67,15 @@ def test_killed_worker_fails_inflight_requests_and_health(qwen2_vl_tiny: Path, t
 
 
 def test_rank_error_with_tp2_fails_fast_not_after_the_worker_timeout(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
-    """Rank 1 fails a batch (its address space capped, so allocating the batch's pixels raises) while rank 0 waits
-    in an all-reduce rank 1 never joins: within seconds (the worker timeout is 120 s) the request gets a 503 naming
-    rank 1's error, /health turns 503, and no worker is left blocked."""
+    """A warm-up batch ran on both ranks before Eric said it was healthy. Then rank 1 fails a batch (its address
+    space capped, so allocating the batch's pixels raises) while rank 0 waits in an all-reduce rank 1 never joins:
+    within seconds (the worker timeout is 120 s) the request gets a 503 naming rank 1's error, /health turns 503,
+    and no worker is left blocked."""
     import resource
 
     with EricServer(qwen2_vl_tiny, tp=2, log_path=tmp_path / "eric.log") as eric:
+        # both ranks ran a warm-up batch (their first all-reduce) before /health turned 200
+        assert "warm-up batch ran on 2 rank(s)" in (tmp_path / "eric.log").read_text()
         assert _post(eric, _items(1, 0)).status_code == 200
         pids = httpx.get(eric.url + "/health").json()["worker_pids"]
         with open(f"/proc/{pids[1]}/status") as f:

@@ -72,6 +72,7 @@ def main(config: EricConfig, ready: Connection) -> None:
     try:
         executor = ModelExecutor(config, merge_unit=_merge_unit(config))
         executor.wait_ready()
+        executor.warm_up()
     except Exception as e:
         logger.exception("engine start failed")
         ready.send(f"engine start failed: {e}")

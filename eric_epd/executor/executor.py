@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import socket
 import time
 
+import numpy as np
 import zmq
 
 from eric_epd.config import EricConfig
@@ -28,6 +30,7 @@ from eric_epd.executor.worker import WorkerArgs, main
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+WARMUP_BATCH_ID = -1
 TP_ERROR_GRACE_S = 3.0
 """After one rank reports an error, how long the other ranks have to report theirs before the group is dead."""
 
@@ -42,16 +45,20 @@ def _token_counts(batch: Batch, merge_unit: int) -> list[int]:
     return [e.item.num_patches // merge_unit for e in batch.entries]
 
 
+def pixel_row(config: EricConfig) -> int:
+    """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
+    from eric_epd.models.registry import read_model_config
+
+    vision = read_model_config(config.model).get("vision_config", {})
+    return (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
+            * vision.get("patch_size", 14) ** 2)
+
+
 def broadcast_geometry(config: EricConfig) -> dict[str, int]:
     """Broadcast slots that hold the largest batch the scheduler forms (its patch cap x the pixel row, float32)
     plus headers, so no batch spills into a fresh segment: 4 slots of 32 MiB on CPU; on CUDA, 2 slots of ~155 MB
     for Qwen2-VL's 32768-patch cap."""
-    from eric_epd.models.registry import read_model_config
-
-    vision = read_model_config(config.model).get("vision_config", {})
-    row = (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
-           * vision.get("patch_size", 14) ** 2)
-    need = config.batch_limits().max_patches * row * 4 + (1 << 20)
+    need = config.batch_limits().max_patches * pixel_row(config) * 4 + (1 << 20)
     slot = max(32 << 20, -(-need // (1 << 20)) * (1 << 20))
     return {"n_slots": 4 if slot <= 32 << 20 else 2, "slot_bytes": slot}
 
@@ -98,6 +105,25 @@ class ModelExecutor:
                 ready.add(msg.rank)
                 self._settings[msg.rank] = (msg.cpus, msg.threads)
                 logger.info("worker rank %d: cpus %s, %d torch threads", msg.rank, msg.cpus, msg.threads)
+
+    def warm_up(self) -> None:
+        """One small zero image through every rank before the engine says it is ready: the process group's first
+        collective (NCCL builds its communicators lazily) and each kernel's first run happen here, not on a
+        client's request, and a rank that cannot run fails the start. Nothing is written to the pool."""
+        side = 2 * math.isqrt(self._merge_unit)  # two merge windows per side
+        grid = (1, side, side)
+        msg = ExecuteBatchMsg(WARMUP_BATCH_ID, "image", [BatchItemMsg("warm-up", "image", grid, 0, 0)], warmup=True)
+        start = time.perf_counter()
+        self._broadcast.enqueue(to_worker_encoder.encode(msg), [np.zeros((side * side, pixel_row(self._config)),
+                                                                         np.float32)],
+                                timeout=self._config.worker_timeout_s,
+                                should_abort=lambda: self.check_workers() is not None)
+        try:
+            rank0 = self._gather(WARMUP_BATCH_ID)
+        except (BatchFailedError, WorkersDeadError) as e:
+            raise RuntimeError(f"warm-up batch failed: {e}") from e
+        logger.info("warm-up batch ran on %d rank(s) in %.2fs (output %s)", len(self._procs),
+                    time.perf_counter() - start, list(rank0.shape))
 
     def workers(self) -> list[WorkerInfo]:
         return [WorkerInfo(p.pid or 0, *self._settings.get(rank, ([], 0))) for rank, p in enumerate(self._procs)]

@@ -23,6 +23,8 @@ class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
     batch_id: int
     modality: str
     items: list[BatchItemMsg]
+    warmup: bool = False
+    """The start-up batch: run on every rank, nothing written to the pool."""
 
 
 class StopWorkerMsg(msgspec.Struct, array_like=True, frozen=True, tag="stop"):

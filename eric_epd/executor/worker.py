@@ -133,7 +133,7 @@ def _execute_and_reply(rank: int, encoder: torch.nn.Module, msg: ExecuteBatchMsg
     try:
         out, compute_s = _run_batch(encoder, msg, views, device, dtype)
         write_start = time.perf_counter()
-        if pool is not None:
+        if pool is not None and not msg.warmup:
             _write_to_pool(pool, msg, out)
         write_s = time.perf_counter() - write_start
     except Exception as e:  # reported to the engine, which fails the batch's requests
