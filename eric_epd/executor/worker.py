@@ -14,6 +14,7 @@ import zmq
 from eric_epd.common.cpus import pin_process, pin_torch
 from eric_epd.common.shm import attach_untracked
 from eric_epd.config import EricConfig
+from eric_epd.executor.device_io import DeviceIO
 from eric_epd.executor.messages import (
     ExecuteBatchMsg,
     StopWorkerMsg,
@@ -68,31 +69,18 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
     return encoder, device, dtype
 
 
-def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], device: torch.device,
+def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], io: DeviceIO,
                dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """The batch's output on the host, and the forward's seconds (the encoder and the copy to the host, which waits
-    for the device)."""
-    parts = [buffer_to_tensor(v, torch.float32, (-1,)) for v in views]
-    pixels = torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.empty(0)
+    """The batch's output (on the device), and the forward's seconds (until the device finished it)."""
+    pixels = io.pixels([buffer_to_tensor(v, torch.float32, (-1,)) for v in views], dtype)
     patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
     pixels = pixels.view(-1, patch_dim)
-    grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=device)
+    grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=io.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = encoder(pixels, grid)
-    out = out.to("cpu").contiguous()
+    io.sync()
     return out, time.perf_counter() - start
-
-
-def _write_to_pool(pool: np.ndarray, msg: ExecuteBatchMsg, out: torch.Tensor) -> None:
-    """Rank 0 only: copy each item's rows of the batch output to the pool region the router reserved for it."""
-    flat = out.view(torch.uint8).reshape(-1).numpy() if out.numel() else np.empty(0, np.uint8)
-    if flat.nbytes != sum(i.out_nbytes for i in msg.items):
-        raise ValueError(f"output of {flat.nbytes} bytes does not fill the {len(msg.items)} reserved regions")
-    start = 0
-    for item in msg.items:
-        pool[item.out_offset: item.out_offset + item.out_nbytes] = flat[start: start + item.out_nbytes]
-        start += item.out_nbytes
 
 
 def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
@@ -100,6 +88,7 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
     reader = ShmBroadcast.attach(args.broadcast, args.rank)
     segment = attach_untracked(args.config.pool_name) if args.rank == 0 else None
     pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf) if segment is not None else None
+    io = DeviceIO(device, pool)
     decoder = to_worker_decoder()
     parent = os.getppid()
 
@@ -118,24 +107,23 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
                 msg = decoder.decode(header)
                 if isinstance(msg, StopWorkerMsg):
                     return
-                _execute_and_reply(args.rank, encoder, msg, views, device, dtype, push, pool)
+                _execute_and_reply(args.rank, encoder, msg, views, io, dtype, push)
             finally:
                 reader.release()
     finally:
+        io.close()
         reader.close()
         if segment is not None:
+            del io, pool  # views on the segment
             segment.close()
 
 
 def _execute_and_reply(rank: int, encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview],
-                       device: torch.device, dtype: torch.dtype, push: zmq.Socket, pool: np.ndarray | None) -> None:
+                       io: DeviceIO, dtype: torch.dtype, push: zmq.Socket) -> None:
     modalities = tuple(sorted({i.modality for i in msg.items}))
     try:
-        out, compute_s = _run_batch(encoder, msg, views, device, dtype)
-        write_start = time.perf_counter()
-        if pool is not None and not msg.warmup:
-            _write_to_pool(pool, msg, out)
-        write_s = time.perf_counter() - write_start
+        out, compute_s = _run_batch(encoder, msg, views, io, dtype)
+        write_s = io.write(out, msg) if rank == 0 and not msg.warmup else 0.0  # only rank 0's output leaves
     except Exception as e:  # reported to the engine, which fails the batch's requests
         logger.exception("rank %d: batch %d failed", rank, msg.batch_id)
         push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])

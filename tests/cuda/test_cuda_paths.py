@@ -1,0 +1,119 @@
+"""The CUDA paths for anyone with a GPU: Eric equal to transformers on CUDA at TP 1 and 2, the worker's pinned
+copies, SGLang's NIXL landing buffers registered as VRAM on each rank's own device, and the vLLM connector filling
+vLLM's encoder cache on the device with the same tokens as vLLM's own encoder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from eric_epd.executor.device_io import DeviceIO
+from eric_epd.executor.messages import BatchItemMsg, ExecuteBatchMsg
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.media import image_data_url, random_image
+from eric_epd.transfer.handles import LEASE_HEADER
+from tests.cuda.conftest import need_devices
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eric_on_cuda_equals_transformers(qwen2_vl_tiny: Path, tmp_path: Path, tp: int) -> None:
+    need_devices(tp)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    with EricServer(qwen2_vl_tiny, tp=tp, extra_args=("--device", "cuda", "--dtype", "float32"),
+                    log_path=tmp_path / "eric.log") as eric:
+        health = httpx.get(eric.url + "/health", timeout=10).json()
+        assert len(health["worker_pids"]) == tp
+        resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
+                          json={"items": [{"modality": "image", "url": image_data_url(120, 90, seed=7)}]})
+        assert resp.status_code == 200, resp.text
+        item = resp.json()["items"][0]
+        fetched = httpx.get(item["handle"]["http"], timeout=60,
+                            headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
+        assert fetched.status_code == 200, fetched.text
+        ours = load_safetensors(fetched.content)["embedding"]
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    processor = AutoProcessor.from_pretrained(qwen2_vl_tiny)
+    inputs = processor.image_processor(images=[random_image(120, 90, seed=7)], return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_tiny, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ref = model.model.get_image_features(inputs["pixel_values"].cuda(), inputs["image_grid_thw"].cuda())
+    torch.testing.assert_close(ours, ref.pooler_output[0].cpu(), rtol=1e-3, atol=1e-4)
+
+
+def test_device_io_pinned_copies_and_pool_writes() -> None:
+    """Pixels through a pinned staging buffer, cast on the device; rank 0's rows land in the registered pool."""
+    pool = np.zeros(1 << 20, np.uint8)
+    io = DeviceIO(torch.device("cuda:0"), pool)
+    try:
+        assert io._registered
+        parts = [torch.randn(16 * 1176), torch.randn(32 * 1176)]
+        pixels = io.pixels(parts, torch.bfloat16)
+        assert pixels.device.type == "cuda" and pixels.dtype == torch.bfloat16
+        assert io._staging is not None and io._staging.is_pinned()
+        torch.testing.assert_close(pixels.float().cpu(), torch.cat(parts).bfloat16().float())
+        out = torch.randn(12, 64, device="cuda:0", dtype=torch.bfloat16)
+        msg = ExecuteBatchMsg(1, "image", [BatchItemMsg("a", "image", (1, 4, 4), 4096, 4 * 64 * 2),
+                                           BatchItemMsg("b", "image", (1, 8, 4), 0, 8 * 64 * 2)])
+        io.write(out, msg)
+        host = out.cpu().view(torch.uint8).reshape(-1).numpy()
+        assert bytes(pool[4096:4096 + 512]) == host[:512].tobytes()
+        assert bytes(pool[:1024]) == host[512:].tobytes()
+    finally:
+        io.close()
+
+
+def test_nixl_landing_buffers_register_vram_on_each_rank_device() -> None:
+    """SGLang passes no gpu_id: each rank's current device is where its landing buffer is registered."""
+    from eric_epd.plugins.sglang.plugin import NixlLandingEngine
+    from eric_epd.plugins.sglang.wire import decode_nixl_session
+
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.set_device(device)
+        engine = NixlLandingEngine(f"rank{device}")
+        buf = torch.empty(1 << 20, dtype=torch.uint8, device=f"cuda:{device}")
+        try:
+            engine.register(buf.data_ptr(), buf.numel())
+            session = decode_nixl_session(engine.session_id)
+            assert session is not None and (session.mem_type, session.device) == ("VRAM", device)
+        finally:
+            engine.close()
+
+
+def test_connector_fills_vllm_encoder_cache_on_device(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """vLLM on CUDA behind Eric: greedy tokens equal vLLM's own encoder's for one image, four, and a video."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    from eric_epd.testing.vllm_cases import (
+        CASES,
+        encode_case,
+        epd_prompt,
+        eric_key_in_env,
+        greedy,
+        llm_kwargs,
+        raw_prompt,
+    )
+
+    cases = [c for c in CASES if c.name in ("one_image", "four_images", "one_video")]
+    mono = LLM(**llm_kwargs(qwen2_vl_tiny))
+    expected = {c.name: list(greedy(mono, raw_prompt(c)).outputs[0].token_ids) for c in cases}
+    del mono
+    torch.cuda.empty_cache()
+    with EricServer(qwen2_vl_tiny, extra_args=("--device", "cuda"), log_path=tmp_path / "eric.log") as eric:
+        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cuda",
+                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm", "nixl", "http"]})
+        with eric_key_in_env(eric.api_key):
+            llm = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec)
+        for case in cases:
+            items = encode_case(eric.url, case, eric.api_key)
+            out = greedy(llm, epd_prompt(case, items), items)
+            assert list(out.outputs[0].token_ids) == expected[case.name], case.name
