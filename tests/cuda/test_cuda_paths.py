@@ -117,3 +117,16 @@ def test_connector_fills_vllm_encoder_cache_on_device(qwen2_vl_tiny: Path, tmp_p
             items = encode_case(eric.url, case, eric.api_key)
             out = greedy(llm, epd_prompt(case, items), items)
             assert list(out.outputs[0].token_ids) == expected[case.name], case.name
+
+
+def test_varlen_attention_kernel_equals_grouped_sdpa() -> None:
+    """The CUDA varlen kernel (flash-attn or torch's) gives what length-grouped SDPA in float32 gives."""
+    from eric_epd.models.layers.attention import VarlenPlan, cuda_varlen_kernel, varlen_attention
+
+    assert cuda_varlen_kernel() in ("flash_attn", "torch")
+    cu = [0, 64, 100, 356, 420]
+    plan = VarlenPlan.build(cu, torch.device("cuda"))
+    q, k, v = (torch.randn(420, 8, 64, device="cuda") for _ in range(3))
+    ref = varlen_attention(q, k, v, plan)  # float32: the grouped SDPA path
+    got = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan)
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)

@@ -1,5 +1,5 @@
-"""Variable-length attention over packed sequences (flash-attn varlen on CUDA, length-grouped SDPA otherwise)
-and the 2-D vision rotary embedding of Qwen2-VL / Qwen2.5-VL, applied in float32 as Hugging Face does."""
+"""Variable-length attention over packed sequences (flash-attn or torch's varlen kernel on CUDA, length-grouped
+SDPA otherwise) and the 2-D vision rotary embedding of Qwen2-VL / Qwen2.5-VL, applied in float32 as HF does."""
 
 from __future__ import annotations
 
@@ -22,7 +22,23 @@ def _import_flash_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
+def _import_torch_varlen() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:  # torch older than 2.9
+        return None
+    return varlen_attn
+
+
 FLASH_VARLEN: Callable | None = _import_flash_varlen()
+"""flash-attn's varlen kernel (the optional `flash` extra), preferred on CUDA when installed."""
+TORCH_VARLEN: Callable | None = _import_torch_varlen()
+"""torch's own varlen flash kernel (CUDA, fp16/bf16), used when flash-attn is not installed."""
+
+
+def cuda_varlen_kernel() -> str:
+    """Which varlen kernel a CUDA fp16/bf16 forward uses: "flash_attn", "torch", or "sdpa" (length-grouped SDPA)."""
+    return "flash_attn" if FLASH_VARLEN is not None else "torch" if TORCH_VARLEN is not None else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,10 @@ def varlen_attention(
         raise ValueError(f"attention got {n_tok} tokens but the plan covers {plan.total}")
     if n_tok == 0:
         return torch.empty_like(q)
-    if FLASH_VARLEN is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    on_cuda_half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if on_cuda_half and FLASH_VARLEN is None and TORCH_VARLEN is not None:
+        return TORCH_VARLEN(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen, scale=scale)
+    if on_cuda_half and FLASH_VARLEN is not None:
         return FLASH_VARLEN(
             q,
             k,
