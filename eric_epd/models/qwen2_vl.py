@@ -117,15 +117,17 @@ class LayerNorm(nn.LayerNorm):
 class PatchProj(nn.Module):
     """Conv3d with stride == kernel as a Linear over flat (C, T, P, P) patches; loads the 5-D conv weight."""
 
-    def __init__(self, in_dim: int, embed_dim: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, in_dim: int, embed_dim: int, dtype: torch.dtype | None, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(embed_dim, in_dim, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(embed_dim, dtype=dtype), requires_grad=False) if bias else None
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
-        copy_into(param, read_full(full).reshape(param.shape[0], -1))
+        tensor = read_full(full)
+        copy_into(param, tensor.reshape(param.shape[0], -1) if param.dim() == 2 else tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class PatchEmbed(nn.Module):
@@ -138,10 +140,11 @@ class PatchEmbed(nn.Module):
         patch_size: int,
         embed_dim: int,
         dtype: torch.dtype | None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.in_dim = in_channels * temporal_patch_size * patch_size * patch_size
-        self.proj = PatchProj(self.in_dim, embed_dim, dtype)
+        self.proj = PatchProj(self.in_dim, embed_dim, dtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x.reshape(-1, self.in_dim))
@@ -208,7 +211,8 @@ class _Gelu(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """Norm, group merge**2 neighbouring tokens, then Linear (column) -> GELU -> Linear (row)."""
+    """Norm, group merge**2 neighbouring tokens, then Linear (column) -> GELU -> Linear (row). With `postshuffle`
+    the norm runs over the grouped tokens instead (Qwen3-VL's DeepStack mergers)."""
 
     def __init__(
         self,
@@ -218,9 +222,11 @@ class PatchMerger(nn.Module):
         merge: int,
         tp: TPContext,
         dtype: torch.dtype | None,
+        postshuffle: bool = False,
     ) -> None:
         super().__init__()
         self.hidden = context_dim * merge * merge
+        self.postshuffle = postshuffle
         self.ln_q = norm
         self.mlp = nn.Sequential(
             ColumnParallelLinear(self.hidden, self.hidden, True, tp, dtype),
@@ -229,6 +235,8 @@ class PatchMerger(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.postshuffle:
+            return self.mlp(self.ln_q(x.reshape(-1, self.hidden)))
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
 
 
@@ -272,6 +280,21 @@ class Qwen2VLVisionEncoder(nn.Module):
         attn = VisionAttention(self.width, self.num_heads, self.tp, self.param_dtype)
         return VisionBlock(self._make_norm(self.width), self._make_norm(self.width), attn, self._make_mlp())
 
+    tap_layers: frozenset[int] = frozenset()
+    """Blocks whose output also feeds a level of the result (Qwen3-VL's DeepStack); none here."""
+
+    def _embed(self, pixels: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """Patch rows -> token embeddings, in the processor's merge-block order."""
+        return self.patch_embed(pixels)
+
+    def _tap(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def param_name(key: str) -> str:
+        """A checkpoint key (prefix stripped) as this module's parameter name."""
+        return key
+
     def _layout(self, grid: Grid, device: torch.device) -> tuple[list[VarlenPlan], torch.Tensor | None]:
         """Attention plan per block and an optional permutation of merge units (None: natural order)."""
         plan = VarlenPlan.build(frame_cu_seqlens(grid), device)
@@ -297,7 +320,7 @@ class Qwen2VLVisionEncoder(nn.Module):
         if pixel_values.shape[0] != n_patches:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw implies {n_patches}")
         device = self.device
-        x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))
+        x = self._embed(pixel_values.to(device=device, dtype=self.dtype), grid)
         positions = vision_position_ids(grid, self.merge)
         plans, order = self._layout(grid, device)
         unit = self.merge * self.merge
@@ -305,9 +328,14 @@ class Qwen2VLVisionEncoder(nn.Module):
             x = x.view(-1, unit, x.shape[-1])[order.to(device)].view(-1, x.shape[-1])
             positions = positions.view(-1, unit, 2)[order].view(-1, 2)
         cos, sin = vision_rotary_cos_sin(positions, self.head_dim, self.rope_theta, device)
-        for block, plan in zip(self.blocks, plans, strict=True):
+        taps = []
+        for index, (block, plan) in enumerate(zip(self.blocks, plans, strict=True)):
             x = block(x, cos, sin, plan)
+            if index in self.tap_layers:
+                taps.append(self._tap(index, x))
         out = self.merger(x)
+        if taps:  # levels side by side on the last dimension, the merged tokens first
+            out = torch.cat([out, *taps], dim=-1)
         if order is not None:
             out = out[torch.argsort(order).to(device)]
         return out
@@ -327,7 +355,7 @@ class Qwen2VLVisionEncoder(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            key = self.strip_prefix(name)
+            key = self.param_name(self.strip_prefix(name))
             if key.endswith(IGNORED_SUFFIXES):
                 continue
             if key not in params:

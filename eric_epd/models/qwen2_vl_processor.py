@@ -197,3 +197,10 @@ class Qwen2_5_VLModalityProcessor(Qwen2VLModalityProcessor):  # noqa: N801  (HF 
         item = super().process_video(frames, sampled_fps)
         seconds = self.settings["video"].temporal_patch_size / sampled_fps
         return dataclasses.replace(item, second_per_grid_ts=seconds)
+
+
+class Qwen3VLModalityProcessor(Qwen2VLModalityProcessor):
+    """Qwen3-VL images: Qwen2-VL's image processing with the checkpoint's own settings (patch 16, its mean/std).
+    Its videos (sampled with timestamps by Qwen3VLVideoProcessor) are not served yet."""
+
+    modalities = ("image",)

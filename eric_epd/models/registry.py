@@ -18,7 +18,12 @@ from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from eric_epd.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionEncoder
-from eric_epd.models.qwen2_vl_processor import Qwen2_5_VLModalityProcessor, Qwen2VLModalityProcessor
+from eric_epd.models.qwen2_vl_processor import (
+    Qwen2_5_VLModalityProcessor,
+    Qwen2VLModalityProcessor,
+    Qwen3VLModalityProcessor,
+)
+from eric_epd.models.qwen3_vl import Qwen3VLVisionEncoder, deepstack_levels
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,8 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType(
         for spec in (
             ModelSpec("qwen2_vl", Qwen2VLVisionEncoder, Qwen2VLModalityProcessor, VISION_PREFIXES),
             ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2_5_VLModalityProcessor, VISION_PREFIXES),
+            ModelSpec("qwen3_vl", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
+            ModelSpec("qwen3_vl_moe", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
         )
     }
 )
@@ -158,6 +165,13 @@ def load_encoder(
         tp.world_size,
     )
     return encoder
+
+
+def output_width(config: dict[str, Any]) -> int:
+    """Width of an encoder output row for a checkpoint config: the merged tokens' width times (1 + DeepStack
+    levels), the layout the engines' own encoders produce."""
+    vision = config.get("vision_config", {})
+    return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + deepstack_levels(vision))
 
 
 def load_processor(model_dir: str | Path) -> BaseModalityProcessor:

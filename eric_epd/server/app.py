@@ -21,7 +21,7 @@ from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware, BodyTooLargeError, read_limited_body
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
-from eric_epd.models.registry import load_processor, read_model_config, resolve_dtype
+from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
 from eric_epd.plugins.sglang.routes import sglang_routes
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
@@ -95,9 +95,7 @@ def item_json(answer: ItemAnswer) -> dict[str, Any]:
 def output_spec(config: EricConfig) -> OutputSpec:
     """Width and dtype of the encoder's output, known before any batch runs (to reserve pool space)."""
     cfg = read_model_config(config.model)
-    vision = cfg.get("vision_config", {})
-    dim = vision.get("out_hidden_size") or vision["hidden_size"]
-    return OutputSpec(int(dim), str(resolve_dtype(config.dtype, cfg)).removeprefix("torch."))
+    return OutputSpec(output_width(cfg), str(resolve_dtype(config.dtype, cfg)).removeprefix("torch."))
 
 
 def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: TransferHub) -> FastAPI:

@@ -1,4 +1,5 @@
-"""Offline builders of tiny and small random Qwen2-VL / Qwen2.5-VL checkpoints, saved like a Hugging Face repo.
+"""Offline builders of tiny and small random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints, saved like a Hugging Face
+repo.
 
 Used by tests, benchmarks and as Eric's default model; nothing is downloaded. Deterministic by seed.
 """
@@ -17,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SIZES = ("tiny", "small")
 BUILDER_VERSION = 1  # bump when the output of build_checkpoint changes
 
@@ -74,8 +75,9 @@ def spec_for(family: str, size: str) -> CheckpointSpec:
     """The fixed sizes of a (family, size) pair."""
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES}")
-    if size == "tiny":
-        return CheckpointSpec(family, size, 128, 2, 2, 1, 2, 64, 2, 128, 56 * 56, 224 * 224)
+    if size == "tiny":  # Qwen3-VL: 4 blocks, so two DeepStack taps sit before the last block
+        return CheckpointSpec(family, size, 128, 2, 2, 1, 4 if family == "qwen3_vl" else 2, 64, 2, 128,
+                              56 * 56, 224 * 224)
     # small: real patch/merge sizes and pixel budget, 8 blocks of width 512 (31 M vision params)
     return CheckpointSpec(family, size, 512, 2, 8, 2, 8, 512, 8, 2048, 56 * 56, 14 * 14 * 4 * 1280)
 
@@ -106,6 +108,31 @@ def build_tokenizer(vocab_size: int = 512):  # -> PreTrainedTokenizerFast
     return hf_tok
 
 
+def _deepstack_layers(depth: int) -> list[int]:
+    """DeepStack taps: blocks 1 and 2 of a tiny tower, then every quarter (as the released models space them)."""
+    return [1, 2] if depth <= 4 else [depth // 4, depth // 2, 3 * depth // 4]
+
+
+def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init_std: float):
+    from transformers import Qwen3VLConfig
+
+    head_dim = spec.text_hidden // spec.text_heads
+    hw = (head_dim // 2) * 5 // 16  # Qwen3-VL's interleaved split: [24, 20, 20] for head_dim 128
+    text_config = {**text_config, "head_dim": head_dim, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [head_dim // 2 - 2 * hw, hw, hw],
+        "mrope_interleaved": True}}
+    vision = dict(
+        depth=spec.vision_depth, hidden_size=spec.vision_width, intermediate_size=spec.vision_mlp,
+        out_hidden_size=spec.text_hidden, num_heads=spec.vision_heads, in_channels=3, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=64 if spec.size == "tiny" else 2304,
+        deepstack_visual_indexes=_deepstack_layers(spec.vision_depth), initializer_range=init_std,
+    )
+    cfg = Qwen3VLConfig(text_config=text_config, vision_config=vision, **common)
+    cfg.architectures = ["Qwen3VLForConditionalGeneration"]
+    return cfg
+
+
 def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_std: float):
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
@@ -126,6 +153,8 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
         tie_word_embeddings=False, initializer_range=init_std,
     )
+    if spec.family == "qwen3_vl":
+        return _qwen3_vl_config(spec, text_config, common, init_std)
     if spec.family == "qwen2_vl":
         vision = dict(
             depth=spec.vision_depth, embed_dim=spec.vision_width, hidden_size=spec.text_hidden,
@@ -151,9 +180,13 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
 def _save_processor(out: Path, spec: CheckpointSpec) -> None:
     from transformers import Qwen2VLImageProcessorPil
 
-    processor_class = "Qwen2VLProcessor" if spec.family == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                       "qwen3_vl": "Qwen3VLProcessor"}[spec.family]
+    qwen3 = spec.family == "qwen3_vl"
+    patch = 16 if qwen3 else 14
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
-    improc = Qwen2VLImageProcessorPil(size=size, patch_size=14, temporal_patch_size=2, merge_size=2)
+    norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {}
+    improc = Qwen2VLImageProcessorPil(size=size, patch_size=patch, temporal_patch_size=2, merge_size=2, **norm)
     improc.save_pretrained(out)
     pp = out / "preprocessor_config.json"
     d = json.loads(pp.read_text())
@@ -161,11 +194,12 @@ def _save_processor(out: Path, spec: CheckpointSpec) -> None:
              min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
     pp.write_text(json.dumps(d, indent=2))
     video = {
-        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor_class,
+        "video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
+        "processor_class": processor_class,
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "rescale_factor": 1 / 255, "image_mean": d["image_mean"], "image_std": d["image_std"],
         "size": size, "min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels,
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
         "do_sample_frames": False, "fps": 2.0, "min_frames": 4, "max_frames": 768,
     }
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))

@@ -1,0 +1,155 @@
+"""Qwen3-VL behind Eric: its processor and its tower equal transformers' (the merged tokens and every DeepStack
+level, TP 1 in-process and TP 2 served), and in real vLLM the EPD tokens equal vLLM's own encoder's, while a
+perturbed DeepStack level changes them (vLLM really consumes the levels Eric sends)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file, save_file
+
+from eric_epd.models.registry import load_encoder, load_processor, output_width, read_model_config
+from eric_epd.stack.servers import EricServer, new_key
+from eric_epd.testing.media import image_bytes, random_image
+from eric_epd.testing.vllm_cases import CASES, encode_case, epd_prompt, eric_key_in_env, greedy, llm_kwargs, raw_prompt
+from eric_epd.transfer.handles import LEASE_HEADER
+
+SIZES = [(120, 90), (33, 200), (224, 224), (57, 57)]  # odd sizes: resize, padding to the 32-px factor
+
+
+def _images() -> list[Image.Image]:
+    return [Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=50 + i)))).convert("RGB")
+            for i, (w, h) in enumerate(SIZES)]
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_vl_tiny: Path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(qwen3_vl_tiny).image_processor
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_vl_tiny, dtype=torch.float32).eval()
+    return processor, model
+
+
+def _hf_rows(hf, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
+    """transformers' rows for one image: [merged | level 1 | level 2] on the last dimension, and its grid."""
+    processor, model = hf
+    inputs = processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    rows = torch.cat([out.pooler_output[0], *(level[0] for level in out.deepstack_features)], dim=-1)
+    return rows, inputs["image_grid_thw"][0].tolist()
+
+
+def test_processor_equals_hf(qwen3_vl_tiny: Path, hf) -> None:
+    ours = load_processor(qwen3_vl_tiny)
+    assert ours.modalities == ("image",)
+    for image in _images():
+        ref = hf[0](images=[image], return_tensors="np")
+        item = ours.process_image(image)
+        assert list(item.grid_thw) == ref["image_grid_thw"][0].tolist()
+        np.testing.assert_array_equal(item.pixel_values, ref["pixel_values"])
+
+
+def test_tower_equals_hf_every_level(qwen3_vl_tiny: Path, hf) -> None:
+    """One batch of four images of odd sizes through Eric's encoder (TP 1): each image's merged tokens and each
+    DeepStack level equal transformers'."""
+    cfg = read_model_config(qwen3_vl_tiny)
+    width, levels = cfg["vision_config"]["out_hidden_size"], len(cfg["vision_config"]["deepstack_visual_indexes"])
+    assert levels == 2 and output_width(cfg) == width * 3
+    processor, encoder = load_processor(qwen3_vl_tiny), load_encoder(qwen3_vl_tiny, torch.float32, "cpu")
+    items = [processor.process_image(image) for image in _images()]
+    out = encoder(torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
+                  torch.tensor([list(i.grid_thw) for i in items]))
+    assert out.shape == (sum(i.num_tokens for i in items), width * 3)
+    for rows, image in zip(out.split([i.num_tokens for i in items]), _images()):
+        ref, _ = _hf_rows(hf, image)
+        for level in range(1 + levels):
+            part = slice(level * width, (level + 1) * width)
+            torch.testing.assert_close(rows[:, part], ref[:, part], rtol=1e-4, atol=1e-5, msg=f"level {level}")
+
+
+@pytest.fixture(scope="module")
+def erics(qwen3_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A TP-2 Eric on the checkpoint, and a TP-1 Eric on a copy whose first DeepStack merger is perturbed."""
+    tmp = tmp_path_factory.mktemp("qwen3")
+    perturbed = tmp / "perturbed"
+    shutil.copytree(qwen3_vl_tiny, perturbed)
+    weights = load_file(perturbed / "model.safetensors")
+    [key] = [k for k in weights if k.endswith("deepstack_merger_list.0.linear_fc2.weight")]
+    weights[key] = -4.0 * weights[key]
+    save_file(weights, perturbed / "model.safetensors", metadata={"format": "pt"})
+    key_ = new_key()
+    main = EricServer(qwen3_vl_tiny, tp=2, log_path=tmp / "main.log", api_key=key_).start()
+    other = EricServer(perturbed, log_path=tmp / "perturbed.log", api_key=key_).start()
+    yield main, other
+    main.stop()
+    other.stop()
+
+
+def test_eric_tp2_equals_hf(erics, hf) -> None:
+    main, _ = erics
+    images = _images()
+    body = {"items": [{"modality": "image", "url": "data:image/png;base64," + _b64(img)} for img in images]}
+    resp = httpx.post(main.url + "/v1/encode", json=body, headers=main.headers, timeout=120)
+    assert resp.status_code == 200, resp.text
+    for item, image in zip(resp.json()["items"], images):
+        ref, grid = _hf_rows(hf, image)
+        assert item["grid_thw"] == grid and item["shape"] == list(ref.shape)
+        fetched = httpx.get(item["handle"]["http"], headers=main.headers | {LEASE_HEADER: item["handle"]["lease"]})
+        assert fetched.status_code == 200
+        torch.testing.assert_close(load_safetensors(fetched.content)["embedding"], ref, rtol=1e-4, atol=1e-5)
+
+
+def _b64(image: Image.Image) -> str:
+    import base64
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny: Path, erics) -> None:
+    """vLLM behind Eric: one image and four images give vLLM's own encoder's greedy tokens; the same engine fed a
+    perturbed first DeepStack level (the merged tokens and the second level unchanged) answers differently."""
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    main, other = erics
+    with eric_key_in_env(main.api_key):
+        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
+                              ec_connector_extra_config={"eric_urls": [main.url, other.url], "backends": ["shm"]})
+        llm = LLM(**llm_kwargs(qwen3_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
+        cases = {c.name: c for c in CASES}
+        for name in ("one_image", "four_images"):
+            monolithic = list(greedy(llm, raw_prompt(cases[name])).outputs[0].token_ids)
+            items = encode_case(main.url, cases[name], main.api_key)
+            assert list(greedy(llm, epd_prompt(cases[name], items), items).outputs[0].token_ids) == monolithic, name
+
+        case = cases["two_images"]  # images this engine has not cached under Eric's hash
+        monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)
+        items = encode_case(other.url, case, other.api_key)
+        rows = [_rows(other, i) for i in items]
+        reference = [_rows(main, i) for i in encode_case(main.url, case, main.api_key)]
+        width = rows[0].shape[1] // 3
+        for mine, ref in zip(rows, reference):
+            torch.testing.assert_close(mine[:, :width], ref[:, :width])  # merged tokens equal
+            assert not torch.allclose(mine[:, width: 2 * width], ref[:, width: 2 * width])  # level 1 perturbed
+            torch.testing.assert_close(mine[:, 2 * width:], ref[:, 2 * width:])  # level 2 equal
+        perturbed = list(greedy(llm, epd_prompt(case, items), items).outputs[0].token_ids)
+        assert perturbed != monolithic
+        del llm
+
+
+def _rows(eric: EricServer, item: dict) -> torch.Tensor:
+    fetched = httpx.get(item["handle"]["http"], headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
+    assert fetched.status_code == 200, fetched.text
+    return load_safetensors(fetched.content)["embedding"]
