@@ -39,6 +39,13 @@ def qwen3_vl_tiny(_checkpoint_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_tiny(_checkpoint_cache: Path) -> Path:
+    from eric_epd.testing.checkpoints import ensure_checkpoint
+
+    return ensure_checkpoint("qwen3_5", "tiny")
+
+
+@pytest.fixture(scope="session")
 def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two Erics (one shared key) and one colocated `vllm serve` behind them, shared by every test that puts a
     gateway in front (one vLLM per configuration per session). A test that stops an Eric starts it again."""

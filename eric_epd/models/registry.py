@@ -46,6 +46,8 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType(
             ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2_5_VLModalityProcessor, VISION_PREFIXES),
             ModelSpec("qwen3_vl", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
             ModelSpec("qwen3_vl_moe", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
+            ModelSpec("qwen3_5", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),  # no DeepStack
+            ModelSpec("qwen3_5_moe", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
         )
     }
 )

@@ -1,5 +1,5 @@
-"""Offline builders of tiny and small random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints, saved like a Hugging Face
-repo.
+"""Offline builders of tiny and small random Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoints, saved like a
+Hugging Face repo.
 
 Used by tests, benchmarks and as Eric's default model; nothing is downloaded. Deterministic by seed.
 """
@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 SIZES = ("tiny", "small")
 BUILDER_VERSION = 1  # bump when the output of build_checkpoint changes
 
@@ -76,7 +76,7 @@ def spec_for(family: str, size: str) -> CheckpointSpec:
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES}")
     if size == "tiny":  # Qwen3-VL: 4 blocks, so two DeepStack taps sit before the last block
-        return CheckpointSpec(family, size, 128, 2, 2, 1, 4 if family == "qwen3_vl" else 2, 64, 2, 128,
+        return CheckpointSpec(family, size, 128, 2, 2, 1, 4 if family.startswith("qwen3") else 2, 64, 2, 128,
                               56 * 56, 224 * 224)
     # small: real patch/merge sizes and pixel budget, 8 blocks of width 512 (31 M vision params)
     return CheckpointSpec(family, size, 512, 2, 8, 2, 8, 512, 8, 2048, 56 * 56, 14 * 14 * 4 * 1280)
@@ -133,6 +133,29 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
     return cfg
 
 
+def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_std: float):
+    """Qwen3.5: Qwen3-VL's tower without DeepStack; a hybrid language model (one linear-attention layer, one full)."""
+    from transformers import Qwen3_5Config
+
+    head_dim = spec.text_hidden // spec.text_heads
+    half = head_dim // 8  # partial_rotary_factor 0.25, as the released models: [11, 11, 10] for head_dim 256
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [-(-half // 3), -(-half // 3), half - 2 * -(-half // 3)], "mrope_interleaved": True}
+    text_config = {**text_config, "head_dim": head_dim, "rope_parameters": rope,
+                   "layer_types": ["linear_attention", "full_attention"],
+                   "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 2}
+    vision = dict(
+        depth=spec.vision_depth, hidden_size=spec.vision_width, intermediate_size=spec.vision_mlp,
+        out_hidden_size=spec.text_hidden, num_heads=spec.vision_heads, in_channels=3, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=64 if spec.size == "tiny" else 2304, initializer_range=init_std,
+    )
+    cfg = Qwen3_5Config(text_config=text_config, vision_config=vision, **common)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return cfg
+
+
 def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_std: float):
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
@@ -155,6 +178,8 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
     )
     if spec.family == "qwen3_vl":
         return _qwen3_vl_config(spec, text_config, common, init_std)
+    if spec.family == "qwen3_5":
+        return _qwen3_5_config(spec, text_config, common, init_std)
     if spec.family == "qwen2_vl":
         vision = dict(
             depth=spec.vision_depth, embed_dim=spec.vision_width, hidden_size=spec.text_hidden,
@@ -181,8 +206,8 @@ def _save_processor(out: Path, spec: CheckpointSpec) -> None:
     from transformers import Qwen2VLImageProcessorPil
 
     processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                       "qwen3_vl": "Qwen3VLProcessor"}[spec.family]
-    qwen3 = spec.family == "qwen3_vl"
+                       "qwen3_vl": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor"}[spec.family]
+    qwen3 = spec.family.startswith("qwen3")
     patch = 16 if qwen3 else 14
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
     norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {}

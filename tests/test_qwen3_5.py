@@ -1,0 +1,53 @@
+"""Qwen3.5 behind Eric: its tower (Qwen3-VL's without DeepStack) equals transformers', and in real vLLM (bfloat16:
+vLLM's CPU kernels for its linear-attention layers need it) the EPD tokens equal vLLM's own encoder's."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from eric_epd.models.registry import load_encoder, load_processor, output_width, read_model_config
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.media import image_bytes, random_image
+from eric_epd.testing.vllm_cases import CASES, encode_case, epd_prompt, eric_key_in_env, greedy, llm_kwargs, raw_prompt
+
+
+def test_tower_equals_hf(qwen3_5_tiny: Path) -> None:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    cfg = read_model_config(qwen3_5_tiny)
+    assert output_width(cfg) == cfg["vision_config"]["out_hidden_size"]  # no DeepStack levels
+    images = [Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=70 + i)))).convert("RGB")
+              for i, (w, h) in enumerate([(120, 90), (33, 200), (224, 160)])]
+    hf_processor = AutoProcessor.from_pretrained(qwen3_5_tiny).image_processor
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_5_tiny, dtype=torch.float32).eval()
+    processor, encoder = load_processor(qwen3_5_tiny), load_encoder(qwen3_5_tiny, torch.float32, "cpu")
+    items = [processor.process_image(image) for image in images]
+    out = encoder(torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
+                  torch.tensor([list(i.grid_thw) for i in items]))
+    for rows, item, image in zip(out.split([i.num_tokens for i in items]), items, images):
+        inputs = hf_processor(images=[image], return_tensors="pt")
+        np.testing.assert_array_equal(item.pixel_values, inputs["pixel_values"].numpy())
+        with torch.no_grad():
+            ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+        torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_vllm_epd_tokens_equal_monolithic(qwen3_5_tiny: Path, tmp_path: Path) -> None:
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    with EricServer(qwen3_5_tiny, tp=2, extra_args=("--dtype", "bfloat16"), log_path=tmp_path / "eric.log") as eric, \
+            eric_key_in_env(eric.api_key):
+        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
+                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
+        llm = LLM(**{**llm_kwargs(qwen3_5_tiny), "dtype": "bfloat16"}, ec_transfer_config=ec)
+        for case in (c for c in CASES if c.name in ("one_image", "four_images")):
+            monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)
+            items = encode_case(eric.url, case, eric.api_key)
+            assert list(greedy(llm, epd_prompt(case, items), items).outputs[0].token_ids) == monolithic, case.name
+        del llm
