@@ -82,6 +82,9 @@ class Gateway:
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
             return path, await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+        if not await self.encoders.serve({r.modality for r in refs}):
+            logger.info("the encoders do not encode every modality of this request; the engine encodes it")
+            return "pd", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
         try:
             items, fanout = await self.encoders.encode(refs)
         except EncodersUnavailableError as e:

@@ -26,6 +26,8 @@ class EncoderState:
     healthy: bool = True
     failures: int = 0
     inflight: int = 0
+    modalities: frozenset[str] | None = None
+    """What it encodes (from its /v1/models), learnt on first need; None until known."""
 
 
 class EncodersUnavailableError(Exception):
@@ -69,6 +71,25 @@ class EncoderPool:
         members = [m for m in self.healthy() if m.url not in exclude]
         return sorted(members, key=lambda m: hashlib.blake2b(key + m.url.encode(), digest_size=8).digest(),
                       reverse=True)
+
+    async def serve(self, modalities: set[str]) -> bool:
+        """Whether every healthy encoder encodes all these modalities (a model's encoder may serve images but not
+        videos yet); an encoder whose list cannot be read is taken to serve them (its answer will tell)."""
+        for member in self.healthy():
+            if member.modalities is None:
+                member.modalities = await self._modalities(member.url)
+            if member.modalities and not modalities <= member.modalities:
+                return False
+        return True
+
+    async def _modalities(self, url: str) -> frozenset[str]:
+        try:
+            resp = await self._client.get(f"{url}/v1/models", timeout=self._timeout)
+            resp.raise_for_status()
+            return frozenset(str(m) for m in resp.json()["data"][0]["modalities"])
+        except Exception as e:  # unknown: the encode call itself decides
+            logger.warning("encoder %s: cannot read its modalities: %r", url, e)
+            return frozenset()
 
     def choose(self, key: bytes, exclude: set[str]) -> EncoderState | None:
         """The key's preferred encoder unless it is much busier than the least loaded one (bounded load)."""
