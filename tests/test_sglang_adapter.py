@@ -520,3 +520,29 @@ def test_oversized_bodies_get_413_without_being_read(setup) -> None:
     resp = httpx.post(eric.url + "/scheduler_receive_url",
                       json={"req_id": "r", "receive_count": 0, "receive_url": "127.0.0.1:1"}, timeout=10)
     assert_sglang_error(resp, 400, "receive_count")
+
+
+def test_qwen3_vl_parts_hold_every_deepstack_level(setup, qwen3_vl_tiny: Path, tmp_path: Path) -> None:
+    """Qwen3-VL: SGLang's scheduler-side receiver (TP 1, float32) ends up holding, per image, transformers' rows
+    in SGLang's own layout: [merged | DeepStack level 1 | level 2] on the last dimension."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    prefill, _ = setup
+    specs = IMAGES[:2]
+    processor = AutoProcessor.from_pretrained(qwen3_vl_tiny)
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_vl_tiny, dtype=torch.float32).eval()
+    inputs = processor.image_processor(images=[random_image(w, h, s) for w, h, s in specs], return_tensors="pt")
+    with torch.no_grad():
+        feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    rows = [torch.cat([merged, *(level[i] for level in feats.deepstack_features)], dim=-1)
+            for i, merged in enumerate(feats.pooler_output)]
+    urls = [image_url(*spec) for spec in specs]
+    with EricServer(qwen3_vl_tiny, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
+                    log_path=tmp_path / "eric.log") as eric:
+        result = prefill.job(kind="scheduler", model=str(qwen3_vl_tiny), backend="zmq_to_scheduler",
+                             encoder_urls=[eric.url], images=urls, prompt=prompt_for(len(urls)), tp=1,
+                             dtype="float32")
+        assert result.dispatch_error is None
+        check_equal(result.outcomes[0], eric_tensors(eric, urls), (rows, inputs["image_grid_thw"].tolist()),
+                    torch.float32)
+    assert rows[0].shape[1] == 3 * model.config.vision_config.out_hidden_size
