@@ -39,6 +39,13 @@ def qwen3_vl_tiny(_checkpoint_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_moe_tiny(_checkpoint_cache: Path) -> Path:
+    from eric_epd.testing.checkpoints import ensure_checkpoint
+
+    return ensure_checkpoint("qwen3_vl_moe", "tiny")
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_tiny(_checkpoint_cache: Path) -> Path:
     from eric_epd.testing.checkpoints import ensure_checkpoint
 

@@ -153,3 +153,21 @@ def _rows(eric: EricServer, item: dict) -> torch.Tensor:
     fetched = httpx.get(item["handle"]["http"], headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
     assert fetched.status_code == 200, fetched.text
     return load_safetensors(fetched.content)["embedding"]
+
+
+def test_moe_checkpoint_tower_equals_hf(qwen3_vl_moe_tiny: Path) -> None:
+    """Qwen3-VL-MoE shares the tower: Eric's encoder for it equals transformers' at every DeepStack level. (Its
+    language model is not run here: vLLM 0.32's MoE loader refuses the fused expert weights of the offline
+    checkpoint as transformers 5.19 saves them, a shape mismatch in w13, so the checkpoint serves the tower only.)"""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_vl_moe_tiny, dtype=torch.float32).eval()
+    processor, encoder = load_processor(qwen3_vl_moe_tiny), load_encoder(qwen3_vl_moe_tiny, torch.float32, "cpu")
+    for image in _images()[:2]:
+        item = processor.process_image(image)
+        pixels, grid = torch.from_numpy(item.pixel_values), torch.tensor([list(item.grid_thw)])
+        ours = encoder(pixels, grid)
+        with torch.no_grad():
+            out = model.model.get_image_features(pixels, grid)
+        ref = torch.cat([out.pooler_output[0], *(level[0] for level in out.deepstack_features)], dim=-1)
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)

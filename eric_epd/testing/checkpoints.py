@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 SIZES = ("tiny", "small")
 BUILDER_VERSION = 1  # bump when the output of build_checkpoint changes
 
@@ -114,7 +114,8 @@ def _deepstack_layers(depth: int) -> list[int]:
 
 
 def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init_std: float):
-    from transformers import Qwen3VLConfig
+    """Qwen3-VL, or with family qwen3_vl_moe its MoE sibling (the same tower, 4 experts of which 2 per token)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     head_dim = spec.text_hidden // spec.text_heads
     hw = (head_dim // 2) * 5 // 16  # Qwen3-VL's interleaved split: [24, 20, 20] for head_dim 128
@@ -128,6 +129,13 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
         num_position_embeddings=64 if spec.size == "tiny" else 2304,
         deepstack_visual_indexes=_deepstack_layers(spec.vision_depth), initializer_range=init_std,
     )
+    if spec.family == "qwen3_vl_moe":
+        text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": spec.text_hidden, "tie_word_embeddings": False,
+                       "norm_topk_prob": True}
+        cfg = Qwen3VLMoeConfig(text_config=text_config, vision_config=vision, **common)
+        cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+        return cfg
     cfg = Qwen3VLConfig(text_config=text_config, vision_config=vision, **common)
     cfg.architectures = ["Qwen3VLForConditionalGeneration"]
     return cfg
@@ -176,7 +184,7 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
         tie_word_embeddings=False, initializer_range=init_std,
     )
-    if spec.family == "qwen3_vl":
+    if spec.family in ("qwen3_vl", "qwen3_vl_moe"):
         return _qwen3_vl_config(spec, text_config, common, init_std)
     if spec.family == "qwen3_5":
         return _qwen3_5_config(spec, text_config, common, init_std)
@@ -206,7 +214,8 @@ def _save_processor(out: Path, spec: CheckpointSpec) -> None:
     from transformers import Qwen2VLImageProcessorPil
 
     processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                       "qwen3_vl": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor"}[spec.family]
+                       "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
+                       "qwen3_5": "Qwen3VLProcessor"}[spec.family]
     qwen3 = spec.family.startswith("qwen3")
     patch = 16 if qwen3 else 14
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
