@@ -209,3 +209,26 @@ def test_prepare_many_keeps_order_and_per_item_errors(ckpt_dirs: dict, threads: 
     assert [r.hash for r in good] == [a.hash for i, a in enumerate(alone) if i != 2]
     assert len({r.hash for r in good}) == 5
     assert [r.item.grid_thw for r in good] == [a.item.grid_thw for i, a in enumerate(alone) if i != 2]
+
+
+def test_hash_salt_covers_the_vision_weights_only(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """Content hashes are salted with the vision weights: a copy of the checkpoint keeps them, a changed language
+    model keeps them, a changed vision tensor (a fine-tuned tower under the same config) changes them."""
+    from safetensors.torch import load_file, save_file
+
+    from eric_epd.server.processor import model_fingerprint
+
+    def variant(name: str, key_part: str | None) -> Path:
+        out = tmp_path / name
+        shutil.copytree(qwen2_vl_tiny, out)
+        if key_part is not None:
+            weights = load_file(out / "model.safetensors")
+            key = next(k for k in sorted(weights) if key_part in k)
+            weights[key] = weights[key] + 0.25
+            save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        return out
+
+    base = model_fingerprint(qwen2_vl_tiny)
+    assert model_fingerprint(variant("copy", None)) == base
+    assert model_fingerprint(variant("lm", "model.layers.0.mlp")) == base
+    assert model_fingerprint(variant("tower", "visual.blocks.0.mlp")) != base

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ import numpy as np
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 from eric_epd.server.media import MediaError, MediaLimits, decode_image, decode_video
 
+logger = logging.getLogger(__name__)
 
 def _lower_thread_priority() -> None:
     """Preprocessing yields the CPU to the encoder workers: on a host where they share cores, a preprocessing
@@ -39,9 +41,15 @@ class PreparedItem:
 
 
 def model_fingerprint(model_dir: Path) -> bytes:
-    """What identifies the encoder's output space: the vision config, not the path it was loaded from."""
+    """What identifies the encoder's output space: the vision config and a digest of the vision weights (a
+    fine-tuned tower under the same config gives other hashes), not the path it was loaded from."""
+    from eric_epd.models.registry import vision_weights_digest
+
     cfg = json.loads((model_dir / "config.json").read_text())
-    vision = {"model_type": cfg.get("model_type"), "vision_config": cfg.get("vision_config")}
+    start = time.perf_counter()
+    vision = {"model_type": cfg.get("model_type"), "vision_config": cfg.get("vision_config"),
+              "vision_weights": vision_weights_digest(model_dir)}
+    logger.info("vision weights digest %s in %.2fs", vision["vision_weights"], time.perf_counter() - start)
     return json.dumps(vision, sort_keys=True, default=str).encode()
 
 
