@@ -17,39 +17,23 @@ def _checkpoint_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
-@pytest.fixture(scope="session")
-def qwen2_vl_tiny(_checkpoint_cache: Path) -> Path:
-    from eric_epd.testing.checkpoints import ensure_checkpoint
+def _tiny_fixture(family: str):
+    """A session fixture: the offline tiny checkpoint of `family`, built into the session's cache."""
 
-    return ensure_checkpoint("qwen2_vl", "tiny")
+    @pytest.fixture(scope="session")
+    def fixture(_checkpoint_cache: Path) -> Path:
+        from eric_epd.testing.checkpoints import ensure_checkpoint
 
+        return ensure_checkpoint(family, "tiny")
 
-@pytest.fixture(scope="session")
-def qwen2_5_vl_tiny(_checkpoint_cache: Path) -> Path:
-    from eric_epd.testing.checkpoints import ensure_checkpoint
-
-    return ensure_checkpoint("qwen2_5_vl", "tiny")
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def qwen3_vl_tiny(_checkpoint_cache: Path) -> Path:
-    from eric_epd.testing.checkpoints import ensure_checkpoint
-
-    return ensure_checkpoint("qwen3_vl", "tiny")
-
-
-@pytest.fixture(scope="session")
-def qwen3_vl_moe_tiny(_checkpoint_cache: Path) -> Path:
-    from eric_epd.testing.checkpoints import ensure_checkpoint
-
-    return ensure_checkpoint("qwen3_vl_moe", "tiny")
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_tiny(_checkpoint_cache: Path) -> Path:
-    from eric_epd.testing.checkpoints import ensure_checkpoint
-
-    return ensure_checkpoint("qwen3_5", "tiny")
+qwen2_vl_tiny = _tiny_fixture("qwen2_vl")
+qwen2_5_vl_tiny = _tiny_fixture("qwen2_5_vl")
+qwen3_vl_tiny = _tiny_fixture("qwen3_vl")
+qwen3_vl_moe_tiny = _tiny_fixture("qwen3_vl_moe")
+qwen3_5_tiny = _tiny_fixture("qwen3_5")
 
 
 @pytest.fixture(scope="session")

@@ -10,22 +10,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url, video_data_url
-from eric_epd.testing.stack import ask, gateway_paths
+from eric_epd.testing.stack import ask, colocated_epd_stack, gateway_paths
 from eric_epd.transfer.handles import LEASE_HEADER
 
 
 @pytest.fixture(scope="module")
 def stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("qwen25-video")
-    eric = EricServer(qwen2_5_vl_tiny, log_path=logs / "eric.log").start()
-    vllm = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key).start()
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key).start()
-    yield {"eric": eric, "vllm": vllm, "gateway": gateway}
-    for server in (gateway, vllm, eric):
-        server.stop()
+    with colocated_epd_stack(qwen2_5_vl_tiny, tmp_path_factory.mktemp("qwen25-video")) as servers:
+        yield servers
 
 
 def _messages(video_url: str) -> list[dict]:

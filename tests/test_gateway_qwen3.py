@@ -8,21 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.media import image_data_url, video_data_url
-from eric_epd.testing.stack import ask, gateway_paths, image_messages
+from eric_epd.testing.stack import ask, colocated_epd_stack, gateway_paths, image_messages
 
 
 @pytest.fixture(scope="module")
 def stack(qwen3_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("qwen3-gateway")
-    eric = EricServer(qwen3_vl_tiny, log_path=logs / "eric.log").start()
-    vllm = VllmServe(qwen3_vl_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key).start()
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key).start()
-    yield {"eric": eric, "vllm": vllm, "gateway": gateway}
-    for server in (gateway, vllm, eric):
-        server.stop()
+    with colocated_epd_stack(qwen3_vl_tiny, tmp_path_factory.mktemp("qwen3-gateway")) as servers:
+        yield servers
 
 
 def _paths_delta(gw: str, before: dict[str, float]) -> dict[str, float]:

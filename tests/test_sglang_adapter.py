@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -34,12 +33,19 @@ from eric_epd.testing.sglang_prefill import (
     WireCheck,
     unpack,
 )
+from tests.sglang_probes import (
+    ELSEWHERE,
+    Listener,
+    assert_sglang_error,
+    client_from,
+    raw_post,
+    send_body,
+)
 
 README = Path(__file__).resolve().parents[1] / "eric_epd" / "plugins" / "sglang" / "README.md"
 RTOL, ATOL = 1e-4, 1e-5  # float32, as tests/test_server.py: Eric's batched varlen attention vs HF per image
 IMAGES = [(64, 48, 1), (40, 90, 2), (112, 84, 3)]  # (width, height, seed); different sizes catch misplaced rows
 SPLIT_IMAGES = [(56, 56, 11), (84, 28, 12), (28, 112, 13), (70, 98, 14)]
-ELSEWHERE = "127.0.0.2"  # a local address that is not the callers' (tests call from 127.0.0.1)
 IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_TAG = "<|vision_start|><|video_pad|><|vision_end|>"
 
@@ -344,40 +350,6 @@ def test_eric_down_or_frozen_fails_like_sglangs_own_encoder(setup, qwen2_vl_tiny
 # ------------------------------------------------------------------------------- where Eric connects, body limits
 
 
-class Listener:
-    """A TCP listener on another local address that records whether anyone connected."""
-
-    def __init__(self, host: str = ELSEWHERE) -> None:
-        self.sock = socket.create_server((host, 0))
-        self.sock.settimeout(1.5)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.endpoint = f"{host}:{self.port}"
-
-    def connected(self) -> bool:
-        try:
-            conn, _ = self.sock.accept()
-        except TimeoutError:
-            return False
-        conn.close()
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def client_from(source: str) -> httpx.Client:
-    """An HTTP client whose connections leave from `source` (Eric sees it as the caller's address)."""
-    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60)
-
-
-def assert_sglang_error(resp: httpx.Response, status: int, *words: str) -> None:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert body["status"] == "error" and isinstance(body["message"], str) and "req_id" in body, body
-    for word in words:
-        assert word in body["message"], body["message"]
-
-
 def encoded_pull_part(client: httpx.Client, eric: EricServer) -> str:
     """A part encoded in SGLang's pull flow (mooncake / NIXL): a rank's size pull beside the /encode."""
     rid = f"{uuid.uuid4().hex}_local_part_0"
@@ -387,11 +359,6 @@ def encoded_pull_part(client: httpx.Client, eric: EricServer) -> str:
                                                       "num_parts": 1, "part_idx": 0, "modality": "IMAGE"})
         assert enc.status_code == 200 and meta.result().status_code == 200, (enc.text, meta.result().text)
     return rid
-
-
-def send_body(rid: str, host: str, port: int, session: str) -> dict[str, Any]:
-    return {"req_id": rid, "part_idx": 0, "prefill_host": host, "embedding_port": port, "session_id": session,
-            "buffer_address": 4096, "receive_count": 1}
 
 
 def test_push_targets_are_the_caller_or_allowed(setup) -> None:
@@ -479,21 +446,6 @@ def test_allowed_peer_lets_pushes_through(setup, references, qwen2_vl_tiny: Path
                         encoder_urls=[erics["B"].url], images=urls, prompt=prompt_for(len(urls)), tp=1,
                         dtype="float32")
     check_equal(sched.outcomes[0], expected, references["qwen2_5_vl"]["images"], torch.float32)
-
-
-def raw_post(url: str, path: str, declared: int, sent: int) -> tuple[int, dict[str, Any]]:
-    """POST declaring `declared` body bytes but sending only `sent`, then read the answer (10 s at most): a server
-    that waited for the whole body would not answer."""
-    import http.client
-    import json
-
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {declared}\r\n\r\n".encode() + b"x" * sent)
-        resp = http.client.HTTPResponse(sock)
-        resp.begin()
-        return resp.status, json.loads(resp.read())
 
 
 SGLANG_POSTS = ("/encode", "/send", "/scheduler_receive_url", "/scheduler_receive_meta_data")

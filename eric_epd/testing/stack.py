@@ -3,6 +3,11 @@ counters. The launchers themselves are in eric_epd.stack."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 
 def image_messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
     """One user turn with these image URLs, then the text."""
@@ -29,3 +34,24 @@ def gateway_paths(gateway_url: str) -> dict[str, float]:
     text = httpx.get(gateway_url + "/metrics").text
     pattern = r'^gateway_requests_total\{path="(\w+)"\} (\S+)$'
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
+
+
+@contextlib.contextmanager
+def colocated_epd_stack(model: Path, logs: Path) -> Iterator[dict[str, Any]]:
+    """One Eric, one `vllm serve` behind it and the gateway in front (EPD, or colocated raw media), keys wired;
+    yields {"eric", "vllm", "gateway"} and stops them in reverse order."""
+    from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
+
+    started = []
+    try:
+        eric = EricServer(model, log_path=logs / "eric.log").start()
+        started.append(eric)
+        vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key).start()
+        started.append(vllm)
+        gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                                eric_api_key=eric.api_key, upstream_api_key=vllm.api_key).start()
+        started.append(gateway)
+        yield {"eric": eric, "vllm": vllm, "gateway": gateway}
+    finally:
+        for server in reversed(started):
+            server.stop()
