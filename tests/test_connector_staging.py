@@ -1,13 +1,17 @@
-"""The vLLM connector's prefetch into shared-memory staging, against a real producer process (Eric's pool and
-control API, no model): bytes exact, leases acknowledged, space reused only when no request or step holds it."""
+"""The vLLM connector's prefetch: workers' landing areas filled on the scheduler's order (real ZMQ sockets, two
+ranks) from a real producer process (Eric's pool and control API, no model): bytes exact on every rank over shm and
+NIXL (read straight into the registered area), leases acknowledged only once every rank has the bytes, space reused
+only when no request or step holds it, a rank that never answers keeps its range out of use."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import msgspec
@@ -16,7 +20,8 @@ import pytest
 import torch
 
 from eric_epd.plugins.vllm.connector import EricConnectorSettings
-from eric_epd.plugins.vllm.staging import Prefetcher, StagingReader, State
+from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel, LandingTimeoutError
+from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.pool_server import seeded_bytes
 from eric_epd.testing.server import PoolServer
 from eric_epd.transfer.backends.base import TransferError
@@ -25,8 +30,26 @@ from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 
 @pytest.fixture(scope="module")
 def producer():
-    with PoolServer(pool_bytes=64 << 20) as server:
+    with PoolServer(backends="shm,nixl", pool_bytes=64 << 20) as server:
         yield server
+
+
+@contextmanager
+def landing(nbytes: int, ranks: int = 2, backends: tuple[str, ...] = ("shm", "http"), threads: int = 2,
+            land_timeout_s: float = 30.0, answering: int | None = None) -> Iterator[tuple[Prefetcher, list]]:
+    """A scheduler's prefetcher and `ranks` workers' landing areas (CPU memory), as the connector wires them; only
+    the first `answering` ranks exist (the others never answer)."""
+    address = LandingAddress(f"test{uuid.uuid4().hex[:8]}")
+    areas = [LandingArea(address, r, nbytes, torch.device("cpu"), EmbeddingFetcher(backends), threads)
+             for r in range(ranks if answering is None else answering)]
+    prefetch = Prefetcher(LandingChannel(address, ranks), EmbeddingFetcher(backends), nbytes, threads,
+                          land_timeout_s)
+    try:
+        yield prefetch, areas
+    finally:
+        prefetch.close()
+        for area in areas:
+            area.close()
 
 
 def _entry(producer, key: str, nbytes: int, seed: int):
@@ -47,11 +70,10 @@ def _entries(producer) -> int:
     return httpx.get(producer.url + "/v1/transfer", timeout=30).json()["entries"]
 
 
-def test_prefetch_stages_reads_and_frees(producer) -> None:
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_prefetch_lands_on_every_rank_and_frees(producer, backend: str) -> None:
     assert _entries(producer) == 0
-    prefetch = Prefetcher(EmbeddingFetcher(["shm", "http"]), 4 << 20, threads=2)
-    reader = StagingReader()
-    try:
+    with landing(4 << 20, backends=(backend,)) as (prefetch, areas):
         handles = [_entry(producer, f"stage{i}", 100_000 + 4 * i, seed=i) for i in range(3)]
         for i, h in enumerate(handles):
             assert prefetch.want(h.hash, h, f"r{i}") is not None
@@ -61,24 +83,21 @@ def test_prefetch_stages_reads_and_frees(producer) -> None:
         assert second is prefetch.get(handles[0].hash)
         used = prefetch.used_bytes()
         for i, h in enumerate(handles):
-            load, backend = prefetch.to_workers(h.hash, f"r{i}")
-            assert backend == "shm"  # the producer is on this host
-            tensor = reader.tensor(dataclasses.replace(load, shape=(h.nbytes,), dtype="uint8"), torch.uint8,
-                                   torch.device("cpu"))
-            assert np.array_equal(tensor.numpy(), seeded_bytes(h.nbytes, i))
+            load, via = prefetch.to_workers(h.hash, f"r{i}")
+            assert via == backend
+            for area in areas:  # every rank holds the bytes, and copies them out as a new tensor
+                tensor = area.tensor(load.offset, (h.nbytes,), "uint8", torch.uint8)
+                assert np.array_equal(tensor.numpy(), seeded_bytes(h.nbytes, i))
+                assert tensor.data_ptr() != area.buffer.data_ptr() + load.offset
         prefetch.copied([h.hash for h in handles])
         assert prefetch.get(handles[1].hash) is None and prefetch.get(handles[2].hash) is None
         assert prefetch.used_bytes() < used  # r9 still waits for item 0; the others are free
         prefetch.drop(handles[0].hash, "r9")
         assert prefetch.used_bytes() == 0 and not prefetch.busy()
-    finally:
-        reader.close()
-        prefetch.close()
 
 
 def test_prefetch_failures_and_room(producer) -> None:
-    prefetch = Prefetcher(EmbeddingFetcher(["shm", "http"]), 1 << 20, threads=1)
-    try:
+    with landing(1 << 20, threads=1) as (prefetch, _):
         big = _entry(producer, "big", (1 << 20) + 1, seed=5)
         with pytest.raises(TransferError, match="staging_bytes"):
             prefetch.want(big.hash, big, "r")
@@ -96,8 +115,19 @@ def test_prefetch_failures_and_room(producer) -> None:
         prefetch.drop(forged.hash, "c")
         prefetch.drop(other.hash, "b")
         assert prefetch.used_bytes() == 0
-    finally:
-        prefetch.close()
+
+
+def test_a_rank_that_never_answers_fails_the_item_and_keeps_its_range(producer) -> None:
+    before = _entries(producer)
+    with landing(1 << 20, ranks=2, answering=1, land_timeout_s=1.0) as (prefetch, _):
+        h = _entry(producer, "silent-rank", 8192, seed=9)
+        prefetch.want(h.hash, h, "r")
+        assert _settled(prefetch, h.hash) is State.FAILED
+        assert "1 of 2 ranks did not answer" in prefetch.get(h.hash).error  # type: ignore[union-attr]
+        prefetch.drop(h.hash, "r")
+        assert prefetch.used_bytes() > 0  # the silent rank may still write there: never reused
+    assert _entries(producer) == before + 1  # never acknowledged: Eric keeps it to its TTL
+    assert issubclass(LandingTimeoutError, TransferError)
 
 
 def test_connector_settings() -> None:

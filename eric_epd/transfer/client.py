@@ -75,6 +75,21 @@ def _make_backend(name: str, http_timeout_s: float, api_key: str | None, mooncak
     raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
 
 
+def _read(backend: ConsumerBackend, h: EmbeddingHandle, dst: np.ndarray | torch.Tensor) -> None:
+    if isinstance(dst, np.ndarray):
+        backend.read(h, dst)
+        return
+    direct = getattr(backend, "read_tensor", None)
+    if direct is not None:
+        direct(h, dst)
+    elif dst.device.type == "cpu":
+        backend.read(h, dst.view(torch.uint8).reshape(-1).numpy())
+    else:
+        host = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=True)
+        backend.read(h, host.numpy())
+        dst.view(torch.uint8).reshape(-1).copy_(host)
+
+
 class EmbeddingFetcher:
     """Thread-safe; one per consumer process. `backends` lists what this consumer may use, best first; `api_key` is
     the producers' (their control routes need it)."""
@@ -105,21 +120,27 @@ class EmbeddingFetcher:
               ack: bool = True) -> torch.Tensor:
         """The embedding as a tensor (written into `out` when given: contiguous, handle.nbytes bytes, any device)."""
         h = as_handle(handle)
-        dtype = getattr(torch, h.dtype)
-        if out is not None and (not out.is_contiguous() or out.numel() * out.element_size() != h.nbytes):
-            raise ValueError(f"out must be contiguous with {h.nbytes} bytes, got {tuple(out.shape)} {out.dtype}")
-        host = out if out is not None and out.device.type == "cpu" else torch.empty(h.shape, dtype=dtype)
-        self.read_into(h, host.view(torch.uint8).reshape(-1).numpy())
+        dst = torch.empty(h.shape, dtype=getattr(torch, h.dtype)) if out is None else out
+        self.read_into(h, dst)
         if ack:
             self.ack(h)
-        if out is not None and out is not host:
-            out.copy_(host.view(out.dtype).view(out.shape))
-            return out
-        return host.view(dtype).view(h.shape) if out is None else out
+        return dst
 
-    def read_into(self, h: EmbeddingHandle, dst: np.ndarray) -> str:
-        """Copy the bytes into dst (uint8, handle.nbytes) over the first backend that works; no ack. Returns the
-        backend's name."""
+    def register_destination(self, dst: torch.Tensor) -> None:
+        """A long-lived destination (a landing area): backends that benefit register it once (NIXL)."""
+        if "nixl" not in self._order:
+            return
+        try:
+            self._backend("nixl").register_destination(dst)  # type: ignore[attr-defined]
+        except Exception as e:  # reads then register their range one by one
+            logger.warning("nixl cannot register the landing area (%r); reads will register per item", e)
+
+    def read_into(self, h: EmbeddingHandle, dst: np.ndarray | torch.Tensor) -> str:
+        """Copy the bytes into dst over the first backend that works; no ack. Returns the backend's name. `dst`:
+        a uint8 array of handle.nbytes, or a contiguous tensor of that many bytes on any device (backends that
+        can write device memory do so directly; the others go through a host buffer)."""
+        if isinstance(dst, torch.Tensor) and (not dst.is_contiguous() or dst.numel() * dst.element_size() != h.nbytes):
+            raise ValueError(f"dst must be a contiguous tensor of {h.nbytes} bytes")
         errors = []
         for name in self._order:
             if getattr(h, name, None) is None and name != "http":
@@ -129,7 +150,7 @@ class EmbeddingFetcher:
                 if not _usable(backend, h):
                     self._note_unusable(_why_unusable(name, backend, h))
                     continue
-                backend.read(h, dst)
+                _read(backend, h, dst)
             except (ImportError, OSError) as e:  # the backend's library is missing or cannot start here
                 logger.warning("transfer backend %s unavailable: %r", name, e)
                 errors.append(f"{name}: unavailable ({e!r})")

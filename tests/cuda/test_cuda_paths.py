@@ -119,6 +119,32 @@ def test_connector_fills_vllm_encoder_cache_on_device(qwen2_vl_tiny: Path, tmp_p
             assert list(out.outputs[0].token_ids) == expected[case.name], case.name
 
 
+@pytest.mark.parametrize("backend", ["shm", "nixl", "http"])
+def test_landing_area_on_the_device(backend: str) -> None:
+    """A worker's landing area in GPU memory: NIXL READs into it (registered once as VRAM), shm copies host to
+    device on the area's own stream, HTTP bounces through pinned memory; every byte arrives."""
+    import uuid
+
+    from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
+    from eric_epd.testing.pool_server import seeded_bytes
+    from eric_epd.testing.server import PoolServer
+    from eric_epd.transfer.client import EmbeddingFetcher, as_handle
+
+    address = LandingAddress(f"cuda{uuid.uuid4().hex[:8]}")
+    with PoolServer(backends="shm,nixl", pool_bytes=16 << 20) as producer:
+        area = LandingArea(address, 0, 8 << 20, torch.device("cuda", 0), EmbeddingFetcher((backend,)), 2)
+        channel = LandingChannel(address, 1)
+        try:
+            h = as_handle(httpx.post(producer.url + "/v1/testing/entries", timeout=60,
+                                     json={"hash": "dev", "nbytes": 3 << 20, "seed": 4}).json())
+            assert channel.land(4096, h, 60) == backend
+            got = area.tensor(4096, (h.nbytes,), "uint8", torch.uint8)
+            assert got.is_cuda and np.array_equal(got.cpu().numpy(), seeded_bytes(h.nbytes, 4))
+        finally:
+            channel.close()
+            area.close()
+
+
 def test_varlen_attention_kernel_equals_grouped_sdpa() -> None:
     """The CUDA varlen kernel (flash-attn or torch's) gives what length-grouped SDPA in float32 gives."""
     from eric_epd.models.layers.attention import VarlenPlan, cuda_varlen_kernel, varlen_attention

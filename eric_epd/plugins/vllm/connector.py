@@ -2,11 +2,13 @@
 
 Scheduler side (EngineCore process): each request brings the handles (with lease tokens) of its Eric items beside
 it, in `sampling_params.extra_args` (the gateway writes them); they are checked (a configured Eric, the model's
-embedding width, a consistent byte length). The request waits (`ensure_cache_available` is False) while background
-threads fetch its items into a shared-memory staging area and acknowledge them to Eric; no network call runs on the
-scheduler's loop, and a slow Eric delays only the requests whose items it holds. A request whose items can be neither
-fetched nor encoded locally, or whose handles fail the checks, is failed alone.
-Worker side (each vLLM worker): copies staged items into vLLM's encoder cache (a memcpy, or one host-to-device copy).
+embedding width, a consistent byte length). The request waits (`ensure_cache_available` is False) while every worker
+lands its items in its own device memory in the background and the scheduler then acknowledges them to Eric; no
+network call runs on the scheduler's loop or in a model step, and a slow Eric delays only the requests whose items it
+holds. A request whose items can be neither fetched nor encoded locally, or whose handles fail the checks, is failed
+alone.
+Worker side (each vLLM worker): lands items when told (NIXL READs straight into device memory), and copies landed
+items into vLLM's encoder cache (a copy on the device, cast to the model's dtype).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from eric_epd.plugins.vllm.handoff import HandleError, model_embedding_width, offered_handles
+from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
-from eric_epd.plugins.vllm.staging import Prefetcher, StagedLoad, StagingReader, State
+from eric_epd.plugins.vllm.staging import Prefetcher, StagedLoad, State
 from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
@@ -87,7 +90,8 @@ class EricConnectorSettings:
     backends: tuple[str, ...]
     lookup_timeout_s: float
     api_key: str | None
-    staging_bytes: int = 1 << 30
+    staging_bytes: int = 256 << 20
+    """Size of each worker's landing area (device memory on GPUs)."""
     prefetch_threads: int = 4
     fetch_timeout_s: float = 30.0
     mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)
@@ -118,6 +122,19 @@ class EricConnectorSettings:
         return settings
 
 
+def _landing_area(settings: EricConnectorSettings, address: LandingAddress) -> LandingArea:
+    """This worker's landing area, on its own device, named by its tensor-parallel rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    from vllm.platforms import current_platform
+
+    device = torch.device(current_platform.device_type)
+    if current_platform.is_cuda_alike():
+        device = torch.device(device.type, current_platform.current_device())
+    fetcher = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
+    return LandingArea(address, get_tensor_model_parallel_rank(), settings.staging_bytes, device, fetcher,
+                       settings.prefetch_threads)
+
+
 class EricECConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
@@ -127,12 +144,15 @@ class EricECConnector(ECConnectorBase):
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config
         self._settings = settings = EricConnectorSettings.parse(extra)
         self._stats = EricECStats()
+        parallel = vllm_config.parallel_config
+        address = LandingAddress(vllm_config.instance_id, parallel.data_parallel_rank)
         if role == ECConnectorRole.SCHEDULER:
             self._width = model_embedding_width(vllm_config.model_config)
             self._leases = LeaseClient(settings.api_key, settings.lookup_timeout_s)
-            self._fetcher = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key,
-                                             settings.mooncake)
-            self._prefetch = Prefetcher(self._fetcher, settings.staging_bytes, settings.prefetch_threads)
+            acks = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
+            self._prefetch = Prefetcher(LandingChannel(address, parallel.tensor_parallel_size), acks,
+                                        settings.staging_bytes, settings.prefetch_threads,
+                                        land_timeout_s=2 * settings.fetch_timeout_s + 5)
             self._offers: dict[str, dict[str, EmbeddingHandle]] = {}  # request id -> its items' handles
             self._available: dict[str, dict[str, EmbeddingHandle]] = {}  # hash -> request id -> unused handle
             self._used: dict[str, set[str]] = {}  # request id -> hashes fetched with its own lease
@@ -140,7 +160,7 @@ class EricECConnector(ECConnectorBase):
             self._unavailable: set[str] = set()
             self._cached: set[str] = set()  # identifiers loaded into vLLM's encoder cache and not evicted since
         else:
-            self._reader = StagingReader()
+            self._area = _landing_area(settings, address)
             self._dtype = vllm_config.model_config.dtype
             self._failed: set[str] = set()
             self._copied: set[str] = set()
@@ -249,8 +269,7 @@ class EricECConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
-        self._stats.record(local_encoder_items=local, external_items=len(self._pending),
-                           unusable_transport=self._fetcher.take_unusable())
+        self._stats.record(local_encoder_items=local, external_items=len(self._pending))
         meta, self._pending = EricECMetadata(self._pending), []
         self._cached.difference_update(scheduler_output.free_encoder_mm_hashes)
         self._cached.update(load.mm_hash for load in meta.loads)
@@ -299,25 +318,24 @@ class EricECConnector(ECConnectorBase):
             self._copied.add(load.mm_hash)
 
     def _load(self, load: EricLoad) -> torch.Tensor:
-        from vllm.platforms import current_platform
-
-        device = torch.device(current_platform.device_type)
-        if current_platform.is_cuda_alike():
-            device = torch.device(device.type, current_platform.current_device())
         if load.staged is not None:
             try:
-                return self._reader.tensor(load.staged, self._dtype, device)
+                s = load.staged
+                return self._area.tensor(s.offset, s.shape, s.dtype, self._dtype)
             except (OSError, ValueError, RuntimeError) as e:
                 logger.error("request %s: cannot copy staged embedding %s: %r", load.request_id, load.mm_hash, e)
                 self._failed.add(load.request_id)
                 self._stats.record(load_failures=1)
         # keep this step well-formed; the scheduler fails the request before it returns any output
-        return torch.zeros(load.shape, dtype=self._dtype, device=device)
+        return torch.zeros(load.shape, dtype=self._dtype, device=self._area.buffer.device)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Consumer only: nothing to save."""
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        unusable = self._area.take_unusable()
+        if unusable:
+            self._stats.record(unusable_transport=unusable)
         if not self._failed and not self._copied and self._stats.is_empty():
             return None
         meta = EricWorkerMetadata(self._failed, self._copied, self._stats.data)
@@ -345,7 +363,7 @@ class EricECConnector(ECConnectorBase):
 
     def shutdown(self) -> None:
         if self.role == ECConnectorRole.WORKER:
-            self._reader.close()
+            self._area.close()
         else:
             self._prefetch.close()
             self._leases.close()

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import torch
 
 from eric_epd.common.http import bearer
 from eric_epd.common.net import interface_of
@@ -77,6 +78,11 @@ def _new_agent(name: str, progress_thread: bool) -> Any:
     except Exception as e:
         raise TransferError(f"nixl: cannot create agent {name!r} with a UCX backend: {_cause(e)}") from e
     return agent
+
+
+def _memory_kind(t: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id for a tensor's storage."""
+    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
 
 
 def _cause(e: BaseException) -> str:
@@ -167,33 +173,61 @@ class NixlConsumer:
         self._state = threading.Lock()  # _remotes, _connecting, _loads
         self._remotes: dict[str, tuple[str, int]] = {}  # loaded producer agent -> (its metadata_url, load number)
         self._loads = 0
+        self._destinations: list[tuple[int, int, str, int, Any]] = []  # (addr, bytes, mem, device, registration)
         self._connecting: dict[str, threading.Lock] = {}
         self._agent: Any = _new_agent(self.agent_name, progress_thread=False)  # our polls progress UCX
 
+    def register_destination(self, dst: torch.Tensor) -> None:
+        """Register a long-lived destination (a consumer's landing area: VRAM on CUDA, DRAM on CPU) once; reads
+        into it then skip the per-read registration (slow for GPU memory)."""
+        mem, dev = _memory_kind(dst)
+        addr, n = dst.data_ptr(), dst.numel() * dst.element_size()
+        with self._api:
+            reg = self._live_agent().register_memory([(addr, n, dev, "")], mem)
+        with self._state:
+            self._destinations.append((addr, n, mem, dev, reg))
+        logger.info("nixl consumer %s registered a %s destination of %d bytes on device %d", self.agent_name, mem, n,
+                    dev)
+
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
-        loc, n = handle.nixl, handle.nbytes
-        if loc is None:
-            raise TransferError(f"nixl: embedding {handle.hash} has no NIXL location")
         if not (
             isinstance(dst, np.ndarray)
             and dst.dtype == np.uint8
             and dst.flags.c_contiguous
             and dst.flags.writeable
-            and dst.size == n
+            and dst.size == handle.nbytes
         ):
-            raise ValueError(f"dst must be a writeable C-contiguous uint8 array of {n} bytes")
+            raise ValueError(f"dst must be a writeable C-contiguous uint8 array of {handle.nbytes} bytes")
+        self._read_at(handle, dst.ctypes.data, "DRAM", 0)
+
+    def read_tensor(self, handle: EmbeddingHandle, dst: torch.Tensor) -> None:
+        """READ straight into a contiguous tensor of handle.nbytes bytes on any device (GPU memory included)."""
+        if not dst.is_contiguous() or dst.numel() * dst.element_size() != handle.nbytes:
+            raise ValueError(f"dst must be a contiguous tensor of {handle.nbytes} bytes")
+        self._read_at(handle, dst.data_ptr(), *_memory_kind(dst))
+
+    def _registered(self, addr: int, n: int, mem: str, dev: int) -> bool:
+        with self._state:
+            return any(mem == m and dev == d and a <= addr and addr + n <= a + size
+                       for a, size, m, d, _ in self._destinations)
+
+    def _read_at(self, handle: EmbeddingHandle, addr: int, mem: str, dev: int) -> None:
+        loc, n = handle.nixl, handle.nbytes
+        if loc is None:
+            raise TransferError(f"nixl: embedding {handle.hash} has no NIXL location")
         if n == 0:
             return
         load = self._connect(loc)
-        addr, reg, xfer, stage = dst.ctypes.data, None, None, "registering dst"
+        reg, xfer, stage = None, None, "registering dst"
         try:
             with self._api:
                 agent = self._live_agent()
-                reg = agent.register_memory([(addr, n, 0, "")], "DRAM")
+                if not self._registered(addr, n, mem, dev):
+                    reg = agent.register_memory([(addr, n, dev, "")], mem)
                 stage = "creating the request (is the range inside the producer's registered pool?)"
                 xfer = agent.initialize_xfer(
                     "READ",
-                    agent.get_xfer_descs([(addr, n, 0)], "DRAM"),
+                    agent.get_xfer_descs([(addr, n, dev)], mem),
                     agent.get_xfer_descs([(loc.addr, n, 0)], "DRAM"),
                     loc.agent,
                 )
@@ -223,8 +257,14 @@ class NixlConsumer:
                 return
             with self._state:
                 remotes = list(self._remotes)
+                destinations, self._destinations = self._destinations, []
             for name in remotes:
                 self._forget(agent, name, None)
+            for *_, reg in destinations:
+                try:
+                    agent.deregister_memory(reg)
+                except Exception as e:
+                    logger.warning("nixl: deregistering a destination failed: %s", _cause(e))
         del agent
         logger.info("nixl consumer agent %s closed", self.agent_name)
 

@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from eric_epd.common.shm import Segment, attach_untracked
 from eric_epd.transfer.backends.base import TransferError
@@ -67,7 +68,7 @@ class ShmConsumer:
                 self._segments[loc.name] = cached
             return cached[1]
 
-    def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+    def _entry(self, handle: EmbeddingHandle) -> np.ndarray:
         if not self.usable(handle):
             raise TransferError("shm: handle is from another host")
         assert handle.shm is not None
@@ -75,7 +76,14 @@ class ShmConsumer:
         end = handle.shm.offset + handle.nbytes
         if end > pool.nbytes:
             raise TransferError(f"shm: entry [{handle.shm.offset}, {end}) is outside pool {handle.shm.name}")
-        np.copyto(dst, pool[handle.shm.offset: end])
+        return pool[handle.shm.offset: end]
+
+    def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+        np.copyto(dst, self._entry(handle))
+
+    def read_tensor(self, handle: EmbeddingHandle, dst: torch.Tensor) -> None:
+        """One copy from the producer's pool into a tensor on any device (a host-to-device copy on GPUs)."""
+        dst.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(self._entry(handle)))
 
     def close(self) -> None:
         with self._lock:

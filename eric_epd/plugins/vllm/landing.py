@@ -1,0 +1,243 @@
+"""Landing of Eric embeddings straight into each vLLM worker's device memory: the scheduler orders every rank to
+read an item into its landing area (local ZMQ IPC sockets, typed messages) and waits until all ranks have it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher
+from eric_epd.transfer.handles import EmbeddingHandle
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+"""How often the receiving threads look at their stop flag."""
+
+
+class LandingTimeoutError(TransferError):
+    """Some rank did not report on its landing in time: it may still write into that range."""
+
+
+class LandOrder(msgspec.Struct, frozen=True):
+    """Scheduler -> every rank: read `handle` into your landing area at `offset`."""
+
+    order: int
+    offset: int
+    handle: EmbeddingHandle
+
+
+class LandNotice(msgspec.Struct, frozen=True):
+    """Rank -> scheduler: order `order` ended; `error` is empty when the bytes are in place."""
+
+    order: int
+    rank: int
+    backend: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LandingAddress:
+    """Where one engine's landing sockets live: one per vLLM instance and data-parallel rank, on this host only."""
+
+    instance: str
+    dp_rank: int = 0
+
+    def _path(self, what: str) -> str:
+        return os.path.join(tempfile.gettempdir(), f"eric-land-{self.instance}-{self.dp_rank}-{what}.ipc")
+
+    def orders(self, rank: int) -> str:
+        return f"ipc://{self._path(f'orders{rank}')}"
+
+    def notices(self) -> str:
+        return f"ipc://{self._path('notices')}"
+
+
+def _unlink(endpoint: str) -> None:
+    try:
+        os.unlink(endpoint.removeprefix("ipc://"))
+    except FileNotFoundError:
+        pass
+
+
+def _serve(sock: zmq.Socket, kind: type, handle: Callable[[Any], object], stop: threading.Event) -> None:
+    """Receive typed messages on `sock` until `stop`, then close it (the socket belongs to this thread)."""
+    decoder = msgspec.msgpack.Decoder(kind)
+    while not stop.is_set():
+        if not sock.poll(POLL_MS):
+            continue
+        try:
+            message = decoder.decode(sock.recv())
+        except msgspec.DecodeError as e:
+            logger.error("bad %s message: %s", kind.__name__, e)
+            continue
+        handle(message)
+    sock.close(linger=0)
+
+
+class _Wait:
+    def __init__(self, ranks: int) -> None:
+        self.left = ranks
+        self.errors: list[str] = []
+        self.backend = ""
+        self.done = threading.Event()
+
+
+class LandingChannel:
+    """Scheduler side (EngineCore process). Thread-safe: `land` may run in many threads at once."""
+
+    def __init__(self, address: LandingAddress, ranks: int) -> None:
+        self._ranks = ranks
+        self._ctx = zmq.Context()
+        self._notices_at = address.notices()
+        self._notices = self._ctx.socket(zmq.PULL)
+        self._notices.bind(self._notices_at)
+        self._orders = []
+        for rank in range(ranks):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address.orders(rank))
+            self._orders.append(sock)
+        self._send = threading.Lock()
+        self._lock = threading.Lock()
+        self._waits: dict[int, _Wait] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="eric-land-notices", daemon=True)
+        self._thread.start()
+
+    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float) -> str:
+        """Every rank reads the item into its landing area at `offset`; returns the transport rank 0 used. Raises
+        TransferError if a rank failed or did not answer in time (a late rank may still write there)."""
+        with self._lock:
+            order = next(self._ids)
+            wait = self._waits[order] = _Wait(self._ranks)
+        payload = msgspec.msgpack.encode(LandOrder(order, offset, handle))
+        try:
+            with self._send:
+                for sock in self._orders:
+                    sock.send(payload)
+            if not wait.done.wait(timeout_s):
+                raise LandingTimeoutError(f"landing of {handle.hash[:16]}: {wait.left} of {self._ranks} ranks did not "
+                                     f"answer within {timeout_s:g} s")
+        except zmq.ZMQError as e:
+            raise TransferError(f"landing of {handle.hash[:16]} on the workers failed: {e}") from e
+        finally:
+            with self._lock:
+                self._waits.pop(order, None)
+        if wait.errors:
+            raise TransferError("; ".join(wait.errors))
+        return wait.backend
+
+    def _receive(self) -> None:
+        _serve(self._notices, LandNotice, self._noted, self._stop)
+
+    def _noted(self, notice: LandNotice) -> None:
+        with self._lock:
+            wait = self._waits.get(notice.order)
+            if wait is None:
+                return  # a rank answering an order that already timed out
+            wait.left -= 1
+            if notice.error:
+                wait.errors.append(f"rank {notice.rank}: {notice.error}")
+            if notice.rank == 0:
+                wait.backend = notice.backend
+            if wait.left <= 0:
+                wait.done.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._send:
+            for sock in self._orders:
+                sock.close(linger=0)
+        self._ctx.term()
+        _unlink(self._notices_at)
+
+
+class LandingArea:
+    """Worker side: this rank's landing area (device memory), filled by background reads the scheduler orders.
+    NIXL registers it once and READs into it directly; shm copies from Eric's pool straight to the device; the
+    other transports go through a host buffer."""
+
+    def __init__(self, address: LandingAddress, rank: int, nbytes: int, device: torch.device,
+                 fetcher: EmbeddingFetcher, threads: int) -> None:
+        self.rank = rank
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._fetcher = fetcher
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        fetcher.register_destination(self.buffer)
+        self._ctx = zmq.Context()
+        self._orders_at = address.orders(rank)
+        self._orders = self._ctx.socket(zmq.PULL)
+        self._orders.bind(self._orders_at)
+        self._notices = self._ctx.socket(zmq.PUSH)
+        self._notices.setsockopt(zmq.LINGER, 0)
+        self._notices.connect(address.notices())
+        self._send = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="eric-land")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="eric-land-orders", daemon=True)
+        self._thread.start()
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: str, out_dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor (the model's dtype, this rank's device) holding the landed rows."""
+        wire = getattr(torch, dtype)
+        n = wire.itemsize
+        for d in shape:
+            n *= d
+        if offset < 0 or offset + n > self.buffer.numel():
+            raise ValueError(f"landed range [{offset}, {offset + n}) is outside the landing area")
+        return self.buffer[offset: offset + n].view(wire).view(shape).to(out_dtype, copy=True)
+
+    def _receive(self) -> None:
+        _serve(self._orders, LandOrder, lambda order: self._pool.submit(self._land, order), self._stop)
+
+    def _land(self, order: LandOrder) -> None:
+        h = order.handle
+        backend, error = "", ""
+        try:
+            if order.offset < 0 or order.offset + h.nbytes > self.buffer.numel():
+                raise ValueError(f"range [{order.offset}, {order.offset + h.nbytes}) is outside the landing area")
+            dst = self.buffer[order.offset: order.offset + h.nbytes]
+            if self._stream is None:
+                backend = self._fetcher.read_into(h, dst)
+            else:  # device copies on a stream of our own, finished before the scheduler hears of them
+                with torch.cuda.stream(self._stream):
+                    backend = self._fetcher.read_into(h, dst)
+                self._stream.synchronize()
+        except (TransferError, ValueError) as e:
+            error = str(e)
+        except Exception as e:  # the scheduler must always hear back, or the request would wait to its timeout
+            logger.exception("landing of %s failed", h.hash[:16])
+            error = f"{type(e).__name__}: {e}"
+        if error:
+            logger.error("rank %d: cannot land embedding %s from %s: %s", self.rank, h.hash[:16], h.producer, error)
+        payload = msgspec.msgpack.encode(LandNotice(order.order, self.rank, backend, error))
+        with self._send:
+            self._notices.send(payload)
+
+    def take_unusable(self) -> int:
+        return self._fetcher.take_unusable()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._send:
+            self._notices.close(linger=0)
+        self._ctx.term()
+        _unlink(self._orders_at)
+        self._fetcher.close()
