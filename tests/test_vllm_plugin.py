@@ -44,10 +44,11 @@ def reference(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A TP-2 Eric serving the requests, and a TP-1 Eric that a test kills."""
+    """A TP-2 Eric serving the requests (over shm and NIXL), and a TP-1 Eric that a test kills."""
     logs = tmp_path_factory.mktemp("erics")
     key = new_key()  # one key for the Erics behind one engine
-    main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key).start()
+    main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key,
+                      extra_args=("--transfer-backends", "shm,nixl")).start()
     doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log", api_key=key).start()
     yield main, doomed
     main.stop()
@@ -196,3 +197,29 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         assert httpx.get(server.url + "/health").status_code == 200
         metrics = httpx.get(server.url + "/metrics").text
         assert "vllm:eric_ec_loaded_items" in metrics
+
+
+def test_tensor_parallel_vllm_lands_items_on_every_rank(qwen2_vl_tiny: Path, erics,
+                                                        reference: dict[str, list[int]]) -> None:
+    """vLLM at TP 2 behind Eric over NIXL: each rank READs every item into its own landing area (registered once),
+    the scheduler acknowledges once both have it, and the tokens equal monolithic vLLM's."""
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    main, _ = erics
+    ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer",
+                          ec_connector_extra_config={"eric_urls": [main.url], "backends": ["nixl", "http"]})
+    with eric_key_in_env(main.api_key, ranks=2):
+        engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, tensor_parallel_size=2,
+                     disable_log_stats=False)
+    try:
+        cases = [c for c in CASES if c.name in ("one_image", "four_images")]
+        for case in cases:
+            items = encode(main, case)
+            assert list(generate(engine, epd_prompt(case, items), items).outputs[0].token_ids) == reference[case.name]
+        counters = eric_counters(engine)
+        assert counters["via_nixl"] == counters["loaded_items"] == 5 and counters.get("load_failures", 0) == 0
+        assert pool_entries(main) == 0  # every lease acknowledged once both ranks had the bytes
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+        del engine

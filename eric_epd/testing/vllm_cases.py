@@ -125,18 +125,23 @@ def greedy(llm: Any, prompt: dict[str, Any], items: list[dict[str, Any]] | None 
 
 
 @contextlib.contextmanager
-def eric_key_in_env(api_key: str | None) -> Iterator[None]:
+def eric_key_in_env(api_key: str | None, ranks: int = 1) -> Iterator[None]:
     """While an offline LLM starts: ERIC_API_KEY set (its engine processes inherit it; the connector reads it), and
     this process on the engine's half of the CPUs with vLLM's OpenMP threads bound there, so the engine processes
-    it spawns never share Eric's cores (as `eric-epd up` and VllmServe place them)."""
+    it spawns never share Eric's cores (as `eric-epd up` and VllmServe place them). With `ranks` tensor-parallel
+    ranks each gets its own share (of the whole host's CPUs when the engine's half has too few)."""
     from eric_epd.common.cpus import format_cpus
     from eric_epd.stack.servers import host_split
 
     engine_cpus = host_split()[1]
     saved = {k: os.environ.get(k) for k in ("ERIC_API_KEY", "VLLM_CPU_OMP_THREADS_BIND")}
     affinity = os.sched_getaffinity(0)
+    if len(engine_cpus) < ranks:
+        engine_cpus = tuple(sorted(affinity))
+    share = max(1, len(engine_cpus) // ranks)
     os.environ["ERIC_API_KEY"] = api_key or ""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = format_cpus(engine_cpus)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        format_cpus(engine_cpus[r * share: (r + 1) * share]) for r in range(ranks))
     os.sched_setaffinity(0, engine_cpus)
     try:
         yield
