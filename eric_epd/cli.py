@@ -40,6 +40,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
                    help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
     p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items)
+    p.add_argument("--batches-in-flight", type=int, choices=(0, 1, 2), default=BatchLimits.in_flight,
+                   help="batches handed to the workers at once (2: the next is ready while one computes; "
+                        "0: 2 on CUDA, 1 on CPU)")
     p.add_argument("--cpus", type=parse_cpus, default=(),
                    help="CPUs this Eric may use, e.g. 0-3 (workers split them; default: all); leave the rest to "
                         "an engine on the same host")
@@ -136,7 +139,8 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         host=args.host, port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads,
         max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
-        batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items),
+        batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items,
+                          args.batches_in_flight),
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
         transfer=TransferConfig(
             pool_bytes=args.pool_bytes, ttl_s=args.embedding_ttl, pool_wait_s=args.pool_wait,

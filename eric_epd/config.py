@@ -29,10 +29,14 @@ class BatchLimits:
     at a time (their activations leave the caches) while small images still batch by the dozen; 32768 on CUDA."""
     max_queued_items: int = 512
     """Items accepted but not finished; beyond this the router answers 503 with Retry-After."""
+    in_flight: int = 0
+    """Batches handed to the workers at once. 2: batch N+1 is broadcast while batch N computes, so the workers
+    start it the moment N ends (and on CUDA copy its pixels to the device during N's forward). 0: by device, 2 on
+    CUDA, 1 on CPU (where the engine and the workers share the same few cores, overlap buys nothing)."""
 
     def __post_init__(self) -> None:
-        if self.max_items < 1 or self.max_patches < 0 or self.max_queued_items < 1:
-            raise ValueError("batch limits must be positive (max_patches 0: by device)")
+        if self.max_items < 1 or self.max_patches < 0 or self.max_queued_items < 1 or not 0 <= self.in_flight <= 2:
+            raise ValueError("batch limits must be positive (max_patches 0: by device; in_flight 0, 1 or 2)")
 
 
 TRANSFER_BACKENDS = ("shm", "mooncake", "nixl")
@@ -197,11 +201,10 @@ class EricConfig:
         return f"cuda:{rank}"
 
     def batch_limits(self) -> BatchLimits:
-        """`batch` with max_patches resolved for the device."""
-        if self.batch.max_patches:
-            return self.batch
-        patches = CPU_MAX_BATCH_PATCHES if self.resolved_device() == "cpu" else CUDA_MAX_BATCH_PATCHES
-        return dataclasses.replace(self.batch, max_patches=patches)
+        """`batch` with max_patches and in_flight resolved for the device."""
+        cpu = self.resolved_device() == "cpu"
+        patches = self.batch.max_patches or (CPU_MAX_BATCH_PATCHES if cpu else CUDA_MAX_BATCH_PATCHES)
+        return dataclasses.replace(self.batch, max_patches=patches, in_flight=self.batch.in_flight or (1 if cpu else 2))
 
     def own_cpus(self) -> tuple[int, ...]:
         """`cpus`, or every CPU this process may use."""

@@ -51,8 +51,10 @@ class _FakeExecutor:
     def __init__(self) -> None:
         self.ran: list[str] = []
 
-    def execute_model(self, batch: Batch) -> BatchOutput:
+    def submit(self, batch: Batch) -> None:
         self.ran += [e.item.hash for e in batch.entries]
+
+    def collect(self, batch: Batch) -> BatchOutput:
         return BatchOutput([ItemResult(e.item.hash, (e.item.num_patches // 4, 8), "float32") for e in batch.entries])
 
     def workers(self) -> list:

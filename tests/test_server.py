@@ -20,9 +20,11 @@ from eric_epd.transfer.handles import LEASE_HEADER
 
 @pytest.fixture(scope="module")
 def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """TP 2 with two batches in flight (the CUDA default; CPU's is one): the next batch is broadcast while one runs."""
     log = tmp_path_factory.mktemp("eric") / "eric.log"
     with EricServer(qwen2_vl_tiny, tp=2, log_path=log,
-                    extra_args=("--max-batch-items", "8", "--max-body-bytes", str(2**20))) as server:
+                    extra_args=("--max-batch-items", "8", "--max-body-bytes", str(2**20),
+                                "--batches-in-flight", "2")) as server:
         yield server
 
 
@@ -72,6 +74,35 @@ def test_encode_matches_transformers(eric: EricServer, qwen2_vl_tiny: Path) -> N
     with torch.no_grad():
         ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_batches_in_flight_keep_every_item_its_own_embedding(eric: EricServer, qwen2_vl_tiny: Path) -> None:
+    """Concurrent requests spread over several batches, two in flight at a time: each item's embedding equals
+    transformers' for its own image."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    sizes = [[(40 + 11 * i + 5 * k, 56 + 7 * k) for k in range(3)] for i in range(8)]
+
+    def request(i: int) -> httpx.Response:
+        return _encode(eric, [{"modality": "image", "url": image_data_url(w, h, seed=600 + 10 * i + k)}
+                              for k, (w, h) in enumerate(sizes[i])])
+
+    before = _metric_samples(httpx.get(eric.url + "/metrics").text, "eric_batches_total")
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(request, range(8)))
+    after = _metric_samples(httpx.get(eric.url + "/metrics").text, "eric_batches_total")
+    assert after['modalities="image"'] - before.get('modalities="image"', 0) >= 3  # 24 items, at most 8 a batch
+    processor = AutoProcessor.from_pretrained(qwen2_vl_tiny)
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_tiny, dtype=torch.float32).eval()
+    for i, r in enumerate(responses):
+        assert r.status_code == 200, r.text
+        for k, item in enumerate(r.json()["items"]):
+            inputs = processor.image_processor(images=[random_image(*sizes[i][k], seed=600 + 10 * i + k)],
+                                               return_tensors="pt")
+            with torch.no_grad():
+                ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+            torch.testing.assert_close(load_safetensors(_fetch(eric, item).content)["embedding"], ref[0],
+                                       rtol=1e-4, atol=1e-5)
 
 
 def test_same_content_same_hash(eric: EricServer) -> None:

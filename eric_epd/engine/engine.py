@@ -1,9 +1,11 @@
-"""Engine step logic, free of sockets: admits requests, runs one batch per step, completes whole requests."""
+"""Engine step logic, free of sockets: admits requests, finishes one batch per step (with the next one already
+handed to the workers when `in_flight` is 2), completes whole requests."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +45,8 @@ class BatchOutput:
 
 
 class Executor(Protocol):
-    def execute_model(self, batch: Batch) -> BatchOutput: ...
+    def submit(self, batch: Batch) -> None: ...
+    def collect(self, batch: Batch) -> BatchOutput: ...
     def workers(self) -> list[WorkerInfo]: ...
     def check_workers(self) -> str | None: ...
 
@@ -75,10 +78,13 @@ class Engine:
         self._requests: dict[str, _RequestState] = {}
         self._dead_reason: str | None = None
         self._recent_batches: list[BatchStat] = []
+        self._in_flight: deque[tuple[Batch, float]] = deque()  # submitted, not collected; oldest first
+        self._depth = max(1, limits.in_flight)
+        self._last_collected = 0.0
 
     @property
     def has_work(self) -> bool:
-        return self._scheduler.num_queued > 0
+        return self._scheduler.num_queued > 0 or bool(self._in_flight)
 
     @property
     def has_unreported_batches(self) -> bool:
@@ -111,21 +117,30 @@ class Engine:
         return self._answer_if_done(msg.request_id, state)
 
     def step(self) -> list[Outgoing]:
-        """Run the next batch, if any; return the requests it finished (or failed)."""
+        """Hand batches to the workers until `in_flight` are there, then finish the oldest; return the requests it
+        finished (or failed)."""
         reason = self._executor.check_workers()
         if reason is not None:
             return self._fail_all(reason)
-        batch = self._scheduler.next_batch()
-        if batch is None:
+        while len(self._in_flight) < self._depth and (batch := self._scheduler.next_batch()) is not None:
+            try:
+                self._executor.submit(batch)
+            except WorkersDeadError as e:
+                return self._fail_batch(batch, 503, str(e)) + self._fail_all(str(e))
+            self._in_flight.append((batch, time.perf_counter()))
+        if not self._in_flight:
             return []
-        start = time.perf_counter()
+        batch, submitted = self._in_flight.popleft()
+        start = max(submitted, self._last_collected)  # the workers start it once the one before is done
         try:
-            output = self._executor.execute_model(batch)
+            output = self._executor.collect(batch)
         except WorkersDeadError as e:
             return self._fail_batch(batch, 503, str(e)) + self._fail_all(str(e))
         except BatchFailedError as e:
+            self._last_collected = time.perf_counter()
             logger.warning("batch %d failed: %s", batch.batch_id, e)
             return self._fail_batch(batch, 500, f"encode failed: {e}")
+        self._last_collected = time.perf_counter()
         stat = BatchStat(
             tuple(sorted({e.item.modality for e in batch.entries})),
             len(batch.entries),
@@ -186,6 +201,7 @@ class Engine:
         if self._dead_reason is None:
             logger.error("engine unhealthy: %s", reason)
         self._dead_reason = reason
+        self._in_flight.clear()
         failed = [_error(rid, 503, f"encoder unavailable: {reason}") for rid in self._requests]
         for rid in list(self._requests):
             self._scheduler.drop_request(rid)

@@ -1,8 +1,9 @@
 """A worker's host<->device traffic: a batch's pixels onto the device, rank 0's output into the embedding pool.
 
-On CPU both are plain copies. On CUDA the pixels go through a reusable pinned staging buffer with one non-blocking
-copy and the dtype cast on the device, and rank 0 copies each item's rows from the device straight into the pool,
-which is registered as pinned memory (other ranks bring nothing back)."""
+On CPU both are plain copies. On CUDA the pixels go through two alternating pinned staging buffers with one
+non-blocking copy on a stream of their own (so the next batch's copy overlaps this batch's forward) and the dtype
+cast on the device, and rank 0 copies each item's rows from the device straight into the pool, which is registered
+as pinned memory (other ranks bring nothing back)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ class DeviceIO:
         self.device = device
         self._cuda = device.type == "cuda"
         self._pool = torch.from_numpy(pool) if pool is not None and pool.size else None
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # when each staging buffer's copy finished
+        self._turn = 0
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._registered = False
         if self._cuda and self._pool is not None:
             self._registered = _host_register(self._pool)
@@ -36,9 +40,23 @@ class DeviceIO:
         if not self._cuda:
             return torch.cat(parts).to(dtype)
         n = sum(p.numel() for p in parts)
-        staging = self._staging_for(n)
+        turn, self._turn = self._turn, 1 - self._turn
+        staging = self._staging_for(turn, n)
         torch.cat(parts, out=staging)
-        return staging.to(self.device, non_blocking=True).to(dtype)  # cast on the device, not on the host
+        assert self._copy_stream is not None
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            on_device = staging.to(self.device, non_blocking=True)
+            done = self._copied[turn] = torch.cuda.Event()
+            done.record(self._copy_stream)
+        main.wait_event(done)
+        on_device.record_stream(main)  # allocated on the copy stream, used on the main one
+        return on_device.to(dtype)  # cast on the device, not on the host
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the next batch's pixels can be copied while a forward runs (CUDA)."""
+        return self._cuda
 
     def sync(self) -> None:
         """Wait until the device finished the work queued so far (no-op on CPU)."""
@@ -67,12 +85,16 @@ class DeviceIO:
             torch.cuda.cudart().cudaHostUnregister(self._pool.data_ptr())
             self._registered = False
 
-    def _staging_for(self, n: int) -> torch.Tensor:
-        """A pinned float32 buffer of n values; grown (never shrunk) as batches need. Reused only after the previous
-        batch was synchronized (the worker syncs after every forward), so no copy from it is still in flight."""
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 1 << 20), dtype=torch.float32, pin_memory=True)
-        return self._staging[:n]
+    def _staging_for(self, turn: int, n: int) -> torch.Tensor:
+        """Pinned float32 buffer `turn` (of two) with room for n values, grown (never shrunk) as batches need; the
+        copy that last read it has finished before it is written again."""
+        done = self._copied[turn]
+        if done is not None:
+            done.synchronize()
+        buffer = self._staging[turn]
+        if buffer is None or buffer.numel() < n:
+            buffer = self._staging[turn] = torch.empty(max(n, 1 << 20), dtype=torch.float32, pin_memory=True)
+        return buffer[:n]
 
 
 def _host_register(pool: torch.Tensor) -> bool:

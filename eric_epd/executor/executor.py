@@ -85,6 +85,8 @@ class ModelExecutor:
         for p in self._procs:
             p.start()
         self._dead_reason: str | None = None
+        self._submitted: set[int] = set()  # batch ids handed to the workers and not collected yet
+        self._early: dict[int, list[WorkerResultMsg]] = {}  # answers to a later batch that came while waiting
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Block until every rank loaded its shard; raise with the worker's own error otherwise."""
@@ -140,6 +142,11 @@ class ModelExecutor:
     def execute_model(self, batch: Batch) -> BatchOutput:
         """Run one batch on all ranks; rank 0 wrote the embeddings into the pool. One result per item, in order,
         with rank 0's forward and pool-write times."""
+        self.submit(batch)
+        return self.collect(batch)
+
+    def submit(self, batch: Batch) -> None:
+        """Hand the batch to every rank (they run batches in the order submitted); `collect` waits for it."""
         if (reason := self.check_workers()) is not None:
             raise WorkersDeadError(reason)
         msg = ExecuteBatchMsg(batch.batch_id, batch.modality,
@@ -151,7 +158,15 @@ class ModelExecutor:
                                     should_abort=lambda: self.check_workers() is not None)
         except Exception as e:
             raise WorkersDeadError(self.check_workers() or f"broadcast to workers failed: {e!r}") from e
-        rank0 = self._gather(batch.batch_id)
+        self._submitted.add(batch.batch_id)
+
+    def collect(self, batch: Batch) -> BatchOutput:
+        """Wait for a submitted batch (the oldest not collected yet)."""
+        try:
+            rank0 = self._gather(batch.batch_id)
+        finally:
+            self._submitted.discard(batch.batch_id)
+            self._early.pop(batch.batch_id, None)
         return BatchOutput(self._split(batch, rank0), rank0.compute_seconds, rank0.write_seconds)
 
     def _gather(self, batch_id: int) -> WorkerResultMsg:
@@ -164,6 +179,7 @@ class ModelExecutor:
         pending = set(range(len(self._procs)))
         errors: list[str] = []
         rank0: WorkerResultMsg | None = None
+        early = self._early.pop(batch_id, [])
         while pending:
             if (reason := self.check_workers()) is not None:
                 raise WorkersDeadError(reason)
@@ -173,9 +189,15 @@ class ModelExecutor:
                                      f"{self._config.worker_timeout_s}s")
                 self._stop_workers()
                 raise WorkersDeadError(self._dead_reason)
-            if not self._results.poll(_POLL_MS):
+            if early:
+                msg = early.pop(0)
+            elif not self._results.poll(_POLL_MS):
                 continue
-            msg = self._decoder.decode(self._results.recv())
+            else:
+                msg = self._decoder.decode(self._results.recv())
+            if isinstance(msg, WorkerResultMsg) and msg.batch_id != batch_id and msg.batch_id in self._submitted:
+                self._early.setdefault(msg.batch_id, []).append(msg)  # a rank already answered the next batch
+                continue
             if not isinstance(msg, WorkerResultMsg) or msg.batch_id != batch_id:
                 logger.warning("dropping stale worker message %r", msg)
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +24,17 @@ from eric_epd.executor.messages import (
     from_worker_encoder,
     to_worker_decoder,
 )
-from eric_epd.executor.shm_broadcast import BroadcastClosed, BroadcastHandle, ShmBroadcast, buffer_to_tensor
+from eric_epd.executor.shm_broadcast import (
+    BroadcastAborted,
+    BroadcastClosed,
+    BroadcastHandle,
+    ShmBroadcast,
+    ShmBroadcastReader,
+    buffer_to_tensor,
+)
 
 logger = logging.getLogger(__name__)
+_DECODER = to_worker_decoder()
 
 
 @dataclass(frozen=True)
@@ -69,18 +78,36 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
     return encoder, device, dtype
 
 
-def _run_batch(encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview], io: DeviceIO,
-               dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """The batch's output (on the device), and the forward's seconds (until the device finished it)."""
-    pixels = io.pixels([buffer_to_tensor(v, torch.float32, (-1,)) for v in views], dtype)
-    patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
-    pixels = pixels.view(-1, patch_dim)
-    grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=io.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = encoder(pixels, grid)
-    io.sync()
-    return out, time.perf_counter() - start
+@dataclass
+class _Prepared:
+    """A batch taken off the broadcast: its pixels already on the device (its slot given back), or why not."""
+
+    msg: ExecuteBatchMsg
+    pixels: torch.Tensor | None
+    error: str = ""
+
+
+def _take(reader: ShmBroadcastReader, io: DeviceIO, dtype: torch.dtype, timeout: float,
+          parent_gone: Callable[[], bool]) -> _Prepared | StopWorkerMsg | None:
+    """The next message (None if none within `timeout`); a batch's pixels are copied onto the device and its
+    broadcast slot released at once, so the engine can already write the batch after it."""
+    try:
+        header, views = reader.dequeue(timeout=timeout, should_abort=parent_gone)
+    except TimeoutError:
+        return None
+    try:
+        msg = _DECODER.decode(header)
+        if isinstance(msg, StopWorkerMsg):
+            return msg
+        try:
+            pixels = io.pixels([buffer_to_tensor(v, torch.float32, (-1,)) for v in views], dtype)
+            patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
+            return _Prepared(msg, pixels.view(-1, patch_dim))
+        except Exception as e:  # answered as this batch's error
+            logger.exception("batch %d: cannot stage its pixels", msg.batch_id)
+            return _Prepared(msg, None, repr(e))
+    finally:
+        reader.release()
 
 
 def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
@@ -89,27 +116,32 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
     segment = attach_untracked(args.config.pool_name) if args.rank == 0 else None
     pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf) if segment is not None else None
     io = DeviceIO(device, pool)
-    decoder = to_worker_decoder()
     parent = os.getppid()
 
     def parent_gone() -> bool:
         return os.getppid() != parent
 
+    def peek() -> _Prepared | StopWorkerMsg | None:
+        """On CUDA: the next batch, if the engine already sent it, staged while this one computes."""
+        if not io.overlaps:
+            return None
+        try:
+            return _take(reader, io, dtype, 0.0, parent_gone)
+        except BroadcastAborted as e:  # closed or parent gone: stop after answering this batch
+            return StopWorkerMsg(str(e))
+
+    taken: _Prepared | StopWorkerMsg | None = None
     try:
         while not parent_gone():
-            try:
-                header, views = reader.dequeue(timeout=1.0, should_abort=parent_gone)
-            except TimeoutError:
+            if taken is None:
+                taken = _take(reader, io, dtype, 1.0, parent_gone)
+            if taken is None:
                 continue
-            except BroadcastClosed:
+            if isinstance(taken, StopWorkerMsg):
                 return
-            try:
-                msg = decoder.decode(header)
-                if isinstance(msg, StopWorkerMsg):
-                    return
-                _execute_and_reply(args.rank, encoder, msg, views, io, dtype, push)
-            finally:
-                reader.release()
+            taken = _execute_and_reply(args.rank, encoder, taken, io, push, peek)
+    except BroadcastClosed:
+        return
     finally:
         io.close()
         reader.close()
@@ -118,19 +150,30 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
             segment.close()
 
 
-def _execute_and_reply(rank: int, encoder: torch.nn.Module, msg: ExecuteBatchMsg, views: list[memoryview],
-                       io: DeviceIO, dtype: torch.dtype, push: zmq.Socket) -> None:
+def _execute_and_reply(rank: int, encoder: torch.nn.Module, batch: _Prepared, io: DeviceIO, push: zmq.Socket,
+                       peek: Callable[[], _Prepared | StopWorkerMsg | None]) -> _Prepared | StopWorkerMsg | None:
+    """Run one batch and answer it; returns the next message if `peek` took it while the forward ran."""
+    msg, upcoming = batch.msg, None
     modalities = tuple(sorted({i.modality for i in msg.items}))
     try:
-        out, compute_s = _run_batch(encoder, msg, views, io, dtype)
+        if batch.pixels is None:
+            raise RuntimeError(batch.error)
+        grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=io.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = encoder(batch.pixels, grid)
+        upcoming = peek()  # the device still runs this forward: the next batch's copies overlap it
+        io.sync()
+        compute_s = time.perf_counter() - start
         write_s = io.write(out, msg) if rank == 0 and not msg.warmup else 0.0  # only rank 0's output leaves
     except Exception as e:  # reported to the engine, which fails the batch's requests
         logger.exception("rank %d: batch %d failed", rank, msg.batch_id)
         push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])
-        return
+        return upcoming
     result = WorkerResultMsg(msg.batch_id, rank, shape=tuple(out.shape), dtype=str(out.dtype).removeprefix("torch."),
                              modalities=modalities, compute_seconds=compute_s, write_seconds=write_s)
     push.send(from_worker_encoder.encode(result))
+    return upcoming
 
 
 def main(args: WorkerArgs) -> None:

@@ -49,7 +49,8 @@ def test_eric_on_cuda_equals_transformers(qwen2_vl_tiny: Path, tmp_path: Path, t
 
 
 def test_device_io_pinned_copies_and_pool_writes() -> None:
-    """Pixels through a pinned staging buffer, cast on the device; rank 0's rows land in the registered pool."""
+    """Pixels through alternating pinned staging buffers, cast on the device; rank 0's rows land in the registered
+    pool."""
     pool = np.zeros(1 << 20, np.uint8)
     io = DeviceIO(torch.device("cuda:0"), pool)
     try:
@@ -57,8 +58,14 @@ def test_device_io_pinned_copies_and_pool_writes() -> None:
         parts = [torch.randn(16 * 1176), torch.randn(32 * 1176)]
         pixels = io.pixels(parts, torch.bfloat16)
         assert pixels.device.type == "cuda" and pixels.dtype == torch.bfloat16
-        assert io._staging is not None and io._staging.is_pinned()
+        assert io._staging[0] is not None and io._staging[0].is_pinned()
         torch.testing.assert_close(pixels.float().cpu(), torch.cat(parts).bfloat16().float())
+        # three batches back to back through the two alternating buffers, none waiting for a sync in between
+        more = [[torch.randn(8 * 1176) * k] for k in range(3)]
+        staged = [io.pixels(p, torch.float32) for p in more]
+        io.sync()
+        for got, p in zip(staged, more):
+            torch.testing.assert_close(got.cpu(), p[0])
         out = torch.randn(12, 64, device="cuda:0", dtype=torch.bfloat16)
         msg = ExecuteBatchMsg(1, "image", [BatchItemMsg("a", "image", (1, 4, 4), 4096, 4 * 64 * 2),
                                            BatchItemMsg("b", "image", (1, 8, 4), 0, 8 * 64 * 2)])
