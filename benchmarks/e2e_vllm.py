@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from eric_epd.common.cpus import available_cpus
 from eric_epd.plugins.vllm.handoff import handles_xargs
-from eric_epd.stack.servers import EricServer, VllmServe
+from eric_epd.stack.servers import EricServer, VllmServe, host_split
 from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import data_url, image_bytes, random_image
 
@@ -33,9 +34,12 @@ SERIES = ("distinct", "repeat")  # repeat: 2 of the 4 images of every request we
 TEXT = "Describe what you see."
 
 
-# both systems: the same vLLM flags, its OpenMP threads bound to every core (Eric, EPD only, shares them)
+# both systems: the same vLLM flags. Monolithic vLLM has every core; with EPD, Eric and vLLM get disjoint halves
+# (as `eric-epd up` places them). Sharing cores starves Eric: vLLM's workers busy-poll for a second after every
+# step, and while requests wait for their embeddings the engine steps every few milliseconds (measured here: with
+# vLLM's OpenMP threads bound to Eric's core too, encodes took 35 s and fetches timed out).
 VLLM_EXTRA = ("--max-num-seqs", "8", "--seed", "0")
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
 # ---- workload -------------------------------------------------------------------------------------------------
@@ -199,8 +203,9 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
     """Start vLLM for one system, warm it up, run every workload one after the other, stop it."""
     eric_url = eric.url if eric is not None else None
     runs: dict = {}
+    cpus = host_split()[1] if eric is not None else available_cpus()
     with VllmServe(model_dir, RESULTS / f"e2e_vllm_{system}.log", [eric_url] if eric_url else None, VLLM_EXTRA,
-                   VLLM_ENV, DTYPE, eric_api_key=eric.api_key if eric is not None else None) as server:
+                   VLLM_ENV, DTYPE, eric_api_key=eric.api_key if eric is not None else None, cpus=cpus) as server:
         client = Client(server.url, server.api_key, eric_url, eric.headers if eric is not None else {})
 
         async def all_runs() -> None:
@@ -296,8 +301,8 @@ def main() -> None:
                      "cpu_cores": os.cpu_count(), "vllm_env": VLLM_ENV,
                      "repeats_per_run": {w.name: w.num_repeats for w in workloads},
                      "ttft": "from before the request (EPD: before Eric's /v1/encode) to vLLM's first streamed chunk",
-                     "layout": "one system at a time; vLLM's OpenMP threads bound to all cores in both systems; Eric "
-                               "(TP 1, EPD only) shares the same cores",
+                     "layout": "one system at a time; monolithic vLLM on every core; EPD: Eric (TP 1) on the first "
+                               "half of the cores, vLLM on the other half",
                      "runs": {}}
     results["runs"]["monolithic"] = run_system("monolithic", model_dir, None, workloads, warmup)
     # keep acknowledged embeddings as a content cache so repeated images are not encoded again
