@@ -1,6 +1,6 @@
 """Qwen3-VL through the gateway and real `vllm serve` behind Eric, with the openai client: several images go EPD
 (DeepStack levels and all) and answer what vLLM answers on its own; one image takes the plain path; a request
-with a video, which Eric does not encode for Qwen3-VL yet, is served by vLLM's own encoder, not refused."""
+with a video goes EPD too (Eric samples the frames vLLM would and states their timestamps) and answers the same."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def test_one_image_takes_the_plain_path(stack) -> None:
     assert "epd" not in _paths_delta(gw, before)
 
 
-def test_video_is_served_by_vllms_own_encoder(stack) -> None:
+def test_images_and_a_video_go_epd(stack) -> None:
     gw, vllm = stack["gateway"].url, stack["vllm"]
     msgs = image_messages([image_data_url(64, 64, seed=320), image_data_url(96, 64, seed=321)])
     msgs[0]["content"].insert(2, {"type": "video_url", "video_url": {"url": video_data_url(8, 64, 64, fps=4, seed=3)}})
     direct = ask(vllm.url, msgs, key=vllm.api_key).choices[0].message.content
     before = gateway_paths(gw)
     assert ask(gw, msgs).choices[0].message.content == direct
-    assert _paths_delta(gw, before) == {"pd": 1}
+    assert _paths_delta(gw, before) == {"epd": 1}

@@ -338,7 +338,7 @@ def _which_frames(frames: np.ndarray) -> list[int]:
 
 
 def test_decode_video_samples_at_fps() -> None:
-    frames, sampled_fps = decode_video(_make_video(), MediaLimits(video_fps=2.0))
+    frames, sampled_fps, _ = decode_video(_make_video(), MediaLimits(video_fps=2.0))
     assert sampled_fps == pytest.approx(2.0)  # 4 of the 20 frames of a 10 fps video
     assert frames.dtype == np.uint8 and frames.shape == (4, 32, 32, 3)  # 2 s at 2 fps
     assert _which_frames(frames) == [0, 6, 12, 19]  # uniform over the 20 frames, vLLM's indexing
@@ -348,17 +348,17 @@ def test_decode_video_without_frame_count_in_header() -> None:
     data = _make_video(fmt="matroska")
     with av.open(io.BytesIO(data)) as container:
         assert container.streams.video[0].frames == 0  # frames get counted by demuxing instead
-    frames, sampled_fps = decode_video(data, MediaLimits(video_fps=2.0))
+    frames, sampled_fps, _ = decode_video(data, MediaLimits(video_fps=2.0))
     assert sampled_fps == pytest.approx(2.0) and _which_frames(frames) == [0, 6, 12, 19]
 
 
 def test_decode_video_frame_cap_and_minimum() -> None:
-    frames, sampled_fps = decode_video(_make_video(), MediaLimits(video_fps=10.0, max_video_frames=8))
+    frames, sampled_fps, _ = decode_video(_make_video(), MediaLimits(video_fps=10.0, max_video_frames=8))
     assert _which_frames(frames) == [0, 2, 5, 8, 10, 13, 16, 19]
     assert sampled_fps == pytest.approx(4.0)  # capped at 8 frames: not the 10 fps asked for
-    frames, _ = decode_video(_make_video(n_frames=2), MediaLimits(video_fps=0.5))
+    frames, _, _ = decode_video(_make_video(n_frames=2), MediaLimits(video_fps=0.5))
     assert _which_frames(frames) == [0, 1]  # at least 2 frames even when fps asks for fewer
-    frames, _ = decode_video(_make_video(n_frames=1), MediaLimits())
+    frames, _, _ = decode_video(_make_video(n_frames=1), MediaLimits())
     assert _which_frames(frames) == [0, 0]
 
 

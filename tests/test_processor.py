@@ -176,7 +176,7 @@ def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tin
     from eric_epd.testing.media import video_bytes
 
     data = video_bytes(20, 56, 56, fps=10, seed=1)  # 2 s
-    frames, sampled_fps = decode_video(data, MediaLimits(video_fps=video_fps, max_video_frames=max_frames))
+    frames, sampled_fps, _ = decode_video(data, MediaLimits(video_fps=video_fps, max_video_frames=max_frames))
     ours = load_processor(qwen2_5_vl_tiny).process_video(frames, sampled_fps)
     metadata = VideoMetadata(total_num_frames=20, fps=10.0, frames_indices=list(range(len(frames))))  # count matters
     hf = AutoProcessor.from_pretrained(qwen2_5_vl_tiny)(

@@ -51,7 +51,7 @@ def _hf_rows(hf, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
 
 def test_processor_equals_hf(qwen3_vl_tiny: Path, hf) -> None:
     ours = load_processor(qwen3_vl_tiny)
-    assert ours.modalities == ("image",)
+    assert ours.modalities == ("image", "video")
     for image in _images():
         ref = hf[0](images=[image], return_tensors="np")
         item = ours.process_image(image)
@@ -171,3 +171,31 @@ def test_moe_checkpoint_tower_equals_hf(qwen3_vl_moe_tiny: Path) -> None:
             out = model.model.get_image_features(pixels, grid)
         ref = torch.cat([out.pooler_output[0], *(level[0] for level in out.deepstack_features)], dim=-1)
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_video_processor_equals_hf(qwen3_vl_tiny: Path) -> None:
+    """Eric's Qwen3-VL video path equals Qwen3VLVideoProcessor on the same frames (one pixel budget for the clip,
+    odd frame counts padded), samples the frames it samples, and states each temporal step's time as vLLM does."""
+    from transformers import AutoVideoProcessor
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLProcessingInfo
+
+    from eric_epd.models.qwen3_vl_processor import sampled_frames
+
+    hf_video = AutoVideoProcessor.from_pretrained(qwen3_vl_tiny)
+    ours = load_processor(qwen3_vl_tiny)
+    rng = np.random.default_rng(5)
+    for frames, (h, w) in ((4, (72, 96)), (5, (50, 130)), (9, (160, 160))):
+        video = rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
+        ref = hf_video(videos=[video], do_sample_frames=False, return_tensors="np")
+        item = ours.process_video(video, 2.0)
+        assert list(item.grid_thw) == ref["video_grid_thw"][0].tolist()
+        np.testing.assert_array_equal(item.pixel_values, ref["pixel_values_videos"])
+    for total, fps in ((8, 4.0), (61, 30.0), (300, 24.0), (3, 1.0)):
+        metadata = type("M", (), {"total_num_frames": total, "fps": fps})()
+        expected = hf_video.sample_frames(metadata, fps=2.0).tolist()
+        assert ours.frame_indices(total, fps) == expected
+        calc = Qwen3VLProcessingInfo._calculate_timestamps
+        seconds = [i / fps for i in expected]
+        item = ours.process_video(np.zeros((len(expected), 64, 64, 3), np.uint8), 2.0, seconds)
+        assert list(item.timestamps) == calc(None, expected, fps, 2)
+    assert sampled_frames(8, 4.0, 2.0, 4, 768) == [0, 2, 5, 7]

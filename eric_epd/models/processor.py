@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,9 @@ class ProcessedItem:
     second_per_grid_ts: float | None = None
     """Seconds between temporal grid steps of a video, for models whose M-RoPE spaces frames by time (Qwen2.5-VL:
     temporal_patch_size / sampled fps, as its HF processor computes); None otherwise."""
+    timestamps: tuple[float, ...] | None = None
+    """Seconds of each temporal grid step of a video, for models whose prompt states them (Qwen3-VL: vLLM writes
+    `<t seconds>` before each step's tokens); None otherwise."""
 
 
 class BaseModalityProcessor(ABC):
@@ -40,9 +44,15 @@ class BaseModalityProcessor(ABC):
         """One PIL image (any mode; converted to RGB)."""
 
     @abstractmethod
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0) -> ProcessedItem:
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
+                      seconds: Sequence[float] | None = None) -> ProcessedItem:
         """Already-sampled frames, uint8 (T, H, W, 3) RGB, taken at `sampled_fps` frames per second (2.0, HF's
-        default for a video without metadata)."""
+        default for a video without metadata); `seconds`: each frame's time in the source, when known."""
+
+    def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
+        """The source frames this model's processor samples from a video of `total` frames at `src_fps`; None:
+        Eric's default (vLLM's uniform sampling at --video-fps)."""
+        return None
 
     @abstractmethod
     def fingerprint(self, modality: str) -> bytes:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,8 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
     """Images and videos for Qwen2-VL and Qwen2.5-VL; output equals HF's AutoProcessor for the checkpoint."""
 
     modalities = ("image", "video")
+    name = "qwen2_vl"
+    """Names the pixel pipeline in the content-hash fingerprint."""
 
     def __init__(self, model_dir: str | Path, resize_backend: ResizeBackend = "torch") -> None:
         model_dir = Path(model_dir)
@@ -152,7 +155,7 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         self.resize_backend: ResizeBackend = resize_backend
         self._fingerprints = {
             m: json.dumps(
-                {"processor": "qwen2_vl", "version": FINGERPRINT_VERSION, "modality": m, **asdict(s)},
+                {"processor": self.name, "version": FINGERPRINT_VERSION, "modality": m, **asdict(s)},
                 sort_keys=True,
             ).encode()
             for m, s in self.settings.items()
@@ -186,21 +189,16 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
     def process_image(self, image: Image.Image) -> ProcessedItem:
         return self._process("image", image_to_rgb_array(image))
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0) -> ProcessedItem:
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
+                      seconds: Sequence[float] | None = None) -> ProcessedItem:
         return self._process("video", frames_to_rgb_array(frames))
 
 
 class Qwen2_5_VLModalityProcessor(Qwen2VLModalityProcessor):  # noqa: N801  (HF naming)
     """Qwen2.5-VL: the same pixels; videos also carry second_per_grid_ts, which its M-RoPE uses."""
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0) -> ProcessedItem:
-        item = super().process_video(frames, sampled_fps)
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
+                      seconds: Sequence[float] | None = None) -> ProcessedItem:
+        item = super().process_video(frames, sampled_fps, seconds)
         seconds = self.settings["video"].temporal_patch_size / sampled_fps
         return dataclasses.replace(item, second_per_grid_ts=seconds)
-
-
-class Qwen3VLModalityProcessor(Qwen2VLModalityProcessor):
-    """Qwen3-VL images: Qwen2-VL's image processing with the checkpoint's own settings (patch 16, its mean/std).
-    Its videos (sampled with timestamps by Qwen3VLVideoProcessor) are not served yet."""
-
-    modalities = ("image",)

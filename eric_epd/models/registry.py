@@ -18,12 +18,9 @@ from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from eric_epd.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionEncoder
-from eric_epd.models.qwen2_vl_processor import (
-    Qwen2_5_VLModalityProcessor,
-    Qwen2VLModalityProcessor,
-    Qwen3VLModalityProcessor,
-)
+from eric_epd.models.qwen2_vl_processor import Qwen2_5_VLModalityProcessor, Qwen2VLModalityProcessor
 from eric_epd.models.qwen3_vl import Qwen3VLVisionEncoder, deepstack_levels
+from eric_epd.models.qwen3_vl_processor import Qwen3VLModalityProcessor
 
 logger = logging.getLogger(__name__)
 

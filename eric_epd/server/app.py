@@ -89,7 +89,8 @@ def item_json(answer: ItemAnswer) -> dict[str, Any]:
         "num_tokens": answer.prepared.item.num_tokens,
         "grid_thw": list(answer.prepared.item.grid_thw),
         "handle": msgspec.to_builtins(handle),
-    } | ({"second_per_grid_ts": seconds} if (seconds := answer.prepared.item.second_per_grid_ts) is not None else {})
+    } | ({"second_per_grid_ts": seconds} if (seconds := answer.prepared.item.second_per_grid_ts) is not None else {}) \
+      | ({"timestamps": list(stamps)} if (stamps := answer.prepared.item.timestamps) is not None else {})
 
 
 def output_spec(config: EricConfig) -> OutputSpec:

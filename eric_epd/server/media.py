@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes, urljoin
 
@@ -300,13 +300,17 @@ def _count_frames(data: bytes) -> int:
         return sum(1 for packet in container.demux(video=0) if packet.size)
 
 
-def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
-    """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, sampled_fps).
+def decode_video(data: bytes, limits: MediaLimits,
+                 sampler: Callable[[int, float], list[int] | None] | None = None
+                 ) -> tuple[np.ndarray, float, tuple[float, ...]]:
+    """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, sampled_fps, seconds): the
+    source time of each frame taken.
 
     sampled_fps is transformers' VideoMetadata.sampled_fps: frames taken / frames in the source * source fps.
 
     Frames are sampled uniformly at ``limits.video_fps`` (at least 2, at most ``max_video_frames``;
-    a one-frame video yields that frame twice). 400 for undecodable input, 413 for oversize frames.
+    a one-frame video yields that frame twice), unless ``sampler(total frames, source fps)`` names the frame
+    indices (a model whose processor samples otherwise). 400 for undecodable input, 413 for oversize frames.
     """
     if not data:
         raise MediaError(400, "video is empty (0 bytes)")
@@ -334,7 +338,13 @@ def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
             raise MediaError(400, f"could not decode video: {exc}") from exc
         if total <= 0:
             raise MediaError(400, "could not decode video: no frames")
-        indices = _frame_indices(total, src_fps, limits)
+        indices = (sampler(total, src_fps) if sampler is not None else None) or _frame_indices(total, src_fps, limits)
+        if len(indices) > limits.max_video_frames:
+            raise MediaError(413, f"the video is {total / src_fps:.1f} s long: this model samples {len(indices)} "
+                                  f"frames from it, over the limit of {limits.max_video_frames} (--max-video-frames)")
+        indices = [min(max(i, 0), total - 1) for i in indices] or [0]
+        if len(indices) < 2:
+            indices = indices * 2
         wanted, last_wanted = set(indices), indices[-1]
         stream.codec_context.thread_type = "AUTO"
         picked: dict[int, np.ndarray] = {}
@@ -360,4 +370,5 @@ def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
         logger.warning("video has fewer frames than its header says; padding %d samples", len(missing))
         fill = last.to_ndarray(format="rgb24", width=size[0], height=size[1])
         picked.update(dict.fromkeys(missing, fill))
-    return np.stack([picked[i] for i in indices]), len(indices) / total * src_fps
+    seconds = tuple(i / src_fps for i in indices)
+    return np.stack([picked[i] for i in indices]), len(indices) / total * src_fps, seconds

@@ -109,9 +109,9 @@ class Processor:
             decoded = time.perf_counter()
             item = self._mp.process_image(image)
         else:
-            pixels, sampled_fps = decode_video(data, self._limits)
+            pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices)
             decoded = time.perf_counter()
-            item = self._mp.process_video(pixels, sampled_fps)
+            item = self._mp.process_video(pixels, sampled_fps, seconds)
         processed = time.perf_counter()
         key = self._content_hash(modality, pixels)
         return PreparedItem(key, item, (decoded - start, processed - decoded, time.perf_counter() - processed))

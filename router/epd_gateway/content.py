@@ -84,7 +84,9 @@ def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict
     out["messages"] = copy.deepcopy(body["messages"])
     for ref, item in zip(refs, items, strict=True):
         kind = f"{ref.modality}_embeds"
-        out["messages"][ref.message]["content"][ref.part] = {
-            "type": kind, kind: {f"{ref.modality}_grid_thw": item["grid_thw"]}, "uuid": item["hash"]}
+        fields: dict[str, Any] = {f"{ref.modality}_grid_thw": item["grid_thw"]}
+        if "timestamps" in item:  # Qwen3-VL videos: vLLM writes each temporal step's time into the prompt
+            fields["timestamps"] = item["timestamps"]
+        out["messages"][ref.message]["content"][ref.part] = {"type": kind, kind: fields, "uuid": item["hash"]}
     out["vllm_xargs"] = handles_xargs(item["handle"] for item in {i["hash"]: i for i in items}.values())
     return out
