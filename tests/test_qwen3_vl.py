@@ -109,6 +109,32 @@ def test_eric_tp2_equals_hf(erics, hf) -> None:
         torch.testing.assert_close(load_safetensors(fetched.content)["embedding"], ref, rtol=1e-4, atol=1e-5)
 
 
+def test_eric_tp2_video_equals_hf(erics, hf, qwen3_vl_tiny: Path) -> None:
+    """A video (odd frame count after sampling, odd size) through the TP-2 Eric: every DeepStack level equals
+    transformers' on the frames Qwen3VLVideoProcessor samples from the same file."""
+    from transformers import AutoVideoProcessor
+
+    from eric_epd.server.media import MediaLimits, decode_video
+    from eric_epd.testing.media import data_url, video_bytes
+
+    data = video_bytes(num_frames=11, width=88, height=56, fps=4, seed=7)
+    resp = httpx.post(main_url := erics[0].url + "/v1/encode", headers=erics[0].headers, timeout=120,
+                      json={"items": [{"modality": "video", "url": data_url(data, "video/mp4")}]})
+    assert resp.status_code == 200, (main_url, resp.text)
+    item = resp.json()["items"][0]
+    frames, _, seconds = decode_video(data, MediaLimits(), load_processor(qwen3_vl_tiny).frame_indices)
+    assert seconds == (0.0, 0.5, 1.25, 2.0, 2.5)  # frames 0, 2, 5, 8 and 10 of 11 at 4 fps
+    assert item["timestamps"] == [0.25, 1.625, 2.5]  # the last frame repeated to fill the final temporal step
+    inputs = AutoVideoProcessor.from_pretrained(qwen3_vl_tiny)(videos=[frames], do_sample_frames=False,
+                                                                return_tensors="pt")
+    with torch.no_grad():
+        out = hf[1].model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
+    ref = torch.cat([out.pooler_output[0], *(level[0] for level in out.deepstack_features)], dim=-1)
+    assert item["grid_thw"] == inputs["video_grid_thw"][0].tolist()
+    fetched = httpx.get(item["handle"]["http"], headers=erics[0].headers | {LEASE_HEADER: item["handle"]["lease"]})
+    torch.testing.assert_close(load_safetensors(fetched.content)["embedding"], ref, rtol=1e-4, atol=1e-5)
+
+
 def _b64(image: Image.Image) -> str:
     import base64
 
