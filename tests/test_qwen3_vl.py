@@ -144,7 +144,8 @@ def _b64(image: Image.Image) -> str:
 
 
 def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny: Path, erics) -> None:
-    """vLLM behind Eric: one image and four images give vLLM's own encoder's greedy tokens; the same engine fed a
+    """vLLM behind Eric: one image, four images and a video (its timestamps in the prompt) give vLLM's own encoder's
+    greedy tokens; the same engine fed a
     perturbed first DeepStack level (the merged tokens and the second level unchanged) answers differently."""
     from vllm import LLM
     from vllm.config import ECTransferConfig
@@ -155,8 +156,8 @@ def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny:
                               ec_connector_extra_config={"eric_urls": [main.url, other.url], "backends": ["shm"]})
         llm = LLM(**llm_kwargs(qwen3_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
         cases = {c.name: c for c in CASES}
-        for name in ("one_image", "four_images"):
-            monolithic = list(greedy(llm, raw_prompt(cases[name])).outputs[0].token_ids)
+        for name in ("one_image", "four_images", "one_video"):
+            monolithic = list(greedy(llm, raw_prompt(cases[name], model=qwen3_vl_tiny)).outputs[0].token_ids)
             items = encode_case(main.url, cases[name], main.api_key)
             assert list(greedy(llm, epd_prompt(cases[name], items), items).outputs[0].token_ids) == monolithic, name
 

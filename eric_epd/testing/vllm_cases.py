@@ -58,19 +58,27 @@ def decoded_video(data: bytes) -> np.ndarray:
     return decode_video(data, MediaLimits())[0]
 
 
-def decoded_video_with_metadata(data: bytes) -> tuple[np.ndarray, dict[str, Any]]:
-    """Eric's frames with the metadata vLLM's Qwen2.5-VL processor needs (its time spacing: the sampled fps)."""
+def decoded_video_with_metadata(data: bytes, model: Path | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Eric's frames (sampled as `model`'s processor samples them) with the metadata vLLM's processor needs: the
+    sampled fps for Qwen2.5-VL's time spacing; each frame's source time for Qwen3-VL's timestamps (as frame
+    numbers at 1000 fps)."""
+    from eric_epd.models.registry import load_processor
     from eric_epd.server.media import MediaLimits, decode_video
 
-    frames, sampled_fps = decode_video(data, MediaLimits())
+    sampler = load_processor(model).frame_indices if model is not None else None
+    frames, sampled_fps, seconds = decode_video(data, MediaLimits(), sampler)
     n = len(frames)
+    if model is not None and sampler is not None and sampler(2, 1.0) is not None:
+        return frames, {"fps": 1000.0, "duration": seconds[-1], "total_num_frames": round(seconds[-1] * 1000) + 1,
+                        "frames_indices": [round(s * 1000) for s in seconds], "video_backend": "eric",
+                        "do_sample_frames": False}
     return frames, {"fps": sampled_fps, "duration": n / sampled_fps, "total_num_frames": n,
                     "frames_indices": list(range(n)), "video_backend": "eric", "do_sample_frames": False}
 
 
-def raw_prompt(case: Case, video_metadata: bool = False) -> dict[str, Any]:
+def raw_prompt(case: Case, video_metadata: bool = False, model: Path | None = None) -> dict[str, Any]:
     """The monolithic request: raw pixels, decoded exactly as Eric decodes them (videos with their metadata for
-    models that need it, like Qwen2.5-VL)."""
+    models that need it, like Qwen2.5-VL; sampled as `model`'s processor samples, like Qwen3-VL)."""
     import io
 
     from PIL import Image
@@ -79,8 +87,10 @@ def raw_prompt(case: Case, video_metadata: bool = False) -> dict[str, Any]:
     if case.image_sizes:
         mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images()]
     if case.video_frames:
-        decode = decoded_video_with_metadata if video_metadata else decoded_video
-        mm["video"] = [decode(v) for v in case.videos()]
+        if video_metadata or model is not None:
+            mm["video"] = [decoded_video_with_metadata(v, model) for v in case.videos()]
+        else:
+            mm["video"] = [decoded_video(v) for v in case.videos()]
     return {"prompt": case.prompt(), "multi_modal_data": mm}
 
 
@@ -94,6 +104,8 @@ def epd_prompt(case: Case, items: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [i for i in items if i["modality"] == modality]
         if mine:
             mm[modality] = {f"{modality}_grid_thw": torch.tensor([i["grid_thw"] for i in mine])}
+            if all("timestamps" in i for i in mine):  # Qwen3-VL videos: the prompt states each step's time
+                mm[modality]["timestamps"] = [i["timestamps"] for i in mine]
             uuids[modality] = [i["hash"] for i in mine]
     return {"prompt": case.prompt(), "multi_modal_data": mm, "multi_modal_uuids": uuids}
 
