@@ -135,6 +135,38 @@ def test_eric_tp2_video_equals_hf(erics, hf, qwen3_vl_tiny: Path) -> None:
     torch.testing.assert_close(load_safetensors(fetched.content)["embedding"], ref, rtol=1e-4, atol=1e-5)
 
 
+def test_bad_input_particular_to_qwen3_vl(erics, hf, tmp_path: Path) -> None:
+    """A video needing more frames than the budget and an image whose aspect ratio the processor refuses get a 4xx
+    naming the problem, a 1x1 image is scaled up as transformers scales it, and a checkpoint of an unregistered
+    family stops Eric at start with a message naming it."""
+    import subprocess
+    import sys
+
+    from eric_epd.testing.media import data_url, video_bytes
+
+    main, _ = erics
+
+    def encode(modality: str, url: str) -> httpx.Response:
+        return httpx.post(main.url + "/v1/encode", headers=main.headers, timeout=120,
+                          json={"items": [{"modality": modality, "url": url}]})
+
+    long_video = encode("video", data_url(video_bytes(num_frames=160, width=32, height=32, fps=4), "video/mp4"))
+    assert long_video.status_code == 413, long_video.text
+    assert "80 frames" in long_video.json()["error"]["message"]  # 40 s at the processor's 2 fps, over 64
+    flat = encode("image", "data:image/png;base64," + _b64(Image.new("RGB", (600, 2))))
+    assert flat.status_code == 400 and "aspect ratio" in flat.json()["error"]["message"], flat.text
+    dot = encode("image", "data:image/png;base64," + _b64(Image.new("RGB", (1, 1))))
+    hf_grid = hf[0](images=[Image.new("RGB", (1, 1))], return_tensors="np")["image_grid_thw"][0].tolist()
+    assert dot.status_code == 200 and dot.json()["items"][0]["grid_thw"] == hf_grid, dot.text
+    assert httpx.get(main.url + "/health").status_code == 200
+    other = tmp_path / "llava"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llava", "vision_config": {}}')
+    run = subprocess.run([sys.executable, "-m", "eric_epd", "serve", "--model", str(other), "--port", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "unsupported model_type 'llava'" in run.stderr + run.stdout
+
+
 def _b64(image: Image.Image) -> str:
     import base64
 

@@ -103,15 +103,18 @@ class Processor:
 
     def _prepare_sync(self, modality: str, data: bytes) -> PreparedItem:
         start = time.perf_counter()
-        if modality == "image":
-            image = decode_image(data, self._limits)
-            pixels = np.asarray(image)
-            decoded = time.perf_counter()
-            item = self._mp.process_image(image)
-        else:
-            pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices)
-            decoded = time.perf_counter()
-            item = self._mp.process_video(pixels, sampled_fps, seconds)
+        try:
+            if modality == "image":
+                image = decode_image(data, self._limits)
+                pixels = np.asarray(image)
+                decoded = time.perf_counter()
+                item = self._mp.process_image(image)
+            else:
+                pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices)
+                decoded = time.perf_counter()
+                item = self._mp.process_video(pixels, sampled_fps, seconds)
+        except ValueError as e:  # the model's processor refuses this input (e.g. its aspect ratio)
+            raise MediaError(400, f"the model's processor refuses this {modality}: {e}") from e
         processed = time.perf_counter()
         key = self._content_hash(modality, pixels)
         return PreparedItem(key, item, (decoded - start, processed - decoded, time.perf_counter() - processed))
