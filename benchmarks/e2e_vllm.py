@@ -285,18 +285,20 @@ def main() -> None:
                     "plus two vLLM start-ups)")
     ap.add_argument("--requests", type=int, default=None, help="requests per run at concurrency 1 "
                     "(twice as many at concurrency 4; default 6, --quick 2)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="checkpoint directory of any registered family (default: the offline small Qwen2-VL)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("httpx", "httpx2"):  # openai uses httpx2
         logging.getLogger(name).setLevel(logging.WARNING)
     n1 = args.requests or (2 if args.quick else 6)
     start = time.perf_counter()
-    model_dir = ensure_checkpoint("qwen2_vl", "small")
+    model_dir = args.model or ensure_checkpoint("qwen2_vl", "small")
     warmup = warmup_workload(4 if not args.quick else 2)
     earlier = [u for r in warmup.requests for u in r]
     workloads = [make_workload(s, c, n1 if c == 1 else 2 * n1, earlier) for s in SERIES for c in (1, 4)]
     RESULTS.mkdir(exist_ok=True)
-    results: dict = {"checkpoint": "qwen2_vl small (offline random)", "dtype": DTYPE,
+    results: dict = {"checkpoint": str(args.model) if args.model else "qwen2_vl small (offline random)", "dtype": DTYPE,
                      "images_per_request": IMAGES_PER_REQUEST, "image_sides_px": SIDES, "max_tokens": MAX_TOKENS,
                      "cpu_cores": os.cpu_count(), "vllm_env": VLLM_ENV,
                      "repeats_per_run": {w.name: w.num_repeats for w in workloads},

@@ -1,7 +1,8 @@
 """Eric (TP 1, over HTTP, concurrency 8) against transformers (HF processor + vision tower, one at a time, in-process),
 both on the same CPUs (Eric's half of the host, one torch thread per CPU).
 
-Same checkpoint (the offline *small* Qwen2-VL), same dtype, same run; float32 and bfloat16; three workloads.
+Same checkpoint (the offline *small* Qwen2-VL, or `--family qwen3_vl` / `qwen3_5`), same dtype, same run; float32
+and bfloat16; three workloads.
 Also measures this CPU's matmul FLOP/s and the ceiling of the tower's own GEMMs alone (same shapes, dtype and
 CPUs as Eric's worker), and reports the fraction of each that Eric reaches end to end.
 Writes benchmarks/results/encoder_throughput.{json,png}.  Usage: python benchmarks/encoder_throughput.py [--quick]
@@ -60,16 +61,24 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _dims(v: dict) -> tuple[int, int, int, int]:
+    """(width, MLP width, output width, mergers) of a Qwen2-VL or Qwen3-VL vision config (Qwen3-VL: one merger
+    per DeepStack level besides the main one)."""
+    if "embed_dim" in v:  # Qwen2-VL / Qwen2.5-VL
+        return v["embed_dim"], v.get("intermediate_size") or v["embed_dim"] * v["mlp_ratio"], v["hidden_size"], 1
+    levels = len(v.get("deepstack_visual_indexes", []))
+    return v["hidden_size"], v["intermediate_size"], v["out_hidden_size"], 1 + levels
+
+
 def gemm_shapes(cfg: dict, grid: tuple[int, int, int]) -> list[tuple[int, int, int, int]]:
-    """(rows, in, out, count) of every linear layer the Qwen2-VL vision tower runs for one item."""
+    """(rows, in, out, count) of every linear layer the vision tower runs for one item."""
     v = cfg["vision_config"]
-    d, depth = v["embed_dim"], v["depth"]
-    mlp = d * v["mlp_ratio"]
+    (d, mlp, out, mergers), depth = _dims(v), v["depth"]
     n = grid[0] * grid[1] * grid[2]
     patch_in = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
     merged, merged_in = n // v["spatial_merge_size"] ** 2, d * v["spatial_merge_size"] ** 2
     return [(n, patch_in, d, 1), (n, d, 3 * d, depth), (n, d, d, depth), (n, d, mlp, depth), (n, mlp, d, depth),
-            (merged, merged_in, merged_in, 1), (merged, merged_in, v["hidden_size"], 1)]
+            (merged, merged_in, merged_in, mergers), (merged, merged_in, out, mergers)]
 
 
 def _linear_s(rows: int, k: int, out: int, dtype: torch.dtype) -> float:
@@ -83,7 +92,7 @@ def vision_flops(cfg: dict, grid: tuple[int, int, int]) -> float:
     v = cfg["vision_config"]
     n, seq = grid[0] * grid[1] * grid[2], grid[1] * grid[2]
     linear = sum(2 * rows * k * out * count for rows, k, out, count in gemm_shapes(cfg, grid))
-    return linear + v["depth"] * 4 * n * seq * v["embed_dim"]
+    return linear + v["depth"] * 4 * n * seq * _dims(v)[0]
 
 
 @contextlib.contextmanager
@@ -199,14 +208,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5"),
+                    help="which offline small checkpoint (results of other families get their own file)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     scale = 0.25 if args.quick else 1.0
-    model_dir = ensure_checkpoint("qwen2_vl", "small")
+    model_dir = ensure_checkpoint(args.family, "small")
+    out = "encoder_throughput" + ("" if args.family == "qwen2_vl" else f"_{args.family}")
     cfg = json.loads((model_dir / "config.json").read_text())
     workloads = {name: make_images(name, scale) for name in WORKLOADS}
     cpus = host_split()[0]
-    results: dict = {"checkpoint": "qwen2_vl small (offline random)", "concurrency": args.concurrency,
+    results: dict = {"checkpoint": f"{args.family} small (offline random)", "concurrency": args.concurrency,
                      "cpus": list(cpus), "torch_threads": len(cpus), "runs": {}, "matmul_flops": {}}
     RESULTS.mkdir(exist_ok=True)
     for dtype_name in args.dtypes.split(","):
@@ -234,8 +246,8 @@ def main() -> None:
                 runs[name]["eric"] = eric_run
                 runs[name]["ratio"] = eric_run["images_per_s"] / runs[name]["transformers"]["images_per_s"]
         results["runs"][dtype_name] = runs
-    (RESULTS / "encoder_throughput.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "encoder_throughput.png")
+    (RESULTS / f"{out}.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / f"{out}.png")
     _print_table(results)
 
 

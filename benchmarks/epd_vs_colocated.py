@@ -167,8 +167,8 @@ KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_thr
         "request_goodput", "completed")
 
 
-def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: Path) -> dict:
-    model = ensure_checkpoint("qwen2_vl", series.checkpoint)
+def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: Path, family: str) -> dict:
+    model = ensure_checkpoint(family, series.checkpoint)
     runs: dict = {}
     with ExitStack() as stack:
         if side == "colocated":
@@ -246,6 +246,7 @@ def main() -> None:
     ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once)")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--tag", default="", help="suffix of the result files (epd_vs_colocated<tag>.json/.png)")
+    ap.add_argument("--family", default="qwen2_vl", help="the offline checkpoints' family (any the builder has)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -265,8 +266,8 @@ def main() -> None:
                          "series": {}, "runs": {}}
         for name in args.series.split(","):
             series = catalogue[name]
-            results["series"][name] = {"checkpoint": f"qwen2_vl {series.checkpoint}", "dataset": series.dataset}
-            results["runs"][name] = {side: run_side(side, series, rates, prompts, logs)
+            results["series"][name] = {"checkpoint": f"{args.family} {series.checkpoint}", "dataset": series.dataset}
+            results["runs"][name] = {side: run_side(side, series, rates, prompts, logs, args.family)
                                      for side in ("colocated", "epd")}
     results["ratios"] = ratios(results)
     results["wall_s"] = time.perf_counter() - start

@@ -164,9 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eric-epd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    b = sub.add_parser("build-checkpoint", help="write a random tiny/small Qwen2-VL or Qwen2.5-VL checkpoint")
+    b = sub.add_parser("build-checkpoint", help="write a random tiny/small checkpoint of a registered family")
     b.add_argument("out", type=Path)
-    b.add_argument("--family", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl")
+    b.add_argument("--family", default="qwen2_vl",
+                   help="qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe or qwen3_5 (checked by the builder)")
     b.add_argument("--size", choices=("tiny", "small"), default="tiny")
     b.add_argument("--seed", type=int, default=0)
     _up_parser(sub)
