@@ -1,5 +1,6 @@
 """Qwen3.5 behind Eric: its tower (Qwen3-VL's without DeepStack) equals transformers', and in real vLLM (bfloat16:
-vLLM's CPU kernels for its linear-attention layers need it) the EPD tokens equal vLLM's own encoder's."""
+vLLM's CPU kernels for its linear-attention layers need it) the EPD tokens equal vLLM's own encoder's, for images
+and a video (its frames and timestamps as Qwen3-VL's)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def test_vllm_epd_tokens_equal_monolithic(qwen3_5_tiny: Path, tmp_path: Path) ->
         ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
                               ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
         llm = LLM(**{**llm_kwargs(qwen3_5_tiny), "dtype": "bfloat16"}, ec_transfer_config=ec)
-        for case in (c for c in CASES if c.name in ("one_image", "four_images")):
-            monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)
+        for case in (c for c in CASES if c.name in ("one_image", "four_images", "one_video")):
+            monolithic = list(greedy(llm, raw_prompt(case, model=qwen3_5_tiny)).outputs[0].token_ids)
             items = encode_case(eric.url, case, eric.api_key)
             assert list(greedy(llm, epd_prompt(case, items), items).outputs[0].token_ids) == monolithic, case.name
         del llm
