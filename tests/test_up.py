@@ -11,6 +11,7 @@ from pathlib import Path
 
 import openai
 import psutil
+import pytest
 
 from eric_epd.stack.process import free_port
 from eric_epd.testing.media import image_data_url
@@ -39,9 +40,13 @@ def _cpus_by_role(root: psutil.Process) -> dict[str, set[int]]:
     return roles
 
 
-def test_up_serves_a_multi_image_chat_and_stops_cleanly(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen2_vl_tiny", "qwen3_vl_tiny"])
+def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: pytest.FixtureRequest,
+                                                       tmp_path: Path) -> None:
+    """The built-in family and a Qwen3-VL checkpoint (any registered family takes `--model`)."""
+    model: Path = request.getfixturevalue(family)
     ready, port = tmp_path / "url", free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "eric_epd", "up", "--model", str(qwen2_vl_tiny), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "eric_epd", "up", "--model", str(model), "--port",
                              str(port), "--log-dir", str(tmp_path / "logs"), "--ready-file", str(ready)])
     try:
         url = _wait_ready(ready, proc)
