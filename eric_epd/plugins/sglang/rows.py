@@ -61,10 +61,13 @@ class PartRows:
                 req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=None,
                 dtype=None, shape=None, error_msg=part.error[0], error_code=part.error[1]))
         answers = part.answers or []
-        extra: dict[str, list[float]] = {}
+        extra: dict[str, list[float] | list[list[float]]] = {}
         seconds = [a.prepared.item.second_per_grid_ts for a in answers]
         if modality == "VIDEO" and all(s is not None for s in seconds):  # Qwen2.5-VL's M-RoPE spaces frames by time
             extra["second_per_grid_ts"] = seconds
+        stamps = [a.prepared.item.timestamps for a in answers]
+        if modality == "VIDEO" and all(s is not None for s in stamps):  # Qwen3-VL writes them into the prompt
+            extra["video_timestamps"] = [list(s) for s in stamps if s is not None]
         return embedding_data_pickle(EmbeddingPart(
             req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality,
             grid=[list(a.prepared.item.grid_thw) for a in answers], dtype=self.dtype,

@@ -124,8 +124,9 @@ class EmbeddingPart(msgspec.Struct, kw_only=True):
     shape: list[int] | None
     error_msg: str | None = None
     error_code: int | None = None
-    extra: dict[str, list[float]] = msgspec.field(default_factory=dict)
-    """Per-item video metadata SGLang forwards to its processor (e.g. second_per_grid_ts for Qwen2.5-VL)."""
+    extra: dict[str, list[float] | list[list[float]]] = msgspec.field(default_factory=dict)
+    """Per-item video metadata SGLang forwards to its processor (second_per_grid_ts for Qwen2.5-VL, each video's
+    video_timestamps for Qwen3-VL)."""
 
 
 class _Global(msgspec.Struct, frozen=True):
