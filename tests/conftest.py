@@ -34,6 +34,7 @@ qwen2_5_vl_tiny = _tiny_fixture("qwen2_5_vl")
 qwen3_vl_tiny = _tiny_fixture("qwen3_vl")
 qwen3_vl_moe_tiny = _tiny_fixture("qwen3_vl_moe")
 qwen3_5_tiny = _tiny_fixture("qwen3_5")
+qwen3_5_moe_tiny = _tiny_fixture("qwen3_5_moe")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 SIZES = ("tiny", "small")
 BUILDER_VERSION = 1  # bump when the output of build_checkpoint changes
 
@@ -142,8 +142,9 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
 
 
 def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_std: float):
-    """Qwen3.5: Qwen3-VL's tower without DeepStack; a hybrid language model (one linear-attention layer, one full)."""
-    from transformers import Qwen3_5Config
+    """Qwen3.5: Qwen3-VL's tower without DeepStack; a hybrid language model (one linear-attention layer, one full);
+    qwen3_5_moe: the same with a mixture of experts (4 experts, 2 per token, one shared expert)."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     head_dim = spec.text_hidden // spec.text_heads
     half = head_dim // 8  # partial_rotary_factor 0.25, as the released models: [11, 11, 10] for head_dim 256
@@ -159,6 +160,12 @@ def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_
         spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
         num_position_embeddings=64 if spec.size == "tiny" else 2304, initializer_range=init_std,
     )
+    if spec.family == "qwen3_5_moe":
+        text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": spec.text_hidden, "shared_expert_intermediate_size": spec.text_hidden}
+        cfg = Qwen3_5MoeConfig(text_config=text_config, vision_config=vision, **common)
+        cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        return cfg
     cfg = Qwen3_5Config(text_config=text_config, vision_config=vision, **common)
     cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
     return cfg
@@ -186,7 +193,7 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
     )
     if spec.family in ("qwen3_vl", "qwen3_vl_moe"):
         return _qwen3_vl_config(spec, text_config, common, init_std)
-    if spec.family == "qwen3_5":
+    if spec.family in ("qwen3_5", "qwen3_5_moe"):
         return _qwen3_5_config(spec, text_config, common, init_std)
     if spec.family == "qwen2_vl":
         vision = dict(
@@ -215,7 +222,7 @@ def _save_processor(out: Path, spec: CheckpointSpec) -> None:
 
     processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                        "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
-                       "qwen3_5": "Qwen3VLProcessor"}[spec.family]
+                       "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}[spec.family]
     qwen3 = spec.family.startswith("qwen3")
     patch = 16 if qwen3 else 14
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
