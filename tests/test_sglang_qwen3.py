@@ -1,0 +1,73 @@
+"""Qwen3-VL behind SGLang's `--language-only --encoder-urls`, with SGLang's real receiver classes: image parts hold
+every DeepStack level in SGLang's layout, video parts carry the timestamps SGLang writes into the prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import torch
+
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.media import random_image, video_data_url
+from eric_epd.testing.sglang_prefill import unpack
+from tests.test_sglang_adapter import (  # noqa: F401  (bootstrap_port, setup: the prefill harness fixtures)
+    ATOL,
+    IMAGES,
+    RTOL,
+    bootstrap_port,
+    check_equal,
+    eric_tensors,
+    image_url,
+    prompt_for,
+    setup,
+)
+
+
+def test_qwen3_vl_parts_hold_every_deepstack_level(setup, qwen3_vl_tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Qwen3-VL: SGLang's scheduler-side receiver (TP 1, float32) ends up holding, per image, transformers' rows
+    in SGLang's own layout: [merged | DeepStack level 1 | level 2] on the last dimension."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    prefill, _ = setup
+    specs = IMAGES[:2]
+    processor = AutoProcessor.from_pretrained(qwen3_vl_tiny)
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_vl_tiny, dtype=torch.float32).eval()
+    inputs = processor.image_processor(images=[random_image(w, h, s) for w, h, s in specs], return_tensors="pt")
+    with torch.no_grad():
+        feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    rows = [torch.cat([merged, *(level[i] for level in feats.deepstack_features)], dim=-1)
+            for i, merged in enumerate(feats.pooler_output)]
+    urls = [image_url(*spec) for spec in specs]
+    with EricServer(qwen3_vl_tiny, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
+                    log_path=tmp_path / "eric.log") as eric:
+        result = prefill.job(kind="scheduler", model=str(qwen3_vl_tiny), backend="zmq_to_scheduler",
+                             encoder_urls=[eric.url], images=urls, prompt=prompt_for(len(urls)), tp=1,
+                             dtype="float32")
+        assert result.dispatch_error is None
+        check_equal(result.outcomes[0], eric_tensors(eric, urls), (rows, inputs["image_grid_thw"].tolist()),
+                    torch.float32)
+    assert rows[0].shape[1] == 3 * model.config.vision_config.out_hidden_size
+
+
+def test_qwen3_vl_video_part_carries_its_timestamps(setup, qwen3_vl_tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A Qwen3-VL video: SGLang's receiver holds Eric's rows and hands its processor the video's timestamps (the
+    ones vLLM gets too), which it writes into the prompt."""
+    prefill, _ = setup
+    video = video_data_url(num_frames=8, width=64, height=64, fps=4, seed=11)
+    with EricServer(qwen3_vl_tiny, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
+                    log_path=tmp_path / "eric.log") as eric:
+        result = prefill.job(kind="scheduler", model=str(qwen3_vl_tiny), backend="zmq_to_scheduler",
+                             encoder_urls=[eric.url], videos=[video], prompt=prompt_for(0, 1), tp=1, dtype="float32")
+        assert result.dispatch_error is None
+        native = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": video}]},
+                            headers=eric.headers, timeout=120).json()["items"][0]
+        [(ours, grid)] = eric_tensors(eric, [video], "video")
+    outcome = result.outcomes[0]
+    assert outcome.ok, outcome.error_msg
+    # SGLang splits a timestamped video into one item per temporal step (its `<t seconds>` text between them)
+    steps = [unpack(t) for t, m in zip(outcome.embeddings, outcome.modalities) if m == "VIDEO"]
+    assert len(steps) == grid[0] == 2
+    torch.testing.assert_close(torch.cat(steps), ours, rtol=RTOL, atol=ATOL)
+    assert outcome.grid["video_grid_thw"] == [grid]
+    assert outcome.extra["video_timestamps"] == native["timestamps"] == [0.25, 1.5]
