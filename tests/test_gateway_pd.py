@@ -61,17 +61,17 @@ def test_pd_streaming_equals_monolithic(pd_stack, monolithic) -> None:
 def test_dead_prefill_or_decode_gives_a_clear_error_not_a_hang(pd_stack, tmp_path: Path) -> None:
     import httpx
 
-    from eric_epd.stack.process import free_port
+    from eric_epd.testing.ports import refusing_url
 
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     live = {"prefill": pd_stack["prefill"].url, "decode": pd_stack["decode"].url}
     key = pd_stack["decode"].api_key
     model = httpx.get(live["decode"] + "/v1/models", headers=pd_stack["decode"].headers).json()["data"][0]["id"]
     for role, status in (("prefill", 502), ("decode", 503)):
-        urls = {**live, role: dead}
-        with GatewayServer(tmp_path / f"gw-{role}.log", "--prefill-urls", urls["prefill"],
-                           "--decode-urls", urls["decode"], upstream_api_key=key) as gw:
-            r = httpx.post(gw.url + "/v1/chat/completions", json={"model": model, "messages": TEXT, "max_tokens": 4},
-                           timeout=60)
-            assert r.status_code == status, r.text
-            assert r.json()["error"]["message"].startswith(f"{role} at {dead}")
+        with refusing_url() as dead:
+            urls = {**live, role: dead}
+            with GatewayServer(tmp_path / f"gw-{role}.log", "--prefill-urls", urls["prefill"],
+                               "--decode-urls", urls["decode"], upstream_api_key=key) as gw:
+                r = httpx.post(gw.url + "/v1/chat/completions",
+                               json={"model": model, "messages": TEXT, "max_tokens": 4}, timeout=60)
+                assert r.status_code == status, r.text
+                assert r.json()["error"]["message"].startswith(f"{role} at {dead}")
