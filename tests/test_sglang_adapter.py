@@ -23,6 +23,7 @@ from eric_epd.plugins.sglang.wire import NixlSession, encode_nixl_session
 from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, random_image, video_data_url
+from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_prefill import (
     Bootstrap,
     BootstrapUrls,
@@ -318,16 +319,16 @@ def test_eric_down_or_frozen_fails_like_sglangs_own_encoder(setup, qwen2_vl_tiny
     a client timeout 504 "Encoder ... timeout", an encoder's error body gives its status and message. Eric down,
     Eric frozen and Eric refusing bad media land in exactly those places."""
     prefill, erics = setup
-    down = f"http://127.0.0.1:{free_port()}"
-    urls = [image_url(*spec) for spec in IMAGES[:2]]
-    common = {"model": str(qwen2_vl_tiny), "images": urls, "prompt": prompt_for(2)}
+    with refusing_url() as down:
+        urls = [image_url(*spec) for spec in IMAGES[:2]]
+        common = {"model": str(qwen2_vl_tiny), "images": urls, "prompt": prompt_for(2)}
 
-    tok = prefill.job(kind="tokenizer", backend="zmq_to_tokenizer", encoder_urls=[down], **common).outcomes[0]
-    assert (tok.ok, tok.error_code) == (False, 503)
-    assert tok.error_msg.startswith("The encoder did not return multimodal embeddings")
+        tok = prefill.job(kind="tokenizer", backend="zmq_to_tokenizer", encoder_urls=[down], **common).outcomes[0]
+        assert (tok.ok, tok.error_code) == (False, 503)
+        assert tok.error_msg.startswith("The encoder did not return multimodal embeddings")
 
-    sched = prefill.job(kind="scheduler", backend="zmq_to_scheduler", encoder_urls=[down], tp=1, **common)
-    assert sched.outcomes[0].error_code == 502 and "Cannot connect" in sched.outcomes[0].error_msg
+        sched = prefill.job(kind="scheduler", backend="zmq_to_scheduler", encoder_urls=[down], tp=1, **common)
+        assert sched.outcomes[0].error_code == 502 and "Cannot connect" in sched.outcomes[0].error_msg
 
     frozen = erics["B"]
     os.kill(frozen.proc.pid, signal.SIGSTOP)
