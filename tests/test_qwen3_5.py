@@ -42,14 +42,17 @@ def test_tower_equals_hf(family: str, request: pytest.FixtureRequest) -> None:
         torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_vllm_epd_tokens_equal_monolithic(qwen3_5_tiny: Path, tmp_path: Path) -> None:
-    """Qwen3.5 in vLLM behind a TP-2 Eric: one image, four images and a video. (vLLM loads the Qwen3.5-MoE
-    checkpoint too, but in bfloat16 its random router flips an expert choice on the last-bit differences between
-    Eric's tower and vLLM's own, so its greedy tokens part after about ten: only its tower is compared, above.)"""
+@pytest.mark.parametrize("family", ["qwen3_5_tiny", "qwen3_5_moe_tiny"])
+def test_vllm_epd_tokens_equal_monolithic(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Qwen3.5 in vLLM behind a TP-2 Eric, and Qwen3.5-MoE behind a TP-1 Eric: one image, four images and a video.
+    (In bfloat16 the MoE model's random weights amplify last-bit differences between two correct towers until a
+    greedy token flips: a TP-2 tower's split sums do that here, a TP-1 tower does not.)"""
+    qwen3_5_tiny = request.getfixturevalue(family)
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
-    with EricServer(qwen3_5_tiny, tp=2, extra_args=("--dtype", "bfloat16"), log_path=tmp_path / "eric.log") as eric, \
+    tp = 1 if "moe" in family else 2
+    with EricServer(qwen3_5_tiny, tp=tp, extra_args=("--dtype", "bfloat16"), log_path=tmp_path / "eric.log") as eric, \
             eric_key_in_env(eric.api_key):
         ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
                               ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})

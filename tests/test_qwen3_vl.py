@@ -215,9 +215,7 @@ def _rows(eric: EricServer, item: dict) -> torch.Tensor:
 
 
 def test_moe_checkpoint_tower_equals_hf(qwen3_vl_moe_tiny: Path) -> None:
-    """Qwen3-VL-MoE shares the tower: Eric's encoder for it equals transformers' at every DeepStack level. (Its
-    language model is not run here: vLLM 0.32's MoE loader refuses the fused expert weights of the offline
-    checkpoint as transformers 5.19 saves them, a shape mismatch in w13, so the checkpoint serves the tower only.)"""
+    """Qwen3-VL-MoE shares the tower: Eric's encoder for it equals transformers' at every DeepStack level."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(qwen3_vl_moe_tiny, dtype=torch.float32).eval()
@@ -230,6 +228,23 @@ def test_moe_checkpoint_tower_equals_hf(qwen3_vl_moe_tiny: Path) -> None:
             out = model.model.get_image_features(pixels, grid)
         ref = torch.cat([out.pooler_output[0], *(level[0] for level in out.deepstack_features)], dim=-1)
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_moe_vllm_epd_tokens_equal_monolithic(qwen3_vl_moe_tiny: Path, tmp_path: Path) -> None:
+    """Qwen3-VL-MoE in vLLM behind Eric (its experts stored as the released checkpoints store them): one image,
+    four images and a video give vLLM's own encoder's greedy tokens."""
+    from vllm import LLM
+    from vllm.config import ECTransferConfig
+
+    with EricServer(qwen3_vl_moe_tiny, log_path=tmp_path / "eric.log") as eric, eric_key_in_env(eric.api_key):
+        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
+                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
+        llm = LLM(**llm_kwargs(qwen3_vl_moe_tiny), ec_transfer_config=ec)
+        for case in (c for c in CASES if c.name in ("one_image", "four_images", "one_video")):
+            monolithic = list(greedy(llm, raw_prompt(case, model=qwen3_vl_moe_tiny)).outputs[0].token_ids)
+            items = encode_case(eric.url, case, eric.api_key)
+            assert list(greedy(llm, epd_prompt(case, items), items).outputs[0].token_ids) == monolithic, case.name
+        del llm
 
 
 def test_video_processor_equals_hf(qwen3_vl_tiny: Path) -> None:

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 SIZES = ("tiny", "small")
-BUILDER_VERSION = 1  # bump when the output of build_checkpoint changes
+BUILDER_VERSION = 3  # bump when the output of build_checkpoint changes
 
 SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -131,7 +131,7 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
     )
     if spec.family == "qwen3_vl_moe":
         text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 2,
-                       "moe_intermediate_size": spec.text_hidden, "tie_word_embeddings": False,
+                       "moe_intermediate_size": spec.text_hidden * 3 // 8, "tie_word_embeddings": False,
                        "norm_topk_prob": True}
         cfg = Qwen3VLMoeConfig(text_config=text_config, vision_config=vision, **common)
         cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
@@ -143,7 +143,9 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
 
 def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_std: float):
     """Qwen3.5: Qwen3-VL's tower without DeepStack; a hybrid language model (one linear-attention layer, one full);
-    qwen3_5_moe: the same with a mixture of experts (4 experts, 2 per token, one shared expert)."""
+    qwen3_5_moe: the same with a mixture of experts (4 experts and one shared expert). Every token takes all four:
+    served in bfloat16 (vLLM's only CPU path for the linear attention), a random router choosing 2 of 4 flips on
+    last-bit differences between two correct towers, and greedy tokens then part for no fault of either."""
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     head_dim = spec.text_hidden // spec.text_heads
@@ -161,7 +163,7 @@ def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_
         num_position_embeddings=64 if spec.size == "tiny" else 2304, initializer_range=init_std,
     )
     if spec.family == "qwen3_5_moe":
-        text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 2,
+        text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 4,
                        "moe_intermediate_size": spec.text_hidden, "shared_expert_intermediate_size": spec.text_hidden}
         cfg = Qwen3_5MoeConfig(text_config=text_config, vision_config=vision, **common)
         cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
@@ -262,6 +264,8 @@ def build_checkpoint(out_dir: str | os.PathLike, family: str = "qwen2_vl", size:
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
+    if family == "qwen3_vl_moe":
+        _experts_to_hub_layout(out)
     GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                      pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
     tok.save_pretrained(out)
@@ -273,6 +277,20 @@ def build_checkpoint(out_dir: str | os.PathLike, family: str = "qwen2_vl", size:
     n = sum(p.numel() for p in model.parameters())
     logger.info("built %s/%s checkpoint at %s: %.2fM params", family, size, out, n / 1e6)
     return out
+
+
+def _experts_to_hub_layout(out: Path) -> None:
+    """Store Qwen3-VL-MoE's fused experts as the released checkpoints do ([experts, in, out], the transpose of
+    transformers' parameters). transformers transposes them back on load only where the shapes tell which is which
+    (so the builder keeps neither matrix square), and vLLM reads exactly this layout."""
+    from safetensors.torch import load_file, save_file
+
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                tensors[name] = t.transpose(1, 2).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def cache_root() -> Path:
