@@ -1,6 +1,7 @@
-"""Qwen3-VL through the gateway and real `vllm serve` behind Eric, with the openai client: several images go EPD
-(DeepStack levels and all) and answer what vLLM answers on its own; one image takes the plain path; a request
-with a video goes EPD too (Eric samples the frames vLLM would and states their timestamps) and answers the same."""
+"""Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE through the gateway and real `vllm serve` behind Eric, with the
+openai client: several images go EPD (DeepStack levels and all) and answer what vLLM answers on its own; one image
+takes the plain path; a request with a video goes EPD too (Eric samples the frames vLLM would and states their
+timestamps) and answers the same."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.stack import ask, colocated_epd_stack, gateway_paths, image_messages
 
 
-@pytest.fixture(scope="module")
-def stack(qwen3_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    with colocated_epd_stack(qwen3_vl_tiny, tmp_path_factory.mktemp("qwen3-gateway")) as servers:
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Qwen3.5 in bfloat16: vLLM's only CPU path for its linear attention."""
+    model: Path = request.getfixturevalue(f"{request.param}_tiny")
+    dtype = "bfloat16" if request.param.startswith("qwen3_5") else "float32"
+    with colocated_epd_stack(model, tmp_path_factory.mktemp(f"{request.param}-gateway"), dtype) as servers:
         yield servers
 
 
