@@ -1,0 +1,66 @@
+"""Every Qwen3-generation family not covered by its own TP-2 test (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) through a
+served TP-2 Eric in float32: images of odd sizes and a video equal transformers', every DeepStack level included."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load as load_safetensors
+
+from eric_epd.models.registry import load_processor
+from eric_epd.server.media import MediaLimits, decode_video
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.media import data_url, image_bytes, random_image, video_bytes
+from eric_epd.transfer.handles import LEASE_HEADER
+
+SIZES = [(120, 90), (33, 200), (57, 57)]
+
+
+def _rows(out) -> torch.Tensor:
+    """transformers' rows: the merged tokens, then each DeepStack level (if the family has them) on the last dim."""
+    levels = getattr(out, "deepstack_features", None) or []
+    return torch.cat([out.pooler_output[0], *(level[0] for level in levels)], dim=-1)
+
+
+def _fetched(eric: EricServer, item: dict) -> torch.Tensor:
+    resp = httpx.get(item["handle"]["http"], headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
+    assert resp.status_code == 200, resp.text
+    return load_safetensors(resp.content)["embedding"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_tp2_eric_equals_hf_images_and_video(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model_dir: Path = request.getfixturevalue(f"{family}_tiny")
+    images = [image_bytes(random_image(w, h, seed=90 + i)) for i, (w, h) in enumerate(SIZES)]
+    video = video_bytes(num_frames=11, width=88, height=56, fps=4, seed=9)
+    items = [{"modality": "image", "url": data_url(b)} for b in images]
+    items.append({"modality": "video", "url": data_url(video, "video/mp4")})
+    with EricServer(model_dir, tp=2, log_path=tmp_path / "eric.log") as eric:
+        resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
+        assert resp.status_code == 200, resp.text
+        answered = resp.json()["items"]
+        rows = [_fetched(eric, item) for item in answered]
+
+    hf = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for data, item, mine in zip(images, answered, rows):
+        inputs = hf.image_processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
+        with torch.no_grad():
+            ref = _rows(model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]))
+        assert item["grid_thw"] == inputs["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+    frames, _, _ = decode_video(video, MediaLimits(), load_processor(model_dir).frame_indices)
+    inputs = hf.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+    with torch.no_grad():
+        ref = _rows(model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]))
+    assert answered[-1]["grid_thw"] == inputs["video_grid_thw"][0].tolist()
+    assert len(answered[-1]["timestamps"]) == answered[-1]["grid_thw"][0]
+    torch.testing.assert_close(rows[-1], ref, rtol=1e-4, atol=1e-5)
