@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,12 +18,15 @@ from starlette.requests import ClientDisconnect
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware, BodyTooLargeError, read_limited_body
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, clip, parse_json
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
+from eric_epd.plugins.sglang.protocol import error_response as sglang_error_response
 from eric_epd.plugins.sglang.routes import sglang_routes
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
+from eric_epd.server.openapi import eric_openapi
 from eric_epd.server.processor import Processor, model_fingerprint
 from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest, OutputSpec, RequestClock
 from eric_epd.transfer.producer import TransferHub
@@ -51,9 +53,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[ItemRequest]:
     """Validate {"items": [{id?, modality, url}, ...]}; every problem is a 400 that names it."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from e
+        data = parse_json(body)
+    except JsonBodyError as e:
+        raise ApiError(400, str(e)) from e
     if not isinstance(data, dict) or not isinstance(data.get("items"), list):
         raise ApiError(400, 'body must be an object with a list field "items"')
     raw_items = data["items"]
@@ -68,14 +70,19 @@ def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> ItemReques
     if not isinstance(raw, dict):
         raise ApiError(400, f"item {index} must be an object")
     modality, url = raw.get("modality"), raw.get("url")
-    if modality not in modalities:
-        raise ApiError(400, f"item {index}: unsupported modality {modality!r}; expected one of {list(modalities)}")
+    if not isinstance(modality, str) or modality not in modalities:
+        raise ApiError(400, f"item {index}: unsupported modality {clip(modality)}; expected one of {list(modalities)}")
     if not isinstance(url, str) or not url:
         raise ApiError(400, f"item {index}: field 'url' must be a non-empty string")
+    if len(url) > MAX_URL and not url.startswith("data:"):
+        raise ApiError(400, f"item {index}: the url is {len(url)} characters long, over the limit of {MAX_URL}")
     item_id = raw.get("id", str(index))
-    if not isinstance(item_id, str | int):
+    if not isinstance(item_id, str | int) or isinstance(item_id, bool):
         raise ApiError(400, f"item {index}: field 'id' must be a string")
-    return ItemRequest(str(item_id), modality, url)
+    item_id = str(item_id)
+    if len(item_id) > MAX_ID:
+        raise ApiError(400, f"item {index}: the id is {len(item_id)} characters long, over the limit of {MAX_ID}")
+    return ItemRequest(item_id, modality, url)
 
 
 def item_json(answer: ItemAnswer) -> dict[str, Any]:
@@ -124,6 +131,8 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
             processor.close()
 
     app = FastAPI(title="Eric encode server", version=__version__, lifespan=lifespan)
+    schema = eric_openapi(__version__, list(mp.modalities), config.max_items_per_request)
+    app.openapi = lambda: schema  # type: ignore[method-assign]  # written out: the routes read raw bodies
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -164,6 +173,16 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     app.include_router(transfer_routes(hub))
     sglang = sglang_routes(config, hub, state)  # SGLang encoder protocol (/encode, /send, ...)
     app.include_router(sglang)
+    sglang_paths = frozenset(r.path for r in sglang.routes)
+
+    @app.exception_handler(Exception)
+    async def _last_resort(request: Request, e: Exception) -> JSONResponse:
+        """A failure no route expected: logged with its traceback, answered in the route's documented error shape."""
+        logger.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path, exc_info=e)
+        message = f"internal error ({type(e).__name__}); the server goes on serving"
+        if request.url.path in sglang_paths:
+            return sglang_error_response(500, message, None)
+        return error_response(500, message)
     if config.api_key:
         # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
         open_paths = frozenset({"/health", "/metrics", *(r.path for r in sglang.routes)})

@@ -5,13 +5,12 @@ token is answered exactly like an unknown hash (404) and changes nothing."""
 
 from __future__ import annotations
 
-import json
-
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.common.jsonbody import JsonBodyError, parse_json
 from eric_epd.transfer.handles import LEASE_HEADER
 from eric_epd.transfer.pool import LeaseError, PoolEntry
 from eric_epd.transfer.producer import TransferHub
@@ -39,9 +38,9 @@ async def _small_json(request: Request) -> dict:
     if not body.strip():
         return {}
     try:
-        fields = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TransferApiError(400, f"malformed JSON body: {e}") from e
+        fields = parse_json(body)
+    except JsonBodyError as e:
+        raise TransferApiError(400, str(e)) from e
     if not isinstance(fields, dict):
         raise TransferApiError(400, "the body must be a JSON object")
     return fields

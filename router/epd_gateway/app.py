@@ -26,9 +26,12 @@ from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.openapi import gateway_openapi
 from epd_gateway.upstream import Upstreams, new_session
+from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import BodyTooLargeError, bearer, read_limited_body
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, parse_json
 from eric_epd.server.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
@@ -41,11 +44,14 @@ async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]
     except BodyTooLargeError as e:
         raise GatewayError(413, str(e)) from e
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise GatewayError(400, f"malformed JSON body: {e}") from e
+        body = parse_json(raw)
+    except JsonBodyError as e:
+        raise GatewayError(400, str(e)) from e
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or len(model) > MAX_ID):
+        raise GatewayError(400, f"'model' must be a string of at most {MAX_ID} characters", param="model")
     return raw, body
 
 
@@ -181,6 +187,11 @@ def create_app(config: GatewayConfig) -> Starlette:
         return await on_gateway_error(request, GatewayError(e.status_code, f"{request.method} {request.url.path}: "
                                                                           f"{e.detail}"))
 
+    async def last_resort(request: Request, e: Exception) -> Response:
+        """A failure no route expected: logged with its traceback, answered in the documented error shape."""
+        logger.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path, exc_info=e)
+        return GatewayError(500, f"internal error ({type(e).__name__}); the gateway goes on serving").response()
+
     upstream_headers = bearer(config.upstream_api_key)  # the client's own key and ids are never forwarded
 
     def forwarded(_: Request) -> dict[str, str]:
@@ -227,6 +238,11 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def health(_: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "encoders": state["gw"].encoders.status()})
 
+    schema = gateway_openapi(__version__)
+
+    async def openapi(_: Request) -> JSONResponse:
+        return JSONResponse(schema)
+
     async def prometheus(_: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -247,7 +263,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             raise GatewayError(401, "Unauthorized")
         _, body = await read_json(request, 4096)
         url = body.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
             raise GatewayError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
         return url.rstrip("/")
 
@@ -257,9 +273,11 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/admin/encoders", register, methods=["POST"]),
         Route("/admin/encoders", deregister, methods=["DELETE"]),
     ]
     # plain Starlette: no route needs FastAPI's validation, and it costs time on every proxied request
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_error})
+                     exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_error,
+                                         Exception: last_resort})

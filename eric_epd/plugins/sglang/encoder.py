@@ -324,16 +324,21 @@ class SglangEncoder:
         part.changed.set()
 
     async def wait_encoded(self, req_id: str, create: bool) -> Part:
+        """The part once encoded; a req_id never posted (or released) is the caller's error (404), an encode that
+        is under way but not done in time is ours (504), a failed encode answers with its own status."""
         part = self.part(req_id, create=create)
         if part is None:
-            raise SglangError(500, f"no staged embedding for req_id={req_id} (already released)")
+            raise SglangError(404, f"no staged embedding for req_id={req_id} (never posted or already released)")
         part.set_mode("pull")
         try:
             await asyncio.wait_for(part.done.wait(), self.settings.req_timeout_s)
         except asyncio.TimeoutError:
+            if part.request is None:
+                raise SglangError(404, f"no /encode for req_id={req_id} arrived within "
+                                       f"{self.settings.req_timeout_s:g}s") from None
             raise SglangError(504, "encode metadata not ready") from None
         if part.error is not None:
-            raise SglangError(500, part.error[0])
+            raise SglangError(part.error[1], part.error[0])
         return part
 
     async def meta(self, req: MetaRequest, caller: str | None) -> dict[str, Any]:
@@ -347,7 +352,7 @@ class SglangEncoder:
         part = await self.wait_encoded(req.req_id, create=False)
         self.peers.check_caller(caller, part.owner, req.req_id)
         if part.released:
-            raise SglangError(500, f"no staged embedding for req_id={req.req_id} (already released)")
+            raise SglangError(404, f"no staged embedding for req_id={req.req_id} (already released)")
         if req.embedding_size is not None and req.embedding_size != part.wire_bytes:
             raise SglangError(400, f"embedding_size {req.embedding_size} != {part.wire_bytes} of req_id={req.req_id}")
         part.active += 1

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse
 
+from eric_epd.common.jsonbody import JsonBodyError, decode_struct
 from eric_epd.plugins.sglang.wire import EncodeRequest
 from eric_epd.server.service import ItemAnswer
 
@@ -57,9 +58,9 @@ def error_response(status: int, message: str, req_id: str | None) -> JSONRespons
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.DecodeError as e:
-        raise SglangError(400, f"invalid {kind.__name__} body: {e}") from e
+        return decode_struct(body, kind)
+    except JsonBodyError as e:
+        raise SglangError(400, str(e)) from e
 
 
 def tcp_endpoint(endpoint: str) -> str:

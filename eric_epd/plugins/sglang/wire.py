@@ -6,9 +6,11 @@ from __future__ import annotations
 import base64
 import logging
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL
 
 logger = logging.getLogger(__name__)
 
@@ -25,23 +27,32 @@ _MODALITY = ("sglang.srt.multimodal.modality", "Modality")
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# HTTP bodies SGLang's receivers send (extra fields are ignored, as SGLang's own encoder does).
+# HTTP bodies SGLang's receivers send (extra fields are ignored, as SGLang's own encoder does); every field bounded.
 # --------------------------------------------------------------------------------------------------------------------
+
+ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+Modality = Annotated[str, msgspec.Meta(max_length=16)]
+Host = Annotated[str, msgspec.Meta(max_length=255)]
+Url = Annotated[str, msgspec.Meta(max_length=MAX_URL)]
+Count = Annotated[int, msgspec.Meta(ge=-(2 ** 31), le=2 ** 31)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Address = Annotated[int, msgspec.Meta(ge=0, le=2 ** 63 - 1)]
+SessionId = Annotated[str, msgspec.Meta(max_length=1 << 16)]
 
 
 class EncodeRequest(msgspec.Struct, kw_only=True):
     """POST /encode: one part (the items one encoder got) of a request split across `num_parts` encoders."""
 
-    req_id: str
+    req_id: ReqId
     mm_items: list[str | dict[str, Any]]
-    num_parts: int
-    part_idx: int
-    modality: str = "IMAGE"
-    prefill_host: str | None = None
-    embedding_port: int | list[int] | None = None
+    num_parts: Count
+    part_idx: Count
+    modality: Modality = "IMAGE"
+    prefill_host: Host | None = None
+    embedding_port: Port | list[Port] | None = None
     """zmq_to_tokenizer: the tokenizer's PULL port. None for zmq_to_scheduler and mooncake (ranks come later)."""
-    encoder_idx: int | None = None
-    encoder_url: str | None = None
+    encoder_idx: Count | None = None
+    encoder_url: Url | None = None
     time_stats_json: Any = None
     hashes: Any = None
 
@@ -49,31 +60,31 @@ class EncodeRequest(msgspec.Struct, kw_only=True):
 class ReceiveUrlRequest(msgspec.Struct, kw_only=True):
     """POST /scheduler_receive_url (zmq_to_scheduler): one TP rank's PULL endpoint for part `req_id`."""
 
-    req_id: str
-    receive_count: int
-    receive_url: str
-    modality: str | None = None
+    req_id: ReqId
+    receive_count: Count
+    receive_url: Url
+    modality: Modality | None = None
 
 
 class MetaRequest(msgspec.Struct, kw_only=True):
     """POST /scheduler_receive_meta_data (mooncake): a rank asks the part's size before allocating its buffer."""
 
-    req_id: str
-    part_idx: int
+    req_id: ReqId
+    part_idx: Count
 
 
 class SendRequest(msgspec.Struct, kw_only=True):
     """POST /send (mooncake, and the NIXL plugin): write the part to `buffer_address` of `session_id`, then tell
     the rank over ZMQ at prefill_host:embedding_port."""
 
-    req_id: str
-    part_idx: int
-    prefill_host: str
-    embedding_port: int
-    session_id: str
-    buffer_address: int
-    receive_count: int | None = None
-    embedding_size: int | None = None
+    req_id: ReqId
+    part_idx: Count
+    prefill_host: Host
+    embedding_port: Port
+    session_id: SessionId
+    buffer_address: Address
+    receive_count: Count | None = None
+    embedding_size: Address | None = None
 
 
 class RegisterBody(msgspec.Struct):

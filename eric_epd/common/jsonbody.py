@@ -1,0 +1,61 @@
+"""Client JSON bodies parsed within bounds (nesting depth, string lengths), each violation a JsonBodyError naming it;
+and `clip` for echoing a client's value in an error without echoing all of it."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import orjson
+
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in a request body (OpenAI chat bodies need about 6)."""
+MAX_ID = 256
+"""Longest identifier (item id, request id, model name) accepted."""
+MAX_URL = 8192
+"""Longest fetchable URL (http, https, file) accepted; data: URLs are bounded by the body limit instead."""
+
+T = TypeVar("T")
+
+
+class JsonBodyError(ValueError):
+    """The body is not acceptable JSON (malformed, nested too deeply, of the wrong shape): answer 400."""
+
+
+def parse_json(body: bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """The parsed body, refused if malformed or nested deeper than `max_depth` (orjson never recurses in Python)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise JsonBodyError(f"malformed JSON body: {e}") from e
+    check_depth(data, max_depth)
+    return data
+
+
+def check_depth(data: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse a parsed value nested deeper than `max_depth`, walked without recursion."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > max_depth:
+            raise JsonBodyError(f"JSON body nested deeper than {max_depth} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def decode_struct(body: bytes, kind: type[T]) -> T:
+    """`body` decoded into the msgspec type `kind` (whose Meta bounds the fields); its errors as JsonBodyError."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except RecursionError as e:
+        raise JsonBodyError("JSON body nested too deeply") from e
+    except msgspec.DecodeError as e:  # ValidationError included: it names the field
+        raise JsonBodyError(f"invalid {getattr(kind, '__name__', 'request')} body: {clip(str(e), 300)}") from e
+
+
+def clip(value: Any, limit: int = 80) -> str:
+    """repr of a client's value, cut to `limit` characters with the full length stated."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

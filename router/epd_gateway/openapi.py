@@ -1,0 +1,65 @@
+"""The gateway's OpenAPI description, written out (plain Starlette infers none): the OpenAI-compatible routes it
+serves with the request shapes it accepts (boundary.py enforces them) and every documented answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL
+
+JSON = "application/json"
+ERROR = {"anyOf": [
+    {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                       "code": {"type": "integer"}}}}},
+    {"type": "object", "required": ["error"], "properties": {"error": {"const": "Unauthorized"}}},
+]}
+"""vLLM's OpenAI error shape; a missing or wrong API key answers exactly what vLLM answers."""
+
+_TEXT = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+         "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_IMAGE_URL = {"type": "object", "required": ["url"], "additionalProperties": False,
+              "properties": {"url": {"type": "string"}, "detail": {"type": "string"}}}
+_IMAGE = {"type": "object", "required": ["type", "image_url"], "additionalProperties": False,
+          "properties": {"type": {"const": "image_url"}, "image_url": _IMAGE_URL}}
+_VIDEO = {"type": "object", "required": ["type", "video_url"], "additionalProperties": False, "properties": {
+    "type": {"const": "video_url"}, "video_url": {"type": "object", "required": ["url"], "additionalProperties": False,
+                                                  "properties": {"url": {"type": "string"}}}}}
+MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT, _IMAGE, _VIDEO]}}]}}}
+_SAMPLING = {"max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
+             "stream": {"type": "boolean"}, "seed": {"type": "integer"}}
+CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": {"type": "string", "maxLength": MAX_ID}, "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
+    **_SAMPLING}}
+COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
+    "model": {"type": "string", "maxLength": MAX_ID}, "prompt": {"type": "string"}, **_SAMPLING}}
+ENCODER = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string", "maxLength": MAX_URL}}}
+
+
+def _answers(ok: dict[str, Any], ok_types: tuple[str, ...] = (JSON,)) -> dict[str, Any]:
+    return {"200": {"description": "done", "content": {t: {"schema": ok} for t in ok_types}},
+            "default": {"description": "an error, named", "content": {JSON: {"schema": ERROR}}}}
+
+
+def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *types: str) -> dict[str, Any]:
+    return {"summary": summary, "requestBody": {"required": True, "content": {JSON: {"schema": body}}},
+            "responses": _answers(ok, types or (JSON,))}
+
+
+def gateway_openapi(version: str) -> dict[str, Any]:
+    listed = {"type": "object", "required": ["encoders"]}
+    return {"openapi": "3.1.0", "info": {"title": "eric-epd gateway", "version": version}, "paths": {
+        "/v1/chat/completions": {"post": _post("OpenAI chat completion; several media items go EPD", CHAT,
+                                               {"type": "object"}, JSON, "text/event-stream")},
+        "/v1/completions": {"post": _post("OpenAI completion (the plain prefill/decode path)", COMPLETION,
+                                          {"type": "object"}, JSON, "text/event-stream")},
+        "/v1/models": {"get": {"summary": "The engines' models", "responses": _answers({"type": "object"})}},
+        "/health": {"get": {"summary": "The gateway and its encoders", "responses": _answers({"type": "object"})}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": _answers({}, ("text/plain",))}},
+        "/admin/encoders": {
+            "post": _post("Register an encoder (admin key)", ENCODER, listed),
+            "delete": _post("Deregister an encoder (admin key)", ENCODER, listed)},
+    }}
