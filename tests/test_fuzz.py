@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -106,6 +107,54 @@ def test_gateway_surface(gateway, mode: GenerationMode) -> None:
     assert len(seen) >= 7 and sum(chat.values()) > 0, seen
     if mode is GenerationMode.POSITIVE:
         assert chat[200] > 0, chat  # schema-valid chats reached the engine and were answered
+
+
+def _deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def test_hostile_bodies_get_a_named_4xx(eric, gateway) -> None:
+    """The hostile requests seen answering 500 or echoed back: each gets a 4xx naming the problem, in the route's
+    error shape, without echoing the client's megabyte."""
+    from eric_epd.testing.media import image_data_url as png
+
+    big = "x" * (1 << 20)
+    json_headers = {"content-type": "application/json"}
+    cases = [
+        (eric.url + "/v1/encode", b'{"items": ' + _deep(100_000) + b"}", "nested deeper than 32"),
+        (eric.url + "/v1/encode", b'{"items": ' + _deep(20) + b"}", "item 0 must be an object"),
+        (eric.url + "/v1/encode", b"\xff\xfe{", "malformed JSON"),
+        (eric.url + "/v1/encode", orjson.dumps({"items": [{"id": big, "modality": "image", "url": png(8, 8)}]}),
+         "over the limit of 256"),
+        (eric.url + "/v1/encode", orjson.dumps({"items": [{"modality": big, "url": png(8, 8)}]}),
+         "unsupported modality"),
+        (eric.url + "/v1/encode", orjson.dumps({"items": [{"modality": "image", "url": "http://a/" + "b" * 9000}]}),
+         "over the limit of 8192"),
+        (eric.url + "/v1/encode", orjson.dumps({"items": [{"modality": "image", "url": png(1000, 4)}]}),
+         "aspect ratio"),
+        (eric.url + "/v1/embeddings/abc/ack", _deep(1000), "nested deeper than 32"),
+        (eric.url + "/encode", b'{"req_id": "r", "num_parts": 1, "part_idx": 0, "mm_items": [{"a": '
+         + _deep(100_000) + b"}]}", "nested too deeply"),
+        (eric.url + "/encode", orjson.dumps({"req_id": big, "num_parts": 1, "part_idx": 0, "mm_items": ["x"]}),
+         "req_id"),
+        (eric.url + "/send", b'{"req_id": "r", "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": 1, '
+         b'"session_id": "s", "buffer_address": ' + str(2 ** 70).encode() + b"}", "buffer_address"),
+        (gateway.url + "/v1/chat/completions", b'{"model": "m", "messages": ' + _deep(100_000) + b"}",
+         "nested deeper than 32"),
+        (gateway.url + "/v1/chat/completions", orjson.dumps({"model": big, "messages": []}), "'model' must be"),
+    ]
+    headers = {"eric": eric.headers | json_headers,
+               "gateway": {"Authorization": f"Bearer {GATEWAY_KEY}"} | json_headers}
+    for url, body, named in cases:
+        resp = httpx.post(url, content=body, headers=headers["gateway" if url.startswith(gateway.url) else "eric"],
+                          timeout=60)
+        assert 400 <= resp.status_code < 500 and named in resp.text, (url, body[:80], resp.status_code, resp.text)
+        assert len(resp.content) < 2048, (url, len(resp.content))
+        sglang_route = url.endswith(("/encode", "/send")) and "/v1/" not in url
+        assert resp.json().get("status") == "error" if sglang_route else "message" in resp.json()["error"], resp.text
+    for url, headers_ in ((eric.url, eric.headers), (gateway.url, {})):
+        assert httpx.get(url + "/health", headers=headers_, timeout=30).status_code == 200
+
 
 
 def test_servers_healthy_and_right_after_fuzzing(eric, gateway, vllm_behind_erics) -> None:

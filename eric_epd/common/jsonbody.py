@@ -27,6 +27,8 @@ def parse_json(body: bytes, max_depth: int = MAX_DEPTH) -> Any:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):  # orjson stops at 1024 levels
+            raise JsonBodyError(f"JSON body nested deeper than {max_depth} levels") from e
         raise JsonBodyError(f"malformed JSON body: {e}") from e
     check_depth(data, max_depth)
     return data
