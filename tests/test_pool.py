@@ -209,3 +209,35 @@ def test_pool_old_generation_token_cannot_touch_new_entry(freed_by: str) -> None
         assert pool.ack("h", new) and pool.get("h") is None
     finally:
         pool.close()
+
+
+def test_release_of_an_old_generation_leaves_the_newer_one() -> None:
+    """A caller still holding an entry that expired and was encoded again (a new generation of the same hash) frees
+    nothing when it releases its own: the newer entry stays whole for its readers."""
+    from pathlib import Path
+
+    from eric_epd.config import EricConfig, TransferConfig
+    from eric_epd.transfer.producer import TransferHub
+
+    hub = TransferHub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, ttl_s=0.05,
+                                                                          backends=())))
+    pool = hub.pool
+    try:
+        old = pool.reserve("h", 1000, (1000,), "uint8")
+        assert old is not None
+        pool.commit("h")
+        time.sleep(0.1)
+        assert pool.expire() == ["h"]
+        new = pool.reserve("h", 1000, (1000,), "uint8")
+        assert new is not None and new.generation != old.generation
+        pool.commit("h")
+        _, token = pool.lease("h")
+        pool.view(new)[:] = 7
+        hub.release(old)  # e.g. a failed request's late clean-up
+        pool.release("h", old.generation)
+        assert pool.get("h") is new and pool.holder("h", token) is new
+        assert (pool.view(new) == 7).all() and pool.used_bytes >= 1000
+        hub.release(new)
+        assert pool.get("h") is None and pool.used_bytes == 0
+    finally:
+        hub.close()

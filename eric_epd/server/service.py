@@ -190,7 +190,7 @@ class EncodeService:
                                                       (p.item.num_tokens, self._output.dim), self._output.dtype))
         except BaseException as e:
             for entry in entries:
-                self.hub.release(entry.hash)
+                self.hub.release(entry)
             self._finish(mine, e)
             if isinstance(e, PoolFullError):
                 raise ApiError(503, str(e), retry_after=1.0) from e
@@ -206,7 +206,7 @@ class EncodeService:
             request = self._client.submit(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
         except EngineUnavailableError as e:
             for entry in entries:
-                self.hub.release(entry.hash)  # never sent
+                self.hub.release(entry)  # never sent
             self._finish(mine, e)
             raise ApiError(e.status, e.message, e.retry_after) from e
         flight = _Flight(request, {key: i for i, key in enumerate(mine)})
@@ -252,7 +252,7 @@ class EncodeService:
                 error = ApiError(500, f"encoder produced {result.shape} {result.dtype}, "
                                       f"expected {entry.shape} {entry.dtype}")
             error = error or ApiError(500, f"the engine's answer lacks item {entry.hash}")
-            self.hub.release(entry.hash)  # the engine has answered: nothing writes there any more
+            self.hub.release(entry)  # the engine has answered: nothing writes there any more
         self._finish(mine, error)
         for entry in entries:
             if self._wanted[entry.hash] <= 0:

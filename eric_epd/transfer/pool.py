@@ -208,8 +208,14 @@ class EmbeddingPool:
         while self._acked_bytes > self._keep_acked_bytes:
             self.release(next(iter(self._acked)))
 
-    def release(self, key: str) -> None:
-        """Free an entry now (failed encode, last ack, expiry)."""
+    def release(self, key: str, generation: int | None = None) -> None:
+        """Free an entry now (failed encode, last ack, expiry). With `generation`, only that reservation: a caller
+        holding an entry that was freed and re-encoded meanwhile must not free the newer one under its readers."""
+        entry = self._entries.get(key)
+        if entry is not None and generation is not None and entry.generation != generation:
+            logger.debug("release of %s generation %d skipped: generation %d holds it now", key, generation,
+                         entry.generation)
+            return
         entry = self._entries.pop(key, None)
         if entry is not None:
             if self._acked.pop(key, None) is not None:

@@ -73,8 +73,9 @@ class TransferHub:
                 await asyncio.wait_for(self._space_freed.wait(), remaining)
         return entry
 
-    def release(self, key: str) -> None:
-        self.pool.release(key)
+    def release(self, entry: PoolEntry) -> None:
+        """Free exactly this reservation of the entry (never a newer one of the same hash)."""
+        self.pool.release(entry.hash, entry.generation)
         self._space_freed.set()
 
     def ack(self, key: str, token: str | None, instance_id: str | None = None) -> tuple[int, str]:

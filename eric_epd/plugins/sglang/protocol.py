@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from eric_epd.common.jsonbody import JsonBodyError, decode_struct
 from eric_epd.plugins.sglang.wire import EncodeRequest
 from eric_epd.server.service import ItemAnswer
+from eric_epd.transfer.pool import PoolEntry
 
 # SGLang's encoder health probe image (http_server.MINIMUM_PNG_PICTURE_BASE64): a 32x32 black PNG.
 HEALTH_PNG = (
@@ -137,8 +138,9 @@ class Part:
     released: bool = False
     delivering: bool = False
     acked: bool = False
-    staged: str | None = None
-    """Pool key of the part's rows converted to the wire dtype (one contiguous entry), when Eric's dtype differs."""
+    staged: PoolEntry | None = None
+    """The pool entry of the part's rows converted to the wire dtype (one contiguous entry), when Eric's dtype
+    differs."""
     wire_bytes: int = 0
 
     def set_mode(self, mode: str) -> None:

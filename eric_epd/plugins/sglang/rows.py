@@ -29,7 +29,7 @@ class PartRows:
 
         key = f"sglang-stage:{part.req_id}"
         entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim), self.dtype)
-        part.staged = key
+        part.staged = entry
         src_dtype, offset = getattr(torch, self.eric_dtype), 0
         dst = torch.from_numpy(self.hub.pool.view(entry)).view(getattr(torch, self.dtype))
         for row in self.entries(part, staged=False):
@@ -40,8 +40,8 @@ class PartRows:
 
     def entries(self, part: Part, staged: bool = True) -> list[Any]:
         if staged and part.staged is not None:
-            entry = self.hub.pool.get(part.staged)
-            if entry is None:
+            entry = self.hub.pool.get(part.staged.hash)
+            if entry is not part.staged:
                 raise SglangError(500, f"staged part {part.req_id} left the pool")
             return [entry]
         entries = []
