@@ -107,6 +107,23 @@ def test_bad_requests_shaped_like_vllm(stack) -> None:
     assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
 
 
+def test_a_refused_epd_request_gives_its_embeddings_back_at_once(stack) -> None:
+    """vLLM refuses an EPD request after the encode (max_tokens beyond its context): the engine never fetches the
+    embeddings, and the gateway gives their leases back, so each Eric's pool is as before well within its TTL."""
+    def held() -> list[int]:
+        return [httpx.get(e.url + "/v1/transfer", headers=e.headers).json()["entries"] for e in stack["erics"]]
+
+    vllm = stack["vllm"]
+    model = httpx.get(vllm.url + "/v1/models", headers=vllm.headers).json()["data"][0]["id"]
+    before = held()
+    images = [image_data_url(88, 64, seed=900 + i) for i in range(3)]
+    r = httpx.post(stack["gateway"].url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": model, "messages": image_messages(images),
+                         "max_tokens": 1_000_000}, timeout=120)
+    assert r.status_code == 400 and r.headers["x-epd-path"] == "epd", r.text
+    assert held() == before
+
+
 def test_encoder_registration_needs_admin_key(stack) -> None:
     url = stack["gateway"].url + "/admin/encoders"
     extra = "http://127.0.0.1:9"  # nothing listens there: health checks eject it

@@ -107,7 +107,14 @@ class Gateway:
         start = time.perf_counter()
         rewritten = with_embeddings(body, refs, items)
         self.metrics.stages.observe("rewrite", time.perf_counter() - start)
-        response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
+        try:
+            response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
+        except BaseException:
+            await asyncio.shield(self.encoders.release(items))  # the engine may never have fetched them
+            raise
+        if response.status_code >= 400:
+            # a failed request's embeddings (an engine that refused it never fetches them): back now, not at the TTL
+            await self.encoders.release(items)
         if _embeddings_lost(response):
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
             logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
