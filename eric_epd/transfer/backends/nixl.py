@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,17 +29,37 @@ _POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
 """Backoff between check_xfer_state calls (only network transports get there: CMA completes in the post)."""
 
 
-def _skip_ucx_ib_without_rdma_devices() -> None:
-    """Keep UCX from loading its InfiniBand modules on a host with no RDMA device (unless UCX_MODULES is set).
+def _ucx_settings(net_devices: str = "") -> dict[str, str]:
+    """UCX variables for one NIXL agent, set only while it is created (UCX reads them then), so no other UCX user
+    of the process (vLLM's own NIXL KV connector, say) and no child process sees them.
 
-    nixl's wheel bundles its own rdma-core and libnl; its libibverbs still dlopens the system's verbs providers,
-    which pull in the system's libnl-route too, and the two copies crash in their exit-time destructors
-    (SIGSEGV in rtnl_tc_unregister, measured here whenever apt's ibverbs-providers is installed). Without an
-    RDMA device the ib modules have nothing to offer, so they are left out; with one, nothing changes.
+    UCX_MODULES=^ib on a host with no RDMA device (unless the user set UCX_MODULES): nixl's wheel bundles its own
+    rdma-core and libnl; its libibverbs still dlopens the system's verbs providers, which pull in the system's
+    libnl-route too, and the two copies crash in their exit-time destructors (SIGSEGV in rtnl_tc_unregister,
+    measured here whenever apt's ibverbs-providers is installed). Without an RDMA device the ib modules have nothing
+    to offer; with one, nothing changes. UCX_NET_DEVICES: the interfaces a producer listens on (listen_devices).
     """
+    settings = {}
     if "UCX_MODULES" not in os.environ and not _rdma_devices():
-        os.environ["UCX_MODULES"] = "^ib"
-        logger.info("no RDMA device: UCX loads no InfiniBand modules (UCX_MODULES=^ib)")
+        settings["UCX_MODULES"] = "^ib"
+    if net_devices:
+        settings["UCX_NET_DEVICES"] = net_devices
+    return settings
+
+
+@contextlib.contextmanager
+def _scoped_env(settings: dict[str, str]) -> Iterator[None]:
+    """These environment variables set for the duration of the block, then restored as they were."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _rdma_devices() -> list[str]:
@@ -56,13 +78,21 @@ def listen_devices(host: str) -> str:
     return interface_of(host) or ""
 
 
-def _new_agent(name: str, progress_thread: bool) -> Any:
-    """A nixl_agent with one UCX backend and NIXL's own locking off (callers serialize).
+def _new_agent(name: str, progress_thread: bool, net_devices: str = "") -> Any:
+    """A nixl_agent with one UCX backend and NIXL's own locking off (callers serialize), its UCX settings scoped to
+    its creation (_ucx_settings).
 
     The stock wrapper hard-codes pthrDelay=0, whose progress thread busy-polls a whole core; with a progress
     thread the core agent is rebuilt here with an event-driven 100 ms poll timeout before the backend exists.
     """
-    _skip_ucx_ib_without_rdma_devices()
+    settings = _ucx_settings(net_devices)
+    if settings:
+        logger.info("NIXL agent %s: UCX created with %s", name, settings)
+    with _scoped_env(settings):
+        return _create_agent(name, progress_thread)
+
+
+def _create_agent(name: str, progress_thread: bool) -> Any:
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixlBind
     except ImportError as e:
@@ -98,13 +128,10 @@ class NixlProducer:
         self.agent_name = agent_name
         self.metadata_url = metadata_url
         self._lock = threading.Lock()  # every call on the agent
+        # the backend's ucx_devices parameter leaves UCX's listener on every interface; UCX_NET_DEVICES does not
         devices = listen_devices(advertise_host) if advertise_host else ""
-        if devices:
-            # the backend's ucx_devices parameter leaves UCX's listener on every interface; the variable does not.
-            # Set in Eric's router process only, whose one UCX user is this agent.
-            os.environ["UCX_NET_DEVICES"] = devices
-            logger.info("NIXL (UCX) listens on %s only (the interface of %s)", devices, advertise_host)
-        self._agent: Any = _new_agent(agent_name, progress_thread=True)  # serves TCP peers; CMA needs nothing
+        # a progress thread serves TCP peers; CMA needs nothing
+        self._agent: Any = _new_agent(agent_name, progress_thread=True, net_devices=devices)
         self._reg: Any = None
         self._base = 0
         self._nbytes = 0
