@@ -93,6 +93,20 @@ def kill(server: ServerProcess) -> None:
     server.stop()
 
 
+def restart(server: ServerProcess, attempts: int = 3) -> int:
+    """Start a killed server again in place (same port and key); the attempts it took. On 2 shared cores a start can
+    outlast the launcher's own timeout, so it is tried again rather than given up."""
+    server._timeout = max(server._timeout, 300.0)
+    for attempt in range(1, attempts + 1):
+        try:
+            server.start()
+            return attempt
+        except (TimeoutError, RuntimeError) as e:
+            logger.warning("restart attempt %d failed: %s", attempt, e)
+            server.stop()
+    raise RuntimeError(f"{server._cmd[2:4]} did not come back after {attempts} attempts")
+
+
 def inject(stack: Stack, fault: str) -> str:
     """Kill one component and restart it; returns what was done."""
     if fault == "eric_worker":
@@ -101,15 +115,15 @@ def inject(stack: Stack, fault: str) -> str:
         os.kill(pid, signal.SIGKILL)
         time.sleep(5)  # requests meanwhile get 503 from it, the gateway ejects it
         kill(eric)
-        eric.start()
+        tries = restart(eric)
         stack.started["eric_b"] = time.monotonic()
-        return f"killed Eric B's worker {pid}, restarted Eric B"
+        return f"killed Eric B's worker {pid}, restarted Eric B ({tries} start(s))"
     name, server = {"eric": ("eric_a", stack.erics[0]), "prefill": ("prefill", stack.prefill),
                     "gateway": ("gateway", stack.gateway)}[fault]
     kill(server)
-    server.start()
+    tries = restart(server)
     stack.started[name] = time.monotonic()
-    return f"killed and restarted {name}"
+    return f"killed and restarted {name} ({tries} start(s))"
 
 
 @dataclass

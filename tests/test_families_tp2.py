@@ -1,5 +1,6 @@
-"""Every Qwen3-generation family not covered by its own TP-2 test (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) through a
-served TP-2 Eric in float32: images of odd sizes and a video equal transformers', every DeepStack level included."""
+"""Every Qwen3-generation family against transformers in float32, every DeepStack level included: through a served
+TP-2 Eric, images of odd sizes and a video (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; Qwen3-VL has its own tests); in
+process at TP 1, a video (all four)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -64,3 +66,25 @@ def test_tp2_eric_equals_hf_images_and_video(family: str, request: pytest.Fixtur
     assert answered[-1]["grid_thw"] == inputs["video_grid_thw"][0].tolist()
     assert len(answered[-1]["timestamps"]) == answered[-1]["grid_thw"][0]
     torch.testing.assert_close(rows[-1], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_tp1_video_equals_hf(family: str, request: pytest.FixtureRequest) -> None:
+    """The same video through Eric's processor and tower in this process (TP 1): transformers' rows, every level."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from eric_epd.models.registry import load_encoder
+
+    model_dir: Path = request.getfixturevalue(f"{family}_tiny")
+    processor, encoder = load_processor(model_dir), load_encoder(model_dir, torch.float32, "cpu")
+    frames, fps, seconds = decode_video(video_bytes(num_frames=9, width=72, height=56, fps=4, seed=10),
+                                        MediaLimits(), processor.frame_indices)
+    item = processor.process_video(frames, fps, seconds)
+    mine = encoder(torch.from_numpy(item.pixel_values), torch.tensor([list(item.grid_thw)]))
+    inputs = AutoProcessor.from_pretrained(model_dir).video_processor(videos=[frames], do_sample_frames=False,
+                                                                      return_tensors="pt")
+    np.testing.assert_array_equal(item.pixel_values, inputs["pixel_values_videos"].numpy())
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = _rows(model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]))
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
