@@ -77,8 +77,11 @@ def start_stack(model: Path, logs: Path) -> Stack:
     erics = [EricServer(model, log_path=logs / f"eric_{n}.log", api_key=eric_key, cpus=eric_cpus,
                         extra_args=("--embedding-ttl", str(EMBEDDING_TTL_S))).start() for n in "ab"]
     urls = [e.url for e in erics]
-    prefill = pd_vllm(model, "kv_producer", 0, logs / "prefill.log", urls, eric_key, vllm_key).start()
-    decode = pd_vllm(model, "kv_consumer", 1, logs / "decode.log", urls, eric_key, vllm_key).start()
+    # the engines on the other core: a vLLM busy-polls for a second after every step, and an Eric sharing its core
+    # starves (measured here with the prefill on the Erics' core: fetches timed out before any fault)
+    engine_core = host_split()[1][0]
+    prefill = pd_vllm(model, "kv_producer", engine_core, logs / "prefill.log", urls, eric_key, vllm_key).start()
+    decode = pd_vllm(model, "kv_consumer", engine_core, logs / "decode.log", urls, eric_key, vllm_key).start()
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(urls), "--prefill-urls", prefill.url,
                             "--decode-urls", decode.url, eric_api_key=eric_key, upstream_api_key=vllm_key).start()
     stack = Stack(erics, prefill, decode, gateway)
