@@ -1,5 +1,5 @@
-"""Command line: `eric-epd serve` runs an Eric encode server; `eric-epd up` the whole local EPD stack;
-`eric-epd build-checkpoint` writes a tiny model."""
+"""Command line: `eric-epd serve` runs an Eric encode server; `eric-epd geri` a Geri generation server; `eric-epd up`
+the whole local EPD stack; `eric-epd build-checkpoint` writes a tiny model."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from eric_epd.config import (
     SglangConfig,
     TransferConfig,
 )
+from eric_epd.geri import cli as geri_cli
 from eric_epd.server.media import MediaLimits, UrlPolicy
 
 
@@ -171,12 +172,17 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--size", choices=("tiny", "small"), default="tiny")
     b.add_argument("--seed", type=int, default=0)
     _up_parser(sub)
+    geri_cli.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
         from eric_epd.launch import serve
 
         serve(config_from_args(args))
+    elif args.command == "geri":
+        from eric_epd.geri.launch import serve as serve_geri
+
+        serve_geri(geri_cli.config_from_args(args))
     elif args.command == "up":
         from eric_epd.stack.up import UpConfig, up
 

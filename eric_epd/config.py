@@ -1,43 +1,16 @@
-"""The one typed configuration of an Eric server, parsed once in the parent and handed to every child process."""
+"""The one typed configuration of an Eric server (the shared runtime settings plus its own), parsed once in the
+parent and handed to every child process."""
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
-import tempfile
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from eric_epd.common.cpus import available_cpus, split_cpus
+from eric_epd.runtime.config import DTYPES, BatchLimits, RuntimeConfig
 from eric_epd.server.media import MediaLimits, UrlPolicy
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_MAX_BATCH_PATCHES = 4096
-CUDA_MAX_BATCH_PATCHES = 32768
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """Bounds on one engine batch and on the engine queue."""
-
-    max_items: int = 32
-    """Most media items in one batch."""
-    max_patches: int = 0
-    """Most vision patches (before merging) in one batch; a single larger item still runs alone. 0: by device
-    (EricConfig.batch_limits): 4096 on CPU, where a batch of several large images measured 10-15% slower than one
-    at a time (their activations leave the caches) while small images still batch by the dozen; 32768 on CUDA."""
-    max_queued_items: int = 512
-    """Items accepted but not finished; beyond this the router answers 503 with Retry-After."""
-    in_flight: int = 0
-    """Batches handed to the workers at once. 2: batch N+1 is broadcast while batch N computes, so the workers
-    start it the moment N ends (and on CUDA copy its pixels to the device during N's forward). 0: by device, 2 on
-    CUDA, 1 on CPU (where the engine and the workers share the same few cores, overlap buys nothing)."""
-
-    def __post_init__(self) -> None:
-        if self.max_items < 1 or self.max_patches < 0 or self.max_queued_items < 1 or not 0 <= self.in_flight <= 2:
-            raise ValueError("batch limits must be positive (max_patches 0: by device; in_flight 0, 1 or 2)")
-
+__all__ = ["DTYPES", "SGLANG_DTYPES", "TRANSFER_BACKENDS", "BatchLimits", "EricConfig", "SglangConfig",
+           "TransferConfig"]
 
 TRANSFER_BACKENDS = ("shm", "mooncake", "nixl")
 
@@ -118,106 +91,27 @@ class SglangConfig:
 
 
 @dataclass(frozen=True)
-class EricConfig:
-    """Everything one Eric server needs; frozen, validated without I/O."""
+class EricConfig(RuntimeConfig):
+    """Everything one Eric server needs: the shared runtime settings plus media, transfer and SGLang's protocol."""
 
-    model: Path
-    tp_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    """"auto" picks cuda when available, else cpu."""
-    host: str = "127.0.0.1"
-    port: int = 8100
-    batch: BatchLimits = field(default_factory=BatchLimits)
     media: MediaLimits = field(default_factory=MediaLimits)
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
-    cpus: tuple[int, ...] = ()
-    """CPUs this Eric may use (router, engine and workers; the workers split them, one slice per rank, torch sized to
-    its slice); () = every CPU the process may use. Give an engine on the same host the other CPUs."""
     preprocess_threads: int = 0
     """Media decode + preprocessing threads in the router; 0 = one per CPU of `cpus`, at most 4."""
     max_body_bytes: int = 32 * 2**20
     """Largest accepted /v1/encode body (base64 media counts)."""
     max_items_per_request: int = 64
-    request_timeout_s: float = 300.0
-    """An accepted request that has no result after this long fails with 504."""
-    worker_timeout_s: float = 120.0
-    """A batch that takes longer than this marks the workers unhealthy."""
-    api_key: str | None = None
-    """Callers of every HTTP route but /health, /metrics and SGLang's protocol must send 'Authorization: Bearer
-    KEY' (--api-key, or the ERIC_API_KEY environment variable)."""
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
     sglang: SglangConfig = field(default_factory=lambda: SglangConfig())
-    run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="eric-")))
-    """Directory for the ipc sockets between the processes of this server."""
-    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    """New at every start: names the pool and NIXL agent, and lets consumers detect a restarted producer."""
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError("tp_size must be >= 1")
-        if any(c < 0 for c in self.cpus) or self.preprocess_threads < 0:
-            raise ValueError("cpus must be CPU numbers and preprocess_threads >= 0")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-
-    @property
-    def pool_name(self) -> str:
-        return f"eric-pool-{self.instance_id}"
+        super().__post_init__()
+        if self.preprocess_threads < 0:
+            raise ValueError("preprocess_threads must be >= 0")
 
     @property
     def public_url(self) -> str:
         return f"http://{self.transfer.advertise_host}:{self.port}"
 
-    @property
-    def engine_input_addr(self) -> str:
-        return f"ipc://{self.run_dir}/engine-in.sock"
-
-    @property
-    def engine_output_addr(self) -> str:
-        return f"ipc://{self.run_dir}/engine-out.sock"
-
-    @property
-    def worker_result_addr(self) -> str:
-        return f"ipc://{self.run_dir}/worker-out.sock"
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def rank_device(self, rank: int, device_count: int) -> str:
-        """Tensor-parallel rank `rank`'s device: "cpu", or its own CUDA device; more ranks than visible devices is
-        an error naming both numbers (ranks never share a device)."""
-        if self.resolved_device() != "cuda":
-            return "cpu"
-        if device_count < self.tp_size:
-            raise ValueError(f"--tp {self.tp_size} needs {self.tp_size} CUDA devices, {device_count} visible "
-                             "(CUDA_VISIBLE_DEVICES); lower --tp or expose more devices")
-        return f"cuda:{rank}"
-
-    def batch_limits(self) -> BatchLimits:
-        """`batch` with max_patches and in_flight resolved for the device."""
-        cpu = self.resolved_device() == "cpu"
-        patches = self.batch.max_patches or (CPU_MAX_BATCH_PATCHES if cpu else CUDA_MAX_BATCH_PATCHES)
-        return dataclasses.replace(self.batch, max_patches=patches, in_flight=self.batch.in_flight or (1 if cpu else 2))
-
-    def own_cpus(self) -> tuple[int, ...]:
-        """`cpus`, or every CPU this process may use."""
-        return self.cpus or available_cpus()
-
-    def worker_cpus(self, rank: int) -> tuple[int, ...]:
-        """The slice of this Eric's CPUs that tensor-parallel rank `rank` runs on."""
-        return split_cpus(self.own_cpus(), self.tp_size)[rank]
-
     def preprocess_pool_size(self) -> int:
         return self.preprocess_threads or min(4, len(self.own_cpus()))
-
-    def replace(self, **changes: object) -> EricConfig:
-        return dataclasses.replace(self, **changes)
-
-

@@ -10,6 +10,7 @@ import uvicorn
 from eric_epd.common.cpus import pin_process
 from eric_epd.config import EricConfig
 from eric_epd.engine.process import EngineProcess
+from eric_epd.models.workload import EncoderWorkload
 from eric_epd.server.app import create_app
 from eric_epd.transfer.producer import TransferHub
 
@@ -30,7 +31,7 @@ def serve(config: EricConfig) -> None:
     config.run_dir.mkdir(parents=True, exist_ok=True)
     hub = TransferHub(config)  # the pool must exist before workers attach to it
     try:
-        engine = EngineProcess.spawn(config)
+        engine = EngineProcess.spawn(config, EncoderWorkload.from_checkpoint(config.model))
     except BaseException:
         hub.close()
         raise

@@ -25,10 +25,13 @@ def test_broadcast_slots_hold_the_largest_batch(qwen2_vl_tiny: Path) -> None:
     holds ~154 MB of pixels; on CPU the 4096-patch cap fits the default 32 MiB slots."""
     from eric_epd.executor.executor import broadcast_geometry
     from eric_epd.models.registry import read_model_config
+    from eric_epd.models.workload import EncoderWorkload
 
     vision = read_model_config(qwen2_vl_tiny)["vision_config"]
     row = vision.get("in_chans", 3) * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2
-    cpu = broadcast_geometry(EricConfig(model=qwen2_vl_tiny, device="cpu"))
+    workload = EncoderWorkload.from_checkpoint(qwen2_vl_tiny)
+    assert workload.pixel_row == row and workload.merge_unit == vision["spatial_merge_size"] ** 2
+    cpu = broadcast_geometry(workload.max_batch_input_bytes(EricConfig(model=qwen2_vl_tiny, device="cpu")))
     assert cpu == {"n_slots": 4, "slot_bytes": 32 << 20} and 4096 * row * 4 < 32 << 20
-    cuda = broadcast_geometry(EricConfig(model=qwen2_vl_tiny, device="cuda"))
+    cuda = broadcast_geometry(workload.max_batch_input_bytes(EricConfig(model=qwen2_vl_tiny, device="cuda")))
     assert cuda["slot_bytes"] >= 32768 * row * 4 + (1 << 20) and cuda["n_slots"] >= 2

@@ -25,12 +25,21 @@ from safetensors.numpy import load as load_safetensors
 from eric_epd.config import BatchLimits, EricConfig, TransferConfig
 from eric_epd.engine.client import EngineRequest
 from eric_epd.engine.engine import ABORTED_STATUS, BatchOutput, Engine
-from eric_epd.engine.messages import AbortRequestMsg, EncodeItem, EncodeRequestMsg, EncodeResultMsg, ItemResult
+from eric_epd.engine.messages import (
+    AbortRequestMsg,
+    EncodeSpec,
+    ItemResult,
+    WorkItem,
+    WorkRequestMsg,
+    WorkResultMsg,
+)
 from eric_epd.engine.scheduler import Batch
 from eric_epd.models.processor import ProcessedItem
+from eric_epd.models.workload import EncoderWorkload
+from eric_epd.runtime.router import ApiError
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import PreparedItem
-from eric_epd.server.service import ApiError, EncodeService, ItemRequest, OutputSpec
+from eric_epd.server.service import EncodeService, ItemRequest, OutputSpec
 from eric_epd.stack.process import ServerProcess, free_port
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image
@@ -52,10 +61,10 @@ class _FakeExecutor:
         self.ran: list[str] = []
 
     def submit(self, batch: Batch) -> None:
-        self.ran += [e.item.hash for e in batch.entries]
+        self.ran += [e.item.key for e in batch.entries]
 
     def collect(self, batch: Batch) -> BatchOutput:
-        return BatchOutput([ItemResult(e.item.hash, (e.item.num_patches // 4, 8), "float32") for e in batch.entries])
+        return BatchOutput([ItemResult(e.item.key, (e.item.cost // 4, 8), "float32") for e in batch.entries])
 
     def workers(self) -> list:
         return []
@@ -64,31 +73,38 @@ class _FakeExecutor:
         return None
 
 
-def _request(request_id: str, hashes: list[str]) -> tuple[EncodeRequestMsg, list[memoryview]]:
-    items = [EncodeItem(h, "image", (1, 2, 2), 4, 3, 0, 128) for h in hashes]
-    return EncodeRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
+_WORKLOAD = EncoderWorkload(merge_unit=4, pixel_row=3)
+
+
+def _engine(limits: BatchLimits, executor: _FakeExecutor) -> Engine:
+    return Engine(limits, executor, _WORKLOAD.validate)
+
+
+def _request(request_id: str, hashes: list[str]) -> tuple[WorkRequestMsg, list[memoryview]]:
+    items = [WorkItem(h, "image", 4, 0, 128, EncodeSpec("image", (1, 2, 2), 3)) for h in hashes]
+    return WorkRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
 
 
 def test_engine_abort_drops_queued_items_and_answers_once() -> None:
     executor = _FakeExecutor()
-    engine = Engine(BatchLimits(max_items=1, max_patches=4096), executor)
+    engine = _engine(BatchLimits(max_items=1, max_patches=4096), executor)
     assert engine.add_request(*_request("a", ["a0", "a1", "a2"])) == []
     assert engine.add_request(*_request("b", ["b0"])) == []
     assert engine.step() == []  # a0 ran
     assert engine.abort(AbortRequestMsg("a", [1])) == []  # a2 is still queued: no answer yet
     [(aborted, _)] = engine.step()  # a2 ran, a1 was dropped: a is over
     assert aborted.request_id == "a" and aborted.status == ABORTED_STATUS and "1 of 3" in aborted.error
-    assert [r.hash for r in aborted.items] == ["a0", "a2"]  # finished anyway: written, so the router commits them
+    assert [r.key for r in aborted.items] == ["a0", "a2"]  # finished anyway: written, so the router commits them
     assert engine.abort(AbortRequestMsg("a")) == []  # answered once; later aborts are ignored
     [(answer, _)] = engine.step()
-    assert answer.request_id == "b" and answer.error is None and [r.hash for r in answer.items] == ["b0"]
+    assert answer.request_id == "b" and answer.error is None and [r.key for r in answer.items] == ["b0"]
     assert executor.ran == ["a0", "a2", "b0"]
     status = engine.status()
     assert status.queued_items == 0 and status.running_items == 0
 
 
 def test_engine_abort_of_a_whole_queued_request() -> None:
-    engine = Engine(BatchLimits(max_items=8, max_patches=4096), _FakeExecutor())
+    engine = _engine(BatchLimits(max_items=8, max_patches=4096), _FakeExecutor())
     engine.add_request(*_request("a", ["a0", "a1"]))
     [(answer, _)] = engine.abort(AbortRequestMsg("a"))
     assert answer.status == ABORTED_STATUS and answer.items == []
@@ -104,10 +120,10 @@ class _FakeEngine:
     request_timeout_s = 30.0
 
     def __init__(self) -> None:
-        self.requests: list[tuple[EngineRequest, list[EncodeItem]]] = []
+        self.requests: list[tuple[EngineRequest, list[WorkItem]]] = []
         self.aborts: list[tuple[str, list[int] | None]] = []
 
-    def submit(self, items: list[EncodeItem], pixels: list[np.ndarray]) -> EngineRequest:
+    def submit(self, items: list[WorkItem], inputs: list[np.ndarray]) -> EngineRequest:
         request = EngineRequest(f"r{len(self.requests)}", len(items), asyncio.get_running_loop().create_future())
         self.requests.append((request, list(items)))
         return request
@@ -118,9 +134,9 @@ class _FakeEngine:
     def answer(self, number: int, finished: list[int], status: int = 200) -> None:
         """The engine's final answer for request `number`: these item indices were written."""
         request, items = self.requests[number]
-        results = [ItemResult(items[i].hash, (4, 8), "float32") for i in finished]
+        results = [ItemResult(items[i].key, (4, 8), "float32") for i in finished]
         error = None if status == 200 else "request aborted"
-        request.result.set_result((EncodeResultMsg(request.request_id, results, error, status), []))
+        request.result.set_result((WorkResultMsg(request.request_id, results, error, status), []))
 
 
 class _FakeMedia:

@@ -18,22 +18,23 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from eric_epd.config import EricConfig
 from eric_epd.engine.messages import (
+    UNAVAILABLE,
     AbortRequestMsg,
-    EncodeItem,
-    EncodeRequestMsg,
-    EncodeResultMsg,
     EngineStatusMsg,
     Op,
     ShutdownMsg,
+    WorkItem,
+    WorkRequestMsg,
+    WorkResultMsg,
     decode_frames,
     encode_frames,
 )
+from eric_epd.runtime.config import RuntimeConfig
 
 logger = logging.getLogger(__name__)
 
-EncodeOutput = tuple[EncodeResultMsg, list[memoryview]]
+WorkOutput = tuple[WorkResultMsg, list[memoryview]]
 
 
 class EngineUnavailableError(Exception):
@@ -53,13 +54,13 @@ class EngineRequest:
 
     request_id: str
     num_items: int
-    result: asyncio.Future[EncodeOutput]
+    result: asyncio.Future[WorkOutput]
 
 
 class EngineClient:
     """Submits requests, matches results to futures, and fails everything pending if the engine dies."""
 
-    def __init__(self, config: EricConfig, is_engine_alive: Callable[[], bool],
+    def __init__(self, config: RuntimeConfig, is_engine_alive: Callable[[], bool],
                  on_status: Callable[[EngineStatusMsg], None] | None = None) -> None:
         self._config = config
         self._is_engine_alive = is_engine_alive
@@ -85,17 +86,17 @@ class EngineClient:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
 
-    def submit(self, items: Sequence[EncodeItem], pixels: Sequence[np.ndarray]) -> EngineRequest:
-        """Hand items (float32 pixel arrays) to the engine; raise EngineUnavailableError when it cannot take them.
+    def submit(self, items: Sequence[WorkItem], inputs: Sequence[np.ndarray]) -> EngineRequest:
+        """Hand items (float32 input arrays) to the engine; raise EngineUnavailableError when it cannot take them.
         Not a coroutine, so a caller cannot be cancelled between sending a request and holding its handle."""
         if self._dead_reason is not None:
-            raise EngineUnavailableError(503, f"encoder unavailable: {self._dead_reason}")
+            raise EngineUnavailableError(503, f"{UNAVAILABLE}: {self._dead_reason}")
         limit = self._config.batch.max_queued_items
         if self.num_inflight_items + len(items) > limit:
-            raise EngineUnavailableError(503, f"encoder queue full ({limit} items); retry later", retry_after=1.0)
+            raise EngineUnavailableError(503, f"engine queue full ({limit} items); retry later", retry_after=1.0)
         request = EngineRequest(uuid.uuid4().hex, len(items), asyncio.get_running_loop().create_future())
-        frames = encode_frames(Op.ENCODE, EncodeRequestMsg(request.request_id, list(items)),
-                               [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in pixels])
+        frames = encode_frames(Op.SUBMIT, WorkRequestMsg(request.request_id, list(items)),
+                               [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in inputs])
         self._pending[request.request_id] = request
         self._send(frames, request)
         return request
@@ -126,7 +127,7 @@ class EngineClient:
         logger.error("sending to the engine failed: %r", error)
         if (request is not None and self._pending.pop(request.request_id, None) is not None
                 and not request.result.done()):
-            request.result.set_exception(EngineUnavailableError(503, f"encoder unavailable: {error!r}"))
+            request.result.set_exception(EngineUnavailableError(503, f"{UNAVAILABLE}: {error!r}"))
 
     async def status(self, timeout_s: float = 2.0) -> EngineStatusMsg | None:
         """Ask the engine for its status; None if it does not answer in time."""
@@ -155,7 +156,7 @@ class EngineClient:
             except Exception:
                 logger.exception("undecodable message from the engine")
                 continue
-            if op is Op.RESULT and isinstance(msg, EncodeResultMsg):
+            if op is Op.RESULT and isinstance(msg, WorkResultMsg):
                 request = self._pending.pop(msg.request_id, None)
                 if request is not None and not request.result.done():
                     request.result.set_result((msg, buffers))
@@ -182,7 +183,7 @@ class EngineClient:
         pending, self._pending = self._pending, {}
         for request in pending.values():
             if not request.result.done():
-                request.result.set_exception(EngineUnavailableError(503, f"encoder unavailable: {reason}"))
+                request.result.set_exception(EngineUnavailableError(503, f"{UNAVAILABLE}: {reason}"))
 
     async def close(self) -> None:
         """Tell the engine to stop, then close sockets; idempotent."""

@@ -9,26 +9,31 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from eric_epd.config import BatchLimits
 from eric_epd.engine.messages import (
+    UNAVAILABLE,
     AbortRequestMsg,
     BatchStat,
-    EncodeRequestMsg,
-    EncodeResultMsg,
     EngineStatusMsg,
     ItemResult,
     WorkerInfo,
+    WorkItem,
+    WorkRequestMsg,
+    WorkResultMsg,
 )
 from eric_epd.engine.scheduler import Batch, QueuedItem, Scheduler
+from eric_epd.runtime.config import BatchLimits
 
 logger = logging.getLogger(__name__)
 
-PIXEL_BYTES = 4  # the router always sends float32 pixels
 ABORTED_STATUS = 499  # nginx's "client closed request": the router's client went away
 
 
 class BatchFailedError(Exception):
     """The batch failed but the workers are fine (e.g. a shape the model rejects)."""
+
+
+class ItemValidator(Protocol):
+    def __call__(self, item: WorkItem, input_nbytes: int) -> str | None: ...
 
 
 class WorkersDeadError(Exception):
@@ -51,7 +56,7 @@ class Executor(Protocol):
     def check_workers(self) -> str | None: ...
 
 
-Outgoing = tuple[EncodeResultMsg, list[memoryview]]
+Outgoing = tuple[WorkResultMsg, list[memoryview]]
 
 
 @dataclass
@@ -72,8 +77,9 @@ class _RequestState:
 class Engine:
     """Drive with add_request() and step(); both return the messages to send back to the router."""
 
-    def __init__(self, limits: BatchLimits, executor: Executor) -> None:
+    def __init__(self, limits: BatchLimits, executor: Executor, validate: ItemValidator) -> None:
         self._executor = executor
+        self._validate_item = validate
         self._scheduler = Scheduler(limits)
         self._requests: dict[str, _RequestState] = {}
         self._dead_reason: str | None = None
@@ -90,16 +96,16 @@ class Engine:
     def has_unreported_batches(self) -> bool:
         return bool(self._recent_batches)
 
-    def add_request(self, msg: EncodeRequestMsg, buffers: list[memoryview]) -> list[Outgoing]:
+    def add_request(self, msg: WorkRequestMsg, buffers: list[memoryview]) -> list[Outgoing]:
         if self._dead_reason is not None:
-            return [_error(msg.request_id, 503, f"encoder unavailable: {self._dead_reason}")]
-        problem = _validate(msg, buffers)
+            return [_error(msg.request_id, 503, f"{UNAVAILABLE}: {self._dead_reason}")]
+        problem = self._validate(msg, buffers)
         if problem is not None:
             return [_error(msg.request_id, 400, problem)]
         if msg.request_id in self._requests:
             return [_error(msg.request_id, 400, f"duplicate request id {msg.request_id}")]
         if not msg.items:
-            return [(EncodeResultMsg(msg.request_id), [])]
+            return [(WorkResultMsg(msg.request_id), [])]
         self._requests[msg.request_id] = _RequestState(len(msg.items))
         self._scheduler.add(
             [QueuedItem(msg.request_id, i, item, buf) for i, (item, buf) in enumerate(zip(msg.items, buffers))]
@@ -139,12 +145,12 @@ class Engine:
         except BatchFailedError as e:
             self._last_collected = time.perf_counter()
             logger.warning("batch %d failed: %s", batch.batch_id, e)
-            return self._fail_batch(batch, 500, f"encode failed: {e}")
+            return self._fail_batch(batch, 500, f"batch failed: {e}")
         self._last_collected = time.perf_counter()
         stat = BatchStat(
-            tuple(sorted({e.item.modality for e in batch.entries})),
+            (batch.kind,),
             len(batch.entries),
-            batch.num_patches,
+            batch.cost,
             time.perf_counter() - start,
             output.compute_seconds,
             output.write_seconds,
@@ -185,9 +191,9 @@ class Engine:
         # its time here outside its own batches: waiting for them to start
         queued = max(0.0, time.perf_counter() - state.arrived - sum(b.seconds for b in state.batches))
         if not state.dropped:
-            return [(EncodeResultMsg(request_id, finished, batches=state.batches, queue_seconds=queued), [])]
+            return [(WorkResultMsg(request_id, finished, batches=state.batches, queue_seconds=queued), [])]
         reason = f"request aborted: {len(state.dropped)} of {state.num_items} items dropped before they ran"
-        return [(EncodeResultMsg(request_id, finished, reason, ABORTED_STATUS, state.batches, queued), [])]
+        return [(WorkResultMsg(request_id, finished, reason, ABORTED_STATUS, state.batches, queued), [])]
 
     def _fail_batch(self, batch: Batch, status: int, reason: str) -> list[Outgoing]:
         failed: list[Outgoing] = []
@@ -202,26 +208,22 @@ class Engine:
             logger.error("engine unhealthy: %s", reason)
         self._dead_reason = reason
         self._in_flight.clear()
-        failed = [_error(rid, 503, f"encoder unavailable: {reason}") for rid in self._requests]
+        failed = [_error(rid, 503, f"{UNAVAILABLE}: {reason}") for rid in self._requests]
         for rid in list(self._requests):
             self._scheduler.drop_request(rid)
         self._requests.clear()
         return failed
 
+    def _validate(self, msg: WorkRequestMsg, buffers: list[memoryview]) -> str | None:
+        if len(buffers) != len(msg.items):
+            return f"{len(msg.items)} items but {len(buffers)} input buffers"
+        for item, buf in zip(msg.items, buffers):
+            if item.cost < 1:
+                return f"item {item.key}: cost {item.cost} must be positive"
+            if (problem := self._validate_item(item, buf.nbytes)) is not None:
+                return problem
+        return None
+
 
 def _error(request_id: str, status: int, reason: str) -> Outgoing:
-    return EncodeResultMsg(request_id, error=reason, status=status), []
-
-
-def _validate(msg: EncodeRequestMsg, buffers: list[memoryview]) -> str | None:
-    if len(buffers) != len(msg.items):
-        return f"{len(msg.items)} items but {len(buffers)} pixel buffers"
-    for item, buf in zip(msg.items, buffers):
-        if item.modality not in ("image", "video"):
-            return f"unsupported modality {item.modality!r}"
-        t, h, w = item.grid_thw
-        if min(t, h, w) < 1 or t * h * w != item.num_patches:
-            return f"item {item.hash}: grid {item.grid_thw} does not match {item.num_patches} patches"
-        if buf.nbytes != item.num_patches * item.patch_dim * PIXEL_BYTES:
-            return f"item {item.hash}: {buf.nbytes} pixel bytes, expected {item.num_patches}x{item.patch_dim} float32"
-    return None
+    return WorkResultMsg(request_id, error=reason, status=status), []

@@ -1,8 +1,8 @@
 """Messages between the router (EngineClient) and the Engine process, over ZMQ ipc.
 
-Wire format: frame 0 is a one-byte opcode, frame 1 the msgspec-msgpack header, frames 2.. raw pixel bytes towards
-the engine, one frame per item in header order. Embeddings do not come back this way: workers write them into the
-router's shared-memory pool. No pickle.
+Wire format: frame 0 is a one-byte opcode, frame 1 the msgspec-msgpack header, frames 2.. each item's raw input
+(Eric: pixels; Geri: prompt embeddings) towards the engine, one frame per item in header order. Outputs do not come
+back this way: workers write them into the router's shared-memory pool. No pickle.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from collections.abc import Sequence
 
 import msgspec
 
+UNAVAILABLE = "engine unavailable"
+"""How every 503 from a dead engine or its workers begins."""
+
 
 class Op(bytes, enum.Enum):
-    ENCODE = b"E"
+    SUBMIT = b"E"
     RESULT = b"R"
     STATUS_REQUEST = b"S"
     STATUS = b"s"
@@ -22,30 +25,54 @@ class Op(bytes, enum.Enum):
     ABORT = b"A"
 
 
-class EncodeItem(msgspec.Struct, array_like=True, frozen=True):
-    """One preprocessed media item; its pixels travel as the matching extra frame.
+class EncodeSpec(msgspec.Struct, array_like=True, frozen=True, tag="encode"):
+    """Eric: one preprocessed media item; its float32 pixels are [num_patches, patch_dim] rows."""
 
-    The router reserved `out_nbytes` at `out_offset` of the embedding pool; worker rank 0 writes the result there.
-    """
-
-    hash: str
     modality: str
     grid_thw: tuple[int, int, int]
-    num_patches: int
     patch_dim: int
+
+
+class GenerateSpec(msgspec.Struct, array_like=True, frozen=True, tag="generate"):
+    """Geri: one image to generate; its float32 input is the prompt's [tokens, hidden] embeddings followed by the
+    negative prompt's [negative_tokens, hidden] (none when negative_tokens is 0)."""
+
+    height: int
+    width: int
+    steps: int
+    seed: int
+    guidance_scale: float
+    tokens: int
+    negative_tokens: int
+    hidden: int
+
+
+class WorkItem(msgspec.Struct, array_like=True, frozen=True):
+    """One item of work; its input travels as the matching extra frame.
+
+    The router reserved `out_nbytes` at `out_offset` of its output pool; worker rank 0 writes the result there.
+    """
+
+    key: str
+    """Eric: the item's content hash; Geri: the request's own id."""
+    kind: str
+    """Items of one kind batch together: a modality (Eric), a size and step count (Geri)."""
+    cost: int
+    """What the batch cap counts: vision patches (Eric), image tokens (Geri)."""
     out_offset: int
     out_nbytes: int
+    spec: EncodeSpec | GenerateSpec
 
 
-class EncodeRequestMsg(msgspec.Struct, array_like=True, frozen=True):
+class WorkRequestMsg(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
-    items: list[EncodeItem]
+    items: list[WorkItem]
 
 
 class ItemResult(msgspec.Struct, array_like=True, frozen=True):
-    """One finished embedding, now in the pool at the item's reserved region."""
+    """One finished output, now in the pool at the item's reserved region."""
 
-    hash: str
+    key: str
     shape: tuple[int, ...]
     dtype: str
 
@@ -53,18 +80,18 @@ class ItemResult(msgspec.Struct, array_like=True, frozen=True):
 class BatchStat(msgspec.Struct, array_like=True, frozen=True):
     """What one executed batch held and how long it took, for metrics."""
 
-    modalities: tuple[str, ...]
+    kinds: tuple[str, ...]
     num_items: int
-    num_patches: int
+    cost: int
     seconds: float
     """The engine's whole wait for the batch: broadcast, forward, pool write, every rank's answer."""
     compute_seconds: float = 0.0
-    """Rank 0's forward (the vision tower, output on the host)."""
+    """Rank 0's forward (output on the host)."""
     write_seconds: float = 0.0
     """Rank 0's copy of the output into the pool."""
 
 
-class EncodeResultMsg(msgspec.Struct, array_like=True, frozen=True):
+class WorkResultMsg(msgspec.Struct, array_like=True, frozen=True):
     """The end of one request: all its items, or an error that names the cause. An aborted request (status 499)
     lists the items that were finished anyway; the others were never written."""
 
@@ -111,15 +138,15 @@ class ShutdownMsg(msgspec.Struct, array_like=True, frozen=True):
 
 
 _DECODERS = {
-    Op.ENCODE: msgspec.msgpack.Decoder(EncodeRequestMsg),
-    Op.RESULT: msgspec.msgpack.Decoder(EncodeResultMsg),
+    Op.SUBMIT: msgspec.msgpack.Decoder(WorkRequestMsg),
+    Op.RESULT: msgspec.msgpack.Decoder(WorkResultMsg),
     Op.STATUS: msgspec.msgpack.Decoder(EngineStatusMsg),
     Op.SHUTDOWN: msgspec.msgpack.Decoder(ShutdownMsg),
     Op.ABORT: msgspec.msgpack.Decoder(AbortRequestMsg),
 }
 _ENCODER = msgspec.msgpack.Encoder()
 
-Message = EncodeRequestMsg | EncodeResultMsg | EngineStatusMsg | ShutdownMsg | AbortRequestMsg | None
+Message = WorkRequestMsg | WorkResultMsg | EngineStatusMsg | ShutdownMsg | AbortRequestMsg | None
 
 
 def encode_frames(op: Op, msg: msgspec.Struct | None, buffers: Sequence[object] = ()) -> list[object]:

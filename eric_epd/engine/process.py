@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -11,9 +10,10 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from eric_epd.config import EricConfig
 from eric_epd.engine.engine import Engine, Outgoing
-from eric_epd.engine.messages import AbortRequestMsg, EncodeRequestMsg, Op, ShutdownMsg, decode_frames, encode_frames
+from eric_epd.engine.messages import AbortRequestMsg, Op, ShutdownMsg, WorkRequestMsg, decode_frames, encode_frames
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.workload import Workload
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +27,10 @@ class EngineProcess:
         self.proc = proc
 
     @classmethod
-    def spawn(cls, config: EricConfig, timeout_s: float = 900.0) -> EngineProcess:
+    def spawn(cls, config: RuntimeConfig, workload: Workload, timeout_s: float = 900.0) -> EngineProcess:
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=main, args=(config, child_end), name="eric-engine", daemon=False)
+        proc = ctx.Process(target=main, args=(config, workload, child_end), name="engine", daemon=False)
         proc.start()
         child_end.close()
         if not parent_end.poll(timeout_s):
@@ -56,13 +56,7 @@ class EngineProcess:
             self.proc.join(5)
 
 
-def _merge_unit(config: EricConfig) -> int:
-    cfg = json.loads((config.model / "config.json").read_text())
-    merge = cfg.get("vision_config", {}).get("spatial_merge_size", 2)
-    return int(merge) ** 2
-
-
-def main(config: EricConfig, ready: Connection) -> None:
+def main(config: RuntimeConfig, workload: Workload, ready: Connection) -> None:
     """Child-side entry point."""
     from eric_epd.executor.executor import ModelExecutor
 
@@ -70,7 +64,7 @@ def main(config: EricConfig, ready: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router owns Ctrl-C and asks us to stop
     executor = None
     try:
-        executor = ModelExecutor(config, merge_unit=_merge_unit(config))
+        executor = ModelExecutor(config, workload)
         executor.wait_ready()
         executor.warm_up()
     except Exception as e:
@@ -80,13 +74,13 @@ def main(config: EricConfig, ready: Connection) -> None:
             executor.shutdown()
         return
     try:
-        _EngineLoop(config, Engine(config.batch_limits(), executor), ready).run()
+        _EngineLoop(config, Engine(config.batch_limits(), executor, workload.validate), ready).run()
     finally:
         executor.shutdown()
 
 
 class _EngineLoop:
-    def __init__(self, config: EricConfig, engine: Engine, ready: Connection) -> None:
+    def __init__(self, config: RuntimeConfig, engine: Engine, ready: Connection) -> None:
         self._engine = engine
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PULL)
@@ -121,7 +115,7 @@ class _EngineLoop:
                 return False
             if op is Op.STATUS_REQUEST:
                 self._send_status()
-            elif op is Op.ENCODE and isinstance(msg, EncodeRequestMsg):
+            elif op is Op.SUBMIT and isinstance(msg, WorkRequestMsg):
                 self._send(self._engine.add_request(msg, buffers))
             elif op is Op.ABORT and isinstance(msg, AbortRequestMsg):
                 self._send(self._engine.abort(msg))

@@ -1,4 +1,5 @@
-"""First-come-first-served scheduler: forms batches of one modality, bounded by items and patches."""
+"""First-come-first-served scheduler: forms batches of one kind (a modality, an image size), bounded by items and
+cost."""
 
 from __future__ import annotations
 
@@ -6,38 +7,38 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from eric_epd.config import BatchLimits
-from eric_epd.engine.messages import EncodeItem
+from eric_epd.engine.messages import WorkItem
+from eric_epd.runtime.config import BatchLimits
 
 
 @dataclass
 class QueuedItem:
-    """One item waiting to run, with its pixels (a view on the received frame)."""
+    """One item waiting to run, with its input (a view on the received frame)."""
 
     request_id: str
     index: int
     """Position of the item inside its request."""
-    item: EncodeItem
-    pixels: memoryview
+    item: WorkItem
+    input: memoryview
 
 
 @dataclass
 class Batch:
-    """Items of a single modality that run in one forward."""
+    """Items of a single kind that run in one forward."""
 
     batch_id: int
-    modality: str
+    kind: str
     entries: list[QueuedItem] = field(default_factory=list)
 
     @property
-    def num_patches(self) -> int:
-        return sum(e.item.num_patches for e in self.entries)
+    def cost(self) -> int:
+        return sum(e.item.cost for e in self.entries)
 
 
 class Scheduler:
-    """FCFS queue. The oldest item picks the modality; later items of that modality join while limits allow.
+    """FCFS queue. The oldest item picks the kind; later items of that kind join while limits allow.
 
-    Items of the other modality are skipped, not reordered, so the oldest item always runs in the next batch
+    Items of other kinds are skipped, not reordered, so the oldest item always runs in the next batch
     and nothing starves.
     """
 
@@ -73,18 +74,18 @@ class Scheduler:
         if not self._queue:
             return None
         head = self._queue[0]
-        batch = Batch(next(self._batch_ids), head.item.modality)
-        num_patches = 0
+        batch = Batch(next(self._batch_ids), head.item.kind)
+        cost = 0
         kept: deque[QueuedItem] = deque()
         for entry in self._queue:
             fits = (
-                entry.item.modality == batch.modality
+                entry.item.kind == batch.kind
                 and len(batch.entries) < self._limits.max_items
-                and (not batch.entries or num_patches + entry.item.num_patches <= self._limits.max_patches)
+                and (not batch.entries or cost + entry.item.cost <= self._limits.max_patches)
             )
             if fits:
                 batch.entries.append(entry)
-                num_patches += entry.item.num_patches
+                cost += entry.item.cost
             else:
                 kept.append(entry)
         self._queue = kept

@@ -1,6 +1,6 @@
-"""A worker's host<->device traffic: a batch's pixels onto the device, rank 0's output into the embedding pool.
+"""A worker's host<->device traffic: a batch's inputs onto the device, rank 0's outputs into the router's pool.
 
-On CPU both are plain copies. On CUDA the pixels go through two alternating pinned staging buffers with one
+On CPU both are plain copies. On CUDA the inputs go through two alternating pinned staging buffers with one
 non-blocking copy on a stream of their own (so the next batch's copy overlaps this batch's forward) and the dtype
 cast on the device, and rank 0 copies each item's rows from the device straight into the pool, which is registered
 as pinned memory (other ranks bring nothing back)."""
@@ -33,8 +33,8 @@ class DeviceIO:
         if self._cuda and self._pool is not None:
             self._registered = _host_register(self._pool)
 
-    def pixels(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The batch's float32 pixel rows (views on the broadcast) as one tensor on the device, in `dtype`."""
+    def inputs(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The batch's flat float32 inputs (views on the broadcast) as one tensor on the device, in `dtype`."""
         if not parts:
             return torch.empty(0, dtype=dtype, device=self.device)
         if not self._cuda:
@@ -55,7 +55,7 @@ class DeviceIO:
 
     @property
     def overlaps(self) -> bool:
-        """Whether the next batch's pixels can be copied while a forward runs (CUDA)."""
+        """Whether the next batch's inputs can be copied while a forward runs (CUDA)."""
         return self._cuda
 
     def sync(self) -> None:
@@ -63,20 +63,21 @@ class DeviceIO:
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def write(self, out: torch.Tensor, msg: ExecuteBatchMsg) -> float:
-        """Rank 0: each item's rows of the batch output into the pool region reserved for it; the seconds taken."""
+    def write(self, outputs: list[torch.Tensor], msg: ExecuteBatchMsg) -> float:
+        """Rank 0: each item's output into the pool region reserved for it; the seconds taken. An output whose size
+        differs from its region fails the batch before anything is written."""
         if self._pool is None:
             raise RuntimeError("this rank has no pool to write to")
         start = time.perf_counter()
-        out = out.contiguous()
-        flat = out.view(torch.uint8).reshape(-1) if out.numel() else torch.empty(0, dtype=torch.uint8)
-        if flat.numel() != sum(i.out_nbytes for i in msg.items):
-            raise ValueError(f"output of {flat.numel()} bytes does not fill the {len(msg.items)} reserved regions")
-        offset = 0
-        for item in msg.items:
+        if len(outputs) != len(msg.items):
+            raise ValueError(f"{len(outputs)} outputs for {len(msg.items)} items")
+        flats = [_bytes_of(out) for out in outputs]
+        for item, flat in zip(msg.items, flats):
+            if flat.numel() != item.out_nbytes:
+                raise ValueError(f"item {item.key}: output of {flat.numel()} bytes, {item.out_nbytes} reserved")
+        for item, flat in zip(msg.items, flats):
             region = self._pool[item.out_offset: item.out_offset + item.out_nbytes]
-            region.copy_(flat[offset: offset + item.out_nbytes], non_blocking=self._registered)
-            offset += item.out_nbytes
+            region.copy_(flat, non_blocking=self._registered)
         self.sync()
         return time.perf_counter() - start
 
@@ -95,6 +96,12 @@ class DeviceIO:
         if buffer is None or buffer.numel() < n:
             buffer = self._staging[turn] = torch.empty(max(n, 1 << 20), dtype=torch.float32, pin_memory=True)
         return buffer[:n]
+
+
+def _bytes_of(out: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (contiguous first)."""
+    out = out.contiguous()
+    return out.view(torch.uint8).reshape(-1) if out.numel() else torch.empty(0, dtype=torch.uint8, device=out.device)
 
 
 def _host_register(pool: torch.Tensor) -> bool:

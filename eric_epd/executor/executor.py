@@ -1,22 +1,19 @@
-"""ModelExecutor: one worker per TP rank; broadcasts each batch through shared memory, gathers rank 0 output."""
+"""ModelExecutor: one worker per TP rank; broadcasts each batch through shared memory, gathers every rank's answer
+(rank 0 wrote the outputs into the pool)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing as mp
 import socket
 import time
 
-import numpy as np
 import zmq
 
-from eric_epd.config import EricConfig
 from eric_epd.engine.engine import BatchFailedError, BatchOutput, WorkersDeadError
 from eric_epd.engine.messages import ItemResult, WorkerInfo
 from eric_epd.engine.scheduler import Batch
 from eric_epd.executor.messages import (
-    BatchItemMsg,
     ExecuteBatchMsg,
     StopWorkerMsg,
     WorkerReadyMsg,
@@ -26,6 +23,8 @@ from eric_epd.executor.messages import (
 )
 from eric_epd.executor.shm_broadcast import ShmBroadcast
 from eric_epd.executor.worker import WorkerArgs, main
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.workload import Workload
 
 logger = logging.getLogger(__name__)
 
@@ -41,24 +40,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _token_counts(batch: Batch, merge_unit: int) -> list[int]:
-    return [e.item.num_patches // merge_unit for e in batch.entries]
-
-
-def pixel_row(config: EricConfig) -> int:
-    """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
-    from eric_epd.models.registry import read_model_config
-
-    vision = read_model_config(config.model).get("vision_config", {})
-    return (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
-            * vision.get("patch_size", 14) ** 2)
-
-
-def broadcast_geometry(config: EricConfig) -> dict[str, int]:
-    """Broadcast slots that hold the largest batch the scheduler forms (its patch cap x the pixel row, float32)
-    plus headers, so no batch spills into a fresh segment: 4 slots of 32 MiB on CPU; on CUDA, 2 slots of ~155 MB
-    for Qwen2-VL's 32768-patch cap."""
-    need = config.batch_limits().max_patches * pixel_row(config) * 4 + (1 << 20)
+def broadcast_geometry(max_batch_input_bytes: int) -> dict[str, int]:
+    """Broadcast slots that hold the largest batch the scheduler forms plus headers, so no batch spills into a fresh
+    segment: 4 slots of 32 MiB on CPU; on CUDA, 2 slots of ~155 MB for Qwen2-VL's 32768-patch cap."""
+    need = max_batch_input_bytes + (1 << 20)
     slot = max(32 << 20, -(-need // (1 << 20)) * (1 << 20))
     return {"n_slots": 4 if slot <= 32 << 20 else 2, "slot_bytes": slot}
 
@@ -66,20 +51,21 @@ def broadcast_geometry(config: EricConfig) -> dict[str, int]:
 class ModelExecutor:
     """Owns the worker processes. execute_model blocks until rank 0 answers, a worker fails, or a timeout."""
 
-    def __init__(self, config: EricConfig, merge_unit: int = 4) -> None:
+    def __init__(self, config: RuntimeConfig, workload: Workload) -> None:
         self._config = config
-        self._merge_unit = merge_unit
+        self._workload = workload
         self._ctx = zmq.Context.instance()
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(config.worker_result_addr)
         self._decoder = from_worker_decoder()
-        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size, **broadcast_geometry(config))
+        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size,
+                                              **broadcast_geometry(workload.max_batch_input_bytes(config)))
         self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")
         dist_init = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [
-            spawn.Process(target=main, args=(WorkerArgs(config, rank, self._broadcast.handle(), dist_init),),
-                          name=f"eric-worker-{rank}", daemon=True)
+            spawn.Process(target=main, args=(WorkerArgs(config, workload, rank, self._broadcast.handle(), dist_init),),
+                          name=f"worker-{rank}", daemon=True)
             for rank in range(config.tp_size)
         ]
         for p in self._procs:
@@ -109,23 +95,20 @@ class ModelExecutor:
                 logger.info("worker rank %d: cpus %s, %d torch threads", msg.rank, msg.cpus, msg.threads)
 
     def warm_up(self) -> None:
-        """One small zero image through every rank before the engine says it is ready: the process group's first
-        collective (NCCL builds its communicators lazily) and each kernel's first run happen here, not on a
-        client's request, and a rank that cannot run fails the start. Nothing is written to the pool."""
-        side = 2 * math.isqrt(self._merge_unit)  # two merge windows per side
-        grid = (1, side, side)
-        msg = ExecuteBatchMsg(WARMUP_BATCH_ID, "image", [BatchItemMsg("warm-up", "image", grid, 0, 0)], warmup=True)
+        """The workload's small warm-up item through every rank before the engine says it is ready: the process
+        group's first collective (NCCL builds its communicators lazily) and each kernel's first run happen here,
+        not on a client's request, and a rank that cannot run fails the start. Nothing is written to the pool."""
+        item, data = self._workload.warmup(self._config)
+        msg = ExecuteBatchMsg(WARMUP_BATCH_ID, item.kind, [item], warmup=True)
         start = time.perf_counter()
-        self._broadcast.enqueue(to_worker_encoder.encode(msg), [np.zeros((side * side, pixel_row(self._config)),
-                                                                         np.float32)],
-                                timeout=self._config.worker_timeout_s,
+        self._broadcast.enqueue(to_worker_encoder.encode(msg), [data], timeout=self._config.worker_timeout_s,
                                 should_abort=lambda: self.check_workers() is not None)
         try:
             rank0 = self._gather(WARMUP_BATCH_ID)
         except (BatchFailedError, WorkersDeadError) as e:
             raise RuntimeError(f"warm-up batch failed: {e}") from e
         logger.info("warm-up batch ran on %d rank(s) in %.2fs (output %s)", len(self._procs),
-                    time.perf_counter() - start, list(rank0.shape))
+                    time.perf_counter() - start, [list(s) for s in rank0.shapes])
 
     def workers(self) -> list[WorkerInfo]:
         return [WorkerInfo(p.pid or 0, *self._settings.get(rank, ([], 0))) for rank, p in enumerate(self._procs)]
@@ -140,7 +123,7 @@ class ModelExecutor:
         return self._dead_reason
 
     def execute_model(self, batch: Batch) -> BatchOutput:
-        """Run one batch on all ranks; rank 0 wrote the embeddings into the pool. One result per item, in order,
+        """Run one batch on all ranks; rank 0 wrote the outputs into the pool. One result per item, in order,
         with rank 0's forward and pool-write times."""
         self.submit(batch)
         return self.collect(batch)
@@ -149,11 +132,9 @@ class ModelExecutor:
         """Hand the batch to every rank (they run batches in the order submitted); `collect` waits for it."""
         if (reason := self.check_workers()) is not None:
             raise WorkersDeadError(reason)
-        msg = ExecuteBatchMsg(batch.batch_id, batch.modality,
-                              [BatchItemMsg(e.item.hash, e.item.modality, e.item.grid_thw, e.item.out_offset,
-                                            e.item.out_nbytes) for e in batch.entries])
+        msg = ExecuteBatchMsg(batch.batch_id, batch.kind, [e.item for e in batch.entries])
         try:
-            self._broadcast.enqueue(to_worker_encoder.encode(msg), [e.pixels for e in batch.entries],
+            self._broadcast.enqueue(to_worker_encoder.encode(msg), [e.input for e in batch.entries],
                                     timeout=self._config.worker_timeout_s,
                                     should_abort=lambda: self.check_workers() is not None)
         except Exception as e:
@@ -170,7 +151,7 @@ class ModelExecutor:
         return BatchOutput(self._split(batch, rank0), rank0.compute_seconds, rank0.write_seconds)
 
     def _gather(self, batch_id: int) -> WorkerResultMsg:
-        """Wait for every rank's answer to batch_id; rank 0 carries the embeddings.
+        """Wait for every rank's answer to batch_id; rank 0 carries the outputs' shapes.
 
         With TP > 1, once one rank fails the others get TP_ERROR_GRACE_S to answer too (an error every rank hits
         fails only the batch); a rank still silent then is stuck in a collective its failed peer never joined, so
@@ -219,10 +200,9 @@ class ModelExecutor:
         logger.error("workers stopped: %s", self._dead_reason)
 
     def _split(self, batch: Batch, header: WorkerResultMsg) -> list[ItemResult]:
-        counts = _token_counts(batch, self._merge_unit)
-        if not header.shape or header.shape[0] != sum(counts):
-            raise BatchFailedError(f"encoder returned shape {header.shape}, expected {sum(counts)} tokens")
-        return [ItemResult(e.item.hash, (n, header.shape[1]), header.dtype) for e, n in zip(batch.entries, counts)]
+        if len(header.shapes) != len(batch.entries):
+            raise BatchFailedError(f"rank 0 answered {len(header.shapes)} outputs for {len(batch.entries)} items")
+        return [ItemResult(e.item.key, tuple(shape), header.dtype) for e, shape in zip(batch.entries, header.shapes)]
 
     def shutdown(self) -> None:
         """Ask workers to stop, then terminate stragglers; idempotent."""

@@ -1,28 +1,22 @@
 """Messages between the Engine (ModelExecutor) and its workers.
 
-Engine -> workers: `ExecuteBatchMsg` header plus one pixel buffer per item, broadcast through shared memory.
-Workers -> engine: `WorkerReadyMsg` once, then one `WorkerResultMsg` per batch per rank over ZMQ. Rank 0 writes the
-embeddings into the embedding pool (shared memory) before it answers. msgspec only, no pickle.
+Engine -> workers: `ExecuteBatchMsg` header plus one float32 input buffer per item, broadcast through shared memory.
+Workers -> engine: `WorkerReadyMsg` once, then one `WorkerResultMsg` per batch per rank over ZMQ. Rank 0 writes each
+item's output into the router's pool (shared memory) before it answers. msgspec only, no pickle.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-
-class BatchItemMsg(msgspec.Struct, array_like=True, frozen=True):
-    hash: str
-    modality: str
-    grid_thw: tuple[int, int, int]
-    out_offset: int
-    """Where rank 0 writes this item's embedding in the pool."""
-    out_nbytes: int
+from eric_epd.engine.messages import WorkItem
 
 
 class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
     batch_id: int
-    modality: str
-    items: list[BatchItemMsg]
+    kind: str
+    items: list[WorkItem]
+    """Each item's out_offset/out_nbytes say where rank 0 writes its output in the pool."""
     warmup: bool = False
     """The start-up batch: run on every rank, nothing written to the pool."""
 
@@ -44,10 +38,9 @@ class WorkerResultMsg(msgspec.Struct, array_like=True, frozen=True, tag="result"
     batch_id: int
     rank: int
     error: str | None = None
-    shape: tuple[int, ...] = ()
+    shapes: list[tuple[int, ...]] = []
+    """Each item's output shape, in batch order (rank 0)."""
     dtype: str = ""
-    modalities: tuple[str, ...] = ()
-    """The modalities the worker actually ran in this batch (for the one-modality-per-batch metric)."""
     compute_seconds: float = 0.0
     """The forward's time on this rank (until the output is on the host)."""
     write_seconds: float = 0.0

@@ -1,4 +1,4 @@
-"""Worker process, one per tensor-parallel rank: loads its shard of the vision encoder and runs broadcast batches."""
+"""Worker process, one per tensor-parallel rank: loads its shard of the workload's model and runs broadcast batches."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import zmq
 
 from eric_epd.common.cpus import pin_process, pin_torch
 from eric_epd.common.shm import attach_untracked
-from eric_epd.config import EricConfig
 from eric_epd.executor.device_io import DeviceIO
 from eric_epd.executor.messages import (
     ExecuteBatchMsg,
@@ -32,6 +31,8 @@ from eric_epd.executor.shm_broadcast import (
     ShmBroadcastReader,
     buffer_to_tensor,
 )
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.workload import Runner, Workload
 
 logger = logging.getLogger(__name__)
 _DECODER = to_worker_decoder()
@@ -41,7 +42,8 @@ _DECODER = to_worker_decoder()
 class WorkerArgs:
     """What the executor hands one worker at spawn."""
 
-    config: EricConfig
+    config: RuntimeConfig
+    workload: Workload
     rank: int
     broadcast: BroadcastHandle
     dist_init: str
@@ -61,9 +63,7 @@ def _init_distributed(args: WorkerArgs, device: torch.device):  # -> TPContext
     return TPContext(rank=args.rank, world_size=world, group=torch.distributed.group.WORLD)
 
 
-def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]:
-    from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
-
+def _load(args: WorkerArgs) -> tuple[Runner, torch.device]:
     device = torch.device(args.config.resolved_device())
     cpus = args.config.worker_cpus(args.rank)
     if device.type == "cuda":
@@ -72,24 +72,22 @@ def _load(args: WorkerArgs) -> tuple[torch.nn.Module, torch.device, torch.dtype]
         pin_process(cpus)  # host-side work stays on this rank's CPUs
     else:
         pin_torch(cpus)  # this rank's slice, torch's pool sized to it
-    dtype = resolve_dtype(args.config.dtype, read_model_config(args.config.model))
     tp = _init_distributed(args, device)
-    encoder = load_encoder(args.config.model, dtype, device, tp)
-    return encoder, device, dtype
+    return args.workload.load(args.config, device, tp), device
 
 
 @dataclass
 class _Prepared:
-    """A batch taken off the broadcast: its pixels already on the device (its slot given back), or why not."""
+    """A batch taken off the broadcast: its inputs already on the device (its slot given back), or why not."""
 
     msg: ExecuteBatchMsg
-    pixels: torch.Tensor | None
+    inputs: torch.Tensor | None
     error: str = ""
 
 
 def _take(reader: ShmBroadcastReader, io: DeviceIO, dtype: torch.dtype, timeout: float,
           parent_gone: Callable[[], bool]) -> _Prepared | StopWorkerMsg | None:
-    """The next message (None if none within `timeout`); a batch's pixels are copied onto the device and its
+    """The next message (None if none within `timeout`); a batch's inputs are copied onto the device and its
     broadcast slot released at once, so the engine can already write the batch after it."""
     try:
         header, views = reader.dequeue(timeout=timeout, should_abort=parent_gone)
@@ -100,18 +98,15 @@ def _take(reader: ShmBroadcastReader, io: DeviceIO, dtype: torch.dtype, timeout:
         if isinstance(msg, StopWorkerMsg):
             return msg
         try:
-            pixels = io.pixels([buffer_to_tensor(v, torch.float32, (-1,)) for v in views], dtype)
-            patch_dim = pixels.numel() // max(1, sum(t * h * w for t, h, w in (i.grid_thw for i in msg.items)))
-            return _Prepared(msg, pixels.view(-1, patch_dim))
+            return _Prepared(msg, io.inputs([buffer_to_tensor(v, torch.float32, (-1,)) for v in views], dtype))
         except Exception as e:  # answered as this batch's error
-            logger.exception("batch %d: cannot stage its pixels", msg.batch_id)
+            logger.exception("batch %d: cannot stage its inputs", msg.batch_id)
             return _Prepared(msg, None, repr(e))
     finally:
         reader.release()
 
 
-def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-           push: zmq.Socket) -> None:
+def _serve(args: WorkerArgs, runner: Runner, device: torch.device, push: zmq.Socket) -> None:
     reader = ShmBroadcast.attach(args.broadcast, args.rank)
     segment = attach_untracked(args.config.pool_name) if args.rank == 0 else None
     pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf) if segment is not None else None
@@ -126,7 +121,7 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
         if not io.overlaps:
             return None
         try:
-            return _take(reader, io, dtype, 0.0, parent_gone)
+            return _take(reader, io, runner.dtype, 0.0, parent_gone)
         except BroadcastAborted as e:  # closed or parent gone: stop after answering this batch
             return StopWorkerMsg(str(e))
 
@@ -134,12 +129,12 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
     try:
         while not parent_gone():
             if taken is None:
-                taken = _take(reader, io, dtype, 1.0, parent_gone)
+                taken = _take(reader, io, runner.dtype, 1.0, parent_gone)
             if taken is None:
                 continue
             if isinstance(taken, StopWorkerMsg):
                 return
-            taken = _execute_and_reply(args.rank, encoder, taken, io, push, peek)
+            taken = _execute_and_reply(args.rank, runner, taken, io, push, peek)
     except BroadcastClosed:
         return
     finally:
@@ -150,28 +145,27 @@ def _serve(args: WorkerArgs, encoder: torch.nn.Module, device: torch.device, dty
             segment.close()
 
 
-def _execute_and_reply(rank: int, encoder: torch.nn.Module, batch: _Prepared, io: DeviceIO, push: zmq.Socket,
+def _execute_and_reply(rank: int, runner: Runner, batch: _Prepared, io: DeviceIO, push: zmq.Socket,
                        peek: Callable[[], _Prepared | StopWorkerMsg | None]) -> _Prepared | StopWorkerMsg | None:
     """Run one batch and answer it; returns the next message if `peek` took it while the forward ran."""
     msg, upcoming = batch.msg, None
-    modalities = tuple(sorted({i.modality for i in msg.items}))
     try:
-        if batch.pixels is None:
+        if batch.inputs is None:
             raise RuntimeError(batch.error)
-        grid = torch.tensor([list(i.grid_thw) for i in msg.items], dtype=torch.int64, device=io.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = encoder(batch.pixels, grid)
+            outputs = runner.run(msg.items, batch.inputs)
         upcoming = peek()  # the device still runs this forward: the next batch's copies overlap it
         io.sync()
         compute_s = time.perf_counter() - start
-        write_s = io.write(out, msg) if rank == 0 and not msg.warmup else 0.0  # only rank 0's output leaves
+        write_s = io.write(outputs, msg) if rank == 0 and not msg.warmup else 0.0  # only rank 0's output leaves
     except Exception as e:  # reported to the engine, which fails the batch's requests
         logger.exception("rank %d: batch %d failed", rank, msg.batch_id)
         push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])
         return upcoming
-    result = WorkerResultMsg(msg.batch_id, rank, shape=tuple(out.shape), dtype=str(out.dtype).removeprefix("torch."),
-                             modalities=modalities, compute_seconds=compute_s, write_seconds=write_s)
+    dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else ""
+    result = WorkerResultMsg(msg.batch_id, rank, shapes=[tuple(o.shape) for o in outputs], dtype=dtype,
+                             compute_seconds=compute_s, write_seconds=write_s)
     push.send(from_worker_encoder.encode(result))
     return upcoming
 
@@ -186,16 +180,16 @@ def main(args: WorkerArgs) -> None:
     try:
         start = time.perf_counter()
         try:
-            encoder, device, dtype = _load(args)
+            runner, device = _load(args)
         except Exception as e:
             logger.exception("rank %d failed to load the model", args.rank)
             push.send(from_worker_encoder.encode(WorkerReadyMsg(args.rank, os.getpid(), error=repr(e))))
             return
-        logger.info("rank %d loaded %s on %s in %.1fs", args.rank, dtype, device, time.perf_counter() - start)
+        logger.info("rank %d loaded %s on %s in %.1fs", args.rank, runner.dtype, device, time.perf_counter() - start)
         ready = WorkerReadyMsg(args.rank, os.getpid(), cpus=sorted(os.sched_getaffinity(0)),
                                threads=torch.get_num_threads() if device.type == "cpu" else 0)
         push.send(from_worker_encoder.encode(ready))
-        _serve(args, encoder, device, dtype, push)
+        _serve(args, runner, device, push)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -12,19 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eric_epd.engine.messages import GenerateSpec
+from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GeriLimits, check_spec
+
 logger = logging.getLogger(__name__)
-
-MAX_PROMPT_TOKENS = 512
-"""Prompt embeddings beyond this many tokens are cut, as QwenImagePipeline cuts them (max_sequence_length)."""
-
-
-@dataclass(frozen=True)
-class GeriLimits:
-    max_side: int = 1024
-    max_steps: int = 100
-    max_prompt_tokens: int = 4096
-    """Longest prompt (in tokens) accepted at all; longer ones are refused rather than cut silently."""
-
 
 @dataclass(frozen=True)
 class ImageRequest:
@@ -47,12 +38,20 @@ class ImageRequest:
         """Requests with equal keys run as one batch."""
         return self.height, self.width, self.steps, self.uses_cfg
 
+    def spec(self) -> GenerateSpec:
+        """The request's sizes and settings as they cross processes."""
+        negative = self.negative_embeds
+        return GenerateSpec(self.height, self.width, self.steps, self.seed, self.true_cfg_scale,
+                            self.prompt_embeds.shape[0] if self.prompt_embeds.dim() == 2 else 0,
+                            negative.shape[0] if negative is not None and negative.dim() == 2 else 0,
+                            self.prompt_embeds.shape[-1])
+
 
 class QwenImageGenerator:
     """The three modules of a Qwen-Image checkpoint, on one device in one dtype."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 limits: GeriLimits | None = None) -> None:
+                 limits: GeriLimits | None = None, tp: object | None = None) -> None:
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
         from diffusers.image_processor import VaeImageProcessor
 
@@ -74,21 +73,14 @@ class QwenImageGenerator:
 
     def check(self, request: ImageRequest) -> None:
         """ValueError naming what is wrong with the request (the server answers it with a 400)."""
-        limits = self.limits
         for name, embeds in (("prompt_embeds", request.prompt_embeds), ("negative_embeds", request.negative_embeds)):
-            if embeds is None:
-                continue
-            if embeds.dim() != 2 or embeds.shape[1] != self.hidden:
+            if embeds is not None and embeds.dim() != 2:
                 raise ValueError(f"{name} must be [tokens, {self.hidden}], got {list(embeds.shape)}")
-            if not 1 <= embeds.shape[0] <= limits.max_prompt_tokens:
-                raise ValueError(f"{name} has {embeds.shape[0]} tokens; 1 to {limits.max_prompt_tokens} accepted")
-            if not torch.isfinite(embeds).all():
+            if embeds is not None and not torch.isfinite(embeds).all():
                 raise ValueError(f"{name} holds non-finite values")
-        for name, side in (("height", request.height), ("width", request.width)):
-            if not 0 < side <= limits.max_side or side % self.size_factor:
-                raise ValueError(f"{name} {side} must be a multiple of {self.size_factor} up to {limits.max_side}")
-        if not 1 <= request.steps <= limits.max_steps:
-            raise ValueError(f"steps {request.steps} must be 1 to {limits.max_steps}")
+        problem = check_spec(request.spec(), self.hidden, self.size_factor, self.limits)
+        if problem is not None:
+            raise ValueError(problem)
 
     def _noise(self, request: ImageRequest) -> torch.Tensor:
         """The request's packed initial latents, drawn from its own seed exactly as the pipeline draws them."""

@@ -12,42 +12,27 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
-from eric_epd.common.http import ApiKeyMiddleware, BodyTooLargeError, read_limited_body
+from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, clip, parse_json
 from eric_epd.config import EricConfig
 from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
 from eric_epd.plugins.sglang.protocol import error_response as sglang_error_response
 from eric_epd.plugins.sglang.routes import sglang_routes
+from eric_epd.runtime.router import ApiError, engine_health, error_response, install_error_handlers, read_body
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.openapi import eric_openapi
 from eric_epd.server.processor import Processor, model_fingerprint
-from eric_epd.server.service import ApiError, EncodeService, ItemAnswer, ItemRequest, OutputSpec, RequestClock
+from eric_epd.server.service import EncodeService, ItemAnswer, ItemRequest, OutputSpec, RequestClock
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import TransferApiError, transfer_routes
 
 logger = logging.getLogger(__name__)
-
-
-def error_response(status: int, message: str, retry_after: float | None = None) -> JSONResponse:
-    """OpenAI/vLLM-shaped error body."""
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalError"
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) before reading it all."""
-    try:
-        return await read_limited_body(request, limit)
-    except BodyTooLargeError as e:
-        raise ApiError(413, str(e)) from e
 
 
 def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[ItemRequest]:
@@ -134,17 +119,9 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     schema = eric_openapi(__version__, list(mp.modalities), config.max_items_per_request)
     app.openapi = lambda: schema  # type: ignore[method-assign]  # written out: the routes read raw bodies
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return error_response(e.status, e.message, e.retry_after)
-
     @app.exception_handler(TransferApiError)
     async def _transfer_error(_: Request, e: TransferApiError) -> JSONResponse:
         return error_response(e.status, e.message)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail))
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
@@ -175,14 +152,8 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     app.include_router(sglang)
     sglang_paths = frozenset(r.path for r in sglang.routes)
 
-    @app.exception_handler(Exception)
-    async def _last_resort(request: Request, e: Exception) -> JSONResponse:
-        """A failure no route expected: logged with its traceback, answered in the route's documented error shape."""
-        logger.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path, exc_info=e)
-        message = f"internal error ({type(e).__name__}); the server goes on serving"
-        if request.url.path in sglang_paths:
-            return sglang_error_response(500, message, None)
-        return error_response(500, message)
+    install_error_handlers(app, lambda request, message: sglang_error_response(500, message, None)
+                           if request.url.path in sglang_paths else None)
     if config.api_key:
         # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
         open_paths = frozenset({"/health", "/metrics", *(r.path for r in sglang.routes)})
@@ -190,16 +161,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        client: EngineClient = state["client"]
-        status = await client.status() if is_engine_alive() else None
-        if status is None or not status.healthy:
-            reason = client.dead_reason or (status.reason if status else "engine not answering")
-            return JSONResponse({"status": "unhealthy", "reason": reason}, 503)
-        return JSONResponse({"status": "ok", "queued_items": status.queued_items,
-                             "running_items": status.running_items,
-                             "worker_pids": [w.pid for w in status.workers],
-                             "workers": [{"pid": w.pid, "cpus": w.cpus, "threads": w.threads}
-                                         for w in status.workers]})
+        return await engine_health(state["client"], is_engine_alive)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from eric_epd.common.stages import STAGE_BUCKETS, StageHistogram
-from eric_epd.engine.messages import EncodeResultMsg, EngineStatusMsg
+from eric_epd.engine.messages import EngineStatusMsg, WorkResultMsg
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -46,10 +46,10 @@ class EricMetrics:
     def observe_status(self, status: EngineStatusMsg) -> None:
         self.queue_depth.set(status.queued_items + status.running_items)
         for b in status.batches:
-            modality = "+".join(b.modalities)
+            modality = "+".join(b.kinds)
             self.batches.labels(modalities=modality).inc()
             self.batch_items.labels(modality=modality).observe(b.num_items)
-            self.batch_patches.labels(modality=modality).observe(b.num_patches)
+            self.batch_patches.labels(modality=modality).observe(b.cost)
             self.batch_seconds.labels(modality=modality).observe(b.seconds)
             self.stages.observe("batch_compute", b.compute_seconds)
             self.stages.observe("pool_write", b.write_seconds)
@@ -62,7 +62,7 @@ class EricMetrics:
         stages.observe("preprocess", seconds[1])
         stages.observe("hash", seconds[2])
 
-    def observe_result(self, result: EncodeResultMsg) -> float:
+    def observe_result(self, result: WorkResultMsg) -> float:
         """An engine request's queue wait; returns the forward time of the batches it rode in."""
         if not result.batches:
             return 0.0

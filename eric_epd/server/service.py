@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eric_epd.engine.client import EngineClient, EngineRequest, EngineUnavailableError
-from eric_epd.engine.messages import EncodeItem, ItemResult
+from eric_epd.engine.messages import EncodeSpec, ItemResult, WorkItem
+from eric_epd.runtime.router import ApiError
 from eric_epd.server.media import MediaError, MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import PreparedItem, Processor
@@ -23,16 +24,6 @@ from eric_epd.transfer.producer import PoolFullError, TransferHub
 logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class ApiError(Exception):
-    """An error answered to the client as {"error": {...}} with this HTTP status."""
-
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -200,7 +191,8 @@ class EncodeService:
     async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
         """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
         cancellation of this request never frees pool space the engine may still write."""
-        items = [EncodeItem(p.hash, p.item.modality, p.item.grid_thw, *p.item.pixel_values.shape, e.offset, e.nbytes)
+        items = [WorkItem(p.hash, p.item.modality, p.item.pixel_values.shape[0], e.offset, e.nbytes,
+                          EncodeSpec(p.item.modality, p.item.grid_thw, p.item.pixel_values.shape[1]))
                  for p, e in zip(mine.values(), entries)]
         try:
             request = self._client.submit(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
@@ -235,7 +227,7 @@ class EncodeService:
         try:
             msg, _ = await flight.request.result
             compute = self._metrics.observe_result(msg)
-            finished = {r.hash: r for r in msg.items}
+            finished = {r.key: r for r in msg.items}
             error = ApiError(msg.status, msg.error) if msg.error is not None else None
         except EngineUnavailableError as e:
             error = ApiError(e.status, e.message, e.retry_after)

@@ -1,4 +1,4 @@
-"""Launchers of the local EPD stack's servers as subprocesses (Eric, vLLM serve behind Eric, the gateway), used by
+"""Launchers of the local EPD stack's servers as subprocesses (Eric, vLLM serve behind Eric, the gateway, Geri), used by
 `eric-epd up`, the tests, the benchmarks and the demo; each waits until its server is healthy."""
 
 from __future__ import annotations
@@ -90,3 +90,18 @@ class GatewayServer(ServerProcess):
                                  ("EPD_GATEWAY_API_KEY", api_key)) if v}
         super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key,
                          cpus=cpus or host_split()[0])
+
+
+class GeriServer(ServerProcess):
+    """`with GeriServer(tp=2) as geri: httpx.post(geri.url + "/v1/generate", headers=geri.headers, json=body)`; the
+    built-in tiny Qwen-Image unless `model` is given. Its API key is generated unless given (GERI_API_KEY)."""
+
+    def __init__(self, model: Path | None = None, tp: int = 1, extra_args: tuple[str, ...] = (),
+                 port: int | None = None, log_path: Path | None = None, api_key: str | None = None,
+                 cpus: tuple[int, ...] | None = None) -> None:
+        port = port or free_port()
+        api_key = api_key or new_key()
+        cpus = cpus or host_split()[0]
+        cmd = [sys.executable, "-m", "eric_epd", "geri", "--tp", str(tp), "--port", str(port),
+               "--cpus", format_cpus(cpus), *(("--model", str(model)) if model else ()), *extra_args]
+        super().__init__(cmd, port, log_path, 180, env={"GERI_API_KEY": api_key}, api_key=api_key, cpus=cpus)

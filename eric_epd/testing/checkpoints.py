@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,13 +301,20 @@ def cache_root() -> Path:
 
 def ensure_checkpoint(family: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> Path:
     """Return the cached checkpoint for (family, size, seed), building it atomically on first use."""
-    target = cache_root() / f"{family}-{size}-s{seed}-v{BUILDER_VERSION}"
-    if (target / "config.json").exists():
+    return ensure_built(f"{family}-{size}-s{seed}-v{BUILDER_VERSION}", "config.json",
+                        lambda out: build_checkpoint(out, family, size, seed))
+
+
+def ensure_built(name: str, marker: str, build: Callable[[Path], object]) -> Path:
+    """The cache directory `name`, built by `build` into a temporary directory and renamed into place on first use
+    (so a half-built one is never seen); `marker` is a file every finished build holds."""
+    target = cache_root() / name
+    if (target / marker).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        build_checkpoint(tmp, family, size, seed)
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is identical

@@ -11,6 +11,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+BUILDER_VERSION = 1  # bump when the output of build_qwen_image_checkpoint changes
+
 SIZES = {
     "tiny": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 4, "joint_attention_dim": 128,
              "axes_dims_rope": (8, 12, 12)},
@@ -41,3 +43,11 @@ def build_qwen_image_checkpoint(out_dir: str | os.PathLike, size: str = "tiny", 
     logger.info("built qwen_image/%s checkpoint at %s: %.2fM transformer params", size, out,
                 sum(p.numel() for p in transformer.parameters()) / 1e6)
     return out
+
+
+def ensure_qwen_image_checkpoint(size: str = "tiny", seed: int = 0) -> Path:
+    """The cached offline Qwen-Image checkpoint (Geri's built-in default), built on first use."""
+    from eric_epd.testing.checkpoints import ensure_built
+
+    return ensure_built(f"qwen_image-{size}-s{seed}-v{BUILDER_VERSION}", "model_index.json",
+                        lambda out: build_qwen_image_checkpoint(out, size, seed))

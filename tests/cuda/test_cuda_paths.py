@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from eric_epd.engine.messages import EncodeSpec, WorkItem
 from eric_epd.executor.device_io import DeviceIO
-from eric_epd.executor.messages import BatchItemMsg, ExecuteBatchMsg
+from eric_epd.executor.messages import ExecuteBatchMsg
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url, random_image
 from eric_epd.transfer.handles import LEASE_HEADER
@@ -56,20 +57,21 @@ def test_device_io_pinned_copies_and_pool_writes() -> None:
     try:
         assert io._registered
         parts = [torch.randn(16 * 1176), torch.randn(32 * 1176)]
-        pixels = io.pixels(parts, torch.bfloat16)
+        pixels = io.inputs(parts, torch.bfloat16)
         assert pixels.device.type == "cuda" and pixels.dtype == torch.bfloat16
         assert io._staging[0] is not None and io._staging[0].is_pinned()
         torch.testing.assert_close(pixels.float().cpu(), torch.cat(parts).bfloat16().float())
         # three batches back to back through the two alternating buffers, none waiting for a sync in between
         more = [[torch.randn(8 * 1176) * k] for k in range(3)]
-        staged = [io.pixels(p, torch.float32) for p in more]
+        staged = [io.inputs(p, torch.float32) for p in more]
         io.sync()
         for got, p in zip(staged, more):
             torch.testing.assert_close(got.cpu(), p[0])
         out = torch.randn(12, 64, device="cuda:0", dtype=torch.bfloat16)
-        msg = ExecuteBatchMsg(1, "image", [BatchItemMsg("a", "image", (1, 4, 4), 4096, 4 * 64 * 2),
-                                           BatchItemMsg("b", "image", (1, 8, 4), 0, 8 * 64 * 2)])
-        io.write(out, msg)
+        items = [WorkItem("a", "image", 16, 4096, 4 * 64 * 2, EncodeSpec("image", (1, 4, 4), 1176)),
+                 WorkItem("b", "image", 32, 0, 8 * 64 * 2, EncodeSpec("image", (1, 8, 4), 1176))]
+        msg = ExecuteBatchMsg(1, "image", items)
+        io.write(list(out.split([4, 8])), msg)
         host = out.cpu().view(torch.uint8).reshape(-1).numpy()
         assert bytes(pool[4096:4096 + 512]) == host[:512].tobytes()
         assert bytes(pool[:1024]) == host[512:].tobytes()

@@ -31,7 +31,8 @@ from eric_epd.plugins.sglang.wire import (
     SendRequest,
 )
 from eric_epd.plugins.sglang.zmq_push import ZmqSender
-from eric_epd.server.service import ApiError, EncodeService, ItemRequest
+from eric_epd.runtime.router import ApiError
+from eric_epd.server.service import EncodeService, ItemRequest
 from eric_epd.transfer.producer import PoolFullError, TransferHub
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,107 @@
+"""The Geri router: FastAPI routes for image generation, health, models and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.requests import ClientDisconnect
+
+from eric_epd import __version__
+from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
+from eric_epd.common.http import ApiKeyMiddleware
+from eric_epd.engine.client import EngineClient
+from eric_epd.geri.body import parse_generate_body
+from eric_epd.geri.config import GeriConfig
+from eric_epd.geri.service import GenerateService
+from eric_epd.geri.workload import GeneratorWorkload
+from eric_epd.runtime.router import ApiError, engine_health, install_error_handlers, read_body
+from eric_epd.transfer.pool import EmbeddingPool
+
+logger = logging.getLogger(__name__)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """A uint8 [height, width, 3] image as PNG (lossless: the pixels read back are the generated ones)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+class GeriMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("geri_requests", "/v1/generate requests by HTTP status", ["status"], registry=r)
+        self.seconds = Histogram("geri_request_seconds", "/v1/generate wall time of answered requests", registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+
+
+def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: EmbeddingPool,
+               workload: GeneratorWorkload) -> FastAPI:
+    """The router app; its lifespan connects to an engine that is already running."""
+    metrics = GeriMetrics()
+    model_name = str(config.model)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client = EngineClient(config, is_engine_alive)
+        client.start()
+        state["client"] = client
+        state["service"] = GenerateService(client, pool, workload)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="Geri generation server", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.post("/v1/generate")
+    async def generate(request: Request) -> Response:
+        start = asyncio.get_running_loop().time()
+        try:
+            body = await read_body(request, config.max_body_bytes)
+            parsed = parse_generate_body(body, workload)
+            image = await until_disconnect(request, state["service"].generate(parsed))
+        except ApiError as e:
+            metrics.requests.labels(status=str(e.status)).inc()
+            raise
+        except (ClientDisconnectedError, ClientDisconnect):
+            metrics.requests.labels(status="499").inc()
+            return Response(status_code=499)
+        png = await asyncio.to_thread(png_bytes, image)
+        metrics.requests.labels(status="200").inc()
+        metrics.seconds.observe(asyncio.get_running_loop().time() - start)
+        return Response(png, media_type="image/png")
+
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health", "/metrics"}))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await engine_health(state["client"], is_engine_alive)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "owned_by": "eric-epd", "tp_size": config.tp_size,
+            "dtype": config.dtype, "hidden_size": workload.hidden, "size_factor": workload.size_factor,
+            "max_side": config.limits.max_side, "max_steps": config.limits.max_steps,
+        }]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,92 @@
+"""The body of Geri's POST /v1/generate, both ways: built from embeddings (by the gateway, tests, benchmarks) and
+parsed and checked (by Geri's router), every problem a 400 naming it."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from eric_epd.common.jsonbody import JsonBodyError, decode_struct
+from eric_epd.engine.messages import GenerateSpec
+from eric_epd.geri.workload import GeneratorWorkload
+from eric_epd.runtime.router import ApiError
+
+PROMPT, NEGATIVE = "prompt_embeds", "negative_prompt_embeds"
+
+
+class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/generate: the embeddings inline as a base64 safetensors file holding `prompt_embeds` [tokens, hidden]
+    and, optionally, `negative_prompt_embeds` [tokens, hidden]."""
+
+    embeddings: str
+    height: int = 1024
+    width: int = 1024
+    steps: int = 50
+    seed: int = 0
+    guidance_scale: float = 4.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A checked request: its spec and its float32 input (the prompt's rows, then the negative prompt's)."""
+
+    spec: GenerateSpec
+    embeddings: np.ndarray
+
+
+def parse_generate_body(body: bytes, workload: GeneratorWorkload) -> GenerateRequest:
+    """Every problem is a 400 naming it: malformed JSON, unknown fields, bad sizes, unreadable embeddings."""
+    try:
+        raw = decode_struct(body, GenerateBody)
+    except JsonBodyError as e:
+        raise ApiError(400, str(e)) from e
+    prompt, negative = _embeddings(raw.embeddings)
+    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, prompt.shape[0],
+                        negative.shape[0] if negative is not None else 0, prompt.shape[1])
+    if negative is not None and negative.shape[1] != prompt.shape[1]:
+        raise ApiError(400, f"{NEGATIVE} is [{negative.shape[0]}, {negative.shape[1]}], but {PROMPT} has hidden "
+                            f"size {prompt.shape[1]}")
+    if (problem := workload.check(spec)) is not None:
+        raise ApiError(400, problem)
+    rows = [prompt] if negative is None else [prompt, negative]
+    return GenerateRequest(spec, np.ascontiguousarray(np.concatenate(rows), dtype=np.float32))
+
+
+def _embeddings(encoded: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The prompt's (and negative prompt's) embeddings as float32 [tokens, hidden] arrays, finite."""
+    import torch
+    from safetensors.torch import load
+
+    try:
+        tensors = load(base64.b64decode(encoded, validate=True))
+    except (binascii.Error, ValueError) as e:
+        raise ApiError(400, f"embeddings must be a base64 safetensors file: {e}") from e
+    except Exception as e:  # safetensors' own SafetensorError
+        raise ApiError(400, f"embeddings are not a readable safetensors file: {e}") from e
+    unknown = sorted(set(tensors) - {PROMPT, NEGATIVE})
+    if PROMPT not in tensors or unknown:
+        raise ApiError(400, f"embeddings must hold {PROMPT!r} (and optionally {NEGATIVE!r}); got {sorted(tensors)}")
+    arrays: dict[str, np.ndarray] = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            raise ApiError(400, f"{name} must be a floating-point [tokens, hidden] tensor, got {tensor.dtype} "
+                                f"{list(tensor.shape)}")
+        array = tensor.to(torch.float32).numpy()
+        if not np.isfinite(array).all():
+            raise ApiError(400, f"{name} holds non-finite values")
+        arrays[name] = array
+    return arrays[PROMPT], arrays.get(NEGATIVE)
+
+
+def generate_body(prompt: np.ndarray, negative: np.ndarray | None = None, **settings: object) -> dict:
+    """A /v1/generate JSON body for float32 [tokens, hidden] embeddings; `settings`: GenerateBody's other fields."""
+    from safetensors.numpy import save
+
+    tensors = {PROMPT: np.ascontiguousarray(prompt, np.float32)}
+    if negative is not None:
+        tensors[NEGATIVE] = np.ascontiguousarray(negative, np.float32)
+    return {"embeddings": base64.b64encode(save(tensors)).decode(), **settings}

@@ -1,0 +1,57 @@
+"""`eric-epd geri`: the command line of a Geri server, parsed once into a GeriConfig."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from eric_epd.common.cpus import parse_cpus
+from eric_epd.geri.config import GeriConfig
+from eric_epd.geri.limits import GeriLimits
+from eric_epd.runtime.config import DTYPES, BatchLimits
+
+_DEFAULT_BATCH = GeriConfig.__dataclass_fields__["batch"].default_factory()  # type: ignore[misc]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("geri", help="run a Geri generation server (prompt embeddings in, images out)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="Qwen-Image diffusers checkpoint directory (default: the built-in tiny Qwen-Image)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=GeriConfig.port)
+    p.add_argument("--api-key", default=None,
+                   help="callers must send 'Authorization: Bearer KEY' (default: $GERI_API_KEY; none: no check)")
+    p.add_argument("--cpus", type=parse_cpus, default=(), help="CPUs this Geri may use, e.g. 0-3 (default: all)")
+    p.add_argument("--max-batch-items", type=int, default=_DEFAULT_BATCH.max_items)
+    p.add_argument("--max-batch-tokens", type=int, default=0,
+                   help="most image tokens per batch (0: 4096 on CPU, 65536 on CUDA)")
+    p.add_argument("--max-queued-items", type=int, default=_DEFAULT_BATCH.max_queued_items)
+    p.add_argument("--max-side", type=int, default=GeriLimits.max_side)
+    p.add_argument("--max-steps", type=int, default=GeriLimits.max_steps)
+    p.add_argument("--max-prompt-tokens", type=int, default=GeriLimits.max_prompt_tokens)
+    p.add_argument("--pool-bytes", type=int, default=GeriConfig.pool_bytes,
+                   help="shared memory the workers write images into")
+    p.add_argument("--max-body-bytes", type=int, default=GeriConfig.max_body_bytes)
+    p.add_argument("--request-timeout", type=float, default=GeriConfig.request_timeout_s)
+    p.add_argument("--worker-timeout", type=float, default=GeriConfig.worker_timeout_s,
+                   help="a batch running longer than this marks the workers unhealthy")
+
+
+def config_from_args(args: argparse.Namespace) -> GeriConfig:
+    if args.model is None:
+        from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
+
+        model = ensure_qwen_image_checkpoint("tiny")
+    else:
+        model = args.model.resolve()
+    return GeriConfig(
+        model=model, tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+        cpus=args.cpus, api_key=args.api_key or os.environ.get("GERI_API_KEY") or None,
+        batch=BatchLimits(args.max_batch_items, args.max_batch_tokens, args.max_queued_items),
+        limits=GeriLimits(args.max_side, args.max_steps, args.max_prompt_tokens),
+        pool_bytes=args.pool_bytes, max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
+        worker_timeout_s=args.worker_timeout)

@@ -1,0 +1,68 @@
+"""Geri's request path in the router: a checked request turned into one work item, its image slot reserved in the
+output pool, the engine's answer awaited, the image read out and its slot freed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import numpy as np
+
+from eric_epd.engine.client import EngineClient, EngineRequest, EngineUnavailableError
+from eric_epd.geri.body import GenerateRequest
+from eric_epd.geri.workload import GeneratorWorkload
+from eric_epd.runtime.router import ApiError
+from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
+
+logger = logging.getLogger(__name__)
+
+class GenerateService:
+    """One image per request; requests of one size and step count batch in the engine."""
+
+    def __init__(self, client: EngineClient, pool: EmbeddingPool, workload: GeneratorWorkload) -> None:
+        self._client = client
+        self._pool = pool
+        self._workload = workload
+        self._settling: set[asyncio.Task[np.ndarray]] = set()
+
+    async def generate(self, request: GenerateRequest) -> np.ndarray:
+        """The uint8 [height, width, 3] image; ApiError with the engine's status otherwise. Cancelling aborts the
+        engine's work; the image's slot is freed only once the engine has answered."""
+        spec = request.spec
+        key = uuid.uuid4().hex
+        entry = self._pool.reserve(key, spec.height * spec.width * 3, (spec.height, spec.width, 3), "uint8")
+        if entry is None:
+            raise ApiError(503, "image pool full; retry later", retry_after=1.0)
+        try:
+            engine_request = self._client.submit([self._workload.item(key, spec, entry.offset)], [request.embeddings])
+        except EngineUnavailableError as e:
+            self._pool.release(key, entry.generation)  # never sent: nothing writes there
+            raise ApiError(e.status, e.message, e.retry_after) from e
+        settling = asyncio.create_task(self._settle(engine_request, entry))
+        self._settling.add(settling)
+        settling.add_done_callback(self._settling.discard)
+        timeout = self._client.request_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(settling), timeout)
+        except TimeoutError as e:
+            self._client.abort(engine_request)
+            raise ApiError(504, f"generation timed out after {timeout}s") from e
+        except asyncio.CancelledError:
+            self._client.abort(engine_request)  # the client left: drop it if it has not started
+            raise
+
+    async def _settle(self, request: EngineRequest, entry: PoolEntry) -> np.ndarray:
+        """After the engine's final answer (or its death): the image copied out, the slot freed either way."""
+        try:
+            msg, _ = await request.result
+            if msg.error is not None:
+                raise ApiError(msg.status, msg.error)
+            if [r.key for r in msg.items] != [entry.hash] or tuple(msg.items[0].shape) != entry.shape:
+                raise ApiError(500, f"the engine answered {msg.items} for one image of {list(entry.shape)}")
+            return self._pool.view(entry).copy().reshape(entry.shape)
+        except EngineUnavailableError as e:
+            raise ApiError(e.status, e.message, e.retry_after) from e
+        finally:
+            self._pool.release(entry.hash, entry.generation)
+

@@ -1,0 +1,78 @@
+"""The router-process pieces every server on the skeleton shares: its error type and JSON error shape, the error
+handlers (including the last resort), the body reader with a size bound and the engine-backed /health answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.engine.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered to the client as {"error": {...}} with this HTTP status."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+def error_response(status: int, message: str, retry_after: float | None = None) -> JSONResponse:
+    """OpenAI/vLLM-shaped error body."""
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalError"
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) before reading it all."""
+    try:
+        return await read_limited_body(request, limit)
+    except BodyTooLargeError as e:
+        raise ApiError(413, str(e)) from e
+
+
+LastResort = Callable[[Request, str], JSONResponse | None]
+
+
+def install_error_handlers(app: FastAPI, special: LastResort | None = None) -> None:
+    """ApiError and HTTP errors in the JSON error shape; any other exception logged with its traceback and answered
+    500 in that shape too (or in the shape `special` gives for its own routes)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.retry_after)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _last_resort(request: Request, e: Exception) -> JSONResponse:
+        """A failure no route expected: logged with its traceback, answered in the route's documented error shape."""
+        logger.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path, exc_info=e)
+        message = f"internal error ({type(e).__name__}); the server goes on serving"
+        answer = special(request, message) if special is not None else None
+        return answer if answer is not None else error_response(500, message)
+
+
+async def engine_health(client: EngineClient, is_engine_alive: Callable[[], bool]) -> JSONResponse:
+    """200 with queue depth and workers while the engine and every worker live; 503 naming the reason otherwise."""
+    status = await client.status() if is_engine_alive() else None
+    if status is None or not status.healthy:
+        reason = client.dead_reason or (status.reason if status else "engine not answering")
+        return JSONResponse({"status": "unhealthy", "reason": reason}, 503)
+    return JSONResponse({"status": "ok", "queued_items": status.queued_items,
+                         "running_items": status.running_items,
+                         "worker_pids": [w.pid for w in status.workers],
+                         "workers": [{"pid": w.pid, "cpus": w.cpus, "threads": w.threads}
+                                     for w in status.workers]})
