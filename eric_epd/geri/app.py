@@ -19,6 +19,7 @@ from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.engine.client import EngineClient
+from eric_epd.engine.messages import EngineStatusMsg
 from eric_epd.geri.body import parse_generate_body
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.service import GenerateService
@@ -44,6 +45,15 @@ class GeriMetrics:
         self.requests = Counter("geri_requests", "/v1/generate requests by HTTP status", ["status"], registry=r)
         self.seconds = Histogram("geri_request_seconds", "/v1/generate wall time of answered requests", registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.batch_items = Histogram("geri_batch_items", "Images generated per batch", registry=r,
+                                     buckets=(1, 2, 4, 8, 16, 32))
+        self.batch_seconds = Histogram("geri_batch_seconds", "Wall time per batch", registry=r,
+                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+
+    def observe_status(self, status: EngineStatusMsg) -> None:
+        for batch in status.batches:
+            self.batch_items.observe(batch.num_items)
+            self.batch_seconds.observe(batch.seconds)
 
 
 def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: EmbeddingPool,
@@ -55,7 +65,7 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = EngineClient(config, is_engine_alive)
+        client = EngineClient(config, is_engine_alive, on_status=metrics.observe_status)
         client.start()
         state["client"] = client
         state["service"] = GenerateService(client, pool, workload)
@@ -102,6 +112,8 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        if is_engine_alive():
+            await state["client"].status(timeout_s=0.5)  # brings the batches run since the last status
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
     return app

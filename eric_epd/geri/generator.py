@@ -14,6 +14,8 @@ import torch
 
 from eric_epd.engine.messages import GenerateSpec
 from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GeriLimits, check_spec
+from eric_epd.geri.parallel import shard_qwen_image_transformer
+from eric_epd.models.layers.parallel import TPContext
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +53,14 @@ class QwenImageGenerator:
     """The three modules of a Qwen-Image checkpoint, on one device in one dtype."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 limits: GeriLimits | None = None, tp: object | None = None) -> None:
+                 limits: GeriLimits | None = None, tp: TPContext | None = None) -> None:
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
         from diffusers.image_processor import VaeImageProcessor
 
         self.device, self.dtype, self.limits = torch.device(device), dtype, limits or GeriLimits()
         self.transformer = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype)
+        if isinstance(tp, TPContext):
+            shard_qwen_image_transformer(self.transformer, tp)  # before the move: only this rank's shard goes
         self.transformer.to(self.device).eval()
         self.vae = AutoencoderKLQwenImage.from_pretrained(model_dir / "vae", torch_dtype=dtype).to(self.device).eval()
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")

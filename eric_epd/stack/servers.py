@@ -78,16 +78,17 @@ def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls:
 
 
 class GatewayServer(ServerProcess):
-    """The gateway; the Erics' and the engines' keys reach it by environment (ERIC_API_KEY, VLLM_API_KEY)."""
+    """The gateway; the Erics', the engines' and the Geris' keys reach it by environment (ERIC_API_KEY, VLLM_API_KEY,
+    GERI_API_KEY)."""
 
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
                  upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
-                 cpus: tuple[int, ...] | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None) -> None:
         port = port or free_port()
         cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
         env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
-                                 ("EPD_GATEWAY_API_KEY", api_key)) if v}
+                                 ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key)) if v}
         super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key,
                          cpus=cpus or host_split()[0])
 

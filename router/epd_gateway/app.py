@@ -25,6 +25,7 @@ from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, wit
 from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
+from epd_gateway.images import ImageGenerator
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.openapi import gateway_openapi
 from epd_gateway.upstream import Upstreams, new_session
@@ -65,6 +66,13 @@ class Gateway:
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
                                     config.encode_timeout_s)
         self.upstreams = Upstreams(config, session, metrics)
+        self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, client, config.upstream_api_key,
+                                      config.geri_api_key) if config.geri_urls else None)
+        self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
+
+    def check_serves_chat(self) -> None:
+        if not self.serves_chat:
+            raise GatewayError(404, "this gateway serves image generation only (no chat upstreams)")
 
     def check_api_key(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -207,6 +215,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def chat(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
+        gw.check_serves_chat()
         try:
             reading = time.perf_counter()
             raw, body = await read_json(request, config.max_body_bytes)
@@ -226,6 +235,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def completions(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
+        gw.check_serves_chat()
         reading = time.perf_counter()
         raw, body = await read_json(request, config.max_body_bytes)
         start = time.perf_counter()
@@ -237,9 +247,28 @@ def create_app(config: GatewayConfig) -> Starlette:
         metrics.latency.labels(path="pd").observe(time.perf_counter() - start)
         return response
 
+    async def images(request: Request) -> Response:
+        gw = state["gw"]
+        gw.check_api_key(request)
+        if gw.images is None:
+            raise GatewayError(404, "image generation is not configured (--text-encoder-urls, --geri-urls)")
+        try:
+            raw = await read_limited_body(request, config.max_body_bytes)
+        except BodyTooLargeError as e:
+            raise GatewayError(413, str(e)) from e
+        start = time.perf_counter()
+        try:
+            answer = await until_disconnect(request, gw.images.generate(raw))
+        except (ClientDisconnectedError, ClientDisconnect):
+            return Response(status_code=499)
+        metrics.requests.labels(path="images").inc()
+        metrics.latency.labels(path="images").observe(time.perf_counter() - start)
+        return JSONResponse(answer)
+
     async def models(request: Request) -> Response:
         gw = state["gw"]
         gw.check_api_key(request)
+        gw.check_serves_chat()
         return await gw.upstreams.get("/v1/models", forwarded(request))
 
     async def health(_: Request) -> JSONResponse:
@@ -277,6 +306,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/images/generations", images, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

@@ -44,12 +44,22 @@ class GatewayConfig:
     encode_timeout_s: float = 60.0
     upstream_timeout_s: float = 300.0
     sglang_bootstrap_port: int = 8998
+    text_encoder_urls: tuple[str, ...] = ()
+    """vLLM instances serving an image model's text encoder as a pooling model (token_embed), for
+    /v1/images/generations; they check --upstream-api-key."""
+    geri_urls: tuple[str, ...] = ()
+    """Geri servers that turn those hidden states into images."""
+    geri_api_key: str | None = None
+    """Sent to the Geris (--geri-api-key, or $GERI_API_KEY)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("vllm", "sglang"):
             raise ValueError("backend must be vllm or sglang")
-        if not self.colocated_urls and not (self.prefill_urls and self.decode_urls):
-            raise ValueError("give --colocated-urls, or both --prefill-urls and --decode-urls")
+        if bool(self.text_encoder_urls) != bool(self.geri_urls):
+            raise ValueError("image generation needs both --text-encoder-urls and --geri-urls")
+        if not self.colocated_urls and not (self.prefill_urls and self.decode_urls) and not self.geri_urls:
+            raise ValueError("give --colocated-urls, or both --prefill-urls and --decode-urls (or, for images only, "
+                             "--text-encoder-urls and --geri-urls)")
         if self.epd_prefill_urls and (self.backend != "sglang" or not self.decode_urls):
             raise ValueError("--epd-prefill-urls is for --backend sglang, with --decode-urls")
         if self.epd_min_items < 1 or self.max_items < 1:
@@ -90,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--health-interval", type=float, default=GatewayConfig.health_interval_s)
     p.add_argument("--eject-after-failures", type=int, default=GatewayConfig.eject_after_failures)
     p.add_argument("--sglang-bootstrap-port", type=int, default=GatewayConfig.sglang_bootstrap_port)
+    p.add_argument("--text-encoder-urls", type=_urls, default=(),
+                   help="vLLM pooling instances of the image model's text encoder (for /v1/images/generations)")
+    p.add_argument("--geri-urls", type=_urls, default=(), help="Geri servers (for /v1/images/generations)")
+    p.add_argument("--geri-api-key", default=None, help="the Geris' --api-key (default: $GERI_API_KEY)")
     a = p.parse_args(argv)
     return GatewayConfig(
         encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
@@ -103,4 +117,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
                              file_roots=tuple(r.resolve() for r in a.file_root)),
         health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,
-        sglang_bootstrap_port=a.sglang_bootstrap_port)
+        sglang_bootstrap_port=a.sglang_bootstrap_port, text_encoder_urls=a.text_encoder_urls, geri_urls=a.geri_urls,
+        geri_api_key=a.geri_api_key or os.environ.get("GERI_API_KEY") or None)

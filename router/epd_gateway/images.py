@@ -1,0 +1,122 @@
+"""OpenAI's POST /v1/images/generations: the prompt's last hidden states from vLLM serving the text encoder as a
+pooling model (`token_embed`, no normalisation), then Geri turns them into the image."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import time
+from typing import Annotated, Literal
+
+import httpx
+import msgspec
+import numpy as np
+
+from epd_gateway.errors import GatewayError
+from eric_epd.common.http import bearer
+from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, decode_struct
+from eric_epd.geri.body import generate_body
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+"""QwenImagePipeline's prompt template; its first TEMPLATE_TOKENS tokens' states are dropped, as the pipeline drops
+them (prompt_template_encode_start_idx)."""
+TEMPLATE_TOKENS = 34
+MAX_PROMPT_CHARS = 4000
+MAX_IMAGES = 4
+
+
+class ImagesBody(msgspec.Struct):
+    """OpenAI's request, plus the diffusion settings Qwen-Image takes (unknown OpenAI fields are ignored)."""
+
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    model: Annotated[str, msgspec.Meta(max_length=MAX_ID)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGES)] = 1
+    size: Annotated[str, msgspec.Meta(max_length=16)] = "1024x1024"
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
+    true_cfg_scale: Annotated[float, msgspec.Meta(ge=0, le=100)] = 4.0
+
+
+def parse_images_body(raw: bytes) -> tuple[ImagesBody, int, int]:
+    """(body, width, height), every problem a 400 naming it."""
+    try:
+        body = decode_struct(raw, ImagesBody)
+    except JsonBodyError as e:
+        raise GatewayError(400, str(e)) from e
+    if body.response_format == "url":
+        raise GatewayError(400, "response_format 'url' is not configured on this gateway; use 'b64_json'",
+                           param="response_format")
+    width, _, height = body.size.partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise GatewayError(400, f"size must be WIDTHxHEIGHT such as 1024x1024, got {body.size!r}", param="size")
+    return body, int(width), int(height)
+
+
+class ImageGenerator:
+    """Round-robin over the text encoders and the Geris; each call's errors answered in OpenAI's shape."""
+
+    def __init__(self, text_encoder_urls: tuple[str, ...], geri_urls: tuple[str, ...], client: httpx.AsyncClient,
+                 text_encoder_key: str | None, geri_key: str | None) -> None:
+        self._encoders = itertools.cycle(text_encoder_urls)
+        self._geris = itertools.cycle(geri_urls)
+        self._client = client
+        self._encoder_headers = bearer(text_encoder_key)
+        self._geri_headers = bearer(geri_key)
+
+    async def generate(self, raw: bytes) -> dict:
+        body, width, height = parse_images_body(raw)
+        use_negative = body.negative_prompt is not None and body.true_cfg_scale > 1
+        prompt, negative = await asyncio.gather(
+            self.hidden_states(body.prompt),
+            self.hidden_states(body.negative_prompt) if use_negative else _none())
+        settings = {"height": height, "width": width, "steps": body.num_inference_steps,
+                    "guidance_scale": body.true_cfg_scale}
+        images = await asyncio.gather(*(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings))
+                                        for i in range(body.n)))
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+
+    async def hidden_states(self, prompt: str) -> np.ndarray:
+        """The templated prompt's last hidden states [tokens, hidden] from vLLM, the template's own tokens dropped."""
+        url = next(self._encoders)
+        payload = {"input": PROMPT_TEMPLATE.format(prompt), "task": "token_embed", "use_activation": False}
+        try:
+            response = await self._client.post(url + "/pooling", json=payload, headers=self._encoder_headers)
+        except httpx.HTTPError as e:
+            raise GatewayError(503, f"text encoder {url} unreachable: {e!r}") from e
+        if response.status_code != 200:
+            raise GatewayError(502 if response.status_code < 500 else 503,
+                               f"text encoder answered {response.status_code}: {response.text[:300]}")
+        try:
+            states = np.asarray(response.json()["data"][0]["data"], dtype=np.float32)
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise GatewayError(502, f"text encoder answered an unreadable pooling result: {e!r}") from e
+        if states.ndim != 2 or states.shape[0] <= TEMPLATE_TOKENS:
+            raise GatewayError(502, f"text encoder answered hidden states of shape {list(states.shape)}")
+        return states[TEMPLATE_TOKENS:]
+
+    async def _image(self, body: dict) -> bytes:
+        url = next(self._geris)
+        try:
+            response = await self._client.post(url + "/v1/generate", json=body, headers=self._geri_headers)
+        except httpx.HTTPError as e:
+            raise GatewayError(503, f"image generator {url} unreachable: {e!r}") from e
+        if response.status_code == 200:
+            return response.content
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        status = response.status_code if response.status_code in (400, 503, 504) else 502
+        raise GatewayError(status, f"image generation failed: {message}")
+
+
+async def _none() -> None:
+    return None
