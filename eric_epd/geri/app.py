@@ -18,13 +18,12 @@ from starlette.requests import ClientDisconnect
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware
-from eric_epd.engine.client import EngineClient
 from eric_epd.engine.messages import EngineStatusMsg
 from eric_epd.geri.body import parse_generate_body
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.service import GenerateService
 from eric_epd.geri.workload import GeneratorWorkload
-from eric_epd.runtime.router import ApiError, engine_health, install_error_handlers, read_body
+from eric_epd.runtime.router import ApiError, connected_client, engine_health, install_error_handlers, read_body
 from eric_epd.transfer.pool import EmbeddingPool
 
 logger = logging.getLogger(__name__)
@@ -65,14 +64,10 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = EngineClient(config, is_engine_alive, on_status=metrics.observe_status)
-        client.start()
-        state["client"] = client
-        state["service"] = GenerateService(client, pool, workload)
-        try:
+        async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
+            state["client"] = client
+            state["service"] = GenerateService(client, pool, workload)
             yield
-        finally:
-            await client.close()
 
     app = FastAPI(title="Geri generation server", version=__version__, lifespan=lifespan)
     install_error_handlers(app)

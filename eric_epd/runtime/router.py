@@ -1,10 +1,12 @@
 """The router-process pieces every server on the skeleton shares: its error type and JSON error shape, the error
-handlers (including the last resort), the body reader with a size bound and the engine-backed /health answer."""
+handlers (including the last resort), the body reader with a size bound, the engine client's lifetime and the
+engine-backed /health answer."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -12,6 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.engine.client import EngineClient
+from eric_epd.engine.messages import EngineStatusMsg
+from eric_epd.runtime.config import RuntimeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +80,16 @@ async def engine_health(client: EngineClient, is_engine_alive: Callable[[], bool
                          "worker_pids": [w.pid for w in status.workers],
                          "workers": [{"pid": w.pid, "cpus": w.cpus, "threads": w.threads}
                                      for w in status.workers]})
+
+
+@asynccontextmanager
+async def connected_client(config: RuntimeConfig, is_engine_alive: Callable[[], bool],
+                           on_status: Callable[[EngineStatusMsg], None] | None = None) -> AsyncIterator[EngineClient]:
+    """The router's EngineClient to an engine that is already running, for a lifespan; closed (and the engine told
+    to stop) on the way out."""
+    client = EngineClient(config, is_engine_alive, on_status=on_status)
+    client.start()
+    try:
+        yield client
+    finally:
+        await client.close()

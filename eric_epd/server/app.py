@@ -19,11 +19,17 @@ from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, clip, parse_json
 from eric_epd.config import EricConfig
-from eric_epd.engine.client import EngineClient
 from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
 from eric_epd.plugins.sglang.protocol import error_response as sglang_error_response
 from eric_epd.plugins.sglang.routes import sglang_routes
-from eric_epd.runtime.router import ApiError, engine_health, error_response, install_error_handlers, read_body
+from eric_epd.runtime.router import (
+    ApiError,
+    connected_client,
+    engine_health,
+    error_response,
+    install_error_handlers,
+    read_body,
+)
 from eric_epd.server.media import MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.openapi import eric_openapi
@@ -100,18 +106,16 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = EngineClient(config, is_engine_alive, on_status=metrics.observe_status)
-        client.start()
         fetcher = MediaFetcher(config.url_policy, config.media)
         processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(config.model))
-        state["client"] = client
-        state["service"] = EncodeService(fetcher, processor, client, hub, metrics, output_spec(config))
         expiry = asyncio.create_task(hub.expiry_loop())
         try:
-            yield
+            async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
+                state["client"] = client
+                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, output_spec(config))
+                yield
         finally:
             expiry.cancel()
-            await client.close()
             await fetcher.aclose()
             processor.close()
 

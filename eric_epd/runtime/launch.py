@@ -1,0 +1,56 @@
+"""Starts one server on the skeleton: its output pool, the engine process (which spawns the workers), then the
+router in this process; on the way out the engine, the pool and the ipc directory go too."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import uvicorn
+
+from eric_epd.common.cpus import pin_process
+from eric_epd.engine.process import EngineProcess
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=Closable)
+
+
+def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: Callable[[], P],
+               make_app: Callable[[Callable[[], bool], P], object]) -> None:
+    """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers. The pool is
+    made before the engine: the workers attach to it."""
+    if config.resolved_device() == "cuda":
+        import torch
+
+        try:
+            config.rank_device(config.tp_size - 1, torch.cuda.device_count())  # more ranks than devices: fail now
+        except ValueError as e:
+            raise SystemExit(f"eric-epd {name}: {e}") from None
+    if config.cpus:
+        pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    pool = make_pool()
+    try:
+        engine = EngineProcess.spawn(config, workload)
+    except BaseException:
+        pool.close()
+        raise
+    try:
+        app = make_app(engine.is_alive, pool)
+        logger.info("%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host,
+                    config.port)
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+        pool.close()
+        shutil.rmtree(config.run_dir, ignore_errors=True)
