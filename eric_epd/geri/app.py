@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.requests import ClientDisconnect
 
@@ -23,7 +23,7 @@ from eric_epd.geri.body import parse_generate_body
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.service import GenerateService
 from eric_epd.geri.workload import GeneratorWorkload
-from eric_epd.runtime.router import ApiError, connected_client, engine_health, install_error_handlers, read_body
+from eric_epd.runtime.router import ApiError, add_status_routes, connected_client, install_error_handlers, read_body
 from eric_epd.transfer.pool import EmbeddingPool
 
 logger = logging.getLogger(__name__)
@@ -93,17 +93,9 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health", "/metrics"}))
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return await engine_health(state["client"], is_engine_alive)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "owned_by": "eric-epd", "tp_size": config.tp_size,
-            "dtype": config.dtype, "hidden_size": workload.hidden, "size_factor": workload.size_factor,
-            "max_side": config.limits.max_side, "max_steps": config.limits.max_steps,
-        }]})
+    add_status_routes(app, state, is_engine_alive, {
+        "id": model_name, "tp_size": config.tp_size, "dtype": config.dtype, "hidden_size": workload.hidden,
+        "size_factor": workload.size_factor, "max_side": config.limits.max_side, "max_steps": config.limits.max_steps})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

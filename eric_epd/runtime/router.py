@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -93,3 +94,16 @@ async def connected_client(config: RuntimeConfig, is_engine_alive: Callable[[], 
         yield client
     finally:
         await client.close()
+
+
+def add_status_routes(app: FastAPI, state: dict[str, Any], is_engine_alive: Callable[[], bool],
+                      model_card: dict[str, Any]) -> None:
+    """GET /health (the engine's answer, via state["client"]) and GET /v1/models (one card: `model_card`)."""
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await engine_health(state["client"], is_engine_alive)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"object": "model", "owned_by": "eric-epd", **model_card}]})

@@ -24,8 +24,8 @@ from eric_epd.plugins.sglang.protocol import error_response as sglang_error_resp
 from eric_epd.plugins.sglang.routes import sglang_routes
 from eric_epd.runtime.router import (
     ApiError,
+    add_status_routes,
     connected_client,
-    engine_health,
     error_response,
     install_error_handlers,
     read_body,
@@ -163,16 +163,8 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         open_paths = frozenset({"/health", "/metrics", *(r.path for r in sglang.routes)})
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return await engine_health(state["client"], is_engine_alive)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "owned_by": "eric-epd", "modalities": list(mp.modalities),
-            "tp_size": config.tp_size, "dtype": config.dtype,
-        }]})
+    add_status_routes(app, state, is_engine_alive, {
+        "id": model_name, "modalities": list(mp.modalities), "tp_size": config.tp_size, "dtype": config.dtype})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
