@@ -67,9 +67,8 @@ def test_image_equals_diffusers_pipeline_end_to_end(image_stack: GatewayServer, 
             prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, height=48, width=64, num_inference_steps=3,
             generator=torch.Generator().manual_seed(7 + i), output_type="pil").images[0])
         assert image.shape == reference.shape == (48, 64, 3)
-        # vLLM's and transformers' hidden states differ in the last float bits: at most one level, rarely
-        assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1
-        assert (image == reference).mean() >= 0.99
+        # vLLM's and transformers' hidden states differ in the last float bits, below one level of the image
+        np.testing.assert_array_equal(image, reference)
     assert not np.array_equal(images[0], images[1])  # each of n gets its own seed
 
 
