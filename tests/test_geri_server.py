@@ -22,6 +22,7 @@ from PIL import Image
 from eric_epd.geri.body import generate_body
 from eric_epd.stack.servers import GeriServer
 from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
+from eric_epd.testing.server import PoolServer
 
 HIDDEN = 128  # the tiny checkpoint's joint_attention_dim
 
@@ -69,9 +70,17 @@ def _image(response: httpx.Response) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def geri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeriServer]:
-    """TP 1 on the built-in default checkpoint (no --model)."""
-    with GeriServer(log_path=tmp_path_factory.mktemp("geri") / "geri.log") as server:
+def producer() -> Iterator[PoolServer]:
+    """A model-free producer (Eric's pool, backends and embedding API) holding prompt embeddings."""
+    with PoolServer(backends="shm", pool_bytes=16 << 20) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def geri(producer: PoolServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeriServer]:
+    """TP 1 on the built-in default checkpoint (no --model), reading handles from `producer` alone."""
+    with GeriServer(log_path=tmp_path_factory.mktemp("geri") / "geri.log",
+                    extra_args=("--embedding-producers", producer.url)) as server:
         yield server
 
 
@@ -153,6 +162,39 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(geri: GeriServer)
     assert httpx.post(geri.url + "/v1/generate", json=good).status_code == 401  # no key
     assert httpx.get(geri.url + "/health").status_code == 200
     assert _image(_generate(geri, good)).shape == (32, 32, 3)
+
+
+def _held(producer: PoolServer, rows: np.ndarray, key: str) -> dict:
+    """A handle on `rows` (float32) held by the producer."""
+    r = httpx.post(producer.url + "/v1/testing/entries", timeout=30, json={
+        "hash": key, "data": base64.b64encode(rows.tobytes()).decode(), "shape": list(rows.shape),
+        "dtype": "float32"})
+    assert r.status_code == 200, r.text
+    return {k: v for k, v in r.json().items() if k != "leases"}
+
+
+def test_embeddings_by_handle_give_the_inline_image(geri: GeriServer, producer: PoolServer) -> None:
+    """Prompt and negative embeddings read over shm from the producer: the same PNG as inline, the leases acked."""
+    prompt, negative, settings = REQUESTS[1]
+    inline = _image(_generate(geri, generate_body(prompt, negative, **settings)))
+    body = {"prompt_handle": _held(producer, prompt, "p1"), "negative_handle": _held(producer, negative, "n1"),
+            **settings}
+    np.testing.assert_array_equal(_image(_generate(geri, body)), inline)
+    assert httpx.get(producer.url + "/v1/transfer").json()["entries"] == 0  # read once, acknowledged, freed
+    again = _generate(geri, body)  # the leases are spent
+    assert again.status_code == 404 and "prompt_handle" in again.json()["error"]["message"], again.text
+    unknown = {**_held(producer, prompt, "p2"), "hash": "f" * 64}
+    unknown["http"] = f"{producer.url}/v1/embeddings/{unknown['hash']}"
+    r = _generate(geri, {"prompt_handle": unknown, **settings})
+    assert r.status_code == 404, r.text
+    elsewhere = {**_held(producer, prompt, "p3"), "producer": "http://10.0.0.9:8100"}
+    r = _generate(geri, {"prompt_handle": elsewhere, **settings})
+    assert r.status_code == 400 and "not one of the configured producers" in r.json()["error"]["message"], r.text
+    narrow = _held(producer, prompt[:, :64].copy(), "p4")
+    r = _generate(geri, {"prompt_handle": narrow, **settings})
+    assert r.status_code == 400 and "[rows, 128]" in r.json()["error"]["message"], r.text
+    both = {**generate_body(prompt), "prompt_handle": _held(producer, prompt, "p5")}
+    assert _generate(geri, both).status_code == 400
 
 
 def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Path) -> None:

@@ -19,8 +19,9 @@ from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.engine.messages import EngineStatusMsg
-from eric_epd.geri.body import parse_generate_body
+from eric_epd.geri.body import checked_request, parse_generate_body
 from eric_epd.geri.config import GeriConfig
+from eric_epd.geri.handles import HandleReader, embeddings_of
 from eric_epd.geri.service import GenerateService
 from eric_epd.geri.workload import GeneratorWorkload
 from eric_epd.runtime.router import ApiError, add_status_routes, connected_client, install_error_handlers, read_body
@@ -67,7 +68,12 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
         async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
             state["client"] = client
             state["service"] = GenerateService(client, pool, workload)
-            yield
+            state["handles"] = HandleReader(config.producer_urls, config.producer_api_key, config.transfer_backends,
+                                            workload.hidden)
+            try:
+                yield
+            finally:
+                state["handles"].close()
 
     app = FastAPI(title="Geri generation server", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -76,9 +82,10 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
     async def generate(request: Request) -> Response:
         start = asyncio.get_running_loop().time()
         try:
-            body = await read_body(request, config.max_body_bytes)
-            parsed = parse_generate_body(body, workload)
-            image = await until_disconnect(request, state["service"].generate(parsed))
+            raw = parse_generate_body(await read_body(request, config.max_body_bytes))
+            prompt, negative = await embeddings_of(raw, state["handles"])
+            image = await until_disconnect(request, state["service"].generate(
+                checked_request(raw, prompt, negative, workload)))
         except ApiError as e:
             metrics.requests.labels(status=str(e.status)).inc()
             raise

@@ -14,15 +14,19 @@ from eric_epd.common.jsonbody import JsonBodyError, decode_struct
 from eric_epd.engine.messages import GenerateSpec
 from eric_epd.geri.workload import GeneratorWorkload
 from eric_epd.runtime.router import ApiError
+from eric_epd.transfer.handles import EmbeddingHandle
 
 PROMPT, NEGATIVE = "prompt_embeds", "negative_prompt_embeds"
 
 
 class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
-    """POST /v1/generate: the embeddings inline as a base64 safetensors file holding `prompt_embeds` [tokens, hidden]
-    and, optionally, `negative_prompt_embeds` [tokens, hidden]."""
+    """POST /v1/generate: the embeddings either inline, as a base64 safetensors file holding `prompt_embeds`
+    [tokens, hidden] and optionally `negative_prompt_embeds`, or by transfer handle (`prompt_handle`, optionally
+    `negative_handle`) held by one of Geri's configured producers."""
 
-    embeddings: str
+    embeddings: str | None = None
+    prompt_handle: EmbeddingHandle | None = None
+    negative_handle: EmbeddingHandle | None = None
     height: int = 1024
     width: int = 1024
     steps: int = 50
@@ -38,27 +42,35 @@ class GenerateRequest:
     embeddings: np.ndarray
 
 
-def parse_generate_body(body: bytes, workload: GeneratorWorkload) -> GenerateRequest:
-    """Every problem is a 400 naming it: malformed JSON, unknown fields, bad sizes, unreadable embeddings."""
+def parse_generate_body(body: bytes) -> GenerateBody:
+    """The decoded body; malformed JSON, unknown fields, wrong types and a missing or doubled source are 400s."""
     try:
         raw = decode_struct(body, GenerateBody)
     except JsonBodyError as e:
         raise ApiError(400, str(e)) from e
-    prompt, negative = _embeddings(raw.embeddings)
-    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, prompt.shape[0],
-                        negative.shape[0] if negative is not None else 0, prompt.shape[1])
+    if (raw.embeddings is None) == (raw.prompt_handle is None):
+        raise ApiError(400, "send the prompt's embeddings either inline ('embeddings') or by 'prompt_handle'")
+    if raw.negative_handle is not None and raw.prompt_handle is None:
+        raise ApiError(400, "'negative_handle' goes with 'prompt_handle'; inline embeddings carry their negative")
+    return raw
+
+
+def checked_request(raw: GenerateBody, prompt: np.ndarray, negative: np.ndarray | None,
+                    workload: GeneratorWorkload) -> GenerateRequest:
+    """The request once its embeddings are at hand: sizes, steps and token counts checked (400 naming them)."""
     if negative is not None and negative.shape[1] != prompt.shape[1]:
         raise ApiError(400, f"{NEGATIVE} is [{negative.shape[0]}, {negative.shape[1]}], but {PROMPT} has hidden "
                             f"size {prompt.shape[1]}")
+    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, prompt.shape[0],
+                        negative.shape[0] if negative is not None else 0, prompt.shape[1])
     if (problem := workload.check(spec)) is not None:
         raise ApiError(400, problem)
     rows = [prompt] if negative is None else [prompt, negative]
     return GenerateRequest(spec, np.ascontiguousarray(np.concatenate(rows), dtype=np.float32))
 
 
-def _embeddings(encoded: str) -> tuple[np.ndarray, np.ndarray | None]:
+def inline_embeddings(encoded: str) -> tuple[np.ndarray, np.ndarray | None]:
     """The prompt's (and negative prompt's) embeddings as float32 [tokens, hidden] arrays, finite."""
-    import torch
     from safetensors.torch import load
 
     try:
@@ -70,16 +82,22 @@ def _embeddings(encoded: str) -> tuple[np.ndarray, np.ndarray | None]:
     unknown = sorted(set(tensors) - {PROMPT, NEGATIVE})
     if PROMPT not in tensors or unknown:
         raise ApiError(400, f"embeddings must hold {PROMPT!r} (and optionally {NEGATIVE!r}); got {sorted(tensors)}")
-    arrays: dict[str, np.ndarray] = {}
-    for name, tensor in tensors.items():
-        if tensor.dim() != 2 or not tensor.is_floating_point():
-            raise ApiError(400, f"{name} must be a floating-point [tokens, hidden] tensor, got {tensor.dtype} "
-                                f"{list(tensor.shape)}")
-        array = tensor.to(torch.float32).numpy()
-        if not np.isfinite(array).all():
-            raise ApiError(400, f"{name} holds non-finite values")
-        arrays[name] = array
+    arrays = {name: float_rows(name, tensor) for name, tensor in tensors.items()}
     return arrays[PROMPT], arrays.get(NEGATIVE)
+
+
+def float_rows(name: str, tensor: object) -> np.ndarray:
+    """A floating-point [tokens, hidden] torch tensor as finite float32 rows (400 naming `name` otherwise)."""
+    import torch
+
+    assert isinstance(tensor, torch.Tensor)
+    if tensor.dim() != 2 or not tensor.is_floating_point():
+        raise ApiError(400, f"{name} must be a floating-point [tokens, hidden] tensor, got {tensor.dtype} "
+                            f"{list(tensor.shape)}")
+    array = tensor.to(torch.float32).numpy()
+    if not np.isfinite(array).all():
+        raise ApiError(400, f"{name} holds non-finite values")
+    return array
 
 
 def generate_body(prompt: np.ndarray, negative: np.ndarray | None = None, **settings: object) -> dict:

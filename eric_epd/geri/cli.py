@@ -36,6 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool-bytes", type=int, default=GeriConfig.pool_bytes,
                    help="shared memory the workers write images into")
     p.add_argument("--max-body-bytes", type=int, default=GeriConfig.max_body_bytes)
+    p.add_argument("--embedding-producers", default="",
+                   help="comma-separated base URLs of the producers whose embedding handles Geri reads (none: "
+                        "inline embeddings only)")
+    p.add_argument("--producer-api-key", default=None, help="the producers' key (default: $ERIC_API_KEY)")
+    p.add_argument("--transfer-backends", default=",".join(GeriConfig.transfer_backends),
+                   help="backends Geri may read handles over, best first")
     p.add_argument("--request-timeout", type=float, default=GeriConfig.request_timeout_s)
     p.add_argument("--worker-timeout", type=float, default=GeriConfig.worker_timeout_s,
                    help="a batch running longer than this marks the workers unhealthy")
@@ -54,4 +60,7 @@ def config_from_args(args: argparse.Namespace) -> GeriConfig:
         batch=BatchLimits(args.max_batch_items, args.max_batch_tokens, args.max_queued_items),
         limits=GeriLimits(args.max_side, args.max_steps, args.max_prompt_tokens),
         pool_bytes=args.pool_bytes, max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
-        worker_timeout_s=args.worker_timeout)
+        worker_timeout_s=args.worker_timeout,
+        producer_urls=tuple(u.strip().rstrip("/") for u in args.embedding_producers.split(",") if u.strip()),
+        producer_api_key=args.producer_api_key or os.environ.get("ERIC_API_KEY") or None,
+        transfer_backends=tuple(b for b in args.transfer_backends.split(",") if b))

@@ -24,6 +24,12 @@ class GeriConfig(RuntimeConfig):
     """Shared memory the workers write finished images into (uint8 RGB) until the router has read them."""
     max_body_bytes: int = 64 * 2**20
     """Largest accepted /v1/generate body (base64 safetensors counts)."""
+    producer_urls: tuple[str, ...] = ()
+    """Producers (Erics, or anything serving Eric's embedding API) whose handles Geri reads; none: inline only."""
+    producer_api_key: str | None = None
+    """Sent to those producers (--producer-api-key, or $ERIC_API_KEY)."""
+    transfer_backends: tuple[str, ...] = ("shm", "nixl", "mooncake", "http")
+    """Backends Geri may read handles over, best first."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,13 +1,15 @@
 """A transfer-only producer for tests and benchmarks: Eric's pool, backends and control API, no model.
 
 `python -m eric_epd.testing.pool_server --port P --backends shm,mooncake,nixl`; then
-POST /v1/testing/entries {"hash", "nbytes", "seed", "leases"} stores seeded random bytes and returns the first
-lease's handle plus every lease token ("leases").
+POST /v1/testing/entries {"hash", "nbytes", "seed", "leases"} stores seeded random bytes (or, with "data": base64
+bytes, "shape" and "dtype", exactly that tensor) and returns the first lease's handle plus every lease token
+("leases").
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import logging
 from pathlib import Path
 
@@ -39,9 +41,13 @@ def create_pool_app(hub: TransferHub) -> FastAPI:
     @app.post("/v1/testing/entries")
     async def put(request: Request) -> JSONResponse:
         body = await request.json()
-        key, nbytes = body["hash"], int(body["nbytes"])
-        entry = await hub.reserve(key, nbytes, (nbytes,), "uint8")
-        hub.pool.view(entry)[:] = seeded_bytes(nbytes, int(body.get("seed", 0)))
+        key = body["hash"]
+        data = base64.b64decode(body["data"]) if "data" in body else None
+        nbytes = len(data) if data is not None else int(body["nbytes"])
+        shape, dtype = tuple(body.get("shape", (nbytes,))), body.get("dtype", "uint8")
+        entry = await hub.reserve(key, nbytes, shape, dtype)
+        hub.pool.view(entry)[:] = (np.frombuffer(data, np.uint8) if data is not None
+                                   else seeded_bytes(nbytes, int(body.get("seed", 0))))
         hub.pool.commit(key)
         handles = [hub.lease(key) for _ in range(int(body.get("leases", 1)))]
         return JSONResponse(msgspec.to_builtins(handles[0]) | {"leases": [h.lease for h in handles]})

@@ -5,6 +5,9 @@ These cross hosts (JSON over HTTP), so they are plain msgspec Structs: no pickle
 
 from __future__ import annotations
 
+import math
+from urllib.parse import urlsplit
+
 import msgspec
 
 
@@ -61,3 +64,31 @@ LEASE_HEADER = "X-Eric-Lease"
 
 BACKENDS = ("shm", "nixl", "mooncake", "http")
 """Consumer preference order: fastest first."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class HandleError(ValueError):
+    """An offered handle that a consumer must not use: the request fails, the consumer does not."""
+
+
+def check_handle(h: EmbeddingHandle, eric_urls: tuple[str, ...], width: int) -> None:
+    """The handle points only at a configured producer, and describes a [rows, width] tensor of its byte length."""
+    if h.producer not in eric_urls:
+        raise HandleError(f"embedding {h.hash[:16]} is held by {h.producer!r}, which is not one of the "
+                          f"configured producers {list(eric_urls)}")
+    if not h.lease:
+        raise HandleError(f"embedding {h.hash[:16]} has no lease token")
+    if h.dtype not in DTYPE_BYTES or len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] != width:
+        raise HandleError(f"embedding {h.hash[:16]} is {list(h.shape)} {h.dtype}; this model takes [rows, {width}] "
+                          f"in one of {sorted(DTYPE_BYTES)}")
+    if h.nbytes != math.prod(h.shape) * DTYPE_BYTES[h.dtype]:
+        raise HandleError(f"embedding {h.hash[:16]}: {h.nbytes} bytes do not fit {list(h.shape)} {h.dtype}")
+    host = urlsplit(h.producer).hostname
+    if h.http != f"{h.producer}/v1/embeddings/{h.hash}":
+        raise HandleError(f"embedding {h.hash[:16]}: HTTP location {h.http!r} is not its producer's")
+    if h.nixl is not None and not h.nixl.metadata_url.startswith(f"{h.producer}/"):
+        raise HandleError(f"embedding {h.hash[:16]}: NIXL metadata {h.nixl.metadata_url!r} is not its producer's")
+    if h.mooncake is not None and h.mooncake.session_id.rsplit(":", 1)[0] != host:
+        raise HandleError(f"embedding {h.hash[:16]}: Mooncake session {h.mooncake.session_id!r} is not on "
+                          f"its producer's host {host}")

@@ -3,25 +3,19 @@ by the gateway alone, and the connector's checks on them: where they point and t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 
-from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.transfer.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
+
+__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "HandleError", "check_handle", "handles_xargs", "model_embedding_width",
+           "offered_handles"]
 
 EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
 MAX_HANDLES = 256
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class HandleError(ValueError):
-    """An offered handle that the connector must not use: the request fails, the engine does not."""
-
-
 def handles_xargs(handles: Iterable[dict[str, Any] | EmbeddingHandle]) -> dict[str, str]:
     """The vllm_xargs (or SamplingParams.extra_args) entry that hands `handles` to the connector."""
     return {EXTRA_ARGS_KEY: msgspec.json.encode(list(handles)).decode()}
@@ -42,28 +36,6 @@ def offered_handles(extra_args: dict[str, Any] | None, eric_urls: tuple[str, ...
     for h in handles:
         check_handle(h, eric_urls, width)
     return {h.hash: h for h in handles}
-
-
-def check_handle(h: EmbeddingHandle, eric_urls: tuple[str, ...], width: int) -> None:
-    """The handle points only at a configured Eric, and describes a [rows, width] tensor of its byte length."""
-    if h.producer not in eric_urls:
-        raise HandleError(f"embedding {h.hash[:16]} is held by {h.producer!r}, which is not one of this engine's "
-                          f"Erics {list(eric_urls)}")
-    if not h.lease:
-        raise HandleError(f"embedding {h.hash[:16]} has no lease token")
-    if h.dtype not in DTYPE_BYTES or len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] != width:
-        raise HandleError(f"embedding {h.hash[:16]} is {list(h.shape)} {h.dtype}; this model takes [rows, {width}] "
-                          f"in one of {sorted(DTYPE_BYTES)}")
-    if h.nbytes != math.prod(h.shape) * DTYPE_BYTES[h.dtype]:
-        raise HandleError(f"embedding {h.hash[:16]}: {h.nbytes} bytes do not fit {list(h.shape)} {h.dtype}")
-    host = urlsplit(h.producer).hostname
-    if h.http != f"{h.producer}/v1/embeddings/{h.hash}":
-        raise HandleError(f"embedding {h.hash[:16]}: HTTP location {h.http!r} is not its producer's")
-    if h.nixl is not None and not h.nixl.metadata_url.startswith(f"{h.producer}/"):
-        raise HandleError(f"embedding {h.hash[:16]}: NIXL metadata {h.nixl.metadata_url!r} is not its producer's")
-    if h.mooncake is not None and h.mooncake.session_id.rsplit(":", 1)[0] != host:
-        raise HandleError(f"embedding {h.hash[:16]}: Mooncake session {h.mooncake.session_id!r} is not on "
-                          f"its producer's host {host}")
 
 
 def model_embedding_width(model_config: Any) -> int:

@@ -1,0 +1,58 @@
+"""Prompt embeddings Geri takes by transfer handle: checked against its configured producers and the model's width,
+then read over the best backend the handle offers (shm, NIXL, Mooncake, HTTP) and acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from eric_epd.geri.body import GenerateBody, float_rows, inline_embeddings
+from eric_epd.runtime.router import ApiError
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher
+from eric_epd.transfer.handles import EmbeddingHandle, HandleError, check_handle
+
+
+class HandleReader:
+    """One per router; without producers every handle is refused (400)."""
+
+    def __init__(self, producers: tuple[str, ...], api_key: str | None, backends: tuple[str, ...],
+                 hidden: int) -> None:
+        self._producers = producers
+        self._hidden = hidden
+        self._fetcher = EmbeddingFetcher(backends, api_key=api_key) if producers else None
+
+    async def read(self, name: str, handle: EmbeddingHandle) -> np.ndarray:
+        """The handle's [tokens, hidden] rows as float32; 400 for a handle this Geri must not use, 404 for one its
+        producer does not hold (unknown, expired or already read), 503 for a producer it cannot reach."""
+        if self._fetcher is None:
+            raise ApiError(400, f"{name}: this Geri takes no embedding handles (start it with --embedding-producers)")
+        try:
+            check_handle(handle, self._producers, self._hidden)
+        except HandleError as e:
+            raise ApiError(400, f"{name}: {e}") from e
+        try:
+            tensor = await asyncio.to_thread(self._fetcher.fetch, handle)
+        except TransferError as e:
+            gone = "answered 404" in str(e) or "no longer valid" in str(e)
+            raise ApiError(404 if gone else 503, f"{name}: {e}") from e
+        return float_rows(name, tensor)
+
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.close()
+
+
+async def embeddings_of(raw: GenerateBody, reader: HandleReader) -> tuple[np.ndarray, np.ndarray | None]:
+    """The prompt's and the negative prompt's rows, inline or by handle."""
+    if raw.embeddings is not None:
+        return inline_embeddings(raw.embeddings)
+    assert raw.prompt_handle is not None
+    negative = raw.negative_handle
+    return await asyncio.gather(reader.read("prompt_handle", raw.prompt_handle),
+                                reader.read("negative_handle", negative) if negative is not None else _none())
+
+
+async def _none() -> None:
+    return None
