@@ -32,7 +32,7 @@ def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory)
     with VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key) as encoder, \
             GeriServer(log_path=logs / "geri.log") as geri, \
             GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
-                          upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key) as gw:
+                          "--image-urls", upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key) as gw:
         yield gw
 
 
@@ -72,6 +72,21 @@ def test_image_equals_diffusers_pipeline_end_to_end(image_stack: GatewayServer, 
     assert not np.array_equal(images[0], images[1])  # each of n gets its own seed
 
 
+def test_url_answers_link_the_same_image(image_stack: GatewayServer) -> None:
+    """response_format "url": a link under the gateway (no key needed: the unguessable name is the capability) to
+    the PNG b64_json gives for the same request."""
+    client = openai.OpenAI(base_url=image_stack.url + "/v1", api_key="sk-images", max_retries=0)
+    settings = {"prompt": "a blue sphere", "size": "32x32", "extra_body": {"num_inference_steps": 2, "seed": 3}}
+    linked = client.images.generate(response_format="url", **settings).data[0].url
+    inline = client.images.generate(response_format="b64_json", **settings).data[0].b64_json
+    assert linked.startswith(image_stack.url + "/v1/images/files/")
+    fetched = httpx.get(linked)
+    assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"
+    np.testing.assert_array_equal(_decode(base64.b64encode(fetched.content).decode()), _decode(inline))
+    assert httpx.get(image_stack.url + "/v1/images/files/" + "A" * 22 + ".png").status_code == 404
+    assert httpx.get(image_stack.url + "/v1/images/files/..%2Fetc%2Fpasswd").status_code == 404
+
+
 def test_bad_image_requests_get_a_400_naming_the_problem(image_stack: GatewayServer) -> None:
     headers = {"Authorization": "Bearer sk-images"}
     cases = [
@@ -82,7 +97,6 @@ def test_bad_image_requests_get_a_400_naming_the_problem(image_stack: GatewaySer
         ({"prompt": "cat", "size": "big"}, "size must be WIDTHxHEIGHT"),
         ({"prompt": "cat", "size": "62x64", "num_inference_steps": 1}, "width 62 must be a multiple of 4"),
         ({"prompt": "cat", "size": "8192x8192", "num_inference_steps": 1}, "up to 1024"),
-        ({"prompt": "cat", "response_format": "url"}, "not configured"),
         ({"prompt": "cat", "num_inference_steps": 0}, "num_inference_steps"),
     ]
     for body, named in cases:

@@ -25,6 +25,7 @@ from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, wit
 from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
+from epd_gateway.image_store import ImageStore
 from epd_gateway.images import ImageGenerator
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.openapi import gateway_openapi
@@ -66,8 +67,9 @@ class Gateway:
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
                                     config.encode_timeout_s)
         self.upstreams = Upstreams(config, session, metrics)
+        store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
         self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, client, config.upstream_api_key,
-                                      config.geri_api_key) if config.geri_urls else None)
+                                      config.geri_api_key, store) if config.geri_urls else None)
         self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
 
     def check_serves_chat(self) -> None:
@@ -258,12 +260,20 @@ def create_app(config: GatewayConfig) -> Starlette:
             raise GatewayError(413, str(e)) from e
         start = time.perf_counter()
         try:
-            answer = await until_disconnect(request, gw.images.generate(raw))
+            answer = await until_disconnect(request, gw.images.generate(raw, str(request.base_url).rstrip("/")))
         except (ClientDisconnectedError, ClientDisconnect):
             return Response(status_code=499)
         metrics.requests.labels(path="images").inc()
         metrics.latency.labels(path="images").observe(time.perf_counter() - start)
         return JSONResponse(answer)
+
+    async def image_file(request: Request) -> Response:
+        """A stored image; its unguessable name is the capability (no API key, as OpenAI's image URLs)."""
+        store = state["gw"].images.store if state["gw"].images is not None else None
+        png = store.get(request.path_params["name"]) if store is not None else None
+        if png is None:
+            raise GatewayError(404, "no such image (unknown, or expired)")
+        return Response(png, media_type="image/png")
 
     async def models(request: Request) -> Response:
         gw = state["gw"]
@@ -307,6 +317,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/images/generations", images, methods=["POST"]),
+        Route("/v1/images/files/{name}", image_file, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

@@ -51,6 +51,10 @@ class GatewayConfig:
     """Geri servers that turn those hidden states into images."""
     geri_api_key: str | None = None
     """Sent to the Geris (--geri-api-key, or $GERI_API_KEY)."""
+    image_urls: bool = False
+    """Serve response_format "url": images kept in memory under unguessable names at /v1/images/files/."""
+    image_url_ttl_s: float = 3600.0
+    image_store_bytes: int = 512 * 2**20
 
     def __post_init__(self) -> None:
         if self.backend not in ("vllm", "sglang"):
@@ -104,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="vLLM pooling instances of the image model's text encoder (for /v1/images/generations)")
     p.add_argument("--geri-urls", type=_urls, default=(), help="Geri servers (for /v1/images/generations)")
     p.add_argument("--geri-api-key", default=None, help="the Geris' --api-key (default: $GERI_API_KEY)")
+    p.add_argument("--image-urls", action="store_true",
+                   help='serve response_format "url": images kept in memory, linked under /v1/images/files/')
+    p.add_argument("--image-url-ttl", type=float, default=GatewayConfig.image_url_ttl_s,
+                   help="seconds a linked image is kept")
+    p.add_argument("--image-store-bytes", type=int, default=GatewayConfig.image_store_bytes,
+                   help="most bytes of linked images kept (oldest dropped first)")
     a = p.parse_args(argv)
     return GatewayConfig(
         encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
@@ -118,4 +128,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                              file_roots=tuple(r.resolve() for r in a.file_root)),
         health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,
         sglang_bootstrap_port=a.sglang_bootstrap_port, text_encoder_urls=a.text_encoder_urls, geri_urls=a.geri_urls,
-        geri_api_key=a.geri_api_key or os.environ.get("GERI_API_KEY") or None)
+        geri_api_key=a.geri_api_key or os.environ.get("GERI_API_KEY") or None, image_urls=a.image_urls,
+        image_url_ttl_s=a.image_url_ttl, image_store_bytes=a.image_store_bytes)

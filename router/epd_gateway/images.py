@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from epd_gateway.errors import GatewayError
+from epd_gateway.image_store import ImageStore
 from eric_epd.common.http import bearer
 from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, decode_struct
 from eric_epd.geri.body import generate_body
@@ -45,15 +46,15 @@ class ImagesBody(msgspec.Struct):
     true_cfg_scale: Annotated[float, msgspec.Meta(ge=0, le=100)] = 4.0
 
 
-def parse_images_body(raw: bytes) -> tuple[ImagesBody, int, int]:
-    """(body, width, height), every problem a 400 naming it."""
+def parse_images_body(raw: bytes, urls: bool) -> tuple[ImagesBody, int, int]:
+    """(body, width, height), every problem a 400 naming it; `urls`: whether response_format "url" is served."""
     try:
         body = decode_struct(raw, ImagesBody)
     except JsonBodyError as e:
         raise GatewayError(400, str(e)) from e
-    if body.response_format == "url":
-        raise GatewayError(400, "response_format 'url' is not configured on this gateway; use 'b64_json'",
-                           param="response_format")
+    if body.response_format == "url" and not urls:
+        raise GatewayError(400, "response_format 'url' is not configured on this gateway (--image-urls); use "
+                                "'b64_json'", param="response_format")
     width, _, height = body.size.partition("x")
     if not (width.isdigit() and height.isdigit()):
         raise GatewayError(400, f"size must be WIDTHxHEIGHT such as 1024x1024, got {body.size!r}", param="size")
@@ -64,15 +65,17 @@ class ImageGenerator:
     """Round-robin over the text encoders and the Geris; each call's errors answered in OpenAI's shape."""
 
     def __init__(self, text_encoder_urls: tuple[str, ...], geri_urls: tuple[str, ...], client: httpx.AsyncClient,
-                 text_encoder_key: str | None, geri_key: str | None) -> None:
+                 text_encoder_key: str | None, geri_key: str | None, store: ImageStore | None = None) -> None:
+        self.store = store
         self._encoders = itertools.cycle(text_encoder_urls)
         self._geris = itertools.cycle(geri_urls)
         self._client = client
         self._encoder_headers = bearer(text_encoder_key)
         self._geri_headers = bearer(geri_key)
 
-    async def generate(self, raw: bytes) -> dict:
-        body, width, height = parse_images_body(raw)
+    async def generate(self, raw: bytes, base_url: str) -> dict:
+        """OpenAI's answer: each image as b64_json, or (response_format "url") as a URL under `base_url`."""
+        body, width, height = parse_images_body(raw, self.store is not None)
         use_negative = body.negative_prompt is not None and body.true_cfg_scale > 1
         prompt, negative = await asyncio.gather(
             self.hidden_states(body.prompt),
@@ -81,7 +84,11 @@ class ImageGenerator:
                     "guidance_scale": body.true_cfg_scale}
         images = await asyncio.gather(*(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings))
                                         for i in range(body.n)))
-        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+        if body.response_format == "url" and self.store is not None:
+            data = [{"url": f"{base_url}/v1/images/files/{self.store.put(png)}"} for png in images]
+        else:
+            data = [{"b64_json": base64.b64encode(png).decode()} for png in images]
+        return {"created": int(time.time()), "data": data}
 
     async def hidden_states(self, prompt: str) -> np.ndarray:
         """The templated prompt's last hidden states [tokens, hidden] from vLLM, the template's own tokens dropped."""
