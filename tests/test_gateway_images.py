@@ -32,7 +32,8 @@ def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory)
     with VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key) as encoder, \
             GeriServer(log_path=logs / "geri.log") as geri, \
             GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
-                          "--image-urls", upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key) as gw:
+                          "--image-urls", upstream_api_key=vllm_key, api_key="sk-images",
+                          geri_api_key=geri.api_key) as gw:
         yield gw
 
 
