@@ -36,6 +36,14 @@ CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
     **_SAMPLING}}
 COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
     "model": {"type": "string", "maxLength": MAX_ID}, "prompt": {"type": "string"}, **_SAMPLING}}
+IMAGES = {"type": "object", "required": ["prompt"], "properties": {
+    "prompt": {"type": "string", "minLength": 1, "maxLength": 4000}, "model": {"type": "string", "maxLength": MAX_ID},
+    "n": {"type": "integer", "minimum": 1, "maximum": 4}, "size": {"type": "string", "maxLength": 16},
+    "response_format": {"enum": ["b64_json", "url"]}, "negative_prompt": {"type": "string", "maxLength": 4000},
+    "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": 1000},
+    "seed": {"type": "integer", "minimum": 0}, "true_cfg_scale": {"type": "number", "minimum": 0, "maximum": 100}}}
+IMAGES_ANSWER = {"type": "object", "required": ["created", "data"], "properties": {
+    "created": {"type": "integer"}, "data": {"type": "array", "items": {"type": "object"}}}}
 ENCODER = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string", "maxLength": MAX_URL}}}
 
 
@@ -56,6 +64,12 @@ def gateway_openapi(version: str) -> dict[str, Any]:
                                                {"type": "object"}, JSON, "text/event-stream")},
         "/v1/completions": {"post": _post("OpenAI completion (the plain prefill/decode path)", COMPLETION,
                                           {"type": "object"}, JSON, "text/event-stream")},
+        "/v1/images/generations": {"post": _post("OpenAI image generation: text encoder (vLLM pooling), then Geri; "
+                                                 "404 when not configured", IMAGES, IMAGES_ANSWER)},
+        "/v1/images/files/{name}": {"get": {
+            "summary": "An image answered as a URL (--image-urls); its name is the capability",
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": _answers({}, ("image/png",))}},
         "/v1/models": {"get": {"summary": "The engines' models", "responses": _answers({"type": "object"})}},
         "/health": {"get": {"summary": "The gateway and its encoders", "responses": _answers({"type": "object"})}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": _answers({}, ("text/plain",))}},
