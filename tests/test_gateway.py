@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -176,3 +177,21 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
 def _failovers(gateway: ServerProcess) -> float:
     m = re.search(r"^gateway_failovers_total (\S+)$", httpx.get(gateway.url + "/metrics").text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def test_gateway_reads_each_erics_load_and_recommends_a_count(stack) -> None:
+    """The health loop reads every Eric's /v1/load: /health shows each report and the recommended encoder count
+    (scaling.py's formula), exported as gateway_recommended_encoders too."""
+    gw = stack["gateway"]
+    ask(gw.url, image_messages([image_data_url(80, 64, seed=900 + i) for i in range(3)]))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        health = httpx.get(gw.url + "/health").json()
+        if all(health["encoder_load"].values()):
+            break
+        time.sleep(0.5)
+    loads = health["encoder_load"]
+    assert set(loads) == {e.url for e in stack["erics"]} and all(loads.values()), health
+    assert all(0 <= r["busy_fraction"] <= 1 and r["items_per_s"] >= 0 for r in loads.values())
+    assert isinstance(health["recommended_encoders"], int) and health["recommended_encoders"] >= 1
+    assert re.search(r"^gateway_recommended_encoders \d", httpx.get(gw.url + "/metrics").text, re.M)

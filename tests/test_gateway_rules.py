@@ -108,3 +108,22 @@ def test_client_embeddings_checked_against_grid_and_width() -> None:
                     (base64.b64encode(b"\x80\x04K\x01.").decode(), grid)):  # a pickle, refused
         with pytest.raises(GatewayError):
             check_embeds_parts(part(data, g), shape)
+
+
+def test_recommended_encoders_on_recorded_loads() -> None:
+    """scaling.py's formula on load reports as Erics answer them (numbers recorded from this project's runs)."""
+    from epd_gateway.scaling import recommended_encoders
+
+    from eric_epd.server.load import LoadReport
+
+    idle = [LoadReport(0, 0.04, 1.2, 0.05, 30.0), LoadReport(0, 0.02, 0.6, 0.04, 30.0)]
+    assert recommended_encoders(idle, healthy=2) == 1  # two Erics at 3% busy: one would do
+    steady = [LoadReport(3, 0.93, 9.5, 1.8, 30.0), LoadReport(2, 0.88, 9.1, 1.6, 30.0)]
+    assert recommended_encoders(steady, healthy=2) == 3  # 1.81 Erics of work at 70% each: 3; backlog 0.3 s
+    exact = [LoadReport(0, 0.7, 5.0, 0.5, 30.0), LoadReport(0, 0.7, 5.0, 0.5, 30.0)]
+    assert recommended_encoders(exact, healthy=2) == 2  # exactly at target: no flapping up
+    piling = [LoadReport(120, 0.99, 20.0, 9.0, 30.0), LoadReport(95, 1.0, 21.0, 9.5, 30.0)]
+    assert recommended_encoders(piling, healthy=2) == 3  # backlog 5.2 s > 2 s: at least one more
+    stuck = [LoadReport(40, 0.0, 0.0, 0.0, 30.0)]
+    assert recommended_encoders(stuck, healthy=1) == 2  # queued work and nothing finishing
+    assert recommended_encoders([], healthy=3) == 3  # no report yet: no signal, no change

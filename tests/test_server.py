@@ -295,3 +295,18 @@ def test_cpus_pin_every_process_and_size_torch(qwen2_vl_tiny: Path, tmp_path: Pa
         workers = httpx.get(eric.url + "/health").json()["workers"]
         expected = [([c], 1) for c in cpus] if len(cpus) == 2 else [(cpus, 1), (cpus, 1)]
         assert [(w["cpus"], w["threads"]) for w in workers] == expected
+
+
+def test_load_report_for_autoscalers(eric: EricServer) -> None:
+    """After a burst of encodes, /v1/load (and /metrics) show the work: items/s, busy time, p99 latency, no queue."""
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: _encode(eric, [{"modality": "image", "url": image_data_url(
+            56 + 8 * (i % 3), 56, seed=7000 + i)}]), range(12)))
+    assert all(a.status_code == 200 for a in answers)
+    load = httpx.get(eric.url + "/v1/load", headers=eric.headers).json()
+    assert load["items_per_s"] > 0 and 0 < load["busy_fraction"] <= 1 and load["p99_encode_s"] > 0, load
+    assert load["queue_depth"] == 0 and load["window_s"] > 0
+    text = httpx.get(eric.url + "/metrics").text
+    for name in ("eric_busy_fraction", "eric_items_per_second", "eric_encode_latency_p99_seconds"):
+        assert re.search(rf"^{name} [0-9.e+-]+$", text, re.M), name
+    assert httpx.get(eric.url + "/v1/load").status_code == 401  # behind the key, like every route but /health

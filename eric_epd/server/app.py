@@ -166,6 +166,14 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     add_status_routes(app, state, is_engine_alive, {
         "id": model_name, "modalities": list(mp.modalities), "tp_size": config.tp_size, "dtype": config.dtype})
 
+    @app.get("/v1/load")
+    async def load() -> Response:
+        """Queue depth, busy fraction, items/s and p99 encode latency over the last 30 s (for the gateway and an
+        autoscaler)."""
+        if is_engine_alive():
+            await state["client"].status(timeout_s=0.5)  # brings the batches run since the last status
+        return Response(msgspec.json.encode(metrics.load.report()), media_type="application/json")
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         if is_engine_alive():

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from eric_epd.common.stages import STAGE_BUCKETS, StageHistogram
 from eric_epd.engine.messages import EngineStatusMsg, WorkResultMsg
+from eric_epd.server.load import LoadTracker
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -42,10 +43,17 @@ class EricMetrics:
         self.overhead = Histogram("eric_request_overhead_seconds",
                                   "A /v1/encode request's wall time minus the forward time of the batches it rode in",
                                   buckets=STAGE_BUCKETS, registry=r)
+        self.load = LoadTracker()
+        self.busy = Gauge("eric_busy_fraction", "Share of the last 30 s the workers ran batches", registry=r)
+        self.items_rate = Gauge("eric_items_per_second", "Items encoded per second over the last 30 s", registry=r)
+        self.p99 = Gauge("eric_encode_latency_p99_seconds", "p99 of /v1/encode latency over the last 30 s",
+                         registry=r)
 
     def observe_status(self, status: EngineStatusMsg) -> None:
         self.queue_depth.set(status.queued_items + status.running_items)
+        self.load.observe_queue(status.queued_items + status.running_items)
         for b in status.batches:
+            self.load.observe_batch(b.seconds, b.num_items)
             modality = "+".join(b.kinds)
             self.batches.labels(modalities=modality).inc()
             self.batch_items.labels(modality=modality).observe(b.num_items)
@@ -69,5 +77,13 @@ class EricMetrics:
         self.stages.observe("engine_queue", result.queue_seconds)
         return sum(b.compute_seconds for b in result.batches)
 
+    def observe_request(self, seconds: float) -> None:
+        self.encode_latency.observe(seconds)
+        self.load.observe_request(seconds)
+
     def render(self) -> bytes:
+        report = self.load.report()
+        self.busy.set(report.busy_fraction)
+        self.items_rate.set(report.items_per_s)
+        self.p99.set(report.p99_encode_s)
         return generate_latest(self.registry)

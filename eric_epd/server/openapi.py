@@ -77,6 +77,9 @@ def eric_openapi(version: str, modalities: list[str], max_items: int) -> dict[st
             "200": {"description": "healthy", "content": {JSON: {"schema": HEALTH}}},
             "503": {"description": "unhealthy, with the reason", "content": {JSON: {"schema": HEALTH}}}}}},
         "/v1/models": {"get": {"summary": "The model served", "responses": _answers({"type": "object"})}},
+        "/v1/load": {"get": {"summary": "Queue depth, busy fraction, items/s, p99 encode latency (last 30 s)",
+                             "responses": _answers({"type": "object", "required": [
+                                 "queue_depth", "busy_fraction", "items_per_s", "p99_encode_s", "window_s"]})}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": _answers({}, ok_type="text/plain")}},
         "/health_generate": {"get": {"summary": "SGLang's encoder health probe", "responses": {
             "200": {"description": "healthy"}, "503": {"description": "unhealthy"}}}},

@@ -89,7 +89,7 @@ class EncodeService:
         start = time.perf_counter()
         prepared = await self._prepare(items)
         handles = await self._embed(prepared, clock or RequestClock())
-        self._metrics.encode_latency.observe(time.perf_counter() - start)
+        self._metrics.observe_request(time.perf_counter() - start)
         return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
 
     async def _prepare(self, items: list[ItemRequest]) -> list[PreparedItem]:

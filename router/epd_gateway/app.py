@@ -282,7 +282,9 @@ def create_app(config: GatewayConfig) -> Starlette:
         return await gw.upstreams.get("/v1/models", forwarded(request))
 
     async def health(_: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "encoders": state["gw"].encoders.status()})
+        encoders = state["gw"].encoders
+        return JSONResponse({"status": "ok", "encoders": encoders.status(), "encoder_load": encoders.loads(),
+                             "recommended_encoders": encoders.recommended()})
 
     schema = gateway_openapi(__version__)
 

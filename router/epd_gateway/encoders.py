@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 
 from epd_gateway.content import MediaRef
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.scaling import recommended_encoders
+from eric_epd.server.load import LoadReport
 from eric_epd.transfer.handles import LEASE_HEADER
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,8 @@ class EncoderState:
     inflight: int = 0
     modalities: frozenset[str] | None = None
     """What it encodes (from its /v1/models), learnt on first need; None until known."""
+    load: LoadReport | None = None
+    """Its last /v1/load answer (read with each health probe); None until it answered one."""
 
 
 class EncodersUnavailableError(Exception):
@@ -216,12 +221,30 @@ class EncoderPool:
         while True:
             await asyncio.sleep(interval_s)
             await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
+            self._metrics.recommended_encoders.set(self.recommended())
+
+    def recommended(self) -> int:
+        """How many Erics the load needs (scaling.py's formula over the healthy Erics' reports)."""
+        healthy = self.healthy()
+        return recommended_encoders([m.load for m in healthy if m.load is not None], len(healthy))
+
+    def loads(self) -> dict[str, dict[str, Any] | None]:
+        return {m.url: msgspec.to_builtins(m.load) if m.load is not None else None for m in self._members.values()}
+
+    async def _load(self, member: EncoderState) -> LoadReport | None:
+        """Its load report; None if it does not serve one (an older Eric) or answers nonsense."""
+        try:
+            resp = await self._client.get(f"{member.url}/v1/load", timeout=2.0)
+            return msgspec.json.decode(resp.content, type=LoadReport) if resp.status_code == 200 else None
+        except (httpx.HTTPError, msgspec.DecodeError):
+            return None
 
     async def _probe(self, member: EncoderState) -> None:
         try:
             ok = (await self._client.get(f"{member.url}/health", timeout=2.0)).status_code == 200
         except httpx.HTTPError:
             ok = False
+        member.load = await self._load(member) if ok else None
         if ok and not member.healthy:
             logger.info("readmitting encoder %s", member.url)
             member.healthy, member.failures = True, 0

@@ -29,6 +29,8 @@ class GatewayMetrics:
         self.failovers = Counter("gateway_failovers", "Encode calls retried on another encoder", registry=r)
         self.client_errors = Counter("gateway_client_errors", "Requests refused with a 4xx", ["status"], registry=r)
         self.encoders_healthy = Gauge("gateway_encoders_healthy", "Encoders currently admitted", registry=r)
+        self.recommended_encoders = Gauge("gateway_recommended_encoders",
+                                          "Erics the load needs (epd_gateway/scaling.py's formula)", registry=r)
         self.stages = StageHistogram("gateway_stage_seconds", "Time per stage of the gateway's own work", "stage",
                                      STAGES, registry=r)
         self.upstreams = StageHistogram("gateway_upstream_seconds", "Time to each upstream's response headers",

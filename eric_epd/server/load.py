@@ -1,0 +1,57 @@
+"""What an autoscaler needs from one Eric, over a sliding window: queue depth, the fraction of time the workers were
+busy, items encoded per second and the p99 latency of encode requests. `LoadReport` is what GET /v1/load answers
+(and what the gateway reads)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import msgspec
+import numpy as np
+
+WINDOW_S = 30.0
+
+
+class LoadReport(msgspec.Struct, frozen=True):
+    queue_depth: int
+    """Items accepted and not finished (queued or running)."""
+    busy_fraction: float
+    """Share of the window the workers spent running batches (1.0: saturated)."""
+    items_per_s: float
+    """Items encoded per second over the window."""
+    p99_encode_s: float
+    """99th percentile of /v1/encode latency over the window (0 when none finished)."""
+    window_s: float
+
+
+class LoadTracker:
+    """Fed by the router's event loop (batch stats from the engine, request latencies); single-threaded."""
+
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self._window_s = window_s
+        self._started = time.monotonic()
+        self._batches: deque[tuple[float, float, int]] = deque()  # (end, seconds, items)
+        self._latencies: deque[tuple[float, float]] = deque()  # (end, seconds)
+        self._queue_depth = 0
+
+    def observe_batch(self, seconds: float, items: int) -> None:
+        self._batches.append((time.monotonic(), seconds, items))
+
+    def observe_request(self, seconds: float) -> None:
+        self._latencies.append((time.monotonic(), seconds))
+
+    def observe_queue(self, depth: int) -> None:
+        self._queue_depth = depth
+
+    def report(self) -> LoadReport:
+        now = time.monotonic()
+        for series in (self._batches, self._latencies):
+            while series and series[0][0] < now - self._window_s:
+                series.popleft()
+        window = max(1e-3, min(self._window_s, now - self._started))
+        busy = sum(min(s, self._window_s) for _, s, _ in self._batches)
+        latencies = [s for _, s in self._latencies]
+        return LoadReport(self._queue_depth, min(1.0, busy / window),
+                          sum(n for _, _, n in self._batches) / window,
+                          float(np.percentile(latencies, 99)) if latencies else 0.0, window)
