@@ -69,6 +69,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="host consumers use to reach this Eric (default: --host, or 127.0.0.1 for 0.0.0.0)")
     p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
     p.add_argument("--mooncake-device", default="", help="RDMA device names for Mooncake")
+    p.add_argument("--register-with", action="append", default=[],
+                   help="gateway base URL to join by itself (repeatable): registers, heartbeats, leaves on shutdown")
+    p.add_argument("--register-key", default=None,
+                   help="the gateways' --admin-key (default: $EPD_GATEWAY_ADMIN_KEY)")
+    p.add_argument("--heartbeat", type=float, default=EricConfig.heartbeat_s,
+                   help="seconds between registrations (the gateway drops an Eric whose heartbeats stop)")
+    p.add_argument("--drain-timeout", type=float, default=EricConfig.drain_timeout_s,
+                   help="on shutdown, seconds requests in flight may take to finish")
     p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps)
     p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames)
     g = p.add_argument_group("SGLang encoder protocol (for --language-only --encoder-urls prefills)")
@@ -155,6 +163,9 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
             register_retry_s=args.sglang_register_retry, allowed_peers=tuple(args.sglang_allowed_peer),
             mooncake_protocol=args.sglang_mooncake_protocol),
         api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None,
+        register_with=tuple(u.rstrip("/") for u in args.register_with),
+        register_key=args.register_key or os.environ.get("EPD_GATEWAY_ADMIN_KEY") or None,
+        heartbeat_s=args.heartbeat, drain_timeout_s=args.drain_timeout,
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
                              allow_private_hosts=args.allow_private_hosts,
                              host_allowlist=frozenset(args.allowed_host)),

@@ -103,11 +103,20 @@ class EricConfig(RuntimeConfig):
     max_items_per_request: int = 64
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
     sglang: SglangConfig = field(default_factory=lambda: SglangConfig())
+    register_with: tuple[str, ...] = ()
+    """Gateways this Eric joins by itself (POST /admin/encoders with register_key), heartbeats and leaves."""
+    register_key: str | None = None
+    """The gateways' admin key (--register-key, or $EPD_GATEWAY_ADMIN_KEY)."""
+    heartbeat_s: float = 2.0
+    drain_timeout_s: float = 10.0
+    """On shutdown, how long requests in flight may take to finish (new connections are refused meanwhile)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.preprocess_threads < 0:
             raise ValueError("preprocess_threads must be >= 0")
+        if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
 
     @property
     def public_url(self) -> str:

@@ -12,4 +12,4 @@ from eric_epd.transfer.producer import TransferHub
 def serve(config: EricConfig) -> None:
     """Run until interrupted."""
     run_server("Eric", config, EncoderWorkload.from_checkpoint(config.model), lambda: TransferHub(config),
-               lambda is_alive, hub: create_app(config, is_alive, hub))
+               lambda is_alive, hub: create_app(config, is_alive, hub), config.drain_timeout_s)

@@ -26,9 +26,10 @@ P = TypeVar("P", bound=Closable)
 
 
 def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: Callable[[], P],
-               make_app: Callable[[Callable[[], bool], P], object]) -> None:
+               make_app: Callable[[Callable[[], bool], P], object], drain_timeout_s: float = 5.0) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers. The pool is
-    made before the engine: the workers attach to it."""
+    made before the engine: the workers attach to it. On SIGINT/SIGTERM new connections are refused and requests
+    in flight get `drain_timeout_s` to finish."""
     if config.resolved_device() == "cuda":
         import torch
 
@@ -49,7 +50,8 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         app = make_app(engine.is_alive, pool)
         logger.info("%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host,
                     config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+                    timeout_graceful_shutdown=drain_timeout_s)
     finally:
         engine.shutdown()
         pool.close()

@@ -31,6 +31,7 @@ from eric_epd.runtime.router import (
     read_body,
 )
 from eric_epd.server.media import MediaFetcher
+from eric_epd.server.membership import GatewayMembership
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.openapi import eric_openapi
 from eric_epd.server.processor import Processor, model_fingerprint
@@ -109,11 +110,19 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         fetcher = MediaFetcher(config.url_policy, config.media)
         processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(config.model))
         expiry = asyncio.create_task(hub.expiry_loop())
+        membership = GatewayMembership(config.register_with, config.register_key, config.public_url,
+                                       config.heartbeat_s)
         try:
             async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
                 state["client"] = client
                 state["service"] = EncodeService(fetcher, processor, client, hub, metrics, output_spec(config))
-                yield
+                heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
+                try:
+                    yield
+                finally:  # requests in flight have finished (or the drain timed out): leave the gateways
+                    if heartbeat is not None:
+                        heartbeat.cancel()
+                        await membership.leave()
         finally:
             expiry.cancel()
             await fetcher.aclose()

@@ -65,7 +65,7 @@ class Gateway:
         self.config = config
         self.metrics = metrics
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
-                                    config.encode_timeout_s)
+                                    config.encode_timeout_s, config.heartbeat_timeout_s)
         self.upstreams = Upstreams(config, session, metrics)
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
         self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, client, config.upstream_api_key,

@@ -41,6 +41,8 @@ class GatewayConfig:
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
     health_interval_s: float = 2.0
     eject_after_failures: int = 2
+    heartbeat_timeout_s: float = 10.0
+    """A self-registered Eric (eric-epd serve --register-with) not heard from for this long is dropped."""
     encode_timeout_s: float = 60.0
     upstream_timeout_s: float = 300.0
     sglang_bootstrap_port: int = 8998
@@ -103,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="allow file:// media under this directory (repeatable; encoders must see the same path)")
     p.add_argument("--health-interval", type=float, default=GatewayConfig.health_interval_s)
     p.add_argument("--eject-after-failures", type=int, default=GatewayConfig.eject_after_failures)
+    p.add_argument("--heartbeat-timeout", type=float, default=GatewayConfig.heartbeat_timeout_s,
+                   help="drop a self-registered Eric not heard from for this many seconds")
     p.add_argument("--sglang-bootstrap-port", type=int, default=GatewayConfig.sglang_bootstrap_port)
     p.add_argument("--text-encoder-urls", type=_urls, default=(),
                    help="vLLM pooling instances of the image model's text encoder (for /v1/images/generations)")
@@ -127,6 +131,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
                              file_roots=tuple(r.resolve() for r in a.file_root)),
         health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,
+        heartbeat_timeout_s=a.heartbeat_timeout,
         sglang_bootstrap_port=a.sglang_bootstrap_port, text_encoder_urls=a.text_encoder_urls, geri_urls=a.geri_urls,
         geri_api_key=a.geri_api_key or os.environ.get("GERI_API_KEY") or None, image_urls=a.image_urls,
         image_url_ttl_s=a.image_url_ttl, image_store_bytes=a.image_store_bytes)

@@ -33,6 +33,8 @@ class EncoderState:
     """What it encodes (from its /v1/models), learnt on first need; None until known."""
     load: LoadReport | None = None
     """Its last /v1/load answer (read with each health probe); None until it answered one."""
+    heartbeat: float | None = None
+    """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
 
 
 class EncodersUnavailableError(Exception):
@@ -41,7 +43,8 @@ class EncodersUnavailableError(Exception):
 
 class EncoderPool:
     def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, metrics: GatewayMetrics,
-                 eject_after: int, timeout_s: float) -> None:
+                 eject_after: int, timeout_s: float, heartbeat_timeout_s: float = 10.0) -> None:
+        self._heartbeat_timeout_s = heartbeat_timeout_s
         self._members = {u: EncoderState(u) for u in urls}
         self._client = client
         self._metrics = metrics
@@ -60,8 +63,26 @@ class EncoderPool:
         return [m for m in self._members.values() if m.healthy]
 
     def register(self, url: str) -> None:
-        self._members.setdefault(url.rstrip("/"), EncoderState(url.rstrip("/")))
+        """Admit an Eric (or note its heartbeat: registering again is how a self-registered Eric stays)."""
+        url = url.rstrip("/")
+        member = self._members.get(url)
+        if member is None:
+            logger.info("encoder %s joined", url)
+            member = self._members[url] = EncoderState(url, heartbeat=time.monotonic())
+        elif member.heartbeat is not None:
+            member.heartbeat = time.monotonic()
         self._refresh_gauge()
+
+    def drop_silent(self) -> list[str]:
+        """Forget self-registered Erics whose heartbeats stopped; their URLs."""
+        cutoff = time.monotonic() - self._heartbeat_timeout_s
+        silent = [m.url for m in self._members.values() if m.heartbeat is not None and m.heartbeat < cutoff]
+        for url in silent:
+            logger.warning("encoder %s dropped: no heartbeat for %.0f s", url, self._heartbeat_timeout_s)
+            del self._members[url]
+        if silent:
+            self._refresh_gauge()
+        return silent
 
     def deregister(self, url: str) -> bool:
         found = self._members.pop(url.rstrip("/"), None) is not None
@@ -221,6 +242,7 @@ class EncoderPool:
         while True:
             await asyncio.sleep(interval_s)
             await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
+            self.drop_silent()
             self._metrics.recommended_encoders.set(self.recommended())
 
     def recommended(self) -> int:

@@ -1,0 +1,52 @@
+"""An Eric that joins gateways by itself: it registers with each (admin key) at start, registers again every
+heartbeat (the gateway drops an Eric whose heartbeats stop) and deregisters when it shuts down."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from eric_epd.common.http import bearer
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayMembership:
+    def __init__(self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float) -> None:
+        self._gateways = gateways
+        self._headers = bearer(admin_key)
+        self._body = {"url": url}
+        self._heartbeat_s = heartbeat_s
+        self._joined: set[str] = set()
+
+    async def run(self) -> None:
+        """Register with every gateway now and at each heartbeat, until cancelled."""
+        async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
+            while True:
+                await asyncio.gather(*(self._register(client, g) for g in self._gateways))
+                await asyncio.sleep(self._heartbeat_s)
+
+    async def _register(self, client: httpx.AsyncClient, gateway: str) -> None:
+        try:
+            resp = await client.post(gateway + "/admin/encoders", json=self._body)
+        except httpx.HTTPError as e:
+            logger.warning("cannot reach gateway %s to register: %r", gateway, e)
+            return
+        if resp.status_code != 200:
+            logger.warning("gateway %s refused registration: %d %s", gateway, resp.status_code, resp.text[:200])
+        elif gateway not in self._joined:
+            self._joined.add(gateway)
+            logger.info("joined gateway %s as %s", gateway, self._body["url"])
+
+    async def leave(self) -> None:
+        """Deregister from every gateway joined (best effort: a gateway that cannot be told drops us by heartbeat)."""
+        async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
+            for gateway in sorted(self._joined):
+                try:
+                    await client.request("DELETE", gateway + "/admin/encoders", json=self._body)
+                    logger.info("left gateway %s", gateway)
+                except httpx.HTTPError as e:
+                    logger.warning("cannot tell gateway %s that we leave: %r", gateway, e)
+        self._joined.clear()

@@ -1,0 +1,75 @@
+"""Erics that join and leave by themselves (`eric-epd serve --register-with GATEWAY`): one joins and later drains and
+leaves while 200 chats go through the gateway to real vLLM, and none is lost or answered differently; one killed
+outright is dropped once its heartbeats stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from eric_epd.stack.servers import EricServer, GatewayServer
+from eric_epd.testing.media import image_data_url
+from eric_epd.testing.stack import ask, image_messages
+
+API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
+
+
+def _listed(gateway: GatewayServer) -> set[str]:
+    return set(httpx.get(gateway.url + "/health").json()["encoders"])
+
+
+def _wait(condition, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwen2_vl_tiny: Path,
+                                                          tmp_path: Path) -> None:
+    static, slot = vllm_behind_erics["erics"]  # the joiner takes the second Eric's address, which vLLM trusts
+    vllm, key = vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
+    sets = [[image_data_url(56 + 8 * k, 64, seed=2000 + 10 * j + k) for k in range(3)] for j in range(4)]
+    expected = [ask(vllm.url, image_messages(s), key=vllm.api_key).choices[0].message.content for s in sets]
+    gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", static.url, "--colocated-urls", vllm.url,
+                       "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--heartbeat-timeout", "3",
+                       eric_api_key=key, upstream_api_key=vllm.api_key)
+    joiner = EricServer(qwen2_vl_tiny, port=slot.port, api_key=key, log_path=tmp_path / "joiner.log",
+                        extra_args=("--register-with", gw.url, "--register-key", ADMIN_KEY, "--heartbeat", "0.5"))
+    served: list[float] = []
+
+    def one(i: int) -> bool:
+        if i == 30:
+            joiner.start()  # joins by itself
+            assert _wait(lambda: joiner.url in _listed(gw)), "the Eric did not join"
+        if i == 140:
+            text = httpx.get(joiner.url + "/metrics").text
+            served.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith("eric_items_total{")))
+            joiner.stop()  # drains: finishes what it holds, refuses new connections, leaves the gateway
+        return ask(gw.url, image_messages(sets[i % 4]), key=API_KEY).choices[0].message.content == expected[i % 4]
+
+    slot.stop()
+    try:
+        with gw, ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(200)))
+            assert all(results), results.count(False)
+            assert served and served[0] > 0, "the joined Eric encoded nothing"
+            assert _listed(gw) == {static.url}  # it left
+            joiner.start()  # joins again, then dies without a word: dropped when its heartbeats stop
+            assert _wait(lambda: joiner.url in _listed(gw))
+            assert joiner.proc is not None
+            os.killpg(joiner.proc.pid, signal.SIGKILL)
+            assert _wait(lambda: joiner.url not in _listed(gw), 10.0), "a silent Eric was not dropped"
+            answer = ask(gw.url, image_messages(sets[0]), key=API_KEY).choices[0].message.content
+            assert answer == expected[0]
+    finally:
+        joiner.stop()
+        slot.start()  # the Erics are shared by the session's gateway tests
