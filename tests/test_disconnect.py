@@ -435,6 +435,7 @@ def test_gateway_client_disconnect_frees_both_erics(eric: EricServer, qwen2_vl_t
         dead_upstream = f"http://127.0.0.1:{free_port()}"  # never reached: every client leaves during the encode
         gateway = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", f"{eric.url},{busy.url}",
                                 "--colocated-urls", dead_upstream, "--api-key", GATEWAY_KEY, "--epd-min-items", "2",
+                                "--health-interval", "3600",  # no load reports: placement by rendezvous alone
                                 eric_api_key=ERIC_KEY)
         with gateway, _stopped(_worker(busy)):
             requests = [_images_for(eric, erics, 8000 + 100 * r, 2) + _images_for(busy, erics, 8050 + 100 * r, 2)

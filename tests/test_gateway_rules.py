@@ -127,3 +127,28 @@ def test_recommended_encoders_on_recorded_loads() -> None:
     stuck = [LoadReport(40, 0.0, 0.0, 0.0, 30.0)]
     assert recommended_encoders(stuck, healthy=1) == 2  # queued work and nothing finishing
     assert recommended_encoders([], healthy=3) == 3  # no report yet: no signal, no change
+
+
+def test_items_go_to_their_holder_else_to_a_much_sooner_start() -> None:
+    """EncoderPool.choose: an item goes back to the Eric that answered it; a new item to its rendezvous Eric unless
+    by the Erics' load reports another starts it over 0.5 s sooner; without reports, rendezvous alone."""
+    import httpx
+    from epd_gateway.encoders import EncoderPool
+    from epd_gateway.metrics import GatewayMetrics
+
+    from eric_epd.server.load import LoadReport
+
+    pool = EncoderPool(("http://a:1", "http://b:1"), httpx.AsyncClient(), GatewayMetrics(), 2, 5.0)
+    key = b"image-1"
+    first = pool.preference(key, set())[0]
+    other = next(m for m in pool.healthy() if m is not first)
+    assert pool.choose(key, set()) is first  # no reports: rendezvous
+    first.load, other.load = LoadReport(3, 0.9, 10.0, 1.0, 30.0), LoadReport(0, 0.1, 10.0, 0.2, 30.0)
+    assert pool.choose(key, set()) is first  # 0.3 s longer wait: within the slack, the content's own Eric keeps it
+    first.load = LoadReport(40, 1.0, 10.0, 5.0, 30.0)
+    assert pool.choose(key, set()) is other  # 4 s of queue there: the idle Eric starts it sooner
+    pool.remember(key, first.url)
+    assert pool.choose(key, set()) is first  # it holds the embedding: back there, whatever the queue
+    assert pool.choose(key, {first.url}) is other  # unless it is excluded (it failed this item)
+    first.healthy = False
+    assert pool.choose(key, set()) is other

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,11 @@ from eric_epd.server.load import LoadReport
 from eric_epd.transfer.handles import LEASE_HEADER
 
 logger = logging.getLogger(__name__)
+
+MAX_HOLDERS = 65536
+"""Items whose Eric the gateway remembers (about 100 bytes each)."""
+WAIT_SLACK_S = 0.5
+"""A new item leaves its content's own Eric (rendezvous) only for one whose expected wait is this much shorter."""
 
 
 @dataclass
@@ -37,6 +42,14 @@ class EncoderState:
     """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
 
 
+def _expected_wait(member: EncoderState) -> float:
+    """Seconds until an item sent now would start on this Eric: what is queued there (and in flight from here) at
+    its recent rate (at least one item a second, so a freshly started Eric is not taken for a stuck one)."""
+    load = member.load
+    assert load is not None
+    return (load.queue_depth + member.inflight) / max(load.items_per_s, 1.0)
+
+
 class EncodersUnavailableError(Exception):
     """No encoder could encode the items (all down or failing)."""
 
@@ -45,6 +58,7 @@ class EncoderPool:
     def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, metrics: GatewayMetrics,
                  eject_after: int, timeout_s: float, heartbeat_timeout_s: float = 10.0) -> None:
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._holders: OrderedDict[bytes, str] = OrderedDict()  # routing key -> the Eric that last answered it
         self._members = {u: EncoderState(u) for u in urls}
         self._client = client
         self._metrics = metrics
@@ -118,12 +132,32 @@ class EncoderPool:
             return frozenset()
 
     def choose(self, key: bytes, exclude: set[str]) -> EncoderState | None:
-        """The key's preferred encoder unless it is much busier than the least loaded one (bounded load)."""
+        """Where to encode the item with this key: the Eric that last answered it (it holds the embedding in its
+        pool or content cache); else its rendezvous Eric, unless by the Erics' own load reports another would start
+        it more than WAIT_SLACK_S sooner (queued items over recent items/s); in every case an Eric much busier than
+        the least loaded (inflight calls from here) is passed over (bounded load)."""
         order = self.preference(key, exclude)
         if not order:
             return None
         least = min(m.inflight for m in order)
-        return next(m for m in order if m.inflight <= 2 * least + 4)
+        fits = [m for m in order if m.inflight <= 2 * least + 4]
+        holder = self._holders.get(key)
+        for member in fits:
+            if member.url == holder:
+                self._holders.move_to_end(key)
+                return member
+        if all(m.load is not None for m in fits):
+            waits = [_expected_wait(m) for m in fits]
+            if waits[0] > min(waits) + WAIT_SLACK_S:  # the content's own Eric is clearly the slower start
+                return fits[waits.index(min(waits))]
+        return fits[0]
+
+    def remember(self, key: bytes, url: str) -> None:
+        """`url` answered the item with this key: later requests for it go there while it stays (LRU, bounded)."""
+        self._holders[key] = url
+        self._holders.move_to_end(key)
+        while len(self._holders) > MAX_HOLDERS:
+            self._holders.popitem(last=False)
 
     async def encode(self, refs: list[MediaRef]) -> tuple[list[dict[str, Any]], int]:
         """Encode every item somewhere; returns (items in ref order, number of encoders used). If this fails or is
@@ -161,6 +195,8 @@ class EncoderPool:
                 else:
                     used.add(url)
                     results.update(zip(idx, items))
+                    for i in idx:
+                        self.remember(refs[i].routing_key, url)
         return used
 
     async def _call_groups(self, groups: dict[str, list[MediaRef]]) -> list[list[dict[str, Any]] | None]:
