@@ -69,6 +69,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="host consumers use to reach this Eric (default: --host, or 127.0.0.1 for 0.0.0.0)")
     p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
     p.add_argument("--mooncake-device", default="", help="RDMA device names for Mooncake")
+    p.add_argument("--global-cache", default=None, metavar="MASTER_HOST:PORT",
+                   help="share finished embeddings with other Erics through this Mooncake Store master")
+    p.add_argument("--global-cache-bytes", type=int, default=EricConfig.global_cache_bytes,
+                   help="memory this Eric contributes to the store")
     p.add_argument("--register-with", action="append", default=[],
                    help="gateway base URL to join by itself (repeatable): registers, heartbeats, leaves on shutdown")
     p.add_argument("--register-key", default=None,
@@ -163,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
             register_retry_s=args.sglang_register_retry, allowed_peers=tuple(args.sglang_allowed_peer),
             mooncake_protocol=args.sglang_mooncake_protocol),
         api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None,
+        global_cache=args.global_cache, global_cache_bytes=args.global_cache_bytes,
         register_with=tuple(u.rstrip("/") for u in args.register_with),
         register_key=args.register_key or os.environ.get("EPD_GATEWAY_ADMIN_KEY") or None,
         heartbeat_s=args.heartbeat, drain_timeout_s=args.drain_timeout,

@@ -103,6 +103,10 @@ class EricConfig(RuntimeConfig):
     max_items_per_request: int = 64
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
     sglang: SglangConfig = field(default_factory=lambda: SglangConfig())
+    global_cache: str | None = None
+    """host:port of the Mooncake Store master whose store this Eric shares finished embeddings through (None: off)."""
+    global_cache_bytes: int = 256 * 2**20
+    """Memory this Eric contributes to the store (the store evicts beyond what its members contribute)."""
     register_with: tuple[str, ...] = ()
     """Gateways this Eric joins by itself (POST /admin/encoders with register_key), heartbeats and leaves."""
     register_key: str | None = None

@@ -36,6 +36,7 @@ from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.openapi import eric_openapi
 from eric_epd.server.processor import Processor, model_fingerprint
 from eric_epd.server.service import EncodeService, ItemAnswer, ItemRequest, OutputSpec, RequestClock
+from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import TransferApiError, transfer_routes
 
@@ -112,10 +113,16 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         expiry = asyncio.create_task(hub.expiry_loop())
         membership = GatewayMembership(config.register_with, config.register_key, config.public_url,
                                        config.heartbeat_s)
+        spec = output_spec(config)
+        shared = (GlobalCache(config.global_cache, config.transfer.advertise_host, config.global_cache_bytes,
+                              hub.pool.array, spec.dtype) if config.global_cache else None)
+        metrics.global_cache = shared
+        if shared is not None:
+            shared.start()
         try:
             async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
                 state["client"] = client
-                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, output_spec(config))
+                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared)
                 heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
                 try:
                     yield
@@ -125,6 +132,8 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
                         await membership.leave()
         finally:
             expiry.cancel()
+            if shared is not None:
+                shared.close()
             await fetcher.aclose()
             processor.close()
 

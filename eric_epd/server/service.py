@@ -17,6 +17,7 @@ from eric_epd.runtime.router import ApiError
 from eric_epd.server.media import MediaError, MediaFetcher
 from eric_epd.server.metrics import EricMetrics
 from eric_epd.server.processor import PreparedItem, Processor
+from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.handles import EmbeddingHandle
 from eric_epd.transfer.pool import PoolEntry
 from eric_epd.transfer.producer import PoolFullError, TransferHub
@@ -70,8 +71,10 @@ class _Flight:
 
 class EncodeService:
     def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
-                 metrics: EricMetrics, output: OutputSpec) -> None:
+                 metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None) -> None:
         self._fetcher = fetcher
+        self._global = global_cache
+        self._sharing: set[asyncio.Task[None]] = set()
         self._processor = processor
         self._client = client
         self.hub = hub
@@ -160,16 +163,44 @@ class EncodeService:
             start = time.perf_counter()
             entries = await self._reserve(mine)
             self._metrics.stages.observe("pool_reserve", time.perf_counter() - start)
-            await self._run(mine, entries, clock)
+            stored = await self._from_global(mine, entries)
+            encode = {k: p for k, p in mine.items() if k not in stored}
+            if encode:
+                await self._run(encode, [e for e in entries if e.hash in encode], clock)
         except BaseException:
             self._unwant(mine)  # aborts in the engine whatever no other request waits for
             raise
         handles = {}
         for entry in entries:
             handles[entry.hash] = self.hub.lease(entry.hash)
-            self._metrics.items.labels(modality=mine[entry.hash].item.modality, source="encoded").inc()
+            source = "global" if entry.hash in stored else "encoded"
+            self._metrics.items.labels(modality=mine[entry.hash].item.modality, source=source).inc()
+            if source == "encoded" and self._global is not None:
+                self._share(entry)
         self._unwant(mine)
         return handles
+
+    async def _from_global(self, mine: dict[str, PreparedItem], entries: list[PoolEntry]) -> set[str]:
+        """Items another Eric encoded, read from the global cache into their reserved regions and committed (as an
+        encode would have); the others are left to encode."""
+        if self._global is None:
+            return set()
+        found = await asyncio.gather(*(self._global.read_into(e.hash, self.hub.pool.view(e)) for e in entries))
+        stored = {e.hash for e, ok in zip(entries, found) if ok}
+        for key in stored:
+            self.hub.pool.commit(key)
+            self._bridges[key] = self.hub.lease(key)  # as _settle: waiters lease it before it can go
+        self._finish({k: mine[k] for k in stored}, None)
+        return stored
+
+    def _share(self, entry: PoolEntry) -> None:
+        """Put a freshly encoded entry into the global cache in the background, holding a lease on it meanwhile so
+        its region cannot be freed and reused under the copy."""
+        assert self._global is not None
+        handle = self.hub.lease(entry.hash)
+        task = asyncio.create_task(self._global.write(entry.hash, self.hub.pool.view(entry)))
+        self._sharing.add(task)
+        task.add_done_callback(lambda t: (self._sharing.discard(t), self._give_back([handle])))
 
     async def _reserve(self, mine: dict[str, PreparedItem]) -> list[PoolEntry]:
         """Pool space for every item; on failure (or cancellation) what was reserved is freed: nothing was sent to

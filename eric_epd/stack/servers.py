@@ -106,3 +106,17 @@ class GeriServer(ServerProcess):
         cmd = [sys.executable, "-m", "eric_epd", "geri", "--tp", str(tp), "--port", str(port),
                "--cpus", format_cpus(cpus), *(("--model", str(model)) if model else ()), *extra_args]
         super().__init__(cmd, port, log_path, 180, env={"GERI_API_KEY": api_key}, api_key=api_key, cpus=cpus)
+
+
+class StoreMaster(ServerProcess):
+    """Mooncake Store's master (from the mooncake wheel) for the Erics' --global-cache; `address` is what they are
+    given. Healthy once its metrics endpoint answers."""
+
+    health_path = "/metrics"
+
+    def __init__(self, log_path: Path | None = None, cpus: tuple[int, ...] | None = None) -> None:
+        rpc, metrics = free_port(), free_port()
+        cmd = [str(Path(sys.executable).parent / "mooncake_master"), f"--rpc_port={rpc}",
+               "--enable_http_metadata_server=false", f"--metrics_port={metrics}"]
+        super().__init__(cmd, metrics, log_path, 60, cpus=cpus or host_split()[0])
+        self.address = f"127.0.0.1:{rpc}"

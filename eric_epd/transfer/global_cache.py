@@ -1,0 +1,145 @@
+"""Eric's second cache tier: finished embeddings shared by every Eric through Mooncake Store, keyed by content hash.
+
+An Eric that misses in its own pool reads the store into the region it reserved before encoding; one that encoded
+an item puts it (while a lease keeps the region). The store going down turns every call into a miss: logged and
+counted, never a failed request. Store calls block, so they run on the default thread pool."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+RETRY_SETUP_S = 10.0
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+    up: bool = False
+
+
+class GlobalCache:
+    """One store client per Eric router; `pool` is the embedding pool's memory (registered once with the store)."""
+
+    def __init__(self, master: str, local_hostname: str, segment_bytes: int, pool: np.ndarray, namespace: str,
+                 protocol: str = "tcp") -> None:
+        self._master = master
+        self._namespace = namespace
+        self._hostname = local_hostname
+        self._segment_bytes = segment_bytes
+        self._pool = pool
+        self._protocol = protocol
+        self._store: Any = None
+        self._next_setup = 0.0
+        self._setting_up: asyncio.Task[None] | None = None
+        self.stats = CacheStats()
+
+    def start(self) -> None:
+        """Join the store in the background (requests meanwhile miss, they do not wait for it)."""
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._store is None and self._setting_up is None and time.monotonic() >= self._next_setup:
+            self._next_setup = time.monotonic() + RETRY_SETUP_S
+            self._setting_up = asyncio.create_task(self._join())
+
+    async def _join(self) -> None:
+        try:
+            self._store = await asyncio.to_thread(self._setup)
+            self.stats.up = self._store is not None
+        finally:
+            self._setting_up = None
+
+    async def _ready(self, wait: bool) -> Any:
+        """The store client; None while it is not joined (set up again at most every RETRY_SETUP_S after a failure).
+        With `wait`, a join in progress is waited for (writes run in the background: they can)."""
+        self._kick()
+        if wait and self._setting_up is not None:
+            await asyncio.shield(self._setting_up)
+        return self._store
+
+    def _setup(self) -> Any:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+
+            store = MooncakeDistributedStore()
+            rc = store.setup(self._hostname, "P2PHANDSHAKE", self._segment_bytes, 16 << 20, self._protocol, "",
+                             self._master)
+            if rc != 0:
+                raise RuntimeError(f"setup rc={rc}")
+            rc = store.register_buffer(self._pool.ctypes.data, self._pool.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer rc={rc}")
+        except Exception as e:  # the store is down or unreachable: this Eric serves from its own pool meanwhile
+            logger.warning("global cache at %s unavailable (%r); serving from the local pool only", self._master, e)
+            return None
+        logger.info("global cache: joined Mooncake Store at %s with %d bytes", self._master, self._segment_bytes)
+        return store
+
+    async def read_into(self, key: str, region: np.ndarray) -> bool:
+        """Fill `region` (a view on the pool) with the stored embedding of `key`; False on a miss or any error."""
+        store = await self._ready(wait=False)
+        if store is None:
+            self.stats.misses += 1
+            return False
+        try:
+            got = await asyncio.to_thread(store.get_into, self._key(key), region.ctypes.data, region.nbytes)
+        except Exception as e:
+            got = -1
+            logger.warning("global cache read of %s failed: %r", key[:12], e)
+        if got == region.nbytes:
+            self.stats.hits += 1
+            self.stats.bytes_read += got
+            return True
+        self.stats.misses += 1
+        if got < 0 and got != -704:  # -704: object not found
+            self._failed(f"get {key[:12]} rc={got}")
+        return False
+
+    async def write(self, key: str, region: np.ndarray) -> None:
+        """Store the embedding of `key` from `region`; the caller keeps the region alive until this returns."""
+        store = await self._ready(wait=True)
+        if store is None:
+            return
+        try:
+            rc = await asyncio.to_thread(store.put_from, self._key(key), region.ctypes.data, region.nbytes)
+        except Exception as e:
+            rc = -1
+            logger.warning("global cache write of %s failed: %r", key[:12], e)
+        if rc == 0:
+            self.stats.puts += 1
+            self.stats.bytes_written += region.nbytes
+        else:
+            self._failed(f"put {key[:12]} rc={rc}")
+
+    def _failed(self, what: str) -> None:
+        self.stats.errors += 1
+        if self.stats.errors in (1, 10, 100) or self.stats.errors % 1000 == 0:
+            logger.warning("global cache: %s (%d errors so far); the local pool serves meanwhile", what,
+                           self.stats.errors)
+
+    def _key(self, key: str) -> str:
+        """The store's key: the content hash (which names the model's output space) under the output dtype."""
+        return f"eric-emb/{self._namespace}/{key}"
+
+    def close(self) -> None:
+        if self._store is not None:
+            try:
+                self._store.close()
+            except Exception as e:
+                logger.warning("global cache close: %r", e)
+            self._store = None
+
+

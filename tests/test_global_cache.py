@@ -1,0 +1,73 @@
+"""Two Erics sharing finished embeddings through Mooncake Store (its master started by the project's launcher): an
+image Eric A encoded serves Eric B without a second encode (B's counters prove it, and the bytes are A's); with the
+store down each Eric serves from its own pool, logged, and no request fails."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+from eric_epd.stack.process import new_key
+from eric_epd.stack.servers import EricServer, StoreMaster
+from eric_epd.testing.media import image_data_url
+from eric_epd.transfer.handles import LEASE_HEADER
+
+
+def _encode(eric: EricServer, url: str) -> dict:
+    r = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": url}]}, headers=eric.headers,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["items"][0]
+
+
+def _bytes(eric: EricServer, item: dict) -> bytes:
+    handle = item["handle"]
+    r = httpx.get(handle["http"], headers=eric.headers | {LEASE_HEADER: handle["lease"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    httpx.post(f"{handle['producer']}/v1/embeddings/{handle['hash']}/ack", headers=eric.headers | {
+        LEASE_HEADER: handle["lease"]}, json={"instance_id": handle["instance_id"]}, timeout=30)
+    return r.content
+
+
+def _metric(eric: EricServer, name: str) -> float:
+    text = httpx.get(eric.url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def _wait(condition, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwen2_vl_tiny: Path,
+                                                                              tmp_path: Path) -> None:
+    key = new_key()
+    with StoreMaster(tmp_path / "master.log") as master:
+        cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
+        with EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log") as a, \
+                EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log") as b:
+            image = image_data_url(96, 80, seed=4242)
+            first = _encode(a, image)
+            assert _wait(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
+            batches = _metric(b, "eric_batches_total")
+            second = _encode(b, image)
+            assert second["hash"] == first["hash"] and second["shape"] == first["shape"]
+            assert _metric(b, 'eric_items_total{modality="image",source="global"}') == 1
+            assert _metric(b, "eric_batches_total") == batches  # B ran no batch for it
+            assert _bytes(b, second) == _bytes(a, first)  # the very bytes A's encoder produced
+
+            master.stop()  # the store goes down: each Eric serves from its own pool, no request fails
+            for i, eric in enumerate((a, b)):
+                fresh = _encode(eric, image_data_url(64, 64, seed=5000 + i))
+                assert fresh["shape"][0] > 0
+            again = _encode(b, image)  # still in B's own pool (or encoded again): answered either way
+            assert again["hash"] == first["hash"]
+            assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') >= 1
+    assert "global cache" in (tmp_path / "b.log").read_text()  # the outage was logged
