@@ -71,3 +71,37 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
             assert again["hash"] == first["hash"]
             assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') >= 1
     assert "global cache" in (tmp_path / "b.log").read_text()  # the outage was logged
+
+
+def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_behind_erics, qwen2_vl_tiny: Path,
+                                                                         tmp_path: Path) -> None:
+    """The session's two Erics come back sharing a store; a chat through a gateway in front of Eric A, then the same
+    images through one in front of Eric B: B encodes none of them, and both answers equal vLLM's own."""
+    from eric_epd.stack.servers import GatewayServer
+    from eric_epd.testing.stack import ask, image_messages
+
+    erics, vllm, key = vllm_behind_erics["erics"], vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
+    images = [image_data_url(72 + 8 * k, 64, seed=6100 + k) for k in range(3)]
+    expected = ask(vllm.url, image_messages(images), key=vllm.api_key).choices[0].message.content
+    for eric in erics:
+        eric.stop()
+    try:
+        with StoreMaster(tmp_path / "master.log") as master:
+            cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
+            with EricServer(qwen2_vl_tiny, port=erics[0].port, api_key=key, extra_args=cache) as a, \
+                    EricServer(qwen2_vl_tiny, port=erics[1].port, api_key=key, extra_args=cache) as b:
+                answers = []
+                for eric in (a, b):
+                    with GatewayServer(tmp_path / f"gw-{eric.port}.log", "--encoder-urls", eric.url,
+                                       "--colocated-urls", vllm.url, "--api-key", "sk-global", eric_api_key=key,
+                                       upstream_api_key=vllm.api_key) as gw:
+                        answers.append(ask(gw.url, image_messages(images), key="sk-global").choices[0].message.content)
+                    if eric is a:
+                        assert _wait(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 3)
+                assert answers == [expected, expected]
+                assert _metric(b, 'eric_items_total{modality="image",source="global"}') == 3
+                assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') == 0
+                assert _metric(b, "eric_batches_total") == 0
+    finally:
+        for eric in erics:
+            eric.start()  # the Erics are shared by the session's gateway tests
