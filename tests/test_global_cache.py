@@ -5,7 +5,6 @@ store down each Eric serves from its own pool, logged, and no request fails."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import httpx
 from eric_epd.stack.process import new_key
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import image_data_url
+from eric_epd.testing.stack import wait_for
 from eric_epd.transfer.handles import LEASE_HEADER
 
 
@@ -37,15 +37,6 @@ def _metric(eric: EricServer, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
-def _wait(condition, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwen2_vl_tiny: Path,
                                                                               tmp_path: Path) -> None:
     key = new_key()
@@ -55,7 +46,7 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
                 EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log") as b:
             image = image_data_url(96, 80, seed=4242)
             first = _encode(a, image)
-            assert _wait(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
+            assert wait_for(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
             batches = _metric(b, "eric_batches_total")
             second = _encode(b, image)
             assert second["hash"] == first["hash"] and second["shape"] == first["shape"]
@@ -97,7 +88,7 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
                                        upstream_api_key=vllm.api_key) as gw:
                         answers.append(ask(gw.url, image_messages(images), key="sk-global").choices[0].message.content)
                     if eric is a:
-                        assert _wait(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 3)
+                        assert wait_for(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 3)
                 assert answers == [expected, expected]
                 assert _metric(b, 'eric_items_total{modality="image",source="global"}') == 3
                 assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,22 +13,13 @@ import httpx
 
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.stack import ask, image_messages
+from eric_epd.testing.stack import ask, image_messages, wait_for
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
 
 
 def _listed(gateway: GatewayServer) -> set[str]:
     return set(httpx.get(gateway.url + "/health").json()["encoders"])
-
-
-def _wait(condition, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwen2_vl_tiny: Path,
@@ -48,7 +38,7 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
     def one(i: int) -> bool:
         if i == 30:
             joiner.start()  # joins by itself
-            assert _wait(lambda: joiner.url in _listed(gw)), "the Eric did not join"
+            assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"
         if i == 140:
             text = httpx.get(joiner.url + "/metrics").text
             served.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -64,10 +54,10 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
             assert served and served[0] > 0, "the joined Eric encoded nothing"
             assert _listed(gw) == {static.url}  # it left
             joiner.start()  # joins again, then dies without a word: dropped when its heartbeats stop
-            assert _wait(lambda: joiner.url in _listed(gw))
+            assert wait_for(lambda: joiner.url in _listed(gw))
             assert joiner.proc is not None
             os.killpg(joiner.proc.pid, signal.SIGKILL)
-            assert _wait(lambda: joiner.url not in _listed(gw), 10.0), "a silent Eric was not dropped"
+            assert wait_for(lambda: joiner.url not in _listed(gw), 10.0), "a silent Eric was not dropped"
             answer = ask(gw.url, image_messages(sets[0]), key=API_KEY).choices[0].message.content
             assert answer == expected[0]
     finally:

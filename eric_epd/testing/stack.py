@@ -4,7 +4,7 @@ counters. The launchers themselves are in eric_epd.stack."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +55,15 @@ def colocated_epd_stack(model: Path, logs: Path, dtype: str = "float32") -> Iter
     finally:
         for server in reversed(started):
             server.stop()
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0, period_s: float = 0.2) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(period_s)
+    return False
