@@ -27,6 +27,7 @@ from eric_epd.testing.vllm_cases import (
     greedy,
     llm_kwargs,
     raw_prompt,
+    yielding_new_children,
 )
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -209,7 +210,7 @@ def test_tensor_parallel_vllm_lands_items_on_every_rank(qwen2_vl_tiny: Path, eri
     main, _ = erics
     ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer",
                           ec_connector_extra_config={"eric_urls": [main.url], "backends": ["nixl", "http"]})
-    with eric_key_in_env(main.api_key, ranks=2):
+    with eric_key_in_env(main.api_key, ranks=2), yielding_new_children():  # its 2 ranks take both cores
         engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, tensor_parallel_size=2,
                      disable_log_stats=False)
     try:

@@ -166,6 +166,22 @@ def eric_key_in_env(api_key: str | None, ranks: int = 1) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def yielding_new_children(niceness: int = 10) -> Iterator[None]:
+    """Processes this one starts inside the block (an in-process vLLM's engine core and workers) run at `niceness`:
+    where their busy-polling OpenMP threads must share cores with an Eric (vLLM at TP 2 on a 2-core host), the
+    Eric still gets the CPU when it has work, instead of timing out its consumers."""
+    import psutil
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    yield
+    for child in me.children(recursive=True):
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                child.nice(niceness)
+
+
 def llm_kwargs(model: Path) -> dict[str, Any]:
     return dict(model=str(model), dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
                 gpu_memory_utilization=0.15,
