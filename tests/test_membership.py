@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +17,13 @@ from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask, image_messages, wait_for
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
+PACE_S = 0.15
+"""200 chats over 30 s: the Eric joins, serves and leaves while they run."""
+
+
+def _metric(eric: EricServer, name: str) -> float:
+    text = httpx.get(eric.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _listed(gateway: GatewayServer) -> set[str]:
@@ -26,32 +34,32 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
                                                           tmp_path: Path) -> None:
     static, slot = vllm_behind_erics["erics"]  # the joiner takes the second Eric's address, which vLLM trusts
     vllm, key = vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
-    sets = [[image_data_url(56 + 8 * k, 64, seed=2000 + 10 * j + k) for k in range(3)] for j in range(4)]
+    # fresh images every 20 chats: items already answered go back to the Eric that holds them
+    sets = [[image_data_url(56 + 8 * k, 64, seed=2000 + 10 * j + k) for k in range(3)] for j in range(10)]
     expected = [ask(vllm.url, image_messages(s), key=vllm.api_key).choices[0].message.content for s in sets]
     gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", static.url, "--colocated-urls", vllm.url,
                        "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--heartbeat-timeout", "3",
                        eric_api_key=key, upstream_api_key=vllm.api_key)
     joiner = EricServer(qwen2_vl_tiny, port=slot.port, api_key=key, log_path=tmp_path / "joiner.log",
                         extra_args=("--register-with", gw.url, "--register-key", ADMIN_KEY, "--heartbeat", "0.5"))
-    served: list[float] = []
-
     def one(i: int) -> bool:
-        if i == 30:
-            joiner.start()  # joins by itself
-            assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"
-        if i == 140:
-            text = httpx.get(joiner.url + "/metrics").text
-            served.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("eric_items_total{")))
-            joiner.stop()  # drains: finishes what it holds, refuses new connections, leaves the gateway
-        return ask(gw.url, image_messages(sets[i % 4]), key=API_KEY).choices[0].message.content == expected[i % 4]
+        time.sleep(max(0.0, start + i * PACE_S - time.monotonic()))  # open loop: one chat every PACE_S
+        return ask(gw.url, image_messages(sets[i // 20]), key=API_KEY).choices[0].message.content == expected[i // 20]
 
     slot.stop()
     try:
         with gw, ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(one, range(200)))
-            assert all(results), results.count(False)
-            assert served and served[0] > 0, "the joined Eric encoded nothing"
+            start = time.monotonic()
+            futures = [pool.submit(one, i) for i in range(200)]
+            assert wait_for(lambda: sum(f.done() for f in futures) >= 30, 120)
+            joiner.start()  # joins by itself while the chats go on
+            assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"
+            time.sleep(5)  # it takes its share of the images
+            served = _metric(joiner, "eric_items_total")
+            joiner.stop()  # drains: finishes what it holds, refuses new connections, leaves the gateway
+            results = [f.result(timeout=300) for f in futures]
+            assert sum(f.done() for f in futures) == 200 and all(results), results.count(False)
+            assert served > 0, "the joined Eric encoded nothing"
             assert _listed(gw) == {static.url}  # it left
             joiner.start()  # joins again, then dies without a word: dropped when its heartbeats stop
             assert wait_for(lambda: joiner.url in _listed(gw))
