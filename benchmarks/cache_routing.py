@@ -52,7 +52,7 @@ def compute_seconds(eric: EricServer) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-async def load(url: str, key: str, chats: list[list[str]], concurrency: int) -> list[float]:
+async def load(url: str, key: str, model: str, chats: list[list[str]], concurrency: int) -> list[float]:
     """TTFT of every chat (streamed, greedy, 8 tokens)."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
     queue, ttfts = list(chats), []
@@ -61,7 +61,7 @@ async def load(url: str, key: str, chats: list[list[str]], concurrency: int) -> 
         while queue:
             images = queue.pop(0)
             start = time.perf_counter()
-            stream = await client.chat.completions.create(model="m", messages=image_messages(images), max_tokens=8,
+            stream = await client.chat.completions.create(model=model, messages=image_messages(images), max_tokens=8,
                                                           temperature=0, stream=True)
             first = None
             async for chunk in stream:
@@ -92,10 +92,10 @@ def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[in
             logs / f"{name[:6].strip()}-gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
             "--colocated-urls", vllm.url, "--api-key", "bench", *routing, eric_api_key=key,
             upstream_api_key=vllm.api_key, cpus=eric_cpus))
-        asyncio.run(load(gateway.url, "bench", [chats[0]], 1))  # warm-up outside the count
+        asyncio.run(load(gateway.url, "bench", str(model), [chats[0]], 1))  # warm-up outside the count
         before = sum(compute_seconds(e) for e in erics)
         start = time.perf_counter()
-        ttfts = asyncio.run(load(gateway.url, "bench", chats, concurrency))
+        ttfts = asyncio.run(load(gateway.url, "bench", str(model), chats, concurrency))
         wall = time.perf_counter() - start
         compute = sum(compute_seconds(e) for e in erics) - before
     return {"ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99)),
