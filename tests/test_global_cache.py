@@ -8,12 +8,17 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
+import torch
 
 from eric_epd.stack.process import new_key
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import wait_for
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
 from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.transfer.safetensors_io import safetensors_payload
 
 
 def _encode(eric: EricServer, url: str) -> dict:
@@ -62,6 +67,34 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
             assert again["hash"] == first["hash"]
             assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') >= 1
     assert "global cache" in (tmp_path / "b.log").read_text()  # the outage was logged
+
+
+def test_a_consumer_reads_from_the_store_what_its_producer_let_go(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """Eric A's lease on an item was acknowledged (A freed it): a consumer that knows the store still gets A's very
+    bytes, by content hash, whether its first read failed (HTTP: gone) or only its ack did (shared memory); one
+    that does not know the store fails cleanly."""
+    key = new_key()
+    with StoreMaster(tmp_path / "master.log") as master, \
+            EricServer(qwen2_vl_tiny, api_key=key, extra_args=("--global-cache", master.address)) as a:
+        item = _encode(a, image_data_url(88, 72, seed=4343))
+        assert wait_for(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 1)
+        original = bytes(safetensors_payload(_bytes(a, item)))  # read, then acknowledged: A lets it go
+        store = MooncakeOptions(global_cache=master.address)
+        for backends in (("http",), ("shm", "http")):
+            with pytest.raises(TransferError):
+                EmbeddingFetcher(backends, api_key=key).fetch(item["handle"])
+            fetcher = EmbeddingFetcher(backends, api_key=key, mooncake=store)
+            try:
+                got = fetcher.fetch(item["handle"])
+                assert fetcher.last_backend == "store", backends
+            finally:
+                fetcher.close()
+            assert got.view(torch.uint8).numpy().tobytes() == original, backends
+        missing = dict(item["handle"], hash="0" * 64)  # nobody ever stored it: a clean error, no bytes
+        fetcher = EmbeddingFetcher(("http",), api_key=key, mooncake=store)
+        with pytest.raises(TransferError, match="not in the global cache"):
+            fetcher.fetch(missing)
+        fetcher.close()
 
 
 def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_behind_erics, qwen2_vl_tiny: Path,

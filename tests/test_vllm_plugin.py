@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ import pytest
 from eric_epd.common.shm import attach_untracked
 from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.stack.process import new_key
-from eric_epd.stack.servers import EricServer, VllmServe
+from eric_epd.stack.servers import EricServer, StoreMaster, VllmServe
+from eric_epd.testing.stack import wait_for
 from eric_epd.testing.vllm_cases import (
     CASES,
     MAX_TOKENS,
@@ -29,6 +31,7 @@ from eric_epd.testing.vllm_cases import (
     raw_prompt,
     yielding_new_children,
 )
+from eric_epd.transfer.handles import LEASE_HEADER
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 CHANGED = Case("changed", ((80, 80),), seed=9)
@@ -168,6 +171,11 @@ def test_killed_eric_fails_request_engine_survives(llm, erics, reference: dict[s
 # ---- vllm serve + the openai client ---------------------------------------------------------------------------
 
 
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
 def chat_parts(items: list[dict]) -> list[dict]:
     parts = []
     for item in items:
@@ -179,8 +187,10 @@ def chat_parts(items: list[dict]) -> list[dict]:
 def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str, list[int]], tmp_path: Path) -> None:
     import openai
 
-    with EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log") as eric, \
-            VllmServe(qwen2_vl_tiny, tmp_path / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key) as server:
+    with StoreMaster(tmp_path / "master.log") as master, \
+            EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log", extra_args=("--global-cache", master.address)) \
+            as eric, VllmServe(qwen2_vl_tiny, tmp_path / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
+                               global_cache=master.address) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
         model = client.models.list().data[0].id
         for case in (c for c in CASES if c.name in ("four_images", "one_video")):
@@ -195,6 +205,21 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         del bad[0]["uuid"]
         with pytest.raises(openai.BadRequestError, match="uuid"):
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=4)
+        # Eric let these items go before vLLM fetched them (their leases acknowledged here): vLLM's own ack fails,
+        # and every worker reads them again from the global cache, by content hash
+        case = next(c for c in CASES if c.name == "two_images")
+        items = encode(eric, case)
+        assert wait_for(lambda: _metric(eric.url, 'eric_global_cache{event="puts"}') >= len(items))
+        for item in items:
+            ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=eric.headers | {
+                LEASE_HEADER: item["handle"]["lease"]}, json={"instance_id": item["handle"]["instance_id"]})
+            assert ack.status_code == 200, ack.text
+        resp = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": chat_parts(items)}], max_tokens=MAX_TOKENS,
+            temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                         "vllm_xargs": handles_xargs(i["handle"] for i in items)})
+        assert resp.choices[0].token_ids == reference[case.name]
+        assert _metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
         assert httpx.get(server.url + "/health").status_code == 200
         metrics = httpx.get(server.url + "/metrics").text
         assert "vllm:eric_ec_loaded_items" in metrics

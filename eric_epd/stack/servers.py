@@ -36,10 +36,13 @@ class EricServer(ServerProcess):
                          cpus=cpus)
 
 
-def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http")) -> dict:
-    """The --ec-transfer-config that puts vLLM behind Eric."""
+def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "") -> dict:
+    """The --ec-transfer-config that puts vLLM behind Eric (reading the Erics' global cache at that store master)."""
+    extra: dict = {"eric_urls": eric_urls, "backends": list(backends)}
+    if global_cache:
+        extra["global_cache"] = global_cache
     return {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
-            "ec_connector_extra_config": {"eric_urls": eric_urls, "backends": list(backends)}}
+            "ec_connector_extra_config": extra}
 
 
 class VllmServe(ServerProcess):
@@ -50,7 +53,7 @@ class VllmServe(ServerProcess):
     def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
                  max_model_len: int = 4096, eric_api_key: str | None = None, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None, port: int | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, port: int | None = None, global_cache: str = "") -> None:
         port = port or free_port()
         cpus = cpus or host_split()[1]
         api_key = api_key or new_key()
@@ -59,7 +62,8 @@ class VllmServe(ServerProcess):
                "--gpu-memory-utilization", "0.15", "--enforce-eager",
                "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
         if eric_urls:
-            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(eric_ec_config(eric_urls)),
+            ec = eric_ec_config(eric_urls, global_cache=global_cache)
+            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
                     "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
                "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),

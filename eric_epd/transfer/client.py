@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,8 @@ class MooncakeOptions:
     host: str = "127.0.0.1"
     protocol: str = "tcp"
     device: str = ""
+    global_cache: str = ""
+    """Mooncake Store master (host:port) of the Erics' global cache; empty: no store reads."""
 
 
 def _usable(backend: ConsumerBackend, handle: EmbeddingHandle) -> bool:
@@ -72,6 +74,10 @@ def _make_backend(name: str, http_timeout_s: float, api_key: str | None, mooncak
         from eric_epd.transfer.backends.http import HttpConsumer
 
         return HttpConsumer(http_timeout_s, api_key)
+    if name == "store":
+        from eric_epd.transfer.backends.store import StoreConsumer
+
+        return StoreConsumer(mooncake.global_cache, mooncake.host, mooncake.protocol, mooncake.device)
     raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
 
 
@@ -99,10 +105,10 @@ class EmbeddingFetcher:
         for name in backends:
             if name not in BACKENDS:
                 raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
-        self._order = tuple(backends)
+        self._mooncake = mooncake or MooncakeOptions()
+        self._order = tuple(backends) + (("store",) if self._mooncake.global_cache else ())
         self._http_timeout_s = http_timeout_s
         self._api_key = api_key
-        self._mooncake = mooncake or MooncakeOptions()
         self._unusable: Counter[str] = Counter()  # reason -> handles skipped for it since take_unusable()
         self._told: set[str] = set()
         self._backends: dict[str, ConsumerBackend] = {}
@@ -121,10 +127,31 @@ class EmbeddingFetcher:
         """The embedding as a tensor (written into `out` when given: contiguous, handle.nbytes bytes, any device)."""
         h = as_handle(handle)
         dst = torch.empty(h.shape, dtype=getattr(torch, h.dtype)) if out is None else out
-        self.read_into(h, dst)
+        backend = self.read_into(h, dst)
         if ack:
-            self.ack(h)
+            self.confirm(h, backend, lambda: self.read_into(h, dst, only="store"))
         return dst
+
+    @property
+    def has_store(self) -> bool:
+        return "store" in self._order
+
+    def confirm(self, h: EmbeddingHandle, backend: str, reread: Callable[[], str],
+                attempt_timeout_s: float | None = None) -> str:
+        """Acknowledge a read; returns the backend whose bytes stand. Bytes from the producer are its only while
+        the lease holds, so a failed ack fails them; then the global cache (when configured) is the second chance
+        and `reread` reads them again from there. Bytes from the store are content-addressed: no ack is due (it is
+        still sent, best effort, so a producer that lives frees the entry now)."""
+        try:
+            self.ack(h, attempt_timeout_s)
+        except TransferError as e:
+            if backend == "store":
+                return backend
+            if not self.has_store:
+                raise
+            logger.warning("%s; reading %s from the global cache instead", e, h.hash[:16])
+            return reread()
+        return backend
 
     def register_destination(self, dst: torch.Tensor) -> None:
         """A long-lived destination (a landing area): backends that benefit register it once (NIXL)."""
@@ -135,15 +162,18 @@ class EmbeddingFetcher:
         except Exception as e:  # reads then register their range one by one
             logger.warning("nixl cannot register the landing area (%r); reads will register per item", e)
 
-    def read_into(self, h: EmbeddingHandle, dst: np.ndarray | torch.Tensor) -> str:
-        """Copy the bytes into dst over the first backend that works; no ack. Returns the backend's name. `dst`:
+    def read_into(self, h: EmbeddingHandle, dst: np.ndarray | torch.Tensor, only: str = "") -> str:
+        """Copy the bytes into dst over the first backend that works (`only`: that one); no ack. Returns the
+        backend's name. The global cache, when configured, is tried last. `dst`:
         a uint8 array of handle.nbytes, or a contiguous tensor of that many bytes on any device (backends that
         can write device memory do so directly; the others go through a host buffer)."""
         if isinstance(dst, torch.Tensor) and (not dst.is_contiguous() or dst.numel() * dst.element_size() != h.nbytes):
             raise ValueError(f"dst must be a contiguous tensor of {h.nbytes} bytes")
         errors = []
-        for name in self._order:
-            if getattr(h, name, None) is None and name != "http":
+        for name in (only,) if only else self._order:
+            if name not in self._order:
+                raise TransferError(f"transfer backend {name!r} is not configured for this consumer")
+            if getattr(h, name, None) is None and name not in ("http", "store"):
                 continue
             try:
                 backend = self._backend(name)

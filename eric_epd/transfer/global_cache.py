@@ -17,6 +17,14 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 RETRY_SETUP_S = 10.0
+NOT_FOUND = -704
+"""Mooncake Store's return code for a key it does not hold."""
+
+
+def store_key(content_hash: str, dtype: str) -> str:
+    """The store's key of an embedding: its content hash (which names the model's output space) under its dtype.
+    Producers write and consumers read under this one name."""
+    return f"eric-emb/{dtype}/{content_hash}"
 
 
 @dataclass
@@ -104,7 +112,7 @@ class GlobalCache:
             self.stats.bytes_read += got
             return True
         self.stats.misses += 1
-        if got < 0 and got != -704:  # -704: object not found
+        if got < 0 and got != NOT_FOUND:
             self._failed(f"get {key[:12]} rc={got}")
         return False
 
@@ -131,8 +139,7 @@ class GlobalCache:
                            self.stats.errors)
 
     def _key(self, key: str) -> str:
-        """The store's key: the content hash (which names the model's output space) under the output dtype."""
-        return f"eric-emb/{self._namespace}/{key}"
+        return store_key(key, self._namespace)
 
     def close(self) -> None:
         if self._store is not None:

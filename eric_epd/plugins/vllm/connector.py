@@ -113,7 +113,8 @@ class EricConnectorSettings:
                        float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
                        MooncakeOptions(str(extra.get("mooncake_host", MooncakeOptions.host)),
                                        str(extra.get("mooncake_protocol", MooncakeOptions.protocol)),
-                                       str(extra.get("mooncake_device", MooncakeOptions.device))))
+                                       str(extra.get("mooncake_device", MooncakeOptions.device)),
+                                       str(extra.get("global_cache", ""))))
         if settings.mooncake.protocol not in ("tcp", "rdma", "efa"):
             raise ValueError(f"mooncake_protocol {settings.mooncake.protocol!r}: choose tcp, rdma or efa")
         if settings.staging_bytes < 1 << 20 or settings.prefetch_threads < 1 or settings.fetch_timeout_s <= 0:

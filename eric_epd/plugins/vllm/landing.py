@@ -37,6 +37,8 @@ class LandOrder(msgspec.Struct, frozen=True):
     order: int
     offset: int
     handle: EmbeddingHandle
+    only: str = ""
+    """Read over this transport alone ("store": the global cache); empty: the best one that works."""
 
 
 class LandNotice(msgspec.Struct, frozen=True):
@@ -118,13 +120,13 @@ class LandingChannel:
         self._thread = threading.Thread(target=self._receive, name="eric-land-notices", daemon=True)
         self._thread.start()
 
-    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float) -> str:
+    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float, only: str = "") -> str:
         """Every rank reads the item into its landing area at `offset`; returns the transport rank 0 used. Raises
         TransferError if a rank failed or did not answer in time (a late rank may still write there)."""
         with self._lock:
             order = next(self._ids)
             wait = self._waits[order] = _Wait(self._ranks)
-        payload = msgspec.msgpack.encode(LandOrder(order, offset, handle))
+        payload = msgspec.msgpack.encode(LandOrder(order, offset, handle, only))
         try:
             with self._send:
                 for sock in self._orders:
@@ -213,10 +215,10 @@ class LandingArea:
                 raise ValueError(f"range [{order.offset}, {order.offset + h.nbytes}) is outside the landing area")
             dst = self.buffer[order.offset: order.offset + h.nbytes]
             if self._stream is None:
-                backend = self._fetcher.read_into(h, dst)
+                backend = self._fetcher.read_into(h, dst, order.only)
             else:  # device copies on a stream of our own, finished before the scheduler hears of them
                 with torch.cuda.stream(self._stream):
-                    backend = self._fetcher.read_into(h, dst)
+                    backend = self._fetcher.read_into(h, dst, order.only)
                 self._stream.synchronize()
         except (TransferError, ValueError) as e:
             error = str(e)

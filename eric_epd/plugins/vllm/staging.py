@@ -153,8 +153,10 @@ class Prefetcher:
         """In a pool thread: every worker lands the bytes in the item's range, then the lease goes back to Eric."""
         h = item.handle
         try:
-            item.backend = self._channel.land(item.offset, h, self._land_timeout_s)
-            self._fetcher.ack(h, attempt_timeout_s=ACK_ATTEMPT_S)
+            backend = self._channel.land(item.offset, h, self._land_timeout_s)
+            item.backend = self._fetcher.confirm(
+                h, backend, lambda: self._channel.land(item.offset, h, self._land_timeout_s, only="store"),
+                attempt_timeout_s=ACK_ATTEMPT_S)
             state, error = State.READY, ""
         except (TransferError, ValueError) as e:
             item.unanswered = isinstance(e, LandingTimeoutError)

@@ -19,6 +19,7 @@ COUNTERS = {
     "via_nixl": "Embeddings that came over NIXL (UCX: RDMA or TCP)",
     "via_mooncake": "Embeddings that came over Mooncake TransferEngine",
     "via_http": "Embeddings that came over HTTP (the fallback)",
+    "via_store": "Embeddings read from the global cache (Mooncake Store) after their producer let them go",
     "unusable_transport": "Fetches that skipped a transport the handle offered but this engine cannot use (e.g. "
                           "Mooncake over rdma with a tcp consumer); the log says why, once",
 }
