@@ -7,7 +7,8 @@ vLLM behind them on the other (its prefix and multimodal caches off, so the enco
 Per configuration fresh Erics and gateway; one vLLM for all. Encoder compute: the Erics' summed batch forward time
 (eric_stage_seconds{stage="batch_compute"}) per request. Target (issue 13): global + routing at most 0.3x the
 encoder compute of no cache, TTFT p50 at most 0.5x. Writes benchmarks/results/cache_routing.{json,png}.
-Usage: python benchmarks/cache_routing.py [--images 300] [--requests 200] [--concurrency 4]
+Usage: python benchmarks/cache_routing.py [--images 300] [--requests 200] [--concurrency 4] [--model tiny|small]
+       [--side 64] [--out benchmarks/results/cache_routing]
 """
 
 from __future__ import annotations
@@ -37,13 +38,31 @@ CONFIGS = ("no cache", "per-Eric cache", "global cache + routing")
 CACHE_BYTES = 128 << 20
 
 
-def traffic(images: int, requests: int, seed: int = 0) -> list[list[str]]:
-    """Each request's two image URLs, drawn Zipf(1.1) over `images` distinct images (distinct within a request)."""
+def traffic(images: int, requests: int, side: int, seed: int = 0) -> list[list[str]]:
+    """Each request's two image URLs, drawn Zipf(1.1) over `images` distinct images (distinct within a request),
+    about `side` pixels a side."""
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, images + 1) ** 1.1
     weights /= weights.sum()
-    urls = [image_data_url(64 + 8 * (i % 5), 64, seed=10_000 + i) for i in range(images)]
+    urls = [image_data_url(side + 8 * (i % 5), side, seed=10_000 + i) for i in range(images)]
     return [[urls[j] for j in rng.choice(images, size=2, replace=False, p=weights)] for _ in range(requests)]
+
+
+def items_by_source(eric: EricServer) -> dict[str, float]:
+    """Items this Eric answered, by where their embedding came from (encoded, cached, global)."""
+    text = httpx.get(eric.url + "/metrics").text
+    counts: dict[str, float] = {}
+    for source, value in re.findall(r'^eric_items_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        counts[source] = counts.get(source, 0.0) + float(value)
+    return counts
+
+
+def total_items(erics: list[EricServer]) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for eric in erics:
+        for source, n in items_by_source(eric).items():
+            counts[source] = counts.get(source, 0.0) + n
+    return counts
 
 
 def compute_seconds(eric: EricServer) -> float:
@@ -93,13 +112,15 @@ def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[in
             "--colocated-urls", vllm.url, "--api-key", "bench", *routing, eric_api_key=key,
             upstream_api_key=vllm.api_key, cpus=eric_cpus))
         asyncio.run(load(gateway.url, "bench", str(model), [chats[0]], 1))  # warm-up outside the count
-        before = sum(compute_seconds(e) for e in erics)
+        before, items_before = sum(compute_seconds(e) for e in erics), total_items(erics)
         start = time.perf_counter()
         ttfts = asyncio.run(load(gateway.url, "bench", str(model), chats, concurrency))
         wall = time.perf_counter() - start
         compute = sum(compute_seconds(e) for e in erics) - before
+        items = {k: v - items_before.get(k, 0.0) for k, v in total_items(erics).items()}
     return {"ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99)),
-            "encoder_s_per_request": compute / len(chats), "requests_per_s": len(chats) / wall}
+            "encoder_s_per_request": compute / len(chats), "encoded_per_request": items.get("encoded", 0) / len(chats),
+            "items": items, "requests_per_s": len(chats) / wall}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -109,9 +130,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in ((axes[0], "encoder_s_per_request", "encoder compute per request (s)"),
-                              (axes[1], "ttft_p50_s", "TTFT p50 (s)")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, metric, label in ((axes[0], "encoded_per_request", "items encoded per request"),
+                              (axes[1], "encoder_s_per_request", "encoder compute per request (s)"),
+                              (axes[2], "ttft_p50_s", "TTFT p50 (s)")):
         ax.bar(list(rows), [rows[n][metric] for n in rows], color=["gray", "tab:blue", "tab:green"])
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelrotation=10)
@@ -125,13 +147,16 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=300)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--model", choices=("tiny", "small"), default="tiny",
+                    help="built-in checkpoint (small: a heavier vision tower, where the encoder weighs on TTFT)")
+    ap.add_argument("--side", type=int, default=64, help="image side in pixels (about)")
     ap.add_argument("--out", type=Path, default=RESULTS / "cache_routing")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    model = ensure_checkpoint("qwen2_vl", "tiny")
+    model = ensure_checkpoint("qwen2_vl", args.model)
     logs = args.out.parent / "cache_routing_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    chats = traffic(args.images, args.requests)
+    chats = traffic(args.images, args.requests, args.side)
     key = new_key()
     ports = [free_port(), free_port()]  # fixed for the run: vLLM trusts these two
     rows = {}
@@ -141,12 +166,16 @@ def main() -> None:
             rows[name] = run_config(name, model, vllm, key, ports, chats, args.concurrency, logs)
             logger.info("%s: %s", name, rows[name])
     base = rows["no cache"]
-    print(f"{'':26} {'encoder s/req':>13} {'ratio':>6} {'TTFT p50':>9} {'ratio':>6} {'TTFT p99':>9}")
+    print(f"{'':26} {'encodes/req':>11} {'ratio':>6} {'encoder s/req':>13} {'ratio':>6} {'TTFT p50':>9} "
+          f"{'ratio':>6} {'TTFT p99':>9}")
     for name, row in rows.items():
-        print(f"{name:26} {row['encoder_s_per_request']:13.4f} "
+        print(f"{name:26} {row['encoded_per_request']:11.3f} "
+              f"{row['encoded_per_request'] / max(base['encoded_per_request'], 1e-9):5.2f}x "
+              f"{row['encoder_s_per_request']:13.4f} "
               f"{row['encoder_s_per_request'] / max(base['encoder_s_per_request'], 1e-9):5.2f}x "
               f"{row['ttft_p50_s']:9.3f} {row['ttft_p50_s'] / base['ttft_p50_s']:5.2f}x {row['ttft_p99_s']:9.3f}")
-    result = {"images": args.images, "requests": args.requests, "concurrency": args.concurrency, "rows": rows}
+    result = {"images": args.images, "requests": args.requests, "concurrency": args.concurrency,
+              "model": args.model, "side": args.side, "rows": rows}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
 

@@ -4,7 +4,6 @@ store down each Eric serves from its own pool, logged, and no request fails."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import torch
 from eric_epd.stack.process import new_key
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.stack import wait_for
+from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
 from eric_epd.transfer.handles import LEASE_HEADER
@@ -37,11 +36,6 @@ def _bytes(eric: EricServer, item: dict) -> bytes:
     return r.content
 
 
-def _metric(eric: EricServer, name: str) -> float:
-    text = httpx.get(eric.url + "/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-
-
 def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwen2_vl_tiny: Path,
                                                                               tmp_path: Path) -> None:
     key = new_key()
@@ -51,12 +45,12 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
                 EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log") as b:
             image = image_data_url(96, 80, seed=4242)
             first = _encode(a, image)
-            assert wait_for(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
-            batches = _metric(b, "eric_batches_total")
+            assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
+            batches = metric(b.url, "eric_batches_total")
             second = _encode(b, image)
             assert second["hash"] == first["hash"] and second["shape"] == first["shape"]
-            assert _metric(b, 'eric_items_total{modality="image",source="global"}') == 1
-            assert _metric(b, "eric_batches_total") == batches  # B ran no batch for it
+            assert metric(b.url, 'eric_items_total{modality="image",source="global"}') == 1
+            assert metric(b.url, "eric_batches_total") == batches  # B ran no batch for it
             assert _bytes(b, second) == _bytes(a, first)  # the very bytes A's encoder produced
 
             master.stop()  # the store goes down: each Eric serves from its own pool, no request fails
@@ -65,7 +59,7 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
                 assert fresh["shape"][0] > 0
             again = _encode(b, image)  # still in B's own pool (or encoded again): answered either way
             assert again["hash"] == first["hash"]
-            assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') >= 1
+            assert metric(b.url, 'eric_items_total{modality="image",source="encoded"}') >= 1
     assert "global cache" in (tmp_path / "b.log").read_text()  # the outage was logged
 
 
@@ -77,7 +71,7 @@ def test_a_consumer_reads_from_the_store_what_its_producer_let_go(qwen2_vl_tiny:
     with StoreMaster(tmp_path / "master.log") as master, \
             EricServer(qwen2_vl_tiny, api_key=key, extra_args=("--global-cache", master.address)) as a:
         item = _encode(a, image_data_url(88, 72, seed=4343))
-        assert wait_for(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 1)
+        assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 1)
         original = bytes(safetensors_payload(_bytes(a, item)))  # read, then acknowledged: A lets it go
         store = MooncakeOptions(global_cache=master.address)
         for backends in (("http",), ("shm", "http")):
@@ -121,11 +115,11 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
                                        upstream_api_key=vllm.api_key) as gw:
                         answers.append(ask(gw.url, image_messages(images), key="sk-global").choices[0].message.content)
                     if eric is a:
-                        assert wait_for(lambda: _metric(a, 'eric_global_cache{event="puts"}') >= 3)
+                        assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 3)
                 assert answers == [expected, expected]
-                assert _metric(b, 'eric_items_total{modality="image",source="global"}') == 3
-                assert _metric(b, 'eric_items_total{modality="image",source="encoded"}') == 0
-                assert _metric(b, "eric_batches_total") == 0
+                assert metric(b.url, 'eric_items_total{modality="image",source="global"}') == 3
+                assert metric(b.url, 'eric_items_total{modality="image",source="encoded"}') == 0
+                assert metric(b.url, "eric_batches_total") == 0
     finally:
         for eric in erics:
             eric.start()  # the Erics are shared by the session's gateway tests

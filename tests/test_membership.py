@@ -14,16 +14,11 @@ import httpx
 
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.stack import ask, image_messages, wait_for
+from eric_epd.testing.stack import ask, image_messages, metric, wait_for
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
 PACE_S = 0.15
 """200 chats over 30 s: the Eric joins, serves and leaves while they run."""
-
-
-def _metric(eric: EricServer, name: str) -> float:
-    text = httpx.get(eric.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _listed(gateway: GatewayServer) -> set[str]:
@@ -55,7 +50,7 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
             joiner.start()  # joins by itself while the chats go on
             assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"
             time.sleep(5)  # it takes its share of the images
-            served = _metric(joiner, "eric_items_total")
+            served = metric(joiner.url, "eric_items_total")
             joiner.stop()  # drains: finishes what it holds, refuses new connections, leaves the gateway
             results = [f.result(timeout=300) for f in futures]
             assert sum(f.done() for f in futures) == 200 and all(results), results.count(False)

@@ -21,7 +21,7 @@ import torch
 
 from eric_epd.plugins.sglang.wire import NixlSession, encode_nixl_session
 from eric_epd.stack.process import free_port
-from eric_epd.stack.servers import EricServer
+from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import image_bytes, random_image, video_data_url
 from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_prefill import (
@@ -34,6 +34,7 @@ from eric_epd.testing.sglang_prefill import (
     WireCheck,
     unpack,
 )
+from eric_epd.testing.stack import metric, wait_for
 from tests.sglang_probes import (
     ELSEWHERE,
     Listener,
@@ -47,6 +48,7 @@ README = Path(__file__).resolve().parents[1] / "eric_epd" / "plugins" / "sglang"
 RTOL, ATOL = 1e-4, 1e-5  # float32, as tests/test_server.py: Eric's batched varlen attention vs HF per image
 IMAGES = [(64, 48, 1), (40, 90, 2), (112, 84, 3)]  # (width, height, seed); different sizes catch misplaced rows
 SPLIT_IMAGES = [(56, 56, 11), (84, 28, 12), (28, 112, 13), (70, 98, 14)]
+STORED_IMAGES = [(60, 44, 21), (44, 76, 22)]
 IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_TAG = "<|vision_start|><|video_pad|><|vision_end|>"
 
@@ -71,7 +73,8 @@ def bootstrap_port() -> int:
 
 @pytest.fixture(scope="module")
 def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_path_factory: pytest.TempPathFactory):
-    """Three Erics (booting while the prefill host imports SGLang) and the prefill host.
+    """Three Erics (booting while the prefill host imports SGLang) and the prefill host; A and C share a global
+    cache (a Mooncake Store master started by the project's launcher).
 
     A: Qwen2-VL, parts sent as float16 (SGLang's --dtype auto for these float32 checkpoints; Eric converts).
     B: Qwen2.5-VL, --sglang-dtype float32 for prefills run with --dtype float32 (no conversion); it may also push
@@ -86,14 +89,17 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
     (dist / "entry_points.txt").write_text(
         "[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
     backends = ("--transfer-backends", "shm")
+    master = StoreMaster(tmp / "master.log").start()
+    shared = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
     erics = {  # A also runs Eric's own Mooncake and NIXL producers, beside the adapter's push engines
         "A": EricServer(qwen2_vl_tiny, log_path=tmp / "A.log", extra_args=(
-            "--transfer-backends", "shm,mooncake,nixl", "--sglang-allowed-peer", "127.0.0.1/32")),
+            "--transfer-backends", "shm,mooncake,nixl", "--sglang-allowed-peer", "127.0.0.1/32", *shared)),
         "B": EricServer(qwen2_5_vl_tiny, log_path=tmp / "B.log", extra_args=(
             *backends, "--sglang-dtype", "float32", "--sglang-allowed-peer", f"{ELSEWHERE}/32",
             "--sglang-allowed-peer", "127.0.0.1/32")),
         "C": EricServer(qwen2_vl_tiny, log_path=tmp / "C.log",  # retries every 5 s, 30 times
-                        extra_args=(*backends, "--sglang-register-url", f"http://127.0.0.1:{bootstrap_port}")),
+                        extra_args=(*backends, "--sglang-register-url", f"http://127.0.0.1:{bootstrap_port}",
+                                    *shared)),
     }
     errors: list[BaseException] = []
 
@@ -121,6 +127,7 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
             if eric.proc is not None and eric.proc.poll() is None:
                 os.kill(eric.proc.pid, signal.SIGCONT)
             eric.stop()
+        master.stop()
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +302,24 @@ def test_request_split_across_two_erics_is_reassembled_in_order(setup, reference
                         images=urls, prompt=prompt_for(len(urls)), tp=2)
     for outcome in sched.outcomes:
         check_equal(outcome, expected, references["qwen2_vl"]["split"], torch.float16)
+
+
+def test_an_item_another_eric_encoded_reaches_sglang_from_the_global_cache(setup, qwen2_vl_tiny: Path) -> None:
+    """A encoded these images; C, asked by SGLang, takes them from the store the two share: C runs no batch for
+    them, and SGLang's receiver holds A's rows."""
+    prefill, erics = setup
+    a, c = erics["A"], erics["C"]
+    urls = [image_url(*spec) for spec in STORED_IMAGES]
+    puts = metric(a.url, 'eric_global_cache{event="puts"}')
+    expected = eric_tensors(a, urls)
+    assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= puts + len(urls)), "A did not share"
+    from_store = 'eric_items_total{modality="image",source="global"}'
+    batches, hits = metric(c.url, "eric_batches_total"), metric(c.url, from_store)
+    result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
+                         encoder_urls=[c.url], images=urls, prompt=prompt_for(len(urls)))
+    check_equal(result.outcomes[0], expected, None, torch.float16)
+    assert metric(c.url, "eric_batches_total") == batches
+    assert metric(c.url, from_store) == hits + len(urls)
 
 
 def test_eric_registers_with_sglang_bootstrap(setup, references, qwen2_vl_tiny: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from eric_epd.common.shm import attach_untracked
 from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.stack.process import new_key
 from eric_epd.stack.servers import EricServer, StoreMaster, VllmServe
-from eric_epd.testing.stack import wait_for
+from eric_epd.testing.stack import metric, wait_for
 from eric_epd.testing.vllm_cases import (
     CASES,
     MAX_TOKENS,
@@ -171,11 +170,6 @@ def test_killed_eric_fails_request_engine_survives(llm, erics, reference: dict[s
 # ---- vllm serve + the openai client ---------------------------------------------------------------------------
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-
-
 def chat_parts(items: list[dict]) -> list[dict]:
     parts = []
     for item in items:
@@ -209,7 +203,7 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         # and every worker reads them again from the global cache, by content hash
         case = next(c for c in CASES if c.name == "two_images")
         items = encode(eric, case)
-        assert wait_for(lambda: _metric(eric.url, 'eric_global_cache{event="puts"}') >= len(items))
+        assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= len(items))
         for item in items:
             ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=eric.headers | {
                 LEASE_HEADER: item["handle"]["lease"]}, json={"instance_id": item["handle"]["instance_id"]})
@@ -219,7 +213,7 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
             temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True,
                                          "vllm_xargs": handles_xargs(i["handle"] for i in items)})
         assert resp.choices[0].token_ids == reference[case.name]
-        assert _metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
+        assert metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
         assert httpx.get(server.url + "/health").status_code == 200
         metrics = httpx.get(server.url + "/metrics").text
         assert "vllm:eric_ec_loaded_items" in metrics

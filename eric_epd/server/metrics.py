@@ -36,7 +36,7 @@ class EricMetrics:
                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.encode_latency = Histogram("eric_encode_latency_seconds", "Latency of /v1/encode requests",
                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.items = Counter("eric_items", "Items answered, by modality and source (encoded, cached)",
+        self.items = Counter("eric_items", "Items answered, by modality and source (encoded, cached, global)",
                              ["modality", "source"], registry=r)
         self.requests = Counter("eric_requests", "Encode requests by HTTP status", ["status"], registry=r)
         self.stages = StageHistogram("eric_stage_seconds", "Time per stage of the encode path", "stage", STAGES,

@@ -4,6 +4,7 @@ counters. The launchers themselves are in eric_epd.stack."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,14 @@ def colocated_epd_stack(model: Path, logs: Path, dtype: str = "float32") -> Iter
     finally:
         for server in reversed(started):
             server.stop()
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a server's Prometheus series `name` (with any labels, or those written in `name`) at `url`."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0, period_s: float = 0.2) -> bool:
