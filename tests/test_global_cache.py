@@ -4,6 +4,7 @@ store down each Eric serves from its own pool, logged, and no request fails."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -89,6 +90,46 @@ def test_a_consumer_reads_from_the_store_what_its_producer_let_go(qwen2_vl_tiny:
         with pytest.raises(TransferError, match="not in the global cache"):
             fetcher.fetch(missing)
         fetcher.close()
+
+
+def test_both_cache_tiers_stay_within_their_capacity_and_count_evictions(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """More distinct embeddings than either tier holds: this Eric's content cache (--keep-acked-bytes) evicts its
+    oldest entries, and the store (the Eric's --global-cache-bytes, filled further by another client) evicts at
+    its master's high watermark; both stay within capacity, their metrics show it, and the Eric still answers an
+    item both tiers dropped."""
+    from mooncake.store import MooncakeDistributedStore
+
+    key, keep, segment = new_key(), 256 << 10, 16 << 20  # Mooncake's smallest segment is 16 MiB
+    with StoreMaster(tmp_path / "master.log") as master:
+        args = ("--global-cache", master.address, "--global-cache-bytes", str(segment), "--keep-acked-bytes", str(keep))
+        with EricServer(qwen2_vl_tiny, api_key=key, extra_args=args) as a:
+            images = [image_data_url(448, 448, seed=7000 + i) for i in range(24)]
+            items = []
+            for image in images:
+                items.append(_encode(a, image))
+                _bytes(a, items[-1])  # read and acknowledged: kept as cache, within the budget
+            assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= len(items))
+            size = items[0]["handle"]["nbytes"]
+            assert 0 < metric(a.url, 'eric_local_cache{event="bytes"}') <= keep
+            assert metric(a.url, 'eric_local_cache{event="capacity"}') == keep
+            assert metric(a.url, 'eric_local_cache{event="evictions"}') >= len(items) - keep // size
+            assert metric(a.url, 'eric_global_cache{event="capacity"}') == segment
+            assert metric(master.url, "master_total_capacity_bytes") == segment
+            assert metric(master.url, "master_allocated_bytes") >= len(items) * size
+
+            other = MooncakeDistributedStore()  # a client lending no memory: its objects land in the Eric's share
+            assert other.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.address) == 0
+            try:
+                blob = bytes(1 << 20)
+                for i in range(24):
+                    other.put(f"filler/{i}", blob)  # a put that finds the store full fails; eviction follows
+                    time.sleep(0.05)
+            finally:
+                other.close()
+            assert wait_for(lambda: metric(master.url, "master_evicted_key_count") > 0)
+            assert metric(master.url, "master_allocated_bytes") <= segment
+            again = _encode(a, images[0])  # gone from the pool, maybe from the store: answered either way
+            assert again["hash"] == items[0]["hash"]
 
 
 def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_behind_erics, qwen2_vl_tiny: Path,

@@ -116,7 +116,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         spec = output_spec(config)
         shared = (GlobalCache(config.global_cache, config.transfer.advertise_host, config.global_cache_bytes,
                               hub.pool.array, spec.dtype) if config.global_cache else None)
-        metrics.global_cache = shared
+        metrics.global_cache, metrics.pool = shared, hub.pool
         if shared is not None:
             shared.start()
         try:

@@ -8,6 +8,7 @@ from eric_epd.common.stages import STAGE_BUCKETS, StageHistogram
 from eric_epd.engine.messages import EngineStatusMsg, WorkResultMsg
 from eric_epd.server.load import LoadTracker
 from eric_epd.transfer.global_cache import GlobalCache
+from eric_epd.transfer.pool import EmbeddingPool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -48,6 +49,10 @@ class EricMetrics:
         self.global_cache: GlobalCache | None = None
         self.global_events = Gauge("eric_global_cache", "Global cache (Mooncake Store) counters since start",
                                    ["event"], registry=r)
+        self.pool: EmbeddingPool | None = None
+        self.local_events = Gauge("eric_local_cache", "This Eric's content cache (acknowledged embeddings kept in its "
+                                  "pool): bytes held, capacity (--keep-acked-bytes), evictions since start",
+                                  ["event"], registry=r)
         self.busy = Gauge("eric_busy_fraction", "Share of the last 30 s the workers ran batches", registry=r)
         self.items_rate = Gauge("eric_items_per_second", "Items encoded per second over the last 30 s", registry=r)
         self.p99 = Gauge("eric_encode_latency_p99_seconds", "p99 of /v1/encode latency over the last 30 s",
@@ -88,8 +93,12 @@ class EricMetrics:
     def render(self) -> bytes:
         if self.global_cache is not None:
             stats = self.global_cache.stats
-            for event in ("hits", "misses", "puts", "bytes_read", "bytes_written", "errors", "up"):
+            for event in ("hits", "misses", "puts", "bytes_read", "bytes_written", "errors", "up", "capacity"):
                 self.global_events.labels(event=event).set(float(getattr(stats, event)))
+        if self.pool is not None:
+            for event, value in (("bytes", self.pool.cached_bytes), ("capacity", self.pool.cache_budget),
+                                 ("evictions", self.pool.evictions)):
+                self.local_events.labels(event=event).set(float(value))
         report = self.load.report()
         self.busy.set(report.busy_fraction)
         self.items_rate.set(report.items_per_s)

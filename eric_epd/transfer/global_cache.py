@@ -36,6 +36,8 @@ class CacheStats:
     bytes_written: int = 0
     errors: int = 0
     up: bool = False
+    capacity: int = 0
+    """Bytes this Eric gives the store (its share of the global tier; the master evicts at its high watermark)."""
 
 
 class GlobalCache:
@@ -52,7 +54,7 @@ class GlobalCache:
         self._store: Any = None
         self._next_setup = 0.0
         self._setting_up: asyncio.Task[None] | None = None
-        self.stats = CacheStats()
+        self.stats = CacheStats(capacity=segment_bytes)
 
     def start(self) -> None:
         """Join the store in the background (requests meanwhile miss, they do not wait for it)."""

@@ -116,6 +116,8 @@ class EmbeddingPool:
         self._keep_acked_bytes = keep_acked_bytes
         self._acked: OrderedDict[str, PoolEntry] = OrderedDict()
         self._acked_bytes = 0
+        self.evictions = 0
+        """Cached (acknowledged) entries dropped to stay within the budget or to make room."""
 
     @property
     def used_bytes(self) -> int:
@@ -125,6 +127,14 @@ class EmbeddingPool:
     @property
     def cached_bytes(self) -> int:
         return self._acked_bytes
+
+    @property
+    def cache_budget(self) -> int:
+        return self._keep_acked_bytes
+
+    def _evict_oldest(self) -> None:
+        self.release(next(iter(self._acked)))
+        self.evictions += 1
 
     def __len__(self) -> int:
         """Entries held for consumers (acknowledged cache entries are not counted)."""
@@ -139,7 +149,7 @@ class EmbeddingPool:
             raise KeyError(f"{key} already in the pool")
         offset = self._free.allocate(nbytes)
         while offset is None and self._acked:  # make room from the cache of acknowledged entries
-            self.release(next(iter(self._acked)))
+            self._evict_oldest()
             offset = self._free.allocate(nbytes)
         if offset is None:
             return None
@@ -206,7 +216,7 @@ class EmbeddingPool:
         self._acked[entry.hash] = entry
         self._acked_bytes += entry.nbytes
         while self._acked_bytes > self._keep_acked_bytes:
-            self.release(next(iter(self._acked)))
+            self._evict_oldest()
 
     def release(self, key: str, generation: int | None = None) -> None:
         """Free an entry now (failed encode, last ack, expiry). With `generation`, only that reservation: a caller
