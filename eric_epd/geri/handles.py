@@ -50,8 +50,14 @@ async def embeddings_of(raw: GenerateBody, reader: HandleReader) -> tuple[np.nda
         return inline_embeddings(raw.embeddings)
     assert raw.prompt_handle is not None
     negative = raw.negative_handle
-    return await asyncio.gather(reader.read("prompt_handle", raw.prompt_handle),
-                                reader.read("negative_handle", negative) if negative is not None else _none())
+    prompt, negative_rows = await asyncio.gather(
+        reader.read("prompt_handle", raw.prompt_handle),
+        reader.read("negative_handle", negative) if negative is not None else _none(), return_exceptions=True)
+    for outcome in (prompt, negative_rows):  # both reads end first; the error named is the first field's, always
+        if isinstance(outcome, BaseException):
+            raise outcome
+    assert isinstance(prompt, np.ndarray)
+    return prompt, negative_rows  # type: ignore[return-value]
 
 
 async def _none() -> None:
