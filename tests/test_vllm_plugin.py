@@ -202,8 +202,9 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         # Eric let these items go before vLLM fetched them (their leases acknowledged here): vLLM's own ack fails,
         # and every worker reads them again from the global cache, by content hash
         case = next(c for c in CASES if c.name == "two_images")
+        puts = metric(eric.url, 'eric_global_cache{event="puts"}')  # the earlier cases' items were put too
         items = encode(eric, case)
-        assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= len(items))
+        assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= puts + len(items))
         for item in items:
             ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=eric.headers | {
                 LEASE_HEADER: item["handle"]["lease"]}, json={"instance_id": item["handle"]["instance_id"]})
