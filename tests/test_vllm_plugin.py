@@ -187,8 +187,10 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
                                global_cache=master.address) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
         model = client.models.list().data[0].id
+        encoded: set[str] = set()
         for case in (c for c in CASES if c.name in ("four_images", "one_video")):
             items = encode(eric, case)
+            encoded |= {i["hash"] for i in items}
             resp = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": chat_parts(items)}], max_tokens=MAX_TOKENS,
                 temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True,
@@ -202,9 +204,9 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         # Eric let these items go before vLLM fetched them (their leases acknowledged here): vLLM's own ack fails,
         # and every worker reads them again from the global cache, by content hash
         case = next(c for c in CASES if c.name == "two_images")
-        puts = metric(eric.url, 'eric_global_cache{event="puts"}')  # the earlier cases' items were put too
         items = encode(eric, case)
-        assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= puts + len(items))
+        encoded |= {i["hash"] for i in items}  # every item this Eric encoded is put once: wait for all of them
+        assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= len(encoded))
         for item in items:
             ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=eric.headers | {
                 LEASE_HEADER: item["handle"]["lease"]}, json={"instance_id": item["handle"]["instance_id"]})
