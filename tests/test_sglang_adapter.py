@@ -311,7 +311,8 @@ def test_an_item_another_eric_encoded_reaches_sglang_from_the_global_cache(setup
     a, c = erics["A"], erics["C"]
     urls = [image_url(*spec) for spec in STORED_IMAGES]
     expected = eric_tensors(a, urls)
-    encoded = metric(a.url, 'eric_items_total{modality="image",source="encoded"}')  # A puts every item it encodes
+    # A puts every image and video it encodes: wait until all of them are in the store
+    encoded = sum(metric(a.url, f'eric_items_total{{modality="{m}",source="encoded"}}') for m in ("image", "video"))
     assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= encoded), "A did not share"
     from_store = 'eric_items_total{modality="image",source="global"}'
     batches, hits = metric(c.url, "eric_batches_total"), metric(c.url, from_store)
