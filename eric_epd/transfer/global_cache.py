@@ -17,6 +17,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 RETRY_SETUP_S = 10.0
+PAUSE_AFTER_ERROR_S = 10.0
+"""After a failed store call, calls are skipped (misses at once) this long: a store that is down answers only after
+its RPC timeout (seconds), which every local miss would otherwise wait for."""
 NOT_FOUND = -704
 """Mooncake Store's return code for a key it does not hold."""
 
@@ -54,6 +57,7 @@ class GlobalCache:
         self._store: Any = None
         self._next_setup = 0.0
         self._setting_up: asyncio.Task[None] | None = None
+        self._paused_until = 0.0
         self.stats = CacheStats(capacity=segment_bytes)
 
     def start(self) -> None:
@@ -78,6 +82,8 @@ class GlobalCache:
         self._kick()
         if wait and self._setting_up is not None:
             await asyncio.shield(self._setting_up)
+        if time.monotonic() < self._paused_until:
+            return None
         return self._store
 
     def _setup(self) -> Any:
@@ -135,10 +141,11 @@ class GlobalCache:
             self._failed(f"put {key[:12]} rc={rc}")
 
     def _failed(self, what: str) -> None:
+        self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
         self.stats.errors += 1
         if self.stats.errors in (1, 10, 100) or self.stats.errors % 1000 == 0:
-            logger.warning("global cache: %s (%d errors so far); the local pool serves meanwhile", what,
-                           self.stats.errors)
+            logger.warning("global cache: %s (%d errors so far); the local pool alone serves for the next %g s",
+                           what, self.stats.errors, PAUSE_AFTER_ERROR_S)
 
     def _key(self, key: str) -> str:
         return store_key(key, self._namespace)
