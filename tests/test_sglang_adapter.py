@@ -22,7 +22,7 @@ import torch
 from eric_epd.plugins.sglang.wire import NixlSession, encode_nixl_session
 from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import EricServer, StoreMaster
-from eric_epd.testing.media import image_bytes, random_image, video_data_url
+from eric_epd.testing.media import image_data_url, random_image, video_data_url
 from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_prefill import (
     Bootstrap,
@@ -51,12 +51,6 @@ SPLIT_IMAGES = [(56, 56, 11), (84, 28, 12), (28, 112, 13), (70, 98, 14)]
 STORED_IMAGES = [(60, 44, 21), (44, 76, 22)]
 IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_TAG = "<|vision_start|><|video_pad|><|vision_end|>"
-
-
-def image_url(width: int, height: int, seed: int) -> str:
-    import base64
-
-    return "data:image/png;base64," + base64.b64encode(image_bytes(random_image(width, height, seed))).decode()
 
 
 def prompt_for(num_images: int, num_videos: int = 0) -> str:
@@ -235,7 +229,7 @@ def test_part_message_is_the_embedding_data_sglang_sends(setup) -> None:
 def test_zmq_to_tokenizer_qwen2_vl(setup, references, qwen2_vl_tiny: Path) -> None:
     """Tokenizer-side receiver; SGLang's own local processing of the same images places the tokens the same way."""
     prefill, erics = setup
-    urls = [image_url(*spec) for spec in IMAGES]
+    urls = [image_data_url(*spec) for spec in IMAGES]
     result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
                          encoder_urls=[erics["A"].url], images=urls, prompt=prompt_for(len(urls)),
                          local_reference=True)
@@ -259,7 +253,7 @@ def test_scheduler_ranks_tp2(setup, references, qwen2_vl_tiny: Path, qwen2_5_vl_
     prefill, erics = setup
     ckpt, eric, dtype = ((qwen2_vl_tiny, erics["A"], "auto") if family == "qwen2_vl"
                          else (qwen2_5_vl_tiny, erics["B"], "float32"))
-    urls = [image_url(*spec) for spec in IMAGES]
+    urls = [image_data_url(*spec) for spec in IMAGES]
     result = prefill.job(kind="scheduler", model=str(ckpt), backend=backend, encoder_urls=[eric.url], images=urls,
                          prompt=prompt_for(len(urls)), tp=2, dtype=dtype)
     assert result.dispatch_error is None
@@ -275,7 +269,7 @@ def test_scheduler_ranks_tp2(setup, references, qwen2_vl_tiny: Path, qwen2_5_vl_
 def test_zmq_to_scheduler_tp1_images_and_video(setup, references, qwen2_5_vl_tiny: Path) -> None:
     """One rank; an image part and a video part (num_parts 2, modality-ordered); Qwen2.5-VL video metadata."""
     prefill, erics = setup
-    urls = [image_url(*spec) for spec in IMAGES[:2]]
+    urls = [image_data_url(*spec) for spec in IMAGES[:2]]
     video = video_data_url(num_frames=8, width=56, height=56, fps=4, seed=5)
     result = prefill.job(kind="scheduler", model=str(qwen2_5_vl_tiny), backend="zmq_to_scheduler",
                          encoder_urls=[erics["B"].url], images=urls, videos=[video], prompt=prompt_for(2, 1), tp=1,
@@ -291,7 +285,7 @@ def test_zmq_to_scheduler_tp1_images_and_video(setup, references, qwen2_5_vl_tin
 def test_request_split_across_two_erics_is_reassembled_in_order(setup, references, qwen2_vl_tiny: Path) -> None:
     prefill, erics = setup
     a, c = erics["A"], erics["C"]
-    urls = [image_url(*spec) for spec in SPLIT_IMAGES]
+    urls = [image_data_url(*spec) for spec in SPLIT_IMAGES]
     before = (items_counter(a), items_counter(c))
     result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
                          encoder_urls=[a.url, c.url], images=urls, prompt=prompt_for(len(urls)))
@@ -309,7 +303,7 @@ def test_an_item_another_eric_encoded_reaches_sglang_from_the_global_cache(setup
     them, and SGLang's receiver holds A's rows."""
     prefill, erics = setup
     a, c = erics["A"], erics["C"]
-    urls = [image_url(*spec) for spec in STORED_IMAGES]
+    urls = [image_data_url(*spec) for spec in STORED_IMAGES]
     expected = eric_tensors(a, urls)
     # A puts every image and video it encodes: wait until all of them are in the store
     encoded = sum(metric(a.url, f'eric_items_total{{modality="{m}",source="encoded"}}') for m in ("image", "video"))
@@ -331,7 +325,7 @@ def test_eric_registers_with_sglang_bootstrap(setup, references, qwen2_vl_tiny: 
     while c.url not in prefill.call(BootstrapUrls(), list[str]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert prefill.call(BootstrapUrls(), list[str]) == [c.url]
-    urls = [image_url(*spec) for spec in IMAGES]
+    urls = [image_data_url(*spec) for spec in IMAGES]
     result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer", encoder_urls=[],
                          images=urls, prompt=prompt_for(len(urls)), use_bootstrap=True)
     check_equal(result.outcomes[0], eric_tensors(c, urls), references["qwen2_vl"]["images"], torch.float16)
@@ -346,7 +340,7 @@ def test_eric_down_or_frozen_fails_like_sglangs_own_encoder(setup, qwen2_vl_tiny
     Eric frozen and Eric refusing bad media land in exactly those places."""
     prefill, erics = setup
     with refusing_url() as down:
-        urls = [image_url(*spec) for spec in IMAGES[:2]]
+        urls = [image_data_url(*spec) for spec in IMAGES[:2]]
         common = {"model": str(qwen2_vl_tiny), "images": urls, "prompt": prompt_for(2)}
 
         tok = prefill.job(kind="tokenizer", backend="zmq_to_tokenizer", encoder_urls=[down], **common).outcomes[0]
@@ -382,7 +376,7 @@ def encoded_pull_part(client: httpx.Client, eric: EricServer) -> str:
     rid = f"{uuid.uuid4().hex}_local_part_0"
     with ThreadPoolExecutor(2) as pool:
         meta = pool.submit(client.post, eric.url + "/scheduler_receive_meta_data", json={"req_id": rid, "part_idx": 0})
-        enc = client.post(eric.url + "/encode", json={"req_id": rid, "mm_items": [image_url(*IMAGES[0])],
+        enc = client.post(eric.url + "/encode", json={"req_id": rid, "mm_items": [image_data_url(*IMAGES[0])],
                                                       "num_parts": 1, "part_idx": 0, "modality": "IMAGE"})
         assert enc.status_code == 200 and meta.result().status_code == 200, (enc.text, meta.result().text)
     return rid
@@ -399,7 +393,7 @@ def test_push_targets_are_the_caller_or_allowed(setup) -> None:
         before = items_counter(eric)
         rid = f"{uuid.uuid4().hex}_local_part_0"
         resp = client.post(eric.url + "/encode", json={
-            "req_id": rid, "mm_items": [image_url(*IMAGES[0])], "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
+            "req_id": rid, "mm_items": [image_data_url(*IMAGES[0])], "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
             "prefill_host": ELSEWHERE, "embedding_port": listener.port})
         assert_sglang_error(resp, 403, "prefill_host", ELSEWHERE, "--sglang-allowed-peer")
         assert resp.json()["req_id"] == rid
@@ -457,7 +451,7 @@ def test_allowed_peer_lets_pushes_through(setup, references, qwen2_vl_tiny: Path
     before it encodes anything (SGLang's tokenizer reports any dispatch failure as its 503), served by B, whose
     --sglang-allowed-peer covers 127.0.0.2."""
     prefill, erics = setup
-    urls = [image_url(*spec) for spec in IMAGES]
+    urls = [image_data_url(*spec) for spec in IMAGES]
     elsewhere = {"SGLANG_HOST_IP": ELSEWHERE}
     before = items_counter(erics["A"])
     refused = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer", env=elsewhere,

@@ -9,7 +9,7 @@ import httpx
 import torch
 
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.media import random_image, video_data_url
+from eric_epd.testing.media import image_data_url, random_image, video_data_url
 from eric_epd.testing.sglang_prefill import unpack
 from tests.test_sglang_adapter import (  # noqa: F401  (bootstrap_port, setup: the prefill harness fixtures)
     ATOL,
@@ -18,7 +18,6 @@ from tests.test_sglang_adapter import (  # noqa: F401  (bootstrap_port, setup: t
     bootstrap_port,
     check_equal,
     eric_tensors,
-    image_url,
     prompt_for,
     setup,
 )
@@ -38,7 +37,7 @@ def test_qwen3_vl_parts_hold_every_deepstack_level(setup, qwen3_vl_tiny: Path, t
         feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
     rows = [torch.cat([merged, *(level[i] for level in feats.deepstack_features)], dim=-1)
             for i, merged in enumerate(feats.pooler_output)]
-    urls = [image_url(*spec) for spec in specs]
+    urls = [image_data_url(*spec) for spec in specs]
     with EricServer(qwen3_vl_tiny, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
                     log_path=tmp_path / "eric.log") as eric:
         result = prefill.job(kind="scheduler", model=str(qwen3_vl_tiny), backend="zmq_to_scheduler",
