@@ -89,6 +89,8 @@ def test_a_consumer_reads_from_the_store_what_its_producer_let_go(qwen2_vl_tiny:
         fetcher = EmbeddingFetcher(("http",), api_key=key, mooncake=store)
         with pytest.raises(TransferError, match="not in the global cache"):
             fetcher.fetch(missing)
+        with pytest.raises(TransferError, match="names no embedding"):  # not a content hash: never a store key
+            fetcher.fetch(dict(item["handle"], hash="../" + item["hash"][3:]))
         fetcher.close()
 
 

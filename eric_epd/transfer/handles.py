@@ -6,6 +6,7 @@ These cross hosts (JSON over HTTP), so they are plain msgspec Structs: no pickle
 from __future__ import annotations
 
 import math
+import re
 from urllib.parse import urlsplit
 
 import msgspec
@@ -66,6 +67,13 @@ BACKENDS = ("shm", "nixl", "mooncake", "http")
 """Consumer preference order: fastest first."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+_CONTENT_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_content_hash(identifier: str) -> bool:
+    """Eric's content hash: 64 lowercase hex digits."""
+    return bool(_CONTENT_HASH.match(identifier))
 
 
 class HandleError(ValueError):

@@ -4,7 +4,6 @@ them cached, or the request ended first). Lookups are local: handles come with r
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,12 +15,7 @@ from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
-_CONTENT_HASH = re.compile(r"^[0-9a-f]{64}$")
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_embeds")
-
-
-def is_content_hash(identifier: str) -> bool:
-    return bool(_CONTENT_HASH.match(identifier))
 
 
 def has_raw_media(feature: Any) -> bool:

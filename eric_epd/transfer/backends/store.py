@@ -11,7 +11,7 @@ import numpy as np
 
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.global_cache import NOT_FOUND, store_key
-from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.transfer.handles import DTYPE_BYTES, EmbeddingHandle, is_content_hash
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class StoreConsumer:
         return True  # any handle: the key is its content hash and dtype
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+        if not is_content_hash(handle.hash) or handle.dtype not in DTYPE_BYTES:
+            raise TransferError(f"store: {handle.hash[:16]!r} {handle.dtype!r} names no embedding Eric stores")
         store = self._client()
         key = store_key(handle.hash, handle.dtype)
         rc = store.register_buffer(dst.ctypes.data, dst.nbytes)
