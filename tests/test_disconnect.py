@@ -4,7 +4,6 @@ holds are freed, items another live request waits for stay, and pool space is fr
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import random
@@ -45,6 +44,7 @@ from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image
 from eric_epd.testing.stack import image_messages
 from eric_epd.transfer.producer import TransferHub
+from tests.placement import rendezvous_first
 
 ERIC_KEY = "eric-disconnect-test"
 _ABORTED = 'eric_requests_total{status="499"}'
@@ -410,17 +410,11 @@ def test_shared_item_stays_for_the_live_request(eric: EricServer) -> None:
 # ---------------------------------------------------------------- through the gateway
 
 
-def _preferred(url: str, erics: list[EricServer]) -> EricServer:
-    """The Eric the gateway sends this image to first (rendezvous hashing as in EncoderPool.preference)."""
-    key = hashlib.blake2b(url.encode(), digest_size=8).digest()
-    return max(erics, key=lambda e: hashlib.blake2b(key + e.url.encode(), digest_size=8).digest())
-
-
 def _images_for(target: EricServer, erics: list[EricServer], seed: int, count: int) -> list[str]:
     found: list[str] = []
     while len(found) < count:
         url = image_data_url(72 + seed % 40, 64, seed=seed)
-        if _preferred(url, erics) is target:
+        if rendezvous_first(url, [e.url for e in erics]) == target.url:
             found.append(url)
         seed += 1
     return found

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from epd_gateway.content import MediaRef
 
 from eric_epd.stack.process import ServerProcess
-from eric_epd.stack.servers import EricServer, GatewayServer
+from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask as _ask
 from eric_epd.testing.stack import gateway_paths, image_messages
+from tests.placement import rendezvous_first
 
 API_KEY = "sk-test"
 
@@ -137,12 +136,6 @@ def test_encoder_registration_needs_admin_key(stack) -> None:
     assert httpx.request("DELETE", url, json={"url": extra}, headers=admin).status_code == 404
 
 
-def _prefers(url: str, erics: list[EricServer]) -> str:
-    """The Eric the gateway's rendezvous hashing places this media URL on (both healthy, no load)."""
-    key = MediaRef(0, 0, "image", url).routing_key
-    return max(erics, key=lambda e: hashlib.blake2b(key + e.url.encode(), digest_size=8).digest()).url
-
-
 def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> None:
     """The killed Eric holds work by construction: every image set has an image the gateway places on it, and this
     gateway never probes (only a failed call can tell it the Eric is gone), so the requests after the kill fail over
@@ -152,7 +145,7 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
     while len(sets) < 4:
         images = [image_data_url(56 + 8 * k, 64, seed=seed + k) for k in range(3)]
         seed += 10
-        if any(_prefers(u, erics) == doomed.url for u in images):
+        if any(rendezvous_first(u, [e.url for e in erics]) == doomed.url for u in images):
             sets.append(images)
     expected = [direct(stack, image_messages(s)).choices[0].message.content for s in sets]
     gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),

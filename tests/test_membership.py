@@ -15,6 +15,7 @@ import httpx
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask, image_messages, metric, wait_for
+from tests.placement import rendezvous_first
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
 PACE_S = 0.15
@@ -25,12 +26,24 @@ def _listed(gateway: GatewayServer) -> set[str]:
     return set(httpx.get(gateway.url + "/health").json()["encoders"])
 
 
+def _sets_reaching(joiner: str, urls: list[str], count: int) -> list[list[str]]:
+    """`count` sets of three images, each with at least one the gateway's hashing places on `joiner`."""
+    sets, seed = [], 2000
+    while len(sets) < count:
+        images = [image_data_url(56 + 8 * k, 64, seed=seed + k) for k in range(3)]
+        seed += 10
+        if any(rendezvous_first(u, urls) == joiner for u in images):
+            sets.append(images)
+    return sets
+
+
 def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwen2_vl_tiny: Path,
                                                           tmp_path: Path) -> None:
     static, slot = vllm_behind_erics["erics"]  # the joiner takes the second Eric's address, which vLLM trusts
     vllm, key = vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
-    # fresh images every 20 chats: items already answered go back to the Eric that holds them
-    sets = [[image_data_url(56 + 8 * k, 64, seed=2000 + 10 * j + k) for k in range(3)] for j in range(10)]
+    # fresh images every 20 chats (items already answered go back to the Eric that holds them), each set with an
+    # image the gateway places on the joiner once it is there: the joiner gets work by construction
+    sets = _sets_reaching(slot.url, [static.url, slot.url], count=10)
     expected = [ask(vllm.url, image_messages(s), key=vllm.api_key).choices[0].message.content for s in sets]
     gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", static.url, "--colocated-urls", vllm.url,
                        "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--heartbeat-timeout", "3",
@@ -49,13 +62,12 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
             assert wait_for(lambda: sum(f.done() for f in futures) >= 30, 120)
             joiner.start()  # joins by itself while the chats go on
             assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"
-            time.sleep(5)  # it takes its share of the images
-            served = metric(joiner.url, "eric_items_total")
-            joiner.stop()  # drains: finishes what it holds, refuses new connections, leaves the gateway
+            assert wait_for(lambda: metric(joiner.url, "eric_items_total") > 0, 30), "the joined Eric encoded nothing"
+            joiner.stop()  # leaves the gateway, then drains: finishes what it holds, refuses new connections
             results = [f.result(timeout=300) for f in futures]
             assert sum(f.done() for f in futures) == 200 and all(results), results.count(False)
-            assert served > 0, "the joined Eric encoded nothing"
             assert _listed(gw) == {static.url}  # it left
+            assert metric(gw.url, "gateway_failovers_total") == 0  # it left before it stopped listening
             joiner.start()  # joins again, then dies without a word: dropped when its heartbeats stop
             assert wait_for(lambda: joiner.url in _listed(gw))
             assert joiner.proc is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -18,6 +19,21 @@ from eric_epd.runtime.workload import Workload
 logger = logging.getLogger(__name__)
 
 
+class _LeaveFirstServer(uvicorn.Server):
+    """uvicorn's server, except that on the way out it first awaits the app's `before_drain` hook (set on
+    `app.state` by its lifespan): an Eric leaves its gateways before it stops accepting connections, so no gateway
+    sends it work it would refuse."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        hook = getattr(getattr(self.config.app, "state", None), "before_drain", None)
+        if hook is not None:
+            try:
+                await hook()
+            except Exception:  # leaving is best effort; the drain goes on regardless
+                logger.exception("before-drain hook failed")
+        await super().shutdown(sockets)
+
+
 class Closable(Protocol):
     def close(self) -> None: ...
 
@@ -29,7 +45,7 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
                make_app: Callable[[Callable[[], bool], P], object], drain_timeout_s: float = 5.0) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers. The pool is
     made before the engine: the workers attach to it. On SIGINT/SIGTERM new connections are refused and requests
-    in flight get `drain_timeout_s` to finish."""
+    in flight get `drain_timeout_s` to finish (after the app's `before_drain` hook, if it set one)."""
     if config.resolved_device() == "cuda":
         import torch
 
@@ -50,8 +66,11 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         app = make_app(engine.is_alive, pool)
         logger.info("%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host,
                     config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=drain_timeout_s)
+        server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                  timeout_graceful_shutdown=drain_timeout_s))
+        server.run()
+        if not server.started:
+            raise SystemExit(f"eric-epd {name}: could not serve on {config.host}:{config.port}")
     finally:
         engine.shutdown()
         pool.close()

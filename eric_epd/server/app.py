@@ -124,12 +124,18 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
                 state["client"] = client
                 state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared)
                 heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
-                try:
-                    yield
-                finally:  # requests in flight have finished (or the drain timed out): leave the gateways
+
+                async def leave_gateways() -> None:
                     if heartbeat is not None:
                         heartbeat.cancel()
+                        await asyncio.gather(heartbeat, return_exceptions=True)  # no registration after leaving
                         await membership.leave()
+
+                app.state.before_drain = leave_gateways  # the server calls it before it stops listening
+                try:
+                    yield
+                finally:  # already done unless the server skipped its hook
+                    await leave_gateways()
         finally:
             expiry.cancel()
             if shared is not None:

@@ -12,6 +12,9 @@ from eric_epd.common.http import bearer
 
 logger = logging.getLogger(__name__)
 
+LEAVE_GRACE_S = 0.5
+"""After deregistering, how long an Eric keeps accepting connections before it drains."""
+
 
 class GatewayMembership:
     def __init__(self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float) -> None:
@@ -41,7 +44,10 @@ class GatewayMembership:
             logger.info("joined gateway %s as %s", gateway, self._body["url"])
 
     async def leave(self) -> None:
-        """Deregister from every gateway joined (best effort: a gateway that cannot be told drops us by heartbeat)."""
+        """Deregister from every gateway joined (best effort: a gateway that cannot be told drops us by heartbeat),
+        then wait LEAVE_GRACE_S: work a gateway sent just before it heard arrives while we still listen."""
+        if not self._joined:
+            return
         async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
             for gateway in sorted(self._joined):
                 try:
@@ -50,3 +56,4 @@ class GatewayMembership:
                 except httpx.HTTPError as e:
                     logger.warning("cannot tell gateway %s that we leave: %r", gateway, e)
         self._joined.clear()
+        await asyncio.sleep(LEAVE_GRACE_S)

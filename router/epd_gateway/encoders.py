@@ -42,6 +42,11 @@ class EncoderState:
     """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
 
 
+def rendezvous_weight(key: bytes, url: str) -> bytes:
+    """An encoder's weight for a routing key: the heaviest healthy encoder is the key's own Eric."""
+    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
+
+
 def _expected_wait(member: EncoderState) -> float:
     """Seconds until an item sent now would start on this Eric: what is queued there (and in flight from here) at
     its recent rate (at least one item a second, so a freshly started Eric is not taken for a stuck one)."""
@@ -109,8 +114,7 @@ class EncoderPool:
     def preference(self, key: bytes, exclude: set[str]) -> list[EncoderState]:
         """Healthy encoders by rendezvous weight for this key: the same content prefers the same Eric."""
         members = [m for m in self.healthy() if m.url not in exclude]
-        return sorted(members, key=lambda m: hashlib.blake2b(key + m.url.encode(), digest_size=8).digest(),
-                      reverse=True)
+        return sorted(members, key=lambda m: rendezvous_weight(key, m.url), reverse=True)
 
     async def serve(self, modalities: set[str]) -> bool:
         """Whether every healthy encoder encodes all these modalities (a model's encoder may serve images but not
