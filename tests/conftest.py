@@ -41,13 +41,12 @@ qwen3_5_moe_tiny = _tiny_fixture("qwen3_5_moe")
 def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two Erics (one shared key) and one colocated `vllm serve` behind them, shared by every test that puts a
     gateway in front (one vLLM per configuration per session). A test that stops an Eric starts it again."""
-    from eric_epd.stack.process import new_key
+    from eric_epd.stack.process import new_key, running
     from eric_epd.stack.servers import EricServer, VllmServe
 
     logs = tmp_path_factory.mktemp("epd-backend")
     key = new_key()
-    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key).start() for i in range(2)]
-    vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics], eric_api_key=key).start()
-    yield {"erics": erics, "vllm": vllm, "eric_key": key}
-    for server in (vllm, *erics):
-        server.stop()
+    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key) for i in range(2)]
+    vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics], eric_api_key=key)
+    with running(vllm, *erics):  # their start-ups overlap
+        yield {"erics": erics, "vllm": vllm, "eric_key": key}

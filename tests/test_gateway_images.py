@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from eric_epd.stack.process import new_key
+from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import GatewayServer, GeriServer, VllmServe
 from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
 
@@ -29,11 +29,11 @@ def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory)
     logs = tmp_path_factory.mktemp("images")
     vllm_key = new_key()
     pooling = ("--runner", "pooling", "--pooler-config", json.dumps({"task": "token_embed"}))
-    with VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key) as encoder, \
-            GeriServer(log_path=logs / "geri.log") as geri, \
-            GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
-                          "--image-urls", upstream_api_key=vllm_key, api_key="sk-images",
-                          geri_api_key=geri.api_key) as gw:
+    encoder = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key)
+    geri = GeriServer(log_path=logs / "geri.log")
+    gateway = GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
+                            "--image-urls", upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key)
+    with running(encoder, geri), gateway as gw:
         yield gw
 
 

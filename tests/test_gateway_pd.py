@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eric_epd.stack.process import new_key
+from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, host_split, pd_vllm
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask, gateway_paths, image_messages
@@ -16,20 +16,17 @@ from eric_epd.testing.stack import ask, gateway_paths, image_messages
 @pytest.fixture(scope="module")
 def pd_stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("pd")
-    eric = EricServer(qwen2_vl_tiny, log_path=logs / "eric.log").start()
+    eric = EricServer(qwen2_vl_tiny, log_path=logs / "eric.log")
     vllm_key = new_key()  # one key for both halves, which the gateway sends
     # both engines on the core Eric does not use: a vLLM busy-polls after every step, and an Eric sharing its core
     # starves (a decode timed out here waiting on it; benchmarks/soak.py measured 0.13 against 8.7 req/s)
     core = host_split()[1][0]
-    prefill = pd_vllm(qwen2_vl_tiny, "kv_producer", core, logs / "prefill.log", [eric.url], eric.api_key,
-                      vllm_key).start()
-    decode = pd_vllm(qwen2_vl_tiny, "kv_consumer", core, logs / "decode.log", [eric.url], eric.api_key,
-                     vllm_key).start()
+    prefill = pd_vllm(qwen2_vl_tiny, "kv_producer", core, logs / "prefill.log", [eric.url], eric.api_key, vllm_key)
+    decode = pd_vllm(qwen2_vl_tiny, "kv_consumer", core, logs / "decode.log", [eric.url], eric.api_key, vllm_key)
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--prefill-urls", prefill.url,
-                            "--decode-urls", decode.url, eric_api_key=eric.api_key, upstream_api_key=vllm_key).start()
-    yield {"eric": eric, "prefill": prefill, "decode": decode, "gateway": gateway}
-    for server in (gateway, decode, prefill, eric):
-        server.stop()
+                            "--decode-urls", decode.url, eric_api_key=eric.api_key, upstream_api_key=vllm_key)
+    with running(eric, prefill, decode), gateway:
+        yield {"eric": eric, "prefill": prefill, "decode": decode, "gateway": gateway}
 
 
 @pytest.fixture(scope="module")

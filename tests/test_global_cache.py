@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from eric_epd.stack.process import new_key
+from eric_epd.stack.process import new_key, running, start_all, stop_all
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import metric, wait_for
@@ -42,8 +42,8 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
     key = new_key()
     with StoreMaster(tmp_path / "master.log") as master:
         cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
-        with EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log") as a, \
-                EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log") as b:
+        with running(EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log"),
+                     EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log")) as (a, b):
             image = image_data_url(96, 80, seed=4242)
             first = _encode(a, image)
             assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
@@ -144,13 +144,12 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
     erics, vllm, key = vllm_behind_erics["erics"], vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
     images = [image_data_url(72 + 8 * k, 64, seed=6100 + k) for k in range(3)]
     expected = ask(vllm.url, image_messages(images), key=vllm.api_key).choices[0].message.content
-    for eric in erics:
-        eric.stop()
+    stop_all(*erics)
     try:
         with StoreMaster(tmp_path / "master.log") as master:
             cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
-            with EricServer(qwen2_vl_tiny, port=erics[0].port, api_key=key, extra_args=cache) as a, \
-                    EricServer(qwen2_vl_tiny, port=erics[1].port, api_key=key, extra_args=cache) as b:
+            with running(EricServer(qwen2_vl_tiny, port=erics[0].port, api_key=key, extra_args=cache),
+                         EricServer(qwen2_vl_tiny, port=erics[1].port, api_key=key, extra_args=cache)) as (a, b):
                 answers = []
                 for eric in (a, b):
                     with GatewayServer(tmp_path / f"gw-{eric.port}.log", "--encoder-urls", eric.url,
@@ -164,5 +163,4 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
                 assert metric(b.url, 'eric_items_total{modality="image",source="encoded"}') == 0
                 assert metric(b.url, "eric_batches_total") == 0
     finally:
-        for eric in erics:
-            eric.start()  # the Erics are shared by the session's gateway tests
+        start_all(*erics)  # the Erics are shared by the session's gateway tests

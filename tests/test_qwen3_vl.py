@@ -17,7 +17,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
 from eric_epd.models.registry import load_encoder, load_processor, output_width, read_model_config
-from eric_epd.stack.servers import EricServer, new_key
+from eric_epd.stack.process import new_key, running
+from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, random_image
 from eric_epd.testing.vllm_cases import CASES, encode_case, epd_prompt, eric_key_in_env, greedy, llm_kwargs, raw_prompt
 from eric_epd.transfer.handles import LEASE_HEADER
@@ -88,11 +89,10 @@ def erics(qwen3_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     weights[key] = -4.0 * weights[key]
     save_file(weights, perturbed / "model.safetensors", metadata={"format": "pt"})
     key_ = new_key()
-    main = EricServer(qwen3_vl_tiny, tp=2, log_path=tmp / "main.log", api_key=key_).start()
-    other = EricServer(perturbed, log_path=tmp / "perturbed.log", api_key=key_).start()
-    yield main, other
-    main.stop()
-    other.stop()
+    main = EricServer(qwen3_vl_tiny, tp=2, log_path=tmp / "main.log", api_key=key_)
+    other = EricServer(perturbed, log_path=tmp / "perturbed.log", api_key=key_)
+    with running(main, other):
+        yield main, other
 
 
 def test_eric_tp2_equals_hf(erics, hf) -> None:

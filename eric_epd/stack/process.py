@@ -1,8 +1,9 @@
 """A server subprocess in its own process group, optionally pinned to CPUs, started and stopped around a `with`
-block; free ports and fresh keys for the launchers."""
+block (several at once with overlapping start-ups); free ports and fresh keys for the launchers."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -10,7 +11,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -42,10 +45,20 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self):
+        """Launch and wait until healthy; returns self."""
+        return self.launch().wait_ready()
+
+    def launch(self):
+        """Start the process without waiting for it (`wait_ready` does; `start_all` overlaps start-ups)."""
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         pin = functools.partial(os.sched_setaffinity, 0, self.cpus) if self.cpus else None
         self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **self._env}, preexec_fn=pin)
+        return self
+
+    def wait_ready(self):
+        """Wait until the launched process answers its health check (stopping it on a timeout); returns self."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -59,16 +72,20 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"{self._cmd[2:4]} not healthy after {self._timeout}s; log: {self._log_path}")
 
+    def interrupt(self) -> None:
+        """Ask the process to stop (SIGINT: graceful) without waiting; `stop` waits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+
     def stop(self) -> None:
         """SIGINT (graceful), then SIGKILL of the whole process group; idempotent."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
+        self.interrupt()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -86,6 +103,40 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+S = TypeVar("S", bound=ServerProcess)
+
+
+def start_all(*servers: S) -> tuple[S, ...]:
+    """Launch every server, then wait for each: their start-ups overlap. On a failure all of them are stopped."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        stop_all(*servers)
+        raise
+    return servers
+
+
+def stop_all(*servers: ServerProcess) -> None:
+    """Interrupt every server, then wait for each: their shutdowns overlap."""
+    for server in servers:
+        server.interrupt()
+    for server in servers:
+        server.stop()
+
+
+@contextlib.contextmanager
+def running(*servers: S) -> Iterator[tuple[S, ...]]:
+    """`with running(a, b) as (a, b):` both started together, and stopped together however the block ends."""
+    start_all(*servers)
+    try:
+        yield servers
+    finally:
+        stop_all(*servers)
 
 
 def new_key() -> str:

@@ -40,22 +40,16 @@ def gateway_paths(gateway_url: str) -> dict[str, float]:
 @contextlib.contextmanager
 def colocated_epd_stack(model: Path, logs: Path, dtype: str = "float32") -> Iterator[dict[str, Any]]:
     """One Eric, one `vllm serve` behind it (both in `dtype`) and the gateway in front (EPD, or colocated raw media),
-    keys wired; yields {"eric", "vllm", "gateway"} and stops them in reverse order."""
+    keys wired (Eric and vLLM start together); yields {"eric", "vllm", "gateway"} and stops them all."""
+    from eric_epd.stack.process import running
     from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 
-    started = []
-    try:
-        eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype)).start()
-        started.append(eric)
-        vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype).start()
-        started.append(vllm)
-        gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                                eric_api_key=eric.api_key, upstream_api_key=vllm.api_key).start()
-        started.append(gateway)
+    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype))
+    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype)
+    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key)
+    with running(eric, vllm), gateway:
         yield {"eric": eric, "vllm": vllm, "gateway": gateway}
-    finally:
-        for server in reversed(started):
-            server.stop()
 
 
 def metric(url: str, name: str) -> float:
