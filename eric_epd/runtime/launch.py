@@ -68,10 +68,7 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
                     config.port)
         server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=drain_timeout_s))
-        try:
-            server.run()
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on; we are done either way
-            pass
+        server.run()
         if not server.started:
             raise SystemExit(f"eric-epd {name}: could not serve on {config.host}:{config.port}")
     finally:

@@ -133,7 +133,6 @@ class NixlProducer:
         # a progress thread serves TCP peers; CMA needs nothing
         self._agent: Any = _new_agent(agent_name, progress_thread=True, net_devices=devices)
         self._reg: Any = None
-        self._metadata: bytes | None = None
         self._base = 0
         self._nbytes = 0
 
@@ -145,7 +144,6 @@ class NixlProducer:
                 raise TransferError(f"nixl: producer {self.agent_name!r} already registered its pool")
             try:
                 self._reg = self._agent.register_memory([(base_addr, nbytes, 0, "")], "DRAM")
-                self._metadata = bytes(self._agent.get_agent_metadata())
             except Exception as e:
                 raise TransferError(f"nixl: agent {self.agent_name!r} cannot register the pool: {_cause(e)}") from e
             self._base, self._nbytes = base_addr, nbytes
@@ -159,14 +157,11 @@ class NixlProducer:
         return NixlLocation(agent=self.agent_name, addr=self._base + offset, metadata_url=self.metadata_url)
 
     def metadata(self) -> bytes:
-        """The agent's metadata (connection info and the pool's registration), served at metadata_url: taken once
-        at registration, since neither changes after it. Asking the agent on every request blocked the router's
-        event loop whenever UCX's progress thread held the worker (a peer's connection being set up)."""
-        if self._agent is None:
-            raise TransferError(f"nixl: producer {self.agent_name!r} is closed")
-        if self._metadata is None:
-            raise TransferError(f"nixl: producer {self.agent_name!r} has no registered pool")
-        return self._metadata
+        """The agent's metadata (connection info and the pool's registration); served at metadata_url."""
+        with self._lock:
+            if self._agent is None:
+                raise TransferError(f"nixl: producer {self.agent_name!r} is closed")
+            return bytes(self._agent.get_agent_metadata())
 
     def close(self) -> None:
         with self._lock:
