@@ -68,7 +68,10 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
                     config.port)
         server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=drain_timeout_s))
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on (uvicorn.run swallowed it too)
+            pass
         if not server.started:
             raise SystemExit(f"eric-epd {name}: could not serve on {config.host}:{config.port}")
     finally:
