@@ -167,19 +167,26 @@ def eric_key_in_env(api_key: str | None, ranks: int = 1) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def yielding_new_children(niceness: int = 10) -> Iterator[None]:
-    """Processes this one starts inside the block (an in-process vLLM's engine core and workers) run at `niceness`:
-    where their busy-polling OpenMP threads must share cores with an Eric (vLLM at TP 2 on a 2-core host), the
-    Eric still gets the CPU when it has work, instead of timing out its consumers."""
+def yielding_new_children() -> Iterator[None]:
+    """Every thread of the processes this one starts inside the block (an in-process vLLM's engine core and workers)
+    runs under SCHED_IDLE, and threads they start later inherit it: where vLLM's workers must share cores with an
+    Eric (vLLM at TP 2 on a 2-core host), a runnable Eric thread always gets the CPU first.
+
+    Lowering their nice value is not enough: a vLLM worker waiting for its next step spins on sched_yield(), and
+    such a spinner at nice 10 kept the Eric's runnable event loop and NIXL progress thread off its core for tens of
+    seconds here (both in state R, neither answering; kernel 6.18)."""
     import psutil
 
     me = psutil.Process()
     before = {c.pid for c in me.children(recursive=True)}
     yield
     for child in me.children(recursive=True):
-        if child.pid not in before:
-            with contextlib.suppress(psutil.Error):
-                child.nice(niceness)
+        if child.pid in before:
+            continue
+        with contextlib.suppress(psutil.Error):
+            for thread in child.threads():
+                with contextlib.suppress(OSError):
+                    os.sched_setscheduler(thread.id, os.SCHED_IDLE, os.sched_param(0))
 
 
 def llm_kwargs(model: Path) -> dict[str, Any]:
