@@ -185,7 +185,7 @@ def yielding_new_children() -> Iterator[None]:
             continue
         with contextlib.suppress(psutil.Error):
             for thread in child.threads():
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended since it was listed
                     os.sched_setscheduler(thread.id, os.SCHED_IDLE, os.sched_param(0))
 
 
