@@ -93,8 +93,8 @@ def _check(i: int, header: bytes, bufs: list) -> str | None:
     return None if meta == got else f"message {i}: expected {meta}, got {got}"
 
 
-def _reader_main(handle_raw: bytes, rank: int, n_msgs: int, mode: str, out) -> None:
-    reader = ShmBroadcast.attach(msgspec.msgpack.decode(handle_raw, type=BroadcastHandle), rank)
+def _reader_main(handle_raw: bytes, rank: int, n_msgs: int, mode: str, out, busy_s: float = 1.0) -> None:
+    reader = ShmBroadcast.attach(msgspec.msgpack.decode(handle_raw, type=BroadcastHandle), rank, busy_s=busy_s)
     ok, errors = 0, []
     try:
         for i in range(n_msgs):
@@ -117,11 +117,13 @@ def _reader_main(handle_raw: bytes, rank: int, n_msgs: int, mode: str, out) -> N
     out.put((rank, ok, errors))
 
 
-def test_three_readers_200_random_messages(procs):
+@pytest.mark.parametrize("busy_s", [1.0, 0.0], ids=["polling", "blocking-on-pings"])
+def test_three_readers_200_random_messages(procs, busy_s):
+    """busy_s=0: every wait of every reader blocks on the writer's pings (stale ones included) instead of polling."""
     writer = ShmBroadcast.create(3, n_slots=4, slot_bytes=SLOT)
     q = CTX.Queue()
     for rank, mode in enumerate(("views", "ctx", "copy")):
-        _start(procs, _reader_main, msgspec.msgpack.encode(writer.handle()), rank, N_MSGS, mode, q)
+        _start(procs, _reader_main, msgspec.msgpack.encode(writer.handle()), rank, N_MSGS, mode, q, busy_s)
     try:
         for i in range(N_MSGS):
             header, bufs = _message(i)
@@ -252,6 +254,46 @@ def test_dequeue_times_out_when_writer_never_writes(procs):
         assert kind == "timeout" and 0.45 < elapsed < 2.0, (kind, elapsed)
     finally:
         writer.close()
+
+
+def _wait_in_thread(reader) -> tuple[threading.Thread, list]:
+    got: list = []
+
+    def run() -> None:
+        try:
+            got.append(reader.dequeue_copy())  # no timeout: only a ping (or a poll an hour later) ends the wait
+        except Exception as e:
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+def test_idle_reader_sleeps_until_the_writers_ping():
+    """A reader idle past busy_s blocks on the wake socket, here in chunks of an hour: only the writer's ping (a
+    message, or close) can end its wait within the test's 60 s join."""
+    writer = ShmBroadcast.create(1, n_slots=2, slot_bytes=4096)
+    wake_file = Path(writer.handle().wake.removeprefix("ipc://"))
+    assert wake_file.exists()
+    reader = ShmBroadcast.attach(writer.handle(), 0, busy_s=0.0, block_s=3600.0)
+    try:
+        time.sleep(0.5)  # the SUB socket connects in the background (a ping sent before would be lost)
+        for i in range(3):
+            t, got = _wait_in_thread(reader)
+            time.sleep(0.2)  # the reader is asleep on the socket by now
+            writer.enqueue(b"m%d" % i, [bytes([i]) * 10])
+            t.join(60)
+            assert got == [(b"m%d" % i, [bytearray([i]) * 10])]
+        t, got = _wait_in_thread(reader)
+        time.sleep(0.2)
+        writer.close()
+        t.join(60)
+        assert len(got) == 1 and isinstance(got[0], BroadcastClosed), got
+        assert not wake_file.exists()
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_in_process_lifecycle_and_errors():

@@ -1,5 +1,5 @@
 """`eric-epd up`: the whole local stack on disjoint CPUs answers a multi-image chat request through the openai
-client on the EPD path, and SIGTERM stops every process it started."""
+client on the EPD path, and SIGTERM stops every process it started and removes their ipc directories."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import openai
 import psutil
 import pytest
 
+from eric_epd.config import EricConfig
 from eric_epd.stack.process import free_port
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
@@ -40,6 +41,22 @@ def _cpus_by_role(root: psutil.Process) -> dict[str, set[int]]:
     return roles
 
 
+def _eric_ipc_dirs(root: psutil.Process) -> set[Path]:
+    """Directories of the unix sockets the Eric server's processes (router, engine, workers) have open."""
+    dirs: set[Path] = set()
+    for server in root.children():
+        if "eric_epd serve" in " ".join(server.cmdline()):
+            for p in (server, *server.children(recursive=True)):
+                dirs |= {Path(c.laddr).parent for c in p.net_connections(kind="unix") if c.laddr}
+    return dirs
+
+
+def test_a_config_alone_creates_no_directory() -> None:
+    config = EricConfig(model=Path("."))
+    assert config.run_dir.name.startswith("eric-") and not config.run_dir.exists()
+    assert EricConfig(model=Path(".")).run_dir != config.run_dir
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl_tiny", "qwen3_vl_tiny"])
 def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: pytest.FixtureRequest,
                                                        tmp_path: Path) -> None:
@@ -63,9 +80,12 @@ def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: py
         if psutil.cpu_count() > 1:
             assert not roles["eric"] & roles["vllm"], roles  # no two thread pools on one core
         children = psutil.Process(proc.pid).children(recursive=True)
+        ipc_dirs = _eric_ipc_dirs(psutil.Process(proc.pid))
+        assert ipc_dirs and all(d.name.startswith("eric-") for d in ipc_dirs), ipc_dirs
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(180)
     assert code == 0
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.pid for p in alive]
+    assert not [d for d in ipc_dirs if d.exists()]

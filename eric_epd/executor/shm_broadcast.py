@@ -1,14 +1,17 @@
 """Shared-memory ring buffer: one writer (the engine) broadcasts each batch to N reader processes (workers).
 
-A message is a small msgspec header plus raw buffers (tensor payloads): copied once, never pickled."""
+A message is a small msgspec header plus raw buffers (tensor payloads): copied once, never pickled. Readers poll
+while messages flow and block on the writer's wake-up pings once idle (shm_wake)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import struct
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -22,6 +25,7 @@ import numpy as np
 
 from eric_epd.common.shm import Segment as _Shm
 from eric_epd.common.shm import attach_untracked as _attach_untracked
+from eric_epd.executor.shm_wake import WakeReceiver, WakeSender
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +38,7 @@ _G_CLOSED = 4  # int64 words of the global header: magic, n_readers, n_slots, sl
 _C_SEQ, _C_LEN, _C_NAME_LEN, _C_READ = 0, 1, 2, 16  # int64 words of a slot control block
 _NAME_OFF, _MAX_NAME = 64, 40  # spill name bytes in a control block; "<name>_<seq>" must fit 64 B
 _ABORT_CHECK_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 0.01, 2e-5, 5e-4  # should_abort() may be a syscall: rate-limit
+BUSY_S, IDLE_BLOCK_S = 1.0, 0.1  # readers poll for BUSY_S after a message, then block on pings IDLE_BLOCK_S at a time
 
 
 class BroadcastAborted(RuntimeError):  # noqa: N818 (name fixed by the executor's API)
@@ -51,6 +56,8 @@ class BroadcastHandle(msgspec.Struct, frozen=True):
     n_readers: int
     n_slots: int
     slot_bytes: int
+    wake: str = ""
+    """ZMQ address of the writer's wake-up pings; empty: readers only ever poll."""
 
 
 # Memory fence. Payload stores must be visible before the seq store that publishes them, and a reader's
@@ -90,8 +97,9 @@ def _as_bytes(obj: Any) -> memoryview:
 
 
 def _poll(ready: Callable[[], bool], timeout: float | None, should_abort: Callable[[], bool] | None,
-          what: str) -> None:
-    """Wait until ready(), sleeping with exponential backoff; TimeoutError / BroadcastAborted otherwise."""
+          what: str, wake: WakeReceiver | None = None) -> None:
+    """Wait until ready(), sleeping with exponential backoff (or, once `wake` is idle, blocking on its pings);
+    TimeoutError / BroadcastAborted otherwise."""
     next_abort_check, sleep = time.monotonic(), _MIN_SLEEP_S
     deadline = None if timeout is None else next_abort_check + timeout
     while not ready():
@@ -102,6 +110,9 @@ def _poll(ready: Callable[[], bool], timeout: float | None, should_abort: Callab
             next_abort_check = now + _ABORT_CHECK_S
         if deadline is not None and now >= deadline:
             raise TimeoutError(f"{what}: timed out after {timeout:.3f}s")
+        if wake is not None and wake.idle(now):
+            wake.block(math.inf if deadline is None else deadline - now)
+            continue
         time.sleep(sleep)
         sleep = min(sleep * 2, _MAX_SLEEP_S)
 
@@ -134,7 +145,7 @@ class ShmBroadcast:
     and unmap at release(). At most n_slots exist; if the writer dies its resource_tracker unlinks all."""
 
     def __init__(self, shm: SharedMemory, handle: BroadcastHandle) -> None:
-        self._shm = shm
+        self._shm, self._handle = shm, handle
         self.name, self.n_readers = handle.name, handle.n_readers
         self.n_slots, self.slot_bytes = handle.n_slots, handle.slot_bytes
         ctrl, self._data_off, self._slot_stride, _ = _geometry(self.n_readers, self.n_slots, self.slot_bytes)
@@ -144,23 +155,34 @@ class ShmBroadcast:
 
     @staticmethod
     def create(n_readers: int, n_slots: int = 4, slot_bytes: int = 32 << 20, *,
-               name: str | None = None) -> ShmBroadcastWriter:
-        """Create the segment (engine process). The creator owns it: close() unlinks it."""
+               name: str | None = None, wake: str | None = None) -> ShmBroadcastWriter:
+        """Create the segment (engine process). The creator owns it: close() unlinks it. ``wake``: where to bind
+        the wake-up pings (default ``ipc://<tmp>/<name>.wake``; "" for none: readers then always poll)."""
         name = name or f"ebc_{os.getpid():x}_{secrets.token_hex(4)}"
         if n_readers < 1 or n_slots < 1 or slot_bytes < _ALIGN or len(name) > _MAX_NAME:
             raise ValueError(f"bad {n_readers=} {n_slots=} {slot_bytes=} or {name=} (max {_MAX_NAME} chars)")
+        wake = f"ipc://{tempfile.gettempdir()}/{name}.wake" if wake is None else wake
         shm = _Shm(name=name, create=True, size=_geometry(n_readers, n_slots, slot_bytes)[3])
-        writer = ShmBroadcastWriter(shm, BroadcastHandle(shm.name, n_readers, n_slots, slot_bytes))
+        try:
+            writer = ShmBroadcastWriter(shm, BroadcastHandle(shm.name, n_readers, n_slots, slot_bytes, wake))
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
         writer._glob[:5] = (_MAGIC, n_readers, n_slots, slot_bytes, 0)
         logger.debug("broadcast %s: %d readers, %d slots of %d B", shm.name, n_readers, n_slots, slot_bytes)
         return writer
 
     @staticmethod
-    def attach(handle: BroadcastHandle, reader_rank: int) -> ShmBroadcastReader:
-        """Map an existing broadcast as reader ``reader_rank`` (0..n_readers-1), e.g. in a worker."""
+    def attach(handle: BroadcastHandle, reader_rank: int, *, busy_s: float = BUSY_S,
+               block_s: float = IDLE_BLOCK_S) -> ShmBroadcastReader:
+        """Map an existing broadcast as reader ``reader_rank`` (0..n_readers-1), e.g. in a worker. Waits poll
+        for ``busy_s`` after each message, then block on the writer's pings (``block_s`` at a time)."""
         if not 0 <= reader_rank < handle.n_readers:
             raise ValueError(f"reader_rank {reader_rank} not in [0, {handle.n_readers})")
-        reader = ShmBroadcastReader(_attach_untracked(handle.name), handle, reader_rank)
+        shm = _attach_untracked(handle.name)
+        wake = WakeReceiver(handle.wake, busy_s, block_s) if handle.wake else None
+        reader = ShmBroadcastReader(shm, handle, reader_rank, wake)
         found = tuple(int(x) for x in reader._glob[:4])
         if found != (_MAGIC, handle.n_readers, handle.n_slots, handle.slot_bytes):
             reader.close()
@@ -168,7 +190,7 @@ class ShmBroadcast:
         return reader
 
     def handle(self) -> BroadcastHandle:
-        return BroadcastHandle(self.name, self.n_readers, self.n_slots, self.slot_bytes)
+        return self._handle
 
     def _slot_view(self, slot: int, nbytes: int) -> memoryview:
         start = self._data_off + slot * self._slot_stride
@@ -188,6 +210,7 @@ class ShmBroadcastWriter(ShmBroadcast):
         self._spills: dict[int, SharedMemory] = {}
         self._unlinked = False
         self.n_spilled = 0  # messages that did not fit a slot and used a spill segment
+        self._wake = WakeSender(handle.wake) if handle.wake else None
 
     def _slot_free(self, slot: int) -> bool:
         return bool((self._ctrl[slot, _C_READ:_C_READ + self.n_readers] == self._slot_seq[slot]).all())
@@ -235,6 +258,8 @@ class ShmBroadcastWriter(ShmBroadcast):
         _memory_fence()  # payload, length and name are visible before seq publishes them
         self._ctrl[slot, _C_SEQ] = self._slot_seq[slot] = seq + 1
         self._seq += 1
+        if self._wake is not None:
+            self._wake.notify()
 
     def unlink(self) -> None:
         """Remove the names of the segment and of outstanding spills (mappings stay valid). Idempotent."""
@@ -252,6 +277,9 @@ class ShmBroadcastWriter(ShmBroadcast):
         self._closed = True
         _memory_fence()  # all published messages precede the closed flag
         self._glob[_G_CLOSED] = 1
+        if self._wake is not None:
+            self._wake.notify()  # idle readers see the closed flag now
+            self._wake.close()
         self.unlink()
         self._unmap()
 
@@ -259,8 +287,10 @@ class ShmBroadcastWriter(ShmBroadcast):
 class ShmBroadcastReader(ShmBroadcast):
     """One reader rank (one process, not thread-safe). Made by ShmBroadcast.attach()."""
 
-    def __init__(self, shm: SharedMemory, handle: BroadcastHandle, reader_rank: int) -> None:
+    def __init__(self, shm: SharedMemory, handle: BroadcastHandle, reader_rank: int,
+                 wake: WakeReceiver | None = None) -> None:
         super().__init__(shm, handle)
+        self._wake = wake
         self.reader_rank, self._seq = reader_rank, 0  # _seq: index of the next message to read
         self._pending: tuple[int, SharedMemory | None, list[memoryview]] | None = None  # slot, spill, views
 
@@ -284,7 +314,9 @@ class ShmBroadcastReader(ShmBroadcast):
             raise RuntimeError("release() the previous message before dequeue()")
         slot, want = self._seq % self.n_slots, self._seq + 1
         _poll(lambda: self._ready(slot, want), timeout, should_abort,
-              f"broadcast {self.name} reader {self.reader_rank} dequeue #{self._seq}")
+              f"broadcast {self.name} reader {self.reader_rank} dequeue #{self._seq}", self._wake)
+        if self._wake is not None:
+            self._wake.touched()
         _memory_fence()  # seq was seen before any payload load
         total, name_len = int(self._ctrl[slot, _C_LEN]), int(self._ctrl[slot, _C_NAME_LEN])
         spill = None
@@ -340,6 +372,8 @@ class ShmBroadcastReader(ShmBroadcast):
         if not self._closed:
             self.release()
             self._closed = True
+            if self._wake is not None:
+                self._wake.close()
             self._unmap()
 
 

@@ -63,8 +63,9 @@ class RuntimeConfig:
     """A batch that takes longer than this marks the workers unhealthy."""
     api_key: str | None = None
     """Callers of the protected HTTP routes must send 'Authorization: Bearer KEY'."""
-    run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="eric-")))
-    """Directory for the ipc sockets between the processes of this server."""
+    run_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / f"eric-{uuid.uuid4().hex[:16]}")
+    """Directory for the ipc sockets between the processes of this server; the server makes it (private) at start
+    and removes it on the way out (a config alone creates nothing)."""
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     """New at every start: names the shared-memory pool (and NIXL agent), so consumers detect a restart."""
 

@@ -55,7 +55,7 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
             raise SystemExit(f"eric-epd {name}: {e}") from None
     if config.cpus:
         pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
-    config.run_dir.mkdir(parents=True, exist_ok=True)
+    config.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     pool = make_pool()
     try:
         engine = EngineProcess.spawn(config, workload)

@@ -1,0 +1,65 @@
+"""Wake-up channel of the shm broadcast: the writer pings a ZMQ PUB socket after each message, and a reader that has
+been idle for a while blocks on those pings instead of polling shared memory (vLLM's SpinCondition idea)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_CLOSE_LINGER_MS = 200  # the last ping (close) still leaves after the socket is closed
+
+
+class WakeSender:
+    """Writer side: one PUB socket; notify() never blocks (a ping nobody can take is dropped)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        self._sock.bind(address)
+
+    def notify(self) -> None:
+        with suppress(zmq.Again):
+            self._sock.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._sock.close()
+        if self.address.startswith("ipc://"):  # libzmq unlinks it too, but not on every version
+            with suppress(FileNotFoundError):
+                Path(self.address.removeprefix("ipc://")).unlink()
+
+
+class WakeReceiver:
+    """Reader side: spins (the caller's backoff polling) for `busy_s` after the last message it took, then blocks
+    on the writer's pings in chunks of at most `block_s`; a lost ping costs one chunk, never a message."""
+
+    def __init__(self, address: str, busy_s: float, block_s: float) -> None:
+        self.busy_s, self.block_s = busy_s, block_s
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.CONFLATE, 1)  # pings that came while we were busy collapse into one
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(address)
+        self._last = time.monotonic()
+
+    def touched(self) -> None:
+        """A message was taken: stay in the busy (polling) phase for another busy_s."""
+        self._last = time.monotonic()
+
+    def idle(self, now: float) -> bool:
+        return now - self._last >= self.busy_s
+
+    def block(self, max_s: float) -> None:
+        """Sleep until a ping (maybe one left from the busy phase) or min(max_s, block_s) passed."""
+        if self._sock.poll(max(0, int(min(max_s, self.block_s) * 1000))):
+            with suppress(zmq.Again):
+                self._sock.recv(zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._sock.close()
