@@ -58,7 +58,7 @@ class ModelExecutor:
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(config.worker_result_addr)
         self._decoder = from_worker_decoder()
-        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size, wake=f"ipc://{config.run_dir}/broadcast-wake.sock",
+        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size, wake=config.broadcast_wake_addr,
                                               **broadcast_geometry(workload.max_batch_input_bytes(config)))
         self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")

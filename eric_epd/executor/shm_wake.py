@@ -3,14 +3,11 @@ been idle for a while blocks on those pings instead of polling shared memory (vL
 
 from __future__ import annotations
 
-import logging
 import time
 from contextlib import suppress
 from pathlib import Path
 
 import zmq
-
-logger = logging.getLogger(__name__)
 
 _CLOSE_LINGER_MS = 200  # the last ping (close) still leaves after the socket is closed
 

@@ -96,6 +96,11 @@ class RuntimeConfig:
     def worker_result_addr(self) -> str:
         return f"ipc://{self.run_dir}/worker-out.sock"
 
+    @property
+    def broadcast_wake_addr(self) -> str:
+        """Where the engine pings idle workers that a batch is waiting in the shm broadcast."""
+        return f"ipc://{self.run_dir}/broadcast-wake.sock"
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
