@@ -1,6 +1,7 @@
 """OpenAI's /v1/images/generations through the gateway: the prompt's hidden states from real `vllm serve` running the
 tiny Qwen2.5-VL as a pooling text encoder, then Geri; the image equals diffusers' QwenImagePipeline run end to end
-with the same text encoder (transformers) and prompt. Bad requests get a 400 naming the problem."""
+with the same text encoder (transformers) and prompt, up to the rounding of float images within a stated bound. Bad
+requests get a 400 naming the problem."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from PIL import Image
 
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import GatewayServer, GeriServer, VllmServe
+from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
 
 
@@ -30,7 +32,7 @@ def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory)
     vllm_key = new_key()
     pooling = ("--runner", "pooling", "--pooler-config", json.dumps({"task": "token_embed"}))
     encoder = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key)
-    geri = GeriServer(log_path=logs / "geri.log")
+    geri = GeriServer(log_path=logs / "geri.log", env=other_isa_env())
     gateway = GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
                             "--image-urls", upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key)
     with running(encoder, geri), gateway as gw:
@@ -49,6 +51,11 @@ def reference_pipeline(qwen2_5_vl_tiny: Path):
                                              tokenizer=AutoTokenizer.from_pretrained(qwen2_5_vl_tiny))
 
 
+# Geri's float bound, and vLLM's float32 hidden states differing from transformers' in the last bits: measured up to
+# ~2e-6 apart in the image here, across instruction sets
+GATEWAY_IMAGE_BOUND = 3e-5
+
+
 def _decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
@@ -64,12 +71,13 @@ def test_image_equals_diffusers_pipeline_end_to_end(image_stack: GatewayServer, 
     assert len(answer.data) == 2
     images = [_decode(d.b64_json) for d in answer.data]
     for i, image in enumerate(images):
-        reference = np.asarray(reference_pipeline(
+        reference = reference_pipeline(
             prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, height=48, width=64, num_inference_steps=3,
-            generator=torch.Generator().manual_seed(7 + i), output_type="pil").images[0])
+            generator=torch.Generator().manual_seed(7 + i), output_type="np").images[0]
         assert image.shape == reference.shape == (48, 64, 3)
-        # vLLM's and transformers' hidden states differ in the last float bits, below one level of the image
-        np.testing.assert_array_equal(image, reference)
+        # vLLM's and transformers' hidden states differ in the last float bits: the 8-bit image is exact only where
+        # the reference's float pixel is not that close to a rounding boundary
+        assert_rounds_from(image, reference, bound=GATEWAY_IMAGE_BOUND)
     assert not np.array_equal(images[0], images[1])  # each of n gets its own seed
 
 

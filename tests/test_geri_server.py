@@ -1,5 +1,6 @@
-"""Geri served (`eric-epd geri` on the built-in tiny Qwen-Image): its PNGs equal diffusers' QwenImagePipeline for the
-same embeddings, seed and steps at TP 1 and 2, concurrent requests of one size batch together, bad input gets a 400
+"""Geri served (`eric-epd geri` on the built-in tiny Qwen-Image): its PNGs are the 8-bit roundings of float images
+within IMAGE_FLOAT_BOUND of diffusers' QwenImagePipeline for the same embeddings, seed and steps at TP 1 (on another
+instruction set than this process) and 2, concurrent requests of one size batch together, bad input gets a 400
 naming the problem while the server goes on serving, and a killed worker fails in-flight requests with 503."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from PIL import Image
 
 from eric_epd.geri.body import generate_body
 from eric_epd.stack.servers import GeriServer
+from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
 from eric_epd.testing.server import PoolServer
 
@@ -46,7 +48,8 @@ def pipeline():
 
 
 def _reference(pipeline, prompt: np.ndarray, negative: np.ndarray | None, settings: dict) -> np.ndarray:
-    """diffusers' own pipeline on the same embeddings, seed and steps."""
+    """diffusers' own pipeline on the same embeddings, seed and steps: floats in [0, 1] before rounding to 8 bits
+    (Geri's loop and batch shapes order the float sums differently, so only the rounding of near values is fixed)."""
     kwargs = {}
     if negative is not None:
         kwargs = {"negative_prompt_embeds": torch.from_numpy(negative)[None],
@@ -55,8 +58,8 @@ def _reference(pipeline, prompt: np.ndarray, negative: np.ndarray | None, settin
                    prompt_embeds_mask=torch.ones(1, prompt.shape[0], dtype=torch.long), height=settings["height"],
                    width=settings["width"], num_inference_steps=settings["steps"],
                    true_cfg_scale=settings.get("guidance_scale", 4.0),
-                   generator=torch.Generator().manual_seed(settings["seed"]), output_type="pil", **kwargs)
-    return np.asarray(out.images[0])
+                   generator=torch.Generator().manual_seed(settings["seed"]), output_type="np", **kwargs)
+    return out.images[0]
 
 
 def _generate(geri: GeriServer, body: dict, timeout: float = 60) -> httpx.Response:
@@ -78,8 +81,9 @@ def producer() -> Iterator[PoolServer]:
 
 @pytest.fixture(scope="module")
 def geri(producer: PoolServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeriServer]:
-    """TP 1 on the built-in default checkpoint (no --model), reading handles from `producer` alone."""
-    with GeriServer(log_path=tmp_path_factory.mktemp("geri") / "geri.log",
+    """TP 1 on the built-in default checkpoint (no --model), reading handles from `producer` alone, on another
+    instruction set than this process's reference pipeline."""
+    with GeriServer(log_path=tmp_path_factory.mktemp("geri") / "geri.log", env=other_isa_env(),
                     extra_args=("--embedding-producers", producer.url)) as server:
         yield server
 
@@ -88,19 +92,18 @@ def test_served_images_equal_diffusers_pipeline_at_tp1(geri: GeriServer, pipelin
     for prompt, negative, settings in REQUESTS:
         image = _image(_generate(geri, generate_body(prompt, negative, **settings)))
         assert image.shape == (settings["height"], settings["width"], 3)
-        np.testing.assert_array_equal(image, _reference(pipeline, prompt, negative, settings))
+        assert_rounds_from(image, _reference(pipeline, prompt, negative, settings))
         assert image.std() > 0
 
 
 def test_tp2_images_equal_diffusers_pipeline(tmp_path: Path, pipeline) -> None:
-    """The transformer split over two gloo ranks by heads (each row-parallel layer sums two partial products): the
-    float differences stay below one level of the uint8 image, which equals the pipeline's pixel for pixel."""
+    """The transformer split over two gloo ranks by heads (each row-parallel layer sums two partial products)."""
     with GeriServer(tp=2, cpus=tuple(sorted(os.sched_getaffinity(0))), log_path=tmp_path / "geri-tp2.log") as geri2:
         workers = httpx.get(geri2.url + "/health").json()["workers"]
         assert len(workers) == 2
         for prompt, negative, settings in REQUESTS:
             image = _image(_generate(geri2, generate_body(prompt, negative, **settings)))
-            np.testing.assert_array_equal(image, _reference(pipeline, prompt, negative, settings))
+            assert_rounds_from(image, _reference(pipeline, prompt, negative, settings))
 
 
 def test_concurrent_requests_of_one_size_batch_and_each_gets_its_own_image(geri: GeriServer, pipeline) -> None:
@@ -109,9 +112,7 @@ def test_concurrent_requests_of_one_size_batch_and_each_gets_its_own_image(geri:
     with ThreadPoolExecutor(4) as pool:
         responses = list(pool.map(lambda b: _generate(geri, generate_body(b[0], **b[1])), bodies))
     for (prompt, settings), response in zip(bodies, responses):
-        image, reference = _image(response), _reference(pipeline, prompt, None, settings)
-        assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1  # float sums of another batch shape
-        assert (image == reference).mean() >= 0.99
+        assert_rounds_from(_image(response), _reference(pipeline, prompt, None, settings))
     items = _metric(geri, "geri_batch_items_sum") - before[0]
     batches = _metric(geri, "geri_batch_items_count") - before[1]
     assert items == 4 and batches < 4  # at least two requests rode in one batch

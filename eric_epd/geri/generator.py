@@ -120,9 +120,14 @@ class QwenImageGenerator:
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
-    @torch.no_grad()
     def generate(self, batch: list[ImageRequest]) -> list[np.ndarray]:
-        """One uint8 [height, width, 3] image per request; the batch shares one batch_key()."""
+        """One uint8 [height, width, 3] image per request, rounded as the pipeline's PIL output is."""
+        return [(image * 255).round().astype(np.uint8) for image in self.generate_floats(batch)]
+
+    @torch.no_grad()
+    def generate_floats(self, batch: list[ImageRequest]) -> list[np.ndarray]:
+        """One float [height, width, 3] image in [0, 1] per request (the pipeline's output_type="np"); the batch
+        shares one batch_key()."""
         first = batch[0]
         if any(r.batch_key() != first.batch_key() for r in batch):
             raise ValueError("a batch must share height, width, steps and guidance")
@@ -149,7 +154,7 @@ class QwenImageGenerator:
                                 attention_kwargs={}, return_dict=False)[0]
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[np.ndarray]:
-        """Unpack, de-normalise and decode the latents; round to uint8 as the pipeline's PIL output does."""
+        """Unpack, de-normalise and decode the latents into float images in [0, 1]."""
         b, _, channels = latents.shape
         h, w = 2 * (height // self.size_factor), 2 * (width // self.size_factor)
         latents = latents.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
@@ -158,5 +163,4 @@ class QwenImageGenerator:
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         images = self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
-        images = self.image_processor.postprocess(images, output_type="np")
-        return [(image * 255).round().astype(np.uint8) for image in images]
+        return list(self.image_processor.postprocess(images, output_type="np"))

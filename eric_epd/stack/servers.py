@@ -22,18 +22,18 @@ def host_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
 class EricServer(ServerProcess):
     """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", headers=eric.headers, ...)`.
     Its API key is generated unless given (ERIC_API_KEY in its environment); it runs on `cpus` (default: Eric's
-    half of host_split())."""
+    half of host_split()) with `env` added to its environment."""
 
     def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
                  log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
         cpus = cpus or host_split()[0]
         cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
                "--port", str(port), "--allowed-host", "127.0.0.1", "--cpus", format_cpus(cpus), *extra_args]
-        super().__init__(cmd, port, log_path, startup_timeout_s, env={"ERIC_API_KEY": api_key}, api_key=api_key,
-                         cpus=cpus)
+        super().__init__(cmd, port, log_path, startup_timeout_s, env={**(env or {}), "ERIC_API_KEY": api_key},
+                         api_key=api_key, cpus=cpus)
 
 
 def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "") -> dict:
@@ -99,17 +99,19 @@ class GatewayServer(ServerProcess):
 
 class GeriServer(ServerProcess):
     """`with GeriServer(tp=2) as geri: httpx.post(geri.url + "/v1/generate", headers=geri.headers, json=body)`; the
-    built-in tiny Qwen-Image unless `model` is given. Its API key is generated unless given (GERI_API_KEY)."""
+    built-in tiny Qwen-Image unless `model` is given. Its API key is generated unless given (GERI_API_KEY); `env` is
+    added to its environment."""
 
     def __init__(self, model: Path | None = None, tp: int = 1, extra_args: tuple[str, ...] = (),
                  port: int | None = None, log_path: Path | None = None, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
         cpus = cpus or host_split()[0]
         cmd = [sys.executable, "-m", "eric_epd", "geri", "--tp", str(tp), "--port", str(port),
                "--cpus", format_cpus(cpus), *(("--model", str(model)) if model else ()), *extra_args]
-        super().__init__(cmd, port, log_path, 180, env={"GERI_API_KEY": api_key}, api_key=api_key, cpus=cpus)
+        super().__init__(cmd, port, log_path, 180, env={**(env or {}), "GERI_API_KEY": api_key}, api_key=api_key,
+                         cpus=cpus)
 
 
 class StoreMaster(ServerProcess):

@@ -2,7 +2,7 @@
 (raw media) and to vLLM behind Eric (metadata + uuid), so their greedy tokens can be compared.
 
 `python -m eric_epd.testing.vllm_cases MODEL OUT.json [CASE ...]` runs monolithic vLLM on the cases (default all)
-and writes its tokens.
+and writes its tokens and margins (Greedy.to_json()).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from eric_epd.testing.exactness import Greedy, greedy_of_vllm
 from eric_epd.testing.media import image_bytes, random_image, video_bytes
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -125,15 +126,21 @@ def encode_case(eric_url: str, case: Case, api_key: str | None = None) -> list[d
 
 
 def greedy(llm: Any, prompt: dict[str, Any], items: list[dict[str, Any]] | None = None) -> Any:
-    """One greedy generation of MAX_TOKENS tokens (EOS ignored, so every run has the same length); `items` (Eric's
-    answer) hands their handles to the connector beside the request, as the gateway does."""
+    """One greedy generation of MAX_TOKENS tokens (EOS ignored, so every run has the same length) with each step's
+    two best logprobs; `items` (Eric's answer) hands their handles to the connector beside the request, as the
+    gateway does."""
     from vllm import SamplingParams
 
     from eric_epd.plugins.vllm.handoff import handles_xargs
 
     extra = handles_xargs(i["handle"] for i in {i["hash"]: i for i in items}.values()) if items else None
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra, logprobs=2)
     return llm.generate(prompt, params)[0]
+
+
+def greedy_run(llm: Any, prompt: dict[str, Any], items: list[dict[str, Any]] | None = None) -> Greedy:
+    """greedy()'s tokens and margins, to compare with assert_greedy_agree."""
+    return greedy_of_vllm(greedy(llm, prompt, items).outputs[0])
 
 
 @contextlib.contextmanager
@@ -202,9 +209,9 @@ def main() -> None:
     model, out, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     cases = [c for c in CASES if not names or c.name in names]
     llm = LLM(**llm_kwargs(model))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate([raw_prompt(c) for c in cases], params)
-    out.write_text(json.dumps({c.name: list(o.outputs[0].token_ids) for c, o in zip(cases, outputs)}))
+    out.write_text(json.dumps({c.name: greedy_of_vllm(o.outputs[0]).to_json() for c, o in zip(cases, outputs)}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""What a test may assert exactly on any CPU, and how it compares where it may not: greedy tokens up to the first
+near tie, 8-bit images as roundings of a float image near the reference, and a switch to another instruction set.
+
+Two correct computations that order their float sums differently (another tower, another batch shape, another
+instruction set) differ in the last bits. A discrete result built on them (a greedy token, an 8-bit pixel) is then
+equal only where the float value is not within that difference of a decision boundary, which holds by luck on one
+CPU and fails on another. These helpers assert exactly what holds everywhere and nothing more.
+
+`python -m eric_epd.testing.exactness` prints the environment that moves torch, oneDNN and MKL to another
+instruction set than this host's best (`scripts/test_other_isa.sh` runs the exactness tests under it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# How far two correct runs' logprobs may drift apart at a step they share the context of (another tower, batch or
+# instruction set): measured up to ~1e-5 in float32 and 0.031 in bfloat16 here (two bfloat16 steps at these logprobs'
+# magnitude); the bounds leave a factor of three or more. A step whose two best logprobs are closer than this may pick
+# either token on another CPU.
+NEAR_TIE_FLOAT32 = 1e-3
+NEAR_TIE_BFLOAT16 = 0.1
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """A greedy generation: each step's token (id, or text from the chat API), its logprob and its margin (best
+    minus second-best logprob)."""
+
+    tokens: list[int | str]
+    best: list[float]
+    margins: list[float]
+
+    def to_json(self) -> dict[str, list]:
+        return {"tokens": self.tokens, "best": self.best, "margins": self.margins}
+
+    @classmethod
+    def from_json(cls, data: dict[str, list]) -> Greedy:
+        return cls(list(data["tokens"]), list(data["best"]), list(data["margins"]))
+
+    @classmethod
+    def of_steps(cls, tokens: list[int | str], steps: list[Sequence[float]]) -> Greedy:
+        """From each step's candidate logprobs (the two best, in any order)."""
+        ranked = [sorted(candidates, reverse=True) for candidates in steps]
+        return cls(tokens, [float(r[0]) for r in ranked],
+                   [float(r[0] - r[1]) if len(r) > 1 else float("inf") for r in ranked])
+
+
+def greedy_of_vllm(completion: Any) -> Greedy:
+    """From vLLM's CompletionOutput sampled with `logprobs=2` (each step's dict of token id -> Logprob)."""
+    steps = completion.logprobs
+    assert steps is not None, "sample with SamplingParams(logprobs=2) to compare greedy runs"
+    return Greedy.of_steps(list(completion.token_ids), [[lp.logprob for lp in step.values()] for step in steps])
+
+
+def greedy_of_openai(choice: Any) -> Greedy:
+    """From an OpenAI chat choice asked with `logprobs=True, top_logprobs=2`: token ids where vLLM returned them
+    (`return_token_ids`), else the token texts the chat API names them by."""
+    content = choice.logprobs.content if choice.logprobs else None
+    assert content, "ask with logprobs=True, top_logprobs=2 to compare greedy runs"
+    ids = getattr(choice, "token_ids", None)
+    tokens = list(ids) if ids else [t.token for t in content]
+    return Greedy.of_steps(tokens, [[c.logprob for c in t.top_logprobs] for t in content])
+
+
+def agreeing_steps(ours: Greedy, reference: Greedy, near_tie: float) -> int:
+    """The steps both runs must agree on: all of them up to the first where either run's margin is below `near_tie`
+    (there another CPU's rounding may pick the other token, and every later step follows from that pick)."""
+    for step, (a, b) in enumerate(zip(ours.margins, reference.margins)):
+        if min(a, b) < near_tie:
+            return step
+    return min(len(ours.tokens), len(reference.tokens))
+
+
+def assert_greedy_agree(ours: Greedy, reference: Greedy, near_tie: float, label: str = "") -> int:
+    """Token-exact up to the first near tie (see agreeing_steps), and at every step whose context the two runs
+    share (those and the near tie's own) best logprobs and margins within `near_tie`; returns how many steps were
+    compared token for token."""
+    assert len(ours.tokens) == len(reference.tokens), f"{label}: {len(ours.tokens)} vs {len(reference.tokens)} steps"
+    steps = agreeing_steps(ours, reference, near_tie)
+    shared = min(steps + 1, len(ours.tokens))
+    drift = max(abs(a - b) for pair in ((ours.best, reference.best), (ours.margins, reference.margins))
+                for a, b in zip(pair[0][:shared], pair[1][:shared]))
+    logger.info("%s: %d of %d greedy steps before a near tie (< %g); logprobs drift by %.3g at most", label, steps,
+                len(ours.tokens), near_tie, drift)
+    assert drift <= near_tie, f"{label}: logprobs drift by {drift:.3g} > {near_tie} over the shared steps"
+    assert ours.tokens[:steps] == reference.tokens[:steps], (
+        f"{label}: greedy tokens differ before any near tie (margin < {near_tie}): {ours.tokens} vs "
+        f"{reference.tokens}, margins {[round(m, 4) for m in ours.margins]} vs "
+        f"{[round(m, 4) for m in reference.margins]}")
+    return steps
+
+
+# Geri's float image (in [0, 1]) against diffusers' for the same request, in another batch, process, thread count or
+# instruction set: 6e-7 apart at most here (a few float32 ulps near 1); the bound leaves a factor of over ten.
+IMAGE_FLOAT_BOUND = 1e-5
+
+
+def assert_rounds_from(image: np.ndarray, reference: np.ndarray, bound: float = IMAGE_FLOAT_BOUND) -> None:
+    """`image` (uint8) is the 8-bit rounding of some float image within `bound` of `reference` (floats in [0, 1],
+    as the pipeline's output_type="np"): each pixel within 0.5 + 255 * bound levels of reference * 255. Exact
+    except where the reference lies that close to a rounding boundary, so this is as strict as any CPU allows."""
+    assert image.dtype == np.uint8 and image.shape == reference.shape, (image.dtype, image.shape, reference.shape)
+    levels = np.abs(image.astype(np.float64) - reference.astype(np.float64) * 255)
+    worst = np.unravel_index(int(levels.argmax()), levels.shape)
+    assert levels.max() <= 0.5 + 255 * bound, (
+        f"pixel {worst}: {image[worst]} is not a rounding of {reference[worst] * 255:.6f} +- {255 * bound:.2g}")
+
+
+def assert_floats_close(ours: np.ndarray, reference: np.ndarray, bound: float = IMAGE_FLOAT_BOUND) -> None:
+    """Two float images within `bound` everywhere (absolute: both in [0, 1])."""
+    assert ours.shape == reference.shape, (ours.shape, reference.shape)
+    worst = float(np.abs(ours.astype(np.float64) - reference.astype(np.float64)).max())
+    assert worst <= bound, f"float images differ by {worst:.3g} > {bound:.3g}"
+
+
+# torch's ATEN_CPU_CAPABILITY, oneDNN's and MKL's instruction-set caps one step below each host's best.
+_LOWER = {
+    "AVX512": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "AVX2": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def other_isa_env() -> dict[str, str]:
+    """Environment that runs a torch process on another instruction set than this host's best (AVX-512 -> AVX2,
+    AVX2 -> SSE4), for servers whose results a test compares with its own: a test exact only by one instruction
+    set's luck fails here rather than on a user's machine. Empty where the host has no lower set to move to, or
+    where the caller already capped this process (its children then inherit that)."""
+    import torch
+
+    if "ATEN_CPU_CAPABILITY" in os.environ:
+        return {}
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return next((dict(env) for name, env in _LOWER.items() if capability.startswith(name)), {})
+
+
+def main() -> None:
+    """Print the other instruction set's environment as NAME=value lines (for `env`)."""
+    for name, value in other_isa_env().items():
+        sys.stdout.write(f"{name}={value}\n")
+
+
+if __name__ == "__main__":
+    main()
