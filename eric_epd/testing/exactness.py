@@ -134,13 +134,36 @@ def other_isa_env() -> dict[str, str]:
     """Environment that runs a torch process on another instruction set than this host's best (AVX-512 -> AVX2,
     AVX2 -> SSE4), for servers whose results a test compares with its own: a test exact only by one instruction
     set's luck fails here rather than on a user's machine. Empty where the host has no lower set to move to, or
-    where the caller already capped this process (its children then inherit that)."""
+    where this process itself already runs on another one (see move_this_process)."""
     import torch
 
-    if "ATEN_CPU_CAPABILITY" in os.environ:
+    if "ATEN_CPU_CAPABILITY" in os.environ or MOVED in os.environ:
         return {}
     capability = torch.backends.cpu.get_cpu_capability().upper()
     return next((dict(env) for name, env in _LOWER.items() if capability.startswith(name)), {})
+
+
+MOVED = "ERIC_EPD_TEST_ISA_MOVED"
+
+
+def move_this_process() -> str | None:
+    """Where this process was started with the caps (scripts/test_other_isa.sh): initialise torch, MKL and oneDNN
+    under them, then take them out of the environment, so that the servers and engines it starts run on the
+    host's best set and every comparison of theirs with this process's references crosses instruction sets (vLLM's
+    compiled kernels do not build without vector instructions). Returns the capability this process runs on."""
+    import torch
+
+    if "ATEN_CPU_CAPABILITY" not in os.environ:
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    for dtype in (torch.float32, torch.bfloat16):  # the first GEMM of each kind reads MKL's and oneDNN's caps
+        a = torch.ones(64, 64, dtype=dtype)
+        torch.nn.functional.linear(a, a)
+        torch.nn.functional.layer_norm(a, (64,))
+    for name in _LOWER["AVX2"]:
+        os.environ.pop(name, None)
+    os.environ[MOVED] = capability
+    return capability
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from eric_epd.testing.exactness import Greedy, greedy_of_openai
+
 
 def image_messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
     """One user turn with these image URLs, then the text."""
@@ -24,6 +26,12 @@ def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 
     model = client.models.list().data[0].id
     return client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0.0,
                                           extra_body={"ignore_eos": True}, **kw)
+
+
+def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10) -> Greedy:
+    """ask() with each step's two best logprobs: a run to compare with exactness.assert_greedy_agree."""
+    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, logprobs=True, top_logprobs=2)
+    return greedy_of_openai(answer.choices[0])
 
 
 def gateway_paths(gateway_url: str) -> dict[str, float]:
