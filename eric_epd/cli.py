@@ -81,8 +81,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between registrations (the gateway drops an Eric whose heartbeats stop)")
     p.add_argument("--drain-timeout", type=float, default=EricConfig.drain_timeout_s,
                    help="on shutdown, seconds requests in flight may take to finish")
-    p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps)
-    p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames)
+    p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps,
+                   help="frames sampled per second of video (models whose processor samples otherwise ignore it)")
+    p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames,
+                   help="most frames sampled from one video (a model sampling more is refused with 413)")
+    p.add_argument("--max-video-source-frames", type=int, default=MediaLimits.max_video_source_frames,
+                   help="most frames a video may hold, read from its container before decoding (413 otherwise)")
+    p.add_argument("--max-video-seconds", type=float, default=MediaLimits.max_video_seconds,
+                   help="longest video accepted, read from its container before decoding (413 otherwise)")
+    p.add_argument("--max-video-decode-seconds", type=float, default=MediaLimits.max_video_decode_s,
+                   help="wall time one video may take to decode before it is refused with 413")
     g = p.add_argument_group("SGLang encoder protocol (for --language-only --encoder-urls prefills)")
     g.add_argument("--no-sglang", action="store_true", help="do not serve SGLang's encoder endpoints")
     g.add_argument("--sglang-register-url", action="append", default=[],
@@ -154,7 +162,9 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items,
                           args.batches_in_flight),
-        media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames),
+        media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames,
+                          max_video_source_frames=args.max_video_source_frames,
+                          max_video_seconds=args.max_video_seconds, max_video_decode_s=args.max_video_decode_seconds),
         transfer=TransferConfig(
             pool_bytes=args.pool_bytes, ttl_s=args.embedding_ttl, pool_wait_s=args.pool_wait,
             keep_acked_bytes=args.keep_acked_bytes,

@@ -25,6 +25,7 @@ from eric_epd.stack.servers import GeriServer
 from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
 from eric_epd.testing.server import PoolServer
+from eric_epd.testing.stack import unkeyed_answers
 
 HIDDEN = 128  # the tiny checkpoint's joint_attention_dim
 
@@ -216,3 +217,10 @@ def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Pat
         health = httpx.get(geri.url + "/health", timeout=10)
         assert health.status_code == 503 and "worker rank 0" in health.json()["reason"]
         assert _generate(geri, generate_body(_embeds(3, 0), height=32, width=32, steps=1)).status_code == 503
+
+
+def test_every_geri_route_needs_the_key(geri: GeriServer) -> None:
+    answers = unkeyed_answers(geri.url, geri.headers)
+    assert ("POST", "/v1/generate") in answers
+    opened = {route: status for route, status in answers.items() if status != 401}
+    assert {path for _, path in opened} <= {"/health", "/metrics"}, opened

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes, urljoin
@@ -24,6 +25,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from eric_epd.server.url_policy import MediaError, UrlPolicy, display_url, url_scheme
+from eric_epd.server.video_limits import DecodeGuard, check_source, count_frames
 
 __all__ = ["MediaError", "MediaFetcher", "MediaLimits", "UrlPolicy", "decode_image", "decode_video"]
 
@@ -42,9 +44,12 @@ class MediaLimits:
     timeout_s: float = 10.0  # whole fetch, redirects included
     max_redirects: int = 3
     max_image_pixels: int = 40_000_000  # width*height, checked from the header before decoding
-    max_video_frames: int = 64
+    max_video_frames: int = 64  # frames sampled
     video_fps: float = 2.0  # sample rate
     max_video_pixels: int = 8_000_000  # per frame
+    max_video_source_frames: int = 36_000  # frames in the source (decoding runs up to the last sampled one)
+    max_video_seconds: float = 3600.0  # source duration
+    max_video_decode_s: float = 30.0  # wall time to decode one video
 
     def __post_init__(self) -> None:
         if min(self.max_bytes, self.max_image_pixels, self.max_video_pixels) <= 0:
@@ -53,6 +58,8 @@ class MediaLimits:
             raise ValueError("MediaLimits timeout_s and video_fps must be > 0, max_redirects >= 0")
         if self.max_video_frames < 2:
             raise ValueError("MediaLimits.max_video_frames must be >= 2")
+        if min(self.max_video_source_frames, self.max_video_seconds, self.max_video_decode_s) <= 0:
+            raise ValueError("MediaLimits video source frames, seconds and decode time must be positive")
 
 
 class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
@@ -295,14 +302,9 @@ def _check_frame_size(width: int, height: int, limits: MediaLimits) -> None:
         )
 
 
-def _count_frames(data: bytes) -> int:
-    with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
-        return sum(1 for packet in container.demux(video=0) if packet.size)
-
-
 def decode_video(data: bytes, limits: MediaLimits,
-                 sampler: Callable[[int, float], list[int] | None] | None = None
-                 ) -> tuple[np.ndarray, float, tuple[float, ...]]:
+                 sampler: Callable[[int, float], list[int] | None] | None = None,
+                 stop: threading.Event | None = None) -> tuple[np.ndarray, float, tuple[float, ...]]:
     """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, sampled_fps, seconds): the
     source time of each frame taken.
 
@@ -310,7 +312,9 @@ def decode_video(data: bytes, limits: MediaLimits,
 
     Frames are sampled uniformly at ``limits.video_fps`` (at least 2, at most ``max_video_frames``;
     a one-frame video yields that frame twice), unless ``sampler(total frames, source fps)`` names the frame
-    indices (a model whose processor samples otherwise). 400 for undecodable input, 413 for oversize frames.
+    indices (a model whose processor samples otherwise). 400 for undecodable input; 413 for oversize frames, for
+    a source over the frame or duration limits (read from the container before decoding) and for a decode over its
+    wall-time limit; decoding stops once `stop` is set (the requester has gone).
     """
     if not data:
         raise MediaError(400, "video is empty (0 bytes)")
@@ -333,11 +337,13 @@ def decode_video(data: bytes, limits: MediaLimits,
         if not (src_fps > 0 and math.isfinite(src_fps)):
             raise MediaError(400, "could not decode video: unknown frame rate")
         try:
-            total = stream.frames or _count_frames(data)
+            total = stream.frames or count_frames(data, limits.max_video_source_frames)
         except av.FFmpegError as exc:
             raise MediaError(400, f"could not decode video: {exc}") from exc
         if total <= 0:
             raise MediaError(400, "could not decode video: no frames")
+        check_source(total, src_fps, limits.max_video_source_frames, limits.max_video_seconds)
+        guard = DecodeGuard(limits.max_video_decode_s, stop)
         indices = (sampler(total, src_fps) if sampler is not None else None) or _frame_indices(total, src_fps, limits)
         if len(indices) > limits.max_video_frames:
             raise MediaError(413, f"the video is {total / src_fps:.1f} s long: this model samples {len(indices)} "
@@ -352,6 +358,7 @@ def decode_video(data: bytes, limits: MediaLimits,
         last = None
         try:
             for i, frame in enumerate(container.decode(stream)):
+                guard.check()
                 _check_frame_size(frame.width, frame.height, limits)
                 size = size or (frame.width, frame.height)
                 last = frame

@@ -96,12 +96,12 @@ class Processor:
             if stop.is_set():
                 break
             try:
-                out.append(self._prepare_sync(modality, data))
+                out.append(self._prepare_sync(modality, data, stop))
             except MediaError as e:
                 out.append(e)
         return out
 
-    def _prepare_sync(self, modality: str, data: bytes) -> PreparedItem:
+    def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None) -> PreparedItem:
         start = time.perf_counter()
         try:
             if modality == "image":
@@ -110,7 +110,7 @@ class Processor:
                 decoded = time.perf_counter()
                 item = self._mp.process_image(image)
             else:
-                pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices)
+                pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop)
                 decoded = time.perf_counter()
                 item = self._mp.process_video(pixels, sampled_fps, seconds)
         except ValueError as e:  # the model's processor refuses this input (e.g. its aspect ratio)

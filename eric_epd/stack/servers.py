@@ -46,9 +46,10 @@ def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "ht
 
 
 class VllmServe(ServerProcess):
-    """`vllm serve` on a small local model; with eric_urls, behind Eric (connector + guard middleware, the Erics'
-    key in ERIC_API_KEY). vLLM checks its own generated key (VLLM_API_KEY), which the gateway sends. It runs on
-    `cpus` (default: the engine's half of host_split()), its OpenMP threads bound to them."""
+    """`vllm serve` on a small local model, listening on loopback only; with eric_urls, behind Eric (connector +
+    guard middleware, the Erics' key in ERIC_API_KEY). Every route but /health and /metrics needs its generated key
+    (VLLM_API_KEY, which the gateway sends; RequireEngineKey). It runs on `cpus` (default: the engine's half of
+    host_split()), its OpenMP threads bound to them."""
 
     def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
@@ -58,8 +59,9 @@ class VllmServe(ServerProcess):
         cpus = cpus or host_split()[1]
         api_key = api_key or new_key()
         vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm, "serve", str(model), "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-               "--gpu-memory-utilization", "0.15", "--enforce-eager",
+        cmd = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+               "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
+               "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
                "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
         if eric_urls:
             ec = eric_ec_config(eric_urls, global_cache=global_cache)
