@@ -28,10 +28,16 @@ def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 
                                           extra_body={"ignore_eos": True}, **kw)
 
 
-def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10) -> Greedy:
-    """ask() with each step's two best logprobs: a run to compare with exactness.assert_greedy_agree."""
-    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, logprobs=True, top_logprobs=2)
-    return greedy_of_openai(answer.choices[0])
+def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10,
+               stream: bool = False) -> Greedy:
+    """ask() with each step's two best logprobs (streamed: gathered from the chunks): a run to compare with
+    exactness.assert_greedy_agree."""
+    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, logprobs=True, top_logprobs=2, stream=stream)
+    if not stream:
+        return greedy_of_openai(answer.choices[0])
+    steps = [step for chunk in answer if chunk.choices and chunk.choices[0].logprobs
+             for step in chunk.choices[0].logprobs.content or []]
+    return Greedy.of_steps([s.token for s in steps], [[c.logprob for c in s.top_logprobs] for s in steps])
 
 
 def gateway_paths(gateway_url: str) -> dict[str, float]:
