@@ -124,6 +124,9 @@ def assert_floats_close(ours: np.ndarray, reference: np.ndarray, bound: float = 
 
 
 # torch's ATEN_CPU_CAPABILITY, oneDNN's and MKL's instruction-set caps one step below each host's best.
+_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+MOVED = "ERIC_EPD_TEST_ISA_MOVED"
+"""Set once move_this_process has run this process on the lower set (its servers then start on the best)."""
 _LOWER = {
     "AVX512": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "AVX2": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
@@ -143,9 +146,6 @@ def other_isa_env() -> dict[str, str]:
     return next((dict(env) for name, env in _LOWER.items() if capability.startswith(name)), {})
 
 
-MOVED = "ERIC_EPD_TEST_ISA_MOVED"
-
-
 def move_this_process() -> str | None:
     """Where this process was started with the caps (scripts/test_other_isa.sh): initialise torch, MKL and oneDNN
     under them, then take them out of the environment, so that the servers and engines it starts run on the
@@ -160,7 +160,7 @@ def move_this_process() -> str | None:
         a = torch.ones(64, 64, dtype=dtype)
         torch.nn.functional.linear(a, a)
         torch.nn.functional.layer_norm(a, (64,))
-    for name in _LOWER["AVX2"]:
+    for name in _CAPS:
         os.environ.pop(name, None)
     os.environ[MOVED] = capability
     return capability
