@@ -110,7 +110,7 @@ def test_stage_and_upstream_timings_follow_the_calls(stand_in: str, tmp_path: Pa
         assert _chat(gateway, text).headers["x-epd-path"] == "pd"  # prefill, decode
         stages, upstreams = _scrape(gateway)
     assert {stage: count for stage, (count, _) in stages.items()} == {
-        "body_read": 2, "validate": 2, "encode": 1, "rewrite": 1}
+        "body_read": 2, "validate": 2, "encode": 1, "rewrite": 1, "inline": 1}  # the text chat: nothing to inline
     assert {kind: count for kind, (count, _) in upstreams.items()} == {
         "encoder": 1, "prefill": 2, "decode": 2, "colocated": 0}  # both images went to the one encoder
     assert all(total >= 0 for _, total in (*stages.values(), *upstreams.values()))

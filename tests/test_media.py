@@ -173,7 +173,8 @@ def test_private_hosts(base_url: str) -> None:
     assert err.status == 400 and "127.0.0.1" in err.message and "private" in err.message
     # a name resolving to loopback is refused after DNS resolution
     err = _error(lambda: _fetch(f"http://localhost:{port}/img.png", UrlPolicy()))
-    assert err.status == 400 and "localhost" in err.message and "127.0.0.1" in err.message
+    assert err.status == 400 and "localhost" in err.message and "private" in err.message
+    assert "127.0.0.1" not in err.message  # what the name resolves to stays in the log, not with the client
     assert _fetch(url, UrlPolicy(host_allowlist=frozenset({"127.0.0.1"}))) == PNG
     by_name = UrlPolicy(host_allowlist=frozenset({"LOCALHOST"}))
     assert _fetch(f"http://localhost:{port}/img.png", by_name) == PNG
@@ -210,7 +211,7 @@ def test_unsupported_and_malformed_urls() -> None:
     err = _error(lambda: _fetch("https://example.com/a.png", UrlPolicy(allowed_schemes=frozenset({"data"}))))
     assert err.status == 400 and "'https'" in err.message
     assert _error(lambda: _fetch("no-scheme.png")).status == 400
-    assert "no host" in _error(lambda: _fetch("http:///a.png")).message
+    assert "before its host" in _error(lambda: _fetch("http:///a.png")).message
     assert _error(lambda: _fetch("http://127.0.0.1:99999/a")).status == 400
 
 

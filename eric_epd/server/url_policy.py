@@ -9,6 +9,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,13 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_SCHEMES = frozenset({"http", "https", "data", "file"})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+"""Deprecated IPv4-compatible IPv6 (::a.b.c.d): judged by the IPv4 address inside, as NAT64's are."""
+_AUTHORITY = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?")
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_NUMERIC_LABEL = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
+_BAD_CHARS = frozenset('\\"<>^`{|}')
+_BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -49,7 +57,7 @@ def is_public_ip(ip: IPAddress) -> bool:
     """True for globally routable unicast addresses; unwraps IPv4 embedded in IPv6 first."""
     if isinstance(ip, ipaddress.IPv6Address):
         embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and ip in _NAT64:
+        if embedded is None and (ip in _NAT64 or ip in _IPV4_COMPATIBLE):
             embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if embedded is not None:
             ip = embedded
@@ -96,6 +104,8 @@ class UrlPolicy:
             if "," not in url:
                 raise MediaError(400, "malformed data URL: no ',' before the payload")
             return
+        if scheme in ("http", "https"):
+            check_unambiguous(url)
         parts = _split(url)
         if scheme == "file":
             self.resolve_file(url, parts)
@@ -140,15 +150,59 @@ class UrlPolicy:
         for addr in addrs:
             if not self._ip_allowed(name, ipaddress.ip_address(addr.split("%")[0])):
                 logger.warning("refusing media host %s: resolves to non-public address %s", name, addr)
-                raise MediaError(
-                    400, f"host {name} resolves to private/loopback/reserved address {addr}; refused"
-                )
+                # the address itself stays in the log: a client learns nothing about internal names
+                raise MediaError(400, f"host {name} resolves to a private/loopback/reserved address; refused")
         return addrs
 
     def _ip_allowed(self, host: str, ip: IPAddress) -> bool:
         if self.allow_private_hosts or host.lower() in self.host_allowlist:
             return True
         return str(ip) in self.host_allowlist or is_public_ip(ip)
+
+
+def check_unambiguous(url: str) -> None:
+    """400 for an http(s) URL that URL parsers could read differently (Python's urlsplit, urllib3, WHATWG, curl):
+    characters outside printable ASCII or that some parsers treat as separators (backslash, quotes, braces...),
+    credentials (user@host), anything but ``//`` after the scheme, hosts other than plain DNS names, canonical
+    dotted IPv4 or bracketed IPv6 without zone, numeric hosts in other forms (``0x7f.1``, ``2130706433``,
+    ``017.0.0.1``), ports outside 1-65535 and stray ``%``."""
+    shown = url if len(url) <= 120 else url[:120] + "..."  # as sent: hiding the trick would hide the reason
+    bad = next((c for c in url if not "!" <= c <= "~" or c in _BAD_CHARS), None)
+    if bad is not None:
+        raise MediaError(400, f"URL contains {bad!r}, which URL parsers read differently; refused: {shown!r}")
+    if _BAD_PERCENT.search(url):
+        raise MediaError(400, f"URL has a '%' not followed by two hex digits; refused: {shown!r}")
+    scheme, _, rest = url.partition(":")
+    if not rest.startswith("//") or rest.startswith("///"):
+        raise MediaError(400, f"an {scheme.lower()} URL needs exactly '//' before its host; refused: {shown!r}")
+    authority = re.split(r"[/?#]", rest[2:], maxsplit=1)[0]
+    if "@" in authority:
+        raise MediaError(400, f"URLs with credentials (user@host) are not accepted: {shown!r}")
+    match = _AUTHORITY.fullmatch(authority)
+    if match is None:
+        raise MediaError(400, f"URL host {authority[:80]!r} is not a plain DNS name, IPv4 or [IPv6] address")
+    port = match["port"]
+    if port is not None and not 0 < int(port) < 65536:
+        raise MediaError(400, f"URL port {port} is out of range")
+    _check_host(match["host"])
+
+
+def _check_host(host: str) -> None:
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError as exc:
+            raise MediaError(400, f"URL host {host!r} is not a valid IPv6 address") from exc
+        return
+    labels = host.split(".")
+    if not all(_LABEL.fullmatch(label) for label in labels):
+        raise MediaError(400, f"URL host {host!r} is not a plain DNS name (empty, over-long or ill-formed label)")
+    if _NUMERIC_LABEL.fullmatch(labels[-1]):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError as exc:
+            raise MediaError(400, f"URL host {host!r} is a numeric address in a form parsers read "
+                                  "differently; write it as a.b.c.d") from exc
 
 
 def _split(url: str) -> SplitResult:

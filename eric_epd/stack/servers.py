@@ -21,19 +21,22 @@ def host_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 class EricServer(ServerProcess):
     """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", headers=eric.headers, ...)`.
-    Its API key is generated unless given (ERIC_API_KEY in its environment); it runs on `cpus` (default: Eric's
-    half of host_split()) with `env` added to its environment."""
+    Its API key is generated unless given (ERIC_API_KEY in its environment); `register_key` (the gateways' admin key,
+    for --register-with) goes in EPD_GATEWAY_ADMIN_KEY; it runs on `cpus` (default: Eric's half of host_split())
+    with `env` added to its environment."""
 
     def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
                  log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None,
+                 register_key: str | None = None) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
         cpus = cpus or host_split()[0]
         cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
                "--port", str(port), "--allowed-host", "127.0.0.1", "--cpus", format_cpus(cpus), *extra_args]
-        super().__init__(cmd, port, log_path, startup_timeout_s, env={**(env or {}), "ERIC_API_KEY": api_key},
-                         api_key=api_key, cpus=cpus)
+        keys = {"ERIC_API_KEY": api_key, **({"EPD_GATEWAY_ADMIN_KEY": register_key} if register_key else {})}
+        super().__init__(cmd, port, log_path, startup_timeout_s, env={**(env or {}), **keys}, api_key=api_key,
+                         cpus=cpus)
 
 
 def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "") -> dict:
@@ -43,6 +46,11 @@ def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "ht
         extra["global_cache"] = global_cache
     return {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
             "ec_connector_extra_config": extra}
+
+
+NO_MEDIA_DOMAIN = "media.eric-epd.invalid"
+"""vLLM's --allowed-media-domains: a name that cannot resolve (RFC 6761's .invalid), so vLLM fetches no http(s) URL
+at all. The gateway hands engines data: URLs only; this is the second wall, with redirects off too."""
 
 
 class VllmServe(ServerProcess):
@@ -62,12 +70,14 @@ class VllmServe(ServerProcess):
         cmd = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
                "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
+               "--allowed-media-domains", NO_MEDIA_DOMAIN,
                "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
         if eric_urls:
             ec = eric_ec_config(eric_urls, global_cache=global_cache)
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
                     "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
+               "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
                "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
                **({"ERIC_API_KEY": eric_api_key} if eric_api_key else {}), **(env or {})}
         super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, api_key=api_key, cpus=cpus)
@@ -84,17 +94,19 @@ def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls:
 
 
 class GatewayServer(ServerProcess):
-    """The gateway; the Erics', the engines' and the Geris' keys reach it by environment (ERIC_API_KEY, VLLM_API_KEY,
-    GERI_API_KEY)."""
+    """The gateway; its keys and the Erics', the engines' and the Geris' reach it by environment (EPD_GATEWAY_API_KEY,
+    EPD_GATEWAY_ADMIN_KEY, ERIC_API_KEY, VLLM_API_KEY, GERI_API_KEY), never on its command line."""
 
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
                  upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
-                 cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None,
+                 admin_key: str | None = None) -> None:
         port = port or free_port()
         cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
         env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
-                                 ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key)) if v}
+                                 ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key),
+                                 ("EPD_GATEWAY_ADMIN_KEY", admin_key)) if v}
         super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key,
                          cpus=cpus or host_split()[0])
 

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from epd_gateway.admission import RegistrationGate
 from epd_gateway.boundary import check_messages, check_request_fields
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, with_embeddings
@@ -27,13 +28,14 @@ from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
 from epd_gateway.image_store import ImageStore
 from epd_gateway.images import ImageGenerator
+from epd_gateway.inline import MediaInliner, RawBody
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.openapi import gateway_openapi
 from epd_gateway.upstream import Upstreams, new_session
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import BodyTooLargeError, bearer, read_limited_body
-from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, parse_json
+from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, parse_json
 from eric_epd.server.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class Gateway:
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
                                     config.encode_timeout_s, config.heartbeat_timeout_s)
         self.upstreams = Upstreams(config, session, metrics)
+        self.inliner = MediaInliner(config.url_policy, config.media_limits)
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
         self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, client, config.upstream_api_key,
                                       config.geri_api_key, store) if config.geri_urls else None)
@@ -93,19 +96,20 @@ class Gateway:
         await self._check_hosts(refs)
         start = time.perf_counter()
         self.metrics.stages.observe("validate", start - checking)
+        plain = RawBody(self.inliner, body, raw, refs)  # what the engines' own path gets: never a URL
         if self.config.backend == "sglang":
-            return await self._sglang_chat(raw, body, headers, len(refs))
+            return await self._sglang_chat(plain, headers, len(refs))
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
-            return path, await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+            return path, await self._plain(plain, headers)
         if not await self.encoders.serve({r.modality for r in refs}):
             logger.info("the encoders do not encode every modality of this request; the engine encodes it")
-            return "pd", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+            return "pd", await self._plain(plain, headers)
         try:
             items, fanout = await self.encoders.encode(refs)
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
-            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+            return "fallback", await self._plain(plain, headers)
         encoded = time.perf_counter() - start
         self.metrics.encode_latency.observe(encoded)
         self.metrics.stages.observe("encode", encoded)
@@ -113,7 +117,7 @@ class Gateway:
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
             await self.encoders.release(items)
-            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+            return "fallback", await self._plain(plain, headers)
         start = time.perf_counter()
         rewritten = with_embeddings(body, refs, items)
         self.metrics.stages.observe("rewrite", time.perf_counter() - start)
@@ -129,17 +133,24 @@ class Gateway:
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
             logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
             self.metrics.failovers.inc()
-            return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+            return "fallback", await self._plain(plain, headers)
         return "epd", response
 
-    async def _sglang_chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str],
-                           items: int) -> tuple[str, Response]:
+    async def _plain(self, plain: RawBody, headers: dict[str, str], sglang_epd: bool = False) -> Response:
+        """The engines' own path: the request with its remote media fetched here and inlined as data: URLs."""
+        start = time.perf_counter()
+        body, raw = await plain.get()
+        self.metrics.stages.observe("inline", time.perf_counter() - start)
+        return await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=sglang_epd)
+
+    async def _sglang_chat(self, plain: RawBody, headers: dict[str, str], items: int) -> tuple[str, Response]:
         """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so
-        the request goes there unchanged; if that prefill fails, a plain prefill encodes the raw media."""
+        the request goes there (media inlined, as everywhere an engine sees it); if that prefill fails, a plain
+        prefill encodes the raw media."""
         if items < self.config.epd_min_items or not self.config.epd_prefill_urls:
-            return "pd", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+            return "pd", await self._plain(plain, headers)
         try:
-            response = await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=True)
+            response = await self._plain(plain, headers, sglang_epd=True)
         except GatewayError as e:
             if e.status not in (502, 504) or not self.config.prefill_urls:
                 raise
@@ -150,7 +161,7 @@ class Gateway:
         if isinstance(response, StreamingResponse):
             await response.body_iterator.aclose()  # type: ignore[attr-defined]  # releases the upstream stream
         self.metrics.failovers.inc()
-        return "fallback", await self.upstreams.complete("/v1/chat/completions", body, headers, raw)
+        return "fallback", await self._plain(plain, headers)
 
     async def _check_hosts(self, refs: list) -> None:
         policy = self.config.url_policy
@@ -191,6 +202,7 @@ def create_app(config: GatewayConfig) -> Starlette:
                 yield
             finally:
                 health.cancel()
+                await state["gw"].inliner.aclose()
 
     async def on_gateway_error(_: Request, e: Exception) -> Response:
         assert isinstance(e, GatewayError)
@@ -305,15 +317,10 @@ def create_app(config: GatewayConfig) -> Starlette:
             raise GatewayError(404, f"encoder {url} is not registered")
         return JSONResponse({"encoders": state["gw"].encoders.urls})
 
+    gate = RegistrationGate(config.admin_key, config.register_from, config.eric_api_key)
+
     async def _admin_url(request: Request) -> str:
-        given = request.headers.get("authorization", "")
-        if config.admin_key is None or not hmac.compare_digest(given.encode(), f"Bearer {config.admin_key}".encode()):
-            raise GatewayError(401, "Unauthorized")
-        _, body = await read_json(request, 4096)
-        url = body.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
-            raise GatewayError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
-        return url.rstrip("/")
+        return await gate.admit(request, joining=request.method == "POST")
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),

@@ -7,7 +7,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epd_gateway.admission import Network, parse_network
 from epd_gateway.embeds import EmbeddingShape
+from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
+from eric_epd.server.media import MediaLimits
 from eric_epd.server.url_policy import UrlPolicy
 
 
@@ -26,9 +29,15 @@ class GatewayConfig:
     """Requests with at least this many media items take the encoder path."""
     host: str = "127.0.0.1"
     port: int = 8000
+    trusted_proxies: tuple[str, ...] = ()
+    """--trusted-proxies: networks whose X-Forwarded-For/-Proto are believed (none: the headers are ignored)."""
     api_key: str | None = None
     """Clients' key. Never forwarded: upstreams get their own keys below."""
     admin_key: str | None = None
+    """Key for /admin/encoders (--admin-key, or $EPD_GATEWAY_ADMIN_KEY)."""
+    register_from: tuple[Network, ...] = ()
+    """--register-from: networks Erics may register from and at (none: registration is refused). Naming them is the
+    operator's word that Erics there may be sent clients' media."""
     eric_api_key: str | None = None
     """Sent to the Erics (--eric-api-key, or $ERIC_API_KEY)."""
     upstream_api_key: str | None = None
@@ -39,6 +48,8 @@ class GatewayConfig:
     max_body_bytes: int = 64 * 2**20
     max_items: int = 16
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
+    """Bounds on the media the gateway fetches itself for the engines' own path (bytes, time, redirects)."""
     health_interval_s: float = 2.0
     eject_after_failures: int = 2
     heartbeat_timeout_s: float = 10.0
@@ -88,9 +99,16 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--epd-min-items", type=int, default=2)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (default: $EPD_GATEWAY_API_KEY)")
-    p.add_argument("--admin-key", default=None, help="key for /admin/encoders (registration disabled without it)")
+    p.add_argument("--admin-key", default=None,
+                   help="key for /admin/encoders (default: $EPD_GATEWAY_ADMIN_KEY; registration is off without it)")
+    p.add_argument("--register-from", type=parse_network, action="append", default=[], metavar="CIDR",
+                   help="network Erics may register from, and whose addresses a registered URL must resolve to "
+                        "(repeatable; none: registration is refused). Naming a network says Erics there may be sent "
+                        "clients' media (URLs and data: images); they get the --eric-api-key only with proof that "
+                        "they hold it")
     p.add_argument("--eric-api-key", default=None, help="the Erics' --api-key (default: $ERIC_API_KEY)")
     p.add_argument("--upstream-api-key", default=None,
                    help="the engines' --api-key, sent instead of the client's (default: $VLLM_API_KEY)")
@@ -103,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--allowed-host", action="append", default=[], help="media host always allowed (repeatable)")
     p.add_argument("--file-root", type=Path, action="append", default=[],
                    help="allow file:// media under this directory (repeatable; encoders must see the same path)")
+    p.add_argument("--max-media-bytes", type=int, default=MediaLimits.max_bytes,
+                   help="most bytes of one media item the gateway fetches for the engines' own path (they are "
+                        "handed data: URLs, never a client's URL)")
+    p.add_argument("--media-fetch-timeout", type=float, default=MediaLimits.timeout_s,
+                   help="seconds to fetch one media item, redirects included")
     p.add_argument("--health-interval", type=float, default=GatewayConfig.health_interval_s)
     p.add_argument("--eject-after-failures", type=int, default=GatewayConfig.eject_after_failures)
     p.add_argument("--heartbeat-timeout", type=float, default=GatewayConfig.heartbeat_timeout_s,
@@ -122,14 +145,16 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     return GatewayConfig(
         encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
         colocated_urls=a.colocated_urls, epd_prefill_urls=a.epd_prefill_urls, backend=a.backend,
-        epd_min_items=a.epd_min_items, host=a.host, port=a.port,
-        api_key=a.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None, admin_key=a.admin_key,
+        epd_min_items=a.epd_min_items, host=a.host, port=a.port, trusted_proxies=a.trusted_proxies,
+        api_key=a.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
+        admin_key=a.admin_key or os.environ.get("EPD_GATEWAY_ADMIN_KEY") or None, register_from=tuple(a.register_from),
         eric_api_key=a.eric_api_key or os.environ.get("ERIC_API_KEY") or None,
         upstream_api_key=a.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
         client_embeddings=EmbeddingShape.from_checkpoint(a.allow_client_embeddings) if a.allow_client_embeddings
         else None, max_body_bytes=a.max_body_bytes, max_items=a.max_items,
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
                              file_roots=tuple(r.resolve() for r in a.file_root)),
+        media_limits=MediaLimits(max_bytes=a.max_media_bytes, timeout_s=a.media_fetch_timeout),
         health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,
         heartbeat_timeout_s=a.heartbeat_timeout,
         sglang_bootstrap_port=a.sglang_bootstrap_port, text_encoder_urls=a.text_encoder_urls, geri_urls=a.geri_urls,

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from eric_epd.common.stages import StageHistogram
 
-STAGES = ("body_read", "validate", "encode", "rewrite")
+STAGES = ("body_read", "validate", "encode", "rewrite", "inline")
 """gateway_stage_seconds{stage}: body_read (read and parse), validate (the boundary checks, media collection and
 the URL policy), encode (the whole call to the Erics, EPD only), rewrite (media parts to keyed embeds, EPD only)."""
 UPSTREAMS = ("encoder", "prefill", "decode", "colocated")
