@@ -7,9 +7,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from eric_epd.common.registration import signed_registration
 from eric_epd.stack.process import ServerProcess
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
@@ -19,6 +21,8 @@ from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
 from tests.placement import rendezvous_first
 
 API_KEY = "sk-test"
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
+"""What /health wants before it names the encoders."""
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +31,8 @@ def stack(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory):
     erics, vllm = vllm_behind_erics["erics"], vllm_behind_erics["vllm"]
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
                             "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4",
-                            "--admin-key", "admin-test", eric_api_key=vllm_behind_erics["eric_key"],
-                            upstream_api_key=vllm.api_key).start()
+                            "--register-from", "127.0.0.0/8", admin_key="admin-test",
+                            eric_api_key=vllm_behind_erics["eric_key"], upstream_api_key=vllm.api_key).start()
     yield {"erics": erics, "vllm": vllm, "gateway": gateway, "eric_key": vllm_behind_erics["eric_key"]}
     gateway.stop()
 
@@ -133,10 +137,12 @@ def test_a_refused_epd_request_gives_its_embeddings_back_at_once(stack) -> None:
 def test_encoder_registration_needs_admin_key(stack) -> None:
     url = stack["gateway"].url + "/admin/encoders"
     extra = "http://127.0.0.1:9"  # nothing listens there: health checks eject it
-    assert httpx.post(url, json={"url": extra}).status_code == 401
-    assert httpx.post(url, json={"url": extra}, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+    signed = msgspec.to_builtins(signed_registration(extra, stack["eric_key"]))  # proof that it holds the Eric key
+    assert httpx.post(url, json=signed).status_code == 401
+    assert httpx.post(url, json=signed, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
     admin = {"Authorization": "Bearer admin-test"}
-    assert extra in httpx.post(url, json={"url": extra}, headers=admin).json()["encoders"]
+    assert httpx.post(url, json={"url": extra}, headers=admin).status_code == 403  # no proof: no Eric key for it
+    assert extra in httpx.post(url, json=signed, headers=admin).json()["encoders"]
     assert httpx.post(url, json={"url": "ftp://x"}, headers=admin).status_code == 400
     assert extra not in httpx.request("DELETE", url, json={"url": extra}, headers=admin).json()["encoders"]
     assert httpx.request("DELETE", url, json={"url": extra}, headers=admin).status_code == 404
@@ -169,7 +175,7 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
             for i, result in enumerate(results):
                 assert_greedy_agree(result, expected[i % 4], NEAR_TIE_FLOAT32, f"request {i}")
             assert _failovers(gw) > 0
-            assert httpx.get(gw.url + "/health").json()["encoders"][doomed.url] is False
+            assert httpx.get(gw.url + "/health", headers=KEYED).json()["encoders"][doomed.url] is False
     finally:
         doomed.start()  # the Erics are shared by the session's gateway tests
 
@@ -186,7 +192,7 @@ def test_gateway_reads_each_erics_load_and_recommends_a_count(stack) -> None:
     ask(gw.url, image_messages([image_data_url(80, 64, seed=900 + i) for i in range(3)]))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        health = httpx.get(gw.url + "/health").json()
+        health = httpx.get(gw.url + "/health", headers=KEYED).json()
         if all(health["encoder_load"].values()):
             break
         time.sleep(0.5)

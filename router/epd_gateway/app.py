@@ -31,6 +31,7 @@ from epd_gateway.images import ImageGenerator
 from epd_gateway.inline import MediaInliner, RawBody
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.openapi import gateway_openapi
+from epd_gateway.redact import for_client
 from epd_gateway.upstream import Upstreams, new_session
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
@@ -63,7 +64,9 @@ class Gateway:
     """Routing decisions; the FastAPI routes below are thin."""
 
     def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, unkeyed: httpx.AsyncClient) -> None:
+        """`client` carries the Erics' key and calls only the Erics; `unkeyed` (no default headers) calls the text
+        encoders and Geris, each with its own key: every upstream gets exactly its own key."""
         self.config = config
         self.metrics = metrics
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
@@ -71,7 +74,7 @@ class Gateway:
         self.upstreams = Upstreams(config, session, metrics)
         self.inliner = MediaInliner(config.url_policy, config.media_limits)
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
-        self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, client, config.upstream_api_key,
+        self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key,
                                       config.geri_api_key, store) if config.geri_urls else None)
         self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
 
@@ -195,8 +198,9 @@ def create_app(config: GatewayConfig) -> Starlette:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
         async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s,
                                      headers=bearer(config.eric_api_key)) as client, \
+                httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as unkeyed, \
                 new_session(config) as session:
-            state["gw"] = Gateway(config, client, session, metrics)
+            state["gw"] = Gateway(config, client, session, metrics, unkeyed)
             health = asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))
             try:
                 yield
@@ -208,7 +212,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         assert isinstance(e, GatewayError)
         if e.status < 500:
             metrics.client_errors.labels(status=str(e.status)).inc()
-        return e.response()
+        return GatewayError(e.status, for_client(e.status, e.message), e.param).response()
 
     async def on_http_error(request: Request, e: Exception) -> Response:
         """Unknown paths (404) and wrong methods (405), shaped like every other error."""
@@ -293,7 +297,13 @@ def create_app(config: GatewayConfig) -> Starlette:
         gw.check_serves_chat()
         return await gw.upstreams.get("/v1/models", forwarded(request))
 
-    async def health(_: Request) -> JSONResponse:
+    keys = [f"Bearer {k}".encode() for k in (config.api_key, config.admin_key) if k]
+
+    async def health(request: Request) -> JSONResponse:
+        """Up for anyone; the encoders' URLs and loads only for a caller with the clients' or the admin key."""
+        given = request.headers.get("authorization", "").encode()
+        if not any(hmac.compare_digest(given, key) for key in keys):
+            return JSONResponse({"status": "ok"})
         encoders = state["gw"].encoders
         return JSONResponse({"status": "ok", "encoders": encoders.status(), "encoder_load": encoders.loads(),
                              "recommended_encoders": encoders.recommended()})

@@ -14,9 +14,14 @@ STEERING_FIELDS = frozenset({
     "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "data_parallel_rank",
     "request_id", "multi_modal_uuids", "prompt_embeds", "chat_template",
+    # SGLang's: request identity and placement, sessions, raw token ids, adapters, server-side code (dill-unpickled
+    # when --enable-custom-logit-processor is on), hidden states out
+    "rid", "routed_dp_rank", "session_params", "input_ids", "lora_path", "custom_logit_processor", "custom_params",
+    "return_hidden_states", "priority",
 })
 """Request fields that steer vLLM's or SGLang's internals (KV/EC transfer, processor and media settings, request
-identity): the gateway writes them itself where needed, a client never does."""
+identity and placement, sessions, adapters, server-side code): the gateway writes them itself where needed, a client
+never does."""
 
 PART_KEYS = {
     "text": {"type", "text"},

@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from epd_gateway.config import GatewayConfig
 from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.redact import for_client
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class Reply:
     headers: dict[str, str]
 
     def response(self) -> Response:
-        return Response(self.body, self.status, headers=self.headers)
+        """As the client gets it: an upstream's 5xx text redacted (redact.py), anything else unchanged."""
+        body = self.body
+        if self.status >= 500:
+            body = for_client(self.status, body.decode(errors="replace")).encode()
+        return Response(body, self.status, headers=self.headers)
 
 
 class Upstreams:
@@ -166,7 +171,7 @@ class Upstreams:
         resp = await self._open(stage, url + path, raw if raw is not None else orjson.dumps(body), headers)
         if resp.status >= 500:
             self._metrics.failures.labels(stage=stage).inc()
-        if not body.get("stream"):
+        if not body.get("stream") or resp.status >= 500:  # an error is read whole, to be redacted
             return (await self._read(stage, url, resp)).response()
         return StreamingResponse(_relay(resp), resp.status, headers=_headers(resp))
 
