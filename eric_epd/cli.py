@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eric_epd.common.cpus import parse_cpus
 from eric_epd.common.net import is_loopback
+from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.config import (
     DTYPES,
     SGLANG_DTYPES,
@@ -37,6 +38,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--api-key", default=None,
                    help="callers must send 'Authorization: Bearer KEY' (default: $ERIC_API_KEY; none: no check)")
+    p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)
     p.add_argument("--max-batch-items", type=int, default=BatchLimits.max_items)
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
                    help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
@@ -109,6 +111,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="CIDR Eric may push SGLang parts to besides the caller's own address (repeatable)")
     g.add_argument("--sglang-register-retry", type=float, default=SglangConfig.register_retry_s,
                    help="seconds between registration attempts")
+    g.add_argument("--sglang-max-parts", type=int, default=SglangConfig.max_parts,
+                   help="most SGLang parts (req_ids) held at once; new ones past it get 503")
+    g.add_argument("--sglang-max-receivers", type=int, default=SglangConfig.max_receivers,
+                   help="most cached ZMQ sockets to prefill ranks (the least recently used idle one is closed)")
+    g.add_argument("--sglang-receiver-idle-ttl", type=float, default=SglangConfig.receiver_idle_s,
+                   help="seconds after which an unused cached ZMQ socket to a prefill rank is closed")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -175,8 +183,9 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
             enabled=not args.no_sglang, register_urls=tuple(u.rstrip("/") for u in args.sglang_register_url),
             dtype=args.sglang_dtype, send_timeout_s=args.sglang_send_timeout, req_timeout_s=args.sglang_req_timeout,
             register_retry_s=args.sglang_register_retry, allowed_peers=tuple(args.sglang_allowed_peer),
-            mooncake_protocol=args.sglang_mooncake_protocol),
-        api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None,
+            mooncake_protocol=args.sglang_mooncake_protocol, max_parts=args.sglang_max_parts,
+            max_receivers=args.sglang_max_receivers, receiver_idle_s=args.sglang_receiver_idle_ttl),
+        api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None, trusted_proxies=args.trusted_proxies,
         global_cache=args.global_cache, global_cache_bytes=args.global_cache_bytes,
         register_with=tuple(u.rstrip("/") for u in args.register_with),
         register_key=args.register_key or os.environ.get("EPD_GATEWAY_ADMIN_KEY") or None,

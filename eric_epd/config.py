@@ -67,6 +67,14 @@ class SglangConfig:
     """How long a rank's early call waits for the part's /encode (SGLang's SGLANG_ENCODER_REQ_TIMEOUT)."""
     register_retry_s: float = 5.0
     register_attempts: int = 30
+    max_parts: int = 4096
+    """Most parts (req_ids) held at once; a new req_id past it gets 503 until parts are delivered or released idle
+    (after send_timeout_s, or req_timeout_s before their /encode)."""
+    max_receivers: int = 1024
+    """Most cached ZMQ sockets to scheduler ranks; the least recently used idle one is closed to make room (503
+    when every one is busy)."""
+    receiver_idle_s: float = 300.0
+    """A cached receiver socket unused this long is closed."""
     dtype: str = "auto"
     """dtype of the rows sent: must be the prefill's model dtype, since Mooncake/NIXL landing buffers are read in
     it. "auto" applies SGLang's own --dtype auto rule to the checkpoint (float32 -> float16)."""
@@ -88,6 +96,8 @@ class SglangConfig:
             raise ValueError("SGLang timeouts must be positive")
         if self.register_attempts < 1:
             raise ValueError("register_attempts must be >= 1")
+        if self.max_parts < 1 or self.max_receivers < 1 or self.receiver_idle_s <= 0:
+            raise ValueError("max_parts and max_receivers must be >= 1, receiver_idle_s > 0")
 
 
 @dataclass(frozen=True)

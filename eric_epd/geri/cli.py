@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from eric_epd.common.cpus import parse_cpus
+from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.limits import GeriLimits
 from eric_epd.runtime.config import DTYPES, BatchLimits
@@ -25,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=GeriConfig.port)
     p.add_argument("--api-key", default=None,
                    help="callers must send 'Authorization: Bearer KEY' (default: $GERI_API_KEY; none: no check)")
+    p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)
     p.add_argument("--cpus", type=parse_cpus, default=(), help="CPUs this Geri may use, e.g. 0-3 (default: all)")
     p.add_argument("--max-batch-items", type=int, default=_DEFAULT_BATCH.max_items)
     p.add_argument("--max-batch-tokens", type=int, default=0,
@@ -57,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> GeriConfig:
     return GeriConfig(
         model=model, tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
         cpus=args.cpus, api_key=args.api_key or os.environ.get("GERI_API_KEY") or None,
+        trusted_proxies=args.trusted_proxies,
         batch=BatchLimits(args.max_batch_items, args.max_batch_tokens, args.max_queued_items),
         limits=GeriLimits(args.max_side, args.max_steps, args.max_prompt_tokens),
         pool_bytes=args.pool_bytes, max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,

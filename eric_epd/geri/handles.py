@@ -34,6 +34,8 @@ class HandleReader:
             raise ApiError(400, f"{name}: {e}") from e
         try:
             tensor = await asyncio.to_thread(self._fetcher.fetch, handle)
+        except HandleError as e:  # a location that is not its producer's own: nothing was read
+            raise ApiError(400, f"{name}: {e}") from e
         except TransferError as e:
             gone = "answered 404" in str(e) or "no longer valid" in str(e)
             raise ApiError(404 if gone else 503, f"{name}: {e}") from e

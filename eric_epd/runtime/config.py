@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 from eric_epd.common.cpus import available_cpus, split_cpus
+from eric_epd.common.proxies import parse_trusted_proxies
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -63,6 +64,9 @@ class RuntimeConfig:
     """A batch that takes longer than this marks the workers unhealthy."""
     api_key: str | None = None
     """Callers of the protected HTTP routes must send 'Authorization: Bearer KEY'."""
+    trusted_proxies: tuple[str, ...] = ()
+    """Networks (--trusted-proxies) whose X-Forwarded-For/-Proto headers are believed; () = none (the peer is always
+    the connecting address)."""
     run_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / f"eric-{uuid.uuid4().hex[:16]}")
     """Directory for the ipc sockets between the processes of this server; the server makes it (private) at start
     and removes it on the way out (a config alone creates nothing)."""
@@ -78,6 +82,7 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        object.__setattr__(self, "trusted_proxies", parse_trusted_proxies(self.trusted_proxies))
 
     @property
     def pool_name(self) -> str:

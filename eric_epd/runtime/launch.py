@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 import uvicorn
 
 from eric_epd.common.cpus import pin_process
+from eric_epd.common.proxies import uvicorn_proxy_settings
 from eric_epd.engine.process import EngineProcess
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.workload import Workload
@@ -67,7 +68,8 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         logger.info("%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host,
                     config.port)
         server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                                  timeout_graceful_shutdown=drain_timeout_s))
+                                                  timeout_graceful_shutdown=drain_timeout_s,
+                                                  **uvicorn_proxy_settings(config.trusted_proxies)))
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on (uvicorn.run swallowed it too)

@@ -179,6 +179,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     sglang = sglang_routes(config, hub, state)  # SGLang encoder protocol (/encode, /send, ...)
     app.include_router(sglang)
     sglang_paths = frozenset(r.path for r in sglang.routes)
+    metrics.sglang_state = getattr(getattr(sglang, "encoder", None), "state", None)
 
     install_error_handlers(app, lambda request, message: sglang_error_response(500, message, None)
                            if request.url.path in sglang_paths else None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from eric_epd.common.stages import STAGE_BUCKETS, StageHistogram
@@ -57,6 +59,9 @@ class EricMetrics:
         self.items_rate = Gauge("eric_items_per_second", "Items encoded per second over the last 30 s", registry=r)
         self.p99 = Gauge("eric_encode_latency_p99_seconds", "p99 of /v1/encode latency over the last 30 s",
                          registry=r)
+        self.sglang_state: Callable[[], dict[str, int]] | None = None
+        self.sglang = Gauge("eric_sglang_state", "What SGLang's encoder protocol holds: parts (req_ids) and cached "
+                            "receiver sockets", ["kind"], registry=r)
 
     def observe_status(self, status: EngineStatusMsg) -> None:
         self.queue_depth.set(status.queued_items + status.running_items)
@@ -99,6 +104,9 @@ class EricMetrics:
             for event, value in (("bytes", self.pool.cached_bytes), ("capacity", self.pool.cache_budget),
                                  ("evictions", self.pool.evictions)):
                 self.local_events.labels(event=event).set(float(value))
+        if self.sglang_state is not None:
+            for kind, value in self.sglang_state().items():
+                self.sglang.labels(kind=kind).set(float(value))
         report = self.load.report()
         self.busy.set(report.busy_fraction)
         self.items_rate.set(report.items_per_s)

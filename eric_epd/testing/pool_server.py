@@ -68,7 +68,8 @@ def main() -> None:
                                                 backends=tuple(args.backends.split(","))))
     hub = TransferHub(config)
     try:
-        uvicorn.run(create_pool_app(hub), host="127.0.0.1", port=args.port, log_level="warning")
+        uvicorn.run(create_pool_app(hub), host="127.0.0.1", port=args.port, log_level="warning",
+                    proxy_headers=False)  # the peer is the connecting address, whatever headers say
     finally:
         hub.close()
 

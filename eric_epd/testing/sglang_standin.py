@@ -72,7 +72,8 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     a = p.parse_args()
-    uvicorn.run(create_app(a.name, a.delay), host="127.0.0.1", port=a.port, log_level="warning")
+    uvicorn.run(create_app(a.name, a.delay), host="127.0.0.1", port=a.port, log_level="warning",
+                proxy_headers=False)  # the peer is the connecting address, whatever headers say
 
 
 if __name__ == "__main__":

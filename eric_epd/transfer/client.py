@@ -23,6 +23,7 @@ import torch
 from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import ConsumerBackend, TransferError
 from eric_epd.transfer.handles import BACKENDS, LEASE_HEADER, EmbeddingHandle
+from eric_epd.transfer.regions import ProducerRegions
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class EmbeddingFetcher:
         self._backends: dict[str, ConsumerBackend] = {}
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=http_timeout_s, headers=bearer(api_key))
+        self._regions = ProducerRegions(self._http)
         self.last_backend: str | None = None
 
     def _backend(self, name: str) -> ConsumerBackend:
@@ -164,12 +166,14 @@ class EmbeddingFetcher:
 
     def read_into(self, h: EmbeddingHandle, dst: np.ndarray | torch.Tensor, only: str = "") -> str:
         """Copy the bytes into dst over the first backend that works (`only`: that one); no ack. Returns the
-        backend's name. The global cache, when configured, is tried last. `dst`:
+        backend's name. The global cache, when configured, is tried last. Every location the handle offers must
+        be its producer's own (HandleError otherwise, before anything is read). `dst`:
         a uint8 array of handle.nbytes, or a contiguous tensor of that many bytes on any device (backends that
         can write device memory do so directly; the others go through a host buffer)."""
         if isinstance(dst, torch.Tensor) and (not dst.is_contiguous() or dst.numel() * dst.element_size() != h.nbytes):
             raise ValueError(f"dst must be a contiguous tensor of {h.nbytes} bytes")
         errors = []
+        asked, unusable = False, None  # the producer's word on the handle: asked once, before the first read
         for name in (only,) if only else self._order:
             if name not in self._order:
                 raise TransferError(f"transfer backend {name!r} is not configured for this consumer")
@@ -180,6 +184,13 @@ class EmbeddingFetcher:
                 if not _usable(backend, h):
                     self._note_unusable(_why_unusable(name, backend, h))
                     continue
+                if name != "store":  # the store is content-addressed: it reads no location of the handle
+                    if not asked:
+                        asked, unusable = True, self._regions.check(h)  # HandleError: a foreign location
+                        if unusable:
+                            errors.append(unusable)
+                    if unusable:
+                        continue
                 _read(backend, h, dst)
             except (ImportError, OSError) as e:  # the backend's library is missing or cannot start here
                 logger.warning("transfer backend %s unavailable: %r", name, e)

@@ -60,6 +60,22 @@ class EmbeddingHandle(msgspec.Struct, frozen=True, omit_defaults=True):
     Sent as the X-Eric-Lease header. The one-sided planes (shm, NIXL, Mooncake) cannot check it."""
 
 
+class ProducerInfo(msgspec.Struct, frozen=True):
+    """GET /v1/transfer: a producer's pool (its statistics, and its own locations of pool offset 0, one per backend
+    it serves). Consumers check every handle's locations against these before reading (check_locations)."""
+
+    instance_id: str
+    pool_name: str
+    pool_bytes: int
+    used_bytes: int = 0
+    entries: int = 0
+    cached_bytes: int = 0
+    backends: list[str] = msgspec.field(default_factory=list)
+    shm: ShmLocation | None = None
+    mooncake: MooncakeLocation | None = None
+    nixl: NixlLocation | None = None
+
+
 LEASE_HEADER = "X-Eric-Lease"
 """HTTP header carrying a lease token on Eric's embedding routes."""
 
@@ -92,6 +108,9 @@ def check_handle(h: EmbeddingHandle, eric_urls: tuple[str, ...], width: int) -> 
                           f"in one of {sorted(DTYPE_BYTES)}")
     if h.nbytes != math.prod(h.shape) * DTYPE_BYTES[h.dtype]:
         raise HandleError(f"embedding {h.hash[:16]}: {h.nbytes} bytes do not fit {list(h.shape)} {h.dtype}")
+    offsets = [h.shm.offset if h.shm is not None else 0, *(loc.addr for loc in (h.mooncake, h.nixl) if loc)]
+    if min(offsets) < 0:
+        raise HandleError(f"embedding {h.hash[:16]}: a negative offset or address")
     host = urlsplit(h.producer).hostname
     if h.http != f"{h.producer}/v1/embeddings/{h.hash}":
         raise HandleError(f"embedding {h.hash[:16]}: HTTP location {h.http!r} is not its producer's")
@@ -100,3 +119,41 @@ def check_handle(h: EmbeddingHandle, eric_urls: tuple[str, ...], width: int) -> 
     if h.mooncake is not None and h.mooncake.session_id.rsplit(":", 1)[0] != host:
         raise HandleError(f"embedding {h.hash[:16]}: Mooncake session {h.mooncake.session_id!r} is not on "
                           f"its producer's host {host}")
+
+
+def _within(what: str, h: EmbeddingHandle, start: int, base: int, size: int) -> None:
+    if start < base or start + h.nbytes > base + size:
+        raise HandleError(f"embedding {h.hash[:16]}: {what} range [{start}, {start + h.nbytes}) is outside the "
+                          f"producer's pool [{base}, {base + size})")
+
+
+def check_locations(h: EmbeddingHandle, own: ProducerInfo) -> None:
+    """Every location the handle offers is one its producer serves (`own`, from the producer itself): the same shm
+    segment and host, Mooncake session (host and port) and NIXL agent, and a byte range inside the pool. HandleError
+    names the first that is not; nothing is read then."""
+    if h.instance_id != own.instance_id:
+        raise HandleError(f"embedding {h.hash[:16]}: instance {h.instance_id!r} is not {h.producer}'s "
+                          f"({own.instance_id!r})")
+    if h.nbytes < 0:
+        raise HandleError(f"embedding {h.hash[:16]}: negative length {h.nbytes}")
+    for name in ("shm", "mooncake", "nixl"):
+        loc, mine = getattr(h, name), getattr(own, name)
+        if loc is None:
+            continue
+        if mine is None:
+            raise HandleError(f"embedding {h.hash[:16]}: {h.producer} serves no {name} location")
+        if isinstance(loc, ShmLocation):
+            if (loc.name, loc.host_id) != (mine.name, mine.host_id):
+                raise HandleError(f"embedding {h.hash[:16]}: shm segment {loc.name!r} is not {h.producer}'s "
+                                  f"pool {mine.name!r}")
+            _within("shm", h, loc.offset, 0, own.pool_bytes)
+        elif isinstance(loc, MooncakeLocation):
+            if (loc.session_id, loc.protocol) != (mine.session_id, mine.protocol):
+                raise HandleError(f"embedding {h.hash[:16]}: Mooncake session {loc.session_id!r} is not "
+                                  f"{h.producer}'s {mine.session_id!r}")
+            _within("Mooncake", h, loc.addr, mine.addr, own.pool_bytes)
+        else:
+            if (loc.agent, loc.metadata_url) != (mine.agent, mine.metadata_url):
+                raise HandleError(f"embedding {h.hash[:16]}: NIXL agent {loc.agent!r} is not {h.producer}'s "
+                                  f"{mine.agent!r}")
+            _within("NIXL", h, loc.addr, mine.addr, own.pool_bytes)

@@ -10,7 +10,7 @@ from typing import Any
 
 from eric_epd.config import EricConfig
 from eric_epd.transfer.backends.base import ProducerBackend
-from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.transfer.handles import EmbeddingHandle, ProducerInfo
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
 
 logger = logging.getLogger(__name__)
@@ -106,10 +106,14 @@ class TransferHub:
             if self.pool.expire():
                 self._space_freed.set()
 
-    def stats(self) -> dict[str, Any]:
-        return {"instance_id": self.instance_id, "pool_name": self.pool.name, "pool_bytes": self.pool.nbytes,
-                "used_bytes": self.pool.used_bytes, "entries": len(self.pool), "cached_bytes": self.pool.cached_bytes,
-                "backends": ["http", *(b.name for b in self.backends)]}
+    def stats(self) -> ProducerInfo:
+        """What GET /v1/transfer answers: the pool's statistics and this producer's own locations of offset 0
+        (consumers check handles against them)."""
+        locations: dict[str, Any] = {b.name: b.location(0) for b in self.backends}
+        return ProducerInfo(instance_id=self.instance_id, pool_name=self.pool.name, pool_bytes=self.pool.nbytes,
+                            used_bytes=self.pool.used_bytes, entries=len(self.pool),
+                            cached_bytes=self.pool.cached_bytes, backends=["http", *(b.name for b in self.backends)],
+                            **locations)
 
     def close(self) -> None:
         for backend in self.backends:

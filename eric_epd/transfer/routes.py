@@ -99,7 +99,7 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
 
     @router.get("/v1/transfer")
     async def transfer() -> JSONResponse:
-        return JSONResponse(hub.stats())
+        return JSONResponse(msgspec.to_builtins(hub.stats()))
 
     @router.get("/v1/transfer/nixl/metadata")
     async def nixl_metadata() -> Response:

@@ -8,13 +8,14 @@ import uvicorn
 
 from epd_gateway.app import create_app
 from epd_gateway.config import parse_args
+from eric_epd.common.proxies import uvicorn_proxy_settings
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False,
-                loop="uvloop", http="httptools")
+                loop="uvloop", http="httptools", **uvicorn_proxy_settings(config.trusted_proxies))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from eric_epd.config import EricConfig, SglangConfig
+from eric_epd.plugins.sglang.parts import PartTable
 from eric_epd.plugins.sglang.peers import PeerPolicy
 from eric_epd.plugins.sglang.protocol import (
     HEALTH_PNG,
@@ -36,6 +37,9 @@ from eric_epd.server.service import EncodeService, ItemRequest
 from eric_epd.transfer.producer import PoolFullError, TransferHub
 
 logger = logging.getLogger(__name__)
+
+MAX_RANKS = 1024
+"""Most prefill ranks one part is delivered to (receive_count): bounds each part's destinations."""
 
 
 class SglangEncoder:
@@ -67,7 +71,7 @@ class SglangEncoder:
             logger.info("SGLang parts are sent as %s (Eric computes %s)", wire, eric_dtype)
         self.rows = PartRows(hub, dim, eric_dtype, wire)
         self.peers = PeerPolicy(settings.peer_networks)
-        self.parts: dict[str, Part] = {}
+        self.table = PartTable(hub, settings)
         self._zmq: ZmqSender | None = None
         self._mooncake: MooncakePusher | None = None
         self._nixl: NixlPusher | None = None
@@ -84,15 +88,15 @@ class SglangEncoder:
     # ---------------------------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._zmq = ZmqSender(self.settings.send_timeout_s)
+        self._zmq = ZmqSender(self.settings.send_timeout_s, self.settings.max_receivers,
+                              self.settings.receiver_idle_s)
         self._spawn(self._sweep_loop())
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for key in list(self.parts):
-            self._release(self.parts[key], force=True)
+        self.table.close()
         if self._zmq is not None:
             self._zmq.close()
         for engine in (self._mooncake, self._nixl):
@@ -108,50 +112,18 @@ class SglangEncoder:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def part(self, req_id: str, create: bool = True) -> Part | None:
-        part = self.parts.get(req_id)
-        if part is None and create:
-            part = self.parts[req_id] = Part(req_id)
-        if part is not None:
-            part.touched = time.monotonic()
-        return part
-
-    def _release(self, part: Part, force: bool = False) -> None:
-        """Drop the part and acknowledge its leases (once per distinct pool entry), unless a transfer still reads."""
-        if part.released or (part.active and not force):
-            return
-        part.released = True
-        if self.parts.get(part.req_id) is part:
-            del self.parts[part.req_id]
-        if part.staged is not None:
-            self.hub.release(part.staged)
-        self._ack(part)
-
-    def _ack(self, part: Part) -> None:
-        """Return Eric's leases (once per distinct pool entry); idempotent."""
-        if part.acked:
-            return
-        part.acked = True
-        seen = set()
-        for answer in part.answers or ():
-            h = answer.handle
-            if (h.hash, h.generation) in seen:
-                continue
-            seen.add((h.hash, h.generation))
-            status, message = self.hub.ack(h.hash, h.lease)
-            if status != 200:
-                logger.debug("ack of %s for %s: %s", h.hash[:12], part.req_id, message)
-
     async def _sweep_loop(self) -> None:
-        """Parts no rank came for (or whose /encode never came) are released after SGLang's timeouts."""
+        """Idle parts and receiver sockets are released after their timeouts."""
         while True:
-            await asyncio.sleep(max(0.05, min(self.settings.send_timeout_s, self.settings.req_timeout_s) / 4))
-            now = time.monotonic()
-            for part in list(self.parts.values()):
-                limit = self.settings.send_timeout_s if part.request is not None else self.settings.req_timeout_s
-                if not part.active and not part.delivering and now - part.touched > limit:
-                    logger.warning("SGLang part %s released unclaimed after %.0f s", part.req_id, now - part.touched)
-                    self._release(part)
+            await asyncio.sleep(max(0.05, min(self.settings.send_timeout_s, self.settings.req_timeout_s,
+                                              self.settings.receiver_idle_s) / 4))
+            self.table.expire()
+            if self._zmq is not None:
+                self._zmq.expire()
+
+    def state(self) -> dict[str, int]:
+        """What the protocol holds now (the eric_sglang_state gauge): parts by req_id, cached receiver sockets."""
+        return {"parts": len(self.table), "receivers": len(self._zmq) if self._zmq is not None else 0}
 
     # ------------------------------------------------------------------------------------------------------ encode
 
@@ -160,7 +132,7 @@ class SglangEncoder:
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
         items = [ItemRequest(str(i), MODALITIES[modality], item_url(it, i)) for i, it in enumerate(req.mm_items)]
-        part = self.part(req.req_id)
+        part = self.table.get(req.req_id)
         assert part is not None
         if part.request is not None:
             raise SglangError(400, f"duplicate /encode for req_id={req.req_id}")
@@ -174,7 +146,7 @@ class SglangEncoder:
         except asyncio.CancelledError:
             part.error = ("encoder request cancelled", 500)
             part.done.set()
-            self._release(part)
+            self.table.release(part)
             raise
         except Exception as e:
             if isinstance(e, ApiError | SglangError):
@@ -194,7 +166,7 @@ class SglangEncoder:
             try:
                 await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
             except asyncio.TimeoutError:
-                self._release(part)
+                self.table.release(part)
                 raise SglangError(504, f"[{req.req_id}] embedding delivery failed: no prefill rank asked for the "
                                        f"part within {self.settings.send_timeout_s:g}s") from None
         if part.mode == "scheduler":
@@ -212,7 +184,7 @@ class SglangEncoder:
 
     async def _stage(self, part: Part) -> None:
         if await self.rows.stage(part):
-            self._ack(part)  # the converted copy is what is sent: Eric's own entries can go
+            self.table.ack(part)  # the converted copy is what is sent: Eric's own entries can go
 
     # ----------------------------------------------------------------------------------------------- delivery
 
@@ -231,7 +203,7 @@ class SglangEncoder:
         assert req is not None
         ports = req.embedding_port if isinstance(req.embedding_port, list) else [req.embedding_port]
         if not req.prefill_host:
-            self._release(part)
+            self.table.release(part)
             raise SglangError(400, "embedding_port given without prefill_host")
         part.active += 1
         try:
@@ -244,7 +216,7 @@ class SglangEncoder:
             raise SglangError(500, f"[{part.req_id}] embedding delivery failed: {type(e).__name__}: {e}") from e
         finally:
             part.active -= 1
-            self._release(part)
+            self.table.release(part)
 
     async def _deliver_registered(self, part: Part) -> None:
         """zmq_to_scheduler: push to every registered rank (as they come, up to `receive_count`), then release."""
@@ -281,7 +253,7 @@ class SglangEncoder:
         finally:
             part.active -= 1
             part.delivering = False
-            self._release(part)
+            self.table.release(part)
         if failure is not None and part.error is None:
             raise SglangError(code, f"[{part.req_id}] embedding delivery failed: {failure}")
 
@@ -300,7 +272,7 @@ class SglangEncoder:
                 with contextlib.suppress(Exception):
                     await self._deliver_registered(part)
             elif part.mode != "pull":  # pull ranks read the error from /scheduler_receive_meta_data
-                self._release(part)
+                self.table.release(part)
 
         self._spawn(tokenizer() if part.mode == "tokenizer" else scheduler())
 
@@ -309,11 +281,13 @@ class SglangEncoder:
     async def register_destination(self, req: ReceiveUrlRequest, caller: str | None) -> None:
         if req.receive_count <= 0:
             raise SglangError(400, "receive_count must be a positive integer")
+        if req.receive_count > MAX_RANKS:
+            raise SglangError(400, f"receive_count {req.receive_count} > {MAX_RANKS} ranks")
         endpoint = await self.peers.endpoint(req.receive_url, caller, "receive_url")
-        known = self.parts.get(req.req_id)
+        known = self.table.find(req.req_id)
         if known is not None:
             self.peers.check_caller(caller, known.owner, req.req_id)
-        part = self.part(req.req_id)
+        part = self.table.get(req.req_id)
         assert part is not None
         part.set_mode("scheduler")
         if part.expected is None:
@@ -321,13 +295,15 @@ class SglangEncoder:
         elif part.expected != req.receive_count:
             raise SglangError(400, f"Inconsistent receive_count for req_id={req.req_id}: registered "
                                    f"{part.expected}, got {req.receive_count}")
+        if endpoint not in part.destinations and len(part.destinations) >= part.expected:
+            raise SglangError(400, f"req_id={req.req_id} already has its {part.expected} receive_url(s)")
         part.destinations[endpoint] = caller
         part.changed.set()
 
     async def wait_encoded(self, req_id: str, create: bool) -> Part:
         """The part once encoded; a req_id never posted (or released) is the caller's error (404), an encode that
         is under way but not done in time is ours (504), a failed encode answers with its own status."""
-        part = self.part(req_id, create=create)
+        part = self.table.get(req_id, create=create)
         if part is None:
             raise SglangError(404, f"no staged embedding for req_id={req_id} (never posted or already released)")
         part.set_mode("pull")
@@ -377,8 +353,8 @@ class SglangEncoder:
         finally:
             part.active -= 1
         part.sent_to.add(endpoint)
-        if req.receive_count and len(part.sent_to) >= req.receive_count:
-            self._release(part)
+        if len(part.sent_to) >= min(req.receive_count or MAX_RANKS, MAX_RANKS):
+            self.table.release(part)
 
     async def _pusher(self, kind: str) -> Any:
         async with self._engine_lock:

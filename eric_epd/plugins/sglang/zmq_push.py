@@ -1,26 +1,45 @@
 """ZMQ PUSH of part messages to SGLang's receivers, zero-copy from the pool: a send returns only once ZMQ no
-longer reads the frames."""
+longer reads the frames. Cached sockets per receiver are bounded in number and closed when idle."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from eric_epd.plugins.sglang.protocol import tcp_endpoint
+from eric_epd.plugins.sglang.protocol import SglangError, tcp_endpoint
+
+
+@dataclass
+class _Receiver:
+    """A cached PUSH socket to one scheduler rank; `users` counts pushes under way (it is closed only at 0)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sock: zmq.asyncio.Socket | None = None
+    users: int = 0
+    used: float = field(default_factory=time.monotonic)
 
 
 class ZmqSender:
-    """One context; one cached socket per scheduler-rank endpoint, a fresh one for one-shot tokenizer pushes."""
+    """One context; a fresh socket for each one-shot tokenizer push, and a cached one per scheduler-rank endpoint:
+    at most `max_receivers` of them (the least recently used idle one is closed to make room; 503 when every one
+    is busy), each closed once idle for `idle_s` (`expire`)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, max_receivers: int = 1024, idle_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
+        self.max_receivers = max_receivers
+        self.idle_s = idle_s
         self._zmq = zmq.asyncio.Context()
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._receivers: OrderedDict[str, _Receiver] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._receivers)
 
     async def push(self, endpoint: str, frames: list[Any], cached: bool) -> None:
         """Send one message to "host:port"; returns once ZMQ no longer reads `frames` (they may point into the pool)."""
@@ -44,18 +63,51 @@ class ZmqSender:
             raise
         sock.close(linger=5000)
 
+    def _receiver(self, address: str) -> _Receiver:
+        receiver = self._receivers.get(address)
+        if receiver is not None:
+            self._receivers.move_to_end(address)
+            return receiver
+        if len(self._receivers) >= self.max_receivers:
+            idle = next((a for a, r in self._receivers.items() if r.users == 0), None)
+            if idle is None:
+                raise SglangError(503, f"{len(self._receivers)} receivers busy (--sglang-max-receivers); retry later")
+            self._close(idle)
+        receiver = self._receivers[address] = _Receiver()
+        return receiver
+
     async def _push_cached(self, address: str, frames: list[Any]) -> None:
-        async with self._locks.setdefault(address, asyncio.Lock()):
-            sock = self._sockets.get(address)
-            if sock is None:
-                sock = self._sockets[address] = self._socket(address)
-            try:
-                tracker = await asyncio.wait_for(sock.send_multipart(frames, copy=False, track=True), self.timeout_s)
-            except BaseException:
-                self._sockets.pop(address, None)
-                sock.close(linger=0)
-                raise
-        await asyncio.to_thread(tracker.wait, self.timeout_s)
+        receiver = self._receiver(address)
+        receiver.users += 1
+        try:
+            async with receiver.lock:
+                if receiver.sock is None:
+                    receiver.sock = self._socket(address)
+                try:
+                    tracker = await asyncio.wait_for(receiver.sock.send_multipart(frames, copy=False, track=True),
+                                                     self.timeout_s)
+                except BaseException:
+                    receiver.sock.close(linger=0)
+                    receiver.sock = None
+                    raise
+            await asyncio.to_thread(tracker.wait, self.timeout_s)
+        finally:
+            receiver.users -= 1
+            receiver.used = time.monotonic()
+
+    def expire(self, now: float | None = None) -> int:
+        """Close the cached sockets idle longer than `idle_s`; returns how many."""
+        now = time.monotonic() if now is None else now
+        stale = [a for a, r in self._receivers.items() if r.users == 0 and now - r.used > self.idle_s]
+        for address in stale:
+            self._close(address)
+        return len(stale)
+
+    def _close(self, address: str) -> None:
+        receiver = self._receivers.pop(address)
+        if receiver.sock is not None:
+            receiver.sock.close(linger=0)
+            receiver.sock = None
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
         sock = self._zmq.socket(zmq.PUSH)
@@ -64,7 +116,6 @@ class ZmqSender:
         return sock
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
+        for address in list(self._receivers):
+            self._close(address)
         self._zmq.term()

@@ -74,7 +74,7 @@ class ShmConsumer:
         assert handle.shm is not None
         pool = self._pool(handle.shm)
         end = handle.shm.offset + handle.nbytes
-        if end > pool.nbytes:
+        if handle.shm.offset < 0 or handle.nbytes < 0 or end > pool.nbytes:
             raise TransferError(f"shm: entry [{handle.shm.offset}, {end}) is outside pool {handle.shm.name}")
         return pool[handle.shm.offset: end]
 
