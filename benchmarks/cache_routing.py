@@ -109,7 +109,7 @@ def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[in
         routing = () if name == "global cache + routing" else ("--health-interval", "3600")  # no loads: rendezvous
         gateway = stack.enter_context(GatewayServer(
             logs / f"{name[:6].strip()}-gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-            "--colocated-urls", vllm.url, "--api-key", "bench", *routing, eric_api_key=key,
+            "--colocated-urls", vllm.url, *routing, api_key="bench", eric_api_key=key,
             upstream_api_key=vllm.api_key, cpus=eric_cpus))
         asyncio.run(load(gateway.url, "bench", str(model), [chats[0]], 1))  # warm-up outside the count
         before, items_before = sum(compute_seconds(e) for e in erics), total_items(erics)

@@ -143,6 +143,8 @@ def test_items_go_to_their_holder_else_to_a_much_sooner_start() -> None:
     first = pool.preference(key, set())[0]
     other = next(m for m in pool.healthy() if m is not first)
     assert pool.choose(key, set()) is first  # no reports: rendezvous
+    for member in (first, other):  # the gateway saw each answer 100 items: their 10 items/s are believed
+        member.completed.add(100)
     first.load, other.load = LoadReport(3, 0.9, 10.0, 1.0, 30.0), LoadReport(0, 0.1, 10.0, 0.2, 30.0)
     assert pool.choose(key, set()) is first  # 0.3 s longer wait: within the slack, the content's own Eric keeps it
     first.load = LoadReport(40, 1.0, 10.0, 5.0, 30.0)
@@ -152,3 +154,17 @@ def test_items_go_to_their_holder_else_to_a_much_sooner_start() -> None:
     assert pool.choose(key, {first.url}) is other  # unless it is excluded (it failed this item)
     first.healthy = False
     assert pool.choose(key, set()) is other
+
+
+def test_load_reports_are_bounded_and_checked_against_what_the_gateway_sees() -> None:
+    """loadcheck.believed_load: every field clamped (not-finite: 0), the queue at least the items in flight from the
+    gateway, items/s at most 4 times what the gateway saw the Eric answer (at least 1 item/s)."""
+    from epd_gateway.loadcheck import MAX_QUEUE, believed_load
+
+    from eric_epd.server.load import LoadReport
+
+    absurd = believed_load(LoadReport(0, 7.0, 1e12, float("inf"), -5.0), inflight_items=12, observed_per_s=0.0)
+    assert absurd == LoadReport(12, 1.0, 4.0, 0.0, 0.0)
+    assert believed_load(LoadReport(10**12, float("nan"), 50.0, 0.5, 30.0), 0, 100.0) == \
+        LoadReport(MAX_QUEUE, 0.0, 50.0, 0.5, 30.0)
+    assert believed_load(LoadReport(-3, 0.5, -1.0, 0.1, 30.0), 2, 5.0) == LoadReport(2, 0.5, 0.0, 0.1, 30.0)

@@ -16,6 +16,7 @@ from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, image_messages, metric, wait_for
+from eric_epd.testing.standins import process_group_cmdlines
 from tests.placement import rendezvous_first
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
@@ -24,7 +25,7 @@ PACE_S = 0.15
 
 
 def _listed(gateway: GatewayServer) -> set[str]:
-    return set(httpx.get(gateway.url + "/health").json()["encoders"])
+    return set(httpx.get(gateway.url + "/health", headers=gateway.headers).json()["encoders"])
 
 
 def _sets_reaching(joiner: str, urls: list[str], count: int) -> list[list[str]]:
@@ -47,10 +48,10 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
     sets = _sets_reaching(slot.url, [static.url, slot.url], count=10)
     expected = [ask_greedy(vllm.url, image_messages(s), key=vllm.api_key) for s in sets]
     gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", static.url, "--colocated-urls", vllm.url,
-                       "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--heartbeat-timeout", "3",
-                       eric_api_key=key, upstream_api_key=vllm.api_key)
+                       "--register-from", "127.0.0.0/8", "--heartbeat-timeout", "3", api_key=API_KEY,
+                       admin_key=ADMIN_KEY, eric_api_key=key, upstream_api_key=vllm.api_key)
     joiner = EricServer(qwen2_vl_tiny, port=slot.port, api_key=key, log_path=tmp_path / "joiner.log",
-                        extra_args=("--register-with", gw.url, "--register-key", ADMIN_KEY, "--heartbeat", "0.5"))
+                        register_key=ADMIN_KEY, extra_args=("--register-with", gw.url, "--heartbeat", "0.5"))
     def one(i: int) -> Greedy:
         time.sleep(max(0.0, start + i * PACE_S - time.monotonic()))  # open loop: one chat every PACE_S
         return ask_greedy(gw.url, image_messages(sets[i // 20]), key=API_KEY)
@@ -62,7 +63,8 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
             futures = [pool.submit(one, i) for i in range(200)]
             assert wait_for(lambda: sum(f.done() for f in futures) >= 30, 120)
             joiner.start()  # joins by itself while the chats go on
-            assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"
+            assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"  # with its key's proof
+            assert joiner.proc is not None and ADMIN_KEY not in " ".join(process_group_cmdlines(joiner.proc.pid))
             assert wait_for(lambda: metric(joiner.url, "eric_items_total") > 0, 30), "the joined Eric encoded nothing"
             joiner.stop()  # leaves the gateway, then drains: finishes what it holds, refuses new connections
             results = [f.result(timeout=300) for f in futures]

@@ -112,7 +112,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(config.model))
         expiry = asyncio.create_task(hub.expiry_loop())
         membership = GatewayMembership(config.register_with, config.register_key, config.public_url,
-                                       config.heartbeat_s)
+                                       config.heartbeat_s, config.api_key)
         spec = output_spec(config)
         shared = (GlobalCache(config.global_cache, config.transfer.advertise_host, config.global_cache_bytes,
                               hub.pool.array, spec.dtype) if config.global_cache else None)

@@ -1,5 +1,5 @@
-"""An Eric that joins gateways by itself: it registers with each (admin key) at start, registers again every
-heartbeat (the gateway drops an Eric whose heartbeats stop) and deregisters when it shuts down."""
+"""An Eric that joins gateways by itself: it registers with each (admin key, and proof that it holds its own key) at
+start, registers again every heartbeat (the gateway drops an Eric whose heartbeats stop) and deregisters at shutdown."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import asyncio
 import logging
 
 import httpx
+import msgspec
 
 from eric_epd.common.http import bearer
+from eric_epd.common.registration import signed_registration
 
 logger = logging.getLogger(__name__)
 
@@ -17,12 +19,20 @@ LEAVE_GRACE_S = 0.5
 
 
 class GatewayMembership:
-    def __init__(self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float) -> None:
+    def __init__(self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float,
+                 api_key: str | None = None) -> None:
+        """`api_key`: this Eric's own key, which the registration proves it holds (the gateway sends its Eric key
+        only to an Eric that proved it)."""
         self._gateways = gateways
         self._headers = bearer(admin_key)
-        self._body = {"url": url}
+        self._url = url
+        self._api_key = api_key
         self._heartbeat_s = heartbeat_s
         self._joined: set[str] = set()
+
+    def _body(self) -> bytes:
+        """A fresh registration (its proof is good for a minute)."""
+        return msgspec.json.encode(signed_registration(self._url, self._api_key))
 
     async def run(self) -> None:
         """Register with every gateway now and at each heartbeat, until cancelled."""
@@ -33,7 +43,8 @@ class GatewayMembership:
 
     async def _register(self, client: httpx.AsyncClient, gateway: str) -> None:
         try:
-            resp = await client.post(gateway + "/admin/encoders", json=self._body)
+            resp = await client.post(gateway + "/admin/encoders", content=self._body(),
+                                     headers={"content-type": "application/json"})
         except httpx.HTTPError as e:
             logger.warning("cannot reach gateway %s to register: %r", gateway, e)
             return
@@ -41,7 +52,7 @@ class GatewayMembership:
             logger.warning("gateway %s refused registration: %d %s", gateway, resp.status_code, resp.text[:200])
         elif gateway not in self._joined:
             self._joined.add(gateway)
-            logger.info("joined gateway %s as %s", gateway, self._body["url"])
+            logger.info("joined gateway %s as %s", gateway, self._url)
 
     async def leave(self) -> None:
         """Deregister from every gateway joined (best effort: a gateway that cannot be told drops us by heartbeat),
@@ -51,7 +62,8 @@ class GatewayMembership:
         async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
             for gateway in sorted(self._joined):
                 try:
-                    await client.request("DELETE", gateway + "/admin/encoders", json=self._body)
+                    await client.request("DELETE", gateway + "/admin/encoders", content=self._body(),
+                                         headers={"content-type": "application/json"})
                     logger.info("left gateway %s", gateway)
                 except httpx.HTTPError as e:
                     logger.warning("cannot tell gateway %s that we leave: %r", gateway, e)

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -15,10 +15,11 @@ import msgspec
 
 from epd_gateway.content import MediaRef
 from epd_gateway.errors import GatewayError
+from epd_gateway.loadcheck import Completions, believed_load
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.server.load import LoadReport
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.transfer.handles import LEASE_HEADER, is_content_hash
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,17 @@ class EncoderState:
     """What it encodes (from its /v1/models), learnt on first need; None until known."""
     load: LoadReport | None = None
     """Its last /v1/load answer (read with each health probe); None until it answered one."""
+    inflight_items: int = 0
+    completed: Completions = field(default_factory=Completions)
+    """Items it answered this gateway recently: what its reported throughput is checked against."""
     heartbeat: float | None = None
     """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
+
+    def believed(self) -> LoadReport | None:
+        """Its load report bounded and checked against what this gateway observes (loadcheck.py); None if none."""
+        if self.load is None:
+            return None
+        return believed_load(self.load, self.inflight_items, self.completed.per_s())
 
 
 def rendezvous_weight(key: bytes, url: str) -> bytes:
@@ -49,8 +59,10 @@ def rendezvous_weight(key: bytes, url: str) -> bytes:
 
 def _expected_wait(member: EncoderState) -> float:
     """Seconds until an item sent now would start on this Eric: what is queued there (and in flight from here) at
-    its recent rate (at least one item a second, so a freshly started Eric is not taken for a stuck one)."""
-    load = member.load
+    its recent rate (at least one item a second, so a freshly started Eric is not taken for a stuck one), both as
+    the gateway believes them (loadcheck.py: bounded, never less queued than in flight from here, never faster than
+    a multiple of what it saw the Eric answer)."""
+    load = member.believed()
     assert load is not None
     return (load.queue_depth + member.inflight) / max(load.items_per_s, 1.0)
 
@@ -65,6 +77,7 @@ class EncoderPool:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._holders: OrderedDict[bytes, str] = OrderedDict()  # routing key -> the Eric that last answered it
         self._members = {u: EncoderState(u) for u in urls}
+        self._static = frozenset(urls)
         self._client = client
         self._metrics = metrics
         self._eject_after = eject_after
@@ -222,6 +235,7 @@ class EncoderPool:
         """Items from one encoder, None if the encoder failed (5xx, timeout, unreachable)."""
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
+        member.inflight_items += len(refs)
         body = {"items": [{"id": str(i), "modality": r.modality, "url": r.url} for i, r in enumerate(refs)]}
         try:
             resp = await self._post_encode(url, body)
@@ -231,6 +245,7 @@ class EncoderPool:
             return None
         finally:
             member.inflight -= 1
+            member.inflight_items -= len(refs)
         if resp.status_code >= 500:
             logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
             self._record_failure(member)
@@ -242,7 +257,9 @@ class EncoderPool:
                 message = resp.text[:300]
             raise GatewayError(resp.status_code, f"media rejected by encoder: {message}")
         member.failures = 0
-        return resp.json()["items"]
+        items = resp.json()["items"]
+        member.completed.add(len(refs))
+        return items
 
     async def _post_encode(self, url: str, body: dict[str, Any]) -> httpx.Response:
         """POST /v1/encode and read the answer; the time to its headers is gateway_upstream_seconds{encoder}."""
@@ -258,10 +275,17 @@ class EncoderPool:
 
     async def release(self, items: list[dict[str, Any]]) -> None:
         """Give back the leases an encode took on items that will never be fetched (the request went elsewhere),
-        so the Erics free them now instead of at their TTL. Best effort: a failure only leaves the TTL to act."""
+        so the Erics free them now instead of at their TTL. Best effort: a failure only leaves the TTL to act. An ack
+        goes only to an Eric this gateway knows (a member, or listed by hand), never to a URL an answer names."""
+        known = self._static | set(self._members)
+
         async def ack(handle: dict[str, Any]) -> None:
+            producer = str(handle.get("producer", "")).rstrip("/")
+            if producer not in known or not is_content_hash(str(handle.get("hash", ""))):
+                logger.warning("not acknowledging an embedding at %r: not an Eric this gateway knows", producer[:200])
+                return
             try:
-                await self._client.post(f"{handle['producer']}/v1/embeddings/{handle['hash']}/ack", timeout=2.0,
+                await self._client.post(f"{producer}/v1/embeddings/{handle['hash']}/ack", timeout=2.0,
                                         json={"instance_id": handle["instance_id"]},
                                         headers={LEASE_HEADER: handle["lease"]})
             except (httpx.HTTPError, KeyError) as e:
@@ -288,10 +312,12 @@ class EncoderPool:
     def recommended(self) -> int:
         """How many Erics the load needs (scaling.py's formula over the healthy Erics' reports)."""
         healthy = self.healthy()
-        return recommended_encoders([m.load for m in healthy if m.load is not None], len(healthy))
+        return recommended_encoders([r for r in (m.believed() for m in healthy) if r is not None], len(healthy))
 
     def loads(self) -> dict[str, dict[str, Any] | None]:
-        return {m.url: msgspec.to_builtins(m.load) if m.load is not None else None for m in self._members.values()}
+        """Each Eric's load as the gateway believes it (loadcheck.py); None before its first report."""
+        return {m.url: msgspec.to_builtins(r) if (r := m.believed()) is not None else None
+                for m in self._members.values()}
 
     async def _load(self, member: EncoderState) -> LoadReport | None:
         """Its load report; None if it does not serve one (an older Eric) or answers nonsense."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "BadRequestError",
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+          405: "MethodNotAllowedError", 413: "BadRequestError",
           502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 

@@ -44,7 +44,10 @@ IMAGES = {"type": "object", "required": ["prompt"], "properties": {
     "seed": {"type": "integer", "minimum": 0}, "true_cfg_scale": {"type": "number", "minimum": 0, "maximum": 100}}}
 IMAGES_ANSWER = {"type": "object", "required": ["created", "data"], "properties": {
     "created": {"type": "integer"}, "data": {"type": "array", "items": {"type": "object"}}}}
-ENCODER = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string", "maxLength": MAX_URL}}}
+ENCODER = {"type": "object", "required": ["url"], "additionalProperties": False, "properties": {
+    "url": {"type": "string", "maxLength": MAX_URL}, "proof": {"type": "string", "maxLength": 64},
+    "ts": {"type": "integer"}}}
+"""eric_epd.common.registration.Registration: proof = hex HMAC-SHA256 of "URL\nTS" under the Erics' key."""
 
 
 def _answers(ok: dict[str, Any], ok_types: tuple[str, ...] = (JSON,)) -> dict[str, Any]:
@@ -74,6 +77,7 @@ def gateway_openapi(version: str) -> dict[str, Any]:
         "/health": {"get": {"summary": "The gateway and its encoders", "responses": _answers({"type": "object"})}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": _answers({}, ("text/plain",))}},
         "/admin/encoders": {
-            "post": _post("Register an encoder (admin key)", ENCODER, listed),
-            "delete": _post("Deregister an encoder (admin key)", ENCODER, listed)},
+            "post": _post("Register an encoder (admin key, from --register-from, with proof of the Eric key)",
+                          ENCODER, listed),
+            "delete": _post("Deregister an encoder (admin key, from --register-from)", ENCODER, listed)},
     }}

@@ -1,0 +1,119 @@
+"""Stand-ins for tests of what the gateway trusts: a proxy Eric in front of a real one (it may lie about its load, hold
+encode calls until released, or name another producer in its answers) and an HTTP listener that counts what reaches
+it; both real servers on loopback, run in this process's threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from typing import Any
+
+import httpx
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from eric_epd.stack.process import free_port
+from eric_epd.testing.stack import wait_for
+
+
+class _ThreadServer:
+    """A Starlette app served by uvicorn on 127.0.0.1 in a daemon thread, around a `with` block."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     proxy_headers=False))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        if not wait_for(lambda: self._server.started, 30.0, 0.05):
+            raise TimeoutError(f"stand-in server on {self.url} did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+class ProxyEric(_ThreadServer):
+    """Forwards every route to the Eric at `backend`, except GET /v1/load when `load` is given (answered as is).
+    `hold`: /v1/encode calls wait until release(). `producer`: each answered handle names this producer instead.
+    `received` and `answered` count the items of the encode calls that arrived and that were answered."""
+
+    def __init__(self, backend: str, load: dict[str, Any] | None = None, hold: bool = False,
+                 producer: str | None = None) -> None:
+        self._backend, self._load, self._producer = backend, load, producer
+        self._open = threading.Event()
+        if not hold:
+            self._open.set()
+        self.received = 0
+        self.answered = 0
+        super().__init__(Starlette(routes=[Route("/{path:path}", self._forward,
+                                                 methods=["GET", "POST", "DELETE", "PUT"])]))
+
+    def release(self) -> None:
+        """Let the held encode calls (and later ones) go on."""
+        self._open.set()
+
+    async def _forward(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/v1/load" and self._load is not None:
+            return JSONResponse(self._load)
+        body = await request.body()
+        items = len(orjson.loads(body)["items"]) if path == "/v1/encode" else 0
+        self.received += items
+        if items:
+            await asyncio.to_thread(self._open.wait)
+        headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type", "x-eric-lease")}
+        async with httpx.AsyncClient(timeout=120) as client:
+            resp = await client.request(request.method, self._backend + path, params=request.query_params,
+                                        content=body, headers=headers)
+        content = resp.content
+        if items and resp.status_code == 200:
+            self.answered += items
+            if self._producer is not None:
+                answer = orjson.loads(content)
+                for item in answer["items"]:
+                    item["handle"]["producer"] = self._producer
+                content = orjson.dumps(answer)
+        return Response(content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+
+class CountingListener(_ThreadServer):
+    """Answers every request 200 with `{}` and counts them by path (`requests`)."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()
+        super().__init__(Starlette(routes=[Route("/{path:path}", self._answer,
+                                                 methods=["GET", "POST", "DELETE", "PUT"])]))
+
+    async def _answer(self, request: Request) -> Response:
+        self.requests[request.url.path] += 1
+        return JSONResponse({})
+
+
+def process_group_cmdlines(pid: int) -> list[str]:
+    """The command lines (argv joined by spaces) of every process in `pid`'s process group, as `ps` shows them."""
+    import os
+
+    group = os.getpgid(pid)
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != group:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ProcessLookupError):
+            continue
+    return found
