@@ -144,13 +144,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=300)
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--images", type=int, default=300, help="distinct images in the workload")
+    ap.add_argument("--requests", type=int, default=200, help="requests per run")
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--model", choices=("tiny", "small"), default="tiny",
                     help="built-in checkpoint (small: a heavier vision tower, where the encoder weighs on TTFT)")
     ap.add_argument("--side", type=int, default=64, help="image side in pixels (about)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "cache_routing")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cache_routing",
+                    help="output path stem (.json and .png written)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model = ensure_checkpoint("qwen2_vl", args.model)

@@ -206,8 +206,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to measure")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5"),
                     help="which offline small checkpoint (results of other families get their own file)")
     args = ap.parse_args()

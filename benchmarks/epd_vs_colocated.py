@@ -242,9 +242,9 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="images up to 448 px, 8 prompts per rate, two rates")
-    ap.add_argument("--series", default="heavy,single,repeat,tiny")
+    ap.add_argument("--series", default="heavy,single,repeat,tiny", help="comma-separated traffic series to run")
     ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once)")
-    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per point (default: each series' own)")
     ap.add_argument("--tag", default="", help="suffix of the result files (epd_vs_colocated<tag>.json/.png)")
     ap.add_argument("--family", default="qwen2_vl", help="the offline checkpoints' family (any the builder has)")
     args = ap.parse_args()

@@ -123,9 +123,9 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1500, help="requests per round and concurrency")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--eric-core", type=int, default=0)
-    ap.add_argument("--client-core", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds (medians reported)")
+    ap.add_argument("--eric-core", type=int, default=0, help="CPU core for Eric")
+    ap.add_argument("--client-core", type=int, default=1, help="CPU core for the load generator")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

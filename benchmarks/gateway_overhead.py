@@ -82,8 +82,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--requests", type=int, default=300, help="requests per configuration")
+    ap.add_argument("--seconds", type=float, default=15.0, help="seconds of load per configuration")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     RESULTS.mkdir(exist_ok=True)

@@ -101,11 +101,12 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--size", choices=tuple(SIZES), default="small")
-    ap.add_argument("--side", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=RESULTS / "geri_throughput")
+    ap.add_argument("--requests", type=int, default=48, help="image requests per run")
+    ap.add_argument("--size", choices=tuple(SIZES), default="small", help="checkpoint size")
+    ap.add_argument("--side", type=int, default=64, help="image width and height in pixels")
+    ap.add_argument("--steps", type=int, default=4, help="denoising steps per image")
+    ap.add_argument("--out", type=Path, default=RESULTS / "geri_throughput",
+                    help="output path stem (.json and .png written)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model = ensure_qwen_image_checkpoint(args.size)

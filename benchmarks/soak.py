@@ -285,13 +285,13 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--minutes", type=float, default=15.0, help="how long the soak runs")
     ap.add_argument("--fault-every", type=float, default=180.0, help="seconds between faults")
     ap.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity")
-    ap.add_argument("--capacity-seconds", type=float, default=45.0)
+    ap.add_argument("--capacity-seconds", type=float, default=45.0, help="seconds spent measuring capacity first")
     ap.add_argument("--warmup", type=float, default=60.0, help="seconds after a (re)start before RSS is counted")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the built-in tiny Qwen2-VL)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "soak")
+    ap.add_argument("--out", type=Path, default=RESULTS / "soak", help="output path stem (.json and .png written)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logs = args.out.parent / "soak-logs"

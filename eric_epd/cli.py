@@ -33,16 +33,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub --model")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = the checkpoint's dtype")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the encoder runs (auto: CUDA if present, else CPU)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
+    p.add_argument("--port", type=int, default=8100, help="HTTP port")
     p.add_argument("--api-key", default=None,
                    help="callers must send 'Authorization: Bearer KEY' (default: $ERIC_API_KEY; none: no check)")
     p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)
-    p.add_argument("--max-batch-items", type=int, default=BatchLimits.max_items)
+    p.add_argument("--max-batch-items", type=int, default=BatchLimits.max_items,
+                   help="most media items in one encoder batch")
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
                    help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
-    p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items)
+    p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items,
+                   help="most items waiting for the encoder; beyond it a request gets 503")
     p.add_argument("--batches-in-flight", type=int, choices=(0, 1, 2), default=BatchLimits.in_flight,
                    help="batches handed to the workers at once (2: the next is ready while one computes; "
                         "0: 2 on CUDA, 1 on CPU)")
@@ -50,8 +54,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPUs this Eric may use, e.g. 0-3 (workers split them; default: all); leave the rest to "
                         "an engine on the same host")
     p.add_argument("--preprocess-threads", type=int, default=0, help="0: one per CPU of --cpus, at most 4")
-    p.add_argument("--max-body-bytes", type=int, default=EricConfig.max_body_bytes)
-    p.add_argument("--max-items-per-request", type=int, default=EricConfig.max_items_per_request)
+    p.add_argument("--max-body-bytes", type=int, default=EricConfig.max_body_bytes,
+                   help="largest request body accepted (413 beyond)")
+    p.add_argument("--max-items-per-request", type=int, default=EricConfig.max_items_per_request,
+                   help="most media items in one /v1/encode request")
     p.add_argument("--file-root", type=Path, action="append", default=[],
                    help="allow file:// URLs under this directory (repeatable)")
     p.add_argument("--allow-private-hosts", action="store_true",
@@ -69,7 +75,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated subset of {TRANSFER_BACKENDS} (HTTP is always on)")
     p.add_argument("--advertise-host", default=None,
                    help="host consumers use to reach this Eric (default: --host, or 127.0.0.1 for 0.0.0.0)")
-    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
+    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp",
+                   help="Mooncake transfer protocol (rdma needs an RDMA NIC)")
     p.add_argument("--mooncake-device", default="", help="RDMA device names for Mooncake")
     p.add_argument("--global-cache", default=None, metavar="MASTER_HOST:PORT",
                    help="share finished embeddings with other Erics through this Mooncake Store master")
@@ -201,11 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     b = sub.add_parser("build-checkpoint", help="write a random tiny/small checkpoint of a registered family")
-    b.add_argument("out", type=Path)
+    b.add_argument("out", type=Path, help="directory to write the checkpoint to")
     b.add_argument("--family", default="qwen2_vl",
                    help="qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe or qwen3_5 (checked by the builder)")
-    b.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--size", choices=("tiny", "small"), default="tiny", help="tiny: for tests; small: for benchmarks")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     _up_parser(sub)
     geri_cli.add_parser(sub)
     args = parser.parse_args(argv)

@@ -21,30 +21,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Qwen-Image diffusers checkpoint directory (default: the built-in tiny Qwen-Image)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=GeriConfig.port)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the generator runs (auto: CUDA if present, else CPU)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
+    p.add_argument("--port", type=int, default=GeriConfig.port, help="HTTP port")
     p.add_argument("--api-key", default=None,
                    help="callers must send 'Authorization: Bearer KEY' (default: $GERI_API_KEY; none: no check)")
     p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)
     p.add_argument("--cpus", type=parse_cpus, default=(), help="CPUs this Geri may use, e.g. 0-3 (default: all)")
-    p.add_argument("--max-batch-items", type=int, default=_DEFAULT_BATCH.max_items)
+    p.add_argument("--max-batch-items", type=int, default=_DEFAULT_BATCH.max_items,
+                   help="most images in one denoising batch")
     p.add_argument("--max-batch-tokens", type=int, default=0,
                    help="most image tokens per batch (0: 4096 on CPU, 65536 on CUDA)")
-    p.add_argument("--max-queued-items", type=int, default=_DEFAULT_BATCH.max_queued_items)
-    p.add_argument("--max-side", type=int, default=GeriLimits.max_side)
-    p.add_argument("--max-steps", type=int, default=GeriLimits.max_steps)
-    p.add_argument("--max-prompt-tokens", type=int, default=GeriLimits.max_prompt_tokens)
+    p.add_argument("--max-queued-items", type=int, default=_DEFAULT_BATCH.max_queued_items,
+                   help="most images waiting; beyond it a request gets 503")
+    p.add_argument("--max-side", type=int, default=GeriLimits.max_side, help="largest image width or height accepted")
+    p.add_argument("--max-steps", type=int, default=GeriLimits.max_steps,
+                   help="most denoising steps a request may ask for")
+    p.add_argument("--max-prompt-tokens", type=int, default=GeriLimits.max_prompt_tokens,
+                   help="most prompt embedding rows a request may carry")
     p.add_argument("--pool-bytes", type=int, default=GeriConfig.pool_bytes,
                    help="shared memory the workers write images into")
-    p.add_argument("--max-body-bytes", type=int, default=GeriConfig.max_body_bytes)
+    p.add_argument("--max-body-bytes", type=int, default=GeriConfig.max_body_bytes,
+                   help="largest request body accepted (413 beyond)")
     p.add_argument("--embedding-producers", default="",
                    help="comma-separated base URLs of the producers whose embedding handles Geri reads (none: "
                         "inline embeddings only)")
     p.add_argument("--producer-api-key", default=None, help="the producers' key (default: $ERIC_API_KEY)")
     p.add_argument("--transfer-backends", default=",".join(GeriConfig.transfer_backends),
                    help="backends Geri may read handles over, best first")
-    p.add_argument("--request-timeout", type=float, default=GeriConfig.request_timeout_s)
+    p.add_argument("--request-timeout", type=float, default=GeriConfig.request_timeout_s,
+                   help="seconds a request may take before it gets 504")
     p.add_argument("--worker-timeout", type=float, default=GeriConfig.worker_timeout_s,
                    help="a batch running longer than this marks the workers unhealthy")
 

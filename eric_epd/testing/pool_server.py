@@ -57,10 +57,10 @@ def create_pool_app(hub: TransferHub) -> FastAPI:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--backends", default="shm,mooncake,nixl")
-    ap.add_argument("--pool-bytes", type=int, default=1 << 30)
-    ap.add_argument("--ttl", type=float, default=300.0)
+    ap.add_argument("--port", type=int, required=True, help="HTTP port")
+    ap.add_argument("--backends", default="shm,mooncake,nixl", help="transfer backends to offer")
+    ap.add_argument("--pool-bytes", type=int, default=1 << 30, help="size of the embedding pool")
+    ap.add_argument("--ttl", type=float, default=300.0, help="seconds a lease lives unacknowledged")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     config = EricConfig(model=Path("."), port=args.port,

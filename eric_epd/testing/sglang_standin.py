@@ -68,8 +68,8 @@ async def _stream(text: str):  # -> AsyncIterator[bytes]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--name", required=True)
+    p.add_argument("--port", type=int, required=True, help="HTTP port")
+    p.add_argument("--name", required=True, help="the model name it answers with")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     a = p.parse_args()
     uvicorn.run(create_app(a.name, a.delay), host="127.0.0.1", port=a.port, log_level="warning",

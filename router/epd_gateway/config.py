@@ -90,15 +90,18 @@ def _urls(value: str) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="epd-gateway", description="OpenAI-compatible EPD/PD gateway")
     p.add_argument("--encoder-urls", type=_urls, default=(), help="comma-separated Eric base URLs")
-    p.add_argument("--prefill-urls", type=_urls, default=())
-    p.add_argument("--decode-urls", type=_urls, default=())
+    p.add_argument("--prefill-urls", type=_urls, default=(),
+                   help="comma-separated prefill instances (vLLM kv_producer, or SGLang prefill)")
+    p.add_argument("--decode-urls", type=_urls, default=(),
+                   help="comma-separated decode instances (vLLM kv_consumer, or SGLang decode)")
     p.add_argument("--colocated-urls", type=_urls, default=(), help="instances that prefill and decode")
     p.add_argument("--epd-prefill-urls", type=_urls, default=(),
                    help="SGLang: --language-only prefills using the Erics as --encoder-urls (EPD requests go there)")
-    p.add_argument("--backend", choices=("vllm", "sglang"), default="vllm")
-    p.add_argument("--epd-min-items", type=int, default=2)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=("vllm", "sglang"), default="vllm", help="the engines behind the gateway")
+    p.add_argument("--epd-min-items", type=int, default=2,
+                   help="requests with at least this many media items take the encoder path")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (default: $EPD_GATEWAY_API_KEY)")
@@ -115,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--allow-client-embeddings", type=Path, default=None, metavar="MODEL_DIR",
                    help="accept image_embeds/video_embeds parts from (trusted) clients, checked against the model "
                         "in MODEL_DIR (its config.json); off by default")
-    p.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
+    p.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes,
+                   help="largest request body accepted (413 beyond)")
     p.add_argument("--max-items", type=int, default=GatewayConfig.max_items, help="media items per request")
     p.add_argument("--allow-private-hosts", action="store_true", help="allow media URLs on private addresses")
     p.add_argument("--allowed-host", action="append", default=[], help="media host always allowed (repeatable)")
@@ -126,11 +130,14 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         "handed data: URLs, never a client's URL)")
     p.add_argument("--media-fetch-timeout", type=float, default=MediaLimits.timeout_s,
                    help="seconds to fetch one media item, redirects included")
-    p.add_argument("--health-interval", type=float, default=GatewayConfig.health_interval_s)
-    p.add_argument("--eject-after-failures", type=int, default=GatewayConfig.eject_after_failures)
+    p.add_argument("--health-interval", type=float, default=GatewayConfig.health_interval_s,
+                   help="seconds between health and load probes of each Eric")
+    p.add_argument("--eject-after-failures", type=int, default=GatewayConfig.eject_after_failures,
+                   help="consecutive failures after which an Eric is ejected (readmitted when healthy)")
     p.add_argument("--heartbeat-timeout", type=float, default=GatewayConfig.heartbeat_timeout_s,
                    help="drop a self-registered Eric not heard from for this many seconds")
-    p.add_argument("--sglang-bootstrap-port", type=int, default=GatewayConfig.sglang_bootstrap_port)
+    p.add_argument("--sglang-bootstrap-port", type=int, default=GatewayConfig.sglang_bootstrap_port,
+                   help="SGLang prefills' KV bootstrap port")
     p.add_argument("--text-encoder-urls", type=_urls, default=(),
                    help="vLLM pooling instances of the image model's text encoder (for /v1/images/generations)")
     p.add_argument("--geri-urls", type=_urls, default=(), help="Geri servers (for /v1/images/generations)")

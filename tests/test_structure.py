@@ -1,0 +1,47 @@
+"""The project's own rules, checked on its source: every module says its role, every CLI flag has help text, and
+library modules stay small."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ("eric_epd", "router")
+EVERYWHERE = (*LIBRARY, "benchmarks", "scripts", "tests")
+MAX_LINES = 400
+
+
+def _modules(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py") if ".venv" not in p.parts)
+
+
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@pytest.mark.parametrize("folder", EVERYWHERE)
+def test_every_module_opens_with_its_role(folder: str) -> None:
+    missing = [str(p.relative_to(ROOT)) for p in _modules(folder)
+               if p.stat().st_size and ast.get_docstring(_parsed(p)) is None]
+    assert not missing, f"modules without a docstring: {missing}"
+
+
+@pytest.mark.parametrize("folder", EVERYWHERE)
+def test_every_cli_flag_has_help(folder: str) -> None:
+    bare = []
+    for path in _modules(folder):
+        for node in ast.walk(_parsed(path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument" and not any(k.arg == "help" for k in node.keywords)):
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {names}")
+    assert not bare, f"flags without help text: {bare}"
+
+
+def test_library_modules_stay_small() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in _modules(*LIBRARY)
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"library modules over {MAX_LINES} lines: {long}"
