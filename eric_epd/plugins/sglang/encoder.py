@@ -141,8 +141,15 @@ class SglangEncoder:
         if req.embedding_port is not None:
             part.set_mode("tokenizer")
         try:
-            part.answers = await self.service.encode(items)
-            await self._stage(part)
+            part.active += 1  # the sweep leaves it alone while it encodes (an encode may outlast the send timeout)
+            try:
+                part.answers = await self.service.encode(items)
+                await self._stage(part)
+            finally:
+                part.active -= 1
+            if part.released:  # closed while it encoded: what the encode took goes back now
+                self.table.release(part)
+                raise SglangError(503, f"[{req.req_id}] released while encoding (Eric is stopping)")
         except asyncio.CancelledError:
             part.error = ("encoder request cancelled", 500)
             part.done.set()

@@ -51,19 +51,21 @@ class PartTable:
         return part
 
     def release(self, part: Part, force: bool = False) -> None:
-        """Drop the part and acknowledge its leases (once per distinct pool entry), unless a transfer still reads."""
-        if part.released or (part.active and not force):
+        """Drop the part and acknowledge its leases (once per distinct pool entry), unless a transfer or its encode
+        still runs. Called again after a forced release, it gives back what the encode took since (idempotent)."""
+        if part.active and not force:
             return
         part.released = True
         if self._parts.get(part.req_id) is part:
             del self._parts[part.req_id]
-        if part.staged is not None:
-            self.hub.release(part.staged)
+        staged, part.staged = part.staged, None
+        if staged is not None:
+            self.hub.release(staged)
         self.ack(part)
 
     def ack(self, part: Part) -> None:
-        """Return Eric's leases (once per distinct pool entry); idempotent."""
-        if part.acked:
+        """Return Eric's leases (once per distinct pool entry, once the encode answered); idempotent."""
+        if part.acked or part.answers is None:
             return
         part.acked = True
         seen = set()

@@ -1,10 +1,11 @@
-"""ZMQ PUSH of part messages to SGLang's receivers, zero-copy from the pool: a send returns only once ZMQ no
-longer reads the frames. Cached sockets per receiver are bounded in number and closed when idle."""
+"""ZMQ PUSH of part messages to SGLang's receivers, zero-copy from the pool: a send returns, or raises, only once
+ZMQ no longer reads the frames, so the caller may then reuse their region. Cached sockets per receiver are bounded
+in number and closed when idle."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -14,6 +15,41 @@ import zmq
 import zmq.asyncio
 
 from eric_epd.plugins.sglang.protocol import SglangError, tcp_endpoint
+
+logger = logging.getLogger(__name__)
+STUCK_WARNING_S = 5.0
+"""A dropped message whose frames ZMQ still holds after this long is logged (its region stays held meanwhile)."""
+
+
+async def _sent(tracker: zmq.MessageTracker, timeout_s: float) -> None:
+    """Wait until ZMQ has handed the frames to the kernel; TimeoutError after `timeout_s` (a slow or gone receiver)."""
+    deadline, pause = time.monotonic() + timeout_s, 1e-4
+    while not tracker.done:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the receiver took no message for {timeout_s:g} s")
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.02)
+
+
+async def drop(sock: zmq.asyncio.Socket, tracker: zmq.MessageTracker | None) -> None:
+    """Close `sock` discarding whatever it still queues, and return only once ZMQ has let go of the tracked frames:
+    they may point into the pool, whose region the caller releases after this. Cancellation is deferred until then
+    (a region released under a queued message would send the next owner's bytes)."""
+    sock.close(linger=0)
+    if tracker is None:
+        return
+    cancelled, started, warned = False, time.monotonic(), False
+    while not tracker.done:
+        try:
+            await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            cancelled = True
+        if not warned and time.monotonic() - started > STUCK_WARNING_S:
+            warned = True
+            logger.warning("ZMQ still holds a dropped message's frames after %.0f s; its region stays held",
+                           STUCK_WARNING_S)
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 @dataclass
@@ -54,12 +90,9 @@ class ZmqSender:
         tracker = None
         try:
             tracker = await asyncio.wait_for(sock.send_multipart(frames, copy=False, track=True), self.timeout_s)
-            await asyncio.to_thread(tracker.wait, self.timeout_s)
+            await _sent(tracker, self.timeout_s)
         except BaseException:
-            sock.close(linger=0)  # drop what was queued: its frames may point into the pool
-            if tracker is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(tracker.wait, 1.0)
+            await drop(sock, tracker)
             raise
         sock.close(linger=5000)
 
@@ -77,20 +110,23 @@ class ZmqSender:
         return receiver
 
     async def _push_cached(self, address: str, frames: list[Any]) -> None:
+        """One message at a time per receiver, each until ZMQ has sent it: a message that cannot go is dropped with
+        its socket (never left queued, reading a region its part no longer holds) and the next send opens another."""
         receiver = self._receiver(address)
         receiver.users += 1
         try:
             async with receiver.lock:
                 if receiver.sock is None:
                     receiver.sock = self._socket(address)
+                sock, tracker = receiver.sock, None
                 try:
-                    tracker = await asyncio.wait_for(receiver.sock.send_multipart(frames, copy=False, track=True),
+                    tracker = await asyncio.wait_for(sock.send_multipart(frames, copy=False, track=True),
                                                      self.timeout_s)
+                    await _sent(tracker, self.timeout_s)
                 except BaseException:
-                    receiver.sock.close(linger=0)
                     receiver.sock = None
+                    await drop(sock, tracker)
                     raise
-            await asyncio.to_thread(tracker.wait, self.timeout_s)
         finally:
             receiver.users -= 1
             receiver.used = time.monotonic()
