@@ -141,7 +141,8 @@ def test_landing_area_on_the_device(backend: str) -> None:
 
     address = LandingAddress(f"cuda{uuid.uuid4().hex[:8]}")
     with PoolServer(backends="shm,nixl", pool_bytes=16 << 20) as producer:
-        area = LandingArea(address, 0, 8 << 20, torch.device("cuda", 0), EmbeddingFetcher((backend,)), 2)
+        area = LandingArea(address, 0, 8 << 20, torch.device("cuda", 0), EmbeddingFetcher((backend,)), 2,
+                           torch.float16)
         channel = LandingChannel(address, 1)
         try:
             h = as_handle(httpx.post(producer.url + "/v1/testing/entries", timeout=60,
@@ -149,6 +150,9 @@ def test_landing_area_on_the_device(backend: str) -> None:
             assert channel.land(4096, h, 60) == backend
             got = area.tensor(4096, (h.nbytes,), "uint8", torch.uint8)
             assert got.is_cuda and np.array_equal(got.cpu().numpy(), seeded_bytes(h.nbytes, 4))
+            copy = area.take(4096, h.hash)  # copied out on the landing stream before the notice
+            assert copy is not None and copy.is_cuda and copy.dtype == torch.float16
+            assert torch.equal(copy, got.to(torch.float16))
         finally:
             channel.close()
             area.close()

@@ -6,9 +6,10 @@ embedding width, a consistent byte length). The request waits (`ensure_cache_ava
 lands its items in its own device memory in the background and the scheduler then acknowledges them to Eric; no
 network call runs on the scheduler's loop or in a model step, and a slow Eric delays only the requests whose items it
 holds. A request whose items can be neither fetched nor encoded locally, or whose handles fail the checks, is failed
-alone.
-Worker side (each vLLM worker): lands items when told (NIXL READs straight into device memory), and copies landed
-items into vLLM's encoder cache (a copy on the device, cast to the model's dtype).
+alone; a failed fetch leaves nothing behind: the next request for that item fetches it again with its own lease.
+Worker side (each vLLM worker): lands items when told (NIXL READs straight into device memory) and copies each out
+in the model's dtype before the scheduler hears of it (a rank whose copy fails fails the item, never a step), then
+hands those copies to vLLM's encoder cache.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class EricConnectorSettings:
     lookup_timeout_s: float
     api_key: str | None
     staging_bytes: int = 256 << 20
-    """Size of each worker's landing area (device memory on GPUs)."""
+    """Size of each worker's landing area (device memory on GPUs); landed items awaiting their step are also held
+    as copies in the model's dtype."""
     prefetch_threads: int = 4
     fetch_timeout_s: float = 30.0
     mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)
@@ -123,7 +125,7 @@ class EricConnectorSettings:
         return settings
 
 
-def _landing_area(settings: EricConnectorSettings, address: LandingAddress) -> LandingArea:
+def _landing_area(settings: EricConnectorSettings, address: LandingAddress, dtype: torch.dtype) -> LandingArea:
     """This worker's landing area, on its own device, named by its tensor-parallel rank."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     from vllm.platforms import current_platform
@@ -133,7 +135,7 @@ def _landing_area(settings: EricConnectorSettings, address: LandingAddress) -> L
         device = torch.device(device.type, current_platform.current_device())
     fetcher = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
     return LandingArea(address, get_tensor_model_parallel_rank(), settings.staging_bytes, device, fetcher,
-                       settings.prefetch_threads)
+                       settings.prefetch_threads, dtype)
 
 
 class EricECConnector(ECConnectorBase):
@@ -161,8 +163,8 @@ class EricECConnector(ECConnectorBase):
             self._unavailable: set[str] = set()
             self._cached: set[str] = set()  # identifiers loaded into vLLM's encoder cache and not evicted since
         else:
-            self._area = _landing_area(settings, address)
             self._dtype = vllm_config.model_config.dtype
+            self._area = _landing_area(settings, address, self._dtype)
             self._failed: set[str] = set()
             self._copied: set[str] = set()
 
@@ -229,8 +231,9 @@ class EricECConnector(ECConnectorBase):
                 continue  # already in the KV cache, or in vLLM's encoder cache
             rows = request.get_num_encoder_embeds(index)
             item = self._prefetch.get(key)
-            if item is None or rid not in item.users:
-                handle = self._offer(key, rid) if item is None else offers.get(key) or item.handle
+            if item is None or rid not in item.users:  # a failed item is fetched anew, with an unused lease
+                fresh = item is None or item.state is State.FAILED
+                handle = self._offer(key, rid) if fresh else offers.get(key) or item.handle
                 if handle is None:
                     if has_raw_media(feature):
                         continue  # vLLM encodes it itself
@@ -319,14 +322,16 @@ class EricECConnector(ECConnectorBase):
             self._copied.add(load.mm_hash)
 
     def _load(self, load: EricLoad) -> torch.Tensor:
-        if load.staged is not None:
-            try:
-                s = load.staged
-                return self._area.tensor(s.offset, s.shape, s.dtype, self._dtype)
-            except (OSError, ValueError, RuntimeError) as e:
-                logger.error("request %s: cannot copy staged embedding %s: %r", load.request_id, load.mm_hash, e)
-                self._failed.add(load.request_id)
-                self._stats.record(load_failures=1)
+        """The copy this rank made when the item landed (nothing is allocated in a step, so nothing fails here)."""
+        copy = None if load.staged is None else self._area.take(load.staged.offset, load.mm_hash)
+        if copy is not None:
+            if copy.is_cuda:  # made on the landing stream, used and freed on this one
+                copy.record_stream(torch.cuda.current_stream(copy.device))
+            return copy
+        if load.staged is not None:  # cannot happen: a rank that has no copy fails the landing itself
+            logger.error("request %s: no landed copy of embedding %s", load.request_id, load.mm_hash)
+            self._failed.add(load.request_id)
+            self._stats.record(load_failures=1)
         # keep this step well-formed; the scheduler fails the request before it returns any output
         return torch.zeros(load.shape, dtype=self._dtype, device=self._area.buffer.device)
 

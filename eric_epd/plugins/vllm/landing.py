@@ -1,5 +1,6 @@
 """Landing of Eric embeddings straight into each vLLM worker's device memory: the scheduler orders every rank to
-read an item into its landing area (local ZMQ IPC sockets, typed messages) and waits until all ranks have it."""
+read an item into its landing area and copy it out in the model's dtype (local ZMQ IPC sockets, typed messages), and
+waits until all ranks have it; a rank whose read or copy fails fails the item before any request is scheduled."""
 
 from __future__ import annotations
 
@@ -31,14 +32,20 @@ class LandingTimeoutError(TransferError):
     """Some rank did not report on its landing in time: it may still write into that range."""
 
 
-class LandOrder(msgspec.Struct, frozen=True):
-    """Scheduler -> every rank: read `handle` into your landing area at `offset`."""
+class LandOrder(msgspec.Struct, frozen=True, tag=True):
+    """Scheduler -> every rank: read `handle` into your landing area at `offset`, then copy it out (`take`)."""
 
     order: int
     offset: int
     handle: EmbeddingHandle
     only: str = ""
     """Read over this transport alone ("store": the global cache); empty: the best one that works."""
+
+
+class Release(msgspec.Struct, frozen=True, tag=True):
+    """Scheduler -> every rank: the range at `offset` is free again; drop the copy landed there."""
+
+    offset: int
 
 
 class LandNotice(msgspec.Struct, frozen=True):
@@ -74,7 +81,7 @@ def _unlink(endpoint: str) -> None:
         pass
 
 
-def _serve(sock: zmq.Socket, kind: type, handle: Callable[[Any], object], stop: threading.Event) -> None:
+def _serve(sock: zmq.Socket, kind: Any, handle: Callable[[Any], object], stop: threading.Event) -> None:
     """Receive typed messages on `sock` until `stop`, then close it (the socket belongs to this thread)."""
     decoder = msgspec.msgpack.Decoder(kind)
     while not stop.is_set():
@@ -83,7 +90,7 @@ def _serve(sock: zmq.Socket, kind: type, handle: Callable[[Any], object], stop: 
         try:
             message = decoder.decode(sock.recv())
         except msgspec.DecodeError as e:
-            logger.error("bad %s message: %s", kind.__name__, e)
+            logger.error("bad %s message: %s", kind, e)
             continue
         handle(message)
     sock.close(linger=0)
@@ -95,6 +102,8 @@ class _Wait:
         self.errors: list[str] = []
         self.backend = ""
         self.done = threading.Event()
+        self.settled: Callable[[], None] | None = None
+        """Set once the order timed out: called when its last rank finally answers (it writes there no more)."""
 
 
 class LandingChannel:
@@ -120,9 +129,11 @@ class LandingChannel:
         self._thread = threading.Thread(target=self._receive, name="eric-land-notices", daemon=True)
         self._thread.start()
 
-    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float, only: str = "") -> str:
+    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float, only: str = "",
+             settled: Callable[[], None] | None = None) -> str:
         """Every rank reads the item into its landing area at `offset`; returns the transport rank 0 used. Raises
-        TransferError if a rank failed or did not answer in time (a late rank may still write there)."""
+        TransferError if a rank failed, LandingTimeoutError if one did not answer in time: a late rank may still
+        write there, and `settled` is called (from the receiving thread) once every rank has answered."""
         with self._lock:
             order = next(self._ids)
             wait = self._waits[order] = _Wait(self._ranks)
@@ -131,14 +142,17 @@ class LandingChannel:
             with self._send:
                 for sock in self._orders:
                     sock.send(payload)
-            if not wait.done.wait(timeout_s):
-                raise LandingTimeoutError(f"landing of {handle.hash[:16]}: {wait.left} of {self._ranks} ranks did not "
-                                     f"answer within {timeout_s:g} s")
+            wait.done.wait(timeout_s)
         except zmq.ZMQError as e:
-            raise TransferError(f"landing of {handle.hash[:16]} on the workers failed: {e}") from e
-        finally:
             with self._lock:
                 self._waits.pop(order, None)
+            raise TransferError(f"landing of {handle.hash[:16]} on the workers failed: {e}") from e
+        with self._lock:
+            if wait.left > 0:  # stays registered: its last answer calls `settled`
+                wait.settled = settled or (lambda: None)
+                raise LandingTimeoutError(f"landing of {handle.hash[:16]}: {wait.left} of {self._ranks} ranks did "
+                                          f"not answer within {timeout_s:g} s")
+            self._waits.pop(order, None)
         if wait.errors:
             raise TransferError("; ".join(wait.errors))
         return wait.backend
@@ -150,14 +164,33 @@ class LandingChannel:
         with self._lock:
             wait = self._waits.get(notice.order)
             if wait is None:
-                return  # a rank answering an order that already timed out
+                return
             wait.left -= 1
             if notice.error:
                 wait.errors.append(f"rank {notice.rank}: {notice.error}")
             if notice.rank == 0:
                 wait.backend = notice.backend
-            if wait.left <= 0:
+            settled = wait.settled if wait.left <= 0 else None
+            if settled is not None:
+                del self._waits[notice.order]
+            elif wait.left <= 0:
                 wait.done.set()
+        if settled is not None:  # a timed-out order's last rank: its range may be reused now
+            try:
+                settled()
+            except Exception:
+                logger.exception("settling a late landing failed")
+
+    def release(self, offset: int) -> None:
+        """Every rank drops its copy of the item at `offset` (the range is free again). Never blocks: a rank that
+        misses it only keeps a stale copy until that range is landed into again."""
+        payload = msgspec.msgpack.encode(Release(offset))
+        with self._send:
+            for sock in self._orders:
+                try:
+                    sock.send(payload, zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    logger.warning("cannot tell a rank to drop its copy at %d: %s", offset, e)
 
     def close(self) -> None:
         self._stop.set()
@@ -172,12 +205,16 @@ class LandingChannel:
 class LandingArea:
     """Worker side: this rank's landing area (device memory), filled by background reads the scheduler orders.
     NIXL registers it once and READs into it directly; shm copies from Eric's pool straight to the device; the
-    other transports go through a host buffer."""
+    other transports go through a host buffer. Each landed item is then copied out (in `out_dtype`; None: its wire
+    dtype) and kept until the scheduler releases its range: a step only takes the copy, it never allocates."""
 
     def __init__(self, address: LandingAddress, rank: int, nbytes: int, device: torch.device,
-                 fetcher: EmbeddingFetcher, threads: int) -> None:
+                 fetcher: EmbeddingFetcher, threads: int, out_dtype: torch.dtype | None = None) -> None:
         self.rank = rank
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._out_dtype = out_dtype
+        self._copies: dict[int, tuple[str, torch.Tensor]] = {}  # offset -> (hash, its copy in the model's dtype)
+        self._copies_lock = threading.Lock()
         self._fetcher = fetcher
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         fetcher.register_destination(self.buffer)
@@ -194,18 +231,36 @@ class LandingArea:
         self._thread = threading.Thread(target=self._receive, name="eric-land-orders", daemon=True)
         self._thread.start()
 
-    def tensor(self, offset: int, shape: tuple[int, ...], dtype: str, out_dtype: torch.dtype) -> torch.Tensor:
-        """A new tensor (the model's dtype, this rank's device) holding the landed rows."""
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+        """A new tensor (`out_dtype`, else the wire dtype; this rank's device) holding the landed rows."""
         wire = getattr(torch, dtype)
         n = wire.itemsize
         for d in shape:
             n *= d
         if offset < 0 or offset + n > self.buffer.numel():
             raise ValueError(f"landed range [{offset}, {offset + n}) is outside the landing area")
-        return self.buffer[offset: offset + n].view(wire).view(shape).to(out_dtype, copy=True)
+        return self.buffer[offset: offset + n].view(wire).view(shape).to(out_dtype or wire, copy=True)
+
+    def take(self, offset: int, key: str) -> torch.Tensor | None:
+        """The copy of item `key` landed at `offset` (the same tensor each time, until its range is released)."""
+        with self._copies_lock:
+            copy = self._copies.get(offset)
+        return copy[1] if copy is not None and copy[0] == key else None
+
+    def copies(self) -> int:
+        """Copies held (landed and not yet released)."""
+        with self._copies_lock:
+            return len(self._copies)
 
     def _receive(self) -> None:
-        _serve(self._orders, LandOrder, lambda order: self._pool.submit(self._land, order), self._stop)
+        _serve(self._orders, LandOrder | Release, self._ordered, self._stop)
+
+    def _ordered(self, message: LandOrder | Release) -> None:
+        if isinstance(message, Release):
+            with self._copies_lock:
+                self._copies.pop(message.offset, None)
+        else:
+            self._pool.submit(self._land, message)
 
     def _land(self, order: LandOrder) -> None:
         h = order.handle
@@ -213,13 +268,19 @@ class LandingArea:
         try:
             if order.offset < 0 or order.offset + h.nbytes > self.buffer.numel():
                 raise ValueError(f"range [{order.offset}, {order.offset + h.nbytes}) is outside the landing area")
+            with self._copies_lock:
+                self._copies.pop(order.offset, None)
             dst = self.buffer[order.offset: order.offset + h.nbytes]
             if self._stream is None:
                 backend = self._fetcher.read_into(h, dst, order.only)
+                copy = self.tensor(order.offset, tuple(h.shape), h.dtype, self._out_dtype)
             else:  # device copies on a stream of our own, finished before the scheduler hears of them
                 with torch.cuda.stream(self._stream):
                     backend = self._fetcher.read_into(h, dst, order.only)
+                    copy = self.tensor(order.offset, tuple(h.shape), h.dtype, self._out_dtype)
                 self._stream.synchronize()
+            with self._copies_lock:
+                self._copies[order.offset] = (h.hash, copy)
         except (TransferError, ValueError) as e:
             error = str(e)
         except Exception as e:  # the scheduler must always hear back, or the request would wait to its timeout
@@ -238,6 +299,8 @@ class LandingArea:
         self._stop.set()
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._copies_lock:
+            self._copies.clear()
         with self._send:
             self._notices.close(linger=0)
         self._ctx.term()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,8 +43,10 @@ class Staged:
     in_steps: int = 0
     backend: str = ""
     """The transport the bytes came over (shm, nixl, mooncake, http)."""
-    unanswered: bool = False
-    """A worker never reported on its landing: the space is never reused."""
+    late: int = 0
+    """Landings some rank has not reported on yet (it may still write there): the space waits for them."""
+    unacked: bool = True
+    """No acknowledgement was tried: if the fetch fails, the lease is given back once no rank reads any more."""
 
 
 @dataclass(frozen=True)
@@ -59,37 +62,56 @@ class StagedLoad:
 
 class Prefetcher:
     """Scheduler side (EngineCore process). Not a cache: an item lives here from its first request's prefetch until
-    the step that copies it reaches the workers, or until no request wants it. Thread-safe. `fetcher` only
-    acknowledges (the workers read); `nbytes` is the size of every worker's landing area."""
+    the step that copies it reaches the workers, or until no request wants it. A failed item is never reused: the
+    next request that wants its hash fetches it again with its own lease, and its range comes back once its own
+    requests are done with it and every rank has answered. Thread-safe. `fetcher` only acknowledges (the workers
+    read); `nbytes` is the size of every worker's landing area; a request finds no room for `room_timeout_s` (the
+    landing timeout by default) at most."""
 
     def __init__(self, channel: LandingChannel, fetcher: EmbeddingFetcher, nbytes: int, threads: int,
-                 land_timeout_s: float) -> None:
+                 land_timeout_s: float, room_timeout_s: float | None = None) -> None:
         self._channel = channel
         self._fetcher = fetcher
         self._land_timeout_s = land_timeout_s
+        self._room_timeout_s = land_timeout_s if room_timeout_s is None else room_timeout_s
         self.nbytes = nbytes
         self._free = FreeList(nbytes)
         self._items: dict[str, Staged] = {}
+        self._retired: dict[int, Staged] = {}  # offset -> failed item replaced by a new fetch, its range not free yet
+        self._no_room: dict[str, float] = {}  # request id -> when it first found no room
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._running = 0  # fetches not yet ended (busy() is asked at every engine step)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="eric-prefetch")
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-give-back")  # a stalled Eric delays no fetch
 
     def want(self, key: str, handle: EmbeddingHandle, rid: str) -> Staged | None:
-        """The item for request `rid`, its fetch started with `handle` if it is not here yet; None when the
-        staging area has no room now (retry at a later step). Raises TransferError if it can never fit."""
+        """The item for request `rid`, its fetch started with `handle` if it is not here yet, or if it failed for
+        other requests; None when the staging area has no room now (retry at a later step). Raises TransferError if
+        it can never fit, or found no room for too long."""
         if handle.nbytes > self.nbytes:
             raise TransferError(f"embedding {key[:16]} has {handle.nbytes} bytes, more than the connector's whole "
                                 f"landing area ({self.nbytes}; ec_connector_extra_config staging_bytes)")
         with self._lock:
             item = self._items.get(key)
+            if item is not None and item.state is State.FAILED and rid not in item.users:
+                del self._items[key]  # its own requests still see it failed; this one fetches anew
+                self._retired[item.offset] = item
+                self._maybe_free(item)
+                item = None
             if item is None:
                 offset = self._free.allocate(handle.nbytes)
                 if offset is None:
+                    since = self._no_room.setdefault(rid, time.monotonic())
+                    if time.monotonic() - since > self._room_timeout_s:
+                        del self._no_room[rid]
+                        raise TransferError(f"no room for embedding {key[:16]} in the landing area for "
+                                            f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)")
                     return None
                 item = self._items[key] = Staged(key, offset, handle)
                 self._running += 1
                 self._pool.submit(self._fetch, item)
+            self._no_room.pop(rid, None)
             item.users.add(rid)
             return item
 
@@ -133,33 +155,63 @@ class Prefetcher:
     def drop(self, key: str, rid: str) -> None:
         """Request `rid` no longer wants the item (it finished, or failed)."""
         with self._lock:
+            self._no_room.pop(rid, None)
+            held = [i for i in self._retired.values() if i.key == key]
             item = self._items.get(key)
-            if item is not None:
-                item.users.discard(rid)
-                self._maybe_free(item)
+            for staged in held if item is None else [item, *held]:
+                staged.users.discard(rid)
+                self._maybe_free(staged)
 
     def used_bytes(self) -> int:
         with self._lock:
             return self.nbytes - self._free.free_bytes
 
     def _maybe_free(self, item: Staged) -> None:
-        """Holds the lock. A running fetch keeps its space until it ends (it writes there); so does one whose
-        workers never answered (they may write there still)."""
-        if not item.users and item.in_steps <= 0 and item.state is not State.PENDING and not item.unanswered:
-            del self._items[item.key]
+        """Holds the lock. A running fetch keeps its space until it ends (it writes there); so does one some worker
+        has not answered yet (it may write there still). The workers then drop their copies of the item."""
+        if not item.users and item.in_steps <= 0 and item.state is not State.PENDING and item.late <= 0:
+            if self._items.get(item.key) is item:
+                del self._items[item.key]
+            elif self._retired.get(item.offset) is item:
+                del self._retired[item.offset]
+            else:
+                return  # freed already
             self._free.free(item.offset, item.handle.nbytes)
+            self._channel.release(item.offset)
+
+    def _settled(self, item: Staged) -> None:
+        """Every rank has now answered a landing of `item` that timed out."""
+        with self._lock:
+            item.late -= 1
+            self._give_back(item)
+            self._maybe_free(item)
+
+    def _give_back(self, item: Staged) -> None:
+        """Holds the lock. A failed item's lease, never acknowledged, goes back to Eric (its pool space with it)."""
+        if item.state is State.FAILED and item.late <= 0 and item.unacked:
+            item.unacked = False
+            self._releaser.submit(self._ack, item.handle)
+
+    def _ack(self, h: EmbeddingHandle) -> None:
+        try:
+            self._fetcher.ack(h)
+        except TransferError as e:
+            logger.info("could not give back the lease of failed embedding %s: %s", h.hash[:16], e)
 
     def _fetch(self, item: Staged) -> None:
         """In a pool thread: every worker lands the bytes in the item's range, then the lease goes back to Eric."""
         h = item.handle
+        late = 0
+        settled = lambda: self._settled(item)  # noqa: E731
         try:
-            backend = self._channel.land(item.offset, h, self._land_timeout_s)
+            backend = self._channel.land(item.offset, h, self._land_timeout_s, settled=settled)
+            item.unacked = False
             item.backend = self._fetcher.confirm(
-                h, backend, lambda: self._channel.land(item.offset, h, self._land_timeout_s, only="store"),
+                h, backend, lambda: self._channel.land(item.offset, h, self._land_timeout_s, "store", settled),
                 attempt_timeout_s=ACK_ATTEMPT_S)
             state, error = State.READY, ""
         except (TransferError, ValueError) as e:
-            item.unanswered = isinstance(e, LandingTimeoutError)
+            late = int(isinstance(e, LandingTimeoutError))
             logger.error("cannot fetch embedding %s from %s: %s", item.key[:16], h.producer, e)
             state, error = State.FAILED, str(e)
         except Exception as e:  # never leave an item pending forever: its request would wait without end
@@ -167,11 +219,14 @@ class Prefetcher:
             state, error = State.FAILED, f"{type(e).__name__}: {e}"
         with self._lock:
             item.state, item.error = state, error
+            item.late += late  # its `settled` may have come first
             self._running -= 1
+            self._give_back(item)
             self._maybe_free(item)
         self._done.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._releaser.shutdown(wait=True, cancel_futures=True)
         self._channel.close()
         self._fetcher.close()
