@@ -26,6 +26,26 @@ def _checkpoint_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+@pytest.fixture(autouse=True)
+def _pool_books(monkeypatch: pytest.MonkeyPatch):
+    """Every embedding pool a test makes in this process (Eric's, Geri's, a bare one): after the test its accounting
+    adds up exactly (EmbeddingPool.audit), so used bytes are exactly 0 whenever nothing is held."""
+    from eric_epd.testing.pools import assert_books_exact
+    from eric_epd.transfer.pool import EmbeddingPool
+
+    made: list[EmbeddingPool] = []
+    init = EmbeddingPool.__init__
+
+    def recorded(self: EmbeddingPool, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(EmbeddingPool, "__init__", recorded)
+    yield
+    for pool in made:
+        assert_books_exact(pool)
+
+
 def _tiny_fixture(family: str):
     """A session fixture: the offline tiny checkpoint of `family`, built into the session's cache."""
 

@@ -146,7 +146,8 @@ def test_connector_settings() -> None:
 
 def test_unanswered_ack_is_sent_again(producer) -> None:
     """The producer stops answering (SIGSTOP) right after the bytes were read: the ack is sent again on a new
-    connection; once the producer resumes, the first attempt ends the lease, the retry's 404 counts as done."""
+    connection, marked as a retry; once the producer resumes, whichever attempt it reads first ends the lease and
+    the retry is answered 200 (the retry of an ack that took effect: "already acknowledged"), never a 404."""
     fetcher = EmbeddingFetcher(["shm", "http"], http_timeout_s=30)
     before = _entries(producer)
     h = _entry(producer, "late-ack", 4096, seed=3)

@@ -14,6 +14,7 @@ import torch
 from eric_epd.stack.process import new_key, running, start_all, stop_all
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import image_data_url
+from eric_epd.testing.pools import wait_pool_drained
 from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
@@ -57,10 +58,13 @@ def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwe
             master.stop()  # the store goes down: each Eric serves from its own pool, no request fails
             for i, eric in enumerate((a, b)):
                 fresh = _encode(eric, image_data_url(64, 64, seed=5000 + i))
-                assert fresh["shape"][0] > 0
+                assert fresh["shape"][0] > 0 and _bytes(eric, fresh)
             again = _encode(b, image)  # still in B's own pool (or encoded again): answered either way
             assert again["hash"] == first["hash"]
             assert metric(b.url, 'eric_items_total{modality="image",source="encoded"}') >= 1
+            assert _bytes(b, again)
+            for eric in (a, b):  # every lease given back: exactly 0 bytes held
+                wait_pool_drained(eric.url, eric.headers)
     assert "global cache" in (tmp_path / "b.log").read_text()  # the outage was logged
 
 
@@ -92,6 +96,7 @@ def test_a_consumer_reads_from_the_store_what_its_producer_let_go(qwen2_vl_tiny:
         with pytest.raises(TransferError, match="names no embedding"):  # not a content hash: never a store key
             fetcher.fetch(dict(item["handle"], hash="../" + item["hash"][3:]))
         fetcher.close()
+        wait_pool_drained(a.url, a.headers)
 
 
 def test_both_cache_tiers_stay_within_their_capacity_and_count_evictions(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
@@ -131,7 +136,9 @@ def test_both_cache_tiers_stay_within_their_capacity_and_count_evictions(qwen2_v
             assert wait_for(lambda: metric(master.url, "master_evicted_key_count") > 0)
             assert metric(master.url, "master_allocated_bytes") <= segment
             again = _encode(a, images[0])  # gone from the pool, maybe from the store: answered either way
-            assert again["hash"] == items[0]["hash"]
+            assert again["hash"] == items[0]["hash"] and _bytes(a, again)
+            stats = wait_pool_drained(a.url, a.headers)  # exactly 0 held beside the content cache
+            assert 0 < stats["cached_bytes"] <= keep
 
 
 def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_behind_erics, qwen2_vl_tiny: Path,
@@ -162,5 +169,7 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
                 assert metric(b.url, 'eric_items_total{modality="image",source="global"}') == 3
                 assert metric(b.url, 'eric_items_total{modality="image",source="encoded"}') == 0
                 assert metric(b.url, "eric_batches_total") == 0
+                for eric in (a, b):  # vLLM acknowledged every lease
+                    wait_pool_drained(eric.url, eric.headers)
     finally:
         start_all(*erics)  # the Erics are shared by the session's gateway tests

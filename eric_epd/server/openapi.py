@@ -60,8 +60,10 @@ def eric_openapi(version: str, modalities: list[str], max_items: int) -> dict[st
                                                   "parameters": [HASH, LEASE],
                                                   "responses": _answers({}, ok_type="application/octet-stream")}},
         "/v1/embeddings/{content_hash}/ack": {"post": {
-            "summary": "End the lease the token names", "parameters": [HASH, LEASE],
-            "requestBody": _body({"type": "object", "properties": {"instance_id": {"type": "string"}}}, False),
+            "summary": "End the lease the token names (a retry of one that took effect: 'already acknowledged')",
+            "parameters": [HASH, LEASE],
+            "requestBody": _body({"type": "object", "properties": {"instance_id": {"type": "string"},
+                                                                   "retry": {"type": "boolean"}}}, False),
             "responses": _answers({"type": "object"})}},
         "/v1/embeddings/{content_hash}/handle": {"get": {"summary": "Where the leased embedding can be read",
                                                          "parameters": [HASH, LEASE],

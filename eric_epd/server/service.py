@@ -146,12 +146,21 @@ class EncodeService:
                     handles.update(await self._submit(mine, clock))
                 if not waiting:
                     return handles
-                await asyncio.gather(*(asyncio.shield(f) for f in waiting.values()))
+                await self._wait_for_others(waiting)
             raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
         except BaseException:
             self._unwant(waited)
             self._give_back(handles.values())
             raise
+
+    async def _wait_for_others(self, waiting: dict[str, asyncio.Future[None]]) -> None:
+        """Wait for hashes other requests are encoding: at most as long as their owner may (its store reads, then
+        the engine's request timeout), then 504."""
+        timeout = self._client.request_timeout_s + (self._global.read_wait_s if self._global is not None else 0.0)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in waiting.values())), timeout)
+        except TimeoutError as e:
+            raise ApiError(504, f"items another request is encoding were not ready after {timeout}s") from e
 
     async def _submit(self, mine: dict[str, PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
         """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
@@ -163,7 +172,7 @@ class EncodeService:
             start = time.perf_counter()
             entries = await self._reserve(mine)
             self._metrics.stages.observe("pool_reserve", time.perf_counter() - start)
-            stored = await self._from_global(mine, entries)
+            stored, entries = await self._from_global(mine, entries)
             encode = {k: p for k, p in mine.items() if k not in stored}
             if encode:
                 await self._run(encode, [e for e in entries if e.hash in encode], clock)
@@ -180,18 +189,41 @@ class EncodeService:
         self._unwant(mine)
         return handles
 
-    async def _from_global(self, mine: dict[str, PreparedItem], entries: list[PoolEntry]) -> set[str]:
+    async def _from_global(self, mine: dict[str, PreparedItem],
+                           entries: list[PoolEntry]) -> tuple[set[str], list[PoolEntry]]:
         """Items another Eric encoded, read from the global cache into their reserved regions and committed (as an
-        encode would have); the others are left to encode."""
+        encode would have); the others are left to encode, in the entries returned with them.
+
+        The reads run in threads nothing can stop. If this request is cancelled (its client left) or the reads
+        outlast the store's read_wait_s, their regions are detached from their hashes and freed once the reads
+        return. Cancelled: the hashes are resolved at once, so requests waiting for them encode (or read) them
+        anew. Timed out: this request reserves fresh regions and encodes every item itself."""
         if self._global is None:
-            return set()
-        found = await asyncio.gather(*(self._global.read_into(e.hash, self.hub.pool.view(e)) for e in entries))
+            return set(), entries
+        cache = self._global
+        reads = asyncio.ensure_future(asyncio.gather(*(cache.read_into(e.hash, self.hub.pool.view(e))
+                                                       for e in entries)))
+        try:
+            found = await asyncio.wait_for(asyncio.shield(reads), cache.read_wait_s)
+        except BaseException as e:
+            self._abandon(entries, reads)
+            if not isinstance(e, TimeoutError):
+                self._finish(mine, e)
+                raise
+            cache.timed_out(len(entries))
+            return set(), await self._reserve(mine)
         stored = {e.hash for e, ok in zip(entries, found) if ok}
         for key in stored:
             self.hub.pool.commit(key)
             self._bridges[key] = self.hub.lease(key)  # as _settle: waiters lease it before it can go
         self._finish({k: mine[k] for k in stored}, None)
-        return stored
+        return stored, entries
+
+    def _abandon(self, entries: list[PoolEntry], reads: asyncio.Future[list[bool]]) -> None:
+        """Regions `reads` may still write into: off their hashes now, freed when the reads return."""
+        for entry in entries:
+            self.hub.pool.detach(entry)
+        reads.add_done_callback(lambda _: [self.hub.release(entry) for entry in entries])
 
     def _share(self, entry: PoolEntry) -> None:
         """Put a freshly encoded entry into the global cache in the background, holding a lease on it meanwhile so

@@ -1,6 +1,6 @@
 """Stand-ins for tests of what the gateway trusts: a proxy Eric in front of a real one (it may lie about its load, hold
-encode calls until released, or name another producer in its answers) and an HTTP listener that counts what reaches
-it; both real servers on loopback, run in this process's threads."""
+encode calls until released, or name another producer in its answers), an HTTP listener that counts what reaches it,
+and an engine that reads and acknowledges the embeddings handed to it; real servers on loopback, in threads."""
 
 from __future__ import annotations
 
@@ -97,6 +97,42 @@ class CountingListener(_ThreadServer):
 
     async def _answer(self, request: Request) -> Response:
         self.requests[request.url.path] += 1
+        return JSONResponse({})
+
+
+class EmbedsEngine(_ThreadServer):
+    """A colocated engine behind the gateway that does with handed embeddings what vLLM's connector does: each
+    handle in a chat request's vllm_xargs is read over HTTP with its lease (the Erics' `api_key`), then
+    acknowledged. `handles` lists every handle received; `read` maps each content hash to the bytes read."""
+
+    def __init__(self, api_key: str) -> None:
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self.handles: list[dict[str, Any]] = []
+        self.read: dict[str, bytes] = {}
+        super().__init__(Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                                           Route("/{path:path}", self._other, methods=["GET", "POST"])]))
+
+    async def _chat(self, request: Request) -> Response:
+        from eric_epd.plugins.vllm.handoff import EXTRA_ARGS_KEY
+        from eric_epd.transfer.handles import LEASE_HEADER
+
+        body = orjson.loads(await request.body())
+        handles = orjson.loads((body.get("vllm_xargs") or {}).get(EXTRA_ARGS_KEY, "[]"))
+        async with httpx.AsyncClient(timeout=30) as client:
+            for h in handles:
+                self.handles.append(h)
+                lease = self._headers | {LEASE_HEADER: h["lease"]}
+                got = await client.get(h["http"], headers=lease)
+                ack = await client.post(f"{h['producer']}/v1/embeddings/{h['hash']}/ack", headers=lease,
+                                        json={"instance_id": h["instance_id"]})
+                if got.status_code != 200 or ack.status_code != 200:
+                    return JSONResponse({"error": {"message": f"embedding {h['hash'][:12]} unreadable"}}, 500)
+                self.read[h["hash"]] = got.content
+        return JSONResponse({"id": "chatcmpl-stand-in", "object": "chat.completion", "model": body.get("model"),
+                             "choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "content": "ok"}}]})
+
+    async def _other(self, request: Request) -> Response:
         return JSONResponse({})
 
 

@@ -223,9 +223,10 @@ class EmbeddingFetcher:
     def ack(self, handle: EmbeddingHandle | dict[str, Any], attempt_timeout_s: float | None = None) -> None:
         """Release our lease. Raises TransferError if the entry expired or the producer restarted.
 
-        With `attempt_timeout_s`, an unanswered ack is sent again on a new connection until the fetcher's timeout;
-        a 404 after an attempt that was sent but never answered means that attempt ended the lease (the token is
-        ours alone), so it counts as acknowledged."""
+        With `attempt_timeout_s`, an unanswered ack is sent again on a new connection (marked as a retry) until the
+        fetcher's timeout. The producer answers a retry whose first attempt took effect with a 200 ("already
+        acknowledged"), so a 404 always means the lease ended without our ack (it expired or was released first,
+        maybe while the first attempt waited unread): the bytes read are not proven the producer's, a failure."""
         h = as_handle(handle)
         url = f"{h.producer}/v1/embeddings/{h.hash}/ack"
         deadline = time.monotonic() + self._http_timeout_s
@@ -233,7 +234,8 @@ class EmbeddingFetcher:
         while True:
             timeout = self._http_timeout_s if attempt_timeout_s is None else attempt_timeout_s
             try:
-                resp = self._http.post(url, json={"instance_id": h.instance_id}, headers={LEASE_HEADER: h.lease},
+                body = {"instance_id": h.instance_id, **({"retry": True} if unanswered else {})}
+                resp = self._http.post(url, json=body, headers={LEASE_HEADER: h.lease},
                                        timeout=max(0.1, min(timeout, deadline - time.monotonic())))
             except httpx.ReadTimeout as e:
                 if attempt_timeout_s is None or time.monotonic() >= deadline:
@@ -243,12 +245,15 @@ class EmbeddingFetcher:
                 continue
             except httpx.HTTPError as e:
                 raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
-            if resp.status_code == 200 or (resp.status_code == 404 and unanswered):
+            if resp.status_code == 200:
                 return
             try:
                 message = resp.json()["error"]["message"]
             except Exception:
                 message = resp.text[:200]
+            if unanswered:
+                logger.warning("ack of %s sent again after an unanswered attempt: the producer no longer holds the "
+                               "lease (%d), so it ended without our ack", h.hash[:12], resp.status_code)
             raise TransferError(f"embedding {h.hash} from {h.producer} is no longer valid: {message}")
 
     def close(self) -> None:

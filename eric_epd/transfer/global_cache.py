@@ -20,6 +20,9 @@ RETRY_SETUP_S = 10.0
 PAUSE_AFTER_ERROR_S = 10.0
 """After a failed store call, calls are skipped (misses at once) this long: a store that is down answers only after
 its RPC timeout (seconds), which every local miss would otherwise wait for."""
+READ_WAIT_S = 5.0
+"""A request waits this long for its store reads (a hit takes milliseconds; a store whose master stopped answers only
+after Mooncake's 30 s RPC timeout), then encodes the items itself (service.py detaches the regions still read into)."""
 NOT_FOUND = -704
 """Mooncake Store's return code for a key it does not hold."""
 
@@ -47,8 +50,9 @@ class GlobalCache:
     """One store client per Eric router; `pool` is the embedding pool's memory (registered once with the store)."""
 
     def __init__(self, master: str, local_hostname: str, segment_bytes: int, pool: np.ndarray, namespace: str,
-                 protocol: str = "tcp") -> None:
+                 protocol: str = "tcp", read_wait_s: float = READ_WAIT_S) -> None:
         self._master = master
+        self.read_wait_s = read_wait_s
         self._namespace = namespace
         self._hostname = local_hostname
         self._segment_bytes = segment_bytes
@@ -139,6 +143,10 @@ class GlobalCache:
             self.stats.bytes_written += region.nbytes
         else:
             self._failed(f"put {key[:12]} rc={rc}")
+
+    def timed_out(self, count: int) -> None:
+        """Reads a request stopped waiting for (they go on in their threads): the store is taken as down for now."""
+        self._failed(f"{count} reads unanswered after {self.read_wait_s:g} s")
 
     def _failed(self, what: str) -> None:
         self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S

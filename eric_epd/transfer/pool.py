@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 ALIGN = 256  # bytes; keeps every entry cache-line and DMA friendly
 MAX_CHILD_LEASES = 64
 """Most child leases one lease may add (one per tensor-parallel rank of a consumer)."""
+MAX_ENDED_LEASES = 32768
+"""Leases ended by their own ack that the pool remembers (newest first), so that an ack sent again after an attempt
+whose answer was lost is told it already took effect (and not taken for an expired lease)."""
+
+
+def span(nbytes: int) -> int:
+    """Bytes an entry of `nbytes` takes in the pool: rounded up to ALIGN (at least ALIGN). All accounting uses it."""
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
 class LeaseError(Exception):
@@ -70,7 +78,7 @@ class FreeList:
         self._sizes: list[int] = [size]
 
     def allocate(self, nbytes: int) -> int | None:
-        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        need = span(nbytes)
         for i, size in enumerate(self._sizes):
             if size >= need:
                 start = self._starts[i]
@@ -83,7 +91,7 @@ class FreeList:
         return None
 
     def free(self, start: int, nbytes: int) -> None:
-        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        size = span(nbytes)
         i = bisect.bisect_left(self._starts, start)
         self._starts.insert(i, start)
         self._sizes.insert(i, size)
@@ -97,6 +105,10 @@ class FreeList:
     @property
     def free_bytes(self) -> int:
         return sum(self._sizes)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The free (start, size) ranges, in address order."""
+        return list(zip(self._starts, self._sizes))
 
 
 class EmbeddingPool:
@@ -115,13 +127,16 @@ class EmbeddingPool:
         # Acknowledged entries kept as a content cache (LRU, first to go when space is needed), up to this budget.
         self._keep_acked_bytes = keep_acked_bytes
         self._acked: OrderedDict[str, PoolEntry] = OrderedDict()
-        self._acked_bytes = 0
+        self._acked_bytes = 0  # in span() bytes, like the free list: used_bytes is exact
+        self._detached: dict[int, PoolEntry] = {}  # generation -> reservation taken off its hash (see detach)
+        self._ended: OrderedDict[str, str] = OrderedDict()  # token of a lease its own ack ended -> its hash
         self.evictions = 0
         """Cached (acknowledged) entries dropped to stay within the budget or to make room."""
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held for consumers (leased or in flight); acknowledged cache entries are not counted."""
+        """Bytes held for consumers (leased, in flight or detached), in pool space (span()); acknowledged cache
+        entries are not counted. Exactly 0 when nothing is held."""
         return self.nbytes - self._free.free_bytes - self._acked_bytes
 
     @property
@@ -137,8 +152,8 @@ class EmbeddingPool:
         self.evictions += 1
 
     def __len__(self) -> int:
-        """Entries held for consumers (acknowledged cache entries are not counted)."""
-        return len(self._entries) - len(self._acked)
+        """Entries held for consumers, detached reservations included (acknowledged cache entries are not counted)."""
+        return len(self._entries) + len(self._detached) - len(self._acked)
 
     def get(self, key: str) -> PoolEntry | None:
         return self._entries.get(key)
@@ -165,7 +180,7 @@ class EmbeddingPool:
         """One more consumer will read this entry: (entry, the new lease's token); the TTL restarts."""
         entry = self._entries[key]
         if self._acked.pop(key, None) is not None:  # a cached entry is wanted again
-            self._acked_bytes -= entry.nbytes
+            self._acked_bytes -= span(entry.nbytes)
         token = new_token()
         entry.leases[token] = token
         entry.expires_at = time.monotonic() + self.ttl_s
@@ -203,24 +218,37 @@ class EmbeddingPool:
         if entry is None or not entry.holds(token):
             return False
         del entry.leases[token]  # type: ignore[arg-type]
+        self._ended[token] = key  # type: ignore[index]
+        while len(self._ended) > MAX_ENDED_LEASES:
+            self._ended.popitem(last=False)
         if not entry.leases:
             self._retire(entry)
         return True
 
+    def acked_before(self, key: str, token: str | None) -> bool:
+        """True if `token`'s lease on `key` was ended by its own ack (one of the last MAX_ENDED_LEASES): a repeated
+        ack then took effect the first time. False for an expired, released or unknown lease."""
+        return token is not None and self._ended.get(token) == key
+
     def _retire(self, entry: PoolEntry) -> None:
         """No lease left: free the entry, or keep it as cache within the budget (evicting the oldest)."""
         entry.children.clear()
-        if entry.nbytes > self._keep_acked_bytes:
+        if span(entry.nbytes) > self._keep_acked_bytes:
             self.release(entry.hash)
             return
         self._acked[entry.hash] = entry
-        self._acked_bytes += entry.nbytes
+        self._acked_bytes += span(entry.nbytes)
         while self._acked_bytes > self._keep_acked_bytes:
             self._evict_oldest()
 
     def release(self, key: str, generation: int | None = None) -> None:
         """Free an entry now (failed encode, last ack, expiry). With `generation`, only that reservation: a caller
-        holding an entry that was freed and re-encoded meanwhile must not free the newer one under its readers."""
+        holding an entry that was freed and re-encoded meanwhile must not free the newer one under its readers. A
+        detached reservation is freed by its generation."""
+        detached = self._detached.pop(generation, None) if generation is not None else None
+        if detached is not None:
+            self._free.free(detached.offset, detached.nbytes)
+            return
         entry = self._entries.get(key)
         if entry is not None and generation is not None and entry.generation != generation:
             logger.debug("release of %s generation %d skipped: generation %d holds it now", key, generation,
@@ -229,8 +257,35 @@ class EmbeddingPool:
         entry = self._entries.pop(key, None)
         if entry is not None:
             if self._acked.pop(key, None) is not None:
-                self._acked_bytes -= entry.nbytes
+                self._acked_bytes -= span(entry.nbytes)
             self._free.free(entry.offset, entry.nbytes)
+
+    def detach(self, entry: PoolEntry) -> None:
+        """Take an unwritten reservation off its hash while something that cannot be stopped may still write into it
+        (a store read that outlived its request): the hash can be reserved again at once, and the space stays held
+        (counted in used_bytes) until release(entry.hash, entry.generation)."""
+        if self._entries.get(entry.hash) is entry and not entry.ready:
+            del self._entries[entry.hash]
+            self._detached[entry.generation] = entry
+
+    def audit(self) -> str | None:
+        """None if the accounting adds up exactly (free ranges disjoint, coalesced and within the pool; held space
+        = the entries' spans; cached bytes = the cached entries' spans; nothing held = one free range, used 0);
+        else what does not (for tests)."""
+        ranges = self._free.ranges()
+        held = [*self._entries.values(), *self._detached.values()]
+        spans = sum(span(e.nbytes) for e in held)
+        problems = []
+        if any(a + n >= b for (a, n), (b, _) in itertools.pairwise(ranges)) or any(n <= 0 for _, n in ranges) or \
+                (ranges and ranges[-1][0] + ranges[-1][1] > self.nbytes):
+            problems.append(f"free ranges overlap, touch or leave the pool: {ranges[:8]}")
+        if self.nbytes - self._free.free_bytes != spans:
+            problems.append(f"{self.nbytes - self._free.free_bytes} bytes allocated, entries span {spans}")
+        if self._acked_bytes != sum(span(e.nbytes) for e in self._acked.values()):
+            problems.append(f"cached_bytes {self._acked_bytes} != the cached entries' spans")
+        if not held and (self.used_bytes != 0 or ranges != [(0, self.nbytes)]):
+            problems.append(f"nothing held, yet used_bytes={self.used_bytes}, free ranges {ranges[:8]}")
+        return "; ".join(problems) or None
 
     def expire(self, now: float | None = None) -> list[str]:
         """Free ready entries whose TTL passed; return their hashes."""

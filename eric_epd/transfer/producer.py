@@ -78,11 +78,18 @@ class TransferHub:
         self.pool.release(entry.hash, entry.generation)
         self._space_freed.set()
 
-    def ack(self, key: str, token: str | None, instance_id: str | None = None) -> tuple[int, str]:
-        """(HTTP status, message) for the acknowledgement of the lease `token` names."""
+    def ack(self, key: str, token: str | None, instance_id: str | None = None,
+            retry: bool = False) -> tuple[int, str]:
+        """(HTTP status, message) for the acknowledgement of the lease `token` names. A `retry` (the consumer's
+        earlier attempt went unanswered) of an ack that already took effect is a 200 "already acknowledged" that
+        changes nothing, so the consumer can tell "my first attempt ended it" from "it expired first" (a 404: the
+        bytes it read are not proven the producer's). Any other repeat stays a 404: bytes read after the lease
+        ended are proven by nothing."""
         if instance_id is not None and instance_id != self.instance_id:
             return 409, f"instance {instance_id} is gone: this Eric restarted (now {self.instance_id})"
         if not self.pool.ack(key, token):
+            if retry and self.pool.acked_before(key, token):
+                return 200, "already acknowledged"
             return 404, (f"no lease with this token on embedding {key} (never encoded here, already acknowledged, "
                          "expired, or a wrong token)")
         self._space_freed.set()

@@ -68,15 +68,20 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
 
     @router.post("/v1/embeddings/{content_hash}/ack")
     async def ack(content_hash: str, request: Request) -> JSONResponse:
-        """Ends exactly the lease the token names; repeating it is a 404 that changes nothing."""
+        """Ends exactly the lease the token names; repeating it is a 404 that changes nothing, except a repeat
+        marked `"retry": true` (the first attempt's answer was lost) of an ack that took effect: a 200 "already
+        acknowledged"."""
         fields = await _small_json(request)
         instance_id = fields.get("instance_id")
         if instance_id is not None and not isinstance(instance_id, str):
             raise TransferApiError(400, '"instance_id" must be a string')
-        status, message = hub.ack(content_hash, request.headers.get(LEASE_HEADER), instance_id)
+        retry = fields.get("retry", False)
+        if not isinstance(retry, bool):
+            raise TransferApiError(400, '"retry" must be a boolean')
+        status, message = hub.ack(content_hash, request.headers.get(LEASE_HEADER), instance_id, retry)
         if status != 200:
             raise TransferApiError(status, message)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": message})
 
     @router.get("/v1/embeddings/{content_hash}/handle")
     async def handle(content_hash: str, request: Request) -> JSONResponse:

@@ -22,7 +22,13 @@ from starlette.routing import Route
 from epd_gateway.admission import RegistrationGate
 from epd_gateway.boundary import check_messages, check_request_fields
 from epd_gateway.config import GatewayConfig
-from epd_gateway.content import collect_media, remote_hosts, vllm_can_place, with_embeddings
+from epd_gateway.content import (
+    collect_media,
+    one_lease_per_content,
+    remote_hosts,
+    vllm_can_place,
+    with_embeddings,
+)
 from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
@@ -113,6 +119,13 @@ class Gateway:
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return "fallback", await self._plain(plain, headers)
+        spare = one_lease_per_content(items)  # the same content under two URLs: one lease used, the others back
+        if spare:
+            try:
+                await asyncio.shield(self.encoders.release(spare))
+            except BaseException:  # the client left meanwhile: the leases kept go back too
+                await asyncio.shield(self.encoders.release(items))
+                raise
         encoded = time.perf_counter() - start
         self.metrics.encode_latency.observe(encoded)
         self.metrics.stages.observe("encode", encoded)

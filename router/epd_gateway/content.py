@@ -77,6 +77,23 @@ def vllm_can_place(items: list[dict[str, Any]]) -> bool:
     return all(abs(float(i.get("second_per_grid_ts", 1.0)) - 1.0) < 1e-6 for i in items)
 
 
+def one_lease_per_content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same content under several URLs may come back from several Erics (or calls), each item with its own
+    lease, while the engine gets one handle per content hash. Every item of a hash is given the first one's handle
+    (in place); returns the items whose own leases nobody will use (with those handles), to give back now."""
+    first: dict[str, dict[str, Any]] = {}
+    spare = []
+    for i, item in enumerate(items):
+        handle = item.get("handle")
+        if not isinstance(handle, dict):
+            continue
+        kept = first.setdefault(item["hash"], handle)
+        if kept.get("lease") != handle.get("lease"):
+            spare.append(item)
+            items[i] = dict(item, handle=kept)
+    return spare
+
+
 def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict[str, Any]]) -> dict[str, Any]:
     """A copy of the request whose media parts are metadata-only embeds parts keyed by Eric's content hash (the
     gateway mints every uuid, from content Eric encoded), with the handles and their lease tokens beside it."""
@@ -88,5 +105,8 @@ def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict
         if "timestamps" in item:  # Qwen3-VL videos: vLLM writes each temporal step's time into the prompt
             fields["timestamps"] = item["timestamps"]
         out["messages"][ref.message]["content"][ref.part] = {"type": kind, kind: fields, "uuid": item["hash"]}
-    out["vllm_xargs"] = handles_xargs(item["handle"] for item in {i["hash"]: i for i in items}.values())
+    first: dict[str, Any] = {}
+    for item in items:
+        first.setdefault(item["hash"], item["handle"])
+    out["vllm_xargs"] = handles_xargs(first.values())  # one handle per content: one_lease_per_content's choice
     return out
