@@ -67,11 +67,15 @@ class _RequestState:
     batches: list[BatchStat] = field(default_factory=list)
     dropped: set[int] = field(default_factory=set)
     """Items aborted while still queued: never run, never written."""
+    failed: set[int] = field(default_factory=set)
+    """Items of a batch that failed: that batch has ended, nothing writes them any more."""
+    error: tuple[int, str] | None = None
+    """(status, reason) of the request's first failed batch: its answer, once no batch of it is still running."""
 
     @property
     def open_items(self) -> int:
-        """Items neither finished nor dropped (queued, or in the batch that is running)."""
-        return self.num_items - len(self.results) - len(self.dropped)
+        """Items neither finished, failed nor dropped (queued, or in a batch the workers still run or write)."""
+        return self.num_items - len(self.results) - len(self.dropped) - len(self.failed)
 
 
 class Engine:
@@ -182,25 +186,38 @@ class Engine:
         return done
 
     def _answer_if_done(self, request_id: str, state: _RequestState) -> list[Outgoing]:
-        """The request's one answer once every item is finished or dropped: all results, or (something was
-        dropped) the finished ones with a 499 error."""
+        """The request's one answer once every item is finished, failed or dropped (so no batch of it still runs
+        or writes its regions): all results, or the finished ones with its batch's error, or (something was
+        dropped) with a 499 error."""
         if state.open_items > 0:
             return []
         del self._requests[request_id]
         finished = [state.results[i] for i in sorted(state.results)]
         # its time here outside its own batches: waiting for them to start
         queued = max(0.0, time.perf_counter() - state.arrived - sum(b.seconds for b in state.batches))
+        if state.error is not None:
+            status, reason = state.error
+            return [(WorkResultMsg(request_id, finished, reason, status, state.batches, queued), [])]
         if not state.dropped:
             return [(WorkResultMsg(request_id, finished, batches=state.batches, queue_seconds=queued), [])]
         reason = f"request aborted: {len(state.dropped)} of {state.num_items} items dropped before they ran"
         return [(WorkResultMsg(request_id, finished, reason, ABORTED_STATUS, state.batches, queued), [])]
 
     def _fail_batch(self, batch: Batch, status: int, reason: str) -> list[Outgoing]:
+        """The batch ended without output: its requests fail, their queued items are dropped, and each is answered
+        once its other batches in flight have ended too (the router frees every region of a request on its answer,
+        so none may still be written then)."""
         failed: list[Outgoing] = []
+        for entry in batch.entries:
+            state = self._requests.get(entry.request_id)
+            if state is not None:
+                state.failed.add(entry.index)
+                state.error = state.error or (status, reason)
         for request_id in dict.fromkeys(e.request_id for e in batch.entries):
-            if self._requests.pop(request_id, None) is not None:
-                self._scheduler.drop_request(request_id)
-                failed.append(_error(request_id, status, reason))
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.dropped |= self._scheduler.drop_items(request_id)
+                failed += self._answer_if_done(request_id, state)
         return failed
 
     def _fail_all(self, reason: str) -> list[Outgoing]:

@@ -32,6 +32,8 @@ _POLL_MS = 100
 WARMUP_BATCH_ID = -1
 TP_ERROR_GRACE_S = 3.0
 """After one rank reports an error, how long the other ranks have to report theirs before the group is dead."""
+STOP_GRACE_S = 5.0
+"""How long a worker told to stop (SIGTERM) has before it is killed."""
 
 
 def _free_port() -> int:
@@ -114,11 +116,13 @@ class ModelExecutor:
         return [WorkerInfo(p.pid or 0, *self._settings.get(rank, ([], 0))) for rank, p in enumerate(self._procs)]
 
     def check_workers(self) -> str | None:
-        """None while every worker lives; otherwise why not (sticky)."""
+        """None while every worker lives; otherwise why not (sticky). Once one rank is gone the others are stopped
+        before this returns, so rank 0 writes no region after the engine fails the requests in flight."""
         if self._dead_reason is None:
             for rank, p in enumerate(self._procs):
                 if not p.is_alive():
                     self._dead_reason = f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    self._stop_workers()
                     break
         return self._dead_reason
 
@@ -193,10 +197,16 @@ class ModelExecutor:
         return rank0
 
     def _stop_workers(self) -> None:
-        """Terminate every worker (a rank blocked in a collective never returns by itself)."""
+        """Terminate every worker (a rank blocked in a collective never returns by itself) and wait until each is
+        gone (killed if SIGTERM is not enough): none may write into the pool after this."""
         for p in self._procs:
             if p.is_alive():
                 p.terminate()
+        for p in self._procs:
+            p.join(timeout=STOP_GRACE_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
         logger.error("workers stopped: %s", self._dead_reason)
 
     def _split(self, batch: Batch, header: WorkerResultMsg) -> list[ItemResult]:

@@ -36,6 +36,18 @@ from eric_epd.runtime.workload import Runner, Workload
 
 logger = logging.getLogger(__name__)
 _DECODER = to_worker_decoder()
+TEST_FAULT_ENV = "ERIC_TEST_FAULT_FAIL_BATCHES"
+"""A test fault, off by default: comma-separated engine batch ids (0 is the first batch after the warm-up) that every
+rank fails before its forward, as a model rejecting the batch would. Read once when the worker starts."""
+
+
+def _test_fault_batches() -> frozenset[int]:
+    """The batch ids TEST_FAULT_ENV names (none when unset)."""
+    value = os.environ.get(TEST_FAULT_ENV, "").strip()
+    ids = frozenset(int(v) for v in value.split(",") if v.strip())
+    if ids:
+        logger.warning("%s: batches %s will fail (a test fault)", TEST_FAULT_ENV, sorted(ids))
+    return ids
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ def _serve(args: WorkerArgs, runner: Runner, device: torch.device, push: zmq.Soc
     pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf) if segment is not None else None
     io = DeviceIO(device, pool)
     parent = os.getppid()
+    faults = _test_fault_batches()
 
     def parent_gone() -> bool:
         return os.getppid() != parent
@@ -134,7 +147,7 @@ def _serve(args: WorkerArgs, runner: Runner, device: torch.device, push: zmq.Soc
                 continue
             if isinstance(taken, StopWorkerMsg):
                 return
-            taken = _execute_and_reply(args.rank, runner, taken, io, push, peek)
+            taken = _execute_and_reply(args.rank, runner, taken, io, push, peek, faults)
     except BroadcastClosed:
         return
     finally:
@@ -146,12 +159,16 @@ def _serve(args: WorkerArgs, runner: Runner, device: torch.device, push: zmq.Soc
 
 
 def _execute_and_reply(rank: int, runner: Runner, batch: _Prepared, io: DeviceIO, push: zmq.Socket,
-                       peek: Callable[[], _Prepared | StopWorkerMsg | None]) -> _Prepared | StopWorkerMsg | None:
-    """Run one batch and answer it; returns the next message if `peek` took it while the forward ran."""
+                       peek: Callable[[], _Prepared | StopWorkerMsg | None],
+                       faults: frozenset[int] = frozenset()) -> _Prepared | StopWorkerMsg | None:
+    """Run one batch and answer it; returns the next message if `peek` took it while the forward ran. A batch whose
+    id is in `faults` (TEST_FAULT_ENV) fails."""
     msg, upcoming = batch.msg, None
     try:
         if batch.inputs is None:
             raise RuntimeError(batch.error)
+        if msg.batch_id in faults and not msg.warmup:
+            raise RuntimeError(f"test fault: batch {msg.batch_id} fails ({TEST_FAULT_ENV})")
         start = time.perf_counter()
         with torch.inference_mode():
             outputs = runner.run(msg.items, batch.inputs)
