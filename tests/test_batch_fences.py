@@ -1,0 +1,166 @@
+"""A failed batch never frees a region another batch still writes: with two batches in flight, a request whose first
+batch fails is answered only once its second batch has ended (its finished items committed with the error), so the
+router frees or reuses none of its regions under a running batch; a concurrent request keeps exactly a clean run's
+bytes and the pool drains to 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from eric_epd.config import BatchLimits
+from eric_epd.engine.engine import BatchFailedError, BatchOutput, Engine
+from eric_epd.engine.messages import EncodeSpec, ItemResult, WorkItem, WorkRequestMsg
+from eric_epd.engine.scheduler import Batch
+from eric_epd.executor.worker import TEST_FAULT_ENV
+from eric_epd.models.workload import EncoderWorkload
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.media import image_data_url
+from eric_epd.testing.pools import wait_pool_drained
+from eric_epd.testing.stack import metric, wait_for
+from eric_epd.transfer.handles import LEASE_HEADER
+
+# ---------------------------------------------------------------- engine protocol (no processes)
+
+
+class _FailingExecutor:
+    """Runs batches instantly, failing those whose id is in `fail`; records submissions and collections."""
+
+    def __init__(self, fail: set[int]) -> None:
+        self.fail = fail
+        self.events: list[tuple[str, int]] = []
+
+    def submit(self, batch: Batch) -> None:
+        self.events.append(("submit", batch.batch_id))
+
+    def collect(self, batch: Batch) -> BatchOutput:
+        self.events.append(("collect", batch.batch_id))
+        if batch.batch_id in self.fail:
+            raise BatchFailedError("the model rejected it")
+        return BatchOutput([ItemResult(e.item.key, (e.item.cost // 4, 8), "float32") for e in batch.entries])
+
+    def workers(self) -> list:
+        return []
+
+    def check_workers(self) -> str | None:
+        return None
+
+
+_WORKLOAD = EncoderWorkload(merge_unit=4, pixel_row=3)
+
+
+def _request(request_id: str, hashes: list[str]) -> tuple[WorkRequestMsg, list[memoryview]]:
+    items = [WorkItem(h, "image", 4, 0, 128, EncodeSpec("image", (1, 2, 2), 3)) for h in hashes]
+    return WorkRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
+
+
+def test_engine_answers_a_failed_request_only_after_its_batch_in_flight() -> None:
+    executor = _FailingExecutor({0})
+    engine = Engine(BatchLimits(max_items=2, max_patches=4096, in_flight=2), executor, _WORKLOAD.validate)
+    assert engine.add_request(*_request("a", ["a0", "a1", "a2", "a3"])) == []
+    assert engine.add_request(*_request("b", ["b0", "b1"])) == []
+    assert engine.step() == []  # batch 0 failed, but batch 1 (a2, a3) is still in flight: no answer yet
+    assert executor.events == [("submit", 0), ("submit", 1), ("collect", 0)]
+    [(failed, _)] = engine.step()  # batch 1 ended: now a is answered, with what it wrote
+    assert executor.events[-2:] == [("submit", 2), ("collect", 1)]
+    assert (failed.request_id, failed.status) == ("a", 500) and "the model rejected it" in failed.error
+    assert [r.key for r in failed.items] == ["a2", "a3"]
+    [(answer, _)] = engine.step()
+    assert answer.request_id == "b" and answer.error is None and [r.key for r in answer.items] == ["b0", "b1"]
+    status = engine.status()
+    assert (status.queued_items, status.running_items, engine.has_work) == (0, 0, False)
+
+
+def test_engine_drops_a_failed_requests_queued_items_and_waits_for_its_running_ones() -> None:
+    executor = _FailingExecutor({0})
+    engine = Engine(BatchLimits(max_items=1, max_patches=4096, in_flight=2), executor, _WORKLOAD.validate)
+    engine.add_request(*_request("a", ["a0", "a1", "a2"]))
+    assert engine.step() == []  # a0 failed; a1 runs, a2 is dropped from the queue
+    [(failed, _)] = engine.step()
+    assert failed.status == 500 and [r.key for r in failed.items] == ["a1"]
+    assert executor.events == [("submit", 0), ("submit", 1), ("collect", 0), ("collect", 1)]
+    assert engine.step() == [] and not engine.has_work
+
+
+# ---------------------------------------------------------------- a real Eric, its first batch failing
+
+
+def _items(seeds: list[int]) -> list[dict]:
+    return [{"modality": "image", "url": image_data_url(64 + 8 * (s % 3), 64, seed=s)} for s in seeds]
+
+
+def _post(eric: EricServer, items: list[dict]) -> httpx.Response:
+    return httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
+
+
+def _read_and_ack(eric: EricServer, item: dict) -> bytes:
+    """The embedding's safetensors payload through /v1/embeddings/<hash> with the item's lease, then the ack."""
+    handle = item["handle"]
+    lease = eric.headers | {LEASE_HEADER: handle["lease"]}
+    got = httpx.get(handle["http"], headers=lease, timeout=30)
+    assert got.status_code == 200, got.text
+    ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=lease, timeout=30,
+                     json={"instance_id": handle["instance_id"]})
+    assert ack.status_code == 200, ack.text
+    return got.content
+
+
+def _embeddings(eric: EricServer, resp: httpx.Response) -> list[bytes]:
+    assert resp.status_code == 200, resp.text
+    return [_read_and_ack(eric, item) for item in resp.json()["items"]]
+
+
+_A = [11, 12, 13, 14]  # one request, two batches of two
+_B = [21, 22]  # a concurrent request, the batch after them
+
+
+def _scenario(eric: EricServer) -> tuple[httpx.Response, httpx.Response]:
+    """With the worker stopped, A's four items reach the engine (two batches in flight), then B's two; the worker
+    then runs them in that order. Returns A's and B's answers."""
+    worker = httpx.get(eric.url + "/health", timeout=10).json()["worker_pids"][0]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a: Future[httpx.Response] = pool.submit(_post, eric, _items(_A))
+            assert wait_for(lambda: metric(eric.url, "eric_inflight_items") == 4), "A never reached the engine"
+            b = pool.submit(_post, eric, _items(_B))
+            assert wait_for(lambda: metric(eric.url, "eric_inflight_items") == 6), "B never reached the engine"
+            os.kill(worker, signal.SIGCONT)
+            return a.result(timeout=120), b.result(timeout=120)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+
+
+def test_a_failed_batch_answers_only_after_the_requests_other_batch(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """Batch 0 (A's first two items) fails in the worker while batch 1 (A's other two) is in flight: A's 500 comes
+    with batch 1's items committed (they are served from the pool afterwards, not encoded again: batch 1 had ended
+    before the answer), B gets exactly a clean run's bytes, the pool drains to 0, and A's content is then served
+    with a clean run's bytes."""
+    args = ("--batches-in-flight", "2", "--max-batch-items", "2", "--keep-acked-bytes", str(8 << 20))
+    with EricServer(qwen2_vl_tiny, extra_args=args, log_path=tmp_path / "clean.log") as clean:
+        a, b = _scenario(clean)
+        clean_a, clean_b = _embeddings(clean, a), _embeddings(clean, b)
+    assert len(set(clean_a + clean_b)) == 6
+
+    with EricServer(qwen2_vl_tiny, extra_args=args, env={TEST_FAULT_ENV: "0"},
+                    log_path=tmp_path / "faulty.log") as eric:
+        a, b = _scenario(eric)
+        assert a.status_code == 500, a.text
+        assert "test fault: batch 0 fails" in a.json()["error"]["message"]
+        assert _embeddings(eric, b) == clean_b
+        wait_pool_drained(eric.url, eric.headers)
+
+        cached = metric(eric.url, 'eric_items_total{modality="image",source="cached"}')
+        second = _post(eric, _items(_A[2:]))  # batch 1's items: written before A was answered, so committed
+        assert _embeddings(eric, second) == clean_a[2:]
+        assert metric(eric.url, 'eric_items_total{modality="image",source="cached"}') == cached + 2
+        again = _post(eric, _items(_A))  # the failed batch's content, encoded anew
+        assert _embeddings(eric, again) == clean_a
+        assert "batch 0 failed" in (tmp_path / "faulty.log").read_text()
+        stats = wait_pool_drained(eric.url, eric.headers)
+        assert (stats["used_bytes"], stats["entries"]) == (0, 0)
