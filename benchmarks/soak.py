@@ -1,5 +1,6 @@
 """Soak: the full local stack (2 Erics, a vLLM prefill/decode pair over NIXL, the gateway) under open-loop chat load
-at a fraction of its measured capacity, while one component after another is killed and restarted.
+at a fraction of its measured capacity, while one component after another is killed and restarted, or stopped
+past the engines' fetch and landing timeouts (a stalled Eric, a slow encode).
 
 Reports requests accepted, answered correctly, failed with a clean error (an HTTP error in the JSON error shape, or a
 refused connection while the gateway itself restarts), answered wrongly and lost (no answer within the client
@@ -39,8 +40,12 @@ MAX_TOKENS = 8
 CLIENT_TIMEOUT_S = 300.0
 EMBEDDING_TTL_S = 60
 """Eric's lease TTL here: embeddings leased for a request the killed gateway never forwarded wait this long."""
-FAULTS = ("eric", "eric_worker", "prefill", "gateway")
-"""Cycled in this order, one every --fault-every seconds."""
+FAULTS = ("eric", "eric_stall", "eric_worker", "eric_slow", "prefill", "gateway")
+"""Cycled in this order, one every --fault-every seconds: kills, and stops (SIGSTOP) that outlast the engines'
+fetch and landing timeouts, so a fetch times out, its landing is given up and the same image is fetched again with a
+fresh lease; a slow encode keeps its regions until its batch ends."""
+STALL_S = 40.0
+"""How long a stopped Eric stays stopped: past the connector's 30 s fetch timeout."""
 
 
 def prompts(n: int) -> list[list[dict]]:
@@ -110,8 +115,27 @@ def restart(server: ServerProcess, attempts: int = 3) -> int:
     raise RuntimeError(f"{server._cmd[2:4]} did not come back after {attempts} attempts")
 
 
+def stall(eric: EricServer, workers_only: bool) -> str:
+    """Stop an Eric's processes (all of them: a stalled Eric; its engine and workers only: a slow encode) for
+    STALL_S seconds, then let them go on."""
+    assert eric.proc is not None
+    router = psutil.Process(eric.proc.pid)
+    procs = router.children(recursive=True) if workers_only else [router, *router.children(recursive=True)]
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(STALL_S)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+    what = "engine and workers" if workers_only else "router, engine and workers"
+    return f"stopped Eric A's {what} for {STALL_S:g} s"
+
+
 def inject(stack: Stack, fault: str) -> str:
-    """Kill one component and restart it; returns what was done."""
+    """Kill one component and restart it, or stop one for a while; returns what was done."""
+    if fault in ("eric_stall", "eric_slow"):
+        return stall(stack.erics[0], workers_only=fault == "eric_slow")
     if fault == "eric_worker":
         eric = stack.erics[1]
         pid = httpx.get(eric.url + "/health", headers=eric.headers, timeout=10).json()["worker_pids"][0]
