@@ -1,12 +1,17 @@
-"""A failed batch never frees a region another batch still writes: with two batches in flight, a request whose first
-batch fails is answered only once its second batch has ended (its finished items committed with the error), so the
-router frees or reuses none of its regions under a running batch; a concurrent request keeps exactly a clean run's
-bytes and the pool drains to 0."""
+"""A region is reused only after every writer and reader of it ended. With two batches in flight, a request whose
+first batch fails is answered only once its second batch has ended (its finished items committed with the error), so
+the router frees none of its regions under a running batch; a concurrent request keeps exactly a clean run's bytes
+and the pool drains to 0. A global-cache put keeps its region past the TTL and past a cancellation until the store's
+copy returns."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import os
 import signal
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +28,9 @@ from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.pools import wait_pool_drained
 from eric_epd.testing.stack import metric, wait_for
+from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.transfer.pool import EmbeddingPool
 
 # ---------------------------------------------------------------- engine protocol (no processes)
 
@@ -164,3 +171,61 @@ def test_a_failed_batch_answers_only_after_the_requests_other_batch(qwen2_vl_tin
         assert "batch 0 failed" in (tmp_path / "faulty.log").read_text()
         stats = wait_pool_drained(eric.url, eric.headers)
         assert (stats["used_bytes"], stats["entries"]) == (0, 0)
+
+
+# ---------------------------------------------------------------- global-cache puts
+
+
+class _BlockedStore:
+    """A store whose put_from blocks until `release` is set, recording the bytes it copied then."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.copied: bytes = b""
+
+    def put_from(self, key: str, addr: int, nbytes: int) -> int:
+        self.started.set()
+        self.release.wait(60)
+        self.copied = ctypes.string_at(addr, nbytes)
+        return 0
+
+
+def test_a_put_in_flight_keeps_its_region_past_the_ttl() -> None:
+    pool = EmbeddingPool(f"eric-test-{time.monotonic_ns()}", 1 << 16, ttl_s=0.0)
+    try:
+        entry = pool.reserve("k", 512, (128, 1), "float32")
+        assert entry is not None
+        pool.commit("k")
+        pool.lease("k")
+        entry.readers += 1  # a put copies it out
+        assert pool.expire(now=time.monotonic() + 3600) == [] and pool.get("k") is entry
+        entry.readers -= 1
+        assert pool.expire(now=time.monotonic() + 3600) == ["k"] and pool.used_bytes == 0
+        assert pool.audit() is None
+    finally:
+        pool.close()
+
+
+def test_a_cancelled_put_returns_only_once_the_store_let_go_of_the_region() -> None:
+    async def run() -> None:
+        region = np.arange(256, dtype=np.uint8)
+        store = _BlockedStore()
+        cache = GlobalCache("127.0.0.1:1", "127.0.0.1", 1 << 20, region, "float32")
+        cache._store = store  # joined
+        put = asyncio.create_task(cache.write("k", region))
+        await asyncio.to_thread(store.started.wait, 30)
+        put.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not put.done()  # the copy still reads the region: the caller must not free it yet
+        store.release.set()
+        try:
+            await put
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the cancellation was lost")
+        assert store.copied == region.tobytes()
+
+    asyncio.run(run())

@@ -226,13 +226,20 @@ class EncodeService:
         reads.add_done_callback(lambda _: [self.hub.release(entry) for entry in entries])
 
     def _share(self, entry: PoolEntry) -> None:
-        """Put a freshly encoded entry into the global cache in the background, holding a lease on it meanwhile so
-        its region cannot be freed and reused under the copy."""
+        """Put a freshly encoded entry into the global cache in the background, holding a lease on it and counting
+        the copy as a reader (so neither an ack nor the TTL frees it) until the store's copy has returned."""
         assert self._global is not None
         handle = self.hub.lease(entry.hash)
+        entry.readers += 1
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._sharing.discard(task)
+            entry.readers -= 1
+            self._give_back([handle])
+
         task = asyncio.create_task(self._global.write(entry.hash, self.hub.pool.view(entry)))
         self._sharing.add(task)
-        task.add_done_callback(lambda t: (self._sharing.discard(t), self._give_back([handle])))
+        task.add_done_callback(done)
 
     async def _reserve(self, mine: dict[str, PreparedItem]) -> list[PoolEntry]:
         """Pool space for every item; on failure (or cancellation) what was reserved is freed: nothing was sent to

@@ -27,6 +27,20 @@ NOT_FOUND = -704
 """Mooncake Store's return code for a key it does not hold."""
 
 
+async def _uncancelled(copy: asyncio.Future[int]) -> int:
+    """The result of a store call running in a thread; a cancellation is raised only once the thread returned (it
+    reads the region until then, and the caller frees the region when this returns)."""
+    cancelled = False
+    while not copy.done():
+        try:
+            await asyncio.wait([copy])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return copy.result()
+
+
 def store_key(content_hash: str, dtype: str) -> str:
     """The store's key of an embedding: its content hash (which names the model's output space) under its dtype.
     Producers write and consumers read under this one name."""
@@ -133,8 +147,10 @@ class GlobalCache:
         store = await self._ready(wait=True)
         if store is None:
             return
+        copy = asyncio.ensure_future(asyncio.to_thread(store.put_from, self._key(key), region.ctypes.data,
+                                                       region.nbytes))
         try:
-            rc = await asyncio.to_thread(store.put_from, self._key(key), region.ctypes.data, region.nbytes)
+            rc = await _uncancelled(copy)
         except Exception as e:
             rc = -1
             logger.warning("global cache write of %s failed: %r", key[:12], e)

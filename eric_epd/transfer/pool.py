@@ -64,6 +64,9 @@ class PoolEntry:
     children: dict[str, int] = field(default_factory=dict)
     """Root token -> child leases added from it (bounded by MAX_CHILD_LEASES)."""
     expires_at: float = 0.0
+    readers: int = 0
+    """Copies out of the region this router runs (global-cache puts) and cannot stop: the TTL does not free the
+    entry while any runs (the lease each holds then ends it)."""
 
     def holds(self, token: str | None) -> bool:
         """True if `token` names an outstanding lease on this (written) entry."""
@@ -288,9 +291,10 @@ class EmbeddingPool:
         return "; ".join(problems) or None
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Free ready entries whose TTL passed; return their hashes."""
+        """Free ready entries whose TTL passed and that no copy of this router still reads; return their hashes."""
         now = time.monotonic() if now is None else now
-        gone = [k for k, e in self._entries.items() if e.ready and e.expires_at <= now and k not in self._acked]
+        gone = [k for k, e in self._entries.items()
+                if e.ready and e.expires_at <= now and k not in self._acked and e.readers == 0]
         for key in gone:
             self.release(key)
         if gone:
