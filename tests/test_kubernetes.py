@@ -28,8 +28,6 @@ OVERLAYS = ("cpu-demo", "gpu", "gpu+geri")
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
              ("monitoring.coreos.com/v1", "PrometheusRule"): ("groups",)}
 ANY_PORT = "eric-epd.io/any-port"
-PENDING_GATEWAY_FLAGS = ("--encoder-dns",)
-"""Gateway flags the manifests use ahead of the gateway: --encoder-dns (membership by DNS) is being added separately."""
 # variable -> (Secret key, the workloads whose process reads it, the sources that read it)
 SECRET_VARS = {
     "ERIC_API_KEY": ("eric-api-key", {"eric", "vllm-prefill", "gateway"},
@@ -223,7 +221,7 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
     sub = parser.add_subparsers(dest="command")
     _serve_parser(sub)
     geri_cli.add_parser(sub)
-    ec_urls = None
+    ec_dns = None
     for w in workloads(objs):
         for c in containers(w):
             args = expanded_args(objs, c)
@@ -232,7 +230,7 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
                 if args[0] == "serve":
                     eric = a
             elif c["command"] == ["epd-gateway"]:
-                gateway_args([x for x in args if x.split("=")[0] not in PENDING_GATEWAY_FLAGS])
+                gateway_args(args)
                 assert "--encoder-dns=eric:8100" in args
             elif c["command"] == ["vllm"]:
                 assert "--middleware=eric_epd.plugins.vllm.auth.RequireEngineKey" in args
@@ -242,16 +240,16 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
                     if x.startswith(("--ec-transfer-config=", "--kv-transfer-config=", "--limit-mm", "--pooler")):
                         config = json.loads(x.split("=", 1)[1])
                         if x.startswith("--ec-"):
-                            ec_urls = config["ec_connector_extra_config"]["eric_urls"]
+                            ec_dns = config["ec_connector_extra_config"]["eric_dns"]
                             assert config["ec_connector"] == "EricECConnector"
                             assert "--middleware=eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata" in args
-    # the connector accepts handles only from listed producers: every Eric the HPA may start must be listed
-    sts = one(objs, "StatefulSet", "eric")
+    # the connector trusts the producers the headless name resolves to (not-ready pods too, so a draining Eric's
+    # handles still land), and each Eric advertises the pod IP that name resolves to
+    headless = one(objs, "Service", "eric-headless")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert ec_dns == [f"eric-headless.eric-epd.svc.cluster.local:{eric.port}"]
+    assert eric.advertise_host == "10.1.2.3"  # the POD_IP stand-in: the address the names resolve to
     hpa = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
-    most = max([sts["spec"]["replicas"], *(h["spec"]["maxReplicas"] for h in hpa)])
-    advertised = {f"http://{eric.advertise_host.replace('eric-0', f'eric-{i}')}:{eric.port}" for i in range(most)}
-    assert eric.advertise_host == "eric-0.eric-headless.eric-epd.svc.cluster.local"
-    assert advertised <= set(ec_urls)
     assert all(h["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "eric"}
                and h["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60 for h in hpa)
 
