@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v6"
+STAMP="$V/.eric-setup-v7"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
 # System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
@@ -13,6 +13,13 @@ if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-rout
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -q >/dev/null
   $SUDO apt-get install -y -q libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 >/dev/null
+fi
+# promtool (Debian's prometheus package), which checks and unit-tests deploy/kubernetes' alert rules
+# (tests/test_kubernetes.py; that test also needs kubectl with kustomize on PATH).
+if ! command -v promtool >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q >/dev/null
+  $SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null
 fi
 
 "$PY" -m venv "$V"

@@ -20,22 +20,23 @@ import numpy as np
 
 from eric_epd.config import BatchLimits
 from eric_epd.engine.engine import BatchFailedError, BatchOutput, Engine
-from eric_epd.engine.messages import EncodeSpec, ItemResult, WorkItem, WorkRequestMsg
 from eric_epd.engine.scheduler import Batch
 from eric_epd.executor.worker import TEST_FAULT_ENV
-from eric_epd.models.workload import EncoderWorkload
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.pools import wait_pool_drained
 from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.global_cache import GlobalCache
-from eric_epd.transfer.handles import LEASE_HEADER
 from eric_epd.transfer.pool import EmbeddingPool
+from tests.helpers_engine import WORKLOAD as _WORKLOAD
+from tests.helpers_engine import InstantExecutor
+from tests.helpers_engine import work_request as _request
+from tests.helpers_servers import read_and_ack as _read_and_ack
 
 # ---------------------------------------------------------------- engine protocol (no processes)
 
 
-class _FailingExecutor:
+class _FailingExecutor(InstantExecutor):
     """Runs batches instantly, failing those whose id is in `fail`; records submissions and collections."""
 
     def __init__(self, fail: set[int]) -> None:
@@ -49,21 +50,7 @@ class _FailingExecutor:
         self.events.append(("collect", batch.batch_id))
         if batch.batch_id in self.fail:
             raise BatchFailedError("the model rejected it")
-        return BatchOutput([ItemResult(e.item.key, (e.item.cost // 4, 8), "float32") for e in batch.entries])
-
-    def workers(self) -> list:
-        return []
-
-    def check_workers(self) -> str | None:
-        return None
-
-
-_WORKLOAD = EncoderWorkload(merge_unit=4, pixel_row=3)
-
-
-def _request(request_id: str, hashes: list[str]) -> tuple[WorkRequestMsg, list[memoryview]]:
-    items = [WorkItem(h, "image", 4, 0, 128, EncodeSpec("image", (1, 2, 2), 3)) for h in hashes]
-    return WorkRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
+        return super().collect(batch)
 
 
 def test_engine_answers_a_failed_request_only_after_its_batch_in_flight() -> None:
@@ -103,18 +90,6 @@ def _items(seeds: list[int]) -> list[dict]:
 
 def _post(eric: EricServer, items: list[dict]) -> httpx.Response:
     return httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
-
-
-def _read_and_ack(eric: EricServer, item: dict) -> bytes:
-    """The embedding's safetensors payload through /v1/embeddings/<hash> with the item's lease, then the ack."""
-    handle = item["handle"]
-    lease = eric.headers | {LEASE_HEADER: handle["lease"]}
-    got = httpx.get(handle["http"], headers=lease, timeout=30)
-    assert got.status_code == 200, got.text
-    ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=lease, timeout=30,
-                     json={"instance_id": handle["instance_id"]})
-    assert ack.status_code == 200, ack.text
-    return got.content
 
 
 def _embeddings(eric: EricServer, resp: httpx.Response) -> list[bytes]:

@@ -1,19 +1,14 @@
-"""A client that disconnects cancels its work: queued items are dropped in the engine, finished ones nobody else
-holds are freed, items another live request waits for stay, and pool space is freed only after the engine answered."""
+"""A client that disconnects from a real Eric (or from a gateway in front of two) cancels its work: finished items
+nobody else holds are freed, items another live request waits for stay, and pool space is freed only after the engine
+answered."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import random
 import re
-import signal
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,218 +16,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as load_safetensors
 
-from eric_epd.config import BatchLimits, EricConfig, TransferConfig
-from eric_epd.engine.client import EngineRequest
-from eric_epd.engine.engine import ABORTED_STATUS, BatchOutput, Engine
-from eric_epd.engine.messages import (
-    AbortRequestMsg,
-    EncodeSpec,
-    ItemResult,
-    WorkItem,
-    WorkRequestMsg,
-    WorkResultMsg,
-)
-from eric_epd.engine.scheduler import Batch
-from eric_epd.models.processor import ProcessedItem
-from eric_epd.models.workload import EncoderWorkload
-from eric_epd.runtime.router import ApiError
-from eric_epd.server.metrics import EricMetrics
-from eric_epd.server.processor import PreparedItem
-from eric_epd.server.service import EncodeService, ItemRequest, OutputSpec
 from eric_epd.stack.process import ServerProcess, free_port
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image
 from eric_epd.testing.stack import image_messages
-from eric_epd.transfer.producer import TransferHub
+from tests.helpers_servers import post_raw as _post_raw
+from tests.helpers_servers import stopped as _stopped
 from tests.placement import rendezvous_first
 
 ERIC_KEY = "eric-disconnect-test"
 _ABORTED = 'eric_requests_total{status="499"}'
 GATEWAY_KEY = "sk-disconnect-test"
-
-
-# ---------------------------------------------------------------- engine protocol (no processes)
-
-
-class _FakeExecutor:
-    """Runs every batch instantly; records which item hashes ran."""
-
-    def __init__(self) -> None:
-        self.ran: list[str] = []
-
-    def submit(self, batch: Batch) -> None:
-        self.ran += [e.item.key for e in batch.entries]
-
-    def collect(self, batch: Batch) -> BatchOutput:
-        return BatchOutput([ItemResult(e.item.key, (e.item.cost // 4, 8), "float32") for e in batch.entries])
-
-    def workers(self) -> list:
-        return []
-
-    def check_workers(self) -> str | None:
-        return None
-
-
-_WORKLOAD = EncoderWorkload(merge_unit=4, pixel_row=3)
-
-
-def _engine(limits: BatchLimits, executor: _FakeExecutor) -> Engine:
-    return Engine(limits, executor, _WORKLOAD.validate)
-
-
-def _request(request_id: str, hashes: list[str]) -> tuple[WorkRequestMsg, list[memoryview]]:
-    items = [WorkItem(h, "image", 4, 0, 128, EncodeSpec("image", (1, 2, 2), 3)) for h in hashes]
-    return WorkRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
-
-
-def test_engine_abort_drops_queued_items_and_answers_once() -> None:
-    executor = _FakeExecutor()
-    engine = _engine(BatchLimits(max_items=1, max_patches=4096), executor)
-    assert engine.add_request(*_request("a", ["a0", "a1", "a2"])) == []
-    assert engine.add_request(*_request("b", ["b0"])) == []
-    assert engine.step() == []  # a0 ran
-    assert engine.abort(AbortRequestMsg("a", [1])) == []  # a2 is still queued: no answer yet
-    [(aborted, _)] = engine.step()  # a2 ran, a1 was dropped: a is over
-    assert aborted.request_id == "a" and aborted.status == ABORTED_STATUS and "1 of 3" in aborted.error
-    assert [r.key for r in aborted.items] == ["a0", "a2"]  # finished anyway: written, so the router commits them
-    assert engine.abort(AbortRequestMsg("a")) == []  # answered once; later aborts are ignored
-    [(answer, _)] = engine.step()
-    assert answer.request_id == "b" and answer.error is None and [r.key for r in answer.items] == ["b0"]
-    assert executor.ran == ["a0", "a2", "b0"]
-    status = engine.status()
-    assert status.queued_items == 0 and status.running_items == 0
-
-
-def test_engine_abort_of_a_whole_queued_request() -> None:
-    engine = _engine(BatchLimits(max_items=8, max_patches=4096), _FakeExecutor())
-    engine.add_request(*_request("a", ["a0", "a1"]))
-    [(answer, _)] = engine.abort(AbortRequestMsg("a"))
-    assert answer.status == ABORTED_STATUS and answer.items == []
-    assert engine.step() == [] and not engine.has_work
-
-
-# ---------------------------------------------------------------- EncodeService (fake engine, real pool)
-
-
-class _FakeEngine:
-    """EngineClient stand-in: requests stay in the engine until the test answers them; aborts are recorded."""
-
-    request_timeout_s = 30.0
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[EngineRequest, list[WorkItem]]] = []
-        self.aborts: list[tuple[str, list[int] | None]] = []
-
-    def submit(self, items: list[WorkItem], inputs: list[np.ndarray]) -> EngineRequest:
-        request = EngineRequest(f"r{len(self.requests)}", len(items), asyncio.get_running_loop().create_future())
-        self.requests.append((request, list(items)))
-        return request
-
-    def abort(self, request: EngineRequest, items: list[int] | None = None) -> None:
-        self.aborts.append((request.request_id, None if items is None else sorted(items)))
-
-    def answer(self, number: int, finished: list[int], status: int = 200) -> None:
-        """The engine's final answer for request `number`: these item indices were written."""
-        request, items = self.requests[number]
-        results = [ItemResult(items[i].key, (4, 8), "float32") for i in finished]
-        error = None if status == 200 else "request aborted"
-        request.result.set_result((WorkResultMsg(request.request_id, results, error, status), []))
-
-
-class _FakeMedia:
-    """Fetcher and processor in one: the URL names the content (and so the hash)."""
-
-    async def fetch(self, url: str) -> bytes:
-        return url.encode()
-
-    async def prepare_many(self, items: list[tuple[str, bytes]]) -> list[PreparedItem]:
-        return [PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
-                for modality, data in items]
-
-
-@contextmanager
-def _service(engine: _FakeEngine) -> Iterator[EncodeService]:
-    config = EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=()))
-    hub = TransferHub(config)
-    try:
-        yield EncodeService(_FakeMedia(), _FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"))
-    finally:
-        hub.close()
-
-
-def _items(*names: str) -> list[ItemRequest]:
-    return [ItemRequest(n, "image", n) for n in names]
-
-
-async def _settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
-def test_service_timeout_keeps_space_until_the_engine_answers() -> None:
-    async def run() -> None:
-        engine = _FakeEngine()
-        engine.request_timeout_s = 0.2
-        with _service(engine) as service:
-            with pytest.raises(ApiError) as timed_out:
-                await service.encode(_items("x", "y"))
-            assert timed_out.value.status == 504
-            assert engine.aborts == [("r0", [0, 1])]
-            assert len(service.hub.pool) == 2  # the workers may still write there
-            engine.answer(0, [0], status=ABORTED_STATUS)  # x ran anyway, y was dropped
-            await _settle()
-            assert len(service.hub.pool) == 0 and service.hub.pool.used_bytes == 0
-
-    asyncio.run(run())
-
-
-def test_service_cancel_keeps_what_a_live_request_waits_for() -> None:
-    async def run() -> None:
-        engine = _FakeEngine()
-        with _service(engine) as service:
-            owner = asyncio.create_task(service.encode(_items("x", "y")))
-            await _settle()
-            waiter = asyncio.create_task(service.encode(_items("x")))
-            await _settle()
-            owner.cancel()  # its client left
-            await _settle()
-            assert owner.cancelled() and engine.aborts == [("r0", [1])]  # x stays: the waiter wants it
-            engine.answer(0, [0], status=ABORTED_STATUS)
-            [answer] = await waiter
-            assert answer.handle.hash == "x"
-            assert len(service.hub.pool) == 1  # y freed; x held by the waiter's lease only
-            assert service.hub.ack("x", answer.handle.lease)[0] == 200
-            assert len(service.hub.pool) == 0 and service.hub.pool.used_bytes == 0
-            assert len(engine.requests) == 1  # x was encoded once
-
-    asyncio.run(run())
-
-
-def test_service_cancel_of_every_requester_aborts_and_gives_back() -> None:
-    async def run() -> None:
-        engine = _FakeEngine()
-        with _service(engine) as service:
-            cached = asyncio.create_task(service.encode(_items("c")))
-            await _settle()
-            engine.answer(0, [0])
-            [c] = await cached
-            owner = asyncio.create_task(service.encode(_items("c", "x")))  # leases c at once, then encodes x
-            await _settle()
-            waiter = asyncio.create_task(service.encode(_items("x")))
-            await _settle()
-            owner.cancel()
-            await _settle()
-            assert engine.aborts == []  # the waiter still wants x
-            waiter.cancel()
-            await _settle()
-            assert engine.aborts == [("r1", [0])]
-            engine.answer(1, [], status=ABORTED_STATUS)
-            await _settle()
-            # the first lease on c is intact, and once it ends the pool is empty: the owner gave back its own
-            assert service.hub.ack("c", c.handle.lease)[0] == 200
-            assert len(service.hub.pool) == 0 and service.hub.pool.used_bytes == 0
-
-    asyncio.run(run())
 
 
 # ---------------------------------------------------------------- a real Eric
@@ -247,16 +41,6 @@ def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def _jpeg_url(width: int, height: int, seed: int) -> str:
     return data_url(image_bytes(random_image(width, height, seed), "JPEG"), "image/jpeg")
-
-
-def _post_raw(port: int, path: str, body: dict, headers: dict[str, str]) -> socket.socket:
-    """Send a whole POST and return the open socket without reading the answer (the caller abandons it)."""
-    payload = json.dumps(body).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": "127.0.0.1", "Content-Type": "application/json",
-                                                  "Content-Length": str(len(payload))}.items())
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode() + payload)
-    return sock
 
 
 def _encode_body(urls: list[str]) -> dict:
@@ -293,16 +77,6 @@ def _assert_drained(eric: EricServer, timeout_s: float = 60.0) -> None:
         pool = _pool(eric)
     assert pool["used_bytes"] == 0 and pool["entries"] == 0, pool
     assert _metric(eric, "eric_inflight_items") == 0
-
-
-@contextmanager
-def _stopped(pid: int) -> Iterator[None]:
-    """The process does nothing (SIGSTOP) inside the block: a batch sent to it stays running."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def _worker(eric: EricServer) -> int:

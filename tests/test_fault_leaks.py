@@ -5,8 +5,6 @@ image under two URLs through a real gateway gives every lease back. Pools end at
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,10 +34,15 @@ from eric_epd.testing.stack import image_messages, metric, wait_for
 from eric_epd.testing.standins import EmbedsEngine, _ThreadServer
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.handles import LEASE_HEADER
 from eric_epd.transfer.producer import TransferHub
+from tests.helpers_engine import FakeEngine as _FakeEngine
+from tests.helpers_engine import FakeMedia as _FakeMedia
+from tests.helpers_engine import items as _items
+from tests.helpers_engine import settle as _settle
+from tests.helpers_servers import post_raw as _post_raw
+from tests.helpers_servers import read_and_ack
+from tests.helpers_servers import stopped as _stopped
 from tests.placement import rendezvous_first
-from tests.test_disconnect import _FakeEngine, _FakeMedia, _items, _post_raw, _settle
 
 STORED = 0x5A
 """What the stand-in store holds for every item (byte value); a late read writes 0xEE."""
@@ -162,23 +165,7 @@ def _encode(eric: EricServer, url: str, timeout_s: float = 120) -> dict:
 
 
 def _read_and_ack(eric: EricServer, item: dict) -> np.ndarray:
-    handle = item["handle"]
-    lease = eric.headers | {LEASE_HEADER: handle["lease"]}
-    got = httpx.get(handle["http"], headers=lease, timeout=30)
-    assert got.status_code == 200, got.text
-    ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=lease, timeout=30,
-                     json={"instance_id": handle["instance_id"]})
-    assert ack.status_code == 200, ack.text
-    return load_safetensors(got.content)["embedding"]
-
-
-@contextmanager
-def _stopped(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    return load_safetensors(read_and_ack(eric, item))["embedding"]
 
 
 def test_store_reads_cut_short_leave_nothing_held(qwen2_vl_tiny: Path, tmp_path: Path) -> None:

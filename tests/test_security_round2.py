@@ -5,7 +5,6 @@ segment, ports and pool region before a byte lands (a live producer process, rea
 from __future__ import annotations
 
 import base64
-import threading
 import uuid
 from collections.abc import Iterator
 from multiprocessing.shared_memory import SharedMemory
@@ -27,6 +26,7 @@ from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 from eric_epd.transfer.handles import EmbeddingHandle, HandleError, check_handle
+from tests.helpers_servers import start_in_threads
 from tests.sglang_probes import ELSEWHERE, assert_sglang_error, client_from
 
 BOUNDS = ("--sglang-max-parts", "4", "--sglang-req-timeout", "3", "--sglang-send-timeout", "3",
@@ -40,22 +40,9 @@ def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     servers = {"plain": EricServer(qwen2_vl_tiny, log_path=tmp / "plain.log", extra_args=BOUNDS),
                "proxied": EricServer(qwen2_vl_tiny, log_path=tmp / "proxied.log",
                                      extra_args=("--trusted-proxies", "127.0.0.1"))}
-    errors: list[BaseException] = []
-
-    def boot(eric: EricServer) -> None:
-        try:
-            eric.start()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=boot, args=(e,)) for e in servers.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    join = start_in_threads(servers.values())
     try:
-        if errors:
-            raise errors[0]
+        join()
         yield servers
     finally:
         for eric in servers.values():

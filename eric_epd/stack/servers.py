@@ -39,9 +39,13 @@ class EricServer(ServerProcess):
                          cpus=cpus)
 
 
-def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "") -> dict:
-    """The --ec-transfer-config that puts vLLM behind Eric (reading the Erics' global cache at that store master)."""
+def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "",
+                   eric_dns: list[str] | None = None) -> dict:
+    """The --ec-transfer-config that puts vLLM behind Eric (reading the Erics' global cache at that store master);
+    `eric_dns` ("NAME:PORT") adds the Erics found by name."""
     extra: dict = {"eric_urls": eric_urls, "backends": list(backends)}
+    if eric_dns:
+        extra["eric_dns"] = eric_dns
     if global_cache:
         extra["global_cache"] = global_cache
     return {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
@@ -55,25 +59,27 @@ at all. The gateway hands engines data: URLs only; this is the second wall, with
 
 class VllmServe(ServerProcess):
     """`vllm serve` on a small local model, listening on loopback only; with eric_urls, behind Eric (connector +
-    guard middleware, the Erics' key in ERIC_API_KEY). Every route but /health and /metrics needs its generated key
-    (VLLM_API_KEY, which the gateway sends; RequireEngineKey). It runs on `cpus` (default: the engine's half of
-    host_split()), its OpenMP threads bound to them."""
+    guard middleware, the Erics' key in ERIC_API_KEY); `eric_dns` ("NAME:PORT") trusts the Erics a name lists too.
+    Every route but /health and /metrics needs its generated key (VLLM_API_KEY, which the gateway sends;
+    RequireEngineKey). It runs on `cpus` (default: the engine's half of host_split()), its OpenMP threads bound to
+    them; `wrap` is put before its command (e.g. a private mount namespace: tests/test_dns_members.py)."""
 
     def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
                  max_model_len: int = 4096, eric_api_key: str | None = None, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None, port: int | None = None, global_cache: str = "") -> None:
+                 cpus: tuple[int, ...] | None = None, port: int | None = None, global_cache: str = "",
+                 eric_dns: list[str] | None = None, wrap: tuple[str, ...] = ()) -> None:
         port = port or free_port()
         cpus = cpus or host_split()[1]
         api_key = api_key or new_key()
         vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+        cmd = [*wrap, vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
                "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
                "--allowed-media-domains", NO_MEDIA_DOMAIN,
                "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
-        if eric_urls:
-            ec = eric_ec_config(eric_urls, global_cache=global_cache)
+        if eric_urls or eric_dns:
+            ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
                     "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
@@ -95,14 +101,15 @@ def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls:
 
 class GatewayServer(ServerProcess):
     """The gateway; its keys and the Erics', the engines' and the Geris' reach it by environment (EPD_GATEWAY_API_KEY,
-    EPD_GATEWAY_ADMIN_KEY, ERIC_API_KEY, VLLM_API_KEY, GERI_API_KEY), never on its command line."""
+    EPD_GATEWAY_ADMIN_KEY, ERIC_API_KEY, VLLM_API_KEY, GERI_API_KEY), never on its command line; `wrap` is put
+    before its command (e.g. a private mount namespace: tests/test_dns_members.py)."""
 
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
                  upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
                  cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None,
-                 admin_key: str | None = None) -> None:
+                 admin_key: str | None = None, wrap: tuple[str, ...] = ()) -> None:
         port = port or free_port()
-        cmd = [sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
+        cmd = [*wrap, sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
         env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
                                  ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key),

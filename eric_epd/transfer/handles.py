@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from urllib.parse import urlsplit
 
 import msgspec
@@ -96,7 +97,7 @@ class HandleError(ValueError):
     """An offered handle that a consumer must not use: the request fails, the consumer does not."""
 
 
-def check_handle(h: EmbeddingHandle, eric_urls: tuple[str, ...], width: int) -> None:
+def check_handle(h: EmbeddingHandle, eric_urls: Collection[str], width: int) -> None:
     """The handle points only at a configured producer, and describes a [rows, width] tensor of its byte length."""
     if h.producer not in eric_urls:
         raise HandleError(f"embedding {h.hash[:16]} is held by {h.producer!r}, which is not one of the "

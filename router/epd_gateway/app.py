@@ -29,6 +29,7 @@ from epd_gateway.content import (
     vllm_can_place,
     with_embeddings,
 )
+from epd_gateway.dns_members import DnsMembers
 from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.errors import GatewayError
@@ -214,11 +215,16 @@ def create_app(config: GatewayConfig) -> Starlette:
                 httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as unkeyed, \
                 new_session(config) as session:
             state["gw"] = Gateway(config, client, session, metrics, unkeyed)
-            health = asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))
+            tasks = [asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))]
+            if config.encoder_dns:
+                members = DnsMembers(config.encoder_dns, state["gw"].encoders, config.dns_interval_s)
+                await members.refresh()  # serving starts with the Erics the names list now
+                tasks.append(asyncio.create_task(members.run()))
             try:
                 yield
             finally:
-                health.cancel()
+                for task in tasks:
+                    task.cancel()
                 await state["gw"].inliner.aclose()
 
     async def on_gateway_error(_: Request, e: Exception) -> Response:

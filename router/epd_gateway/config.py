@@ -9,6 +9,7 @@ from pathlib import Path
 
 from epd_gateway.admission import Network, parse_network
 from epd_gateway.embeds import EmbeddingShape
+from eric_epd.common.dns import DnsTarget, parse_dns_target
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.server.media import MediaLimits
 from eric_epd.server.url_policy import UrlPolicy
@@ -17,6 +18,10 @@ from eric_epd.server.url_policy import UrlPolicy
 @dataclass(frozen=True)
 class GatewayConfig:
     encoder_urls: tuple[str, ...] = ()
+    encoder_dns: tuple[DnsTarget, ...] = ()
+    """--encoder-dns: names (e.g. Kubernetes headless Services) whose every address is an Eric at the given port,
+    re-resolved every `dns_interval_s` (router/epd_gateway/dns_members.py)."""
+    dns_interval_s: float = 2.0
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     colocated_urls: tuple[str, ...] = ()
@@ -79,6 +84,10 @@ class GatewayConfig:
                              "--text-encoder-urls and --geri-urls)")
         if self.epd_prefill_urls and (self.backend != "sglang" or not self.decode_urls):
             raise ValueError("--epd-prefill-urls is for --backend sglang, with --decode-urls")
+        if self.dns_interval_s <= 0:
+            raise ValueError("--dns-interval must be > 0")
+        if self.encoder_dns and self.backend != "vllm":
+            raise ValueError("--encoder-dns is for --backend vllm (SGLang's prefills call their own --encoder-urls)")
         if self.epd_min_items < 1 or self.max_items < 1:
             raise ValueError("--epd-min-items and --max-items must be >= 1")
 
@@ -87,9 +96,23 @@ def _urls(value: str) -> tuple[str, ...]:
     return tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
 
 
+def _dns_target(value: str) -> DnsTarget:
+    try:
+        return parse_dns_target(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="epd-gateway", description="OpenAI-compatible EPD/PD gateway")
     p.add_argument("--encoder-urls", type=_urls, default=(), help="comma-separated Eric base URLs")
+    p.add_argument("--encoder-dns", type=_dns_target, action="append", default=[], metavar="NAME:PORT",
+                   help="a DNS name whose every address is an Eric on PORT (a Kubernetes headless Service; "
+                        "repeatable, with or without --encoder-urls): re-resolved every --dns-interval seconds, an "
+                        "address that appears starts receiving items, one that vanishes stops (calls in flight to it "
+                        "finish); a failed lookup keeps the last members")
+    p.add_argument("--dns-interval", type=float, default=GatewayConfig.dns_interval_s,
+                   help="seconds between lookups of each --encoder-dns name")
     p.add_argument("--prefill-urls", type=_urls, default=(),
                    help="comma-separated prefill instances (vLLM kv_producer, or SGLang prefill)")
     p.add_argument("--decode-urls", type=_urls, default=(),
@@ -150,7 +173,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="most bytes of linked images kept (oldest dropped first)")
     a = p.parse_args(argv)
     return GatewayConfig(
-        encoder_urls=a.encoder_urls, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
+        encoder_urls=a.encoder_urls, encoder_dns=tuple(dict.fromkeys(a.encoder_dns)),
+        dns_interval_s=a.dns_interval, prefill_urls=a.prefill_urls, decode_urls=a.decode_urls,
         colocated_urls=a.colocated_urls, epd_prefill_urls=a.epd_prefill_urls, backend=a.backend,
         epd_min_items=a.epd_min_items, host=a.host, port=a.port, trusted_proxies=a.trusted_proxies,
         api_key=a.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 MAX_HOLDERS = 65536
 """Items whose Eric the gateway remembers (about 100 bytes each)."""
+MAX_DEPARTED = 1024
+"""Erics that left by name (dns_members.py) whose leases the gateway may still give back."""
 WAIT_SLACK_S = 0.5
 """A new item leaves its content's own Eric (rendezvous) only for one whose expected wait is this much shorter."""
 
@@ -78,6 +80,7 @@ class EncoderPool:
         self._holders: OrderedDict[bytes, str] = OrderedDict()  # routing key -> the Eric that last answered it
         self._members = {u: EncoderState(u) for u in urls}
         self._static = frozenset(urls)
+        self._departed: OrderedDict[str, None] = OrderedDict()  # removed by name: their leases can still be acked
         self._client = client
         self._metrics = metrics
         self._eject_after = eject_after
@@ -104,6 +107,34 @@ class EncoderPool:
         elif member.heartbeat is not None:
             member.heartbeat = time.monotonic()
         self._refresh_gauge()
+
+    def admit(self, url: str) -> None:
+        """Admit an Eric a name lists (dns_members.py): a member like an --encoder-urls entry, with no heartbeat."""
+        url = url.rstrip("/")
+        self._departed.pop(url, None)
+        member = self._members.get(url)
+        if member is not None:
+            member.heartbeat = None  # listed by name now: never dropped for silence
+            return
+        logger.info("encoder %s joined (its name lists it)", url)
+        self._members[url] = EncoderState(url)
+        self._refresh_gauge()
+
+    def dismiss(self, url: str) -> None:
+        """Remove an Eric its name no longer lists (an --encoder-urls entry stays): no new work goes there, calls in
+        flight finish, and leases it gave out can still be given back."""
+        url = url.rstrip("/")
+        if url in self._static or self._members.pop(url, None) is None:
+            return
+        logger.info("encoder %s left (its name no longer lists it)", url)
+        self._departed[url] = None
+        while len(self._departed) > MAX_DEPARTED:
+            self._departed.popitem(last=False)
+        self._refresh_gauge()
+
+    def knows(self, url: str) -> bool:
+        """Whether leases may be given back to `url`: a member, listed by hand, or one its name listed."""
+        return url in self._members or url in self._static or url in self._departed
 
     def drop_silent(self) -> list[str]:
         """Forget self-registered Erics whose heartbeats stopped; their URLs."""
@@ -276,12 +307,11 @@ class EncoderPool:
     async def release(self, items: list[dict[str, Any]]) -> None:
         """Give back the leases an encode took on items that will never be fetched (the request went elsewhere),
         so the Erics free them now instead of at their TTL. Best effort: a failure only leaves the TTL to act. An ack
-        goes only to an Eric this gateway knows (a member, or listed by hand), never to a URL an answer names."""
-        known = self._static | set(self._members)
+        goes only to an Eric this gateway knows (`knows`), never to a URL an answer names."""
 
         async def ack(handle: dict[str, Any]) -> None:
             producer = str(handle.get("producer", "")).rstrip("/")
-            if producer not in known or not is_content_hash(str(handle.get("hash", ""))):
+            if not self.knows(producer) or not is_content_hash(str(handle.get("hash", ""))):
                 logger.warning("not acknowledging an embedding at %r: not an Eric this gateway knows", producer[:200])
                 return
             try:

@@ -23,7 +23,7 @@ from eric_epd.plugins.sglang.protocol import (
     item_url,
     validate,
 )
-from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError
+from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError, finished
 from eric_epd.plugins.sglang.rows import PartRows
 from eric_epd.plugins.sglang.wire import (
     EncodeRequest,
@@ -214,9 +214,10 @@ class SglangEncoder:
             raise SglangError(400, "embedding_port given without prefill_host")
         part.active += 1
         try:
-            frames = self._frames(part)
-            await asyncio.gather(*(self._send(host_port(req.prefill_host, int(p)), frames, cached=False)
-                                   for p in ports))
+            with self.rows.reading(part):
+                frames = self._frames(part)
+                await asyncio.gather(*(self._send(host_port(req.prefill_host, int(p)), frames, cached=False)
+                                       for p in ports))
         except SglangError:
             raise
         except Exception as e:
@@ -234,29 +235,30 @@ class SglangEncoder:
         failure, code = None, 502
         part.active += 1
         try:
-            frames = self._frames(part)
-            while True:
-                part.changed.clear()
-                for endpoint in sorted(part.destinations.keys() - sent):
-                    sent.add(endpoint)
-                    tasks.append((endpoint, asyncio.create_task(self._send(endpoint, frames, cached=True))))
-                if part.expected is not None and len(sent) >= part.expected:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    failure = (f"timed out after {self.settings.send_timeout_s:g}s with {len(sent)}/"
-                               f"{part.expected} destination(s) initiated")
-                    code = 504
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(part.changed.wait(), remaining)
-            results = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
-            failed = [ep for (ep, _), r in zip(tasks, results) if isinstance(r, BaseException)]
-            for (ep, _), r in zip(tasks, results):
-                if isinstance(r, BaseException):
-                    logger.error("SGLang part %s: send to %s failed: %r", part.req_id, ep, r)
-            if failed and failure is None:
-                failure = f"delivery failed for {failed}"
+            with self.rows.reading(part):
+                frames = self._frames(part)
+                while True:
+                    part.changed.clear()
+                    for endpoint in sorted(part.destinations.keys() - sent):
+                        sent.add(endpoint)
+                        tasks.append((endpoint, asyncio.create_task(self._send(endpoint, frames, cached=True))))
+                    if part.expected is not None and len(sent) >= part.expected:
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        failure = (f"timed out after {self.settings.send_timeout_s:g}s with {len(sent)}/"
+                                   f"{part.expected} destination(s) initiated")
+                        code = 504
+                        break
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(part.changed.wait(), remaining)
+                results = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+                failed = [ep for (ep, _), r in zip(tasks, results) if isinstance(r, BaseException)]
+                for (ep, _), r in zip(tasks, results):
+                    if isinstance(r, BaseException):
+                        logger.error("SGLang part %s: send to %s failed: %r", part.req_id, ep, r)
+                if failed and failure is None:
+                    failure = f"delivery failed for {failed}"
         finally:
             part.active -= 1
             part.delivering = False
@@ -341,16 +343,19 @@ class SglangEncoder:
             raise SglangError(400, f"embedding_size {req.embedding_size} != {part.wire_bytes} of req_id={req.req_id}")
         part.active += 1
         try:
-            srcs, lens = self.rows.ranges(part)
-            dsts = list(np.cumsum([0, *lens[:-1]], dtype=np.int64) + req.buffer_address) if lens else []
-            timeout = self.settings.send_timeout_s
-            if nixl is not None:
-                pusher: Any = await self._pusher("nixl")
-                await asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens, timeout)
-            elif lens:
-                pusher = await self._pusher("mooncake")
-                await asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens, timeout)
-            await self._send(endpoint, [self.rows.header(part)], cached=False)
+            with self.rows.reading(part):
+                srcs, lens = self.rows.ranges(part)
+                dsts = list(np.cumsum([0, *lens[:-1]], dtype=np.int64) + req.buffer_address) if lens else []
+                timeout = self.settings.send_timeout_s
+                if nixl is not None:
+                    pusher: Any = await self._pusher("nixl")
+                    await finished(asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens,
+                                                     timeout))
+                elif lens:
+                    pusher = await self._pusher("mooncake")
+                    await finished(asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens,
+                                                     timeout))
+                await self._send(endpoint, [self.rows.header(part)], cached=False)
         except PushError as e:
             raise SglangError(500, str(e)) from e
         except SglangError:
@@ -389,3 +394,4 @@ class SglangEncoder:
         for h in {(a.handle.hash, a.handle.generation): a.handle for a in answers}.values():
             self.hub.ack(h.hash, h.lease)
         return True
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -51,6 +53,19 @@ class PartRows:
                 raise SglangError(500, f"embedding {answer.handle.hash} left the pool before it was sent")
             entries.append(entry)
         return entries
+
+    @contextlib.contextmanager
+    def reading(self, part: Part) -> Iterator[None]:
+        """While a send may read the part's rows, their pool entries count it as a reader: the TTL frees none of
+        them under it, whatever the timeouts are set to (an error part sends no rows)."""
+        entries = self.entries(part) if part.error is None else []
+        for entry in entries:
+            entry.readers += 1
+        try:
+            yield
+        finally:
+            for entry in entries:
+                entry.readers -= 1
 
     def header(self, part: Part) -> bytes:
         req = part.request

@@ -1,12 +1,14 @@
 """EricECConnector: vLLM's encoder-cache connector (consumer role) backed by Eric.
 
 Scheduler side (EngineCore process): each request brings the handles (with lease tokens) of its Eric items beside
-it, in `sampling_params.extra_args` (the gateway writes them); they are checked (a configured Eric, the model's
-embedding width, a consistent byte length). The request waits (`ensure_cache_available` is False) while every worker
-lands its items in its own device memory in the background and the scheduler then acknowledges them to Eric; no
-network call runs on the scheduler's loop or in a model step, and a slow Eric delays only the requests whose items it
-holds. A request whose items can be neither fetched nor encoded locally, or whose handles fail the checks, is failed
-alone; a failed fetch leaves nothing behind: the next request for that item fetches it again with its own lease.
+it, in `sampling_params.extra_args` (the gateway writes them); they are checked (a configured Eric: in `eric_urls`,
+or an address of an `eric_dns` name, trust.py; the model's embedding width, a consistent byte length). The request
+waits (`ensure_cache_available` is False) while every worker lands its items in its own device memory in the
+background and the scheduler then acknowledges them to Eric (or while a producer awaits a fresh lookup of the
+`eric_dns` names); no network call runs on the scheduler's loop or in a model step, and a slow Eric delays only the
+requests whose items it holds. A request whose items can be neither fetched nor encoded locally, or whose handles
+fail the checks, is failed alone; a failed fetch leaves nothing behind: the next request for that item fetches it
+again with its own lease.
 Worker side (each vLLM worker): lands items when told (NIXL READs straight into device memory) and copies each out
 in the model's dtype before the scheduler hears of it (a rank whose copy fails fails the item, never a step), then
 hands those copies to vLLM's encoder cache.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +30,13 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from eric_epd.plugins.vllm.handoff import HandleError, model_embedding_width, offered_handles
+from eric_epd.common.dns import DnsTarget, parse_dns_target
+from eric_epd.plugins.vllm.handoff import HandleError, model_embedding_width, offered_handles, offered_producers
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
 from eric_epd.plugins.vllm.staging import Prefetcher, StagedLoad, State
 from eric_epd.plugins.vllm.stats import EricECStats
+from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
 from eric_epd.transfer.handles import BACKENDS, EmbeddingHandle
@@ -97,14 +102,17 @@ class EricConnectorSettings:
     prefetch_threads: int = 4
     fetch_timeout_s: float = 30.0
     mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)
+    eric_dns: tuple[DnsTarget, ...] = ()
+    """Names whose every address is a trusted Eric at the given port (a Kubernetes headless Service)."""
+    dns_interval_s: float = 2.0
 
     @classmethod
     def parse(cls, extra: dict[str, Any], environ: dict[str, str] | os._Environ = os.environ) -> EricConnectorSettings:
-        urls = extra.get("eric_urls", [])
-        if isinstance(urls, str):
-            urls = [u for u in urls.split(",") if u]
-        if not urls:
-            raise ValueError('EricECConnector needs ec_connector_extra_config {"eric_urls": ["http://host:port"]}')
+        urls, names = (extra.get(key, []) for key in ("eric_urls", "eric_dns"))
+        urls, names = ([u for u in v.split(",") if u] if isinstance(v, str) else list(v) for v in (urls, names))
+        if not urls and not names:
+            raise ValueError('EricECConnector needs ec_connector_extra_config {"eric_urls": ["http://host:port"]} '
+                             'or {"eric_dns": ["name:port"]}')
         backends = tuple(extra.get("backends", BACKENDS))
         unknown = set(backends) - set(BACKENDS)
         if unknown:
@@ -116,12 +124,15 @@ class EricConnectorSettings:
                        MooncakeOptions(str(extra.get("mooncake_host", MooncakeOptions.host)),
                                        str(extra.get("mooncake_protocol", MooncakeOptions.protocol)),
                                        str(extra.get("mooncake_device", MooncakeOptions.device)),
-                                       str(extra.get("global_cache", ""))))
+                                       str(extra.get("global_cache", ""))),
+                       tuple(dict.fromkeys(parse_dns_target(str(n)) for n in names)),
+                       float(extra.get("dns_interval_s", cls.dns_interval_s)))
         if settings.mooncake.protocol not in ("tcp", "rdma", "efa"):
             raise ValueError(f"mooncake_protocol {settings.mooncake.protocol!r}: choose tcp, rdma or efa")
-        if settings.staging_bytes < 1 << 20 or settings.prefetch_threads < 1 or settings.fetch_timeout_s <= 0:
-            raise ValueError("ec_connector_extra_config: staging_bytes >= 1 MiB, prefetch_threads >= 1 and "
-                             "fetch_timeout_s > 0 are required")
+        if (settings.staging_bytes < 1 << 20 or settings.prefetch_threads < 1 or settings.fetch_timeout_s <= 0
+                or settings.dns_interval_s <= 0):
+            raise ValueError("ec_connector_extra_config: staging_bytes >= 1 MiB, prefetch_threads >= 1, "
+                             "fetch_timeout_s > 0 and dns_interval_s > 0 are required")
         return settings
 
 
@@ -151,6 +162,7 @@ class EricECConnector(ECConnectorBase):
         address = LandingAddress(vllm_config.instance_id, parallel.data_parallel_rank)
         if role == ECConnectorRole.SCHEDULER:
             self._width = model_embedding_width(vllm_config.model_config)
+            self._trust = TrustedProducers(settings.eric_urls, settings.eric_dns, settings.dns_interval_s)
             self._leases = LeaseClient(settings.api_key, settings.lookup_timeout_s)
             acks = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
             self._prefetch = Prefetcher(LandingChannel(address, parallel.tensor_parallel_size), acks,
@@ -170,14 +182,17 @@ class EricECConnector(ECConnectorBase):
 
     # ---- scheduler side --------------------------------------------------------------------------------------
 
-    def _offers_of(self, request: Request, live: bool = True) -> dict[str, EmbeddingHandle]:
-        """The request's own handles (parsed and checked once); a live request with a bad handle is failed."""
+    def _offers_of(self, request: Request, live: bool = True) -> dict[str, EmbeddingHandle] | None:
+        """The request's own handles (parsed and checked once); a live request with a bad handle is failed. None
+        while a producer may be an Eric that just joined an eric_dns name (a lookup is under way)."""
         rid = request.request_id
         if rid in self._offers:
             return self._offers[rid]
-        params = getattr(request, "sampling_params", None)
+        extra_args = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+        if live and self._trust.by_name and not self._trust.settled(offered_producers(extra_args)):
+            return None
         try:
-            offered = offered_handles(getattr(params, "extra_args", None), self._settings.eric_urls, self._width)
+            offered = offered_handles(extra_args, self._trust, self._width)
         except HandleError as e:
             if live:
                 self._fail(rid, f"refused Eric handles: {e}")
@@ -222,7 +237,7 @@ class EricECConnector(ECConnectorBase):
         whose handles failed their checks, or whose fetch failed."""
         offers = self._offers_of(request)
         rid = request.request_id
-        if rid in self._unavailable:
+        if offers is None or rid in self._unavailable:
             return False
         ready = True
         for index, feature in enumerate(request.mm_features):
@@ -279,6 +294,8 @@ class EricECConnector(ECConnectorBase):
         self._cached.update(load.mm_hash for load in meta.loads)
         if not scheduler_output.total_num_scheduled_tokens and self._prefetch.busy():
             self._prefetch.wait(IDLE_WAIT_S)  # idle until a fetch ends, rather than spin the engine loop
+        elif not scheduler_output.total_num_scheduled_tokens and self._trust.asking():
+            time.sleep(IDLE_WAIT_S)  # a request waits for a lookup of the eric_dns names
         return meta
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
@@ -292,7 +309,7 @@ class EricECConnector(ECConnectorBase):
         """Eric items of this request that were never fetched with its own leases (vLLM already had them cached,
         or the request ended first) still hold the leases its encode took: give them back now, not at the TTL."""
         rid = request.request_id
-        offers = self._offers_of(request, live=False)  # also a request that ended before it was ever scheduled
+        offers = self._offers_of(request, live=False) or {}  # also one that ended before it was ever scheduled
         del self._offers[rid]
         for feature in request.mm_features:
             self._prefetch.drop(feature.identifier, rid)
@@ -373,3 +390,4 @@ class EricECConnector(ECConnectorBase):
         else:
             self._prefetch.close()
             self._leases.close()
+            self._trust.close()

@@ -3,7 +3,7 @@ by the gateway alone, and the connector's checks on them: where they point and t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import msgspec
@@ -11,7 +11,7 @@ import msgspec
 from eric_epd.transfer.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
 
 __all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "HandleError", "check_handle", "handles_xargs", "model_embedding_width",
-           "offered_handles"]
+           "offered_handles", "offered_producers"]
 
 EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
@@ -21,9 +21,25 @@ def handles_xargs(handles: Iterable[dict[str, Any] | EmbeddingHandle]) -> dict[s
     return {EXTRA_ARGS_KEY: msgspec.json.encode(list(handles)).decode()}
 
 
-def offered_handles(extra_args: dict[str, Any] | None, eric_urls: tuple[str, ...], width: int,
+class _Producer(msgspec.Struct):
+    producer: str
+
+
+def offered_producers(extra_args: dict[str, Any] | None) -> set[str]:
+    """The producers a request's handles name (none if they do not parse: offered_handles then says why)."""
+    raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
+    if not isinstance(raw, str | bytes):
+        return set()
+    try:
+        return {h.producer for h in msgspec.json.decode(raw, type=list[_Producer])[:MAX_HANDLES]}
+    except msgspec.DecodeError:
+        return set()
+
+
+def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int,
                     ) -> dict[str, EmbeddingHandle]:
-    """hash -> handle from a request's extra_args, each checked (HandleError names the first problem)."""
+    """hash -> handle from a request's extra_args, each checked (HandleError names the first problem); `eric_urls`
+    is any collection of the trusted producers (a tuple, or the connector's TrustedProducers)."""
     raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
     if raw is None:
         return {}

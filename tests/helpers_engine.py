@@ -1,0 +1,94 @@
+"""Engine and EncodeService stand-ins shared by tests that run without processes: an executor that runs batches
+instantly, work requests for it, and a fake engine client and media source for EncodeService."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from eric_epd.engine.client import EngineRequest
+from eric_epd.engine.engine import BatchOutput
+from eric_epd.engine.messages import EncodeSpec, ItemResult, WorkItem, WorkRequestMsg, WorkResultMsg
+from eric_epd.engine.scheduler import Batch
+from eric_epd.models.processor import ProcessedItem
+from eric_epd.models.workload import EncoderWorkload
+from eric_epd.server.processor import PreparedItem
+from eric_epd.server.service import ItemRequest
+
+# ---------------------------------------------------------------- engine protocol
+
+
+class InstantExecutor:
+    """Runs every batch instantly: each item yields (cost // 4, 8) float32 rows; there are no worker processes."""
+
+    def submit(self, batch: Batch) -> None:
+        pass
+
+    def collect(self, batch: Batch) -> BatchOutput:
+        return BatchOutput([ItemResult(e.item.key, (e.item.cost // 4, 8), "float32") for e in batch.entries])
+
+    def workers(self) -> list:
+        return []
+
+    def check_workers(self) -> str | None:
+        return None
+
+
+WORKLOAD = EncoderWorkload(merge_unit=4, pixel_row=3)
+
+
+def work_request(request_id: str, hashes: list[str]) -> tuple[WorkRequestMsg, list[memoryview]]:
+    """A request of one 4-patch image per hash, with its (zero) inputs."""
+    items = [WorkItem(h, "image", 4, 0, 128, EncodeSpec("image", (1, 2, 2), 3)) for h in hashes]
+    return WorkRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
+
+
+# ---------------------------------------------------------------- EncodeService (fake engine)
+
+
+class FakeEngine:
+    """EngineClient stand-in: requests stay in the engine until the test answers them; aborts are recorded."""
+
+    request_timeout_s = 30.0
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[EngineRequest, list[WorkItem]]] = []
+        self.aborts: list[tuple[str, list[int] | None]] = []
+
+    def submit(self, items: list[WorkItem], inputs: list[np.ndarray]) -> EngineRequest:
+        request = EngineRequest(f"r{len(self.requests)}", len(items), asyncio.get_running_loop().create_future())
+        self.requests.append((request, list(items)))
+        return request
+
+    def abort(self, request: EngineRequest, items: list[int] | None = None) -> None:
+        self.aborts.append((request.request_id, None if items is None else sorted(items)))
+
+    def answer(self, number: int, finished: list[int], status: int = 200) -> None:
+        """The engine's final answer for request `number`: these item indices were written."""
+        request, items = self.requests[number]
+        results = [ItemResult(items[i].key, (4, 8), "float32") for i in finished]
+        error = None if status == 200 else "request aborted"
+        request.result.set_result((WorkResultMsg(request.request_id, results, error, status), []))
+
+
+class FakeMedia:
+    """Fetcher and processor in one: the URL names the content (and so the hash)."""
+
+    async def fetch(self, url: str) -> bytes:
+        return url.encode()
+
+    async def prepare_many(self, items: list[tuple[str, bytes]]) -> list[PreparedItem]:
+        return [PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
+                for modality, data in items]
+
+
+def items(*names: str) -> list[ItemRequest]:
+    """One image item per name; the name is its URL (and so its content)."""
+    return [ItemRequest(n, "image", n) for n in names]
+
+
+async def settle() -> None:
+    """Let every ready task of the running loop take its next steps."""
+    for _ in range(20):
+        await asyncio.sleep(0)
