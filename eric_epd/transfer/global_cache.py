@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from eric_epd.common.to_the_end import to_the_end
+
 logger = logging.getLogger(__name__)
 
 RETRY_SETUP_S = 10.0
@@ -25,20 +27,6 @@ READ_WAIT_S = 5.0
 after Mooncake's 30 s RPC timeout), then encodes the items itself (service.py detaches the regions still read into)."""
 NOT_FOUND = -704
 """Mooncake Store's return code for a key it does not hold."""
-
-
-async def _uncancelled(copy: asyncio.Future[int]) -> int:
-    """The result of a store call running in a thread; a cancellation is raised only once the thread returned (it
-    reads the region until then, and the caller frees the region when this returns)."""
-    cancelled = False
-    while not copy.done():
-        try:
-            await asyncio.wait([copy])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return copy.result()
 
 
 def store_key(content_hash: str, dtype: str) -> str:
@@ -150,7 +138,7 @@ class GlobalCache:
         copy = asyncio.ensure_future(asyncio.to_thread(store.put_from, self._key(key), region.ctypes.data,
                                                        region.nbytes))
         try:
-            rc = await _uncancelled(copy)
+            rc = await to_the_end(copy)
         except Exception as e:
             rc = -1
             logger.warning("global cache write of %s failed: %r", key[:12], e)

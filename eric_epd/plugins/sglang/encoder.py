@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from eric_epd.common.to_the_end import to_the_end
 from eric_epd.config import EricConfig, SglangConfig
 from eric_epd.plugins.sglang.parts import PartTable
 from eric_epd.plugins.sglang.peers import PeerPolicy
@@ -23,7 +24,7 @@ from eric_epd.plugins.sglang.protocol import (
     item_url,
     validate,
 )
-from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError, finished
+from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError
 from eric_epd.plugins.sglang.rows import PartRows
 from eric_epd.plugins.sglang.wire import (
     EncodeRequest,
@@ -349,12 +350,12 @@ class SglangEncoder:
                 timeout = self.settings.send_timeout_s
                 if nixl is not None:
                     pusher: Any = await self._pusher("nixl")
-                    await finished(asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens,
-                                                     timeout))
+                    await to_the_end(asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens,
+                                                       timeout))
                 elif lens:
                     pusher = await self._pusher("mooncake")
-                    await finished(asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens,
-                                                     timeout))
+                    await to_the_end(asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens,
+                                                       timeout))
                 await self._send(endpoint, [self.rows.header(part)], cached=False)
         except PushError as e:
             raise SglangError(500, str(e)) from e

@@ -3,13 +3,11 @@ rank's registered landing buffer, with engines of its own that register the pool
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 from eric_epd.plugins.sglang.wire import NixlSession
@@ -144,19 +142,3 @@ class NixlPusher:
                     logger.warning("nixl: deregistering the pool failed: %s", e)
         del agent
 
-
-async def finished(write: Awaitable[None]) -> None:
-    """Await a one-sided write into a prefill's buffer to its end even when cancelled (a thread reading the pool
-    cannot be stopped, so the part's rows stay held until it returns); the cancellation is raised after."""
-    task = asyncio.ensure_future(write)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:
-            break
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
