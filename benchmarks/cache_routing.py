@@ -26,9 +26,9 @@ import httpx
 import numpy as np
 import openai
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.stack.process import free_port, new_key
 from eric_epd.stack.servers import EricServer, GatewayServer, StoreMaster, VllmServe, host_split
-from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.common.cpus import available_cpus
-from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.stack.servers import EricServer, VllmServe, host_split
-from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import data_url, image_bytes, random_image
+from eric_epd.wire.handoff import handles_xargs
 
 logger = logging.getLogger("e2e_vllm")
 RESULTS = Path(__file__).parent / "results"

@@ -24,8 +24,8 @@ import httpx
 import numpy as np
 import torch
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.stack.servers import EricServer, host_split
-from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_bytes, random_image
 
 logger = logging.getLogger("encoder_throughput")

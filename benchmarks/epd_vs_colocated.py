@@ -26,10 +26,10 @@ from pathlib import Path
 
 import httpx
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.common.cpus import available_cpus
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
 from eric_epd.stack.up import UpConfig
-from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_bytes, random_image
 
 logger = logging.getLogger("epd_vs_colocated")

@@ -23,10 +23,11 @@ import httpx
 import numpy as np
 import torch
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
+from eric_epd.eric.decode import decode_image
+from eric_epd.media.limits import MediaLimits
 from eric_epd.models.registry import load_encoder, load_processor
-from eric_epd.server.media import MediaLimits, decode_image
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import data_url, image_bytes, random_image
 
 logger = logging.getLogger("eric_overhead")

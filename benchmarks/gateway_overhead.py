@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.stack.servers import GatewayServer, VllmServe
-from eric_epd.testing.checkpoints import ensure_checkpoint
 
 logger = logging.getLogger("gateway_overhead")
 RESULTS = Path(__file__).parent / "results"

@@ -22,9 +22,9 @@ import httpx
 import numpy as np
 import torch
 
-from eric_epd.geri.body import generate_body
+from eric_epd.checkpoints.qwen_image import SIZES, ensure_qwen_image_checkpoint
 from eric_epd.stack.servers import GeriServer, host_split
-from eric_epd.testing.qwen_image import SIZES, ensure_qwen_image_checkpoint
+from eric_epd.wire.geri import generate_body
 
 logger = logging.getLogger("geri_throughput")
 RESULTS = Path(__file__).parent / "results"

@@ -28,9 +28,9 @@ import httpx
 import openai
 import psutil
 
+from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.stack.process import ServerProcess, new_key
 from eric_epd.stack.servers import EricServer, GatewayServer, host_split, pd_vllm
-from eric_epd.testing.checkpoints import ensure_checkpoint
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
 

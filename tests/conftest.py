@@ -51,7 +51,7 @@ def _tiny_fixture(family: str):
 
     @pytest.fixture(scope="session")
     def fixture(_checkpoint_cache: Path) -> Path:
-        from eric_epd.testing.checkpoints import ensure_checkpoint
+        from eric_epd.checkpoints.builtin import ensure_checkpoint
 
         return ensure_checkpoint(family, "tiny")
 

@@ -7,14 +7,13 @@ import asyncio
 
 import numpy as np
 
-from eric_epd.engine.client import EngineRequest
-from eric_epd.engine.engine import BatchOutput
-from eric_epd.engine.messages import EncodeSpec, ItemResult, WorkItem, WorkRequestMsg, WorkResultMsg
-from eric_epd.engine.scheduler import Batch
+from eric_epd.eric.processor import PreparedItem
+from eric_epd.eric.workload import EncoderWorkload, EncodeSpec
 from eric_epd.models.processor import ProcessedItem
-from eric_epd.models.workload import EncoderWorkload
-from eric_epd.server.processor import PreparedItem
-from eric_epd.server.service import ItemRequest
+from eric_epd.runtime.engine.client import EngineRequest
+from eric_epd.runtime.engine.messages import WorkRequestMsg, WorkResultMsg
+from eric_epd.runtime.work import Batch, BatchOutput, ItemResult, WorkItem, pack_spec
+from eric_epd.wire.eric import EncodeItem
 
 # ---------------------------------------------------------------- engine protocol
 
@@ -40,7 +39,7 @@ WORKLOAD = EncoderWorkload(merge_unit=4, pixel_row=3)
 
 def work_request(request_id: str, hashes: list[str]) -> tuple[WorkRequestMsg, list[memoryview]]:
     """A request of one 4-patch image per hash, with its (zero) inputs."""
-    items = [WorkItem(h, "image", 4, 0, 128, EncodeSpec("image", (1, 2, 2), 3)) for h in hashes]
+    items = [WorkItem(h, "image", 4, 0, 128, pack_spec(EncodeSpec("image", (1, 2, 2), 3))) for h in hashes]
     return WorkRequestMsg(request_id, items), [memoryview(np.zeros((4, 3), np.float32)) for _ in hashes]
 
 
@@ -83,9 +82,9 @@ class FakeMedia:
                 for modality, data in items]
 
 
-def items(*names: str) -> list[ItemRequest]:
+def items(*names: str) -> list[EncodeItem]:
     """One image item per name; the name is its URL (and so its content)."""
-    return [ItemRequest(n, "image", n) for n in names]
+    return [EncodeItem(n, "image", n) for n in names]
 
 
 async def settle() -> None:

@@ -15,7 +15,7 @@ import httpx
 
 from eric_epd.stack.process import ServerProcess
 from eric_epd.stack.servers import EricServer
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
 
 
 def start_in_threads(servers: Iterable[ServerProcess]) -> Callable[[], None]:

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from eric_epd.config import BatchLimits
-from eric_epd.engine.engine import BatchFailedError, BatchOutput, Engine
-from eric_epd.engine.scheduler import Batch
-from eric_epd.executor.worker import TEST_FAULT_ENV
+from eric_epd.eric.config import BatchLimits
+from eric_epd.runtime.engine.engine import Engine
+from eric_epd.runtime.executor.worker import TEST_FAULT_ENV
+from eric_epd.runtime.work import Batch, BatchFailedError, BatchOutput
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.pools import wait_pool_drained

@@ -26,7 +26,6 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from eric_epd.plugins.vllm.connector import EricECConnector, EricWorkerMetadata
-from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.pool_server import seeded_bytes
@@ -34,7 +33,8 @@ from eric_epd.testing.server import PoolServer
 from eric_epd.testing.stack import wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
+from eric_epd.wire.handles import LEASE_HEADER, EmbeddingHandle
+from eric_epd.wire.handoff import handles_xargs
 
 ITEM = 256 << 10
 WIDTH = 16

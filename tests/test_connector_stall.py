@@ -13,9 +13,9 @@ import time
 import httpx
 import openai
 
-from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, greedy_of_openai
 from eric_epd.testing.media import image_data_url
+from eric_epd.wire.handoff import handles_xargs
 
 STALL_S = 5.0
 TEXT = [{"role": "user", "content": "Count slowly from one to one hundred."}]

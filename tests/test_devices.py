@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eric_epd.config import EricConfig
+from eric_epd.eric.config import EricConfig
 
 
 def test_each_rank_takes_its_own_device_and_too_many_ranks_fail_at_start() -> None:
@@ -23,9 +23,9 @@ def test_each_rank_takes_its_own_device_and_too_many_ranks_fail_at_start() -> No
 def test_broadcast_slots_hold_the_largest_batch(qwen2_vl_tiny: Path) -> None:
     """A full batch never spills: on CUDA (32768 patches of 3x2x14x14 float32 for the real patch size) a slot
     holds ~154 MB of pixels; on CPU the 4096-patch cap fits the default 32 MiB slots."""
-    from eric_epd.executor.executor import broadcast_geometry
+    from eric_epd.eric.workload import EncoderWorkload
     from eric_epd.models.registry import read_model_config
-    from eric_epd.models.workload import EncoderWorkload
+    from eric_epd.runtime.executor.executor import broadcast_geometry
 
     vision = read_model_config(qwen2_vl_tiny)["vision_config"]
     row = vision.get("in_chans", 3) * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2

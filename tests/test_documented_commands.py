@@ -168,7 +168,7 @@ def _connector(argv: list[str]) -> dict | None:
 def test_every_documented_connector_names_a_transport_its_erics_serve() -> None:
     """Backends named on both sides: a vLLM connector's list (beyond the HTTP fallback) meets what the document's
     Erics serve, and a Mooncake consumer speaks the Erics' Mooncake protocol."""
-    from eric_epd.transfer.handles import BACKENDS
+    from eric_epd.wire.handles import BACKENDS
 
     served: dict[str, set[str]] = {}
     protocols: dict[str, set[str]] = {}

@@ -14,11 +14,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load as load_safetensors
 
+from eric_epd.eric.decode import decode_video
+from eric_epd.media.limits import MediaLimits
 from eric_epd.models.registry import load_processor
-from eric_epd.server.media import MediaLimits, decode_video
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import data_url, image_bytes, random_image, video_bytes
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
 
 SIZES = [(120, 90), (33, 200), (57, 57)]
 

@@ -21,11 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from eric_epd.config import EricConfig, TransferConfig
-from eric_epd.plugins.vllm.handoff import EXTRA_ARGS_KEY
+from eric_epd.eric.config import EricConfig, TransferConfig
+from eric_epd.eric.metrics import EricMetrics
+from eric_epd.eric.service import EncodeService, OutputSpec
 from eric_epd.runtime.router import ApiError
-from eric_epd.server.metrics import EricMetrics
-from eric_epd.server.service import EncodeService, OutputSpec
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, StoreMaster
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image
@@ -35,6 +34,7 @@ from eric_epd.testing.standins import EmbedsEngine, _ThreadServer
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 from eric_epd.transfer.producer import TransferHub
+from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 from tests.helpers_engine import FakeEngine as _FakeEngine
 from tests.helpers_engine import FakeMedia as _FakeMedia
 from tests.helpers_engine import items as _items

@@ -18,10 +18,10 @@ import pytest
 import torch
 from PIL import Image
 
+from eric_epd.checkpoints.qwen_image import ensure_qwen_image_checkpoint
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import GatewayServer, GeriServer, VllmServe
 from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
-from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from eric_epd.stack.servers import EricServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.stack import ask, ask_greedy, colocated_epd_stack, gateway_paths
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
 
 
 @pytest.fixture(scope="module")

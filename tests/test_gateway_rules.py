@@ -15,8 +15,8 @@ from epd_gateway.content import collect_media, vllm_can_place, with_embeddings
 from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
 from epd_gateway.errors import GatewayError
 
-from eric_epd.plugins.vllm.handoff import EXTRA_ARGS_KEY
-from eric_epd.server.url_policy import UrlPolicy
+from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 
 POLICY = UrlPolicy(host_allowlist=frozenset({"127.0.0.1"}))
 
@@ -114,7 +114,7 @@ def test_recommended_encoders_on_recorded_loads() -> None:
     """scaling.py's formula on load reports as Erics answer them (numbers recorded from this project's runs)."""
     from epd_gateway.scaling import recommended_encoders
 
-    from eric_epd.server.load import LoadReport
+    from eric_epd.wire.load import LoadReport
 
     idle = [LoadReport(0, 0.04, 1.2, 0.05, 30.0), LoadReport(0, 0.02, 0.6, 0.04, 30.0)]
     assert recommended_encoders(idle, healthy=2) == 1  # two Erics at 3% busy: one would do
@@ -136,7 +136,7 @@ def test_items_go_to_their_holder_else_to_a_much_sooner_start() -> None:
     from epd_gateway.encoders import EncoderPool
     from epd_gateway.metrics import GatewayMetrics
 
-    from eric_epd.server.load import LoadReport
+    from eric_epd.wire.load import LoadReport
 
     pool = EncoderPool(("http://a:1", "http://b:1"), httpx.AsyncClient(), GatewayMetrics(), 2, 5.0)
     key = b"image-1"
@@ -161,7 +161,7 @@ def test_load_reports_are_bounded_and_checked_against_what_the_gateway_sees() ->
     gateway, items/s at most 4 times what the gateway saw the Eric answer (at least 1 item/s)."""
     from epd_gateway.loadcheck import MAX_QUEUE, believed_load
 
-    from eric_epd.server.load import LoadReport
+    from eric_epd.wire.load import LoadReport
 
     absurd = believed_load(LoadReport(0, 7.0, 1e12, float("inf"), -5.0), inflight_items=12, observed_per_s=0.0)
     assert absurd == LoadReport(12, 1.0, 4.0, 0.0, 0.0)

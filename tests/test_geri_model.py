@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from eric_epd.checkpoints.qwen_image import build_qwen_image_checkpoint
 from eric_epd.geri.generator import ImageRequest, QwenImageGenerator
 from eric_epd.testing.exactness import assert_floats_close
-from eric_epd.testing.qwen_image import build_qwen_image_checkpoint
 
 
 @pytest.fixture(scope="module")

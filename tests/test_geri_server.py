@@ -20,12 +20,12 @@ import pytest
 import torch
 from PIL import Image
 
-from eric_epd.geri.body import generate_body
+from eric_epd.checkpoints.qwen_image import ensure_qwen_image_checkpoint
 from eric_epd.stack.servers import GeriServer
 from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
-from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
 from eric_epd.testing.server import PoolServer
 from eric_epd.testing.stack import unkeyed_answers
+from eric_epd.wire.geri import generate_body
 
 HIDDEN = 128  # the tiny checkpoint's joint_attention_dim
 

@@ -18,8 +18,8 @@ from eric_epd.testing.pools import wait_pool_drained
 from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
-from eric_epd.transfer.handles import LEASE_HEADER
 from eric_epd.transfer.safetensors_io import safetensors_payload
+from eric_epd.wire.handles import LEASE_HEADER
 
 
 def _encode(eric: EricServer, url: str) -> dict:

@@ -182,7 +182,7 @@ def routes(command: list[str]) -> set[str]:
         return set(re.findall(pattern, path.read_text()))
     fastapi = r'@(?:app|router)\.get\("([^"]+)"'
     if command[0] == "eric-epd":
-        app = "eric_epd/server/app.py" if command[1] == "serve" else "eric_epd/geri/app.py"
+        app = "eric_epd/eric/app.py" if command[1] == "serve" else "eric_epd/geri/app.py"
         return grep(ROOT / "eric_epd/runtime/router.py", fastapi) | grep(ROOT / app, fastapi)
     if command[0] == "epd-gateway":
         return grep(ROOT / "router/epd_gateway/app.py", r'Route\("([^"]+)", \w+, methods=\["GET"\]')
@@ -314,7 +314,7 @@ def test_dockerfiles_pin_what_setup_pins_and_run_unprivileged():
 
 def exported_metrics() -> set[str]:
     names = set()
-    for src in ("eric_epd/server/metrics.py", "router/epd_gateway/metrics.py"):
+    for src in ("eric_epd/eric/metrics.py", "router/epd_gateway/metrics.py"):
         text = (ROOT / src).read_text()
         for kind, name in re.findall(r'(Counter|Gauge|Histogram|StageHistogram)\(\s*"(\w+)"', text):
             names |= {"Counter": {f"{name}_total"}, "Gauge": {name}}.get(kind, {f"{name}_bucket", f"{name}_count"})

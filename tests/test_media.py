@@ -1,4 +1,5 @@
-"""Tests for eric_epd.server.media: real local HTTP server, real files, real PNG/JPEG/MP4 bytes."""
+"""Media fetching (eric_epd.media) and decoding (eric_epd.eric.decode): a real local HTTP server, real files,
+real PNG/JPEG/MP4 bytes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eric_epd.server.media import MediaError, MediaFetcher, MediaLimits, UrlPolicy, decode_image, decode_video
+from eric_epd.eric.decode import decode_image, decode_video
+from eric_epd.media.fetch import MediaFetcher
+from eric_epd.media.limits import MediaLimits
+from eric_epd.media.url_policy import MediaError, UrlPolicy
 
 LOCAL = frozenset({"127.0.0.1"})
 SMALL = MediaLimits(max_bytes=1 << 20, timeout_s=1.0, max_redirects=3)

@@ -218,7 +218,7 @@ def test_release_of_an_old_generation_leaves_the_newer_one() -> None:
     nothing when it releases its own: the newer entry stays whole for its readers."""
     from pathlib import Path
 
-    from eric_epd.config import EricConfig, TransferConfig
+    from eric_epd.eric.config import EricConfig, TransferConfig
     from eric_epd.transfer.producer import TransferHub
 
     hub = TransferHub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, ttl_s=0.05,
@@ -316,7 +316,7 @@ def test_an_ack_retried_is_told_it_took_effect_and_an_expired_lease_is_not() -> 
     a plain repeat (bytes read after the ack are proven by nothing): a consumer tells its own ack from expiry."""
     from pathlib import Path
 
-    from eric_epd.config import EricConfig, TransferConfig
+    from eric_epd.eric.config import EricConfig, TransferConfig
     from eric_epd.transfer.producer import TransferHub
 
     hub = TransferHub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=())))

@@ -172,7 +172,8 @@ def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tin
     from transformers import AutoProcessor
     from transformers.video_utils import VideoMetadata
 
-    from eric_epd.server.media import MediaLimits, decode_video
+    from eric_epd.eric.decode import decode_video
+    from eric_epd.media.limits import MediaLimits
     from eric_epd.testing.media import video_bytes
 
     data = video_bytes(20, 56, 56, fps=10, seed=1)  # 2 s
@@ -191,8 +192,9 @@ def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tin
 def test_prepare_many_keeps_order_and_per_item_errors(ckpt_dirs: dict, threads: int) -> None:
     """Items go to the pool in one chunk per thread; results come back in request order, a bad item as its own
     MediaError beside its neighbours' results, and each hash equals the one the item gets alone."""
-    from eric_epd.server.media import MediaError, MediaLimits
-    from eric_epd.server.processor import Processor, model_fingerprint
+    from eric_epd.eric.processor import Processor, model_fingerprint
+    from eric_epd.media.limits import MediaLimits
+    from eric_epd.media.url_policy import MediaError
     from eric_epd.testing.media import image_bytes, random_image
 
     processor = Processor(Qwen2VLModalityProcessor(ckpt_dirs["tiny"]), MediaLimits(), threads,
@@ -216,7 +218,7 @@ def test_hash_salt_covers_the_vision_weights_only(qwen2_vl_tiny: Path, tmp_path:
     model keeps them, a changed vision tensor (a fine-tuned tower under the same config) changes them."""
     from safetensors.torch import load_file, save_file
 
-    from eric_epd.server.processor import model_fingerprint
+    from eric_epd.eric.processor import model_fingerprint
 
     def variant(name: str, key_part: str | None) -> Path:
         out = tmp_path / name

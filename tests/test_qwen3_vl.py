@@ -31,7 +31,7 @@ from eric_epd.testing.vllm_cases import (
     llm_kwargs,
     raw_prompt,
 )
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
 
 SIZES = [(120, 90), (33, 200), (224, 224), (57, 57)]  # odd sizes: resize, padding to the 32-px factor
 
@@ -124,7 +124,8 @@ def test_eric_tp2_video_equals_hf(erics, hf, qwen3_vl_tiny: Path) -> None:
     transformers' on the frames Qwen3VLVideoProcessor samples from the same file."""
     from transformers import AutoVideoProcessor
 
-    from eric_epd.server.media import MediaLimits, decode_video
+    from eric_epd.eric.decode import decode_video
+    from eric_epd.media.limits import MediaLimits
     from eric_epd.testing.media import data_url, video_bytes
 
     data = video_bytes(num_frames=11, width=88, height=56, fps=4, seed=7)

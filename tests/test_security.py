@@ -20,11 +20,11 @@ import openai
 import pytest
 import torch
 
-from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
-from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
+from eric_epd.wire.handles import LEASE_HEADER, EmbeddingHandle
+from eric_epd.wire.handoff import handles_xargs
 
 VICTIM = [image_data_url(96, 64, seed=700), image_data_url(72, 88, seed=701)]
 ATTACKER = image_data_url(80, 80, seed=702)

@@ -25,7 +25,7 @@ from eric_epd.testing.server import PoolServer
 from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.handles import EmbeddingHandle, HandleError, check_handle
+from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
 from tests.helpers_servers import start_in_threads
 from tests.sglang_probes import ELSEWHERE, assert_sglang_error, client_from
 

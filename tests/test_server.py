@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from eric_epd.server.metrics import STAGES
+from eric_epd.eric.metrics import STAGES
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, image_data_url, random_image, video_data_url
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
 
 
 @pytest.fixture(scope="module")

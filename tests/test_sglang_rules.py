@@ -30,7 +30,7 @@ def test_peer_policy_rules_without_servers(monkeypatch: pytest.MonkeyPatch) -> N
     import asyncio
     import ipaddress
 
-    from eric_epd.config import SglangConfig
+    from eric_epd.eric.config import SglangConfig
     from eric_epd.plugins.sglang.peers import PeerPolicy
     from eric_epd.plugins.sglang.protocol import SglangError
 

@@ -1,4 +1,4 @@
-"""eric_epd.executor.shm_broadcast round trips: random messages and tensors, bit for bit, through real reader
+"""eric_epd.runtime.executor.shm_broadcast round trips: random messages and tensors, bit for bit, through real reader
 processes (spawn), and the zero-copy tensor helpers; CPU only."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from eric_epd.executor.shm_broadcast import (
+from eric_epd.runtime.executor.shm_broadcast import (
     BroadcastAborted,
     BroadcastHandle,
     ShmBroadcast,

@@ -1,4 +1,4 @@
-"""eric_epd.executor.shm_broadcast's lifecycle: a dead reader aborts a blocked enqueue, a reader times out or sleeps
+"""The executor's shm broadcast lifecycle: a dead reader aborts a blocked enqueue, a reader times out or sleeps
 until the writer's ping, close/unlink and misuse errors, and no resource tracker warnings; CPU only."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from eric_epd.executor.shm_broadcast import (
+from eric_epd.runtime.executor.shm_broadcast import (
     BroadcastAborted,
     BroadcastClosed,
     BroadcastHandle,
@@ -191,7 +191,7 @@ _TRACKER_SCRIPT = """
 import multiprocessing as mp
 import sys
 sys.path.insert(0, {root!r})
-from eric_epd.executor.shm_broadcast import ShmBroadcast
+from eric_epd.runtime.executor.shm_broadcast import ShmBroadcast
 
 def read(handle, rank):
     reader = ShmBroadcast.attach(handle, rank)

@@ -1,4 +1,4 @@
-"""eric_epd.executor.shm_broadcast throughput: 64 MiB messages to two reader processes, in a slot, spilled or copied
+"""The executor's shm broadcast throughput: 64 MiB messages to two reader processes, in a slot, spilled or copied
 out (logged, not asserted); CPU only."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from eric_epd.executor.shm_broadcast import BroadcastHandle, ShmBroadcast
+from eric_epd.runtime.executor.shm_broadcast import BroadcastHandle, ShmBroadcast
 from tests import helpers_shm
 from tests.helpers_shm import CTX
 from tests.helpers_shm import any_dead as _any_dead

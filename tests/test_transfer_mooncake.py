@@ -22,7 +22,7 @@ if _ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned chil
 
 from eric_epd.transfer.backends.base import TransferError  # noqa: E402
 from eric_epd.transfer.backends.mooncake import MooncakeConsumer, MooncakeProducer  # noqa: E402
-from eric_epd.transfer.handles import EmbeddingHandle, MooncakeLocation  # noqa: E402
+from eric_epd.wire.handles import EmbeddingHandle, MooncakeLocation  # noqa: E402
 
 logger = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")

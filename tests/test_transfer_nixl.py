@@ -26,7 +26,7 @@ if _ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned chil
 from eric_epd.stack.process import new_key  # noqa: E402
 from eric_epd.transfer.backends.base import TransferError  # noqa: E402
 from eric_epd.transfer.backends.nixl import NixlConsumer, NixlProducer  # noqa: E402
-from eric_epd.transfer.handles import EmbeddingHandle  # noqa: E402
+from eric_epd.wire.handles import EmbeddingHandle  # noqa: E402
 
 logger = logging.getLogger(__name__)
 CTX = mp.get_context("spawn")

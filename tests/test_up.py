@@ -13,7 +13,7 @@ import openai
 import psutil
 import pytest
 
-from eric_epd.config import EricConfig
+from eric_epd.eric.config import EricConfig
 from eric_epd.stack.process import free_port
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages

@@ -14,7 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from eric_epd.server.media import MediaError, MediaLimits, decode_video
+from eric_epd.eric.decode import decode_video
+from eric_epd.media.limits import MediaLimits
+from eric_epd.media.url_policy import MediaError
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import data_url, video_bytes
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from eric_epd.common.shm import attach_untracked
-from eric_epd.plugins.vllm.handoff import handles_xargs
 from eric_epd.stack.process import new_key
 from eric_epd.stack.servers import EricServer, StoreMaster, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, greedy_of_openai, greedy_of_vllm
@@ -32,7 +31,8 @@ from eric_epd.testing.vllm_cases import (
     raw_prompt,
     yielding_new_children,
 )
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
+from eric_epd.wire.handoff import handles_xargs
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 CHANGED = Case("changed", ((80, 80),), seed=9)

@@ -18,12 +18,12 @@ from starlette.requests import ClientDisconnect
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import ApiKeyMiddleware
-from eric_epd.engine.messages import EngineStatusMsg
 from eric_epd.geri.body import checked_request, parse_generate_body
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.handles import HandleReader, embeddings_of
 from eric_epd.geri.service import GenerateService
 from eric_epd.geri.workload import GeneratorWorkload
+from eric_epd.runtime.engine.messages import EngineStatusMsg
 from eric_epd.runtime.router import ApiError, add_status_routes, connected_client, install_error_handlers, read_body
 from eric_epd.transfer.pool import EmbeddingPool
 

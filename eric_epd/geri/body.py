@@ -1,5 +1,5 @@
-"""The body of Geri's POST /v1/generate, both ways: built from embeddings (by the gateway, tests, benchmarks) and
-parsed and checked (by Geri's router), every problem a 400 naming it."""
+"""Geri's router reads POST /v1/generate (schema in `eric_epd.wire.geri`): parsed and checked, every problem a 400
+naming it."""
 
 from __future__ import annotations
 
@@ -7,31 +7,13 @@ import base64
 import binascii
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 
 from eric_epd.common.jsonbody import JsonBodyError, decode_struct
-from eric_epd.engine.messages import GenerateSpec
+from eric_epd.geri.limits import GenerateSpec
 from eric_epd.geri.workload import GeneratorWorkload
 from eric_epd.runtime.router import ApiError
-from eric_epd.transfer.handles import EmbeddingHandle
-
-PROMPT, NEGATIVE = "prompt_embeds", "negative_prompt_embeds"
-
-
-class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
-    """POST /v1/generate: the embeddings either inline, as a base64 safetensors file holding `prompt_embeds`
-    [tokens, hidden] and optionally `negative_prompt_embeds`, or by transfer handle (`prompt_handle`, optionally
-    `negative_handle`) held by one of Geri's configured producers."""
-
-    embeddings: str | None = None
-    prompt_handle: EmbeddingHandle | None = None
-    negative_handle: EmbeddingHandle | None = None
-    height: int = 1024
-    width: int = 1024
-    steps: int = 50
-    seed: int = 0
-    guidance_scale: float = 4.0
+from eric_epd.wire.geri import NEGATIVE, PROMPT, GenerateBody
 
 
 @dataclass(frozen=True)
@@ -98,13 +80,3 @@ def float_rows(name: str, tensor: object) -> np.ndarray:
     if not np.isfinite(array).all():
         raise ApiError(400, f"{name} holds non-finite values")
     return array
-
-
-def generate_body(prompt: np.ndarray, negative: np.ndarray | None = None, **settings: object) -> dict:
-    """A /v1/generate JSON body for float32 [tokens, hidden] embeddings; `settings`: GenerateBody's other fields."""
-    from safetensors.numpy import save
-
-    tensors = {PROMPT: np.ascontiguousarray(prompt, np.float32)}
-    if negative is not None:
-        tensors[NEGATIVE] = np.ascontiguousarray(negative, np.float32)
-    return {"embeddings": base64.b64encode(save(tensors)).decode(), **settings}

@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> GeriConfig:
     if args.model is None:
-        from eric_epd.testing.qwen_image import ensure_qwen_image_checkpoint
+        from eric_epd.checkpoints.qwen_image import ensure_qwen_image_checkpoint
 
         model = ensure_qwen_image_checkpoint("tiny")
     else:

@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eric_epd.engine.messages import GenerateSpec
-from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GeriLimits, check_spec
+from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GenerateSpec, GeriLimits, check_spec
 from eric_epd.geri.parallel import shard_qwen_image_transformer
 from eric_epd.models.layers.parallel import TPContext
 

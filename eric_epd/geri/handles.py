@@ -7,11 +7,12 @@ import asyncio
 
 import numpy as np
 
-from eric_epd.geri.body import GenerateBody, float_rows, inline_embeddings
+from eric_epd.geri.body import float_rows, inline_embeddings
 from eric_epd.runtime.router import ApiError
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher
-from eric_epd.transfer.handles import EmbeddingHandle, HandleError, check_handle
+from eric_epd.wire.geri import GenerateBody
+from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
 
 
 class HandleReader:

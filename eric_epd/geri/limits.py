@@ -5,7 +5,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eric_epd.engine.messages import GenerateSpec
+import msgspec
+
+
+class GenerateSpec(msgspec.Struct, array_like=True, frozen=True, tag="generate"):
+    """One image to generate; its float32 input is the prompt's [tokens, hidden] embeddings followed by the
+    negative prompt's [negative_tokens, hidden] (none when negative_tokens is 0)."""
+
+    height: int
+    width: int
+    steps: int
+    seed: int
+    guidance_scale: float
+    tokens: int
+    negative_tokens: int
+    hidden: int
+
 
 MAX_PROMPT_TOKENS = 512
 """Prompt embeddings beyond this many tokens are cut, as QwenImagePipeline cuts them (max_sequence_length)."""

@@ -9,9 +9,9 @@ import uuid
 
 import numpy as np
 
-from eric_epd.engine.client import EngineClient, EngineRequest, EngineUnavailableError
 from eric_epd.geri.body import GenerateRequest
 from eric_epd.geri.workload import GeneratorWorkload
+from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
 from eric_epd.runtime.router import ApiError
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eric_epd.engine.messages import GenerateSpec, WorkItem
-from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GeriLimits, batch_kind, check_spec, image_tokens
+from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GenerateSpec, GeriLimits, batch_kind, check_spec, image_tokens
 from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
 from eric_epd.runtime.workload import INPUT_BYTES
 
 
@@ -37,14 +37,14 @@ class GeneratorWorkload:
     def item(self, key: str, spec: GenerateSpec, out_offset: int = 0) -> WorkItem:
         """The work item of one request whose image goes to `out_offset` of the pool."""
         return WorkItem(key, batch_kind(spec), image_tokens(spec, self.size_factor), out_offset,
-                        spec.height * spec.width * 3, spec)
+                        spec.height * spec.width * 3, pack_spec(spec))
 
     def check(self, spec: GenerateSpec) -> str | None:
         return check_spec(spec, self.hidden, self.size_factor, self.limits)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
-        spec = item.spec
-        if not isinstance(spec, GenerateSpec):
+        spec = unpack_spec(item, GenerateSpec)
+        if spec is None:
             return f"item {item.key}: not a generate item"
         if (problem := self.check(spec)) is not None:
             return problem
@@ -90,8 +90,8 @@ class GeneratorRunner:
         requests: list[ImageRequest] = []
         offset = 0
         for item in items:
-            spec = item.spec
-            assert isinstance(spec, GenerateSpec)
+            spec = unpack_spec(item, GenerateSpec)
+            assert spec is not None
             prompt = inputs[offset: offset + spec.tokens * spec.hidden].view(spec.tokens, spec.hidden)
             offset += spec.tokens * spec.hidden
             negative = inputs[offset: offset + spec.negative_tokens * spec.hidden].view(-1, spec.hidden)

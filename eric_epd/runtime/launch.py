@@ -13,8 +13,8 @@ import uvicorn
 
 from eric_epd.common.cpus import pin_process
 from eric_epd.common.proxies import uvicorn_proxy_settings
-from eric_epd.engine.process import EngineProcess
 from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.engine.process import EngineProcess
 from eric_epd.runtime.workload import Workload
 
 logger = logging.getLogger(__name__)

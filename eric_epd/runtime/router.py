@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
-from eric_epd.engine.client import EngineClient
-from eric_epd.engine.messages import EngineStatusMsg
 from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.engine.client import EngineClient
+from eric_epd.runtime.engine.messages import EngineStatusMsg
 
 logger = logging.getLogger(__name__)
 

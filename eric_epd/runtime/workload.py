@@ -8,8 +8,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from eric_epd.engine.messages import WorkItem
 from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.work import WorkItem
 
 INPUT_BYTES = 4
 """Every item's input crosses the processes as float32."""

@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from eric_epd.config import EricConfig, TransferConfig
+from eric_epd.eric.config import EricConfig, TransferConfig
 from eric_epd.runtime.router import error_response
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import TransferApiError, transfer_routes

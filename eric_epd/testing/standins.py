@@ -113,8 +113,8 @@ class EmbedsEngine(_ThreadServer):
                                            Route("/{path:path}", self._other, methods=["GET", "POST"])]))
 
     async def _chat(self, request: Request) -> Response:
-        from eric_epd.plugins.vllm.handoff import EXTRA_ARGS_KEY
-        from eric_epd.transfer.handles import LEASE_HEADER
+        from eric_epd.wire.handles import LEASE_HEADER
+        from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 
         body = orjson.loads(await request.body())
         handles = orjson.loads((body.get("vllm_xargs") or {}).get(EXTRA_ARGS_KEY, "[]"))

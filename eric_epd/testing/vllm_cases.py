@@ -54,7 +54,8 @@ CASES = (
 
 def decoded_video(data: bytes) -> np.ndarray:
     """The frames Eric samples from a video (so monolithic vLLM sees exactly the same pixels)."""
-    from eric_epd.server.media import MediaLimits, decode_video
+    from eric_epd.eric.decode import decode_video
+    from eric_epd.media.limits import MediaLimits
 
     return decode_video(data, MediaLimits())[0]
 
@@ -63,8 +64,9 @@ def decoded_video_with_metadata(data: bytes, model: Path | None = None) -> tuple
     """Eric's frames (sampled as `model`'s processor samples them) with the metadata vLLM's processor needs: the
     sampled fps for Qwen2.5-VL's time spacing; each frame's source time for Qwen3-VL's timestamps (as frame
     numbers at 1000 fps)."""
+    from eric_epd.eric.decode import decode_video
+    from eric_epd.media.limits import MediaLimits
     from eric_epd.models.registry import load_processor
-    from eric_epd.server.media import MediaLimits, decode_video
 
     sampler = load_processor(model).frame_indices if model is not None else None
     frames, sampled_fps, seconds = decode_video(data, MediaLimits(), sampler)
@@ -131,7 +133,7 @@ def greedy(llm: Any, prompt: dict[str, Any], items: list[dict[str, Any]] | None 
     gateway does."""
     from vllm import SamplingParams
 
-    from eric_epd.plugins.vllm.handoff import handles_xargs
+    from eric_epd.wire.handoff import handles_xargs
 
     extra = handles_xargs(i["handle"] for i in {i["hash"]: i for i in items}.values()) if items else None
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra, logprobs=2)

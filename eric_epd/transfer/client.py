@@ -22,8 +22,8 @@ import torch
 
 from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import ConsumerBackend, TransferError
-from eric_epd.transfer.handles import BACKENDS, LEASE_HEADER, EmbeddingHandle
 from eric_epd.transfer.regions import ProducerRegions
+from eric_epd.wire.handles import BACKENDS, LEASE_HEADER, AckBody, EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
@@ -234,8 +234,8 @@ class EmbeddingFetcher:
         while True:
             timeout = self._http_timeout_s if attempt_timeout_s is None else attempt_timeout_s
             try:
-                body = {"instance_id": h.instance_id, **({"retry": True} if unanswered else {})}
-                resp = self._http.post(url, json=body, headers={LEASE_HEADER: h.lease},
+                body = msgspec.json.encode(AckBody(h.instance_id, retry=unanswered))
+                resp = self._http.post(url, content=body, headers={LEASE_HEADER: h.lease},
                                        timeout=max(0.1, min(timeout, deadline - time.monotonic())))
             except httpx.ReadTimeout as e:
                 if attempt_timeout_s is None or time.monotonic() >= deadline:

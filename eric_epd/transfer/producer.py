@@ -8,10 +8,10 @@ import logging
 import time
 from typing import Any
 
-from eric_epd.config import EricConfig
+from eric_epd.eric.config import EricConfig
 from eric_epd.transfer.backends.base import ProducerBackend
-from eric_epd.transfer.handles import EmbeddingHandle, ProducerInfo
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
+from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 import httpx
 import msgspec
 
-from eric_epd.transfer.handles import EmbeddingHandle, ProducerInfo, check_locations
+from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo, check_locations
 
 logger = logging.getLogger(__name__)
 

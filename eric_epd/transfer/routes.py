@@ -11,10 +11,10 @@ from fastapi.responses import JSONResponse, Response
 
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.common.jsonbody import JsonBodyError, parse_json
-from eric_epd.transfer.handles import LEASE_HEADER
 from eric_epd.transfer.pool import LeaseError, PoolEntry
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.safetensors_io import safetensors_bytes
+from eric_epd.wire.handles import LEASE_HEADER
 
 CONTROL_BODY_LIMIT = 4096
 """Lease and ack bodies are a few fields; anything larger is refused (413) before it is read."""

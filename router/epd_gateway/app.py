@@ -44,7 +44,7 @@ from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.http import BodyTooLargeError, bearer, read_limited_body
 from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, parse_json
-from eric_epd.server.url_policy import MediaError
+from eric_epd.media.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from epd_gateway.admission import Network, parse_network
 from epd_gateway.embeds import EmbeddingShape
 from eric_epd.common.dns import DnsTarget, parse_dns_target
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
-from eric_epd.server.media import MediaLimits
-from eric_epd.server.url_policy import UrlPolicy
+from eric_epd.media.limits import MediaLimits
+from eric_epd.media.url_policy import UrlPolicy
 
 
 @dataclass(frozen=True)

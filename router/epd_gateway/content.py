@@ -9,8 +9,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from epd_gateway.errors import GatewayError
-from eric_epd.plugins.vllm.handoff import handles_xargs
-from eric_epd.server.url_policy import MediaError, UrlPolicy
+from eric_epd.media.url_policy import MediaError, UrlPolicy
+from eric_epd.wire.handoff import handles_xargs
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 

@@ -18,8 +18,9 @@ from epd_gateway.errors import GatewayError
 from epd_gateway.loadcheck import Completions, believed_load
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
-from eric_epd.server.load import LoadReport
-from eric_epd.transfer.handles import LEASE_HEADER, is_content_hash
+from eric_epd.wire.eric import EncodeItem, decode_answer, encode_body
+from eric_epd.wire.handles import LEASE_HEADER, AckBody, is_content_hash
+from eric_epd.wire.load import LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ class EncoderPool:
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
         member.inflight_items += len(refs)
-        body = {"items": [{"id": str(i), "modality": r.modality, "url": r.url} for i, r in enumerate(refs)]}
+        body = encode_body([EncodeItem(str(i), r.modality, r.url) for i, r in enumerate(refs)])
         try:
             resp = await self._post_encode(url, body)
         except httpx.HTTPError as e:
@@ -287,14 +288,20 @@ class EncoderPool:
             except Exception:
                 message = resp.text[:300]
             raise GatewayError(resp.status_code, f"media rejected by encoder: {message}")
+        try:
+            items = msgspec.to_builtins(decode_answer(resp.content).items)
+        except msgspec.MsgspecError as e:
+            logger.warning("encoder %s answered outside the schema: %s", url, e)
+            self._record_failure(member)
+            return None
         member.failures = 0
-        items = resp.json()["items"]
         member.completed.add(len(refs))
         return items
 
-    async def _post_encode(self, url: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post_encode(self, url: str, body: bytes) -> httpx.Response:
         """POST /v1/encode and read the answer; the time to its headers is gateway_upstream_seconds{encoder}."""
-        request = self._client.build_request("POST", f"{url}/v1/encode", json=body, timeout=self._timeout)
+        request = self._client.build_request("POST", f"{url}/v1/encode", content=body, timeout=self._timeout,
+                                             headers={"content-type": "application/json"})
         start = time.perf_counter()
         resp = await self._client.send(request, stream=True)
         self._metrics.upstreams.observe("encoder", time.perf_counter() - start)
@@ -316,7 +323,7 @@ class EncoderPool:
                 return
             try:
                 await self._client.post(f"{producer}/v1/embeddings/{handle['hash']}/ack", timeout=2.0,
-                                        json={"instance_id": handle["instance_id"]},
+                                        content=msgspec.json.encode(AckBody(handle["instance_id"])),
                                         headers={LEASE_HEADER: handle["lease"]})
             except (httpx.HTTPError, KeyError) as e:
                 logger.debug("releasing %s failed: %r", handle.get("hash"), e)

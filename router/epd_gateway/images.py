@@ -18,7 +18,7 @@ from epd_gateway.errors import GatewayError
 from epd_gateway.image_store import ImageStore
 from eric_epd.common.http import bearer
 from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, decode_struct
-from eric_epd.geri.body import generate_body
+from eric_epd.wire.geri import generate_body
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from epd_gateway.content import MediaRef
 from epd_gateway.errors import GatewayError
-from eric_epd.server.media import MediaFetcher, MediaLimits
-from eric_epd.server.url_policy import MediaError, UrlPolicy, url_scheme
+from eric_epd.media.fetch import MediaFetcher
+from eric_epd.media.limits import MediaLimits
+from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
 
 logger = logging.getLogger(__name__)
 

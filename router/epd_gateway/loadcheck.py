@@ -16,7 +16,7 @@ import math
 import time
 from collections import deque
 
-from eric_epd.server.load import WINDOW_S, LoadReport
+from eric_epd.wire.load import WINDOW_S, LoadReport
 
 MAX_QUEUE = 1_000_000
 MAX_ITEMS_PER_S = 100_000.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from eric_epd.server.load import LoadReport
+from eric_epd.wire.load import LoadReport
 
 TARGET_BUSY = 0.7
 """Busy fraction each Eric should run at: headroom for bursts and for one Eric failing."""

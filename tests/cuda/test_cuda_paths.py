@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from eric_epd.engine.messages import EncodeSpec, WorkItem
-from eric_epd.executor.device_io import DeviceIO
-from eric_epd.executor.messages import ExecuteBatchMsg
+from eric_epd.eric.workload import EncodeSpec
+from eric_epd.runtime.executor.device_io import DeviceIO
+from eric_epd.runtime.executor.messages import ExecuteBatchMsg
+from eric_epd.runtime.work import WorkItem, pack_spec
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url, random_image
-from eric_epd.transfer.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER
 from tests.cuda.conftest import need_devices
 
 
@@ -68,8 +69,8 @@ def test_device_io_pinned_copies_and_pool_writes() -> None:
         for got, p in zip(staged, more):
             torch.testing.assert_close(got.cpu(), p[0])
         out = torch.randn(12, 64, device="cuda:0", dtype=torch.bfloat16)
-        items = [WorkItem("a", "image", 16, 4096, 4 * 64 * 2, EncodeSpec("image", (1, 4, 4), 1176)),
-                 WorkItem("b", "image", 32, 0, 8 * 64 * 2, EncodeSpec("image", (1, 8, 4), 1176))]
+        items = [WorkItem("a", "image", 16, 4096, 4 * 64 * 2, pack_spec(EncodeSpec("image", (1, 4, 4), 1176))),
+                 WorkItem("b", "image", 32, 0, 8 * 64 * 2, pack_spec(EncodeSpec("image", (1, 8, 4), 1176)))]
         msg = ExecuteBatchMsg(1, "image", items)
         io.write(list(out.split([4, 8])), msg)
         host = out.cpu().view(torch.uint8).reshape(-1).numpy()

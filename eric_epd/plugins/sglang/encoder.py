@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from eric_epd.common.to_the_end import to_the_end
-from eric_epd.config import EricConfig, SglangConfig
+from eric_epd.eric.config import EricConfig, SglangConfig
+from eric_epd.eric.service import EncodeService
 from eric_epd.plugins.sglang.parts import PartTable
 from eric_epd.plugins.sglang.peers import PeerPolicy
 from eric_epd.plugins.sglang.protocol import (
@@ -34,8 +35,8 @@ from eric_epd.plugins.sglang.wire import (
 )
 from eric_epd.plugins.sglang.zmq_push import ZmqSender
 from eric_epd.runtime.router import ApiError
-from eric_epd.server.service import EncodeService, ItemRequest
 from eric_epd.transfer.producer import PoolFullError, TransferHub
+from eric_epd.wire.eric import EncodeItem
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class SglangEncoder:
         validate(req, self.config.max_items_per_request)
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
-        items = [ItemRequest(str(i), MODALITIES[modality], item_url(it, i)) for i, it in enumerate(req.mm_items)]
+        items = [EncodeItem(str(i), MODALITIES[modality], item_url(it, i)) for i, it in enumerate(req.mm_items)]
         part = self.table.get(req.req_id)
         assert part is not None
         if part.request is not None:
@@ -388,7 +389,7 @@ class SglangEncoder:
     async def health_generate(self) -> bool:
         """A real encode of SGLang's own probe image, as its encoder's /health_generate does."""
         try:
-            answers = await asyncio.wait_for(self.service.encode([ItemRequest("health", "image", HEALTH_PNG)]), 30)
+            answers = await asyncio.wait_for(self.service.encode([EncodeItem("health", "image", HEALTH_PNG)]), 30)
         except Exception as e:
             logger.error("SGLang health encode failed: %r", e)
             return False

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from eric_epd.config import SglangConfig
+from eric_epd.eric.config import SglangConfig
 from eric_epd.plugins.sglang.protocol import Part, SglangError
 from eric_epd.transfer.producer import TransferHub
 

@@ -8,7 +8,7 @@ import logging
 import httpx
 import msgspec
 
-from eric_epd.config import SglangConfig
+from eric_epd.eric.config import SglangConfig
 from eric_epd.plugins.sglang.wire import RegisterBody
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
-from eric_epd.config import EricConfig
+from eric_epd.eric.config import EricConfig
 from eric_epd.plugins.sglang.encoder import SglangEncoder
 from eric_epd.plugins.sglang.protocol import SglangError, decode_body, error_response, wire_dtype
 from eric_epd.plugins.sglang.registration import register, unregister
@@ -30,8 +30,8 @@ SMALL_BODY_BYTES = 1 << 20
 def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
                   ) -> APIRouter:
     """The SGLang encoder endpoints over Eric's EncodeService (`state["service"]`, set by Eric's lifespan)."""
+    from eric_epd.eric.app import output_spec
     from eric_epd.models.registry import read_model_config
-    from eric_epd.server.app import output_spec
 
     settings = config.sglang
     if not settings.enabled:

@@ -31,7 +31,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from eric_epd.common.dns import DnsTarget, parse_dns_target
-from eric_epd.plugins.vllm.handoff import HandleError, model_embedding_width, offered_handles, offered_producers
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
 from eric_epd.plugins.vllm.staging import Prefetcher, StagedLoad, State
@@ -39,7 +38,8 @@ from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
-from eric_epd.transfer.handles import BACKENDS, EmbeddingHandle
+from eric_epd.wire.handles import BACKENDS, EmbeddingHandle
+from eric_epd.wire.handoff import HandleError, model_embedding_width, offered_handles, offered_producers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

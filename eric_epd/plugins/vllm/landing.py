@@ -20,7 +20,7 @@ import zmq
 
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher
-from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import msgspec
 
 from eric_epd.common.http import bearer
-from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
+from eric_epd.wire.handles import LEASE_HEADER, AckBody, EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class LeaseClient:
         for h in handles:
             try:
                 resp = self._client.post(f"{h.producer}/v1/embeddings/{h.hash}/ack", headers={LEASE_HEADER: h.lease},
-                                         json={"instance_id": h.instance_id})
+                                         content=msgspec.json.encode(AckBody(h.instance_id)))
                 logger.debug("released unused lease on %s: %d", h.hash[:12], resp.status_code)
             except httpx.HTTPError as e:
                 logger.warning("could not release the lease on %s: %r", h.hash[:16], e)

@@ -7,7 +7,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from eric_epd.transfer.handles import EmbeddingHandle
+from eric_epd.wire.handles import EmbeddingHandle
 
 
 class ProducerBackend(Protocol):

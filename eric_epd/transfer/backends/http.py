@@ -7,8 +7,8 @@ import numpy as np
 
 from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.handles import LEASE_HEADER, EmbeddingHandle
 from eric_epd.transfer.safetensors_io import safetensors_payload
+from eric_epd.wire.handles import LEASE_HEADER, EmbeddingHandle
 
 
 class HttpConsumer:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.handles import EmbeddingHandle, MooncakeLocation
+from eric_epd.wire.handles import EmbeddingHandle, MooncakeLocation
 
 logger = logging.getLogger(__name__)
 

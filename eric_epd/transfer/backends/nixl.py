@@ -19,7 +19,7 @@ import torch
 from eric_epd.common.http import bearer
 from eric_epd.common.net import interface_of
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.handles import EmbeddingHandle, NixlLocation
+from eric_epd.wire.handles import EmbeddingHandle, NixlLocation
 
 logger = logging.getLogger(__name__)
 

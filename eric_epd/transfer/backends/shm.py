@@ -13,7 +13,7 @@ import torch
 
 from eric_epd.common.shm import Segment, attach_untracked
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.handles import EmbeddingHandle, ShmLocation
+from eric_epd.wire.handles import EmbeddingHandle, ShmLocation
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.global_cache import NOT_FOUND, store_key
-from eric_epd.transfer.handles import DTYPE_BYTES, EmbeddingHandle, is_content_hash
+from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, is_content_hash
 
 logger = logging.getLogger(__name__)
 

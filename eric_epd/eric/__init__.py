@@ -1,0 +1,1 @@
+"""eric_epd.eric package."""

@@ -1,0 +1,205 @@
+"""The Eric router: FastAPI routes for encode, embedding fetch, health, models and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from eric_epd import __version__
+from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
+from eric_epd.common.http import ApiKeyMiddleware
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, clip, parse_json
+from eric_epd.eric.config import EricConfig
+from eric_epd.eric.membership import GatewayMembership
+from eric_epd.eric.metrics import EricMetrics
+from eric_epd.eric.openapi import eric_openapi
+from eric_epd.eric.processor import Processor, model_fingerprint
+from eric_epd.eric.service import EncodeService, ItemAnswer, OutputSpec, RequestClock
+from eric_epd.media.fetch import MediaFetcher
+from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
+from eric_epd.plugins.sglang.protocol import error_response as sglang_error_response
+from eric_epd.plugins.sglang.routes import sglang_routes
+from eric_epd.runtime.router import (
+    ApiError,
+    add_status_routes,
+    connected_client,
+    error_response,
+    install_error_handlers,
+    read_body,
+)
+from eric_epd.transfer.global_cache import GlobalCache
+from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.routes import TransferApiError, transfer_routes
+from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem
+
+logger = logging.getLogger(__name__)
+
+
+def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[EncodeItem]:
+    """Validate {"items": [{id?, modality, url}, ...]}; every problem is a 400 that names it."""
+    try:
+        data = parse_json(body)
+    except JsonBodyError as e:
+        raise ApiError(400, str(e)) from e
+    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+        raise ApiError(400, 'body must be an object with a list field "items"')
+    raw_items = data["items"]
+    if not raw_items:
+        raise ApiError(400, '"items" is empty: send at least one item')
+    if len(raw_items) > max_items:
+        raise ApiError(400, f"too many items: {len(raw_items)} > {max_items}")
+    return [_parse_item(i, raw, modalities) for i, raw in enumerate(raw_items)]
+
+
+def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> EncodeItem:
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"item {index} must be an object")
+    modality, url = raw.get("modality"), raw.get("url")
+    if not isinstance(modality, str) or modality not in modalities:
+        raise ApiError(400, f"item {index}: unsupported modality {clip(modality)}; expected one of {list(modalities)}")
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"item {index}: field 'url' must be a non-empty string")
+    if len(url) > MAX_URL and not url.startswith("data:"):
+        raise ApiError(400, f"item {index}: the url is {len(url)} characters long, over the limit of {MAX_URL}")
+    item_id = raw.get("id", str(index))
+    if not isinstance(item_id, str | int) or isinstance(item_id, bool):
+        raise ApiError(400, f"item {index}: field 'id' must be a string")
+    item_id = str(item_id)
+    if len(item_id) > MAX_ID:
+        raise ApiError(400, f"item {index}: the id is {len(item_id)} characters long, over the limit of {MAX_ID}")
+    return EncodeItem(item_id, modality, url)
+
+
+def encoded_item(answer: ItemAnswer) -> EncodedItem:
+    """The wire form of one answered item."""
+    handle, item = answer.handle, answer.prepared.item
+    return EncodedItem(
+        id=answer.request.id, modality=answer.request.modality, hash=handle.hash, shape=list(handle.shape),
+        dtype=handle.dtype, num_tokens=item.num_tokens, grid_thw=list(item.grid_thw), handle=handle,
+        second_per_grid_ts=item.second_per_grid_ts,
+        timestamps=list(item.timestamps) if item.timestamps is not None else None)
+
+
+def output_spec(config: EricConfig) -> OutputSpec:
+    """Width and dtype of the encoder's output, known before any batch runs (to reserve pool space)."""
+    cfg = read_model_config(config.model)
+    return OutputSpec(output_width(cfg), str(resolve_dtype(config.dtype, cfg)).removeprefix("torch."))
+
+
+def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: TransferHub) -> FastAPI:
+    """The router app; its lifespan connects to an engine that is already running and serves `hub`'s pool."""
+    metrics = EricMetrics()
+    mp = load_processor(config.model)
+    model_name = str(config.model)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        fetcher = MediaFetcher(config.url_policy, config.media)
+        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(config.model))
+        expiry = asyncio.create_task(hub.expiry_loop())
+        membership = GatewayMembership(config.register_with, config.register_key, config.public_url,
+                                       config.heartbeat_s, config.api_key)
+        spec = output_spec(config)
+        shared = (GlobalCache(config.global_cache, config.transfer.advertise_host, config.global_cache_bytes,
+                              hub.pool.array, spec.dtype) if config.global_cache else None)
+        metrics.global_cache, metrics.pool = shared, hub.pool
+        if shared is not None:
+            shared.start()
+        try:
+            async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
+                state["client"] = client
+                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared)
+                heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
+
+                async def leave_gateways() -> None:
+                    if heartbeat is not None:
+                        heartbeat.cancel()
+                        await asyncio.gather(heartbeat, return_exceptions=True)  # no registration after leaving
+                        await membership.leave()
+
+                app.state.before_drain = leave_gateways  # the server calls it before it stops listening
+                try:
+                    yield
+                finally:  # already done unless the server skipped its hook
+                    await leave_gateways()
+        finally:
+            expiry.cancel()
+            if shared is not None:
+                shared.close()
+            await fetcher.aclose()
+            processor.close()
+
+    app = FastAPI(title="Eric encode server", version=__version__, lifespan=lifespan)
+    schema = eric_openapi(__version__, list(mp.modalities), config.max_items_per_request)
+    app.openapi = lambda: schema  # type: ignore[method-assign]  # written out: the routes read raw bodies
+
+    @app.exception_handler(TransferApiError)
+    async def _transfer_error(_: Request, e: TransferApiError) -> JSONResponse:
+        return error_response(e.status, e.message)
+
+    @app.post("/v1/encode")
+    async def encode(request: Request) -> Response:
+        clock = RequestClock()
+        try:
+            body = await read_body(request, config.max_body_bytes)
+            metrics.stages.observe("body_read", time.perf_counter() - clock.start)
+            items = parse_encode_body(body, mp.modalities, config.max_items_per_request)
+            # a client that leaves cancels its work: queued items are dropped, its leases given back
+            answers = await until_disconnect(request, state["service"].encode(items, clock))
+        except ApiError as e:
+            metrics.requests.labels(status=str(e.status)).inc()
+            raise
+        except (ClientDisconnectedError, ClientDisconnect):  # after the body was read, or while it was
+            metrics.requests.labels(status="499").inc()
+            logger.info("client left POST /v1/encode: its work was cancelled")
+            return Response(status_code=499)
+        metrics.requests.labels(status="200").inc()
+        start = time.perf_counter()
+        response = Response(msgspec.json.encode(EncodeAnswer(model_name, [encoded_item(a) for a in answers])),
+                            media_type="application/json")
+        done = time.perf_counter()
+        metrics.stages.observe("answer", done - start)
+        metrics.overhead.observe(max(0.0, done - clock.start - clock.compute_seconds))
+        return response
+
+    app.include_router(transfer_routes(hub))
+    sglang = sglang_routes(config, hub, state)  # SGLang encoder protocol (/encode, /send, ...)
+    app.include_router(sglang)
+    sglang_paths = frozenset(r.path for r in sglang.routes)
+    metrics.sglang_state = getattr(getattr(sglang, "encoder", None), "state", None)
+
+    install_error_handlers(app, lambda request, message: sglang_error_response(500, message, None)
+                           if request.url.path in sglang_paths else None)
+    if config.api_key:
+        # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
+        open_paths = frozenset({"/health", "/metrics", *(r.path for r in sglang.routes)})
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
+
+    add_status_routes(app, state, is_engine_alive, {
+        "id": model_name, "modalities": list(mp.modalities), "tp_size": config.tp_size, "dtype": config.dtype})
+
+    @app.get("/v1/load")
+    async def load() -> Response:
+        """Queue depth, busy fraction, items/s and p99 encode latency over the last 30 s (for the gateway and an
+        autoscaler)."""
+        if is_engine_alive():
+            await state["client"].status(timeout_s=0.5)  # brings the batches run since the last status
+        return Response(msgspec.json.encode(metrics.load.report()), media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if is_engine_alive():
+            await state["client"].status(timeout_s=0.5)  # refreshes queue depth and batch counts
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,15 @@
+"""Starts one Eric server on the shared skeleton: its embedding pool and transfer backends, engine and router."""
+
+from __future__ import annotations
+
+from eric_epd.eric.app import create_app
+from eric_epd.eric.config import EricConfig
+from eric_epd.eric.workload import EncoderWorkload
+from eric_epd.runtime.launch import run_server
+from eric_epd.transfer.producer import TransferHub
+
+
+def serve(config: EricConfig) -> None:
+    """Run until interrupted."""
+    run_server("Eric", config, EncoderWorkload.from_checkpoint(config.model), lambda: TransferHub(config),
+               lambda is_alive, hub: create_app(config, is_alive, hub), config.drain_timeout_s)

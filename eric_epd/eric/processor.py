@@ -1,0 +1,139 @@
+"""Processor: decodes media and runs the model's ModalityProcessor in a thread pool; computes the content hash."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eric_epd.eric.decode import decode_image, decode_video
+from eric_epd.media.limits import MediaLimits
+from eric_epd.media.url_policy import MediaError
+from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
+
+logger = logging.getLogger(__name__)
+
+def _lower_thread_priority() -> None:
+    """Preprocessing yields the CPU to the encoder workers: on a host where they share cores, a preprocessing
+    thread that preempts one OpenMP thread of a matmul stalls the whole parallel region. Linux sets nice per
+    thread; elsewhere this is a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """A preprocessed item and its content hash (the key used everywhere downstream)."""
+
+    hash: str
+    item: ProcessedItem
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """How long decoding, preprocessing and hashing took (observed by the caller, on the event loop)."""
+
+
+def model_fingerprint(model_dir: Path) -> bytes:
+    """What identifies the encoder's output space: the vision config and a digest of the vision weights (a
+    fine-tuned tower under the same config gives other hashes), not the path it was loaded from."""
+    from eric_epd.models.registry import vision_weights_digest
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    start = time.perf_counter()
+    vision = {"model_type": cfg.get("model_type"), "vision_config": cfg.get("vision_config"),
+              "vision_weights": vision_weights_digest(model_dir)}
+    logger.info("vision weights digest %s in %.2fs", vision["vision_weights"], time.perf_counter() - start)
+    return json.dumps(vision, sort_keys=True, default=str).encode()
+
+
+class Processor:
+    """Turns fetched bytes into PreparedItems off the event loop."""
+
+    def __init__(self, modality_processor: BaseModalityProcessor, limits: MediaLimits, threads: int,
+                 model_id: bytes) -> None:
+        self._mp = modality_processor
+        self._limits = limits
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="eric-preprocess",
+                                        initializer=_lower_thread_priority)
+        self._salt = {m: self._hash_salt(m, model_id) for m in modality_processor.modalities}
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return self._mp.modalities
+
+    def _hash_salt(self, modality: str, model_id: bytes) -> bytes:
+        sampling = b""
+        if modality == "video":
+            sampling = f"fps={self._limits.video_fps};max={self._limits.max_video_frames}".encode()
+        return hashlib.sha256(model_id + b"\0" + modality.encode() + b"\0" + self._mp.fingerprint(modality)
+                              + b"\0" + sampling).digest()
+
+    async def prepare_many(self, items: list[tuple[str, bytes]]) -> list[PreparedItem | MediaError]:
+        """Every item prepared, in order, each its PreparedItem or its MediaError. Items go to the pool in one
+        contiguous chunk per thread: a hop to the pool and back costs about as much as preprocessing a small
+        image, so a request of small images pays it once per thread, not once per item. Cancelled (the client
+        left), the chunks stop before their next item."""
+        loop, stop = asyncio.get_running_loop(), threading.Event()
+        runs = [loop.run_in_executor(self._pool, self._prepare_chunk, c, stop) for c in _chunks(items, self._threads)]
+        try:
+            done = await asyncio.gather(*runs)
+        except BaseException:
+            stop.set()
+            raise
+        return [result for chunk in done for result in chunk]
+
+    def _prepare_chunk(self, items: list[tuple[str, bytes]], stop: threading.Event) -> list[PreparedItem | MediaError]:
+        out: list[PreparedItem | MediaError] = []
+        for modality, data in items:
+            if stop.is_set():
+                break
+            try:
+                out.append(self._prepare_sync(modality, data, stop))
+            except MediaError as e:
+                out.append(e)
+        return out
+
+    def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None) -> PreparedItem:
+        start = time.perf_counter()
+        try:
+            if modality == "image":
+                image = decode_image(data, self._limits)
+                pixels = np.asarray(image)
+                decoded = time.perf_counter()
+                item = self._mp.process_image(image)
+            else:
+                pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop)
+                decoded = time.perf_counter()
+                item = self._mp.process_video(pixels, sampled_fps, seconds)
+        except ValueError as e:  # the model's processor refuses this input (e.g. its aspect ratio)
+            raise MediaError(400, f"the model's processor refuses this {modality}: {e}") from e
+        processed = time.perf_counter()
+        key = self._content_hash(modality, pixels)
+        return PreparedItem(key, item, (decoded - start, processed - decoded, time.perf_counter() - processed))
+
+    def _content_hash(self, modality: str, pixels: np.ndarray) -> str:
+        h = hashlib.sha256(self._salt[modality])
+        h.update(str(pixels.shape).encode())
+        h.update(np.ascontiguousarray(pixels).data)
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    """`items` split into at most `n` contiguous chunks of near-equal length."""
+    n = max(1, min(n, len(items)))
+    size, extra = divmod(len(items), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]

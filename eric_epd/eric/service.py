@@ -1,0 +1,363 @@
+"""Encode orchestration in the router: fetch, preprocess, dedupe by content hash, reserve pool space, submit, lease."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eric_epd.eric.metrics import EricMetrics
+from eric_epd.eric.processor import PreparedItem, Processor
+from eric_epd.eric.workload import EncodeSpec
+from eric_epd.media.fetch import MediaFetcher
+from eric_epd.media.url_policy import MediaError
+from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
+from eric_epd.runtime.router import ApiError
+from eric_epd.runtime.work import ItemResult, WorkItem, pack_spec
+from eric_epd.transfer.global_cache import GlobalCache
+from eric_epd.transfer.pool import PoolEntry
+from eric_epd.transfer.producer import PoolFullError, TransferHub
+from eric_epd.wire.eric import EncodeItem
+from eric_epd.wire.handles import EmbeddingHandle
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ItemAnswer:
+    request: EncodeItem
+    prepared: PreparedItem
+    handle: EmbeddingHandle
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What the encoder emits per merged token."""
+
+    dim: int
+    dtype: str
+
+    def nbytes(self, num_tokens: int) -> int:
+        return num_tokens * self.dim * _DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class RequestClock:
+    """One encode request's timing: when it began, and the forward time of the batches its items rode in (items
+    another request was already encoding are waited for, and their forward is not counted here)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    compute_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """One engine request and each hash's item index in it (for aborting single items)."""
+
+    request: EngineRequest
+    index: dict[str, int]
+
+
+class EncodeService:
+    def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
+                 metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None) -> None:
+        self._fetcher = fetcher
+        self._global = global_cache
+        self._sharing: set[asyncio.Task[None]] = set()
+        self._processor = processor
+        self._client = client
+        self.hub = hub
+        self._metrics = metrics
+        self._output = output
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        # cancellation bookkeeping: see _unwant
+        self._wanted: Counter[str] = Counter()  # in-flight hash -> live requests waiting for it (owner included)
+        self._flights: dict[str, _Flight] = {}  # hash -> the engine request encoding it, until settled
+        self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
+        self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
+
+    async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None) -> list[ItemAnswer]:
+        """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in."""
+        start = time.perf_counter()
+        prepared = await self._prepare(items)
+        handles = await self._embed(prepared, clock or RequestClock())
+        self._metrics.observe_request(time.perf_counter() - start)
+        return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
+
+    async def _prepare(self, items: list[EncodeItem]) -> list[PreparedItem]:
+        """Every item fetched (concurrently), then decoded, preprocessed and hashed; the first failure is a 4xx
+        naming its item."""
+        fetched = await asyncio.gather(*(self._fetch(i, item) for i, item in enumerate(items)))
+        results = await self._processor.prepare_many([(item.modality, data) for item, (data, _) in zip(items, fetched)])
+        prepared: list[PreparedItem] = []
+        for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
+            if isinstance(result, MediaError):
+                raise ApiError(result.status, f"item {index} ({item.id}): {result.message}") from result
+            self._metrics.observe_item(seconds, result.seconds)
+            prepared.append(result)
+        return prepared
+
+    async def _fetch(self, index: int, item: EncodeItem) -> tuple[bytes, float]:
+        start = time.perf_counter()
+        try:
+            data = await self._fetcher.fetch(item.url)
+        except MediaError as e:
+            raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
+        return data, time.perf_counter() - start
+
+    async def _embed(self, prepared: list[PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
+        """One lease per distinct hash; every hash encoded at most once at a time, across requests too.
+
+        Cancellation-safe: on any failure or cancellation (the client left) the leases taken are given back, and
+        in-flight work that no other live request wants is aborted in the engine."""
+        distinct = {p.hash: p for p in prepared}
+        handles: dict[str, EmbeddingHandle] = {}
+        waited: list[str] = []  # hashes another request is encoding for us too (counted in self._wanted)
+        try:
+            for _attempt in range(3):  # an entry may be freed between another request's commit and our lease
+                waiting: dict[str, asyncio.Future[None]] = {}
+                mine: dict[str, PreparedItem] = {}
+                for key, p in distinct.items():
+                    if key in handles:
+                        continue
+                    entry = self.hub.pool.get(key)
+                    if entry is not None and entry.ready:
+                        handles[key] = self.hub.lease(key)
+                        self._metrics.items.labels(modality=p.item.modality, source="cached").inc()
+                    elif key in self._inflight:
+                        waiting[key] = self._inflight[key]
+                    else:
+                        mine[key] = p
+                self._want(waiting)
+                self._unwant(waited)  # only now: the pass above leased what they were held for
+                waited = list(waiting)
+                if mine:
+                    handles.update(await self._submit(mine, clock))
+                if not waiting:
+                    return handles
+                await self._wait_for_others(waiting)
+            raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
+        except BaseException:
+            self._unwant(waited)
+            self._give_back(handles.values())
+            raise
+
+    async def _wait_for_others(self, waiting: dict[str, asyncio.Future[None]]) -> None:
+        """Wait for hashes other requests are encoding: at most as long as their owner may (its store reads, then
+        the engine's request timeout), then 504."""
+        timeout = self._client.request_timeout_s + (self._global.read_wait_s if self._global is not None else 0.0)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in waiting.values())), timeout)
+        except TimeoutError as e:
+            raise ApiError(504, f"items another request is encoding were not ready after {timeout}s") from e
+
+    async def _submit(self, mine: dict[str, PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
+        """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
+        loop = asyncio.get_running_loop()
+        for key in mine:
+            self._inflight[key] = loop.create_future()
+        self._want(mine)
+        try:
+            start = time.perf_counter()
+            entries = await self._reserve(mine)
+            self._metrics.stages.observe("pool_reserve", time.perf_counter() - start)
+            stored, entries = await self._from_global(mine, entries)
+            encode = {k: p for k, p in mine.items() if k not in stored}
+            if encode:
+                await self._run(encode, [e for e in entries if e.hash in encode], clock)
+        except BaseException:
+            self._unwant(mine)  # aborts in the engine whatever no other request waits for
+            raise
+        handles = {}
+        for entry in entries:
+            handles[entry.hash] = self.hub.lease(entry.hash)
+            source = "global" if entry.hash in stored else "encoded"
+            self._metrics.items.labels(modality=mine[entry.hash].item.modality, source=source).inc()
+            if source == "encoded" and self._global is not None:
+                self._share(entry)
+        self._unwant(mine)
+        return handles
+
+    async def _from_global(self, mine: dict[str, PreparedItem],
+                           entries: list[PoolEntry]) -> tuple[set[str], list[PoolEntry]]:
+        """Items another Eric encoded, read from the global cache into their reserved regions and committed (as an
+        encode would have); the others are left to encode, in the entries returned with them.
+
+        The reads run in threads nothing can stop. If this request is cancelled (its client left) or the reads
+        outlast the store's read_wait_s, their regions are detached from their hashes and freed once the reads
+        return. Cancelled: the hashes are resolved at once, so requests waiting for them encode (or read) them
+        anew. Timed out: this request reserves fresh regions and encodes every item itself."""
+        if self._global is None:
+            return set(), entries
+        cache = self._global
+        reads = asyncio.ensure_future(asyncio.gather(*(cache.read_into(e.hash, self.hub.pool.view(e))
+                                                       for e in entries)))
+        try:
+            found = await asyncio.wait_for(asyncio.shield(reads), cache.read_wait_s)
+        except BaseException as e:
+            self._abandon(entries, reads)
+            if not isinstance(e, TimeoutError):
+                self._finish(mine, e)
+                raise
+            cache.timed_out(len(entries))
+            return set(), await self._reserve(mine)
+        stored = {e.hash for e, ok in zip(entries, found) if ok}
+        for key in stored:
+            self.hub.pool.commit(key)
+            self._bridges[key] = self.hub.lease(key)  # as _settle: waiters lease it before it can go
+        self._finish({k: mine[k] for k in stored}, None)
+        return stored, entries
+
+    def _abandon(self, entries: list[PoolEntry], reads: asyncio.Future[list[bool]]) -> None:
+        """Regions `reads` may still write into: off their hashes now, freed when the reads return."""
+        for entry in entries:
+            self.hub.pool.detach(entry)
+        reads.add_done_callback(lambda _: [self.hub.release(entry) for entry in entries])
+
+    def _share(self, entry: PoolEntry) -> None:
+        """Put a freshly encoded entry into the global cache in the background, holding a lease on it and counting
+        the copy as a reader (so neither an ack nor the TTL frees it) until the store's copy has returned."""
+        assert self._global is not None
+        handle = self.hub.lease(entry.hash)
+        entry.readers += 1
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._sharing.discard(task)
+            entry.readers -= 1
+            self._give_back([handle])
+
+        task = asyncio.create_task(self._global.write(entry.hash, self.hub.pool.view(entry)))
+        self._sharing.add(task)
+        task.add_done_callback(done)
+
+    async def _reserve(self, mine: dict[str, PreparedItem]) -> list[PoolEntry]:
+        """Pool space for every item; on failure (or cancellation) what was reserved is freed: nothing was sent to
+        the engine yet, so nothing can write there."""
+        entries: list[PoolEntry] = []
+        try:
+            for key, p in mine.items():
+                entries.append(await self.hub.reserve(key, self._output.nbytes(p.item.num_tokens),
+                                                      (p.item.num_tokens, self._output.dim), self._output.dtype))
+        except BaseException as e:
+            for entry in entries:
+                self.hub.release(entry)
+            self._finish(mine, e)
+            if isinstance(e, PoolFullError):
+                raise ApiError(503, str(e), retry_after=1.0) from e
+            raise
+        return entries
+
+    async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
+        """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
+        cancellation of this request never frees pool space the engine may still write."""
+        items = [WorkItem(p.hash, p.item.modality, p.item.pixel_values.shape[0], e.offset, e.nbytes,
+                          pack_spec(EncodeSpec(p.item.modality, p.item.grid_thw, p.item.pixel_values.shape[1])))
+                 for p, e in zip(mine.values(), entries)]
+        try:
+            request = self._client.submit(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
+        except EngineUnavailableError as e:
+            for entry in entries:
+                self.hub.release(entry)  # never sent
+            self._finish(mine, e)
+            raise ApiError(e.status, e.message, e.retry_after) from e
+        flight = _Flight(request, {key: i for i, key in enumerate(mine)})
+        self._flights.update(dict.fromkeys(mine, flight))
+        self._metrics.inflight_items.inc(len(items))
+        settling = asyncio.create_task(self._settle(flight, mine, entries))
+        self._settling.add(settling)
+        settling.add_done_callback(self._settling.discard)
+        timeout = self._client.request_timeout_s
+        try:
+            error, compute = await asyncio.wait_for(asyncio.shield(settling), timeout)
+        except TimeoutError as e:
+            raise ApiError(504, f"encode timed out after {timeout}s") from e
+        clock.compute_seconds += compute
+        if error is not None:
+            raise error
+
+    async def _settle(self, flight: _Flight, mine: dict[str, PreparedItem],
+                      entries: list[PoolEntry]) -> tuple[ApiError | None, float]:
+        """After the engine's final answer (or its death): commit what was written, free the rest, wake waiters.
+        Each written entry keeps one bridge lease until no live request waits for it any more. Returns the error,
+        if any, and the forward time of the batches the items rode in."""
+        finished: dict[str, ItemResult] = {}
+        error: ApiError | None = None
+        compute = 0.0
+        try:
+            msg, _ = await flight.request.result
+            compute = self._metrics.observe_result(msg)
+            finished = {r.key: r for r in msg.items}
+            error = ApiError(msg.status, msg.error) if msg.error is not None else None
+        except EngineUnavailableError as e:
+            error = ApiError(e.status, e.message, e.retry_after)
+        finally:
+            self._metrics.inflight_items.dec(len(entries))
+        for entry in entries:
+            self._flights.pop(entry.hash, None)
+            result = finished.get(entry.hash)
+            if result is not None and tuple(result.shape) == entry.shape and result.dtype == entry.dtype:
+                self.hub.pool.commit(entry.hash)
+                self._bridges[entry.hash] = self.hub.lease(entry.hash)
+                continue
+            if result is not None:
+                error = ApiError(500, f"encoder produced {result.shape} {result.dtype}, "
+                                      f"expected {entry.shape} {entry.dtype}")
+            error = error or ApiError(500, f"the engine's answer lacks item {entry.hash}")
+            self.hub.release(entry)  # the engine has answered: nothing writes there any more
+        self._finish(mine, error)
+        for entry in entries:
+            if self._wanted[entry.hash] <= 0:
+                self._drop_bridge(entry.hash)
+        return error, compute
+
+    def _want(self, keys: Iterable[str]) -> None:
+        """One more live request wants each of these in-flight hashes."""
+        for key in keys:
+            self._wanted[key] += 1
+
+    def _unwant(self, keys: Iterable[str]) -> None:
+        """A request no longer waits for these hashes (it leased them, failed or left). A hash nobody wants any
+        more gives back its bridge lease if it is written, or is aborted in the engine if it is still queued."""
+        aborts: dict[str, tuple[_Flight, list[int]]] = {}
+        for key in keys:
+            self._wanted[key] -= 1
+            if self._wanted[key] > 0:
+                continue
+            del self._wanted[key]
+            self._drop_bridge(key)
+            flight = self._flights.get(key)
+            if flight is not None:
+                aborts.setdefault(flight.request.request_id, (flight, []))[1].append(flight.index[key])
+        for flight, indices in aborts.values():
+            logger.info("aborting %d unwanted items of engine request %s", len(indices), flight.request.request_id)
+            self._client.abort(flight.request, indices)
+
+    def _drop_bridge(self, key: str) -> None:
+        handle = self._bridges.pop(key, None)
+        if handle is not None:
+            self._give_back([handle])
+
+    def _give_back(self, handles: Iterable[EmbeddingHandle]) -> None:
+        """End exactly the leases this router took (for a request that failed or whose client left, or a bridge):
+        the entry is freed, or kept as the --keep-acked-bytes content cache allows, once no lease is left."""
+        for handle in handles:
+            status, message = self.hub.ack(handle.hash, handle.lease)
+            if status != 200:
+                logger.debug("giving back the lease on %s: %s", handle.hash[:12], message)
+
+    def _finish(self, mine: dict[str, PreparedItem], error: BaseException | None) -> None:
+        """Wake requests waiting on these hashes (they re-check the pool, so an error needs no propagation)."""
+        for key in mine:
+            future = self._inflight.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+        quiet = ApiError | PoolFullError | EngineUnavailableError | asyncio.CancelledError  # a client that left
+        if error is not None and not isinstance(error, quiet):
+            logger.warning("encode of %d items failed: %r", len(mine), error)

@@ -1,0 +1,96 @@
+"""Eric's workload on the shared skeleton: media items' pixel rows in, the vision tower's merged tokens out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
+from eric_epd.runtime.workload import INPUT_BYTES
+
+MODALITIES = ("image", "video")
+
+
+class EncodeSpec(msgspec.Struct, array_like=True, frozen=True, tag="encode"):
+    """One preprocessed media item; its float32 pixels are [num_patches, patch_dim] rows."""
+
+    modality: str
+    grid_thw: tuple[int, int, int]
+    patch_dim: int
+
+
+@dataclass(frozen=True)
+class EncoderWorkload:
+    """Read from the checkpoint once, in the router's process, then copied to the engine and the workers."""
+
+    merge_unit: int
+    """Patches per output token (the spatial merge size squared)."""
+    pixel_row: int
+    """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
+
+    @classmethod
+    def from_checkpoint(cls, model: Path) -> EncoderWorkload:
+        from eric_epd.models.registry import read_model_config
+
+        vision = read_model_config(model).get("vision_config", {})
+        row = (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
+               * vision.get("patch_size", 14) ** 2)
+        return cls(int(vision.get("spatial_merge_size", 2)) ** 2, row)
+
+    def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
+        spec = unpack_spec(item, EncodeSpec)
+        if spec is None:
+            return f"item {item.key}: not an encode item"
+        if spec.modality not in MODALITIES or item.kind != spec.modality:
+            return f"unsupported modality {spec.modality!r}"
+        t, h, w = spec.grid_thw
+        if min(t, h, w) < 1 or t * h * w != item.cost:
+            return f"item {item.key}: grid {spec.grid_thw} does not match {item.cost} patches"
+        if item.cost % self.merge_unit:
+            return f"item {item.key}: {item.cost} patches is not a whole number of merged tokens"
+        if input_nbytes != item.cost * spec.patch_dim * INPUT_BYTES:
+            return f"item {item.key}: {input_nbytes} pixel bytes, expected {item.cost}x{spec.patch_dim} float32"
+        return None
+
+    def max_batch_input_bytes(self, config: RuntimeConfig) -> int:
+        return config.batch_limits().max_patches * self.pixel_row * INPUT_BYTES
+
+    def warmup(self, config: RuntimeConfig) -> tuple[WorkItem, np.ndarray]:
+        side = 2 * math.isqrt(self.merge_unit)  # two merge windows per side
+        spec = EncodeSpec("image", (1, side, side), self.pixel_row)
+        return WorkItem("warm-up", "image", side * side, 0, 0, pack_spec(spec)), np.zeros((side * side, self.pixel_row),
+                                                                               np.float32)
+
+    def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> EncoderRunner:
+        from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
+
+        dtype = resolve_dtype(config.dtype, read_model_config(config.model))
+        return EncoderRunner(load_encoder(config.model, dtype, device, tp), dtype, self.merge_unit)  # type: ignore[arg-type]
+
+
+@dataclass
+class EncoderRunner:
+    """The vision tower of one rank: a batch of pixel rows in, each item's merged tokens out."""
+
+    encoder: torch.nn.Module
+    dtype: torch.dtype
+    merge_unit: int
+
+    def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
+        specs = [unpack_spec(i, EncodeSpec) for i in items]
+        if any(s is None for s in specs):
+            raise RuntimeError("a batch item is not an encode item")
+        patch_dim = specs[0].patch_dim  # type: ignore[union-attr]
+        grid = torch.tensor([list(s.grid_thw) for s in specs], dtype=torch.int64,  # type: ignore[union-attr]
+                            device=inputs.device)
+        out = self.encoder(inputs.view(-1, patch_dim), grid)
+        counts = [i.cost // self.merge_unit for i in items]
+        if out.dim() != 2 or out.shape[0] != sum(counts):
+            raise RuntimeError(f"encoder returned shape {list(out.shape)}, expected {sum(counts)} tokens")
+        return list(out.split(counts))

@@ -1,0 +1,203 @@
+"""Async media fetching: http(s), data and file URLs under a ``UrlPolicy`` and ``MediaLimits``, every resolved
+address and every redirect re-checked. Used by Eric and by the gateway (which inlines media for the engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import os
+import stat
+from collections.abc import Iterable
+from urllib.parse import unquote_to_bytes, urljoin
+
+import httpcore
+import httpx
+
+from eric_epd.media.limits import MediaLimits
+from eric_epd.media.url_policy import MediaError, UrlPolicy, display_url, url_scheme
+
+logger = logging.getLogger(__name__)
+
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+
+
+class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
+    """Resolves each host itself and connects only to addresses the policy allows (no DNS rebinding)."""
+
+    def __init__(self, policy: UrlPolicy) -> None:
+        self._policy = policy
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        addrs = await self._policy.resolve_host(host, port)
+        for i, addr in enumerate(addrs):
+            try:
+                return await self._inner.connect_tcp(addr, port, timeout, local_address, socket_options)
+            except httpcore.ConnectError:
+                if i == len(addrs) - 1:
+                    raise
+        raise AssertionError("unreachable")  # resolve_host never returns an empty list
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise MediaError(400, "unix sockets are not allowed for media URLs")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _PolicyTransport(httpx.AsyncHTTPTransport):
+    def __init__(self, policy: UrlPolicy) -> None:
+        ssl_context = httpx.create_ssl_context(trust_env=False)
+        super().__init__(verify=ssl_context, trust_env=False)
+        # httpx has no DNS hook: swap in an httpcore pool whose backend vets every resolved address.
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=ssl_context, network_backend=_PolicyNetworkBackend(policy)
+        )
+
+
+class MediaFetcher:
+    """Fetches media bytes for http(s), data and file URLs under a ``UrlPolicy`` and ``MediaLimits``."""
+
+    def __init__(self, policy: UrlPolicy, limits: MediaLimits):
+        self.policy = policy
+        self.limits = limits
+        self._client = httpx.AsyncClient(
+            transport=_PolicyTransport(policy),
+            follow_redirects=False,  # redirects are followed by hand so every hop is re-checked
+            timeout=httpx.Timeout(limits.timeout_s),
+            trust_env=False,
+            headers={"User-Agent": "eric-epd-media/0.1"},
+        )
+
+    async def fetch(self, url: str) -> bytes:
+        """The bytes behind ``url``; raises ``MediaError`` (4xx) naming the problem."""
+        shown = display_url(url)
+        try:
+            return await asyncio.wait_for(self._fetch(url), self.limits.timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+            raise MediaError(408, f"timed out fetching {shown} (limit {self.limits.timeout_s:g} s)") from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _fetch(self, url: str) -> bytes:
+        self.policy.check(url)
+        scheme = url_scheme(url)
+        if scheme == "data":
+            return _decode_data_url(url, self.limits.max_bytes)
+        if scheme == "file":
+            return await asyncio.to_thread(self._read_file, url)
+        return await self._fetch_http(url)
+
+    async def _fetch_http(self, url: str) -> bytes:
+        for _hop in range(self.limits.max_redirects + 1):
+            shown = display_url(url)
+            try:
+                result = await self._get(url)
+            except (MediaError, httpx.TimeoutException):
+                raise
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                raise MediaError(400, f"could not fetch {shown}: {_describe(exc)}") from exc
+            if isinstance(result, bytes):
+                return result
+            url = result
+            try:
+                if url_scheme(url) not in ("http", "https"):
+                    raise MediaError(400, f"unsupported URL scheme {url_scheme(url)!r} for a redirect")
+                self.policy.check(url)
+            except MediaError as exc:
+                raise MediaError(exc.status, f"redirect from {shown} refused: {exc.message}") from exc
+        raise MediaError(400, f"too many redirects (more than {self.limits.max_redirects})")
+
+    async def _get(self, url: str) -> bytes | str:
+        """One GET: the body, or the absolute redirect target."""
+        shown, max_bytes = display_url(url), self.limits.max_bytes
+        async with self._client.stream("GET", url) as resp:
+            location = resp.headers.get("location")
+            if resp.status_code in _REDIRECT_STATUSES and location:
+                return urljoin(str(resp.url), location)
+            if not resp.is_success:
+                reason = f"{resp.status_code} {resp.reason_phrase}".strip()
+                raise MediaError(400, f"could not fetch {shown}: origin returned HTTP {reason}")
+            length = resp.headers.get("content-length", "")
+            encoded = resp.headers.get("content-encoding", "identity") != "identity"
+            if length.isdigit() and int(length) > max_bytes and not encoded:
+                raise MediaError(413, f"{shown} is {length} bytes, over the limit of {max_bytes}")
+            body = bytearray()
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise MediaError(413, f"{shown} is over the size limit of {max_bytes} bytes")
+            return bytes(body)
+
+    def _read_file(self, url: str) -> bytes:
+        path = self.policy.resolve_file(url)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError as exc:
+            raise MediaError(404, f"file not found: {path}") from exc
+        except PermissionError as exc:
+            raise MediaError(403, f"permission denied reading {path}") from exc
+        except OSError as exc:  # e.g. ELOOP: the path was swapped for a symlink after the check
+            raise MediaError(403, f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise MediaError(400, f"{path} is not a regular file")
+            if st.st_size > self.limits.max_bytes:
+                limit = self.limits.max_bytes
+                raise MediaError(413, f"file is {st.st_size} bytes, over the limit of {limit}")
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(self.limits.max_bytes + 1)
+        if len(data) > self.limits.max_bytes:
+            raise MediaError(413, f"file is over the size limit of {self.limits.max_bytes} bytes")
+        return data
+
+
+def _describe(exc: BaseException) -> str:
+    """Short reason for a transport error, e.g. 'connection refused'."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return "connection refused"
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    if "refused" in text.lower():
+        return "connection refused"
+    return text or type(exc).__name__
+
+
+def _decode_data_url(url: str, max_bytes: int) -> bytes:
+    header, _, payload = url.partition(",")
+    if header.lower().endswith(";base64"):
+        if (len(payload) * 3) // 4 > max_bytes + 3:  # cheap upper bound before decoding anything
+            raise MediaError(413, f"data URL payload is over the size limit of {max_bytes} bytes")
+        text = "".join(payload.split())
+        text += "=" * (-len(text) % 4)
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise MediaError(400, f"data URL has invalid base64 payload: {exc}") from exc
+    else:
+        data = unquote_to_bytes(payload)
+    if len(data) > max_bytes:
+        raise MediaError(413, f"data URL payload is {len(data)} bytes, over the limit of {max_bytes}")
+    return data

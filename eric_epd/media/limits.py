@@ -1,0 +1,31 @@
+"""Per-item limits on fetching and decoding media, shared by Eric (fetch and decode) and the gateway (fetch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Per-item resource limits for fetching and decoding media."""
+
+    max_bytes: int = 64 * 2**20  # downloaded / decoded-from-base64 bytes per item
+    timeout_s: float = 10.0  # whole fetch, redirects included
+    max_redirects: int = 3
+    max_image_pixels: int = 40_000_000  # width*height, checked from the header before decoding
+    max_video_frames: int = 64  # frames sampled
+    video_fps: float = 2.0  # sample rate
+    max_video_pixels: int = 8_000_000  # per frame
+    max_video_source_frames: int = 36_000  # frames in the source (decoding runs up to the last sampled one)
+    max_video_seconds: float = 3600.0  # source duration
+    max_video_decode_s: float = 30.0  # wall time to decode one video
+
+    def __post_init__(self) -> None:
+        if min(self.max_bytes, self.max_image_pixels, self.max_video_pixels) <= 0:
+            raise ValueError("MediaLimits byte and pixel limits must be positive")
+        if self.timeout_s <= 0 or self.video_fps <= 0 or self.max_redirects < 0:
+            raise ValueError("MediaLimits timeout_s and video_fps must be > 0, max_redirects >= 0")
+        if self.max_video_frames < 2:
+            raise ValueError("MediaLimits.max_video_frames must be >= 2")
+        if min(self.max_video_source_frames, self.max_video_seconds, self.max_video_decode_s) <= 0:
+            raise ValueError("MediaLimits video source frames, seconds and decode time must be positive")

@@ -1,0 +1,138 @@
+"""The engine process shell: owns the ZMQ sockets and the busy loop around the socket-free Engine."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.connection import Connection
+
+import zmq
+
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.engine.engine import Engine, Outgoing
+from eric_epd.runtime.engine.messages import (
+    AbortRequestMsg,
+    Op,
+    ShutdownMsg,
+    WorkRequestMsg,
+    decode_frames,
+    encode_frames,
+)
+from eric_epd.runtime.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 50
+
+
+class EngineProcess:
+    """Parent-side handle: spawn() starts the engine (and through it the workers) and waits until it is ready."""
+
+    def __init__(self, proc: mp.process.BaseProcess) -> None:
+        self.proc = proc
+
+    @classmethod
+    def spawn(cls, config: RuntimeConfig, workload: Workload, timeout_s: float = 900.0) -> EngineProcess:
+        ctx = mp.get_context("spawn")
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=main, args=(config, workload, child_end), name="engine", daemon=False)
+        proc.start()
+        child_end.close()
+        if not parent_end.poll(timeout_s):
+            proc.kill()
+            raise TimeoutError(f"engine not ready after {timeout_s}s")
+        try:
+            status = parent_end.recv()
+        except EOFError:
+            status = f"engine exited with code {proc.exitcode} before it was ready"
+        if status != "ready":
+            proc.join(timeout=5)
+            raise RuntimeError(status)
+        return cls(proc)
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def shutdown(self, timeout_s: float = 15.0) -> None:
+        """Wait for the engine to exit after the client sent SHUTDOWN; kill it past the timeout. Idempotent."""
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+
+
+def main(config: RuntimeConfig, workload: Workload, ready: Connection) -> None:
+    """Child-side entry point."""
+    from eric_epd.runtime.executor.executor import ModelExecutor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router owns Ctrl-C and asks us to stop
+    executor = None
+    try:
+        executor = ModelExecutor(config, workload)
+        executor.wait_ready()
+        executor.warm_up()
+    except Exception as e:
+        logger.exception("engine start failed")
+        ready.send(f"engine start failed: {e}")
+        if executor is not None:
+            executor.shutdown()
+        return
+    try:
+        _EngineLoop(config, Engine(config.batch_limits(), executor, workload.validate), ready).run()
+    finally:
+        executor.shutdown()
+
+
+class _EngineLoop:
+    def __init__(self, config: RuntimeConfig, engine: Engine, ready: Connection) -> None:
+        self._engine = engine
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PULL)
+        self._input.bind(config.engine_input_addr)
+        self._output = self._ctx.socket(zmq.PUSH)
+        self._output.bind(config.engine_output_addr)
+        self._parent = os.getppid()
+        ready.send("ready")
+        ready.close()
+
+    def run(self) -> None:
+        try:
+            while os.getppid() == self._parent:
+                if not self._drain_input():
+                    return
+                self._send(self._engine.step())
+                if self._engine.has_unreported_batches:
+                    self._send_status()
+        finally:
+            self._input.close(linger=0)
+            self._output.close(linger=1000)
+            self._ctx.term()
+
+    def _drain_input(self) -> bool:
+        """Receive everything waiting; block briefly only when idle. False on SHUTDOWN."""
+        timeout = 0 if self._engine.has_work else _IDLE_POLL_MS
+        while self._input.poll(timeout):
+            timeout = 0
+            op, msg, buffers = decode_frames(self._input.recv_multipart(copy=False))
+            if op is Op.SHUTDOWN:
+                logger.info("engine shutting down: %s", msg.reason if isinstance(msg, ShutdownMsg) else "")
+                return False
+            if op is Op.STATUS_REQUEST:
+                self._send_status()
+            elif op is Op.SUBMIT and isinstance(msg, WorkRequestMsg):
+                self._send(self._engine.add_request(msg, buffers))
+            elif op is Op.ABORT and isinstance(msg, AbortRequestMsg):
+                self._send(self._engine.abort(msg))
+            else:
+                logger.warning("ignoring unexpected message %s", op)
+        return True
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        for msg, buffers in outgoing:
+            self._output.send_multipart(encode_frames(Op.RESULT, msg, buffers), copy=False)
+
+    def _send_status(self) -> None:
+        self._output.send_multipart(encode_frames(Op.STATUS, self._engine.status()))

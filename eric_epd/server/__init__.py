@@ -1,1 +1,0 @@
-"""eric_epd.server package."""

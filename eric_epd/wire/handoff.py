@@ -1,0 +1,61 @@
+"""The Eric handles an EPD request carries to vLLM beside it (`vllm_xargs` -> `sampling_params.extra_args`), written
+by the gateway alone, and the connector's checks on them: where they point and the tensor they describe."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import msgspec
+
+from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
+
+__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "HandleError", "check_handle", "handles_xargs", "model_embedding_width",
+           "offered_handles", "offered_producers"]
+
+EXTRA_ARGS_KEY = "eric_handles"
+"""Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
+MAX_HANDLES = 256
+def handles_xargs(handles: Iterable[dict[str, Any] | EmbeddingHandle]) -> dict[str, str]:
+    """The vllm_xargs (or SamplingParams.extra_args) entry that hands `handles` to the connector."""
+    return {EXTRA_ARGS_KEY: msgspec.json.encode(list(handles)).decode()}
+
+
+class _Producer(msgspec.Struct):
+    producer: str
+
+
+def offered_producers(extra_args: dict[str, Any] | None) -> set[str]:
+    """The producers a request's handles name (none if they do not parse: offered_handles then says why)."""
+    raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
+    if not isinstance(raw, str | bytes):
+        return set()
+    try:
+        return {h.producer for h in msgspec.json.decode(raw, type=list[_Producer])[:MAX_HANDLES]}
+    except msgspec.DecodeError:
+        return set()
+
+
+def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int,
+                    ) -> dict[str, EmbeddingHandle]:
+    """hash -> handle from a request's extra_args, each checked (HandleError names the first problem); `eric_urls`
+    is any collection of the trusted producers (a tuple, or the connector's TrustedProducers)."""
+    raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
+    if raw is None:
+        return {}
+    try:
+        handles = msgspec.json.decode(raw if isinstance(raw, str | bytes) else b"", type=list[EmbeddingHandle])
+    except msgspec.DecodeError as e:
+        raise HandleError(f"{EXTRA_ARGS_KEY} is not a JSON list of Eric handles: {e}") from e
+    if len(handles) > MAX_HANDLES:
+        raise HandleError(f"{len(handles)} handles > {MAX_HANDLES}")
+    for h in handles:
+        check_handle(h, eric_urls, width)
+    return {h.hash: h for h in handles}
+
+
+def model_embedding_width(model_config: Any) -> int:
+    """Width of the rows the model's own encoder hands its language model: hidden size x (1 + DeepStack levels)."""
+    vision = getattr(model_config.hf_config, "vision_config", None)
+    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return int(model_config.get_inputs_embeds_size()) * (1 + levels)
