@@ -3,7 +3,7 @@
 # Eric references) capped one instruction set below this host's best (AVX-512 -> AVX2, AVX2 -> SSE4: torch, oneDNN,
 # MKL) while the Erics, Geris and vLLMs it starts run on the best: every comparison crosses instruction sets, so one
 # exact only by one CPU's rounding fails here. (CI runs the same crossing for the servers of the tests that need it.)
-# usage: bash scripts/test_other_isa.sh [pytest args, e.g. tests/test_geri_server.py]
+# usage: bash scripts/test_other_isa.sh [pytest args, e.g. tests/geri/test_geri_server.py]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python

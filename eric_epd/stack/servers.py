@@ -62,7 +62,7 @@ class VllmServe(ServerProcess):
     guard middleware, the Erics' key in ERIC_API_KEY); `eric_dns` ("NAME:PORT") trusts the Erics a name lists too.
     Every route but /health and /metrics needs its generated key (VLLM_API_KEY, which the gateway sends;
     RequireEngineKey). It runs on `cpus` (default: the engine's half of host_split()), its OpenMP threads bound to
-    them; `wrap` is put before its command (e.g. a private mount namespace: tests/test_dns_members.py)."""
+    them; `wrap` is put before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py)."""
 
     def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
@@ -102,7 +102,7 @@ def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls:
 class GatewayServer(ServerProcess):
     """The gateway; its keys and the Erics', the engines' and the Geris' reach it by environment (EPD_GATEWAY_API_KEY,
     EPD_GATEWAY_ADMIN_KEY, ERIC_API_KEY, VLLM_API_KEY, GERI_API_KEY), never on its command line; `wrap` is put
-    before its command (e.g. a private mount namespace: tests/test_dns_members.py)."""
+    before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py)."""
 
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
                  upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,

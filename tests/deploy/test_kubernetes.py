@@ -22,7 +22,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu-demo", "gpu", "gpu+geri")
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),

@@ -28,10 +28,10 @@ from eric_epd.testing.pools import wait_pool_drained
 from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.pool import EmbeddingPool
-from tests.helpers_engine import WORKLOAD as _WORKLOAD
-from tests.helpers_engine import InstantExecutor
-from tests.helpers_engine import work_request as _request
-from tests.helpers_servers import read_and_ack as _read_and_ack
+from tests.support.helpers_engine import WORKLOAD as _WORKLOAD
+from tests.support.helpers_engine import InstantExecutor
+from tests.support.helpers_engine import work_request as _request
+from tests.support.helpers_servers import read_and_ack as _read_and_ack
 
 # ---------------------------------------------------------------- engine protocol (no processes)
 

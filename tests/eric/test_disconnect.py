@@ -20,9 +20,9 @@ from eric_epd.stack.process import ServerProcess, free_port
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image
 from eric_epd.testing.stack import image_messages
-from tests.helpers_servers import post_raw as _post_raw
-from tests.helpers_servers import stopped as _stopped
-from tests.placement import rendezvous_first
+from tests.support.helpers_servers import post_raw as _post_raw
+from tests.support.helpers_servers import stopped as _stopped
+from tests.support.placement import rendezvous_first
 
 ERIC_KEY = "eric-disconnect-test"
 _ABORTED = 'eric_requests_total{status="499"}'

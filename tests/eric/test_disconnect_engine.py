@@ -18,13 +18,13 @@ from eric_epd.runtime.engine.messages import AbortRequestMsg
 from eric_epd.runtime.router import ApiError
 from eric_epd.runtime.work import Batch
 from eric_epd.transfer.producer import TransferHub
-from tests.helpers_engine import WORKLOAD as _WORKLOAD
-from tests.helpers_engine import FakeEngine as _FakeEngine
-from tests.helpers_engine import FakeMedia as _FakeMedia
-from tests.helpers_engine import InstantExecutor
-from tests.helpers_engine import items as _items
-from tests.helpers_engine import settle as _settle
-from tests.helpers_engine import work_request as _request
+from tests.support.helpers_engine import WORKLOAD as _WORKLOAD
+from tests.support.helpers_engine import FakeEngine as _FakeEngine
+from tests.support.helpers_engine import FakeMedia as _FakeMedia
+from tests.support.helpers_engine import InstantExecutor
+from tests.support.helpers_engine import items as _items
+from tests.support.helpers_engine import settle as _settle
+from tests.support.helpers_engine import work_request as _request
 
 # ---------------------------------------------------------------- engine protocol (no processes)
 

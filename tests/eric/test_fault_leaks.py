@@ -35,14 +35,14 @@ from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
-from tests.helpers_engine import FakeEngine as _FakeEngine
-from tests.helpers_engine import FakeMedia as _FakeMedia
-from tests.helpers_engine import items as _items
-from tests.helpers_engine import settle as _settle
-from tests.helpers_servers import post_raw as _post_raw
-from tests.helpers_servers import read_and_ack
-from tests.helpers_servers import stopped as _stopped
-from tests.placement import rendezvous_first
+from tests.support.helpers_engine import FakeEngine as _FakeEngine
+from tests.support.helpers_engine import FakeMedia as _FakeMedia
+from tests.support.helpers_engine import items as _items
+from tests.support.helpers_engine import settle as _settle
+from tests.support.helpers_servers import post_raw as _post_raw
+from tests.support.helpers_servers import read_and_ack
+from tests.support.helpers_servers import stopped as _stopped
+from tests.support.placement import rendezvous_first
 
 STORED = 0x5A
 """What the stand-in store holds for every item (byte value); a late read writes 0xEE."""

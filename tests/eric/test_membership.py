@@ -17,7 +17,7 @@ from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_a
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, image_messages, metric, wait_for
 from eric_epd.testing.standins import process_group_cmdlines
-from tests.placement import rendezvous_first
+from tests.support.placement import rendezvous_first
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
 PACE_S = 0.15

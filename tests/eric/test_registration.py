@@ -16,7 +16,7 @@ from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages, metric, wait_for
 from eric_epd.testing.standins import CountingListener, ProxyEric, process_group_cmdlines
-from tests.placement import rendezvous_first
+from tests.support.placement import rendezvous_first
 
 API_KEY, ADMIN_KEY = "sk-registration", "admin-registration"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -25,7 +25,7 @@ from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages, metric, wait_for
-from tests.placement import rendezvous_first
+from tests.support.placement import rendezvous_first
 
 API_KEY = "sk-dns-members"
 NAME = "erics.test"

@@ -18,7 +18,7 @@ from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask as _ask
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
-from tests.placement import rendezvous_first
+from tests.support.placement import rendezvous_first
 
 API_KEY = "sk-test"
 KEYED = {"Authorization": f"Bearer {API_KEY}"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eric_epd.cli import _check_reachable, _serve_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "examples").glob("*.md")), *sorted((ROOT / "docs").glob("*.md")),
         *sorted(ROOT.glob("eric_epd/plugins/*/README.md"))]
 VARS = {"ERIC_API_KEY": "k1", "ENGINE_KEY": "k2", "CLIENT_KEY": "k3", "ADMIN_KEY": "k4", "ERIC_KEY": "k1",

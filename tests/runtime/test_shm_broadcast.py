@@ -16,11 +16,11 @@ from eric_epd.runtime.executor.shm_broadcast import (
     buffer_to_tensor,
     tensor_to_buffer,
 )
-from tests import helpers_shm
-from tests.helpers_shm import CTX
-from tests.helpers_shm import any_dead as _any_dead
-from tests.helpers_shm import segments as _segments
-from tests.helpers_shm import start as _start
+from tests.support import helpers_shm
+from tests.support.helpers_shm import CTX
+from tests.support.helpers_shm import any_dead as _any_dead
+from tests.support.helpers_shm import segments as _segments
+from tests.support.helpers_shm import start as _start
 
 # every test here checks that no segment leaked; `procs` reaps the reader processes a test starts
 no_leaked_segments, procs = helpers_shm.no_leaked_segments, helpers_shm.procs

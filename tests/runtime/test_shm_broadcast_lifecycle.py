@@ -22,11 +22,11 @@ from eric_epd.runtime.executor.shm_broadcast import (
     ShmBroadcast,
     buffer_to_tensor,
 )
-from tests import helpers_shm
-from tests.helpers_shm import CTX
-from tests.helpers_shm import ROOT as _ROOT
-from tests.helpers_shm import segments as _segments
-from tests.helpers_shm import start as _start
+from tests.support import helpers_shm
+from tests.support.helpers_shm import CTX
+from tests.support.helpers_shm import ROOT as _ROOT
+from tests.support.helpers_shm import segments as _segments
+from tests.support.helpers_shm import start as _start
 
 # every test here checks that no segment leaked; `procs` reaps the reader processes a test starts
 no_leaked_segments, procs = helpers_shm.no_leaked_segments, helpers_shm.procs

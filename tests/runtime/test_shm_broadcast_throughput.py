@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from eric_epd.runtime.executor.shm_broadcast import BroadcastHandle, ShmBroadcast
-from tests import helpers_shm
-from tests.helpers_shm import CTX
-from tests.helpers_shm import any_dead as _any_dead
-from tests.helpers_shm import start as _start
+from tests.support import helpers_shm
+from tests.support.helpers_shm import CTX
+from tests.support.helpers_shm import any_dead as _any_dead
+from tests.support.helpers_shm import start as _start
 
 # every test here checks that no segment leaked; `procs` reaps the reader processes a test starts
 no_leaked_segments, procs = helpers_shm.no_leaked_segments, helpers_shm.procs

@@ -26,8 +26,8 @@ from eric_epd.testing.stack import metric, wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
-from tests.helpers_servers import start_in_threads
-from tests.sglang_probes import ELSEWHERE, assert_sglang_error, client_from
+from tests.support.helpers_servers import start_in_threads
+from tests.support.sglang_probes import ELSEWHERE, assert_sglang_error, client_from
 
 BOUNDS = ("--sglang-max-parts", "4", "--sglang-req-timeout", "3", "--sglang-send-timeout", "3",
           "--sglang-max-receivers", "2", "--sglang-receiver-idle-ttl", "1")

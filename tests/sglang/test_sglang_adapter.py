@@ -24,8 +24,8 @@ from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_prefill import BootstrapUrls, ParseArgs, ParsedArgs, WireCheck, unpack
 from eric_epd.testing.stack import metric, wait_for
-from tests import helpers_sglang
-from tests.helpers_sglang import (
+from tests.support import helpers_sglang
+from tests.support.helpers_sglang import (
     IMAGES,
     SPLIT_IMAGES,
     STORED_IMAGES,
@@ -34,7 +34,7 @@ from tests.helpers_sglang import (
     items_counter,
     prompt_for,
 )
-from tests.sglang_probes import (
+from tests.support.sglang_probes import (
     ELSEWHERE,
     Listener,
     assert_sglang_error,
@@ -46,7 +46,7 @@ from tests.sglang_probes import (
 # the prefill harness's module-scoped fixtures: three Erics and the prefill host, started once for this module
 bootstrap_port, setup, references = helpers_sglang.bootstrap_port, helpers_sglang.setup, helpers_sglang.references
 
-README = Path(__file__).resolve().parents[1] / "eric_epd" / "plugins" / "sglang" / "README.md"
+README = Path(__file__).resolve().parents[2] / "eric_epd" / "plugins" / "sglang" / "README.md"
 
 
 # ---------------------------------------------------------------------------------------------------- tests

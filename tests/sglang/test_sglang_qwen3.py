@@ -11,7 +11,7 @@ import torch
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url, random_image, video_data_url
 from eric_epd.testing.sglang_prefill import unpack
-from tests.helpers_sglang import (  # noqa: F401  (bootstrap_port, setup: the prefill harness fixtures)
+from tests.support.helpers_sglang import (  # noqa: F401  (bootstrap_port, setup: the prefill harness fixtures)
     ATOL,
     IMAGES,
     RTOL,

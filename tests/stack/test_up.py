@@ -60,8 +60,8 @@ def test_a_config_alone_creates_no_directory() -> None:
 @pytest.mark.parametrize("family", ["qwen2_vl_tiny"])
 def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: pytest.FixtureRequest,
                                                        tmp_path: Path) -> None:
-    """The built-in family. (`up` composes the same launchers that tests/test_gateway_qwen3.py runs for the Qwen3-VL
-    and Qwen3.5 families: the suite keeps one `up` run to stay within its time.)"""
+    """The built-in family. (`up` composes the same launchers that tests/gateway/test_gateway_qwen3.py runs for the
+    Qwen3-VL and Qwen3.5 families: the suite keeps one `up` run to stay within its time.)"""
     model: Path = request.getfixturevalue(family)
     ready, port = tmp_path / "url", free_port()
     proc = subprocess.Popen([sys.executable, "-m", "eric_epd", "up", "--model", str(model), "--port",

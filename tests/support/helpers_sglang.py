@@ -17,10 +17,10 @@ from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import random_image
 from eric_epd.testing.sglang_prefill import Bootstrap, Outcome, Prefill, unpack
-from tests.helpers_servers import start_in_threads
-from tests.sglang_probes import ELSEWHERE
+from tests.support.helpers_servers import start_in_threads
+from tests.support.sglang_probes import ELSEWHERE
 
-RTOL, ATOL = 1e-4, 1e-5  # float32, as tests/test_server.py: Eric's batched varlen attention vs HF per image
+RTOL, ATOL = 1e-4, 1e-5  # float32, as tests/eric/test_server.py: Eric's batched varlen attention vs HF per image
 IMAGES = [(64, 48, 1), (40, 90, 2), (112, 84, 3)]  # (width, height, seed); different sizes catch misplaced rows
 SPLIT_IMAGES = [(56, 56, 11), (84, 28, 12), (28, 112, 13), (70, 98, 14)]
 STORED_IMAGES = [(60, 44, 21), (44, 76, 22)]

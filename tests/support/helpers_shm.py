@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned children inherit sys.path
     sys.path.insert(0, ROOT)
 

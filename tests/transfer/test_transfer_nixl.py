@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
-_ROOT = str(Path(__file__).resolve().parents[1])
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # a checkout without `pip install -e .`; spawned children inherit sys.path
     sys.path.insert(0, _ROOT)
 

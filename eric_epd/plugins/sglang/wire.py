@@ -15,7 +15,7 @@ from eric_epd.common.jsonbody import MAX_ID, MAX_URL
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSIONS = ("0.5.23",)
-"""Versions whose receiver classes the tests drive (tests/test_sglang_adapter.py)."""
+"""Versions whose receiver classes the tests drive (tests/sglang/test_sglang_adapter.py)."""
 
 MODALITY_VALUES = {"IMAGE": 1, "VIDEO": 2, "AUDIO": 3}
 """sglang.srt.multimodal.modality.Modality (an Enum with auto() values)."""
