@@ -31,7 +31,7 @@ ANY_PORT = "eric-epd.io/any-port"
 # variable -> (Secret key, the workloads whose process reads it, the sources that read it)
 SECRET_VARS = {
     "ERIC_API_KEY": ("eric-api-key", {"eric", "vllm-prefill", "gateway"},
-                     ["eric_epd/cli.py", "router/epd_gateway/config.py", "eric_epd/plugins/vllm/connector.py"]),
+                     ["eric_epd/eric/cli.py", "router/epd_gateway/config.py", "eric_epd/plugins/vllm/connector.py"]),
     "VLLM_API_KEY": ("engine-api-key", {"vllm-prefill", "vllm-decode", "gateway", "text-encoder"},
                      ["eric_epd/plugins/vllm/auth.py", "router/epd_gateway/config.py"]),
     "EPD_GATEWAY_API_KEY": ("gateway-api-key", {"gateway"}, ["router/epd_gateway/config.py"]),
@@ -213,7 +213,7 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
 
     from epd_gateway.config import parse_args as gateway_args
 
-    from eric_epd.cli import _serve_parser
+    from eric_epd.eric.cli import add_parser as _serve_parser
     from eric_epd.geri import cli as geri_cli
 
     objs = render(overlay)

@@ -13,7 +13,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from eric_epd.cli import _check_reachable, _serve_parser
+from eric_epd.eric.cli import _check_reachable
+from eric_epd.eric.cli import add_parser as _serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "examples").glob("*.md")), *sorted((ROOT / "docs").glob("*.md")),
@@ -81,7 +82,7 @@ def _commands(program: str) -> list[tuple[str, list[str]]]:
 def test_eric_command_lines_parse_and_are_reachable(qwen2_vl_tiny: Path) -> None:
     """Parsed, checked (an advertised host behind a loopback bind is a SystemExit) and turned into a valid config
     (the documented checkpoint swapped for the local tiny one: nothing is downloaded here)."""
-    from eric_epd.cli import config_from_args
+    from eric_epd.eric.cli import config_from_args
 
     parser = argparse.ArgumentParser()
     _serve_parser(parser.add_subparsers(dest="command"))

@@ -91,7 +91,8 @@ def test_mooncake_protocol_follows_sglang_and_advertised_hosts_are_reachable(mon
     advertised to other hosts with a loopback bind is refused at start with a message naming both flags."""
     import argparse
 
-    from eric_epd.cli import _serve_parser, config_from_args
+    from eric_epd.eric.cli import add_parser as _serve_parser
+    from eric_epd.eric.cli import config_from_args
 
     def config(*argv: str, env: str | None = None):
         if env is None:
