@@ -5,27 +5,10 @@ from __future__ import annotations
 import hmac
 
 from starlette.datastructures import Headers
-from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-
-class BodyTooLargeError(Exception):
-    """The request body is over the limit (answer 413)."""
-
-
-async def read_limited_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (BodyTooLargeError) past `limit` bytes without reading the rest."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+from eric_epd.common.errors import error_response
 
 
 def bearer(api_key: str | None) -> dict[str, str]:
@@ -41,8 +24,7 @@ def key_matches(headers: Headers, api_key: str) -> bool:
 
 def unauthorized() -> JSONResponse:
     """401 in the JSON error shape every route answers with."""
-    return JSONResponse({"error": {"message": "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                   "type": "AuthenticationError", "param": None, "code": 401}}, 401)
+    return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
 
 
 class ApiKeyMiddleware:

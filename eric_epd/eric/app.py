@@ -11,13 +11,14 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
+from eric_epd.common.errors import ApiError, parse_body, read_body
 from eric_epd.common.http import ApiKeyMiddleware
-from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, clip, parse_json
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL, clip
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.membership import GatewayMembership
 from eric_epd.eric.metrics import EricMetrics
@@ -26,19 +27,12 @@ from eric_epd.eric.processor import Processor, model_fingerprint
 from eric_epd.eric.service import EncodeService, ItemAnswer, OutputSpec, RequestClock
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
-from eric_epd.plugins.sglang.protocol import error_response as sglang_error_response
+from eric_epd.plugins.sglang.protocol import sglang_error_response
 from eric_epd.plugins.sglang.routes import sglang_routes
-from eric_epd.runtime.router import (
-    ApiError,
-    add_status_routes,
-    connected_client,
-    error_response,
-    install_error_handlers,
-    read_body,
-)
+from eric_epd.runtime.router import add_status_routes, connected_client, install_error_handlers
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.producer import TransferHub
-from eric_epd.transfer.routes import TransferApiError, transfer_routes
+from eric_epd.transfer.routes import transfer_routes
 from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem
 
 logger = logging.getLogger(__name__)
@@ -46,10 +40,7 @@ logger = logging.getLogger(__name__)
 
 def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[EncodeItem]:
     """Validate {"items": [{id?, modality, url}, ...]}; every problem is a 400 that names it."""
-    try:
-        data = parse_json(body)
-    except JsonBodyError as e:
-        raise ApiError(400, str(e)) from e
+    data = parse_body(body)
     if not isinstance(data, dict) or not isinstance(data.get("items"), list):
         raise ApiError(400, 'body must be an object with a list field "items"')
     raw_items = data["items"]
@@ -142,10 +133,6 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
     app = FastAPI(title="Eric encode server", version=__version__, lifespan=lifespan)
     schema = eric_openapi(__version__, list(mp.modalities), config.max_items_per_request)
     app.openapi = lambda: schema  # type: ignore[method-assign]  # written out: the routes read raw bodies
-
-    @app.exception_handler(TransferApiError)
-    async def _transfer_error(_: Request, e: TransferApiError) -> JSONResponse:
-        return error_response(e.status, e.message)
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:

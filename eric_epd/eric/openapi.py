@@ -13,7 +13,8 @@ from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlR
 JSON = "application/json"
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                   "code": {"type": "integer"}}}}}
 SGLANG_ERROR = {"type": "object", "required": ["status", "message"], "properties": {
     "status": {"const": "error"}, "message": {"type": "string"}, "req_id": {"type": ["string", "null"]}}}
 HASH = {"name": "content_hash", "in": "path", "required": True, "schema": {"type": "string"}}

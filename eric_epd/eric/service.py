@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eric_epd.common.errors import ApiError
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
 from eric_epd.eric.workload import EncodeSpec
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.media.url_policy import MediaError
 from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
-from eric_epd.runtime.router import ApiError
 from eric_epd.runtime.work import ItemResult, WorkItem, pack_spec
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.pool import PoolEntry
-from eric_epd.transfer.producer import PoolFullError, TransferHub
+from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.handles import EmbeddingHandle
 
@@ -249,8 +249,6 @@ class EncodeService:
             for entry in entries:
                 self.hub.release(entry)
             self._finish(mine, e)
-            if isinstance(e, PoolFullError):
-                raise ApiError(503, str(e), retry_after=1.0) from e
             raise
         return entries
 
@@ -266,7 +264,7 @@ class EncodeService:
             for entry in entries:
                 self.hub.release(entry)  # never sent
             self._finish(mine, e)
-            raise ApiError(e.status, e.message, e.retry_after) from e
+            raise
         flight = _Flight(request, {key: i for i, key in enumerate(mine)})
         self._flights.update(dict.fromkeys(mine, flight))
         self._metrics.inflight_items.inc(len(items))
@@ -296,7 +294,7 @@ class EncodeService:
             finished = {r.key: r for r in msg.items}
             error = ApiError(msg.status, msg.error) if msg.error is not None else None
         except EngineUnavailableError as e:
-            error = ApiError(e.status, e.message, e.retry_after)
+            error = e
         finally:
             self._metrics.inflight_items.dec(len(entries))
         for entry in entries:
@@ -358,6 +356,6 @@ class EncodeService:
             future = self._inflight.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(None)
-        quiet = ApiError | PoolFullError | EngineUnavailableError | asyncio.CancelledError  # a client that left
+        quiet = ApiError | asyncio.CancelledError  # the engine's and the pool's errors included; a client that left
         if error is not None and not isinstance(error, quiet):
             logger.warning("encode of %d items failed: %r", len(mine), error)

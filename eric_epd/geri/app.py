@@ -17,15 +17,17 @@ from starlette.requests import ClientDisconnect
 
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
+from eric_epd.common.errors import ApiError, read_json_body
 from eric_epd.common.http import ApiKeyMiddleware
-from eric_epd.geri.body import checked_request, parse_generate_body
+from eric_epd.geri.body import checked_request, checked_sources
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.handles import HandleReader, embeddings_of
 from eric_epd.geri.service import GenerateService
 from eric_epd.geri.workload import GeneratorWorkload
 from eric_epd.runtime.engine.messages import EngineStatusMsg
-from eric_epd.runtime.router import ApiError, add_status_routes, connected_client, install_error_handlers, read_body
+from eric_epd.runtime.router import add_status_routes, connected_client, install_error_handlers
 from eric_epd.transfer.pool import EmbeddingPool
+from eric_epd.wire.geri import GenerateBody
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
     async def generate(request: Request) -> Response:
         start = asyncio.get_running_loop().time()
         try:
-            raw = parse_generate_body(await read_body(request, config.max_body_bytes))
+            raw = checked_sources(await read_json_body(request, config.max_body_bytes, GenerateBody))
             prompt, negative = await embeddings_of(raw, state["handles"])
             image = await until_disconnect(request, state["service"].generate(
                 checked_request(raw, prompt, negative, workload)))

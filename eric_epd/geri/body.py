@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eric_epd.common.jsonbody import JsonBodyError, decode_struct
+from eric_epd.common.errors import ApiError
 from eric_epd.geri.limits import GenerateSpec
 from eric_epd.geri.workload import GeneratorWorkload
-from eric_epd.runtime.router import ApiError
 from eric_epd.wire.geri import NEGATIVE, PROMPT, GenerateBody
 
 
@@ -24,12 +23,8 @@ class GenerateRequest:
     embeddings: np.ndarray
 
 
-def parse_generate_body(body: bytes) -> GenerateBody:
-    """The decoded body; malformed JSON, unknown fields, wrong types and a missing or doubled source are 400s."""
-    try:
-        raw = decode_struct(body, GenerateBody)
-    except JsonBodyError as e:
-        raise ApiError(400, str(e)) from e
+def checked_sources(raw: GenerateBody) -> GenerateBody:
+    """The decoded body, its embeddings' source checked: a missing or doubled one is a 400."""
     if (raw.embeddings is None) == (raw.prompt_handle is None):
         raise ApiError(400, "send the prompt's embeddings either inline ('embeddings') or by 'prompt_handle'")
     if raw.negative_handle is not None and raw.prompt_handle is None:

@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 
+from eric_epd.common.errors import ApiError
 from eric_epd.geri.body import float_rows, inline_embeddings
-from eric_epd.runtime.router import ApiError
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher
 from eric_epd.wire.geri import GenerateBody

@@ -9,10 +9,10 @@ import uuid
 
 import numpy as np
 
+from eric_epd.common.errors import ApiError
 from eric_epd.geri.body import GenerateRequest
 from eric_epd.geri.workload import GeneratorWorkload
 from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
-from eric_epd.runtime.router import ApiError
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
 
 logger = logging.getLogger(__name__)
@@ -36,9 +36,9 @@ class GenerateService:
             raise ApiError(503, "image pool full; retry later", retry_after=1.0)
         try:
             engine_request = self._client.submit([self._workload.item(key, spec, entry.offset)], [request.embeddings])
-        except EngineUnavailableError as e:
+        except EngineUnavailableError:
             self._pool.release(key, entry.generation)  # never sent: nothing writes there
-            raise ApiError(e.status, e.message, e.retry_after) from e
+            raise
         settling = asyncio.create_task(self._settle(engine_request, entry))
         self._settling.add(settling)
         settling.add_done_callback(self._settling.discard)
@@ -61,8 +61,6 @@ class GenerateService:
             if [r.key for r in msg.items] != [entry.hash] or tuple(msg.items[0].shape) != entry.shape:
                 raise ApiError(500, f"the engine answered {msg.items} for one image of {list(entry.shape)}")
             return self._pool.view(entry).copy().reshape(entry.shape)
-        except EngineUnavailableError as e:
-            raise ApiError(e.status, e.message, e.retry_after) from e
         finally:
             self._pool.release(entry.hash, entry.generation)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, urlsplit
 
+from eric_epd.common.errors import ApiError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SCHEMES = frozenset({"http", "https", "data", "file"})
@@ -29,16 +31,8 @@ _BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-class MediaError(Exception):
+class MediaError(ApiError):
     """Bad media input; maps to an HTTP 4xx."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"MediaError({self.status}, {self.message!r})"
 
 
 def display_url(url: str, limit: int = 120) -> str:

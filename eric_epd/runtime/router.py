@@ -1,6 +1,5 @@
-"""The router-process pieces every server on the skeleton shares: its error type and JSON error shape, the error
-handlers (including the last resort), the body reader with a size bound, the engine client's lifetime and the
-engine-backed /health answer."""
+"""The router-process pieces every server on the skeleton shares: the error handlers (including the last resort),
+the engine client's lifetime and the engine-backed /health answer."""
 
 from __future__ import annotations
 
@@ -13,37 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.common.errors import ApiError, error_response
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.engine.client import EngineClient
 from eric_epd.runtime.engine.messages import EngineStatusMsg
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An error answered to the client as {"error": {...}} with this HTTP status."""
-
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-
-
-def error_response(status: int, message: str, retry_after: float | None = None) -> JSONResponse:
-    """OpenAI/vLLM-shaped error body."""
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalError"
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) before reading it all."""
-    try:
-        return await read_limited_body(request, limit)
-    except BodyTooLargeError as e:
-        raise ApiError(413, str(e)) from e
 
 
 LastResort = Callable[[Request, str], JSONResponse | None]
@@ -55,7 +29,7 @@ def install_error_handlers(app: FastAPI, special: LastResort | None = None) -> N
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return error_response(e.status, e.message, e.retry_after)
+        return e.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from eric_epd.eric.config import EricConfig, TransferConfig
-from eric_epd.runtime.router import error_response
+from eric_epd.runtime.router import install_error_handlers
 from eric_epd.transfer.producer import TransferHub
-from eric_epd.transfer.routes import TransferApiError, transfer_routes
+from eric_epd.transfer.routes import transfer_routes
 
 
 def seeded_bytes(nbytes: int, seed: int) -> np.ndarray:
@@ -33,10 +33,7 @@ def seeded_bytes(nbytes: int, seed: int) -> np.ndarray:
 def create_pool_app(hub: TransferHub) -> FastAPI:
     app = FastAPI(title="eric-epd transfer test producer")
     app.include_router(transfer_routes(hub))
-
-    @app.exception_handler(TransferApiError)
-    async def _error(_: Request, e: TransferApiError) -> JSONResponse:
-        return error_response(e.status, e.message)
+    install_error_handlers(app)
 
     @app.post("/v1/testing/entries")
     async def put(request: Request) -> JSONResponse:

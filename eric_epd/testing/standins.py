@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from eric_epd.common.errors import error_response
 from eric_epd.stack.process import free_port
 from eric_epd.testing.stack import wait_for
 
@@ -126,7 +127,7 @@ class EmbedsEngine(_ThreadServer):
                 ack = await client.post(f"{h['producer']}/v1/embeddings/{h['hash']}/ack", headers=lease,
                                         json={"instance_id": h["instance_id"]})
                 if got.status_code != 200 or ack.status_code != 200:
-                    return JSONResponse({"error": {"message": f"embedding {h['hash'][:12]} unreadable"}}, 500)
+                    return error_response(500, f"embedding {h['hash'][:12]} unreadable")
                 self.read[h["hash"]] = got.content
         return JSONResponse({"id": "chatcmpl-stand-in", "object": "chat.completion", "model": body.get("model"),
                              "choices": [{"index": 0, "finish_reason": "stop",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eric_epd.common.errors import ApiError
 from eric_epd.common.shm import Segment
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,8 @@ def span(nbytes: int) -> int:
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
-class LeaseError(Exception):
+class LeaseError(ApiError):
     """A lease operation refused: `status` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def new_token() -> str:

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from eric_epd.common.errors import ApiError
 from eric_epd.eric.config import EricConfig
 from eric_epd.transfer.backends.base import ProducerBackend
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
@@ -16,8 +17,11 @@ from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo
 logger = logging.getLogger(__name__)
 
 
-class PoolFullError(Exception):
-    """No pool space within the configured wait."""
+class PoolFullError(ApiError):
+    """No pool space within the configured wait: 503, retry in a second."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, retry_after=1.0)
 
 
 def create_backends(config: EricConfig) -> list[ProducerBackend]:

@@ -9,9 +9,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from eric_epd.common.http import BodyTooLargeError, read_limited_body
-from eric_epd.common.jsonbody import JsonBodyError, parse_json
-from eric_epd.transfer.pool import LeaseError, PoolEntry
+from eric_epd.common.errors import ApiError, parse_body, read_body
+from eric_epd.transfer.pool import PoolEntry
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.safetensors_io import safetensors_bytes
 from eric_epd.wire.handles import LEASE_HEADER
@@ -20,42 +19,23 @@ CONTROL_BODY_LIMIT = 4096
 """Lease and ack bodies are a few fields; anything larger is refused (413) before it is read."""
 
 
-class TransferApiError(Exception):
-    """Answered as {"error": {...}} by the app's handler for this type."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 async def _small_json(request: Request) -> dict:
     """A control body: at most CONTROL_BODY_LIMIT bytes of JSON object (empty means {})."""
-    try:
-        body = await read_limited_body(request, CONTROL_BODY_LIMIT)
-    except BodyTooLargeError as e:
-        raise TransferApiError(413, str(e)) from e
-    if not body.strip():
-        return {}
-    try:
-        fields = parse_json(body)
-    except JsonBodyError as e:
-        raise TransferApiError(400, str(e)) from e
+    body = await read_body(request, CONTROL_BODY_LIMIT)
+    fields = parse_body(body) if body.strip() else {}
     if not isinstance(fields, dict):
-        raise TransferApiError(400, "the body must be a JSON object")
+        raise ApiError(400, "the body must be a JSON object")
     return fields
 
 
 def _leased(hub: TransferHub, content_hash: str, request: Request) -> tuple[PoolEntry, str]:
-    """(entry, token) for the lease the request's X-Eric-Lease header names, else 404."""
+    """(entry, token) for the lease the request's X-Eric-Lease header names, else LeaseError 404."""
     token = request.headers.get(LEASE_HEADER)
-    try:
-        return hub.pool.holder(content_hash, token), token  # type: ignore[return-value]
-    except LeaseError as e:
-        raise TransferApiError(e.status, e.message) from e
+    return hub.pool.holder(content_hash, token), token  # type: ignore[return-value]
 
 
 def transfer_routes(hub: TransferHub) -> APIRouter:
+    """The transfer layer's routes; their errors are ApiErrors (LeaseError included) for the app's handler."""
     router = APIRouter()
 
     @router.get("/v1/embeddings/{content_hash}")
@@ -74,13 +54,13 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
         fields = await _small_json(request)
         instance_id = fields.get("instance_id")
         if instance_id is not None and not isinstance(instance_id, str):
-            raise TransferApiError(400, '"instance_id" must be a string')
+            raise ApiError(400, '"instance_id" must be a string')
         retry = fields.get("retry", False)
         if not isinstance(retry, bool):
-            raise TransferApiError(400, '"retry" must be a boolean')
+            raise ApiError(400, '"retry" must be a boolean')
         status, message = hub.ack(content_hash, request.headers.get(LEASE_HEADER), instance_id, retry)
         if status != 200:
-            raise TransferApiError(status, message)
+            raise ApiError(status, message)
         return JSONResponse({"status": message})
 
     @router.get("/v1/embeddings/{content_hash}/handle")
@@ -95,11 +75,8 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
         on its own; bounded per lease (pool.MAX_CHILD_LEASES)."""
         count = (await _small_json(request)).get("count", 1)
         if not isinstance(count, int) or isinstance(count, bool):
-            raise TransferApiError(400, '"count" must be an integer')
-        try:
-            tokens = hub.pool.add_leases(content_hash, request.headers.get(LEASE_HEADER), count)
-        except LeaseError as e:
-            raise TransferApiError(e.status, e.message) from e
+            raise ApiError(400, '"count" must be an integer')
+        tokens = hub.pool.add_leases(content_hash, request.headers.get(LEASE_HEADER), count)
         return JSONResponse({"leases": tokens})
 
     @router.get("/v1/transfer")
@@ -110,7 +87,7 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
     async def nixl_metadata() -> Response:
         backend = hub.backend("nixl")
         if backend is None:
-            raise TransferApiError(404, "NIXL is not enabled on this Eric (--transfer-backends)")
+            raise ApiError(404, "NIXL is not enabled on this Eric (--transfer-backends)")
         return Response(backend.metadata(), media_type="application/octet-stream")
 
     return router

@@ -14,8 +14,7 @@ from urllib.parse import urlsplit
 import msgspec
 from starlette.requests import Request
 
-from epd_gateway.errors import GatewayError
-from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.common.errors import ApiError, read_body
 from eric_epd.common.jsonbody import MAX_URL
 from eric_epd.common.registration import Registration, proves_key
 
@@ -45,7 +44,7 @@ def _address(text: str) -> Address | None:
 
 
 class RegistrationGate:
-    """Checks one /admin/encoders call; `admit` answers the URL to add or remove, or raises the GatewayError."""
+    """Checks one /admin/encoders call; `admit` answers the URL to add or remove, or raises the ApiError."""
 
     def __init__(self, admin_key: str | None, networks: tuple[Network, ...], eric_key: str | None) -> None:
         self._admin_key = admin_key
@@ -62,22 +61,22 @@ class RegistrationGate:
         given = request.headers.get("authorization", "")
         key = self._admin_key
         if key is None or not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise GatewayError(401, "Unauthorized")
+            raise ApiError(401, "Unauthorized")
         if not self._networks:
-            raise GatewayError(403, "registration is off: start the gateway with --register-from CIDR (the networks "
-                                    "Erics may register from)")
+            raise ApiError(403, "registration is off: start the gateway with --register-from CIDR (the networks "
+                                "Erics may register from)")
         if any(h in request.headers for h in FORWARDING_HEADERS):
-            raise GatewayError(403, "registration is taken directly from an Eric, not through a proxy")
+            raise ApiError(403, "registration is taken directly from an Eric, not through a proxy")
         peer = request.client.host if request.client else ""
         if not self._inside(_address(peer)):
-            raise GatewayError(403, f"caller {peer or 'unknown'} is outside --register-from")
+            raise ApiError(403, f"caller {peer or 'unknown'} is outside --register-from")
         registration = await _read(request)
         url = registration.url
         await self._check_host(url)
         if joining and self._eric_key is not None and not proves_key(registration, self._eric_key):
             logger.warning("refused registration of %s from %s: no valid proof of the Eric key", url, peer)
-            raise GatewayError(403, "registration needs a proof of the Erics' key (proof = hex HMAC-SHA256 of "
-                                    "\"URL\\nTS\" under it, ts = Unix seconds within 60 s)", param="proof")
+            raise ApiError(403, "registration needs a proof of the Erics' key (proof = hex HMAC-SHA256 of "
+                                "\"URL\\nTS\" under it, ts = Unix seconds within 60 s)", param="proof")
         return url.rstrip("/")
 
     async def _check_host(self, url: str) -> None:
@@ -93,22 +92,19 @@ class RegistrationGate:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except (OSError, ValueError) as e:
-                raise GatewayError(403, f"encoder host {host!r} does not resolve: {e}", param="url") from e
+                raise ApiError(403, f"encoder host {host!r} does not resolve: {e}", param="url") from e
             addresses = [_address(str(info[4][0])) for info in infos]
         if not addresses or not all(self._inside(a) for a in addresses):
-            raise GatewayError(403, f"encoder host {host!r} is outside --register-from", param="url")
+            raise ApiError(403, f"encoder host {host!r} is outside --register-from", param="url")
 
 
 async def _read(request: Request) -> Registration:
-    try:
-        raw = await read_limited_body(request, 4096)
-    except BodyTooLargeError as e:
-        raise GatewayError(413, str(e)) from e
+    raw = await read_body(request, 4096)
     try:
         registration = msgspec.json.decode(raw, type=Registration)
     except msgspec.DecodeError as e:
-        raise GatewayError(400, f"body must be {{\"url\": \"http(s)://host:port\", \"proof\": ..., \"ts\": ...}}: "
-                                f"{e}", param="url") from e
+        raise ApiError(400, f"body must be {{\"url\": \"http(s)://host:port\", \"proof\": ..., \"ts\": ...}}: "
+                            f"{e}", param="url") from e
     url = registration.url
     try:
         valid = url.startswith(("http://", "https://")) and len(url) <= MAX_URL and bool(urlsplit(url).hostname)
@@ -116,5 +112,5 @@ async def _read(request: Request) -> Registration:
     except ValueError:
         valid = False
     if not valid:
-        raise GatewayError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
+        raise ApiError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
     return registration

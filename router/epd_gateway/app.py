@@ -32,7 +32,6 @@ from epd_gateway.content import (
 from epd_gateway.dns_members import DnsMembers
 from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
-from epd_gateway.errors import GatewayError
 from epd_gateway.image_store import ImageStore
 from epd_gateway.images import ImageGenerator
 from epd_gateway.inline import MediaInliner, RawBody
@@ -42,8 +41,9 @@ from epd_gateway.redact import for_client
 from epd_gateway.upstream import Upstreams, new_session
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
-from eric_epd.common.http import BodyTooLargeError, bearer, read_limited_body
-from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, parse_json
+from eric_epd.common.errors import ApiError, error_response, parse_body, read_body
+from eric_epd.common.http import bearer
+from eric_epd.common.jsonbody import MAX_ID
 from eric_epd.media.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
@@ -51,19 +51,13 @@ logger = logging.getLogger(__name__)
 
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
     """(raw body, parsed object): the raw bytes are forwarded as they are when nothing needs rewriting."""
-    try:
-        raw = await read_limited_body(request, limit)
-    except BodyTooLargeError as e:
-        raise GatewayError(413, str(e)) from e
-    try:
-        body = parse_json(raw)
-    except JsonBodyError as e:
-        raise GatewayError(400, str(e)) from e
+    raw = await read_body(request, limit)
+    body = parse_body(raw)
     if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object")
+        raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or len(model) > MAX_ID):
-        raise GatewayError(400, f"'model' must be a string of at most {MAX_ID} characters", param="model")
+        raise ApiError(400, f"'model' must be a string of at most {MAX_ID} characters", param="model")
     return raw, body
 
 
@@ -87,14 +81,14 @@ class Gateway:
 
     def check_serves_chat(self) -> None:
         if not self.serves_chat:
-            raise GatewayError(404, "this gateway serves image generation only (no chat upstreams)")
+            raise ApiError(404, "this gateway serves image generation only (no chat upstreams)")
 
     def check_api_key(self, request: Request) -> None:
         if self.config.api_key is None:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
-            raise GatewayError(401, "Unauthorized")
+            raise ApiError(401, "Unauthorized")
 
     async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
         checking = time.perf_counter()
@@ -168,7 +162,7 @@ class Gateway:
             return "pd", await self._plain(plain, headers)
         try:
             response = await self._plain(plain, headers, sglang_epd=True)
-        except GatewayError as e:
+        except ApiError as e:
             if e.status not in (502, 504) or not self.config.prefill_urls:
                 raise
             response = None
@@ -186,7 +180,7 @@ class Gateway:
             try:
                 await policy.resolve_host(host, port)
             except MediaError as e:
-                raise GatewayError(e.status if e.status < 500 else 400, e.message) from e
+                raise ApiError(e.status if e.status < 500 else 400, e.message) from e
 
 
 def _embeddings_lost(response: Response) -> bool:
@@ -227,22 +221,24 @@ def create_app(config: GatewayConfig) -> Starlette:
                     task.cancel()
                 await state["gw"].inliner.aclose()
 
-    async def on_gateway_error(_: Request, e: Exception) -> Response:
-        assert isinstance(e, GatewayError)
+    async def on_api_error(_: Request, e: Exception) -> Response:
+        """Any ApiError, its 5xx text redacted (for_client); a 401 exactly as vLLM's API-key check answers it."""
+        assert isinstance(e, ApiError)
         if e.status < 500:
             metrics.client_errors.labels(status=str(e.status)).inc()
-        return GatewayError(e.status, for_client(e.status, e.message), e.param).response()
+        if e.status == 401:
+            return JSONResponse({"error": "Unauthorized"}, 401)
+        return error_response(e.status, for_client(e.status, e.message), param=e.param, retry_after=e.retry_after)
 
     async def on_http_error(request: Request, e: Exception) -> Response:
         """Unknown paths (404) and wrong methods (405), shaped like every other error."""
         assert isinstance(e, HTTPException)
-        return await on_gateway_error(request, GatewayError(e.status_code, f"{request.method} {request.url.path}: "
-                                                                          f"{e.detail}"))
+        return await on_api_error(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
 
     async def last_resort(request: Request, e: Exception) -> Response:
         """A failure no route expected: logged with its traceback, answered in the documented error shape."""
         logger.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path, exc_info=e)
-        return GatewayError(500, f"internal error ({type(e).__name__}); the gateway goes on serving").response()
+        return error_response(500, f"internal error ({type(e).__name__}); the gateway goes on serving")
 
     upstream_headers = bearer(config.upstream_api_key)  # the client's own key and ids are never forwarded
 
@@ -288,11 +284,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         gw = state["gw"]
         gw.check_api_key(request)
         if gw.images is None:
-            raise GatewayError(404, "image generation is not configured (--text-encoder-urls, --geri-urls)")
-        try:
-            raw = await read_limited_body(request, config.max_body_bytes)
-        except BodyTooLargeError as e:
-            raise GatewayError(413, str(e)) from e
+            raise ApiError(404, "image generation is not configured (--text-encoder-urls, --geri-urls)")
+        raw = await read_body(request, config.max_body_bytes)
         start = time.perf_counter()
         try:
             answer = await until_disconnect(request, gw.images.generate(raw, str(request.base_url).rstrip("/")))
@@ -307,7 +300,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         store = state["gw"].images.store if state["gw"].images is not None else None
         png = store.get(request.path_params["name"]) if store is not None else None
         if png is None:
-            raise GatewayError(404, "no such image (unknown, or expired)")
+            raise ApiError(404, "no such image (unknown, or expired)")
         return Response(png, media_type="image/png")
 
     async def models(request: Request) -> Response:
@@ -343,7 +336,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def deregister(request: Request) -> JSONResponse:
         url = await _admin_url(request)
         if not state["gw"].encoders.deregister(url):
-            raise GatewayError(404, f"encoder {url} is not registered")
+            raise ApiError(404, f"encoder {url} is not registered")
         return JSONResponse({"encoders": state["gw"].encoders.urls})
 
     gate = RegistrationGate(config.admin_key, config.register_from, config.eric_api_key)
@@ -365,5 +358,5 @@ def create_app(config: GatewayConfig) -> Starlette:
     ]
     # plain Starlette: no route needs FastAPI's validation, and it costs time on every proxied request
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_error,
+                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                          Exception: last_resort})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from epd_gateway.errors import GatewayError
+from eric_epd.common.errors import ApiError
 
 STEERING_FIELDS = frozenset({
     "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs",
@@ -41,46 +41,46 @@ def check_request_fields(body: dict[str, Any]) -> None:
     """400 for a field only the gateway may write."""
     for name in body:
         if name in STEERING_FIELDS:
-            raise GatewayError(400, f"the request field '{name}' is not accepted: it steers the engine's internals "
-                                    "and only the gateway sets it", param=name)
+            raise ApiError(400, f"the request field '{name}' is not accepted: it steers the engine's internals "
+                                "and only the gateway sets it", param=name)
 
 
 def check_messages(body: dict[str, Any], allow_embeddings: bool) -> None:
     """Every message and content part carries only the keys its type allows (see PART_KEYS)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise GatewayError(400, "'messages' must be a non-empty list", param="messages")
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     allowed = PART_KEYS | EMBED_PARTS if allow_embeddings else PART_KEYS
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise GatewayError(400, f"messages[{m}] must be an object", param="messages")
+            raise ApiError(400, f"messages[{m}] must be an object", param="messages")
         _only(message, MESSAGE_KEYS, f"messages[{m}]")
         content = message.get("content")
         if isinstance(content, list):
             for p, part in enumerate(content):
                 _check_part(part, allowed, f"messages[{m}].content[{p}]")
         elif content is not None and not isinstance(content, str):
-            raise GatewayError(400, f"messages[{m}].content must be a string or a list of parts", param="messages")
+            raise ApiError(400, f"messages[{m}].content must be a string or a list of parts", param="messages")
 
 
 def _check_part(part: Any, allowed: dict[str, set[str]], where: str) -> None:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind not in allowed:
         hint = " (client embeddings are off on this gateway)" if kind in EMBED_PARTS else ""
-        raise GatewayError(400, f"{where}: unsupported content part type {kind!r}{hint}; supported: "
-                                f"{sorted(allowed)}", param="messages")
+        raise ApiError(400, f"{where}: unsupported content part type {kind!r}{hint}; supported: "
+                            f"{sorted(allowed)}", param="messages")
     if "uuid" in part:
-        raise GatewayError(400, f"{where}: 'uuid' is not accepted: multimodal identifiers are minted by the gateway "
-                                "from the content it sees", param="uuid")
+        raise ApiError(400, f"{where}: 'uuid' is not accepted: multimodal identifiers are minted by the gateway "
+                            "from the content it sees", param="uuid")
     _only(part, allowed[kind], where)
     payload = part.get(kind)
     if kind in PAYLOAD_KEYS and isinstance(payload, dict):
         _only(payload, PAYLOAD_KEYS[kind], f"{where}.{kind}")
     if kind == "text" and not isinstance(part.get("text"), str):
-        raise GatewayError(400, f"{where}: a text part needs a string 'text'", param="messages")
+        raise ApiError(400, f"{where}: a text part needs a string 'text'", param="messages")
 
 
 def _only(obj: dict[str, Any], keys: set[str] | frozenset[str], where: str) -> None:
     extra = sorted(str(k)[:64] for k in obj if k not in keys)
     if extra:
-        raise GatewayError(400, f"{where}: unexpected field(s) {extra}; allowed: {sorted(keys)}", param=extra[0])
+        raise ApiError(400, f"{where}: unexpected field(s) {extra}; allowed: {sorted(keys)}", param=extra[0])

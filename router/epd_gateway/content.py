@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from epd_gateway.errors import GatewayError
+from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import MediaError, UrlPolicy
 from eric_epd.wire.handoff import handles_xargs
 
@@ -34,7 +34,7 @@ def _part_url(part: dict[str, Any], kind: str, where: str) -> str:
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise GatewayError(400, f"{where}: '{kind}' needs a non-empty 'url'", param=kind)
+        raise ApiError(400, f"{where}: '{kind}' needs a non-empty 'url'", param=kind)
     return url
 
 
@@ -54,10 +54,10 @@ def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> li
                 try:
                     policy.check(url)
                 except MediaError as e:
-                    raise GatewayError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
+                    raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
                 refs.append(MediaRef(m, p, MEDIA_PARTS[kind], url))
     if len(refs) > max_items:
-        raise GatewayError(400, f"too many media items: {len(refs)} > {max_items}", param="messages")
+        raise ApiError(400, f"too many media items: {len(refs)} > {max_items}", param="messages")
     return refs
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epd_gateway.errors import GatewayError
+from eric_epd.common.errors import ApiError
 
 _NUMPY_MAGIC = b"\x93NUMPY"
 MAX_GRID = 1 << 16
@@ -50,30 +50,30 @@ def check_embeds_parts(body: dict[str, Any], shape: EmbeddingShape) -> None:
 def _check_part(payload: Any, kind: str, shape: EmbeddingShape, where: str) -> None:
     grid_key = kind.replace("_embeds", "_grid_thw")
     if not isinstance(payload, dict) or set(payload) != {kind, grid_key}:
-        raise GatewayError(400, f"{where}: '{kind}' must be {{'{kind}': <base64 tensor>, '{grid_key}': [t, h, w]}}",
-                           param=kind)
+        raise ApiError(400, f"{where}: '{kind}' must be {{'{kind}': <base64 tensor>, '{grid_key}': [t, h, w]}}",
+                       param=kind)
     grid = payload[grid_key]
     if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(v, int) and 0 < v <= MAX_GRID
                                                                for v in grid)):
-        raise GatewayError(400, f"{where}: '{grid_key}' must be three positive integers", param=grid_key)
+        raise ApiError(400, f"{where}: '{grid_key}' must be three positive integers", param=grid_key)
     if any(v % shape.merge for v in grid[1:]):
-        raise GatewayError(400, f"{where}: '{grid_key}' {grid} is not a multiple of the merge size {shape.merge}",
-                           param=grid_key)
+        raise ApiError(400, f"{where}: '{grid_key}' {grid} is not a multiple of the merge size {shape.merge}",
+                       param=grid_key)
     dims = _tensor_shape(payload[kind], where, kind)
     want = [shape.rows(grid), shape.width]
     if dims != want:
-        raise GatewayError(400, f"{where}: '{kind}' is {dims}; its grid {grid} and this model need {want}",
-                           param=kind)
+        raise ApiError(400, f"{where}: '{kind}' is {dims}; its grid {grid} and this model need {want}",
+                       param=kind)
 
 
 def _tensor_shape(data: Any, where: str, kind: str) -> list[int]:
     """Shape of a base64 tensor (numpy .npy without pickle, or torch.save read with weights_only)."""
     if not isinstance(data, str):
-        raise GatewayError(400, f"{where}: '{kind}' must be a base64 string", param=kind)
+        raise ApiError(400, f"{where}: '{kind}' must be a base64 string", param=kind)
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise GatewayError(400, f"{where}: '{kind}' is not valid base64: {e}", param=kind) from e
+        raise ApiError(400, f"{where}: '{kind}' is not valid base64: {e}", param=kind) from e
     try:
         if raw[:6] == _NUMPY_MAGIC:
             import numpy as np
@@ -87,5 +87,5 @@ def _tensor_shape(data: Any, where: str, kind: str) -> list[int]:
             return []
         return list(tensor.shape)
     except Exception as e:  # any undecodable payload is the client's error, never the gateway's
-        raise GatewayError(400, f"{where}: '{kind}' is not a float tensor (.npy or torch.save): "
-                                f"{type(e).__name__}", param=kind) from e
+        raise ApiError(400, f"{where}: '{kind}' is not a float tensor (.npy or torch.save): "
+                            f"{type(e).__name__}", param=kind) from e

@@ -14,10 +14,10 @@ import httpx
 import msgspec
 
 from epd_gateway.content import MediaRef
-from epd_gateway.errors import GatewayError
 from epd_gateway.loadcheck import Completions, believed_load
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
+from eric_epd.common.errors import ApiError
 from eric_epd.wire.eric import EncodeItem, decode_answer, encode_body
 from eric_epd.wire.handles import LEASE_HEADER, AckBody, is_content_hash
 from eric_epd.wire.load import LoadReport
@@ -287,7 +287,7 @@ class EncoderPool:
                 message = resp.json()["error"]["message"]
             except Exception:
                 message = resp.text[:300]
-            raise GatewayError(resp.status_code, f"media rejected by encoder: {message}")
+            raise ApiError(resp.status_code, f"media rejected by encoder: {message}")
         try:
             items = msgspec.to_builtins(decode_answer(resp.content).items)
         except msgspec.MsgspecError as e:

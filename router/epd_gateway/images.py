@@ -14,10 +14,10 @@ import httpx
 import msgspec
 import numpy as np
 
-from epd_gateway.errors import GatewayError
 from epd_gateway.image_store import ImageStore
+from eric_epd.common.errors import ApiError, parse_body
 from eric_epd.common.http import bearer
-from eric_epd.common.jsonbody import MAX_ID, JsonBodyError, decode_struct
+from eric_epd.common.jsonbody import MAX_ID
 from eric_epd.wire.geri import generate_body
 
 logger = logging.getLogger(__name__)
@@ -48,16 +48,13 @@ class ImagesBody(msgspec.Struct):
 
 def parse_images_body(raw: bytes, urls: bool) -> tuple[ImagesBody, int, int]:
     """(body, width, height), every problem a 400 naming it; `urls`: whether response_format "url" is served."""
-    try:
-        body = decode_struct(raw, ImagesBody)
-    except JsonBodyError as e:
-        raise GatewayError(400, str(e)) from e
+    body = parse_body(raw, ImagesBody)
     if body.response_format == "url" and not urls:
-        raise GatewayError(400, "response_format 'url' is not configured on this gateway (--image-urls); use "
-                                "'b64_json'", param="response_format")
+        raise ApiError(400, "response_format 'url' is not configured on this gateway (--image-urls); use "
+                            "'b64_json'", param="response_format")
     width, _, height = body.size.partition("x")
     if not (width.isdigit() and height.isdigit()):
-        raise GatewayError(400, f"size must be WIDTHxHEIGHT such as 1024x1024, got {body.size!r}", param="size")
+        raise ApiError(400, f"size must be WIDTHxHEIGHT such as 1024x1024, got {body.size!r}", param="size")
     return body, int(width), int(height)
 
 
@@ -97,16 +94,16 @@ class ImageGenerator:
         try:
             response = await self._client.post(url + "/pooling", json=payload, headers=self._encoder_headers)
         except httpx.HTTPError as e:
-            raise GatewayError(503, f"text encoder {url} unreachable: {e!r}") from e
+            raise ApiError(503, f"text encoder {url} unreachable: {e!r}") from e
         if response.status_code != 200:
-            raise GatewayError(502 if response.status_code < 500 else 503,
-                               f"text encoder answered {response.status_code}: {response.text[:300]}")
+            raise ApiError(502 if response.status_code < 500 else 503,
+                           f"text encoder answered {response.status_code}: {response.text[:300]}")
         try:
             states = np.asarray(response.json()["data"][0]["data"], dtype=np.float32)
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise GatewayError(502, f"text encoder answered an unreadable pooling result: {e!r}") from e
+            raise ApiError(502, f"text encoder answered an unreadable pooling result: {e!r}") from e
         if states.ndim != 2 or states.shape[0] <= TEMPLATE_TOKENS:
-            raise GatewayError(502, f"text encoder answered hidden states of shape {list(states.shape)}")
+            raise ApiError(502, f"text encoder answered hidden states of shape {list(states.shape)}")
         return states[TEMPLATE_TOKENS:]
 
     async def _image(self, body: dict) -> bytes:
@@ -114,7 +111,7 @@ class ImageGenerator:
         try:
             response = await self._client.post(url + "/v1/generate", json=body, headers=self._geri_headers)
         except httpx.HTTPError as e:
-            raise GatewayError(503, f"image generator {url} unreachable: {e!r}") from e
+            raise ApiError(503, f"image generator {url} unreachable: {e!r}") from e
         if response.status_code == 200:
             return response.content
         try:
@@ -122,7 +119,7 @@ class ImageGenerator:
         except (ValueError, KeyError, TypeError):
             message = response.text[:300]
         status = response.status_code if response.status_code in (400, 503, 504) else 502
-        raise GatewayError(status, f"image generation failed: {message}")
+        raise ApiError(status, f"image generation failed: {message}")
 
 
 async def _none() -> None:

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from epd_gateway.content import MediaRef
-from epd_gateway.errors import GatewayError
+from eric_epd.common.errors import ApiError
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
@@ -52,7 +52,7 @@ class MediaInliner:
             return await self._fetcher.fetch(ref.url)
         except MediaError as e:
             where = f"messages[{ref.message}].content[{ref.part}]"
-            raise GatewayError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
+            raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
 
 
 class RawBody:

@@ -19,9 +19,9 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from epd_gateway.config import GatewayConfig
-from epd_gateway.errors import GatewayError
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.redact import for_client
+from eric_epd.common.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Upstreams:
             async with self._session.get(url + path, headers=headers) as resp:
                 return Reply(resp.status, await resp.read(), _headers(resp)).response()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise GatewayError(503, f"upstream {url} unreachable: {e!r}") from e
+            raise ApiError(503, f"upstream {url} unreachable: {e!r}") from e
 
     async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
                        raw: bytes | None = None, sglang_epd: bool = False) -> Response:
@@ -108,8 +108,8 @@ class Upstreams:
             params = None
         if not params:
             self._metrics.failures.labels(stage="prefill").inc()
-            raise GatewayError(502, f"prefill at {prefill_url} returned no kv_transfer_params "
-                                    "(is it started with a KV connector as kv_producer?)")
+            raise ApiError(502, f"prefill at {prefill_url} returned no kv_transfer_params "
+                                "(is it started with a KV connector as kv_producer?)")
         return await self._forward("decode", decode_url, path, {**body, "kv_transfer_params": params}, headers)
 
     async def _sglang(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
@@ -127,7 +127,7 @@ class Upstreams:
         if failure is not None:
             await _discard(decode)
             self._metrics.failures.labels(stage="prefill").inc()
-            raise GatewayError(502, f"prefill at {prefill_url} failed: {failure}")
+            raise ApiError(502, f"prefill at {prefill_url} failed: {failure}")
         prefill.add_done_callback(_log_prefill)
         return await decode
 
@@ -154,12 +154,12 @@ class Upstreams:
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             raise self._failed(stage, url, "failed", e) from e
 
-    def _failed(self, stage: str, url: str, what: str, e: BaseException) -> GatewayError:
+    def _failed(self, stage: str, url: str, what: str, e: BaseException) -> ApiError:
         """Count an upstream failure and name it: 504 for a timeout, else 502 for prefill and 503 for decode."""
         self._metrics.failures.labels(stage=stage).inc()
         if isinstance(e, asyncio.TimeoutError):
-            return GatewayError(504, f"{stage} at {url} timed out")
-        return GatewayError(502 if stage == "prefill" else 503, f"{stage} at {url} {what}: {e!r}")
+            return ApiError(504, f"{stage} at {url} timed out")
+        return ApiError(502 if stage == "prefill" else 503, f"{stage} at {url} {what}: {e!r}")
 
     async def _post(self, stage: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
         resp = await self._open(stage, url + path, orjson.dumps(body), headers)
@@ -181,7 +181,7 @@ def _failure(prefill: asyncio.Task[Reply]) -> str | None:
     if prefill.cancelled():
         return "cancelled"
     if (e := prefill.exception()) is not None:
-        return e.message if isinstance(e, GatewayError) else repr(e)
+        return e.message if isinstance(e, ApiError) else repr(e)
     reply = prefill.result()
     return f"HTTP {reply.status}: {reply.body[:200]!r}" if reply.status >= 500 else None
 
@@ -196,7 +196,7 @@ async def _discard(decode: asyncio.Task[Response]) -> None:
     decode.cancel()
     try:
         response = await decode
-    except (asyncio.CancelledError, GatewayError):
+    except (asyncio.CancelledError, ApiError):
         return
     if isinstance(response, StreamingResponse):
         await response.body_iterator.aclose()  # type: ignore[attr-defined]

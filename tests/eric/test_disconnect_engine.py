@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from eric_epd.common.errors import ApiError
 from eric_epd.eric.config import BatchLimits, EricConfig, TransferConfig
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.service import EncodeService, OutputSpec
 from eric_epd.runtime.engine.engine import ABORTED_STATUS, Engine
 from eric_epd.runtime.engine.messages import AbortRequestMsg
-from eric_epd.runtime.router import ApiError
 from eric_epd.runtime.work import Batch
 from eric_epd.transfer.producer import TransferHub
 from tests.support.helpers_engine import WORKLOAD as _WORKLOAD

@@ -21,10 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from eric_epd.common.errors import ApiError
 from eric_epd.eric.config import EricConfig, TransferConfig
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.service import EncodeService, OutputSpec
-from eric_epd.runtime.router import ApiError
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, StoreMaster
 from eric_epd.testing.media import data_url, image_bytes, image_data_url, random_image

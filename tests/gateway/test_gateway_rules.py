@@ -13,8 +13,8 @@ import torch
 from epd_gateway.boundary import STEERING_FIELDS, check_messages, check_request_fields
 from epd_gateway.content import collect_media, vllm_can_place, with_embeddings
 from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
-from epd_gateway.errors import GatewayError
 
+from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 
@@ -46,7 +46,7 @@ def test_media_parts_are_counted_and_rewritten_to_keyed_embeds() -> None:
     assert out["messages"][1]["content"][2] == {
         "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]}, "uuid": "b" * 64}
     assert body == _body()  # the client's request is not modified
-    with pytest.raises(GatewayError, match="too many media items"):
+    with pytest.raises(ApiError, match="too many media items"):
         collect_media(body, POLICY, max_items=1)
 
 
@@ -57,7 +57,7 @@ def test_vllm_places_videos_only_at_one_second_per_grid_step() -> None:
 
 
 def _refused(body: dict, match: str, allow_embeddings: bool = False) -> None:
-    with pytest.raises(GatewayError, match=match) as e:
+    with pytest.raises(ApiError, match=match) as e:
         check_request_fields(body)
         check_messages(body, allow_embeddings)
     assert e.value.status == 400
@@ -101,12 +101,12 @@ def test_client_embeddings_checked_against_grid_and_width() -> None:
     for as_torch in (True, False):
         check_embeds_parts(part(_b64(np.zeros((6, 8), np.float32), as_torch)), shape)
         for bad in (np.zeros((5, 8), np.float32), np.zeros((6, 9), np.float32), np.zeros((6, 8), np.int64)):
-            with pytest.raises(GatewayError, match="image_embeds"):
+            with pytest.raises(ApiError, match="image_embeds"):
                 check_embeds_parts(part(_b64(bad, as_torch)), shape)
     for data, g in (("not base64!", grid), (_b64(np.zeros((6, 8), np.float32), True), [1, 4, 5]),
                     (_b64(np.zeros((6, 8), np.float32), True), [1, -4, 6]),
                     (base64.b64encode(b"\x80\x04K\x01.").decode(), grid)):  # a pickle, refused
-        with pytest.raises(GatewayError):
+        with pytest.raises(ApiError):
             check_embeds_parts(part(data, g), shape)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from eric_epd.common.errors import ApiError
 from eric_epd.common.to_the_end import to_the_end
 from eric_epd.eric.config import EricConfig, SglangConfig
 from eric_epd.eric.service import EncodeService
@@ -34,8 +35,7 @@ from eric_epd.plugins.sglang.wire import (
     SendRequest,
 )
 from eric_epd.plugins.sglang.zmq_push import ZmqSender
-from eric_epd.runtime.router import ApiError
-from eric_epd.transfer.producer import PoolFullError, TransferHub
+from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.eric import EncodeItem
 
 logger = logging.getLogger(__name__)
@@ -158,10 +158,8 @@ class SglangEncoder:
             self.table.release(part)
             raise
         except Exception as e:
-            if isinstance(e, ApiError | SglangError):
+            if isinstance(e, ApiError):  # SglangError, PoolFullError and the encode's own errors
                 status, message = e.status, e.message
-            elif isinstance(e, PoolFullError):
-                status, message = 503, str(e)
             else:
                 status, message = 500, f"{type(e).__name__}: {e}"
             part.error = (message, status)

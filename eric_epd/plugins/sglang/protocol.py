@@ -9,10 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from fastapi.responses import JSONResponse
 
-from eric_epd.common.jsonbody import JsonBodyError, decode_struct
+from eric_epd.common.errors import ApiError
 from eric_epd.eric.service import ItemAnswer
 from eric_epd.plugins.sglang.wire import EncodeRequest
 from eric_epd.transfer.pool import PoolEntry
@@ -44,24 +43,13 @@ def wire_dtype(setting: str, model_cfg: dict[str, Any]) -> str:
     return declared if declared in ELEMENT_BYTES else "float16"
 
 
-class SglangError(Exception):
-    """Answered as SGLang's encoder answers: {"status": "error", "message", "req_id"} with this status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+class SglangError(ApiError):
+    """An ApiError of the SGLang routes, answered there as SGLang's encoder answers (sglang_error_response)."""
 
 
-def error_response(status: int, message: str, req_id: str | None) -> JSONResponse:
+def sglang_error_response(status: int, message: str, req_id: str | None) -> JSONResponse:
+    """SGLang's own error shape, which its receivers parse: {"status": "error", "message", "req_id"}."""
     return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status)
-
-
-def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    try:
-        return decode_struct(body, kind)
-    except JsonBodyError as e:
-        raise SglangError(400, str(e)) from e
 
 
 def tcp_endpoint(endpoint: str) -> str:

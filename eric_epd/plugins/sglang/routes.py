@@ -13,10 +13,10 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from eric_epd.common.http import BodyTooLargeError, read_limited_body
+from eric_epd.common.errors import ApiError, read_json_body
 from eric_epd.eric.config import EricConfig
 from eric_epd.plugins.sglang.encoder import SglangEncoder
-from eric_epd.plugins.sglang.protocol import SglangError, decode_body, error_response, wire_dtype
+from eric_epd.plugins.sglang.protocol import sglang_error_response, wire_dtype
 from eric_epd.plugins.sglang.registration import register, unregister
 from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
 from eric_epd.transfer.producer import TransferHub
@@ -60,18 +60,16 @@ def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
         """Read at most `limit` bytes (413 past it), decode, and call handler(body, caller's address)."""
         req_id = None
         try:
-            body = decode_body(await read_limited_body(request, limit), kind)
+            body = await read_json_body(request, limit, kind)
             req_id = getattr(body, "req_id", None)
             result = await handler(body, request.client.host if request.client else None)
-        except BodyTooLargeError as e:
-            return error_response(413, str(e), None)
-        except SglangError as e:
+        except ApiError as e:  # a SglangError, or the body over `limit` (413) or malformed (400)
             if e.status >= 500:
                 logger.error("SGLang %s %s: %d %s", request.url.path, req_id, e.status, e.message)
-            return error_response(e.status, e.message, req_id)
+            return sglang_error_response(e.status, e.message, req_id)
         except Exception as e:  # as SGLang's encoder: any other failure is a 500 naming it
             logger.exception("SGLang %s %s failed", request.url.path, req_id)
-            return error_response(500, f"{type(e).__name__}: {e}", req_id)
+            return sglang_error_response(500, f"{type(e).__name__}: {e}", req_id)
         return JSONResponse(result)
 
     @router.post("/encode")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+from eric_epd.common.errors import error_response
 
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
 """What an unkeyed caller (a load balancer's or Prometheus's probe) may GET."""
@@ -33,7 +34,6 @@ class RequireEngineKey(AuthenticationMiddleware):
         if path in OPEN_ROUTES and scope.get("method") in ("GET", "HEAD"):
             return self.app(scope, receive, send)
         if not self.verify_token(Headers(scope=scope)):
-            body = {"error": {"message": "this engine answers only its gateway: the engine key is missing or wrong",
-                              "type": "AuthenticationError", "param": None, "code": 401}}
-            return JSONResponse(body, status_code=401)(scope, receive, send)
+            message = "this engine answers only its gateway: the engine key is missing or wrong"
+            return error_response(401, message)(scope, receive, send)
         return self.app(scope, receive, send)

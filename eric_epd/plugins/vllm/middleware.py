@@ -9,7 +9,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
+
+from eric_epd.common.errors import error_response
 
 _EMBED_PARTS = ("image_embeds", "video_embeds", "audio_embeds")
 
@@ -42,6 +44,5 @@ async def refuse_unkeyed_metadata(request: Request, call_next: Callable[[Request
             return await call_next(request)  # vLLM answers malformed JSON itself
         problem = find_unkeyed_metadata(body)
         if problem is not None:
-            return JSONResponse({"error": {"message": problem, "type": "BadRequestError", "param": None,
-                                           "code": 400}}, status_code=400)
+            return error_response(400, problem)
     return await call_next(request)

@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from eric_epd.common.errors import ApiError
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.engine.messages import (
     UNAVAILABLE,
@@ -37,14 +38,8 @@ logger = logging.getLogger(__name__)
 WorkOutput = tuple[WorkResultMsg, list[memoryview]]
 
 
-class EngineUnavailableError(Exception):
+class EngineUnavailableError(ApiError):
     """The engine cannot take work now; `status` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
