@@ -24,10 +24,10 @@ from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.openapi import eric_openapi
 from eric_epd.eric.processor import Processor, model_fingerprint
 from eric_epd.eric.service import EncodeService, ItemAnswer, OutputSpec, RequestClock
+from eric_epd.eric.sglang.protocol import error_response as sglang_error_response
+from eric_epd.eric.sglang.routes import sglang_routes
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
-from eric_epd.plugins.sglang.protocol import error_response as sglang_error_response
-from eric_epd.plugins.sglang.routes import sglang_routes
 from eric_epd.runtime.router import (
     ApiError,
     add_status_routes,

@@ -57,7 +57,7 @@ def _network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 
 @dataclass(frozen=True)
 class SglangConfig:
-    """SGLang's encoder-server protocol on Eric (plugins/sglang): on by default, answers beside the native API."""
+    """SGLang's encoder-server protocol on Eric (eric/sglang): on by default, answers beside the native API."""
 
     enabled: bool = True
     register_urls: tuple[str, ...] = ()

@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, Response
 
 from eric_epd.common.http import BodyTooLargeError, read_limited_body
 from eric_epd.eric.config import EricConfig
-from eric_epd.plugins.sglang.encoder import SglangEncoder
-from eric_epd.plugins.sglang.protocol import SglangError, decode_body, error_response, wire_dtype
-from eric_epd.plugins.sglang.registration import register, unregister
-from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
+from eric_epd.eric.sglang.encoder import SglangEncoder
+from eric_epd.eric.sglang.protocol import SglangError, decode_body, error_response, wire_dtype
+from eric_epd.eric.sglang.registration import register, unregister
 from eric_epd.transfer.producer import TransferHub
+from eric_epd.wire.sglang import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
 
 logger = logging.getLogger(__name__)
 
