@@ -9,7 +9,13 @@ from eric_epd.runtime.launch import run_server
 from eric_epd.transfer.producer import TransferHub
 
 
+def transfer_hub(config: EricConfig) -> TransferHub:
+    """The embedding pool and producer backends of the Eric `config` describes."""
+    return TransferHub(config.transfer, pool_name=config.pool_name, instance_id=config.instance_id,
+                       public_url=config.public_url)
+
+
 def serve(config: EricConfig) -> None:
     """Run until interrupted."""
-    run_server("Eric", config, EncoderWorkload.from_checkpoint(config.model), lambda: TransferHub(config),
+    run_server("Eric", config, EncoderWorkload.from_checkpoint(config.model), lambda: transfer_hub(config),
                lambda is_alive, hub: create_app(config, is_alive, hub), config.drain_timeout_s)
