@@ -25,10 +25,11 @@ from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.openapi import eric_openapi
 from eric_epd.eric.processor import Processor, model_fingerprint
 from eric_epd.eric.service import EncodeService, ItemAnswer, OutputSpec, RequestClock
+from eric_epd.eric.sglang.protocol import sglang_error_response
+from eric_epd.eric.sglang.routes import sglang_routes
 from eric_epd.media.fetch import MediaFetcher
-from eric_epd.models.registry import load_processor, output_width, read_model_config, resolve_dtype
-from eric_epd.plugins.sglang.protocol import sglang_error_response
-from eric_epd.plugins.sglang.routes import sglang_routes
+from eric_epd.models.facts import ModelFacts
+from eric_epd.models.registry import load_processor
 from eric_epd.runtime.router import add_status_routes, connected_client, install_error_handlers
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.producer import TransferHub
@@ -80,27 +81,24 @@ def encoded_item(answer: ItemAnswer) -> EncodedItem:
         timestamps=list(item.timestamps) if item.timestamps is not None else None)
 
 
-def output_spec(config: EricConfig) -> OutputSpec:
-    """Width and dtype of the encoder's output, known before any batch runs (to reserve pool space)."""
-    cfg = read_model_config(config.model)
-    return OutputSpec(output_width(cfg), str(resolve_dtype(config.dtype, cfg)).removeprefix("torch."))
-
-
-def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: TransferHub) -> FastAPI:
-    """The router app; its lifespan connects to an engine that is already running and serves `hub`'s pool."""
+def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[[], bool], hub: TransferHub
+               ) -> FastAPI:
+    """The router app for the checkpoint `facts` describe (read once by the caller); its lifespan connects to an
+    engine that is already running and serves `hub`'s pool."""
     metrics = EricMetrics()
-    mp = load_processor(config.model)
+    mp = load_processor(facts.model_dir, facts.config)
+    # width and dtype of the encoder's output, known before any batch runs (to reserve pool space)
+    spec = OutputSpec(facts.embedding_width, facts.output_dtype(config.dtype))
     model_name = str(config.model)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         fetcher = MediaFetcher(config.url_policy, config.media)
-        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(config.model))
+        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(facts))
         expiry = asyncio.create_task(hub.expiry_loop())
         membership = GatewayMembership(config.register_with, config.register_key, config.public_url,
                                        config.heartbeat_s, config.api_key)
-        spec = output_spec(config)
         shared = (GlobalCache(config.global_cache, config.transfer.advertise_host, config.global_cache_bytes,
                               hub.pool.array, spec.dtype) if config.global_cache else None)
         metrics.global_cache, metrics.pool = shared, hub.pool
@@ -131,7 +129,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
             processor.close()
 
     app = FastAPI(title="Eric encode server", version=__version__, lifespan=lifespan)
-    schema = eric_openapi(__version__, list(mp.modalities), config.max_items_per_request)
+    schema = eric_openapi(__version__, list(facts.modalities), config.max_items_per_request)
     app.openapi = lambda: schema  # type: ignore[method-assign]  # written out: the routes read raw bodies
 
     @app.post("/v1/encode")
@@ -140,7 +138,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         try:
             body = await read_body(request, config.max_body_bytes)
             metrics.stages.observe("body_read", time.perf_counter() - clock.start)
-            items = parse_encode_body(body, mp.modalities, config.max_items_per_request)
+            items = parse_encode_body(body, facts.modalities, config.max_items_per_request)
             # a client that leaves cancels its work: queued items are dropped, its leases given back
             answers = await until_disconnect(request, state["service"].encode(items, clock))
         except ApiError as e:
@@ -160,7 +158,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         return response
 
     app.include_router(transfer_routes(hub))
-    sglang = sglang_routes(config, hub, state)  # SGLang encoder protocol (/encode, /send, ...)
+    sglang = sglang_routes(config, facts, spec, hub, state)  # SGLang encoder protocol (/encode, /send, ...)
     app.include_router(sglang)
     sglang_paths = frozenset(r.path for r in sglang.routes)
     metrics.sglang_state = getattr(getattr(sglang, "encoder", None), "state", None)
@@ -173,7 +171,7 @@ def create_app(config: EricConfig, is_engine_alive: Callable[[], bool], hub: Tra
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
     add_status_routes(app, state, is_engine_alive, {
-        "id": model_name, "modalities": list(mp.modalities), "tp_size": config.tp_size, "dtype": config.dtype})
+        "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype})
 
     @app.get("/v1/load")
     async def load() -> Response:

@@ -12,14 +12,13 @@ from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.eric.config import (
     DTYPES,
     SGLANG_DTYPES,
-    TRANSFER_BACKENDS,
     BatchLimits,
     EricConfig,
     SglangConfig,
-    TransferConfig,
 )
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.transfer.config import TRANSFER_BACKENDS, TransferConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

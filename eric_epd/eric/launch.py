@@ -5,11 +5,20 @@ from __future__ import annotations
 from eric_epd.eric.app import create_app
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.workload import EncoderWorkload
+from eric_epd.models.facts import ModelFacts
 from eric_epd.runtime.launch import run_server
 from eric_epd.transfer.producer import TransferHub
 
 
+def transfer_hub(config: EricConfig) -> TransferHub:
+    """The embedding pool and producer backends of the Eric `config` describes."""
+    return TransferHub(config.transfer, pool_name=config.pool_name, instance_id=config.instance_id,
+                       public_url=config.public_url)
+
+
 def serve(config: EricConfig) -> None:
-    """Run until interrupted."""
-    run_server("Eric", config, EncoderWorkload.from_checkpoint(config.model), lambda: TransferHub(config),
-               lambda is_alive, hub: create_app(config, is_alive, hub), config.drain_timeout_s)
+    """Run until interrupted. The checkpoint's config.json is read here, once for this process (the engine and
+    the workers get the workload built from it; each worker reads it once more to build its encoder)."""
+    facts = ModelFacts.from_checkpoint(config.model)
+    run_server("Eric", config, EncoderWorkload.from_facts(facts), lambda: transfer_hub(config),
+               lambda is_alive, hub: create_app(config, facts, is_alive, hub), config.drain_timeout_s)

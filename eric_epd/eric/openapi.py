@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from eric_epd.common.jsonbody import MAX_ID
-from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
+from eric_epd.wire.sglang import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
 
 JSON = "application/json"
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

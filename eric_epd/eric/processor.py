@@ -13,13 +13,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from eric_epd.eric.decode import decode_image, decode_video
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
+from eric_epd.models.facts import ModelFacts
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 
 logger = logging.getLogger(__name__)
@@ -42,15 +42,14 @@ class PreparedItem:
     """How long decoding, preprocessing and hashing took (observed by the caller, on the event loop)."""
 
 
-def model_fingerprint(model_dir: Path) -> bytes:
+def model_fingerprint(facts: ModelFacts) -> bytes:
     """What identifies the encoder's output space: the vision config and a digest of the vision weights (a
     fine-tuned tower under the same config gives other hashes), not the path it was loaded from."""
     from eric_epd.models.registry import vision_weights_digest
 
-    cfg = json.loads((model_dir / "config.json").read_text())
     start = time.perf_counter()
-    vision = {"model_type": cfg.get("model_type"), "vision_config": cfg.get("vision_config"),
-              "vision_weights": vision_weights_digest(model_dir)}
+    vision = {"model_type": facts.model_type, "vision_config": facts.config.get("vision_config"),
+              "vision_weights": vision_weights_digest(facts.model_dir, facts.config)}
     logger.info("vision weights digest %s in %.2fs", vision["vision_weights"], time.perf_counter() - start)
     return json.dumps(vision, sort_keys=True, default=str).encode()
 

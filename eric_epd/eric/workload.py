@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import numpy as np
 import torch
 
+from eric_epd.models.facts import ModelFacts
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
 from eric_epd.runtime.workload import INPUT_BYTES
@@ -35,13 +35,9 @@ class EncoderWorkload:
     """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
 
     @classmethod
-    def from_checkpoint(cls, model: Path) -> EncoderWorkload:
-        from eric_epd.models.registry import read_model_config
-
-        vision = read_model_config(model).get("vision_config", {})
-        row = (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
-               * vision.get("patch_size", 14) ** 2)
-        return cls(int(vision.get("spatial_merge_size", 2)) ** 2, row)
+    def from_facts(cls, facts: ModelFacts) -> EncoderWorkload:
+        """The workload of the checkpoint `facts` describe (the router's, read once)."""
+        return cls(facts.merge_unit, facts.pixel_row)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         spec = unpack_spec(item, EncodeSpec)
@@ -70,8 +66,10 @@ class EncoderWorkload:
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> EncoderRunner:
         from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
 
-        dtype = resolve_dtype(config.dtype, read_model_config(config.model))
-        return EncoderRunner(load_encoder(config.model, dtype, device, tp), dtype, self.merge_unit)  # type: ignore[arg-type]
+        model_config = read_model_config(config.model)  # this worker process's one read
+        dtype = resolve_dtype(config.dtype, model_config)
+        encoder = load_encoder(config.model, dtype, device, tp, model_config)  # type: ignore[arg-type]
+        return EncoderRunner(encoder, dtype, self.merge_unit)
 
 
 @dataclass

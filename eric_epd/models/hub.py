@@ -38,11 +38,10 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a Hugging Face repo id (org/name)")
     from huggingface_hub import snapshot_download
 
-    from eric_epd.models.registry import get_model_spec
+    from eric_epd.models.registry import get_model_spec, read_model_config
 
     snapshot = Path(snapshot_download(model, revision=revision, allow_patterns=SMALL_FILES))
-    config = json.loads((snapshot / "config.json").read_text())
-    prefixes = get_model_spec(config.get("model_type", "")).weight_prefixes
+    prefixes = get_model_spec(read_model_config(snapshot).get("model_type", "")).weight_prefixes
     shards = encoder_shards(snapshot, prefixes)
     weights = shards if shards is not None else ["*.safetensors"]
     logger.info("%s@%s: fetching %s", model, revision or "main", ", ".join(weights))

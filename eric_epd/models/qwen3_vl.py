@@ -28,10 +28,6 @@ _RENAMES = (  # Hugging Face's Qwen3-VL names -> the shared modules' names
 )
 
 
-def deepstack_levels(vision_cfg: dict[str, Any]) -> int:
-    return len(vision_cfg.get("deepstack_visual_indexes") or ())
-
-
 class PositionTable(nn.Module):
     """The learned (side x side) position table, replicated on every rank."""
 

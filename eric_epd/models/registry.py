@@ -19,7 +19,7 @@ from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from eric_epd.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionEncoder
 from eric_epd.models.qwen2_vl_processor import Qwen2_5_VLModalityProcessor, Qwen2VLModalityProcessor
-from eric_epd.models.qwen3_vl import Qwen3VLVisionEncoder, deepstack_levels
+from eric_epd.models.qwen3_vl import Qwen3VLVisionEncoder
 from eric_epd.models.qwen3_vl_processor import Qwen3VLModalityProcessor
 
 logger = logging.getLogger(__name__)
@@ -76,13 +76,15 @@ def get_model_spec(model_type: str) -> ModelSpec:
 
 
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json; a process reads it once, into its ModelFacts (models/facts.py), and hands that
+    `config` to the loaders below."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
     return json.loads(path.read_text())
 
 
-def resolve_dtype(name: str | torch.dtype, config: dict[str, Any]) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, config: Mapping[str, Any]) -> torch.dtype:
     """ "auto" -> the checkpoint's dtype / torch_dtype (float32 if absent); otherwise the named dtype."""
     if isinstance(name, torch.dtype):
         return name
@@ -126,12 +128,13 @@ def iter_vision_tensors(model_dir: str | Path, prefixes: tuple[str, ...]) -> Ite
                 yield name, f.get_slice(name)
 
 
-def vision_weights_digest(model_dir: str | Path) -> str:
+def vision_weights_digest(model_dir: str | Path, config: Mapping[str, Any] | None = None) -> str:
     """blake2b over every vision tensor's name, dtype, shape and bytes (language-model tensors are never read): two
-    checkpoints share it only if their towers compute the same function. About a second per GB of tower."""
+    checkpoints share it only if their towers compute the same function. About a second per GB of tower. `config`:
+    its config.json if already read (here and below)."""
     import hashlib
 
-    config = read_model_config(Path(model_dir))
+    config = read_model_config(model_dir) if config is None else config
     spec = get_model_spec(config.get("model_type", ""))
     digest = hashlib.blake2b(digest_size=16)
     for name, part in sorted(iter_vision_tensors(model_dir, spec.weight_prefixes), key=lambda kv: kv[0]):
@@ -142,10 +145,11 @@ def vision_weights_digest(model_dir: str | Path) -> str:
 
 
 def build_encoder(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """The vision encoder of a checkpoint, parameters allocated (uninitialised) on `device`; no weights."""
-    config = read_model_config(Path(model_dir))
+    config = read_model_config(model_dir) if config is None else config
     spec = get_model_spec(config.get("model_type", ""))
     if "vision_config" not in config:
         raise ValueError(f"{model_dir}/config.json has no vision_config")
@@ -155,15 +159,16 @@ def build_encoder(
 
 
 def load_encoder(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Build the vision tower of `model_dir` on `device` in `dtype` and load this rank's shard of its weights.
 
     The language model is never built and its tensors are never read."""
     model_dir = Path(model_dir)
-    config = read_model_config(model_dir)
+    config = read_model_config(model_dir) if config is None else config
     spec = get_model_spec(config.get("model_type", ""))
-    encoder = build_encoder(model_dir, dtype, device, tp)
+    encoder = build_encoder(model_dir, dtype, device, tp, config)
     loaded = encoder.load_weights(iter_vision_tensors(model_dir, spec.weight_prefixes))
     n_params = sum(p.numel() for p in encoder.parameters())
     tp = tp or TPContext()
@@ -181,14 +186,7 @@ def load_encoder(
     return encoder
 
 
-def output_width(config: dict[str, Any]) -> int:
-    """Width of an encoder output row for a checkpoint config: the merged tokens' width times (1 + DeepStack
-    levels), the layout the engines' own encoders produce."""
-    vision = config.get("vision_config", {})
-    return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + deepstack_levels(vision))
-
-
-def load_processor(model_dir: str | Path) -> BaseModalityProcessor:
+def load_processor(model_dir: str | Path, config: Mapping[str, Any] | None = None) -> BaseModalityProcessor:
     """The modality processor for a checkpoint directory."""
-    config = read_model_config(Path(model_dir))
+    config = read_model_config(model_dir) if config is None else config
     return get_model_spec(config.get("model_type", "")).processor_cls(Path(model_dir))

@@ -19,8 +19,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from eric_epd.eric.config import EricConfig, TransferConfig
+from eric_epd.eric.config import EricConfig
+from eric_epd.eric.launch import transfer_hub
 from eric_epd.runtime.router import install_error_handlers
+from eric_epd.transfer.config import TransferConfig
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import transfer_routes
 
@@ -63,7 +65,7 @@ def main() -> None:
     config = EricConfig(model=Path("."), port=args.port,
                         transfer=TransferConfig(pool_bytes=args.pool_bytes, ttl_s=args.ttl,
                                                 backends=tuple(args.backends.split(","))))
-    hub = TransferHub(config)
+    hub = transfer_hub(config)
     try:
         uvicorn.run(create_pool_app(hub), host="127.0.0.1", port=args.port, log_level="warning",
                     proxy_headers=False)  # the peer is the connecting address, whatever headers say

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.config import EricConfig
 from eric_epd.transfer.backends.base import ProducerBackend
+from eric_epd.transfer.config import TransferConfig
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
 from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo
 
@@ -24,15 +24,14 @@ class PoolFullError(ApiError):
         super().__init__(503, message, retry_after=1.0)
 
 
-def create_backends(config: EricConfig) -> list[ProducerBackend]:
+def create_backends(tc: TransferConfig, pool_name: str, instance_id: str, public_url: str) -> list[ProducerBackend]:
     """Instantiate the configured producer backends (imports are lazy: unused engines need not be installed)."""
     backends: list[ProducerBackend] = []
-    tc = config.transfer
     for name in tc.backends:
         if name == "shm":
             from eric_epd.transfer.backends.shm import ShmProducer
 
-            backends.append(ShmProducer(config.pool_name))
+            backends.append(ShmProducer(pool_name))
         elif name == "mooncake":
             from eric_epd.transfer.backends.mooncake import MooncakeProducer
 
@@ -40,33 +39,33 @@ def create_backends(config: EricConfig) -> list[ProducerBackend]:
         elif name == "nixl":
             from eric_epd.transfer.backends.nixl import NixlProducer
 
-            backends.append(NixlProducer(f"eric-{config.instance_id}",
-                                         f"{config.public_url}/v1/transfer/nixl/metadata", tc.advertise_host))
+            backends.append(NixlProducer(f"eric-{instance_id}", f"{public_url}/v1/transfer/nixl/metadata",
+                                         tc.advertise_host))
     return backends
 
 
 class TransferHub:
-    """Owns the pool for the router. Use from the event loop only."""
+    """Owns the pool for the router. Use from the event loop only. `pool_name` names the shared-memory pool,
+    `instance_id` this run of the producer (new at every start), `public_url` where consumers reach its HTTP API."""
 
-    def __init__(self, config: EricConfig) -> None:
-        self._config = config
-        tc = config.transfer
-        self.pool = EmbeddingPool(config.pool_name, tc.pool_bytes, tc.ttl_s, tc.keep_acked_bytes)
-        self.backends = create_backends(config)
+    def __init__(self, transfer: TransferConfig, *, pool_name: str, instance_id: str, public_url: str) -> None:
+        self._transfer, self._instance_id, self._public_url = transfer, instance_id, public_url
+        self.pool = EmbeddingPool(pool_name, transfer.pool_bytes, transfer.ttl_s, transfer.keep_acked_bytes)
+        self.backends = create_backends(transfer, pool_name, instance_id, public_url)
         for backend in self.backends:
             backend.register(self.pool.base_addr, self.pool.nbytes)
         self._space_freed = asyncio.Event()
 
     @property
     def instance_id(self) -> str:
-        return self._config.instance_id
+        return self._instance_id
 
     def backend(self, name: str) -> ProducerBackend | None:
         return next((b for b in self.backends if b.name == name), None)
 
     async def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry:
         """Pool space for one embedding, waiting up to pool_wait_s for acks or expiry to free some."""
-        deadline = time.monotonic() + self._config.transfer.pool_wait_s
+        deadline = time.monotonic() + self._transfer.pool_wait_s
         while (entry := self.pool.reserve(key, nbytes, shape, dtype)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or nbytes > self.pool.nbytes:
@@ -105,7 +104,7 @@ class TransferHub:
         return self.handle(entry, token)
 
     def handle(self, entry: PoolEntry, token: str) -> EmbeddingHandle:
-        url = self._config.public_url
+        url = self._public_url
         locations: dict[str, Any] = {b.name: b.location(entry.offset) for b in self.backends}
         return EmbeddingHandle(hash=entry.hash, shape=entry.shape, dtype=entry.dtype, nbytes=entry.nbytes,
                                producer=url, instance_id=self.instance_id, generation=entry.generation,

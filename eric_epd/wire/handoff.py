@@ -8,10 +8,11 @@ from typing import Any
 
 import msgspec
 
+from eric_epd.models.facts import embedding_width
 from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
 
-__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "HandleError", "check_handle", "handles_xargs", "model_embedding_width",
-           "offered_handles", "offered_producers"]
+__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "HandleError", "check_handle", "embedding_width", "handles_xargs",
+           "model_embedding_width", "offered_handles", "offered_producers"]
 
 EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
@@ -55,7 +56,6 @@ def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str
 
 
 def model_embedding_width(model_config: Any) -> int:
-    """Width of the rows the model's own encoder hands its language model: hidden size x (1 + DeepStack levels)."""
-    vision = getattr(model_config.hf_config, "vision_config", None)
-    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
-    return int(model_config.get_inputs_embeds_size()) * (1 + levels)
+    """Width of the rows the model's own encoder hands its language model, from vLLM's model config (its
+    transformers config as a dict): the one rule, embedding_width."""
+    return embedding_width(model_config.hf_config.to_dict())

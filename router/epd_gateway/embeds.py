@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eric_epd.common.errors import ApiError
+from eric_epd.wire.handoff import embedding_width
 
 _NUMPY_MAGIC = b"\x93NUMPY"
 MAX_GRID = 1 << 16
@@ -28,9 +29,7 @@ class EmbeddingShape:
     @classmethod
     def from_checkpoint(cls, model_dir: Path) -> EmbeddingShape:
         cfg = json.loads((model_dir / "config.json").read_text())
-        text, vision = cfg.get("text_config", cfg), cfg.get("vision_config", {})
-        levels = len(vision.get("deepstack_visual_indexes") or ())
-        return cls(int(text["hidden_size"]) * (1 + levels), int(vision.get("spatial_merge_size", 2)))
+        return cls(embedding_width(cfg), int(cfg.get("vision_config", {}).get("spatial_merge_size", 2)))
 
     def rows(self, grid: list[int]) -> int:
         t, h, w = grid

@@ -83,7 +83,7 @@ def test_device_io_pinned_copies_and_pool_writes() -> None:
 def test_nixl_landing_buffers_register_vram_on_each_rank_device() -> None:
     """SGLang passes no gpu_id: each rank's current device is where its landing buffer is registered."""
     from eric_epd.plugins.sglang.plugin import NixlLandingEngine
-    from eric_epd.plugins.sglang.wire import decode_nixl_session
+    from eric_epd.wire.sglang import decode_nixl_session
 
     for device in range(torch.cuda.device_count()):
         torch.cuda.set_device(device)

@@ -24,12 +24,13 @@ def test_broadcast_slots_hold_the_largest_batch(qwen2_vl_tiny: Path) -> None:
     """A full batch never spills: on CUDA (32768 patches of 3x2x14x14 float32 for the real patch size) a slot
     holds ~154 MB of pixels; on CPU the 4096-patch cap fits the default 32 MiB slots."""
     from eric_epd.eric.workload import EncoderWorkload
+    from eric_epd.models.facts import ModelFacts
     from eric_epd.models.registry import read_model_config
     from eric_epd.runtime.executor.executor import broadcast_geometry
 
     vision = read_model_config(qwen2_vl_tiny)["vision_config"]
     row = vision.get("in_chans", 3) * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2
-    workload = EncoderWorkload.from_checkpoint(qwen2_vl_tiny)
+    workload = EncoderWorkload.from_facts(ModelFacts.from_checkpoint(qwen2_vl_tiny))
     assert workload.pixel_row == row and workload.merge_unit == vision["spatial_merge_size"] ** 2
     cpu = broadcast_geometry(workload.max_batch_input_bytes(EricConfig(model=qwen2_vl_tiny, device="cpu")))
     assert cpu == {"n_slots": 4, "slot_bytes": 32 << 20} and 4096 * row * 4 < 32 << 20

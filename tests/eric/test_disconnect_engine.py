@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.config import BatchLimits, EricConfig, TransferConfig
+from eric_epd.eric.config import BatchLimits, EricConfig
+from eric_epd.eric.launch import transfer_hub
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.service import EncodeService, OutputSpec
 from eric_epd.runtime.engine.engine import ABORTED_STATUS, Engine
 from eric_epd.runtime.engine.messages import AbortRequestMsg
 from eric_epd.runtime.work import Batch
-from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.config import TransferConfig
 from tests.support.helpers_engine import WORKLOAD as _WORKLOAD
 from tests.support.helpers_engine import FakeEngine as _FakeEngine
 from tests.support.helpers_engine import FakeMedia as _FakeMedia
@@ -75,7 +76,7 @@ def test_engine_abort_of_a_whole_queued_request() -> None:
 @contextmanager
 def _service(engine: _FakeEngine) -> Iterator[EncodeService]:
     config = EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=()))
-    hub = TransferHub(config)
+    hub = transfer_hub(config)
     try:
         yield EncodeService(_FakeMedia(), _FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"))
     finally:

@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.config import EricConfig, TransferConfig
+from eric_epd.eric.config import EricConfig
+from eric_epd.eric.launch import transfer_hub
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.service import EncodeService, OutputSpec
 from eric_epd.stack.process import new_key, running
@@ -33,7 +34,7 @@ from eric_epd.testing.stack import image_messages, metric, wait_for
 from eric_epd.testing.standins import EmbedsEngine, _ThreadServer
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.config import TransferConfig
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 from tests.support.helpers_engine import FakeEngine as _FakeEngine
 from tests.support.helpers_engine import FakeMedia as _FakeMedia
@@ -75,7 +76,7 @@ class _Store:
 
 @contextmanager
 def _service(engine: _FakeEngine, store: _Store | None) -> Iterator[EncodeService]:
-    hub = TransferHub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=())))
+    hub = transfer_hub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=())))
     try:
         yield EncodeService(_FakeMedia(), _FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"),
                             store)  # type: ignore[arg-type]

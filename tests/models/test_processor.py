@@ -195,10 +195,11 @@ def test_prepare_many_keeps_order_and_per_item_errors(ckpt_dirs: dict, threads: 
     from eric_epd.eric.processor import Processor, model_fingerprint
     from eric_epd.media.limits import MediaLimits
     from eric_epd.media.url_policy import MediaError
+    from eric_epd.models.facts import ModelFacts
     from eric_epd.testing.media import image_bytes, random_image
 
     processor = Processor(Qwen2VLModalityProcessor(ckpt_dirs["tiny"]), MediaLimits(), threads,
-                          model_fingerprint(ckpt_dirs["tiny"]))
+                          model_fingerprint(ModelFacts.from_checkpoint(ckpt_dirs["tiny"])))
     try:
         items = [("image", image_bytes(random_image(40 + 8 * i, 56, seed=i), "JPEG")) for i in range(5)]
         items.insert(2, ("image", b"not an image"))
@@ -219,6 +220,10 @@ def test_hash_salt_covers_the_vision_weights_only(qwen2_vl_tiny: Path, tmp_path:
     from safetensors.torch import load_file, save_file
 
     from eric_epd.eric.processor import model_fingerprint
+    from eric_epd.models.facts import ModelFacts
+
+    def fingerprint(model_dir: Path) -> bytes:
+        return model_fingerprint(ModelFacts.from_checkpoint(model_dir))
 
     def variant(name: str, key_part: str | None) -> Path:
         out = tmp_path / name
@@ -230,7 +235,7 @@ def test_hash_salt_covers_the_vision_weights_only(qwen2_vl_tiny: Path, tmp_path:
             save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
         return out
 
-    base = model_fingerprint(qwen2_vl_tiny)
-    assert model_fingerprint(variant("copy", None)) == base
-    assert model_fingerprint(variant("lm", "model.layers.0.mlp")) == base
-    assert model_fingerprint(variant("tower", "visual.blocks.0.mlp")) != base
+    base = fingerprint(qwen2_vl_tiny)
+    assert fingerprint(variant("copy", None)) == base
+    assert fingerprint(variant("lm", "model.layers.0.mlp")) == base
+    assert fingerprint(variant("tower", "visual.blocks.0.mlp")) != base

@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from eric_epd.models.registry import load_encoder, load_processor, output_width, read_model_config
+from eric_epd.models.facts import embedding_width
+from eric_epd.models.registry import load_encoder, load_processor, read_model_config
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, assert_greedy_agree, other_isa_env
 from eric_epd.testing.media import image_bytes, random_image
@@ -34,7 +35,7 @@ def test_tower_equals_hf(family: str, request: pytest.FixtureRequest) -> None:
 
     qwen3_5_tiny: Path = request.getfixturevalue(family)
     cfg = read_model_config(qwen3_5_tiny)
-    assert output_width(cfg) == cfg["vision_config"]["out_hidden_size"]  # no DeepStack levels
+    assert embedding_width(cfg) == cfg["vision_config"]["out_hidden_size"]  # no DeepStack levels
     images = [Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=70 + i)))).convert("RGB")
               for i, (w, h) in enumerate([(120, 90), (33, 200), (224, 160)])]
     hf_processor = AutoProcessor.from_pretrained(qwen3_5_tiny).image_processor

@@ -16,7 +16,8 @@ from PIL import Image
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
-from eric_epd.models.registry import load_encoder, load_processor, output_width, read_model_config
+from eric_epd.models.facts import embedding_width
+from eric_epd.models.registry import load_encoder, load_processor, read_model_config
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
@@ -75,7 +76,7 @@ def test_tower_equals_hf_every_level(qwen3_vl_tiny: Path, hf) -> None:
     DeepStack level equal transformers'."""
     cfg = read_model_config(qwen3_vl_tiny)
     width, levels = cfg["vision_config"]["out_hidden_size"], len(cfg["vision_config"]["deepstack_visual_indexes"])
-    assert levels == 2 and output_width(cfg) == width * 3
+    assert levels == 2 and embedding_width(cfg) == width * 3
     processor, encoder = load_processor(qwen3_vl_tiny), load_encoder(qwen3_vl_tiny, torch.float32, "cpu")
     items = [processor.process_image(image) for image in _images()]
     out = encoder(torch.from_numpy(np.concatenate([i.pixel_values for i in items])),

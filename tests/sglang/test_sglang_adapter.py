@@ -17,13 +17,13 @@ import httpx
 import pytest
 import torch
 
-from eric_epd.plugins.sglang.wire import NixlSession, encode_nixl_session
 from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_prefill import BootstrapUrls, ParseArgs, ParsedArgs, WireCheck, unpack
 from eric_epd.testing.stack import metric, wait_for
+from eric_epd.wire.sglang import NixlSession, encode_nixl_session
 from tests.support import helpers_sglang
 from tests.support.helpers_sglang import (
     IMAGES,

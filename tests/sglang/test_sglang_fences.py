@@ -19,7 +19,7 @@ import psutil
 import pytest
 import zmq
 
-from eric_epd.plugins.sglang.zmq_push import ZmqSender
+from eric_epd.eric.sglang.zmq_push import ZmqSender
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import wait_for

@@ -11,7 +11,7 @@ import pytest
 
 def test_adapter_rules_without_servers() -> None:
     """SGLang's --dtype auto rule for the wire dtype, and how SGLang's mm_items become Eric media URLs."""
-    from eric_epd.plugins.sglang.protocol import SglangError, item_url, wire_dtype
+    from eric_epd.eric.sglang.protocol import SglangError, item_url, wire_dtype
 
     assert wire_dtype("auto", {"torch_dtype": "bfloat16"}) == "bfloat16"
     assert wire_dtype("auto", {"dtype": "float32"}) == "float16"
@@ -31,8 +31,8 @@ def test_peer_policy_rules_without_servers(monkeypatch: pytest.MonkeyPatch) -> N
     import ipaddress
 
     from eric_epd.eric.config import SglangConfig
-    from eric_epd.plugins.sglang.peers import PeerPolicy
-    from eric_epd.plugins.sglang.protocol import SglangError
+    from eric_epd.eric.sglang.peers import PeerPolicy
+    from eric_epd.eric.sglang.protocol import SglangError
 
     with pytest.raises(ValueError, match="not a CIDR"):
         SglangConfig(allowed_peers=("10.0.0.0/33",))

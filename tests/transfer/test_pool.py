@@ -9,7 +9,9 @@ import time
 import pytest
 
 from eric_epd.testing.pools import assert_pool_empty
+from eric_epd.transfer.config import TransferConfig
 from eric_epd.transfer.pool import ALIGN, MAX_CHILD_LEASES, EmbeddingPool, FreeList, LeaseError, new_token, span
+from eric_epd.transfer.producer import TransferHub
 
 
 def test_free_list_coalesces() -> None:
@@ -25,6 +27,13 @@ def test_free_list_coalesces() -> None:
 
 def _pool(nbytes: int = 1 << 20, ttl_s: float = 60, keep_acked_bytes: int = 0) -> EmbeddingPool:
     return EmbeddingPool(f"eric-test-{time.monotonic_ns()}", nbytes, ttl_s=ttl_s, keep_acked_bytes=keep_acked_bytes)
+
+
+def _hub(ttl_s: float = 300.0) -> TransferHub:
+    """A producer hub over a 1 MiB pool with no backend but HTTP."""
+    instance = new_token()[:16]
+    return TransferHub(TransferConfig(pool_bytes=1 << 20, ttl_s=ttl_s, backends=()), pool_name=f"eric-pool-{instance}",
+                       instance_id=instance, public_url="http://127.0.0.1:8100")
 
 
 def _held(pool: EmbeddingPool, key: str, nbytes: int = 1000) -> None:
@@ -216,13 +225,7 @@ def test_pool_old_generation_token_cannot_touch_new_entry(freed_by: str) -> None
 def test_release_of_an_old_generation_leaves_the_newer_one() -> None:
     """A caller still holding an entry that expired and was encoded again (a new generation of the same hash) frees
     nothing when it releases its own: the newer entry stays whole for its readers."""
-    from pathlib import Path
-
-    from eric_epd.eric.config import EricConfig, TransferConfig
-    from eric_epd.transfer.producer import TransferHub
-
-    hub = TransferHub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, ttl_s=0.05,
-                                                                          backends=())))
+    hub = _hub(ttl_s=0.05)
     pool = hub.pool
     try:
         old = pool.reserve("h", 1000, (1000,), "uint8")
@@ -314,12 +317,7 @@ def test_an_ack_retried_is_told_it_took_effect_and_an_expired_lease_is_not() -> 
     """The producer answers a retried ack (the first answer was lost) whose first attempt took effect with 200
     'already acknowledged', changing nothing; a lease that expired (or a stranger's token) stays a 404, and so does
     a plain repeat (bytes read after the ack are proven by nothing): a consumer tells its own ack from expiry."""
-    from pathlib import Path
-
-    from eric_epd.eric.config import EricConfig, TransferConfig
-    from eric_epd.transfer.producer import TransferHub
-
-    hub = TransferHub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=())))
+    hub = _hub()
     pool = hub.pool
     try:
         for key in ("a", "b"):

@@ -201,7 +201,8 @@ def _connector(producer, address: LandingAddress) -> EricECConnector:
                                             ec_connector_extra_config=extra),
         parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=2),
         instance_id=address.instance,
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(), get_inputs_embeds_size=lambda: WIDTH))
+        model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(to_dict=lambda: {"vision_config": {"hidden_size": WIDTH}})))
     return EricECConnector(config, ECConnectorRole.SCHEDULER)  # type: ignore[arg-type]
 
 

@@ -1,3 +1,2 @@
-"""SGLang plugin: Eric as the encoder behind `--language-only --encoder-urls` (routes.py and encoder.py, mounted in
-Eric) and NIXL as an encoder transfer backend on SGLang's prefill side (plugin.py, the `sglang.srt.plugins` entry
-point)."""
+"""SGLang plugin, run inside SGLang: NIXL as an encoder transfer backend on its prefill side (plugin.py, the
+`sglang.srt.plugins` entry point). Eric's side of SGLang's encoder protocol is eric_epd/eric/sglang."""

@@ -10,7 +10,7 @@ import threading
 import uuid
 from typing import Any
 
-from eric_epd.plugins.sglang.wire import NixlSession, encode_nixl_session
+from eric_epd.wire.sglang import NixlSession, encode_nixl_session
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +204,8 @@ def register() -> None:
       inside an encoder receiver's construction, and only there, the engine is a `NixlLandingEngine`.
     - ``maybe_init_shared_mooncake_transfer_engine`` (AROUND): no Mooncake engine is started for the encoder alone.
 
-    The encoder side is Eric (routes.py); SGLang's own --encoder-only server does not speak this transfer, so
-    ``--encoder-only --encoder-transfer-backend nixl`` is refused.
+    The encoder side is Eric (eric_epd/eric/sglang/routes.py); SGLang's own --encoder-only server does not speak
+    this transfer, so ``--encoder-only --encoder-transfer-backend nixl`` is refused.
     """
     global _registered
     if _registered:

@@ -88,7 +88,7 @@ class PrefillHost:
         from sglang.srt.multimodal.modality import Modality
         from sglang.srt.utils.common import safe_pickle_loads
 
-        from eric_epd.plugins.sglang.wire import EmbeddingPart, embedding_data_pickle
+        from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
         theirs = EmbeddingData("r_local_part_1", 2, 1, torch.tensor([[1, 4, 6]]), Modality.IMAGE,
                                torch.zeros(6, 32)).copy_without_embedding()

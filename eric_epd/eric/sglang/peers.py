@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from eric_epd.plugins.sglang.protocol import SglangError, host_port
-from eric_epd.plugins.sglang.wire import EncodeRequest, NixlSession, SendRequest, decode_nixl_session
+from eric_epd.eric.sglang.protocol import SglangError, host_port
+from eric_epd.wire.sglang import EncodeRequest, NixlSession, SendRequest, decode_nixl_session
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from eric_epd.common.errors import ApiError
 from eric_epd.common.to_the_end import to_the_end
 from eric_epd.eric.config import EricConfig, SglangConfig
 from eric_epd.eric.service import EncodeService
-from eric_epd.plugins.sglang.parts import PartTable
-from eric_epd.plugins.sglang.peers import PeerPolicy
-from eric_epd.plugins.sglang.protocol import (
+from eric_epd.eric.sglang.parts import PartTable
+from eric_epd.eric.sglang.peers import PeerPolicy
+from eric_epd.eric.sglang.protocol import (
     HEALTH_PNG,
     MODALITIES,
     Part,
@@ -26,17 +26,17 @@ from eric_epd.plugins.sglang.protocol import (
     item_url,
     validate,
 )
-from eric_epd.plugins.sglang.push import MooncakePusher, NixlPusher, PushError
-from eric_epd.plugins.sglang.rows import PartRows
-from eric_epd.plugins.sglang.wire import (
+from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher, PushError
+from eric_epd.eric.sglang.rows import PartRows
+from eric_epd.eric.sglang.zmq_push import ZmqSender
+from eric_epd.transfer.producer import TransferHub
+from eric_epd.wire.eric import EncodeItem
+from eric_epd.wire.sglang import (
     EncodeRequest,
     MetaRequest,
     ReceiveUrlRequest,
     SendRequest,
 )
-from eric_epd.plugins.sglang.zmq_push import ZmqSender
-from eric_epd.transfer.producer import TransferHub
-from eric_epd.wire.eric import EncodeItem
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,11 @@ class SglangEncoder:
     - zmq_to_tokenizer: /encode carries `embedding_port`; the part is pushed there before /encode answers.
     - zmq_to_scheduler: every TP rank POSTs /scheduler_receive_url; /encode answers once all `receive_count`
       ranks got the part (or with 502/504, as SGLang's encoder does).
-    - mooncake (and NIXL, see plugin.py): ranks pull sizes from /scheduler_receive_meta_data, then POST /send
-      with their session and buffer address; Eric writes there and notifies the rank over ZMQ.
+    - mooncake (and NIXL, see plugins/sglang/plugin.py): ranks pull sizes from /scheduler_receive_meta_data, then
+      POST /send with their session and buffer address; Eric writes there and notifies the rank over ZMQ.
 
     ZMQ frames point into the shared-memory pool; Mooncake and NIXL write from its registered memory. Eric never
-    unpickles anything; the only pickle it writes is the allowlisted part header (wire.py).
+    unpickles anything; the only pickle it writes is the allowlisted part header (wire/sglang.py).
     """
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangConfig,

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.service import ItemAnswer
-from eric_epd.plugins.sglang.wire import EncodeRequest
 from eric_epd.transfer.pool import PoolEntry
+from eric_epd.wire.sglang import EncodeRequest
 
 # SGLang's encoder health probe image (http_server.MINIMUM_PNG_PICTURE_BASE64): a 32x32 black PNG.
 HEALTH_PNG = (

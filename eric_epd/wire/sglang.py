@@ -1,5 +1,6 @@
-"""SGLang 0.5.23 encoder-disaggregation wire format: typed HTTP bodies, and the part header SGLang unpickles,
-written by hand from allowlisted globals only (Eric never reads a pickle)."""
+"""SGLang 0.5.23 encoder-disaggregation wire format, shared by Eric (eric/sglang) and the plugin inside SGLang: typed
+HTTP bodies, and the part header SGLang unpickles, written by hand from allowlisted globals only (Eric never reads a
+pickle)."""
 
 from __future__ import annotations
 

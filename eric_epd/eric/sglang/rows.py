@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from eric_epd.plugins.sglang.protocol import ELEMENT_BYTES, Part, SglangError
-from eric_epd.plugins.sglang.wire import EmbeddingPart, embedding_data_pickle
+from eric_epd.eric.sglang.protocol import ELEMENT_BYTES, Part, SglangError
 from eric_epd.transfer.producer import TransferHub
+from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
 
 class PartRows:

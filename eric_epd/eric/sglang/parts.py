@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 from eric_epd.eric.config import SglangConfig
-from eric_epd.plugins.sglang.protocol import Part, SglangError
+from eric_epd.eric.sglang.protocol import Part, SglangError
 from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)

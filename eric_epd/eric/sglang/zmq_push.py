@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from eric_epd.plugins.sglang.protocol import SglangError, tcp_endpoint
+from eric_epd.eric.sglang.protocol import SglangError, tcp_endpoint
 
 logger = logging.getLogger(__name__)
 STUCK_WARNING_S = 5.0

@@ -9,7 +9,7 @@ import httpx
 import msgspec
 
 from eric_epd.eric.config import SglangConfig
-from eric_epd.plugins.sglang.wire import RegisterBody
+from eric_epd.wire.sglang import RegisterBody
 
 logger = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from eric_epd.plugins.sglang.wire import NixlSession
+from eric_epd.wire.sglang import NixlSession
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,13 @@ from fastapi.responses import JSONResponse, Response
 
 from eric_epd.common.errors import ApiError, read_json_body
 from eric_epd.eric.config import EricConfig
-from eric_epd.plugins.sglang.encoder import SglangEncoder
-from eric_epd.plugins.sglang.protocol import sglang_error_response, wire_dtype
-from eric_epd.plugins.sglang.registration import register, unregister
-from eric_epd.plugins.sglang.wire import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
+from eric_epd.eric.service import OutputSpec
+from eric_epd.eric.sglang.encoder import SglangEncoder
+from eric_epd.eric.sglang.protocol import sglang_error_response, wire_dtype
+from eric_epd.eric.sglang.registration import register, unregister
+from eric_epd.models.facts import ModelFacts
 from eric_epd.transfer.producer import TransferHub
+from eric_epd.wire.sglang import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +29,15 @@ SMALL_BODY_BYTES = 1 << 20
 """Limit for the rank routes' bodies (a few hundred bytes of JSON; a NIXL session adds a few KiB)."""
 
 
-def sglang_routes(config: EricConfig, hub: TransferHub, state: dict[str, Any],
+def sglang_routes(config: EricConfig, facts: ModelFacts, spec: OutputSpec, hub: TransferHub, state: dict[str, Any],
                   ) -> APIRouter:
-    """The SGLang encoder endpoints over Eric's EncodeService (`state["service"]`, set by Eric's lifespan)."""
-    from eric_epd.eric.app import output_spec
-    from eric_epd.models.registry import read_model_config
-
+    """The SGLang encoder endpoints over Eric's EncodeService (`state["service"]`, set by Eric's lifespan), for the
+    checkpoint `facts` describe, whose encoder output is `spec`."""
     settings = config.sglang
     if not settings.enabled:
         return APIRouter()
-    spec = output_spec(config)
-    model_cfg = read_model_config(config.model)
-    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire_dtype(settings.dtype, model_cfg))
+    wire = wire_dtype(settings.dtype, facts.config)
+    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
