@@ -36,6 +36,7 @@ class _LeaveFirstServer(uvicorn.Server):
 
 
 class Closable(Protocol):
+    """What `run_server` closes when the server stops (the output pool)."""
     def close(self) -> None: ...
 
 

@@ -190,6 +190,7 @@ class ShmBroadcast:
         return reader
 
     def handle(self) -> BroadcastHandle:
+        """What a reader needs to attach: segment name, reader count, slots, slot size and wake address."""
         return self._handle
 
     def _slot_view(self, slot: int, nbytes: int) -> memoryview:
