@@ -29,6 +29,7 @@ _RENAMES = (  # Hugging Face's Qwen3-VL names -> the shared modules' names
 
 
 def deepstack_levels(vision_cfg: dict[str, Any]) -> int:
+    """How many DeepStack levels the vision config taps (its `deepstack_visual_indexes`)."""
     return len(vision_cfg.get("deepstack_visual_indexes") or ())
 
 
@@ -40,6 +41,7 @@ class PositionTable(nn.Module):
         self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype), requires_grad=False)
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        """Load the whole table on every rank."""
         copy_into(param, read_full(full))
 
 
@@ -104,6 +106,7 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
 
     @staticmethod
     def param_name(key: str) -> str:
+        """A Qwen3-VL checkpoint key (prefix stripped) renamed to the shared modules' parameter name (`_RENAMES`)."""
         for pattern, repl in _RENAMES:
             key = pattern.sub(repl, key)
         return key

@@ -64,6 +64,7 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 
 
 def supported_model_types() -> tuple[str, ...]:
+    """The HF `model_type`s Eric can load."""
     return tuple(MODEL_SPECS)
 
 
@@ -76,6 +77,7 @@ def get_model_spec(model_type: str) -> ModelSpec:
 
 
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict; FileNotFoundError for a directory without one."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")

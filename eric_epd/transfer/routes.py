@@ -56,6 +56,7 @@ def _leased(hub: TransferHub, content_hash: str, request: Request) -> tuple[Pool
 
 
 def transfer_routes(hub: TransferHub) -> APIRouter:
+    """The transfer layer's HTTP routes (embedding bytes, ack, lease, handle, stats, NIXL metadata) over `hub`."""
     router = APIRouter()
 
     @router.get("/v1/embeddings/{content_hash}")
