@@ -82,6 +82,7 @@ class SglangEncoder:
 
     @property
     def service(self) -> EncodeService:
+        """The Eric's EncodeService once the server has started; 503 before."""
         service = self._state.get("service")
         if service is None:
             raise SglangError(503, "encoder not ready")
@@ -90,11 +91,13 @@ class SglangEncoder:
     # ---------------------------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
+        """Open the ZMQ sender and start the sweep of idle parts and receiver sockets; call on the event loop."""
         self._zmq = ZmqSender(self.settings.send_timeout_s, self.settings.max_receivers,
                               self.settings.receiver_idle_s)
         self._spawn(self._sweep_loop())
 
     async def stop(self) -> None:
+        """Cancel the background tasks, release every part, and close the ZMQ sender and the push engines."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -130,6 +133,7 @@ class SglangEncoder:
     # ------------------------------------------------------------------------------------------------------ encode
 
     async def encode(self, req: EncodeRequest, caller: str | None) -> Any:
+        """SGLang's /encode: encode the part's items, stage its rows, then deliver it or answer its sizes by mode."""
         validate(req, self.config.max_items_per_request)
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
@@ -290,6 +294,7 @@ class SglangEncoder:
     # ------------------------------------------------------------------------------------------- rank endpoints
 
     async def register_destination(self, req: ReceiveUrlRequest, caller: str | None) -> None:
+        """SGLang's /scheduler_receive_url: record a checked rank endpoint of the part (zmq_to_scheduler)."""
         if req.receive_count <= 0:
             raise SglangError(400, "receive_count must be a positive integer")
         if req.receive_count > MAX_RANKS:
@@ -330,12 +335,14 @@ class SglangEncoder:
         return part
 
     async def meta(self, req: MetaRequest, caller: str | None) -> dict[str, Any]:
+        """SGLang's /scheduler_receive_meta_data: the encoded part's size, token count and width."""
         part = await self.wait_encoded(req.req_id, create=True)
         self.peers.check_caller(caller, part.owner, req.req_id)
         return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.wire_bytes,
                 "embedding_len": part.tokens, "embedding_dim": self.dim}
 
     async def send(self, req: SendRequest, caller: str | None) -> None:
+        """SGLang's /send: write the part's rows to the rank's buffer (Mooncake or NIXL), then notify it over ZMQ."""
         endpoint, session, nixl = await self.peers.send_targets(req, caller)
         part = await self.wait_encoded(req.req_id, create=False)
         self.peers.check_caller(caller, part.owner, req.req_id)

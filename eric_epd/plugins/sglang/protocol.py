@@ -54,10 +54,12 @@ class SglangError(Exception):
 
 
 def error_response(status: int, message: str, req_id: str | None) -> JSONResponse:
+    """An error answer in SGLang's encoder shape: {"status": "error", "message", "req_id"}."""
     return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status)
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """The JSON body as `kind`; a malformed one is SGLang's 400."""
     try:
         return decode_struct(body, kind)
     except JsonBodyError as e:
@@ -73,6 +75,7 @@ def tcp_endpoint(endpoint: str) -> str:
 
 
 def host_port(host: str, port: int) -> str:
+    """"host:port", with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
@@ -144,6 +147,7 @@ class Part:
     wire_bytes: int = 0
 
     def set_mode(self, mode: str) -> None:
+        """Fix the part's delivery mode on first use; 400 if a later caller asks for another."""
         if self.mode is None:
             self.mode = mode
             self.mode_set.set()
@@ -163,4 +167,5 @@ class Part:
 
     @property
     def tokens(self) -> int:
+        """Merged tokens over all of the part's items."""
         return sum(a.handle.shape[0] for a in self.answers or ())

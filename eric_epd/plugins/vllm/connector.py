@@ -57,6 +57,7 @@ IDLE_WAIT_S = 0.002
 
 @dataclass
 class EricLoad:
+    """Scheduler -> workers: one embedding a request loads in this step, and where it was staged."""
     request_id: str
     mm_hash: str
     shape: tuple[int, ...]
@@ -81,6 +82,7 @@ class EricWorkerMetadata(ECConnectorWorkerMetadata):
     counts: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        """vLLM hook: merge another worker's metadata into this one (failures, copies and counters summed)."""
         assert isinstance(other, EricWorkerMetadata)
         merged = EricECStats(dict(self.counts))
         merged.record(**other.counts)
@@ -108,6 +110,7 @@ class EricConnectorSettings:
 
     @classmethod
     def parse(cls, extra: dict[str, Any], environ: dict[str, str] | os._Environ = os.environ) -> EricConnectorSettings:
+        """The parsed settings; ValueError for no Erics, an unknown transfer backend or Mooncake protocol."""
         urls, names = (extra.get(key, []) for key in ("eric_urls", "eric_dns"))
         urls, names = ([u for u in v.split(",") if u] if isinstance(v, str) else list(v) for v in (urls, names))
         if not urls and not names:
@@ -150,6 +153,7 @@ def _landing_area(settings: EricConnectorSettings, address: LandingAddress, dtyp
 
 
 class EricECConnector(ECConnectorBase):
+    """vLLM's encoder-cache connector in the consumer role: Eric items fetched and landed, then handed to vLLM."""
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
@@ -271,10 +275,12 @@ class EricECConnector(ECConnectorBase):
         return ready
 
     def take_unavailable_requests(self) -> set[str]:
+        """vLLM hook: the requests failed since the last call (the scheduler fails them), forgotten here."""
         taken, self._unavailable = self._unavailable, set()
         return taken
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """vLLM hook: queue the staged item at `index` for loading in this step; fail the request if it was evicted."""
         feature = request.mm_features[index]
         key, rid = feature.identifier, request.request_id
         if not self._prefetch.ready(key):
@@ -287,6 +293,7 @@ class EricECConnector(ECConnectorBase):
         self._stats.record(loaded_items=1, loaded_bytes=staged.nbytes, **{f"via_{backend}": 1})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        """vLLM hook: this step's loads for the workers; with nothing scheduled, wait briefly for a fetch or lookup."""
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
         self._stats.record(local_encoder_items=local, external_items=len(self._pending))
         meta, self._pending = EricECMetadata(self._pending), []
@@ -299,6 +306,7 @@ class EricECConnector(ECConnectorBase):
         return meta
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        """vLLM hook: take in the workers' copies, failed requests and counters."""
         meta = connector_output.ec_connector_worker_meta
         if isinstance(meta, EricWorkerMetadata):
             self._prefetch.copied(list(meta.copied))
@@ -331,6 +339,7 @@ class EricECConnector(ECConnectorBase):
     # ---- worker side -----------------------------------------------------------------------------------------
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """vLLM hook: put each of this step's loads into vLLM's encoder cache, from this rank's landed copy."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, EricECMetadata)
         for load in meta.loads:
@@ -356,6 +365,7 @@ class EricECConnector(ECConnectorBase):
         """Consumer only: nothing to save."""
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        """vLLM hook: this rank's copies, failures and counters since the last step, or None when there are none."""
         unusable = self._area.take_unusable()
         if unusable:
             self._stats.record(unusable_transport=unusable)
@@ -368,6 +378,7 @@ class EricECConnector(ECConnectorBase):
     # ---- both ------------------------------------------------------------------------------------------------
 
     def get_ec_connector_stats(self) -> EricECStats | None:
+        """vLLM hook: the counters since the last call (then reset), or None when nothing was counted."""
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, EricECStats()
@@ -375,16 +386,19 @@ class EricECConnector(ECConnectorBase):
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> EricECStats:
+        """vLLM hook: `EricECStats` over `data`."""
         return EricECStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]):  # -> EricECPromMetrics
+        """vLLM hook: the connector's Prometheus counters (`EricECPromMetrics`)."""
         from eric_epd.plugins.vllm.stats import EricECPromMetrics
 
         return EricECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        """vLLM hook: close the landing area (worker) or the prefetcher, lease client and DNS lookups (scheduler)."""
         if self.role == ECConnectorRole.WORKER:
             self._area.close()
         else:
