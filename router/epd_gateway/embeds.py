@@ -27,12 +27,14 @@ class EmbeddingShape:
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path) -> EmbeddingShape:
+        """The width (hidden size times one plus the DeepStack levels) and merge size from the checkpoint's config."""
         cfg = json.loads((model_dir / "config.json").read_text())
         text, vision = cfg.get("text_config", cfg), cfg.get("vision_config", {})
         levels = len(vision.get("deepstack_visual_indexes") or ())
         return cls(int(text["hidden_size"]) * (1 + levels), int(vision.get("spatial_merge_size", 2)))
 
     def rows(self, grid: list[int]) -> int:
+        """Merged tokens of an item of (t, h, w) patches."""
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 

@@ -10,6 +10,7 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDe
 
 
 class GatewayError(Exception):
+    """A request's failure, answered with `status` in vLLM's OpenAI error shape."""
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -17,6 +18,7 @@ class GatewayError(Exception):
         self.param = param
 
     def response(self) -> JSONResponse:
+        """The error as vLLM's OpenAI server answers it (a bare "Unauthorized" for 401)."""
         if self.status == 401:  # vLLM's API-key check answers exactly this
             return JSONResponse({"error": "Unauthorized"}, 401)
         body = {"error": {"message": self.message, "type": _TYPES.get(self.status, "InternalServerError"),
