@@ -58,6 +58,7 @@ def items_by_source(eric: EricServer) -> dict[str, float]:
 
 
 def total_items(erics: list[EricServer]) -> dict[str, float]:
+    """Items the Erics answered, summed over them, by source (encoded, cached, global)."""
     counts: dict[str, float] = {}
     for eric in erics:
         for source, n in items_by_source(eric).items():
@@ -66,6 +67,7 @@ def total_items(erics: list[EricServer]) -> dict[str, float]:
 
 
 def compute_seconds(eric: EricServer) -> float:
+    """The Eric's total batch forward time so far (its batch_compute stage sum), from /metrics."""
     text = httpx.get(eric.url + "/metrics").text
     m = re.search(r'^eric_stage_seconds_sum\{stage="batch_compute"\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -95,6 +97,7 @@ async def load(url: str, key: str, model: str, chats: list[list[str]], concurren
 
 def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[int], chats: list[list[str]],
                concurrency: int, logs: Path) -> dict:
+    """One configuration's run on fresh Erics and gateway: TTFT, encoder compute and encodes per request."""
     eric_cpus = host_split()[0]
     with ExitStack() as stack:
         extra: tuple[str, ...] = ()
@@ -124,6 +127,7 @@ def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[in
 
 
 def plot(result: dict, path: Path) -> None:
+    """Bar charts of encodes, encoder compute and TTFT p50 per configuration, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,6 +147,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Run the three configurations on one vLLM, print the comparison, and write the JSON and the plot."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=300, help="distinct images in the workload")
     ap.add_argument("--requests", type=int, default=200, help="requests per run")

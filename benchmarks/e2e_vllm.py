@@ -91,6 +91,7 @@ def warmup_workload(num_requests: int) -> Workload:
 
 @dataclass
 class Sample:
+    """One request's timings: TTFT, whole latency, Eric's encode call (EPD) and the prompt's token count."""
     ttft_s: float
     latency_s: float
     encode_s: float = 0.0  # EPD: the Eric /v1/encode call, part of ttft_s
@@ -117,6 +118,7 @@ class Client:
                                          max_retries=0, timeout=600)
 
     async def request(self, urls: list[str]) -> Sample:
+        """Send one streamed chat of these images (EPD: encoded by Eric first) and time it."""
         t0 = time.perf_counter()
         encode_s = 0.0
         extra: dict = {"ignore_eos": True}
@@ -147,6 +149,7 @@ class Client:
         return Sample(ttft, time.perf_counter() - t0, encode_s, usage.prompt_tokens if usage else 0)
 
     async def run(self, workload: Workload) -> tuple[list[Sample], float]:
+        """Run the workload's requests at its concurrency; the samples and the wall time."""
         if not self.model:
             self.model = (await self.openai.models.list()).data[0].id
         queue = list(reversed(workload.requests))
@@ -161,11 +164,13 @@ class Client:
         return samples, time.perf_counter() - start
 
     async def close(self) -> None:
+        """Close the HTTP and openai clients."""
         await self.http.aclose()
         await self.openai.close()
 
 
 def summary(samples: list[Sample], wall: float) -> dict:
+    """A run's request rate and its TTFT, latency, encode and prompt-size statistics."""
     ttft = [s.ttft_s for s in samples]
     return {"n": len(samples), "wall_s": wall, "requests_per_s": len(samples) / wall,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
@@ -231,6 +236,7 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
 
 
 def ratios(results: dict) -> dict:
+    """EPD over monolithic, per run: TTFT p50 and p99, and requests/s."""
     out = {}
     for name in results["repeats_per_run"]:
         mono, epd = results["runs"]["monolithic"][name], results["runs"]["epd"][name]
@@ -241,6 +247,7 @@ def ratios(results: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Bars of both systems' TTFT p50, p99 and requests/s per run, with their ratios, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,6 +287,7 @@ def _print_table(results: dict) -> None:
 
 
 def main() -> None:
+    """Run every workload on monolithic vLLM, then on vLLM + Eric, and write the results, plot and table."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run: ~2 minutes of requests "
                     "plus two vLLM start-ups)")

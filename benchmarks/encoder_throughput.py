@@ -124,6 +124,7 @@ def gemm_ceiling_s(cfg: dict, grids: list[tuple[int, int, int]], dtype: torch.dt
 
 
 def run_transformers(model_dir: Path, dtype: torch.dtype, images: list[bytes]) -> dict:
+    """The HF processor and vision tower on one image at a time, in-process: throughput, latencies and grids."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -171,6 +172,7 @@ async def _eric_load(eric: EricServer, images: list[bytes], concurrency: int) ->
 
 
 def run_eric(eric: EricServer, images: list[bytes], concurrency: int, warmup: list[bytes]) -> dict:
+    """Eric over HTTP at `concurrency`, after a warm-up: throughput and latencies."""
     asyncio.run(_eric_load(eric, warmup, concurrency))
     latencies, wall = asyncio.run(_eric_load(eric, images, concurrency))
     return _summary(latencies, wall, len(images))
@@ -182,6 +184,7 @@ def _summary(latencies: list[float], wall: float, n: int) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Bars of transformers' and Eric's images/s per workload, one panel per dtype, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,6 +207,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Measure transformers and Eric per dtype and workload, and write the results, plot and table."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to measure")

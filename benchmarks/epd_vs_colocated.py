@@ -42,6 +42,7 @@ SLO = {"ttft": 8000.0, "tpot": 400.0}
 
 @dataclass(frozen=True)
 class Series:
+    """One traffic series: its checkpoint size, `vllm bench serve` dataset and most images per prompt."""
     name: str
     checkpoint: str
     """size of the offline qwen2_vl checkpoint"""
@@ -86,6 +87,7 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
 
 
 def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
+    """The traffic series by name: heavy, single, repeat (a dataset file written per run) and tiny."""
     heavy_sides = (224, 448) if quick else (224, 448, 672)  # 8 images of 896 px would pass the 8192-token context
     repeat = tmp / "repeat_{seed}.jsonl"
 
@@ -126,6 +128,7 @@ def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tupl
 
 
 def vllm_extra(series: Series) -> tuple[str, ...]:
+    """The vLLM flags every run of a series gets: 16 sequences, a seed, and the series' image limit."""
     return ("--max-num-seqs", "16", "--seed", "0", "--limit-mm-per-prompt",
             json.dumps({"image": series.max_images, "video": 0}))
 
@@ -168,6 +171,7 @@ KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_thr
 
 
 def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: Path, family: str) -> dict:
+    """One side (colocated or EPD) of a series: a warm-up, then `vllm bench serve` at each rate, and EPD's stages."""
     model = ensure_checkpoint(family, series.checkpoint)
     runs: dict = {}
     with ExitStack() as stack:
@@ -191,6 +195,7 @@ def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: 
 
 
 def ratios(results: dict) -> dict:
+    """EPD over colocated per series and rate: TTFT p50/p99, TPOT p99, throughput and goodput."""
     out: dict = {}
     for name, sides in results["runs"].items():
         for rate, epd in sides["epd"].items():
@@ -204,6 +209,7 @@ def ratios(results: dict) -> dict:
 
 
 def print_table(results: dict) -> None:
+    """Print the ratios as a table, one row per series and rate."""
     cols = ("p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
     lines = [f"{'series':8} {'rate':>6} | " + " ".join(f"{c:>18}" for c in cols)]
     for name, by_rate in results["ratios"].items():
@@ -214,6 +220,7 @@ def print_table(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
+    """TTFT, TPOT and goodput against request rate, both sides, one row of panels per series, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,6 +247,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Run every series on both sides, and write the results and plot and print the ratios."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="images up to 448 px, 8 prompts per rate, two rates")
     ap.add_argument("--series", default="heavy,single,repeat,tiny", help="comma-separated traffic series to run")

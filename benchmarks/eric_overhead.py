@@ -79,11 +79,13 @@ async def load(eric: EricServer, requests: list[list[bytes]], concurrency: int) 
 
 
 def stage_sums(eric: EricServer) -> dict[str, float]:
+    """The stage sums of eric_stage_seconds from the Eric's /metrics."""
     text = httpx.get(eric.url + "/metrics", timeout=10).text
     return {stage: float(v) for kind, stage, v in STAGE_RE.findall(text) if kind == "sum"}
 
 
 def run_eric(model: Path, args: argparse.Namespace) -> dict:
+    """Eric's latency at concurrency 1, images/s at 8 and stage times per request, over `args.rounds` rounds."""
     os.sched_setaffinity(0, {args.client_core})
     out: dict = {"c1_latency_s": [], "c8_images_per_s": [], "stages_ms_per_request": {}}
     with EricServer(model, cpus=(args.eric_core,), log_path=RESULTS / "eric_overhead_eric.log") as eric:
@@ -102,6 +104,7 @@ def run_eric(model: Path, args: argparse.Namespace) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """The latency histograms of Eric and the tower alone, and Eric's stage times, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,6 +125,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Measure the tower alone and then Eric on the same core, and write the results and plot."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1500, help="requests per round and concurrency")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (medians reported)")

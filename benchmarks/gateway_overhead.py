@@ -43,6 +43,7 @@ async def latencies(urls: dict[str, tuple[str, dict[str, str]]], n: int) -> dict
 
 
 async def throughput(url: str, headers: dict[str, str], seconds: float, concurrency: int) -> float:
+    """Requests/s of chat completions to `url` at `concurrency`, over `seconds`."""
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency),
                                  headers=headers) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
@@ -62,6 +63,7 @@ async def throughput(url: str, headers: dict[str, str], seconds: float, concurre
 
 
 def plot(results: dict, path: Path) -> None:
+    """The latency histograms of both targets and their most requests/s, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,6 +83,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Measure vLLM directly and through the gateway, and write the results and plot."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=300, help="requests per configuration")
     ap.add_argument("--seconds", type=float, default=15.0, help="seconds of load per configuration")

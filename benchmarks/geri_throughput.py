@@ -31,6 +31,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def prompts(n: int, hidden: int) -> list[np.ndarray]:
+    """`n` random float32 prompt embeddings of 12 to 40 tokens, `hidden` wide, seeded."""
     rng = np.random.default_rng(0)
     return [rng.standard_normal((int(rng.integers(12, 41)), hidden)).astype(np.float32) for _ in range(n)]
 
@@ -75,11 +76,13 @@ async def geri_load(geri: GeriServer, embeds: list[np.ndarray], side: int, steps
 
 
 def summary(latencies: list[float], wall: float) -> dict[str, float]:
+    """Images per second, and the latency p50 and p99."""
     return {"images_per_s": len(latencies) / wall, "p50_s": float(np.percentile(latencies, 50)),
             "p99_s": float(np.percentile(latencies, 99))}
 
 
 def plot(result: dict, path: Path) -> None:
+    """Bars of images/s and latency p50 per row, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,6 +103,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Measure the pipeline alone, then Geri at concurrency 1 and 8, and write the results and plot."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=48, help="image requests per run")
     ap.add_argument("--size", choices=tuple(SIZES), default="small", help="checkpoint size")

@@ -68,15 +68,18 @@ class Stack:
     started: dict[str, float] = field(default_factory=dict)
 
     def components(self) -> dict[str, ServerProcess]:
+        """Each server of the stack by name."""
         return {"eric_a": self.erics[0], "eric_b": self.erics[1], "prefill": self.prefill, "decode": self.decode,
                 "gateway": self.gateway}
 
     def stop(self) -> None:
+        """Stop every server, the gateway first."""
         for server in reversed(list(self.components().values())):
             server.stop()
 
 
 def start_stack(model: Path, logs: Path) -> Stack:
+    """Start two Erics, a vLLM prefill/decode pair on the other core and the gateway in front."""
     eric_cpus = host_split()[0]
     eric_key, vllm_key = new_key(), new_key()
     erics = [EricServer(model, log_path=logs / f"eric_{n}.log", api_key=eric_key, cpus=eric_cpus,
@@ -155,12 +158,14 @@ def inject(stack: Stack, fault: str) -> str:
 
 @dataclass
 class Outcomes:
+    """Requests by outcome, and when each ended (seconds since the start, outcome)."""
     counts: Counter = field(default_factory=Counter)
     timeline: list[tuple[float, str]] = field(default_factory=list)
 
 
 async def one_request(client: openai.AsyncOpenAI, model: str, msgs: list[dict], expected: str, t0: float,
                       out: Outcomes) -> None:
+    """Send one chat through the gateway and count how it ended: correct, wrong, lost or a clean or unshaped error."""
     out.counts["accepted"] += 1
     try:
         reply = await client.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS,
@@ -207,6 +212,7 @@ def rss_bytes(server: ServerProcess) -> int:
 
 
 async def soak(stack: Stack, args: argparse.Namespace) -> dict:
+    """Measure capacity, then send open-loop load at `args.load` of it with a fault every `args.fault_every` s."""
     client = openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key="unused", max_retries=0,
                                 timeout=CLIENT_TIMEOUT_S)
     model = (await client.models.list()).data[0].id
@@ -276,6 +282,7 @@ def pool_bytes(stack: Stack, wait_s: float = EMBEDDING_TTL_S + 10) -> dict[str, 
 
 
 def plot(result: dict, path: Path) -> None:
+    """Answers per second by outcome with the faults marked, and each server's RSS, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,6 +315,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Run the soak on a fresh stack, then write the results and plot and print the counts."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=15.0, help="how long the soak runs")
     ap.add_argument("--fault-every", type=float, default=180.0, help="seconds between faults")

@@ -25,6 +25,7 @@ BACKENDS = ["shm", "nixl", "mooncake", "http"]
 
 
 def best_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of `fn`, after one warm-up call."""
     fn()  # warm-up (connections, registrations, page faults)
     times = []
     for _ in range(repeats):
@@ -35,11 +36,13 @@ def best_time(fn, repeats: int) -> float:
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    """GB/s of a plain numpy copy of `nbytes` (the ceiling every backend is compared to)."""
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     return nbytes / best_time(lambda: np.copyto(dst, src), repeats) / 1e9
 
 
 def plot(results: dict, path: Path) -> None:
+    """GB/s against transfer size, one line per backend and memcpy, saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,6 +63,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    """Measure each backend pulling entries of each size from a pool server, and write the results and plot."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repeats")
     args = ap.parse_args()

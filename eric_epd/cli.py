@@ -24,6 +24,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse `argv` and run the chosen subcommand: serve, geri, up or build-checkpoint."""
     parser = argparse.ArgumentParser(prog="eric-epd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     eric_cli.add_parser(sub)

@@ -21,6 +21,7 @@ from eric_epd.testing.media import image_data_url, video_data_url
 
 
 def wait_for_url(ready: Path, proc: subprocess.Popen, timeout_s: float = 600) -> str:
+    """The gateway URL `eric-epd up` writes to `ready` once the stack is up; raise if it exits or takes too long."""
     deadline = time.monotonic() + timeout_s
     while not ready.exists() or not ready.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -30,6 +31,7 @@ def wait_for_url(ready: Path, proc: subprocess.Popen, timeout_s: float = 600) ->
 
 
 def ask(gateway: str) -> None:
+    """Send one chat of three images and a video through the gateway and log the path it took and the answer."""
     log = logging.getLogger("demo")
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="none")  # `up` runs the gateway without a client key
     content = [{"type": "image_url", "image_url": {"url": image_data_url(64 + 48 * i, 96, seed=i)}} for i in range(3)]
@@ -45,6 +47,7 @@ def ask(gateway: str) -> None:
 
 
 def main() -> None:
+    """Start `eric-epd up`, ask one question through it, then stop it with SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "gateway-url"

@@ -21,6 +21,7 @@ class Segment(SharedMemory):
             self._fd = -1
 
     def close(self) -> None:
+        """Unmap the segment, or leave the mapping alone while an exported view (tensor) still uses it."""
         try:  # not contextlib.suppress: this also runs from __del__ at interpreter shutdown
             super().close()
         except BufferError:

@@ -38,6 +38,7 @@ class StageHistogram(Collector):
         self._sums[value] += seconds
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
+        """Prometheus collector hook: render the counts as one cumulative histogram series per label value."""
         family = HistogramMetricFamily(self._name, self._doc, labels=[self._label])
         for value, counts in self._counts.items():
             cumulative, buckets = 0, []
@@ -48,4 +49,5 @@ class StageHistogram(Collector):
         yield family
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
+        """Prometheus collector hook: the (empty) family this collector exports, for registration."""
         yield HistogramMetricFamily(self._name, self._doc, labels=[self._label])

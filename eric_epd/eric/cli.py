@@ -22,6 +22,7 @@ from eric_epd.transfer.config import TRANSFER_BACKENDS, TransferConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the `serve` subcommand and its flags to the `eric-epd` parser."""
     p = sub.add_parser("serve", help="run an Eric encode server")
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face repo id; a repo id fetches only the configs and the "

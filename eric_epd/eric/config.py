@@ -103,7 +103,9 @@ class EricConfig(RuntimeConfig):
 
     @property
     def public_url(self) -> str:
+        """The URL other hosts reach this Eric at: its transfer advertise host and HTTP port."""
         return f"http://{self.transfer.advertise_host}:{self.port}"
 
     def preprocess_pool_size(self) -> int:
+        """Threads decoding and preprocessing media: `preprocess_threads`, or up to 4 of this Eric's own CPUs."""
         return self.preprocess_threads or min(4, len(self.own_cpus()))

@@ -22,15 +22,19 @@ class LoadTracker:
         self._queue_depth = 0
 
     def observe_batch(self, seconds: float, items: int) -> None:
+        """Count one finished batch: its wall time and how many items it held."""
         self._batches.append((time.monotonic(), seconds, items))
 
     def observe_request(self, seconds: float) -> None:
+        """Count one finished /v1/encode request's latency."""
         self._latencies.append((time.monotonic(), seconds))
 
     def observe_queue(self, depth: int) -> None:
+        """Record the engine's current queue depth (queued plus running items)."""
         self._queue_depth = depth
 
     def report(self) -> LoadReport:
+        """The load over the window: old samples dropped, busy fraction, items per second and p99 latency."""
         now = time.monotonic()
         for series in (self._batches, self._latencies):
             while series and series[0][0] < now - self._window_s:

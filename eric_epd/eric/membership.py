@@ -19,6 +19,7 @@ LEAVE_GRACE_S = 0.5
 
 
 class GatewayMembership:
+    """Joins this Eric to its gateways: registers at start and on every heartbeat, deregisters at shutdown."""
     def __init__(self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float,
                  api_key: str | None = None) -> None:
         """`api_key`: this Eric's own key, which the registration proves it holds (the gateway sends its Eric key

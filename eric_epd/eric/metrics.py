@@ -23,6 +23,7 @@ batches); batch_compute (rank 0's forward), pool_write (rank 0's copy into the p
 
 
 class EricMetrics:
+    """The Eric's Prometheus series (engine, requests, stages, caches, load), all in its own `registry`."""
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -64,6 +65,7 @@ class EricMetrics:
                             "receiver sockets", ["kind"], registry=r)
 
     def observe_status(self, status: EngineStatusMsg) -> None:
+        """Fold an engine status message into the queue gauge, the load tracker and the per-batch series."""
         self.queue_depth.set(status.queued_items + status.running_items)
         self.load.observe_queue(status.queued_items + status.running_items)
         for b in status.batches:
@@ -92,10 +94,12 @@ class EricMetrics:
         return sum(b.compute_seconds for b in result.batches)
 
     def observe_request(self, seconds: float) -> None:
+        """Count one /v1/encode request's latency, in the histogram and the load tracker."""
         self.encode_latency.observe(seconds)
         self.load.observe_request(seconds)
 
     def render(self) -> bytes:
+        """The registry in Prometheus text format, after refreshing the gauges read on scrape (caches, SGLang, load)."""
         if self.global_cache is not None:
             stats = self.global_cache.stats
             for event in ("hits", "misses", "puts", "bytes_read", "bytes_written", "errors", "up", "capacity"):

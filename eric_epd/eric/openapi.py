@@ -51,6 +51,7 @@ def _sglang_schemas() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
 
 
 def eric_openapi(version: str, modalities: list[str], max_items: int) -> dict[str, Any]:
+    """The OpenAPI document of an Eric serving `modalities`, with at most `max_items` items per /v1/encode."""
     sglang, components = _sglang_schemas()
     any_json: dict[str, Any] = {}
     paths: dict[str, Any] = {

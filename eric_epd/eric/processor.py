@@ -68,6 +68,7 @@ class Processor:
 
     @property
     def modalities(self) -> tuple[str, ...]:
+        """The modalities the model's processor accepts."""
         return self._mp.modalities
 
     def _hash_salt(self, modality: str, model_id: bytes) -> bytes:
@@ -127,6 +128,7 @@ class Processor:
         return h.hexdigest()
 
     def close(self) -> None:
+        """Stop the preprocessing threads, dropping work not yet started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -32,6 +32,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class ItemAnswer:
+    """One encoded item's answer: the request item, what preprocessing made of it, and its leased handle."""
     request: EncodeItem
     prepared: PreparedItem
     handle: EmbeddingHandle
@@ -45,6 +46,7 @@ class OutputSpec:
     dtype: str
 
     def nbytes(self, num_tokens: int) -> int:
+        """Bytes of an output of `num_tokens` merged tokens."""
         return num_tokens * self.dim * _DTYPE_BYTES[self.dtype]
 
 
@@ -66,6 +68,7 @@ class _Flight:
 
 
 class EncodeService:
+    """Serves /v1/encode: items fetched, preprocessed, deduplicated by content hash, encoded or found cached, leased."""
     def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
                  metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None) -> None:
         self._fetcher = fetcher

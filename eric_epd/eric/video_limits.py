@@ -41,6 +41,7 @@ class DecodeGuard:
         self._deadline, self._max_s, self._stop = time.monotonic() + max_s, max_s, stop
 
     def check(self) -> None:
+        """Raise `MediaError` if the requester has gone (499) or the decode ran past its time limit (413)."""
         if self._stop is not None and self._stop.is_set():
             raise MediaError(499, "the request was cancelled while its video was decoding")
         if time.monotonic() > self._deadline:

@@ -40,6 +40,7 @@ class EncoderWorkload:
         return cls(facts.merge_unit, facts.pixel_row)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
+        """`Workload` hook: why the engine must refuse this encode item (spec, modality, grid, byte count), or None."""
         spec = unpack_spec(item, EncodeSpec)
         if spec is None:
             return f"item {item.key}: not an encode item"
@@ -55,15 +56,18 @@ class EncoderWorkload:
         return None
 
     def max_batch_input_bytes(self, config: RuntimeConfig) -> int:
+        """`Workload` hook: the pixel bytes of a batch at the patch cap."""
         return config.batch_limits().max_patches * self.pixel_row * INPUT_BYTES
 
     def warmup(self, config: RuntimeConfig) -> tuple[WorkItem, np.ndarray]:
+        """`Workload` hook: a blank image of two merge windows per side, run by every rank before ready."""
         side = 2 * math.isqrt(self.merge_unit)  # two merge windows per side
         spec = EncodeSpec("image", (1, side, side), self.pixel_row)
         return WorkItem("warm-up", "image", side * side, 0, 0, pack_spec(spec)), np.zeros((side * side, self.pixel_row),
                                                                                np.float32)
 
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> EncoderRunner:
+        """`Workload` hook: this rank's vision encoder, loaded from the checkpoint in the configured dtype."""
         from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
 
         model_config = read_model_config(config.model)  # this worker process's one read
@@ -81,6 +85,7 @@ class EncoderRunner:
     merge_unit: int
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
+        """`Runner` hook: the encoder over the batch's pixel rows, split into each item's merged tokens."""
         specs = [unpack_spec(i, EncodeSpec) for i in items]
         if any(s is None for s in specs):
             raise RuntimeError("a batch item is not an encode item")

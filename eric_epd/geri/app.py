@@ -42,6 +42,7 @@ def png_bytes(image: np.ndarray) -> bytes:
 
 
 class GeriMetrics:
+    """The Geri's Prometheus series (requests, latency, batches), in its own `registry`."""
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("geri_requests", "/v1/generate requests by HTTP status", ["status"], registry=r)
@@ -53,6 +54,7 @@ class GeriMetrics:
                                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 
     def observe_status(self, status: EngineStatusMsg) -> None:
+        """Fold an engine status message's finished batches into the batch histograms."""
         for batch in status.batches:
             self.batch_items.observe(batch.num_items)
             self.batch_seconds.observe(batch.seconds)

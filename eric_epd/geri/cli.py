@@ -16,6 +16,7 @@ _DEFAULT_BATCH = GeriConfig.__dataclass_fields__["batch"].default_factory()  # t
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the `geri` subcommand and its flags to the `eric-epd` parser."""
     p = sub.add_parser("geri", help="run a Geri generation server (prompt embeddings in, images out)")
     p.add_argument("--model", type=Path, default=None,
                    help="Qwen-Image diffusers checkpoint directory (default: the built-in tiny Qwen-Image)")
@@ -58,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> GeriConfig:
+    """The GeriConfig the parsed flags describe (the built-in tiny Qwen-Image when no --model)."""
     if args.model is None:
         from eric_epd.checkpoints.qwen_image import ensure_qwen_image_checkpoint
 

@@ -33,6 +33,7 @@ class ImageRequest:
 
     @property
     def uses_cfg(self) -> bool:
+        """Whether this request runs classifier-free guidance (negative embeddings and `true_cfg_scale` > 1)."""
         return self.negative_embeds is not None and self.true_cfg_scale > 1
 
     def batch_key(self) -> tuple[int, int, int, bool]:

@@ -43,6 +43,7 @@ class HandleReader:
         return float_rows(name, tensor)
 
     def close(self) -> None:
+        """Close the embedding fetcher, if this Geri has one."""
         if self._fetcher is not None:
             self._fetcher.close()
 

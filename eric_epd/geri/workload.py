@@ -27,6 +27,7 @@ class GeneratorWorkload:
 
     @classmethod
     def from_checkpoint(cls, model: Path, limits: GeriLimits) -> GeneratorWorkload:
+        """The prompt width and size factor read from a Qwen-Image diffusers checkpoint's configs."""
         for part in ("transformer", "vae", "scheduler"):
             if not (model / part / ("scheduler_config.json" if part == "scheduler" else "config.json")).exists():
                 raise FileNotFoundError(f"{model} is not a Qwen-Image diffusers checkpoint: no {part}/ config")
@@ -40,9 +41,11 @@ class GeneratorWorkload:
                         spec.height * spec.width * 3, pack_spec(spec))
 
     def check(self, spec: GenerateSpec) -> str | None:
+        """Why a generate request is unacceptable to this model and these limits, or None."""
         return check_spec(spec, self.hidden, self.size_factor, self.limits)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
+        """`Workload` hook: why the engine must refuse this generate item (spec, size or byte count), or None."""
         spec = unpack_spec(item, GenerateSpec)
         if spec is None:
             return f"item {item.key}: not a generate item"
@@ -55,14 +58,17 @@ class GeneratorWorkload:
         return None
 
     def max_batch_input_bytes(self, config: RuntimeConfig) -> int:
+        """`Workload` hook: the embedding bytes of a full batch of longest prompts, each with a negative prompt."""
         return config.batch_limits().max_items * 2 * MAX_PROMPT_TOKENS * self.hidden * INPUT_BYTES
 
     def warmup(self, config: RuntimeConfig) -> tuple[WorkItem, np.ndarray]:
+        """`Workload` hook: a one-step, one-token image of the smallest size, run by every rank before ready."""
         side = 2 * self.size_factor
         spec = GenerateSpec(side, side, 1, 0, 1.0, 1, 0, self.hidden)
         return self.item("warm-up", spec), np.zeros((1, self.hidden), np.float32)
 
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GeneratorRunner:
+        """`Workload` hook: this rank's Qwen-Image generator, loaded in the resolved dtype."""
         from eric_epd.geri.generator import QwenImageGenerator
 
         dtype = resolve_dtype(config.dtype, device)
@@ -84,6 +90,7 @@ class GeneratorRunner:
     dtype: torch.dtype
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
+        """`Runner` hook: each item's prompt (and negative) embeddings cut from the batch input, one image per item."""
         from eric_epd.geri.generator import ImageRequest, QwenImageGenerator
 
         assert isinstance(self.generator, QwenImageGenerator)

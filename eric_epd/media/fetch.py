@@ -92,6 +92,7 @@ class MediaFetcher:
             raise MediaError(408, f"timed out fetching {shown} (limit {self.limits.timeout_s:g} s)") from exc
 
     async def aclose(self) -> None:
+        """Close the pooled HTTP client."""
         await self._client.aclose()
 
     async def _fetch(self, url: str) -> bytes:

@@ -17,6 +17,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def is_repo_id(model: str) -> bool:
+    """Whether `--model` reads as a Hugging Face repo id (owner/name, no `..`) rather than a local path."""
     return bool(_REPO_ID.match(model)) and ".." not in model
 
 

@@ -28,6 +28,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMS-normalize `x` in float32, then scale by the weight in `x`'s dtype."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -44,6 +45,7 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)) for this rank's hidden features, all-reduced by the row-parallel down."""
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

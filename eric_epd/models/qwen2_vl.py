@@ -76,6 +76,7 @@ ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxy
 
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation a vision config names, from `ACTIVATIONS`; ValueError for an unknown one."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unsupported vision activation {name!r}; known: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
@@ -123,10 +124,12 @@ class PatchProj(nn.Module):
         self.bias = nn.Parameter(torch.empty(embed_dim, dtype=dtype), requires_grad=False) if bias else None
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        """Load the 5-D conv weight flattened to (embed_dim, in_dim); the bias as is."""
         tensor = read_full(full)
         copy_into(param, tensor.reshape(param.shape[0], -1) if param.dim() == 2 else tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Embed flat patches: the conv as a Linear."""
         return F.linear(x, self.weight, self.bias)
 
 
@@ -147,6 +150,7 @@ class PatchEmbed(nn.Module):
         self.proj = PatchProj(self.in_dim, embed_dim, dtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Embed pixel rows, each flattened to one (C, T, P, P) patch."""
         return self.proj(x.reshape(-1, self.in_dim))
 
 
@@ -161,6 +165,7 @@ class VisionAttention(nn.Module):
         self.head_dim = dim // num_heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        """Attention of this rank's heads within each segment of `plan`, rotary positions applied, then projected."""
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
         q, k = apply_vision_rope(q, k, cos, sin)
         out = varlen_attention(q, k, v, plan, scale=self.head_dim**-0.5)
@@ -190,6 +195,7 @@ class VisionMLP(nn.Module):
         self.act_name, self.act = "silu_folded", _silu_inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fc2(act(fc1(x))) for this rank's hidden features, all-reduced by the row-parallel fc2."""
         return self.fc2(self.act(self.fc1(x)))
 
 
@@ -201,6 +207,7 @@ class VisionBlock(nn.Module):
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        """Pre-norm residual block: attention, then MLP."""
         x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
@@ -235,6 +242,7 @@ class PatchMerger(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Merge each group of merge**2 neighbouring tokens into one output token."""
         if self.postshuffle:
             return self.mlp(self.ln_q(x.reshape(-1, self.hidden)))
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
@@ -303,10 +311,12 @@ class Qwen2VLVisionEncoder(nn.Module):
     # ---- forward -------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """The device the tower's weights are on."""
         return self.patch_embed.proj.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the tower's weights (pixels are cast to it)."""
         return self.patch_embed.proj.weight.dtype
 
     def num_tokens(self, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[int]:
@@ -315,6 +325,7 @@ class Qwen2VLVisionEncoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+        """Merged tokens of every item, in item order, from the packed patches and each item's (t, h, w) grid."""
         grid = grid_list(grid_thw)
         n_patches = sum(t * h * w for t, h, w in grid)
         if pixel_values.shape[0] != n_patches:
@@ -343,6 +354,7 @@ class Qwen2VLVisionEncoder(nn.Module):
     # ---- weights -------------------------------------------------------------------------------------------
     @staticmethod
     def strip_prefix(name: str) -> str:
+        """A checkpoint key without its vision-tower prefix (`VISION_PREFIXES`); other keys unchanged."""
         for prefix in VISION_PREFIXES:
             if name.startswith(prefix):
                 return name[len(prefix) :]

@@ -102,6 +102,7 @@ class VisionPreprocessSettings:
 
     @property
     def factor(self) -> int:
+        """Pixels per side of one merged token (patch size times merge size)."""
         return self.patch_size * self.merge_size
 
 
@@ -163,6 +164,7 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         logger.debug("Qwen2-VL processor from %s: %s", model_dir, self.settings)
 
     def fingerprint(self, modality: str) -> bytes:
+        """The settings of `modality` as sorted JSON bytes, with the processor's name and version."""
         if modality not in self._fingerprints:
             raise ValueError(f"unsupported modality {modality!r}")
         return self._fingerprints[modality]
@@ -187,10 +189,12 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         return ProcessedItem(modality, pixels, grid, grid[0] * grid[1] * grid[2] // (s.merge_size * s.merge_size))
 
     def process_image(self, image: Image.Image) -> ProcessedItem:
+        """One image resized, normalized and patchified with the image settings."""
         return self._process("image", image_to_rgb_array(image))
 
     def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
                       seconds: Sequence[float] | None = None) -> ProcessedItem:
+        """Sampled frames resized, normalized and patchified with the video settings (timing is not used)."""
         return self._process("video", frames_to_rgb_array(frames))
 
 
@@ -199,6 +203,7 @@ class Qwen2_5_VLModalityProcessor(Qwen2VLModalityProcessor):  # noqa: N801  (HF 
 
     def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
                       seconds: Sequence[float] | None = None) -> ProcessedItem:
+        """Qwen2-VL's video item, plus the seconds each temporal patch spans (`second_per_grid_ts`)."""
         item = super().process_video(frames, sampled_fps, seconds)
         seconds = self.settings["video"].temporal_patch_size / sampled_fps
         return dataclasses.replace(item, second_per_grid_ts=seconds)

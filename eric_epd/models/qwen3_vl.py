@@ -36,6 +36,7 @@ class PositionTable(nn.Module):
         self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype), requires_grad=False)
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        """Load the whole table on every rank."""
         copy_into(param, read_full(full))
 
 
@@ -100,6 +101,7 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
 
     @staticmethod
     def param_name(key: str) -> str:
+        """A Qwen3-VL checkpoint key (prefix stripped) renamed to the shared modules' parameter name (`_RENAMES`)."""
         for pattern, repl in _RENAMES:
             key = pattern.sub(repl, key)
         return key

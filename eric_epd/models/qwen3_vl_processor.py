@@ -66,6 +66,7 @@ class Qwen3VLModalityProcessor(Qwen2VLModalityProcessor):
     name = "qwen3_vl"
 
     def target_size(self, modality: str, height: int, width: int, num_frames: int = 1) -> tuple[int, int]:
+        """(h, w) of the frames: images as in Qwen2-VL, videos by `smart_resize_video` under the per-frame cap."""
         s = self.settings[modality]
         if modality != "video" or not s.do_resize:
             return super().target_size(modality, height, width, num_frames)
@@ -85,10 +86,12 @@ class Qwen3VLModalityProcessor(Qwen2VLModalityProcessor):
         """(fps, min_frames, max_frames) of the checkpoint's video processor."""
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
+        """The source frames the checkpoint's video processor samples (its fps, min and max frames)."""
         return sampled_frames(total, src_fps, *self.sampling)
 
     def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
                       seconds: Sequence[float] | None = None) -> ProcessedItem:
+        """Qwen2-VL's video item, plus each temporal patch's timestamp from the frames' times in the source."""
         item = super().process_video(frames, sampled_fps, seconds)
         if seconds is None:  # frames taken evenly at sampled_fps from the start
             seconds = [i / sampled_fps for i in range(frames.shape[0])]

@@ -64,6 +64,7 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 
 
 def supported_model_types() -> tuple[str, ...]:
+    """The HF `model_type`s Eric can load."""
     return tuple(MODEL_SPECS)
 
 

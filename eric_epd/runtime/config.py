@@ -91,14 +91,17 @@ class RuntimeConfig:
 
     @property
     def engine_input_addr(self) -> str:
+        """The engine's ZMQ ipc address for requests from the router."""
         return f"ipc://{self.run_dir}/engine-in.sock"
 
     @property
     def engine_output_addr(self) -> str:
+        """The engine's ZMQ ipc address for results and status sent back to the router."""
         return f"ipc://{self.run_dir}/engine-out.sock"
 
     @property
     def worker_result_addr(self) -> str:
+        """The ZMQ ipc address the workers send their ready and result messages to."""
         return f"ipc://{self.run_dir}/worker-out.sock"
 
     @property
@@ -107,6 +110,7 @@ class RuntimeConfig:
         return f"ipc://{self.run_dir}/broadcast-wake.sock"
 
     def resolved_device(self) -> str:
+        """The configured device, with "auto" made "cuda" when CUDA is available and "cpu" otherwise."""
         if self.device != "auto":
             return self.device
         import torch
@@ -138,4 +142,5 @@ class RuntimeConfig:
         return split_cpus(self.own_cpus(), self.tp_size)[rank]
 
     def replace(self, **changes: object) -> Self:
+        """A copy with `changes` applied (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)

@@ -36,7 +36,10 @@ class _LeaveFirstServer(uvicorn.Server):
 
 
 class Closable(Protocol):
-    def close(self) -> None: ...
+    """What `run_server` closes when the server stops (the output pool)."""
+
+    def close(self) -> None:
+        """Release what the server holds (the output pool)."""
 
 
 P = TypeVar("P", bound=Closable)

@@ -80,6 +80,7 @@ class Batch:
 
     @property
     def cost(self) -> int:
+        """The batch's total cost, in the workload's unit (what the scheduler's cap counts)."""
         return sum(e.item.cost for e in self.entries)
 
 

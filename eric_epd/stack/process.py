@@ -19,6 +19,7 @@ import httpx
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1, as the OS hands one out (free when checked, not reserved)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -41,10 +41,12 @@ class Greedy:
     margins: list[float]
 
     def to_json(self) -> dict[str, list]:
+        """The generation as JSON-ready lists (what `vllm_cases` writes)."""
         return {"tokens": self.tokens, "best": self.best, "margins": self.margins}
 
     @classmethod
     def from_json(cls, data: dict[str, list]) -> Greedy:
+        """A generation read back from `to_json`'s dict."""
         return cls(list(data["tokens"]), list(data["best"]), list(data["margins"]))
 
     @classmethod

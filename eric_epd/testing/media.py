@@ -19,16 +19,19 @@ def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
 
 
 def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    """The image encoded in `fmt` (PNG by default: lossless)."""
     buf = io.BytesIO()
     image.save(buf, format=fmt)
     return buf.getvalue()
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
+    """`data` as a base64 data URL of type `mime`."""
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def image_data_url(width: int, height: int, seed: int = 0) -> str:
+    """A `random_image` of this size and seed as a PNG data URL."""
     return data_url(image_bytes(random_image(width, height, seed)))
 
 
@@ -54,4 +57,5 @@ def video_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int
 
 
 def video_data_url(num_frames: int = 8, width: int = 64, height: int = 48, fps: int = 4, seed: int = 0) -> str:
+    """A `video_bytes` MP4 as a video/mp4 data URL."""
     return data_url(video_bytes(num_frames, width, height, fps, seed), "video/mp4")

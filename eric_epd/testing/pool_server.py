@@ -33,6 +33,7 @@ def seeded_bytes(nbytes: int, seed: int) -> np.ndarray:
 
 
 def create_pool_app(hub: TransferHub) -> FastAPI:
+    """The transfer routes over `hub`, plus POST /v1/testing/entries to put a leased entry in the pool."""
     app = FastAPI(title="eric-epd transfer test producer")
     app.include_router(transfer_routes(hub))
     install_error_handlers(app)
@@ -55,6 +56,7 @@ def create_pool_app(hub: TransferHub) -> FastAPI:
 
 
 def main() -> None:
+    """Serve a model-less producer on 127.0.0.1 with the backends and pool the flags name."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--port", type=int, required=True, help="HTTP port")
     ap.add_argument("--backends", default="shm,mooncake,nixl", help="transfer backends to offer")

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 def create_app(name: str, delay_s: float) -> FastAPI:
+    """The stand-in's app: health, models, chat completions (plain or streamed), plus /requests and /fail."""
     app = FastAPI()
     seen: list[dict[str, Any]] = []
     failing = {"on": False}
@@ -67,6 +68,7 @@ async def _stream(text: str):  # -> AsyncIterator[bytes]
 
 
 def main() -> None:
+    """Serve a stand-in on 127.0.0.1 under the name and delay the flags give."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, required=True, help="HTTP port")
     p.add_argument("--name", required=True, help="the model name it answers with")

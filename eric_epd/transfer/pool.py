@@ -46,6 +46,7 @@ def new_token() -> str:
 
 @dataclass
 class PoolEntry:
+    """One embedding's region of the pool: where and what it is, whether it is written, and its leases."""
     hash: str
     offset: int
     nbytes: int
@@ -77,6 +78,7 @@ class FreeList:
         self._sizes: list[int] = [size]
 
     def allocate(self, nbytes: int) -> int | None:
+        """First fit: the start of `span(nbytes)` bytes cut from the lowest free range that holds them; None if none."""
         need = span(nbytes)
         for i, size in enumerate(self._sizes):
             if size >= need:
@@ -90,6 +92,7 @@ class FreeList:
         return None
 
     def free(self, start: int, nbytes: int) -> None:
+        """Give back the `span(nbytes)` bytes at `start`, merged with free neighbours on either side."""
         size = span(nbytes)
         i = bisect.bisect_left(self._starts, start)
         self._starts.insert(i, start)
@@ -103,6 +106,7 @@ class FreeList:
 
     @property
     def free_bytes(self) -> int:
+        """Bytes in every free range together."""
         return sum(self._sizes)
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -140,10 +144,12 @@ class EmbeddingPool:
 
     @property
     def cached_bytes(self) -> int:
+        """Bytes of acknowledged entries kept as the content cache (in `span` units)."""
         return self._acked_bytes
 
     @property
     def cache_budget(self) -> int:
+        """Most bytes the content cache of acknowledged entries may keep (`keep_acked_bytes`)."""
         return self._keep_acked_bytes
 
     def _evict_oldest(self) -> None:
@@ -155,6 +161,7 @@ class EmbeddingPool:
         return len(self._entries) + len(self._detached) - len(self._acked)
 
     def get(self, key: str) -> PoolEntry | None:
+        """The entry under this content hash, written or not, or None."""
         return self._entries.get(key)
 
     def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry | None:
@@ -173,6 +180,7 @@ class EmbeddingPool:
         return entry
 
     def commit(self, key: str) -> None:
+        """Mark the entry written (the workers finished it); leases on it now hold."""
         self._entries[key].ready = True
 
     def lease(self, key: str) -> tuple[PoolEntry, str]:
@@ -298,6 +306,7 @@ class EmbeddingPool:
         return gone
 
     def view(self, entry: PoolEntry) -> np.ndarray:
+        """The entry's bytes: a view on the pool, not a copy."""
         return self.array[entry.offset: entry.offset + entry.nbytes]
 
     def close(self) -> None:

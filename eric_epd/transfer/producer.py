@@ -58,9 +58,11 @@ class TransferHub:
 
     @property
     def instance_id(self) -> str:
+        """This Eric's instance id (it changes on restart)."""
         return self._instance_id
 
     def backend(self, name: str) -> ProducerBackend | None:
+        """The producer backend of that name, or None when it is not configured."""
         return next((b for b in self.backends if b.name == name), None)
 
     async def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry:
@@ -104,6 +106,7 @@ class TransferHub:
         return self.handle(entry, token)
 
     def handle(self, entry: PoolEntry, token: str) -> EmbeddingHandle:
+        """The handle a consumer reads `entry` by under lease `token`: every backend's location and the HTTP URL."""
         url = self._public_url
         locations: dict[str, Any] = {b.name: b.location(entry.offset) for b in self.backends}
         return EmbeddingHandle(hash=entry.hash, shape=entry.shape, dtype=entry.dtype, nbytes=entry.nbytes,
@@ -111,6 +114,7 @@ class TransferHub:
                                http=f"{url}/v1/embeddings/{entry.hash}", lease=token, **locations)
 
     async def expiry_loop(self, period_s: float = 1.0) -> None:
+        """Every `period_s`, free the entries whose leases expired, and wake reservations waiting for space."""
         while True:
             await asyncio.sleep(period_s)
             if self.pool.expire():
@@ -126,6 +130,7 @@ class TransferHub:
                             **locations)
 
     def close(self) -> None:
+        """Close every backend (errors are logged) and then the pool."""
         for backend in self.backends:
             try:
                 backend.close()

@@ -35,7 +35,8 @@ def _leased(hub: TransferHub, content_hash: str, request: Request) -> tuple[Pool
 
 
 def transfer_routes(hub: TransferHub) -> APIRouter:
-    """The transfer layer's routes; their errors are ApiErrors (LeaseError included) for the app's handler."""
+    """The transfer layer's routes (embedding bytes, ack, lease, handle, stats, NIXL metadata) over `hub`; their
+    errors are ApiErrors (LeaseError included) for the app's handler."""
     router = APIRouter()
 
     @router.get("/v1/embeddings/{content_hash}")

@@ -107,6 +107,7 @@ NIXL_SESSION_PREFIX = "nixl1:"
 
 
 def encode_nixl_session(session: NixlSession) -> str:
+    """The session as the prefill passes it: "nixl1:" and the urlsafe base64 of its msgpack."""
     return NIXL_SESSION_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(session)).decode()
 
 

@@ -80,10 +80,12 @@ class Gateway:
         self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
 
     def check_serves_chat(self) -> None:
+        """404 when this gateway has no chat upstreams (it serves image generation only)."""
         if not self.serves_chat:
             raise ApiError(404, "this gateway serves image generation only (no chat upstreams)")
 
     def check_api_key(self, request: Request) -> None:
+        """401 unless the request carries the gateway's API key (none configured: no check)."""
         if self.config.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -91,6 +93,7 @@ class Gateway:
             raise ApiError(401, "Unauthorized")
 
     async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+        """A checked chat request, routed EPD (media encoded by the Erics) or plain: the path taken and the answer."""
         checking = time.perf_counter()
         check_request_fields(body)
         check_messages(body, allow_embeddings=self.config.client_embeddings is not None)
@@ -197,6 +200,7 @@ def _embeddings_lost(response: Response) -> bool:
 
 
 def create_app(config: GatewayConfig) -> Starlette:
+    """The gateway's Starlette app: its routes, and a lifespan that opens the clients and runs the health loop."""
     metrics = GatewayMetrics()
     state: dict[str, Gateway] = {}
 

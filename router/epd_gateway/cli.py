@@ -12,6 +12,7 @@ from eric_epd.common.proxies import uvicorn_proxy_settings
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse the flags and serve the gateway with uvicorn."""
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False,

@@ -17,6 +17,7 @@ from eric_epd.media.url_policy import UrlPolicy
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """Every gateway setting: the upstreams, routing, limits, keys and timeouts (see `parse_args` for each)."""
     encoder_urls: tuple[str, ...] = ()
     encoder_dns: tuple[DnsTarget, ...] = ()
     """--encoder-dns: names (e.g. Kubernetes headless Services) whose every address is an Eric at the given port,
@@ -104,6 +105,7 @@ def _dns_target(value: str) -> DnsTarget:
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    """The GatewayConfig the command line describes (`argv`, or sys.argv when None)."""
     p = argparse.ArgumentParser(prog="epd-gateway", description="OpenAI-compatible EPD/PD gateway")
     p.add_argument("--encoder-urls", type=_urls, default=(), help="comma-separated Eric base URLs")
     p.add_argument("--encoder-dns", type=_dns_target, action="append", default=[], metavar="NAME:PORT",

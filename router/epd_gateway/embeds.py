@@ -28,10 +28,12 @@ class EmbeddingShape:
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path) -> EmbeddingShape:
+        """The width (hidden size times one plus the DeepStack levels) and merge size from the checkpoint's config."""
         cfg = json.loads((model_dir / "config.json").read_text())
         return cls(embedding_width(cfg), int(cfg.get("vision_config", {}).get("spatial_merge_size", 2)))
 
     def rows(self, grid: list[int]) -> int:
+        """Merged tokens of an item of (t, h, w) patches."""
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 

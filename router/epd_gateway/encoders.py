@@ -34,6 +34,7 @@ WAIT_SLACK_S = 0.5
 
 @dataclass
 class EncoderState:
+    """One Eric as the pool sees it: health, failures, work in flight, modalities and its last load report."""
     url: str
     healthy: bool = True
     failures: int = 0
@@ -75,6 +76,7 @@ class EncodersUnavailableError(Exception):
 
 
 class EncoderPool:
+    """The Erics: items placed by rendezvous hashing with a load bound, health-checked, ejected and readmitted."""
     def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, metrics: GatewayMetrics,
                  eject_after: int, timeout_s: float, heartbeat_timeout_s: float = 10.0) -> None:
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -90,12 +92,15 @@ class EncoderPool:
 
     @property
     def urls(self) -> list[str]:
+        """Every member's URL, healthy or not."""
         return list(self._members)
 
     def status(self) -> dict[str, bool]:
+        """Each member's URL and whether it is healthy (what /health and the admin routes list)."""
         return {m.url: m.healthy for m in self._members.values()}
 
     def healthy(self) -> list[EncoderState]:
+        """The members currently healthy."""
         return [m for m in self._members.values() if m.healthy]
 
     def register(self, url: str) -> None:
@@ -149,6 +154,7 @@ class EncoderPool:
         return silent
 
     def deregister(self, url: str) -> bool:
+        """Remove the Eric at `url` (admin DELETE); whether it was a member."""
         found = self._members.pop(url.rstrip("/"), None) is not None
         self._refresh_gauge()
         return found
@@ -340,6 +346,7 @@ class EncoderPool:
             self._refresh_gauge()
 
     async def health_loop(self, interval_s: float) -> None:
+        """Every `interval_s`: probe each member, drop silent self-registered ones, update the recommended count."""
         while True:
             await asyncio.sleep(interval_s)
             await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))

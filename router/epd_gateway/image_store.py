@@ -39,6 +39,7 @@ class ImageStore:
         return kept[0] if kept is not None else None
 
     def expire(self) -> None:
+        """Drop the images whose time has passed (oldest first)."""
         now = time.monotonic()
         while self._images and next(iter(self._images.values()))[1] <= now:
             self._drop(next(iter(self._images)))

@@ -28,6 +28,7 @@ class MediaInliner:
         self._fetcher = MediaFetcher(policy, limits)
 
     async def aclose(self) -> None:
+        """Close the media fetcher's HTTP client."""
         await self._fetcher.aclose()
 
     async def inline(self, body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any] | None:

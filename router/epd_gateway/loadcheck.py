@@ -39,6 +39,7 @@ class Completions:
         self._total = 0
 
     def add(self, items: int) -> None:
+        """Count `items` answered now."""
         self._answered.append((time.monotonic(), items))
         self._total += items
 

@@ -16,6 +16,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 
 class GatewayMetrics:
+    """The gateway's Prometheus series (requests, latency, encoders, upstreams, stages), in its own `registry`."""
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("gateway_requests", "Requests by path (epd, pd, fallback)", ["path"], registry=r)
@@ -37,4 +38,5 @@ class GatewayMetrics:
                                         "upstream", UPSTREAMS, registry=r)
 
     def render(self) -> bytes:
+        """The registry in Prometheus text format."""
         return generate_latest(self.registry)

@@ -61,6 +61,7 @@ def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *types: str) -
 
 
 def gateway_openapi(version: str) -> dict[str, Any]:
+    """The gateway's OpenAPI document, versioned `version`."""
     listed = {"type": "object", "required": ["encoders"]}
     return {"openapi": "3.1.0", "info": {"title": "eric-epd gateway", "version": version}, "paths": {
         "/v1/chat/completions": {"post": _post("OpenAI chat completion; several media items go EPD", CHAT,

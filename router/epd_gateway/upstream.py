@@ -55,6 +55,7 @@ class Reply:
 
 
 class Upstreams:
+    """The inference engines behind the gateway, taken round-robin: colocated, or prefill then decode."""
     def __init__(self, config: GatewayConfig, session: aiohttp.ClientSession, metrics: GatewayMetrics) -> None:
         self._config = config
         self._session = session

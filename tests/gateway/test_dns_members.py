@@ -18,7 +18,7 @@ from epd_gateway.encoders import EncoderPool
 from epd_gateway.metrics import GatewayMetrics
 
 from eric_epd.common.dns import DnsTarget, address_url, is_address_url, parse_dns_target
-from eric_epd.plugins.vllm.connector import EricConnectorSettings
+from eric_epd.plugins.vllm.settings import EricConnectorSettings
 from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.stack.process import free_port, new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from eric_epd.plugins.vllm.connector import EricConnectorSettings
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel, LandingTimeoutError
+from eric_epd.plugins.vllm.settings import EricConnectorSettings
 from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.pool_server import seeded_bytes
 from eric_epd.testing.server import PoolServer

@@ -17,26 +17,13 @@ from eric_epd.eric.config import EricConfig, SglangConfig
 from eric_epd.eric.service import EncodeService
 from eric_epd.eric.sglang.parts import PartTable
 from eric_epd.eric.sglang.peers import PeerPolicy
-from eric_epd.eric.sglang.protocol import (
-    HEALTH_PNG,
-    MODALITIES,
-    Part,
-    SglangError,
-    host_port,
-    item_url,
-    validate,
-)
+from eric_epd.eric.sglang.protocol import HEALTH_PNG, MODALITIES, Part, SglangError, host_port, item_url, validate
 from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher, PushError
 from eric_epd.eric.sglang.rows import PartRows
 from eric_epd.eric.sglang.zmq_push import ZmqSender
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.eric import EncodeItem
-from eric_epd.wire.sglang import (
-    EncodeRequest,
-    MetaRequest,
-    ReceiveUrlRequest,
-    SendRequest,
-)
+from eric_epd.wire.sglang import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +40,9 @@ class SglangEncoder:
     - zmq_to_tokenizer: /encode carries `embedding_port`; the part is pushed there before /encode answers.
     - zmq_to_scheduler: every TP rank POSTs /scheduler_receive_url; /encode answers once all `receive_count`
       ranks got the part (or with 502/504, as SGLang's encoder does).
-    - mooncake (and NIXL, see plugins/sglang/plugin.py): ranks pull sizes from /scheduler_receive_meta_data, then
-      POST /send with their session and buffer address; Eric writes there and notifies the rank over ZMQ.
+    - mooncake (and NIXL, see eric_epd/plugins/sglang/plugin.py): ranks pull sizes from
+      /scheduler_receive_meta_data, then POST /send with their session and buffer address; Eric writes there and
+      notifies the rank over ZMQ.
 
     ZMQ frames point into the shared-memory pool; Mooncake and NIXL write from its registered memory. Eric never
     unpickles anything; the only pickle it writes is the allowlisted part header (wire/sglang.py).
@@ -82,6 +70,7 @@ class SglangEncoder:
 
     @property
     def service(self) -> EncodeService:
+        """The Eric's EncodeService once the server has started; 503 before."""
         service = self._state.get("service")
         if service is None:
             raise SglangError(503, "encoder not ready")
@@ -90,11 +79,13 @@ class SglangEncoder:
     # ---------------------------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
+        """Open the ZMQ sender and start the sweep of idle parts and receiver sockets; call on the event loop."""
         self._zmq = ZmqSender(self.settings.send_timeout_s, self.settings.max_receivers,
                               self.settings.receiver_idle_s)
         self._spawn(self._sweep_loop())
 
     async def stop(self) -> None:
+        """Cancel the background tasks, release every part, and close the ZMQ sender and the push engines."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -130,6 +121,7 @@ class SglangEncoder:
     # ------------------------------------------------------------------------------------------------------ encode
 
     async def encode(self, req: EncodeRequest, caller: str | None) -> Any:
+        """SGLang's /encode: encode the part's items, stage its rows, then deliver it or answer its sizes by mode."""
         validate(req, self.config.max_items_per_request)
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
@@ -288,6 +280,7 @@ class SglangEncoder:
     # ------------------------------------------------------------------------------------------- rank endpoints
 
     async def register_destination(self, req: ReceiveUrlRequest, caller: str | None) -> None:
+        """SGLang's /scheduler_receive_url: record a checked rank endpoint of the part (zmq_to_scheduler)."""
         if req.receive_count <= 0:
             raise SglangError(400, "receive_count must be a positive integer")
         if req.receive_count > MAX_RANKS:
@@ -328,12 +321,14 @@ class SglangEncoder:
         return part
 
     async def meta(self, req: MetaRequest, caller: str | None) -> dict[str, Any]:
+        """SGLang's /scheduler_receive_meta_data: the encoded part's size, token count and width."""
         part = await self.wait_encoded(req.req_id, create=True)
         self.peers.check_caller(caller, part.owner, req.req_id)
         return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.wire_bytes,
                 "embedding_len": part.tokens, "embedding_dim": self.dim}
 
     async def send(self, req: SendRequest, caller: str | None) -> None:
+        """SGLang's /send: write the part's rows to the rank's buffer (Mooncake or NIXL), then notify it over ZMQ."""
         endpoint, session, nixl = await self.peers.send_targets(req, caller)
         part = await self.wait_encoded(req.req_id, create=False)
         self.peers.check_caller(caller, part.owner, req.req_id)

@@ -91,5 +91,6 @@ class PartTable:
         return released
 
     def close(self) -> None:
+        """Release every part, in use or not (the server is stopping)."""
         for part in list(self._parts.values()):
             self.release(part, force=True)

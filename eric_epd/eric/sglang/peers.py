@@ -62,6 +62,7 @@ class PeerPolicy:
         """SglangConfig.peer_networks: --sglang-allowed-peer, parsed and validated at start."""
 
     def allows(self, ip: IPAddress, caller: str | None) -> bool:
+        """Whether `ip` is the caller's own address or inside an allowed network."""
         return ip == as_ip(caller) or any(ip in net for net in self.networks)
 
     def allows_caller(self, caller: str | None, owner: str | None) -> bool:
@@ -72,6 +73,7 @@ class PeerPolicy:
         return ip is not None and (ip == as_ip(owner) or any(ip in net for net in self.networks))
 
     def check_nixl_caller(self, caller: str | None) -> None:
+        """403 unless the caller is inside --sglang-allowed-peer (a NIXL session's UCX addresses cannot be checked)."""
         ip = as_ip(caller)
         if ip is None or not any(ip in net for net in self.networks):
             logger.warning("SGLang: refused a NIXL session from %s (outside --sglang-allowed-peer)", caller)
@@ -79,6 +81,7 @@ class PeerPolicy:
                                    f"{caller} is not (its UCX addresses are opaque to Eric and could name any host)")
 
     def check_caller(self, caller: str | None, owner: str | None, req_id: str) -> None:
+        """403 unless `caller` may act on the part `owner` posted (see `allows_caller`)."""
         if not self.allows_caller(caller, owner):
             logger.warning("SGLang: refused %s acting on req_id=%s posted from %s", caller, req_id, owner)
             raise SglangError(403, f"req_id={req_id} was posted from another address; {caller} may not act on it "

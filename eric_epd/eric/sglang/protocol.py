@@ -61,6 +61,7 @@ def tcp_endpoint(endpoint: str) -> str:
 
 
 def host_port(host: str, port: int) -> str:
+    """"host:port", with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
@@ -132,6 +133,7 @@ class Part:
     wire_bytes: int = 0
 
     def set_mode(self, mode: str) -> None:
+        """Fix the part's delivery mode on first use; 400 if a later caller asks for another."""
         if self.mode is None:
             self.mode = mode
             self.mode_set.set()
@@ -151,4 +153,5 @@ class Part:
 
     @property
     def tokens(self) -> int:
+        """Merged tokens over all of the part's items."""
         return sum(a.handle.shape[0] for a in self.answers or ())

@@ -65,6 +65,7 @@ class MooncakePusher:
                 self._opened.popitem(last=False)
 
     def close(self) -> None:
+        """Unregister the pool from the Mooncake engine."""
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.unregister_memory(self._base)
@@ -133,6 +134,7 @@ class NixlPusher:
                         logger.warning("nixl: releasing a transfer request failed: %s", e)
 
     def close(self) -> None:
+        """Deregister the pool and drop the NIXL agent."""
         with self._lock:
             agent, self._agent = self._agent, None
             if agent is not None:

@@ -33,6 +33,7 @@ async def register(client: httpx.AsyncClient, bootstrap: str, url: str, settings
 
 
 async def unregister(client: httpx.AsyncClient, url: str, settings: SglangConfig) -> None:
+    """Withdraw this Eric's URL from every SGLang bootstrap server (best effort, at shutdown)."""
     body = msgspec.json.encode(RegisterBody(url=url))
     for bootstrap in settings.register_urls:
         try:

@@ -14,6 +14,7 @@ from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
 
 class PartRows:
+    """A part's rows in the pool: staged in the prefill's dtype and read out as header, payload or ranges."""
     def __init__(self, hub: TransferHub, dim: int, eric_dtype: str, wire_dtype: str) -> None:
         self.hub = hub
         self.dim = dim
@@ -41,6 +42,7 @@ class PartRows:
         return True
 
     def entries(self, part: Part, staged: bool = True) -> list[Any]:
+        """The pool entries holding the part's rows: its converted copy when `staged`, else each item's own entry."""
         if staged and part.staged is not None:
             entry = self.hub.pool.get(part.staged.hash)
             if entry is not part.staged:
@@ -68,6 +70,7 @@ class PartRows:
                 entry.readers -= 1
 
     def header(self, part: Part) -> bytes:
+        """The pickled part header SGLang reads: the grids, dtype and shape, or the error of a failed part."""
         req = part.request
         assert req is not None
         modality = req.modality.upper()
@@ -94,5 +97,6 @@ class PartRows:
         return memoryview(views[0]) if len(views) == 1 else np.concatenate(views).tobytes()
 
     def ranges(self, part: Part) -> tuple[list[int], list[int]]:
+        """The rows' pool addresses and byte lengths, entry by entry (the sources of a push)."""
         entries = self.entries(part)
         return [self.hub.pool.base_addr + e.offset for e in entries], [e.nbytes for e in entries]

@@ -152,6 +152,7 @@ class ZmqSender:
         return sock
 
     def close(self) -> None:
+        """Close every receiver socket and the ZMQ context."""
         for address in list(self._receivers):
             self._close(address)
         self._zmq.term()

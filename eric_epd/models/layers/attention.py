@@ -59,6 +59,7 @@ class VarlenPlan:
 
     @classmethod
     def build(cls, cu_seqlens: Sequence[int] | torch.Tensor, device: torch.device) -> VarlenPlan:
+        """The plan for segments bounded by `cu_seqlens`: equal lengths gathered in groups, unique ones as slices."""
         cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
         if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")

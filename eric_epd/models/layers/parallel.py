@@ -104,10 +104,12 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(self.out_local, in_features, self.out_local if bias else None, tp, dtype)
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        """Load this rank's block of output rows from the full checkpoint tensor."""
         start = self.tp.rank * self.out_local
         copy_into(param, read_rows(full, start, start + self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output features of `x` (no communication)."""
         return F.linear(x, self.weight, self.bias)
 
 
@@ -121,6 +123,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(out_features, self.in_local, out_features if bias else None, tp, dtype)
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        """Load this rank's block of input columns (the bias whole, on every rank)."""
         if param is self.bias:
             copy_into(param, read_full(full))
             return
@@ -128,6 +131,7 @@ class RowParallelLinear(_ParallelLinear):
         copy_into(param, read_cols(full, start, start + self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The full output: each rank's partial product all-reduced, then the bias added once."""
         if self.tp.world_size == 1:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
@@ -147,6 +151,7 @@ class QKVParallelLinear(_ParallelLinear):
         super().__init__(3 * self.local, hidden, 3 * self.local if bias else None, tp, dtype)
 
     def weight_loader(self, param: torch.Tensor, full: Any) -> None:
+        """Load this rank's heads of q, k and v from the fused checkpoint tensor, stacked as [q_r; k_r; v_r]."""
         if shape_of(full)[0] != 3 * self.hidden:
             raise ValueError(f"fused qkv expects {3 * self.hidden} rows, got {shape_of(full)}")
         start = self.tp.rank * self.local
@@ -154,4 +159,5 @@ class QKVParallelLinear(_ParallelLinear):
         copy_into(param, torch.cat(parts, dim=0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's q, k and v features of `x`."""
         return F.linear(x, self.weight, self.bias)

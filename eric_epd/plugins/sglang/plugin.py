@@ -25,6 +25,7 @@ _registered = False
 
 
 def nixl_selected() -> bool:
+    """Whether ERIC_SGLANG_ENCODER_TRANSFER selects NIXL for this process."""
     return os.environ.get(ENV, "").strip().lower() == BACKEND
 
 
@@ -65,6 +66,7 @@ class NixlLandingEngine:
         return torch.cuda.current_device()
 
     def register(self, ptr: int, length: int) -> None:
+        """Register a landing buffer with the agent (SGLang's `register(ptr, length)`)."""
         with self._lock:
             try:
                 self._regs[ptr] = self._live().register_memory([(ptr, length, self.device, "")], self.mem_type)
@@ -72,6 +74,7 @@ class NixlLandingEngine:
                 raise RuntimeError(f"NIXL memory registration of {length} bytes failed: {e}") from e
 
     def deregister(self, ptr: int) -> None:
+        """Deregister the landing buffer at `ptr`, if it was registered."""
         with self._lock:
             reg = self._regs.pop(ptr, None)
             if reg is None or self._agent is None:
@@ -83,11 +86,13 @@ class NixlLandingEngine:
 
     @property
     def session_id(self) -> str:
+        """The session id Eric writes to: the agent's metadata, memory type and device (`encode_nixl_session`)."""
         with self._lock:
             metadata = bytes(self._live().get_agent_metadata())
         return encode_nixl_session(NixlSession(agent_metadata=metadata, mem_type=self.mem_type, device=self.device))
 
     def close(self) -> None:
+        """Deregister every landing buffer and drop the agent."""
         with self._lock:
             agent, self._agent = self._agent, None
             regs, self._regs = list(self._regs.values()), {}

@@ -28,6 +28,7 @@ class RequireEngineKey(AuthenticationMiddleware):
         super().__init__(app, [key])
 
     def __call__(self, scope: Scope, receive: Receive, send: Send):  # -> Awaitable[None]
+        """ASGI entry: non-HTTP traffic and GETs of `OPEN_ROUTES` pass; anything else needs the engine key (401)."""
         if scope["type"] not in ("http", "websocket"):
             return self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))

@@ -17,7 +17,6 @@ hands those copies to vLLM's encoder cache.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,15 +29,15 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from eric_epd.common.dns import DnsTarget, parse_dns_target
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
+from eric_epd.plugins.vllm.settings import EricConnectorSettings
 from eric_epd.plugins.vllm.staging import Prefetcher, StagedLoad, State
 from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.transfer.backends.base import TransferError
-from eric_epd.transfer.client import EmbeddingFetcher, MooncakeOptions
-from eric_epd.wire.handles import BACKENDS, EmbeddingHandle
+from eric_epd.transfer.client import EmbeddingFetcher
+from eric_epd.wire.handles import EmbeddingHandle
 from eric_epd.wire.handoff import HandleError, model_embedding_width, offered_handles, offered_producers
 
 if TYPE_CHECKING:
@@ -49,14 +48,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "ERIC_API_KEY"
-"""The Erics' API key reaches vLLM's processes through the environment, never a command line."""
 IDLE_WAIT_S = 0.002
 """With nothing to run but requests waiting for their fetches, the scheduler waits this long for one to end."""
 
 
 @dataclass
 class EricLoad:
+    """Scheduler -> workers: one embedding a request loads in this step, and where it was staged."""
     request_id: str
     mm_hash: str
     shape: tuple[int, ...]
@@ -81,59 +79,12 @@ class EricWorkerMetadata(ECConnectorWorkerMetadata):
     counts: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        """vLLM hook: merge another worker's metadata into this one (failures, copies and counters summed)."""
         assert isinstance(other, EricWorkerMetadata)
         merged = EricECStats(dict(self.counts))
         merged.record(**other.counts)
         return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids, self.copied | other.copied,
                                   merged.data)
-
-
-@dataclass(frozen=True)
-class EricConnectorSettings:
-    """`ec_connector_extra_config` keys and the ERIC_API_KEY environment variable, parsed once."""
-
-    eric_urls: tuple[str, ...]
-    backends: tuple[str, ...]
-    lookup_timeout_s: float
-    api_key: str | None
-    staging_bytes: int = 256 << 20
-    """Size of each worker's landing area (device memory on GPUs); landed items awaiting their step are also held
-    as copies in the model's dtype."""
-    prefetch_threads: int = 4
-    fetch_timeout_s: float = 30.0
-    mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)
-    eric_dns: tuple[DnsTarget, ...] = ()
-    """Names whose every address is a trusted Eric at the given port (a Kubernetes headless Service)."""
-    dns_interval_s: float = 2.0
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any], environ: dict[str, str] | os._Environ = os.environ) -> EricConnectorSettings:
-        urls, names = (extra.get(key, []) for key in ("eric_urls", "eric_dns"))
-        urls, names = ([u for u in v.split(",") if u] if isinstance(v, str) else list(v) for v in (urls, names))
-        if not urls and not names:
-            raise ValueError('EricECConnector needs ec_connector_extra_config {"eric_urls": ["http://host:port"]} '
-                             'or {"eric_dns": ["name:port"]}')
-        backends = tuple(extra.get("backends", BACKENDS))
-        unknown = set(backends) - set(BACKENDS)
-        if unknown:
-            raise ValueError(f"unknown Eric transfer backends {sorted(unknown)}; choose from {BACKENDS}")
-        settings = cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)),
-                       environ.get(API_KEY_ENV) or None, int(extra.get("staging_bytes", cls.staging_bytes)),
-                       int(extra.get("prefetch_threads", cls.prefetch_threads)),
-                       float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
-                       MooncakeOptions(str(extra.get("mooncake_host", MooncakeOptions.host)),
-                                       str(extra.get("mooncake_protocol", MooncakeOptions.protocol)),
-                                       str(extra.get("mooncake_device", MooncakeOptions.device)),
-                                       str(extra.get("global_cache", ""))),
-                       tuple(dict.fromkeys(parse_dns_target(str(n)) for n in names)),
-                       float(extra.get("dns_interval_s", cls.dns_interval_s)))
-        if settings.mooncake.protocol not in ("tcp", "rdma", "efa"):
-            raise ValueError(f"mooncake_protocol {settings.mooncake.protocol!r}: choose tcp, rdma or efa")
-        if (settings.staging_bytes < 1 << 20 or settings.prefetch_threads < 1 or settings.fetch_timeout_s <= 0
-                or settings.dns_interval_s <= 0):
-            raise ValueError("ec_connector_extra_config: staging_bytes >= 1 MiB, prefetch_threads >= 1, "
-                             "fetch_timeout_s > 0 and dns_interval_s > 0 are required")
-        return settings
 
 
 def _landing_area(settings: EricConnectorSettings, address: LandingAddress, dtype: torch.dtype) -> LandingArea:
@@ -150,6 +101,7 @@ def _landing_area(settings: EricConnectorSettings, address: LandingAddress, dtyp
 
 
 class EricECConnector(ECConnectorBase):
+    """vLLM's encoder-cache connector in the consumer role: Eric items fetched and landed, then handed to vLLM."""
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
@@ -271,10 +223,12 @@ class EricECConnector(ECConnectorBase):
         return ready
 
     def take_unavailable_requests(self) -> set[str]:
+        """vLLM hook: the requests failed since the last call (the scheduler fails them), forgotten here."""
         taken, self._unavailable = self._unavailable, set()
         return taken
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """vLLM hook: queue the staged item at `index` for loading in this step; fail the request if it was evicted."""
         feature = request.mm_features[index]
         key, rid = feature.identifier, request.request_id
         if not self._prefetch.ready(key):
@@ -287,6 +241,7 @@ class EricECConnector(ECConnectorBase):
         self._stats.record(loaded_items=1, loaded_bytes=staged.nbytes, **{f"via_{backend}": 1})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        """vLLM hook: this step's loads for the workers; with nothing scheduled, wait briefly for a fetch or lookup."""
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
         self._stats.record(local_encoder_items=local, external_items=len(self._pending))
         meta, self._pending = EricECMetadata(self._pending), []
@@ -299,6 +254,7 @@ class EricECConnector(ECConnectorBase):
         return meta
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        """vLLM hook: take in the workers' copies, failed requests and counters."""
         meta = connector_output.ec_connector_worker_meta
         if isinstance(meta, EricWorkerMetadata):
             self._prefetch.copied(list(meta.copied))
@@ -331,6 +287,7 @@ class EricECConnector(ECConnectorBase):
     # ---- worker side -----------------------------------------------------------------------------------------
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """vLLM hook: put each of this step's loads into vLLM's encoder cache, from this rank's landed copy."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, EricECMetadata)
         for load in meta.loads:
@@ -356,6 +313,7 @@ class EricECConnector(ECConnectorBase):
         """Consumer only: nothing to save."""
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        """vLLM hook: this rank's copies, failures and counters since the last step, or None when there are none."""
         unusable = self._area.take_unusable()
         if unusable:
             self._stats.record(unusable_transport=unusable)
@@ -368,6 +326,7 @@ class EricECConnector(ECConnectorBase):
     # ---- both ------------------------------------------------------------------------------------------------
 
     def get_ec_connector_stats(self) -> EricECStats | None:
+        """vLLM hook: the counters since the last call (then reset), or None when nothing was counted."""
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, EricECStats()
@@ -375,16 +334,19 @@ class EricECConnector(ECConnectorBase):
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> EricECStats:
+        """vLLM hook: `EricECStats` over `data`."""
         return EricECStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]):  # -> EricECPromMetrics
+        """vLLM hook: the connector's Prometheus counters (`EricECPromMetrics`)."""
         from eric_epd.plugins.vllm.stats import EricECPromMetrics
 
         return EricECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        """vLLM hook: close the landing area (worker) or the prefetcher, lease client and DNS lookups (scheduler)."""
         if self.role == ECConnectorRole.WORKER:
             self._area.close()
         else:

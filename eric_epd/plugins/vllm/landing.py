@@ -68,9 +68,11 @@ class LandingAddress:
         return os.path.join(tempfile.gettempdir(), f"eric-land-{self.instance}-{self.dp_rank}-{what}.ipc")
 
     def orders(self, rank: int) -> str:
+        """The ipc address where the worker of TP `rank` takes its landing orders."""
         return f"ipc://{self._path(f'orders{rank}')}"
 
     def notices(self) -> str:
+        """The ipc address where the scheduler takes the ranks' landing notices."""
         return f"ipc://{self._path('notices')}"
 
 
@@ -193,6 +195,7 @@ class LandingChannel:
                     logger.warning("cannot tell a rank to drop its copy at %d: %s", offset, e)
 
     def close(self) -> None:
+        """Stop the notice thread, close the order sockets and remove the notices' ipc file."""
         self._stop.set()
         self._thread.join(timeout=5)
         with self._send:
@@ -293,9 +296,11 @@ class LandingArea:
             self._notices.send(payload)
 
     def take_unusable(self) -> int:
+        """Handles whose offered transport this rank skipped since the last call."""
         return self._fetcher.take_unusable()
 
     def close(self) -> None:
+        """Stop the order thread and the landing pool, drop the copies, close the sockets and the fetcher."""
         self._stop.set()
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)

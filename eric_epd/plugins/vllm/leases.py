@@ -49,5 +49,6 @@ class LeaseClient:
                 logger.warning("could not release the lease on %s: %r", h.hash[:16], e)
 
     def close(self) -> None:
+        """Finish the releases already queued, then close the HTTP client."""
         self._releaser.shutdown(wait=True, cancel_futures=False)
         self._client.close()

@@ -37,6 +37,7 @@ def find_unkeyed_metadata(body: Any) -> str | None:
 
 
 async def refuse_unkeyed_metadata(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """vLLM middleware: 400 for a chat request whose embedding part has metadata but neither tensor nor uuid."""
     if request.method == "POST" and request.url.path.endswith("/chat/completions"):
         try:
             body = json.loads(await request.body())

@@ -24,6 +24,7 @@ ACK_ATTEMPT_S = 2.0
 
 
 class State(enum.Enum):
+    """Where a staged embedding's fetch stands: running, landed on every rank, or failed."""
     PENDING = "pending"
     READY = "ready"
     FAILED = "failed"
@@ -116,10 +117,12 @@ class Prefetcher:
             return item
 
     def get(self, key: str) -> Staged | None:
+        """The staged item under this content hash, or None."""
         with self._lock:
             return self._items.get(key)
 
     def ready(self, key: str) -> bool:
+        """Whether the item under this content hash has landed on every rank."""
         item = self.get(key)
         return item is not None and item.state is State.READY
 
@@ -163,6 +166,7 @@ class Prefetcher:
                 self._maybe_free(staged)
 
     def used_bytes(self) -> int:
+        """Bytes of the landing area held by staged items."""
         with self._lock:
             return self.nbytes - self._free.free_bytes
 
@@ -226,6 +230,7 @@ class Prefetcher:
         self._done.set()
 
     def close(self) -> None:
+        """Stop the fetch and release threads, then close the landing channel and the fetcher."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._releaser.shutdown(wait=True, cancel_futures=True)
         self._channel.close()

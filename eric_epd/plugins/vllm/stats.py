@@ -27,25 +27,31 @@ COUNTERS = {
 
 @dataclass
 class EricECStats(ECConnectorStats):
+    """The connector's counters by name, as vLLM's EC connector stats."""
     data: dict[str, Any] = field(default_factory=dict)
 
     def record(self, **counts: int) -> None:
+        """Add the non-zero `counts` to the counters."""
         for key, n in counts.items():
             if n:
                 self.data[key] = self.data.get(key, 0) + n
 
     def reset(self) -> None:
+        """vLLM hook: clear every counter."""
         self.data = {}
 
     def aggregate(self, other: ECConnectorStats) -> EricECStats:
+        """vLLM hook: these counters plus another's, as new stats."""
         merged = EricECStats(dict(self.data))
         merged.record(**other.data)
         return merged
 
     def reduce(self) -> dict[str, int | float]:
+        """vLLM hook: the counters as a plain dict, for logging."""
         return dict(self.data)
 
     def is_empty(self) -> bool:
+        """vLLM hook: whether nothing was counted."""
         return not self.data
 
 
@@ -63,6 +69,7 @@ class EricECPromMetrics(ECConnectorPromMetrics):
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """vLLM hook: add an interval's counters to engine `engine_idx`'s Prometheus series."""
         for key, value in transfer_stats_data.items():
             if key in self._counters and value:
                 self._counters[key][engine_idx].inc(value)

@@ -124,6 +124,7 @@ class TrustedProducers:
             self._ended = self._started
 
     def close(self) -> None:
+        """Stop the DNS lookup thread."""
         self._closed.set()
         self._wake.set()
         if self._thread is not None:

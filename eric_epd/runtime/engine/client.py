@@ -72,13 +72,16 @@ class EngineClient:
 
     @property
     def num_inflight_items(self) -> int:
+        """Items submitted to the engine and not yet answered."""
         return sum(r.num_items for r in self._pending.values())
 
     @property
     def request_timeout_s(self) -> float:
+        """How long a request may wait for its engine answer (the configured `request_timeout_s`)."""
         return self._config.request_timeout_s
 
     def start(self) -> None:
+        """Start the tasks that read the engine's answers and watch it stay alive (once, on the event loop)."""
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
 
     def submit(self, items: Sequence[WorkItem], inputs: Sequence[np.ndarray]) -> EngineRequest:
@@ -141,6 +144,7 @@ class EngineClient:
 
     @property
     def dead_reason(self) -> str | None:
+        """Why the engine is considered dead, or None while it is alive."""
         return self._dead_reason
 
     async def _read_loop(self) -> None:

@@ -36,14 +36,26 @@ ABORTED_STATUS = 499  # nginx's "client closed request": the router's client wen
 
 
 class ItemValidator(Protocol):
-    def __call__(self, item: WorkItem, input_nbytes: int) -> str | None: ...
+    """Checks one item and its input size: why the engine must refuse it, or None (the workload's `validate`)."""
+
+    def __call__(self, item: WorkItem, input_nbytes: int) -> str | None:
+        """Why the engine must refuse the item (400), or None."""
 
 
 class Executor(Protocol):
-    def submit(self, batch: Batch) -> None: ...
-    def collect(self, batch: Batch) -> BatchOutput: ...
-    def workers(self) -> list[WorkerInfo]: ...
-    def check_workers(self) -> str | None: ...
+    """Runs the engine's batches on the workers: submit, collect in order, and report on the worker processes."""
+
+    def submit(self, batch: Batch) -> None:
+        """Hand a batch to the workers; WorkersDeadError when they are gone."""
+
+    def collect(self, batch: Batch) -> BatchOutput:
+        """The output of the oldest submitted batch; BatchFailedError or WorkersDeadError."""
+
+    def workers(self) -> list[WorkerInfo]:
+        """Each rank's worker process, with its CPUs and torch threads."""
+
+    def check_workers(self) -> str | None:
+        """Why the workers can no longer run batches, or None."""
 
 
 Outgoing = tuple[WorkResultMsg, list[memoryview]]
@@ -84,13 +96,16 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
+        """Whether items are queued or batches are with the workers (the process loop then polls without waiting)."""
         return self._scheduler.num_queued > 0 or bool(self._in_flight)
 
     @property
     def has_unreported_batches(self) -> bool:
+        """Whether batches finished since the last `status()` (the process loop then sends a status message)."""
         return bool(self._recent_batches)
 
     def add_request(self, msg: WorkRequestMsg, buffers: list[memoryview]) -> list[Outgoing]:
+        """Queue a request's items; the messages to send now (an error, or the answer of an empty request)."""
         if self._dead_reason is not None:
             return [_error(msg.request_id, 503, f"{UNAVAILABLE}: {self._dead_reason}")]
         problem = self._validate(msg, buffers)
@@ -153,6 +168,7 @@ class Engine:
         return self._complete(batch, output.items, stat)
 
     def status(self) -> EngineStatusMsg:
+        """The engine's health, queue, workers and the batches finished since the last call (which it then forgets)."""
         batches, self._recent_batches = self._recent_batches, []
         return EngineStatusMsg(
             healthy=self._dead_reason is None,

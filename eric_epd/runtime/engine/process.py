@@ -35,6 +35,7 @@ class EngineProcess:
 
     @classmethod
     def spawn(cls, config: RuntimeConfig, workload: Workload, timeout_s: float = 900.0) -> EngineProcess:
+        """Start the engine process and wait up to `timeout_s` for it to be ready; raise with its reason otherwise."""
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=main, args=(config, workload, child_end), name="engine", daemon=False)
@@ -53,6 +54,7 @@ class EngineProcess:
         return cls(proc)
 
     def is_alive(self) -> bool:
+        """Whether the engine process is still running."""
         return self.proc.is_alive()
 
     def shutdown(self, timeout_s: float = 15.0) -> None:

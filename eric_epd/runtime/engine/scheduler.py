@@ -24,9 +24,11 @@ class Scheduler:
 
     @property
     def num_queued(self) -> int:
+        """Items waiting to be batched."""
         return len(self._queue)
 
     def add(self, entries: list[QueuedItem]) -> None:
+        """Queue `entries` behind the items already waiting, in order."""
         self._queue.extend(entries)
 
     def drop_request(self, request_id: str) -> None:
@@ -46,6 +48,7 @@ class Scheduler:
         return dropped
 
     def next_batch(self) -> Batch | None:
+        """The next batch (None when nothing waits): the oldest item and later ones of its kind, within the caps."""
         if not self._queue:
             return None
         head = self._queue[0]

@@ -82,6 +82,7 @@ class DeviceIO:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        """Unregister the pool's pinned host memory from CUDA, if this rank registered it."""
         if self._registered and self._pool is not None:
             torch.cuda.cudart().cudaHostUnregister(self._pool.data_ptr())
             self._registered = False

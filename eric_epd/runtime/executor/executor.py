@@ -111,6 +111,7 @@ class ModelExecutor:
                     time.perf_counter() - start, [list(s) for s in rank0.shapes])
 
     def workers(self) -> list[WorkerInfo]:
+        """`Executor` hook: each rank's worker process, with its CPUs and torch threads once reported."""
         return [WorkerInfo(p.pid or 0, *self._settings.get(rank, ([], 0))) for rank, p in enumerate(self._procs)]
 
     def check_workers(self) -> str | None:

@@ -13,6 +13,7 @@ from eric_epd.runtime.work import WorkItem
 
 
 class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
+    """Run one batch: every rank gets the items and their inputs through the shm broadcast."""
     batch_id: int
     kind: str
     items: list[WorkItem]
@@ -22,10 +23,12 @@ class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
 
 
 class StopWorkerMsg(msgspec.Struct, array_like=True, frozen=True, tag="stop"):
+    """Tell every worker to exit (broadcast like a batch); `reason` says why."""
     reason: str = ""
 
 
 class WorkerReadyMsg(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
+    """A worker's answer at start: its rank and pid, and the error that kept it from loading, if any."""
     rank: int
     pid: int
     error: str | None = None
@@ -35,6 +38,7 @@ class WorkerReadyMsg(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
 
 
 class WorkerResultMsg(msgspec.Struct, array_like=True, frozen=True, tag="result"):
+    """One rank's answer to a batch: its output shapes and timings, or the error it failed with."""
     batch_id: int
     rank: int
     error: str | None = None
@@ -55,8 +59,10 @@ from_worker_encoder = msgspec.msgpack.Encoder()
 
 
 def to_worker_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of the engine's messages to a worker (batches and stop)."""
     return msgspec.msgpack.Decoder(ToWorker)
 
 
 def from_worker_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of a worker's messages to the engine (ready and results)."""
     return msgspec.msgpack.Decoder(FromWorker)

@@ -1,5 +1,4 @@
 """Shared-memory ring buffer: one writer (the engine) broadcasts each batch to N reader processes (workers).
-
 A message is a small msgspec header plus raw buffers (tensor payloads): copied once, never pickled. Readers poll
 while messages flow and block on the writer's wake-up pings once idle (shm_wake)."""
 
@@ -190,6 +189,7 @@ class ShmBroadcast:
         return reader
 
     def handle(self) -> BroadcastHandle:
+        """What a reader needs to attach: segment name, reader count, slots, slot size and wake address."""
         return self._handle
 
     def _slot_view(self, slot: int, nbytes: int) -> memoryview:

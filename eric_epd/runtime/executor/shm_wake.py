@@ -22,10 +22,12 @@ class WakeSender:
         self._sock.bind(address)
 
     def notify(self) -> None:
+        """Ping the readers that a message is waiting (dropped when the socket cannot take it now)."""
         with suppress(zmq.Again):
             self._sock.send(b"", zmq.NOBLOCK)
 
     def close(self) -> None:
+        """Close the PUB socket and remove its ipc file."""
         self._sock.close()
         if self.address.startswith("ipc://"):  # libzmq unlinks it too, but not on every version
             with suppress(FileNotFoundError):
@@ -50,6 +52,7 @@ class WakeReceiver:
         self._last = time.monotonic()
 
     def idle(self, now: float) -> bool:
+        """Whether `busy_s` has passed since the last message was taken, so the reader should block on pings."""
         return now - self._last >= self.busy_s
 
     def block(self, max_s: float) -> None:
@@ -59,4 +62,5 @@ class WakeReceiver:
                 self._sock.recv(zmq.NOBLOCK)
 
     def close(self) -> None:
+        """Close the SUB socket."""
         self._sock.close()

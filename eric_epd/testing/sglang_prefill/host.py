@@ -63,6 +63,7 @@ class PrefillHost:
         self._send_lock = threading.Lock()
 
     def parse(self, argv: list[str]) -> ParsedArgs:
+        """SGLang's own parsing of a prefill command line, and what it resolved (or the error it raised)."""
         from sglang.srt.runtime_context import get_disagg, publish
         from sglang.srt.server_args import prepare_server_args
 
@@ -106,6 +107,7 @@ class PrefillHost:
         return "ok" if vars(err) == vars(ref) else f"error mismatch: {vars(ref)} vs {vars(err)}"
 
     def start_bootstrap(self, port: int) -> None:
+        """Start SGLang's encoder bootstrap server on `port`, sharing the tokenizer side's URL list."""
         from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
 
         self.bootstrap = EncoderBootstrapServer("127.0.0.1", port, urls=self.bootstrap_urls, health_check_interval=2.0,
@@ -135,6 +137,7 @@ class PrefillHost:
         return mm_processor, receiver
 
     def run(self, job: Job) -> JobResult:
+        """Run one job with its environment variables set, restoring the environment after."""
         saved = {k: os.environ.get(k) for k in job.env}
         os.environ.update(job.env)
         try:
@@ -202,6 +205,7 @@ class PrefillHost:
         return JobResult(outcomes=[outcome], local=local)
 
     def serve(self, conn: Any) -> None:
+        """Answer the test process's commands over `conn` until a `Stop`."""
         decoder = msgspec.msgpack.Decoder(Command)
         while True:
             cmd = decoder.decode(conn.recv_bytes())
@@ -216,6 +220,7 @@ class PrefillHost:
                 return
 
     def handle(self, cmd: Any) -> Any:
+        """The reply to one command (a `Stop` also stops the ranks and the bootstrap server)."""
         if isinstance(cmd, Stop):
             for conns in self.groups.values():
                 for c in conns:
@@ -260,6 +265,7 @@ class Prefill:
         self.proc.start()
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
+        """Wait for the host's "ready"; raise with its error if it failed to start."""
         if not self.conn.poll(timeout_s):
             raise TimeoutError("prefill host not ready")
         first = self.conn.recv_bytes()
@@ -267,6 +273,7 @@ class Prefill:
             raise RuntimeError(msgspec.msgpack.decode(first))
 
     def call(self, cmd: Any, reply: Any = Any, timeout_s: float = 300.0) -> Any:
+        """Send `cmd` and return the host's reply converted to `reply`; a harness error is raised here."""
         self.conn.send_bytes(msgspec.msgpack.encode(cmd))
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"prefill host did not answer {type(cmd).__name__}")
@@ -276,9 +283,11 @@ class Prefill:
         return msgspec.convert(raw, reply)
 
     def job(self, **kwargs: Any) -> JobResult:
+        """Run a `Job` built from `kwargs` and return its result."""
         return self.call(RunJob(Job(**kwargs)), JobResult)
 
     def stop(self) -> None:
+        """Tell the host to stop, then join it (killed if it has not exited within 10 s)."""
         try:
             self.conn.send_bytes(msgspec.msgpack.encode(Stop()))
             self.conn.poll(20)

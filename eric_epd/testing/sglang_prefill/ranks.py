@@ -14,6 +14,7 @@ from eric_epd.testing.sglang_prefill.messages import Outcome, RankEvent, RankJob
 
 
 def outcome_from_mm(mm: Any, captured: dict[str, Any], rank: int = -1, engine: str = "") -> Outcome:
+    """The outcome of a receiver that got its multimodal inputs: embeddings, ids, M-RoPE, grids and extras."""
     grid = {k: v.tolist() for k, v in captured.items() if k.endswith("grid_thw") and v is not None}
     extra = {k: [float(x) for x in v] for k, v in captured.items() if k == "second_per_grid_ts" and v is not None}
     if captured.get("video_timestamps") is not None:  # one list per video: flattened, in order
@@ -36,6 +37,7 @@ def spy_grids(mm_processor: Any, captured: dict[str, Any]) -> None:
 
 
 def server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: str) -> Any:
+    """SGLang's resolved server arguments of a CPU language-only prefill using these encoders."""
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=job_model, language_only=True, encoder_urls=urls, encoder_transfer_backend=backend,
@@ -163,6 +165,7 @@ def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, deco
 
 
 def restore_env(saved: dict[str, str | None]) -> None:
+    """Put back the environment variables `saved` holds (None: unset)."""
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

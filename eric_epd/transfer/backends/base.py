@@ -24,7 +24,8 @@ class ProducerBackend(Protocol):
     def metadata(self) -> bytes:
         """Out-of-band connection data a consumer needs first (e.g. NIXL agent metadata); b"" if none."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the backend's registrations and connections."""
 
 
 class ConsumerBackend(Protocol):
@@ -36,7 +37,8 @@ class ConsumerBackend(Protocol):
         """Copy handle.nbytes bytes into dst (a C-contiguous uint8 array of exactly that size); raise
         TransferError naming the cause when it cannot."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the backend's registrations and connections."""
 
 
 class TransferError(Exception):

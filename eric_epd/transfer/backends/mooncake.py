@@ -72,6 +72,7 @@ class MooncakeProducer:
         self._lock = threading.Lock()
 
     def register(self, base_addr: int, nbytes: int) -> None:
+        """`ProducerBackend` hook: register the pool with the engine once (again with the same pool: nothing to do)."""
         with self._lock:
             if self._engine is None:
                 raise RuntimeError("mooncake producer is closed")
@@ -85,6 +86,7 @@ class MooncakeProducer:
             self._pool = (base_addr, nbytes)
 
     def location(self, offset: int) -> MooncakeLocation:
+        """`ProducerBackend` hook: the session id and address of pool `offset`, and the protocol it is served over."""
         if self._pool is None:
             raise RuntimeError("mooncake producer: register() the pool first")
         base, nbytes = self._pool
@@ -93,6 +95,7 @@ class MooncakeProducer:
         return MooncakeLocation(session_id=self.session_id, addr=base + offset, protocol=self.protocol)
 
     def metadata(self) -> bytes:
+        """`ProducerBackend` hook: nothing (the P2P handshake needs no metadata up front)."""
         return b""
 
     def close(self) -> None:
@@ -153,15 +156,18 @@ class MooncakeConsumer:
         self._closed = False
 
     def usable(self, handle: EmbeddingHandle) -> bool:
+        """Whether the handle has a Mooncake location served over this consumer's protocol."""
         return handle.mooncake is not None and handle.mooncake.protocol == self.protocol
 
     def why_unusable(self, handle: EmbeddingHandle) -> str | None:
+        """Why this consumer cannot read the handle's Mooncake location (a protocol mismatch), or None."""
         if handle.mooncake is None or handle.mooncake.protocol == self.protocol:
             return None
         return (f"the producer serves Mooncake over {handle.mooncake.protocol}, this consumer's engine uses "
                 f"{self.protocol} (set the consumer's Mooncake protocol to {handle.mooncake.protocol})")
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+        """`ConsumerBackend` hook: read the entry from the producer's session into `dst` through the staging slots."""
         loc = handle.mooncake
         if loc is None:
             raise TransferError(f"mooncake: handle {handle.hash} has no mooncake location")

@@ -137,6 +137,7 @@ class NixlProducer:
         self._nbytes = 0
 
     def register(self, base_addr: int, nbytes: int) -> None:
+        """`ProducerBackend` hook: register the pool with the agent as DRAM, once."""
         with self._lock:
             if self._agent is None:
                 raise TransferError(f"nixl: producer {self.agent_name!r} is closed")
@@ -150,6 +151,7 @@ class NixlProducer:
         logger.info("nixl agent %s registered pool %#x+%d", self.agent_name, base_addr, nbytes)
 
     def location(self, offset: int) -> NixlLocation:
+        """`ProducerBackend` hook: the agent's name, the address of pool `offset` and where its metadata is served."""
         if self._reg is None:
             raise TransferError(f"nixl: producer {self.agent_name!r} has no registered pool")
         if not 0 <= offset < self._nbytes:
@@ -164,6 +166,7 @@ class NixlProducer:
             return bytes(self._agent.get_agent_metadata())
 
     def close(self) -> None:
+        """`ProducerBackend` hook: deregister the pool and drop the agent."""
         with self._lock:
             agent, self._agent = self._agent, None
             if agent is None:
@@ -217,6 +220,7 @@ class NixlConsumer:
                     dev)
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+        """`ConsumerBackend` hook: a one-sided READ of the entry into the host array `dst`."""
         if not (
             isinstance(dst, np.ndarray)
             and dst.dtype == np.uint8
@@ -278,6 +282,7 @@ class NixlConsumer:
         self._cleanup(xfer, reg, failed=None)
 
     def close(self) -> None:
+        """`ConsumerBackend` hook: forget the remote agents, deregister the destinations and drop the agent."""
         with self._api:
             agent, self._agent = self._agent, None
             if agent is None:

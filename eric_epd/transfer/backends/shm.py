@@ -34,6 +34,7 @@ def host_id() -> str:
 
 
 class ShmProducer:
+    """The same-host producer: a handle names the pool's shared-memory segment, the offset and this host."""
     name = "shm"
 
     def __init__(self, pool_name: str) -> None:
@@ -44,9 +45,11 @@ class ShmProducer:
         """Nothing to register: the pool already is a named segment."""
 
     def location(self, offset: int) -> ShmLocation:
+        """`ProducerBackend` hook: the pool's segment name, the offset and this host's id."""
         return ShmLocation(self._pool_name, offset, self._host_id)
 
     def metadata(self) -> bytes:
+        """`ProducerBackend` hook: nothing (the segment's name is all a consumer needs)."""
         return b""
 
     def close(self) -> None:
@@ -68,6 +71,7 @@ class ShmConsumer:
         self._lock = threading.Lock()
 
     def usable(self, handle: EmbeddingHandle) -> bool:
+        """Whether the handle has a shared-memory location on this host."""
         return handle.shm is not None and handle.shm.host_id == self._host_id
 
     def mapped(self) -> list[str]:
@@ -121,6 +125,7 @@ class ShmConsumer:
         return pool[handle.shm.offset: end]
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+        """`ConsumerBackend` hook: copy the entry out of the mapped pool into `dst`."""
         np.copyto(dst, self._entry(handle))
 
     def read_tensor(self, handle: EmbeddingHandle, dst: torch.Tensor) -> None:
@@ -128,6 +133,7 @@ class ShmConsumer:
         dst.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(self._entry(handle)))
 
     def close(self) -> None:
+        """`ConsumerBackend` hook: unmap every pool segment."""
         with self._lock:
             for name in list(self._segments):
                 self._unmap(name)

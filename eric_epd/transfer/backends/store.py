@@ -46,9 +46,11 @@ class StoreConsumer:
             return self._store
 
     def usable(self, handle: EmbeddingHandle) -> bool:
+        """True for any handle: the store reads by content hash and dtype, not by the handle's locations."""
         return True  # any handle: the key is its content hash and dtype
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
+        """`ConsumerBackend` hook: read the embedding from Mooncake Store straight into `dst`, by content hash."""
         if not is_content_hash(handle.hash) or handle.dtype not in DTYPE_BYTES:
             raise TransferError(f"store: {handle.hash[:16]!r} {handle.dtype!r} names no embedding Eric stores")
         store = self._client()
@@ -66,6 +68,7 @@ class StoreConsumer:
             raise TransferError(f"store: read of {handle.hash[:16]} returned {got}, expected {handle.nbytes} bytes")
 
     def close(self) -> None:
+        """`ConsumerBackend` hook: close the store client, if one was set up."""
         with self._lock:
             if self._store is not None:
                 self._store.close()

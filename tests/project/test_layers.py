@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOWER = ("common", "media", "wire", "models", "transfer", "runtime")
 """What every server and plugin stands on; none of it knows who stands on it."""
 UPPER = ("eric", "geri", "plugins", "stack", "testing", "checkpoints")
