@@ -1,0 +1,187 @@
+"""The gateway's routing decisions: EPD (Erics, then prefill/decode) or plain PD per request, with fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from epd_gateway.boundary import check_messages, check_request_fields
+from epd_gateway.config import GatewayConfig
+from epd_gateway.content import (
+    collect_media,
+    one_lease_per_content,
+    remote_hosts,
+    vllm_can_place,
+    with_embeddings,
+)
+from epd_gateway.embeds import check_embeds_parts
+from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
+from epd_gateway.image_store import ImageStore
+from epd_gateway.images import ImageGenerator
+from epd_gateway.inline import MediaInliner, RawBody
+from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.upstream import Upstreams
+from eric_epd.common.errors import ApiError, parse_body, read_body
+from eric_epd.common.jsonbody import MAX_ID
+from eric_epd.media.url_policy import MediaError
+
+logger = logging.getLogger(__name__)
+
+
+async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    """(raw body, parsed object): the raw bytes are forwarded as they are when nothing needs rewriting."""
+    raw = await read_body(request, limit)
+    body = parse_body(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or len(model) > MAX_ID):
+        raise ApiError(400, f"'model' must be a string of at most {MAX_ID} characters", param="model")
+    return raw, body
+
+
+class Gateway:
+    """Routing decisions; the routes (routes.py) are thin."""
+
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, unkeyed: httpx.AsyncClient) -> None:
+        """`client` carries the Erics' key and calls only the Erics; `unkeyed` (no default headers) calls the text
+        encoders and Geris, each with its own key: every upstream gets exactly its own key."""
+        self.config = config
+        self.metrics = metrics
+        self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
+                                    config.encode_timeout_s, config.heartbeat_timeout_s)
+        self.upstreams = Upstreams(config, session, metrics)
+        self.inliner = MediaInliner(config.url_policy, config.media_limits)
+        store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
+        self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key,
+                                      config.geri_api_key, store) if config.geri_urls else None)
+        self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
+
+    def check_serves_chat(self) -> None:
+        """404 when this gateway has no chat upstreams (it serves image generation only)."""
+        if not self.serves_chat:
+            raise ApiError(404, "this gateway serves image generation only (no chat upstreams)")
+
+    def check_api_key(self, request: Request) -> None:
+        """401 unless the request carries the gateway's API key (none configured: no check)."""
+        if self.config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
+            raise ApiError(401, "Unauthorized")
+
+    async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+        """A checked chat request, routed EPD (media encoded by the Erics) or plain: the path taken and the answer."""
+        checking = time.perf_counter()
+        check_request_fields(body)
+        check_messages(body, allow_embeddings=self.config.client_embeddings is not None)
+        if self.config.client_embeddings is not None:
+            check_embeds_parts(body, self.config.client_embeddings)
+        refs = collect_media(body, self.config.url_policy, self.config.max_items)
+        await self._check_hosts(refs)
+        start = time.perf_counter()
+        self.metrics.stages.observe("validate", start - checking)
+        plain = RawBody(self.inliner, body, raw, refs)  # what the engines' own path gets: never a URL
+        if self.config.backend == "sglang":
+            return await self._sglang_chat(plain, headers, len(refs))
+        if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
+            path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
+            return path, await self._plain(plain, headers)
+        if not await self.encoders.serve({r.modality for r in refs}):
+            logger.info("the encoders do not encode every modality of this request; the engine encodes it")
+            return "pd", await self._plain(plain, headers)
+        try:
+            items, fanout = await self.encoders.encode(refs)
+        except EncodersUnavailableError as e:
+            logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
+            return "fallback", await self._plain(plain, headers)
+        spare = one_lease_per_content(items)  # the same content under two URLs: one lease used, the others back
+        if spare:
+            try:
+                await asyncio.shield(self.encoders.release(spare))
+            except BaseException:  # the client left meanwhile: the leases kept go back too
+                await asyncio.shield(self.encoders.release(items))
+                raise
+        encoded = time.perf_counter() - start
+        self.metrics.encode_latency.observe(encoded)
+        self.metrics.stages.observe("encode", encoded)
+        self.metrics.fanout.observe(fanout)
+        if not vllm_can_place(items):
+            logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
+            await self.encoders.release(items)
+            return "fallback", await self._plain(plain, headers)
+        start = time.perf_counter()
+        rewritten = with_embeddings(body, refs, items)
+        self.metrics.stages.observe("rewrite", time.perf_counter() - start)
+        try:
+            response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
+        except BaseException:
+            await asyncio.shield(self.encoders.release(items))  # the engine may never have fetched them
+            raise
+        if response.status_code >= 400:
+            # a failed request's embeddings (an engine that refused it never fetches them): back now, not at the TTL
+            await self.encoders.release(items)
+        if _embeddings_lost(response):
+            # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
+            logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
+            self.metrics.failovers.inc()
+            return "fallback", await self._plain(plain, headers)
+        return "epd", response
+
+    async def _plain(self, plain: RawBody, headers: dict[str, str], sglang_epd: bool = False) -> Response:
+        """The engines' own path: the request with its remote media fetched here and inlined as data: URLs."""
+        start = time.perf_counter()
+        body, raw = await plain.get()
+        self.metrics.stages.observe("inline", time.perf_counter() - start)
+        return await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=sglang_epd)
+
+    async def _sglang_chat(self, plain: RawBody, headers: dict[str, str], items: int) -> tuple[str, Response]:
+        """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so
+        the request goes there (media inlined, as everywhere an engine sees it); if that prefill fails, a plain
+        prefill encodes the raw media."""
+        if items < self.config.epd_min_items or not self.config.epd_prefill_urls:
+            return "pd", await self._plain(plain, headers)
+        try:
+            response = await self._plain(plain, headers, sglang_epd=True)
+        except ApiError as e:
+            if e.status not in (502, 504) or not self.config.prefill_urls:
+                raise
+            response = None
+            logger.warning("SGLang EPD prefill failed (%s); plain PD path", e.message)
+        if response is not None and response.status_code < 500:
+            return "epd", response
+        if isinstance(response, StreamingResponse):
+            await response.body_iterator.aclose()  # type: ignore[attr-defined]  # releases the upstream stream
+        self.metrics.failovers.inc()
+        return "fallback", await self._plain(plain, headers)
+
+    async def _check_hosts(self, refs: list) -> None:
+        policy = self.config.url_policy
+        for host, port in remote_hosts(refs):
+            try:
+                await policy.resolve_host(host, port)
+            except MediaError as e:
+                raise ApiError(e.status if e.status < 500 else 400, e.message) from e
+
+
+def _embeddings_lost(response: Response) -> bool:
+    """A non-streamed EPD answer that failed upstream (5xx, or vLLM's finish_reason "error")."""
+    if response.status_code >= 500:
+        return True
+    if isinstance(response, StreamingResponse) or response.status_code != 200:
+        return False
+    try:
+        choices = orjson.loads(response.body).get("choices", [])
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return any(c.get("finish_reason") == "error" for c in choices)
