@@ -10,7 +10,6 @@ from eric_epd.common.cpus import parse_cpus
 from eric_epd.common.net import is_loopback
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.eric.config import (
-    DTYPES,
     SGLANG_DTYPES,
     BatchLimits,
     EricConfig,
@@ -18,6 +17,7 @@ from eric_epd.eric.config import (
 )
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.runtime.cli import add_server_flags
 from eric_epd.transfer.config import TRANSFER_BACKENDS, TransferConfig
 
 
@@ -29,13 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "encoder's shards, through the hub cache (HF_HUB_OFFLINE works) (default: the built-in tiny "
                         "Qwen2-VL)")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub --model")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = the checkpoint's dtype")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the encoder runs (auto: CUDA if present, else CPU)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
-    p.add_argument("--port", type=int, default=8100, help="HTTP port")
+    add_server_flags(p, what="encoder", dtype_help="auto = the checkpoint's dtype", port=8100)
     p.add_argument("--api-key", default=None,
                    help="callers must send 'Authorization: Bearer KEY' (default: $ERIC_API_KEY; none: no check)")
     p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)

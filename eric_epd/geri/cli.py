@@ -10,7 +10,8 @@ from eric_epd.common.cpus import parse_cpus
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.limits import GeriLimits
-from eric_epd.runtime.config import DTYPES, BatchLimits
+from eric_epd.runtime.cli import add_server_flags
+from eric_epd.runtime.config import BatchLimits
 
 _DEFAULT_BATCH = GeriConfig.__dataclass_fields__["batch"].default_factory()  # type: ignore[misc]
 
@@ -20,13 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("geri", help="run a Geri generation server (prompt embeddings in, images out)")
     p.add_argument("--model", type=Path, default=None,
                    help="Qwen-Image diffusers checkpoint directory (default: the built-in tiny Qwen-Image)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the generator runs (auto: CUDA if present, else CPU)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
-    p.add_argument("--port", type=int, default=GeriConfig.port, help="HTTP port")
+    add_server_flags(p, what="generator", dtype_help="auto: bfloat16 on CUDA, float32 on CPU", port=GeriConfig.port)
     p.add_argument("--api-key", default=None,
                    help="callers must send 'Authorization: Bearer KEY' (default: $GERI_API_KEY; none: no check)")
     p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)

@@ -1,0 +1,18 @@
+"""Command-line flags every server on the shared skeleton takes (tensor parallelism, dtype, device, listen address)."""
+
+from __future__ import annotations
+
+import argparse
+
+from eric_epd.runtime.config import DTYPES
+
+
+def add_server_flags(p: argparse.ArgumentParser, *, what: str, dtype_help: str, port: int) -> None:
+    """--tp, --dtype, --device, --host and --port; `what` names the model in help texts ("encoder", "generator")."""
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help=dtype_help)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help=f"where the {what} runs (auto: CUDA if present, else CPU)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
+    p.add_argument("--port", type=int, default=port, help="HTTP port")
