@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from aiohttp import web
 from epd_gateway.metrics import STAGES, UPSTREAMS
@@ -20,6 +21,8 @@ from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
+from eric_epd.wire.eric import EncodeAnswer, EncodedItem
+from eric_epd.wire.handles import EmbeddingHandle
 
 
 def _stand_in() -> web.Application:
@@ -31,11 +34,12 @@ def _stand_in() -> web.Application:
     async def encode(request: web.Request) -> web.Response:
         producer = f"http://{request.host}"
         items = []
-        for item in (await request.json())["items"]:
+        for item in (await request.json())["items"]:  # answered in Eric's own schema (wire.eric)
             key = hashlib.sha256(item["url"].encode()).hexdigest()
-            items.append({"id": item["id"], "modality": item["modality"], "hash": key, "grid_thw": [1, 4, 4],
-                          "handle": {"producer": producer, "hash": key, "lease": "lease-" + key[:8]}})
-        return web.json_response({"model": "stand-in", "items": items})
+            handle = EmbeddingHandle(key, (4, 8), "float32", 128, producer, "stand-in",
+                                     f"{producer}/v1/embeddings/{key}", lease="lease-" + key[:8])
+            items.append(EncodedItem(item["id"], item["modality"], key, [4, 8], "float32", 4, [1, 4, 4], handle))
+        return web.Response(body=msgspec.json.encode(EncodeAnswer("stand-in", items)), content_type="application/json")
 
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
