@@ -1,0 +1,157 @@
+"""The vision half of a transformers image-text-to-text model: its class with the language model removed, loaded by
+`from_pretrained` (so transformers' own key renames and conversions apply), and a digest of the tensors it reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+LANGUAGE_PARTS = ("language_model", "text_model", "lm_head", "audio_tower", "embed_audio")
+"""Submodules the vision-only model replaces with empty modules (on the model and on its inner `.model`): the
+language model under its family's name, the output head, and an audio encoder (only images are served)."""
+
+
+def hf_config(model_dir: str | Path) -> Any:
+    """The checkpoint's transformers config (read from config.json, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def model_class(config: Any) -> type[nn.Module] | None:
+    """The transformers image-text-to-text class of `config`, or None when transformers has none."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        return AutoModelForImageTextToText._model_mapping[type(config)]
+    except KeyError:
+        return None
+
+
+def vision_only_class(base: type[nn.Module]) -> type[nn.Module]:
+    """`base` whose language model, output head and audio tower are empty modules: built by `from_pretrained`, their
+    checkpoint tensors are reported unexpected and never read (transformers opens shards lazily and reads only the
+    tensors the model has)."""
+
+    class VisionOnly(base):  # type: ignore[misc, valid-type]
+        _tied_weights_keys: dict[str, str] = {}  # the output head is gone: nothing to tie
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            for owner in (self, getattr(self, "model", None)):
+                for name in LANGUAGE_PARTS:
+                    if isinstance(getattr(owner, name, None), nn.Module):
+                        setattr(owner, name, nn.Module())
+
+    VisionOnly.__name__ = VisionOnly.__qualname__ = base.__name__
+    return VisionOnly
+
+
+def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The checkpoint's vision tower and projector on `device` in `dtype`, eval mode; the language model is never
+    built and its tensors are never read."""
+    from transformers.utils import logging as hf_logging
+
+    config = hf_config(model_dir)
+    base = model_class(config)
+    if base is None:
+        raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the load report lists every language-model tensor as unexpected
+    try:
+        model, info = vision_only_class(base).from_pretrained(
+            str(model_dir), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if info.get("missing_keys"):
+        raise ValueError(f"{model_dir}: vision tensors missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
+    model = model.to(device)  # loaded on the host first: a device_map needs accelerate
+    logger.info("loaded %s vision tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
+                sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    return model.eval()
+
+
+def vision_tensor_names(model_dir: str | Path) -> dict[str, list[str]]:
+    """Shard file -> the checkpoint tensors the vision-only model loads from it, found as `from_pretrained` finds
+    them (the model's conversion mapping renames each checkpoint name; those landing in the model are read), with the
+    model built on the meta device (nothing allocated, nothing read)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    config = hf_config(model_dir)
+    base = model_class(config)
+    if base is None:
+        raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
+    with torch.device("meta"):
+        model = vision_only_class(base)(config)
+    wanted = model.state_dict()
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    found: dict[str, list[str]] = {}
+    hit: set[str] = set()
+    for shard, names in _checkpoint_names(Path(model_dir)).items():
+        for name in names:
+            renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
+            if renamed not in wanted and name in wanted:  # as transformers: the name as is, maybe re-prefixed
+                renamed, _ = rename_source_key(name, [], [], model.base_model_prefix, wanted)
+            if renamed in wanted:
+                found.setdefault(shard, []).append(name)
+                hit.add(renamed)
+    persistent = {k for k in wanted if not _is_buffer(model, k)}
+    if persistent - hit:
+        raise ValueError(f"{model_dir}: no checkpoint tensor found for {sorted(persistent - hit)[:8]}")
+    return found
+
+
+def _is_buffer(model: nn.Module, name: str) -> bool:
+    module, _, leaf = name.rpartition(".")
+    return leaf in dict(model.get_submodule(module).named_buffers(recurse=False))
+
+
+def _checkpoint_names(model_dir: Path) -> dict[str, list[str]]:
+    """Shard file -> tensor names, from the safetensors index or the files' headers."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        by_file: dict[str, list[str]] = {}
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            by_file.setdefault(file, []).append(name)
+        return by_file
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    out = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            out[path.name] = list(f.keys())
+    return out
+
+
+def vision_digest(model_dir: str | Path) -> str:
+    """blake2b over the model's configuration (all but the language model's) and every tensor the vision-only model
+    reads (name, dtype, shape, bytes): two checkpoints share it only if their towers and projectors compute the same
+    function."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps({k: v for k, v in config.items() if k != "text_config"}, sort_keys=True).encode())
+    for shard, names in sorted(vision_tensor_names(model_dir).items()):
+        with safe_open(str(model_dir / shard), framework="pt") as f:
+            for name in sorted(names):
+                part = f.get_slice(name)
+                tensor = part[:] if part.get_shape() else part[()]
+                digest.update(f"{name}|{part.get_dtype()}|{list(part.get_shape())}\0".encode())
+                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
