@@ -67,6 +67,19 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(MODEL_SPECS)
 
 
+def is_generic(config: dict[str, Any]) -> bool:
+    """No hand-written tower serves this checkpoint's model_type: Eric's generic path (models/hf) does, if it can."""
+    return config.get("model_type", "") not in MODEL_SPECS
+
+
+def check_servable(model_dir: str | Path) -> None:
+    """ValueError naming the supported families and what the generic path needs, unless Eric can serve `model_dir`."""
+    if is_generic(read_model_config(Path(model_dir))):
+        from eric_epd.models.hf.loader import check_generic
+
+        check_generic(model_dir, MODEL_SPECS)
+
+
 def get_model_spec(model_type: str) -> ModelSpec:
     """The spec for an HF model_type; ValueError naming the supported types otherwise."""
     try:
@@ -132,6 +145,10 @@ def vision_weights_digest(model_dir: str | Path) -> str:
     import hashlib
 
     config = read_model_config(Path(model_dir))
+    if is_generic(config):
+        from eric_epd.models.hf.loader import vision_digest
+
+        return vision_digest(model_dir)
     spec = get_model_spec(config.get("model_type", ""))
     digest = hashlib.blake2b(digest_size=16)
     for name, part in sorted(iter_vision_tensors(model_dir, spec.weight_prefixes), key=lambda kv: kv[0]):
@@ -183,7 +200,9 @@ def load_encoder(
 
 def output_width(config: dict[str, Any]) -> int:
     """Width of an encoder output row for a checkpoint config: the merged tokens' width times (1 + DeepStack
-    levels), the layout the engines' own encoders produce."""
+    levels), the layout the engines' own encoders produce; on the generic path, the language model's hidden size."""
+    if is_generic(config):
+        return int((config.get("text_config") or config)["hidden_size"])
     vision = config.get("vision_config", {})
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + deepstack_levels(vision))
 
@@ -191,4 +210,9 @@ def output_width(config: dict[str, Any]) -> int:
 def load_processor(model_dir: str | Path) -> BaseModalityProcessor:
     """The modality processor for a checkpoint directory."""
     config = read_model_config(Path(model_dir))
+    if is_generic(config):
+        from eric_epd.models.hf.processor import HFImageProcessor
+
+        check_servable(model_dir)
+        return HFImageProcessor(Path(model_dir))
     return get_model_spec(config.get("model_type", "")).processor_cls(Path(model_dir))

@@ -6,11 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from eric_epd.models.hf.adapters import LAYOUTS
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +64,20 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     from transformers.utils import logging as hf_logging
 
     config = hf_config(model_dir)
+    bars = hf_logging.is_progress_bar_enabled()
     base = model_class(config)
     if base is None:
         raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report lists every language-model tensor as unexpected
+    hf_logging.disable_progress_bar()
     try:
         model, info = vision_only_class(base).from_pretrained(
             str(model_dir), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     if info.get("missing_keys"):
         raise ValueError(f"{model_dir}: vision tensors missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
     model = model.to(device)  # loaded on the host first: a device_map needs accelerate
@@ -155,3 +162,35 @@ def vision_digest(model_dir: str | Path) -> str:
                 digest.update(f"{name}|{part.get_dtype()}|{list(part.get_shape())}\0".encode())
                 digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+def vision_shards(model_dir: str | Path) -> list[str] | None:
+    """The shard files holding the vision-only model's tensors, from the checkpoint's safetensors index (only the
+    configs and the index need be present); None without an index (one file holds everything)."""
+    if not (Path(model_dir) / "model.safetensors.index.json").exists():
+        return None
+    return sorted(vision_tensor_names(model_dir))
+
+
+def check_generic(model_dir: str | Path, hand_written: Iterable[str]) -> None:
+    """ValueError unless the generic path can serve `model_dir`, saying what it needs and which families Eric serves:
+    a config transformers reads, an image-text-to-text class for it, and the checkpoint's processor files."""
+    import transformers
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    served = (f"Eric serves {sorted(hand_written)} with hand-written towers, and any image-text-to-text checkpoint "
+              f"transformers {transformers.__version__} supports through its generic path (families whose row layout "
+              f"was read from vLLM's model: {sorted(LAYOUTS)})")
+    try:
+        config = hf_config(model_dir)
+    except (ValueError, KeyError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"unsupported model_type {model_type!r}: transformers cannot read its config ({reason}); "
+                         f"{served}") from None
+    if model_class(config) is None:
+        raise ValueError(f"unsupported model_type {model_type!r}: transformers has no AutoModelForImageTextToText "
+                         f"class for it; {served}")
+    if not any((Path(model_dir) / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
+        raise ValueError(f"unsupported model_type {model_type!r} checkpoint: {model_dir} has no processor_config.json "
+                         f"or preprocessor_config.json, and the generic path runs the checkpoint's own HF processor; "
+                         f"{served}")
