@@ -1,5 +1,5 @@
-"""Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3,
-InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3), saved like a Hugging Face repo.
+"""Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3 and 4,
+InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, Llama 4), saved like a Hugging Face repo.
 
 Each holds random weights, a locally trained tokenizer carrying the family's special tokens, the family's own
 processor classes saved with their defaults (sizes shrunk to the tiny tower) and a chat template. Nothing is
@@ -233,6 +233,62 @@ def _idefics3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tup
     return cfg, Idefics3Processor(improc, tok, image_seq_len=4)
 
 
+GEMMA4 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<|image|>", "<image|>",
+                 "<|video|>", "<|audio>", "<|audio|>", "<audio|>"),
+                {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>", "boa_token": "<|audio>",
+                 "audio_token": "<|audio|>", "eoa_token": "<audio|>"}, bos="<bos>", eos="<eos>", pad="<pad>")
+
+
+def _gemma4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Gemma 4's tower at 16-pixel patches pooled 2x2, at most 70 soft tokens an image (its smallest budget); no
+    audio tower."""
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    cfg = Gemma4Config(
+        text_config={**_text(vocab, ids, GEMMA4, init_std), "vocab_size_per_layer_input": vocab,
+                     "hidden_size_per_layer_input": 8, "sliding_window": 64},
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 32, "pooling_kernel_size": 2, "patch_size": 16,
+                       "position_embedding_size": 64, "initializer_range": init_std},
+        audio_config=None, boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
+        image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"], boa_token_id=ids["<|audio>"],
+        eoa_token_index=ids["<audio|>"], audio_token_id=ids["<|audio|>"], initializer_range=init_std)
+    cfg.architectures = ["Gemma4ForConditionalGeneration"]
+    improc = Gemma4ImageProcessor(patch_size=16, max_soft_tokens=70, pooling_kernel_size=2)
+    video = Gemma4VideoProcessor(patch_size=16, max_soft_tokens=70, pooling_kernel_size=2)
+    return cfg, Gemma4Processor(Gemma4AudioFeatureExtractor(), improc, tok, video, image_seq_length=70)
+
+
+LLAMA4 = Tokens(("<|begin_of_text|>", "<|eot|>", "<|finetune_right_pad|>", "<|header_start|>", "<|header_end|>",
+                 "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+                 "<|tile_y_separator|>"), {}, bos="<|begin_of_text|>", eos="<|eot|>", pad="<|finetune_right_pad|>")
+
+
+def _llama4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Llama 4's tower at 16-pixel patches on 64-pixel tiles, pixel shuffle 0.5 (4 tokens a tile), up to 4 tiles
+    and a global one; a mixture-of-experts language model of 2 experts."""
+    from transformers import Llama4Config, Llama4ImageProcessor, Llama4Processor
+
+    cfg = Llama4Config(
+        vision_config={"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 64, "patch_size": 16, "vision_output_dim": 64, "projector_input_dim": 64,
+                       "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5, "initializer_range": init_std,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        text_config={**_text(vocab, ids, LLAMA4, init_std), "intermediate_size_mlp": 128, "num_local_experts": 2,
+                     "num_experts_per_tok": 1, "attention_chunk_size": 64},
+        boi_token_index=ids["<|image_start|>"], eoi_token_index=ids["<|image_end|>"],
+        image_token_index=ids["<|patch|>"])
+    cfg.architectures = ["Llama4ForConditionalGeneration"]
+    improc = Llama4ImageProcessor(size={"height": 64, "width": 64}, max_patches=4)
+    return cfg, Llama4Processor(improc, tok, patch_size=16, pixel_shuffle_ratio=0.5)
+
+
 FAMILIES: dict[str, Family] = {
     "gemma3": Family(GEMMA3, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
                                        "<start_of_image>", "{{ bos_token }}"), _gemma3),
@@ -245,6 +301,11 @@ FAMILIES: dict[str, Family] = {
                                      "[gMASK]<sop>"), _glm4v),
     "idefics3": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
                                            "<|im_start|>"), _idefics3),
+    "gemma4": Family(GEMMA4, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
+                                       "<|image|>", "{{ bos_token }}"), _gemma4),
+    "llama4": Family(LLAMA4, _template("<|header_start|>user<|header_end|>\n\n",
+                                       "<|header_start|>assistant<|header_end|>\n\n", "<|eot|>", "<|image|>",
+                                       "{{ bos_token }}"), _llama4),
 }
 """Family name (its HF model_type) -> how to build its tiny checkpoint."""
 

@@ -46,11 +46,13 @@ HF_INPUTS = {
     "mistral3": ("pixel_values", "image_sizes"),
     "glm4v": ("pixel_values", "image_grid_thw"),
     "idefics3": ("pixel_values", "pixel_attention_mask"),
+    "gemma4": ("pixel_values", "image_position_ids"),
+    "llama4": ("pixel_values",),
 }
 """What transformers' get_image_features takes per family (its signature), independently of Eric's filtering."""
 TILED = {"gemma3", "internvl", "idefics3"}
-"""Families whose features come as [tiles, tokens, hidden] (vLLM flattens the tiles in order); the others give one
-tensor per image."""
+"""Families whose features come as [tiles, tokens, hidden] (vLLM flattens the tiles in order); Llama 4's need its
+projector first (HF's forward applies it); the others give one tensor per image."""
 
 
 def _images() -> list[Image.Image]:
@@ -80,9 +82,14 @@ def references(checkpoints: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
         refs = []
         for image in _images():
             inputs = processor(text=[text], images=[image], return_tensors="pt")
+            kwargs = {k: inputs[k].float() if inputs[k].is_floating_point() else inputs[k] for k in HF_INPUTS[family]}
             with torch.no_grad():
-                pooled = model.get_image_features(**{k: inputs[k] for k in HF_INPUTS[family]}).pooler_output
-            rows = pooled.flatten(0, 1) if family in TILED else pooled[0]
+                features = model.get_image_features(**kwargs)
+                if family == "llama4":  # as Llama4ForConditionalGeneration.forward
+                    hidden = features.last_hidden_state
+                    rows = model.multi_modal_projector(hidden.view(-1, hidden.size(-1)))
+                else:
+                    rows = features.pooler_output.flatten(0, 1) if family in TILED else features.pooler_output[0]
             refs.append({"inputs": inputs, "tokens": int((inputs["input_ids"] == token_id).sum()), "rows": rows})
         out[family] = refs
     return out
@@ -99,9 +106,11 @@ def test_processor_gives_hf_tensors_and_rows(checkpoints: dict[str, Path], refer
         assert item.num_tokens == ref["tokens"] == ref["rows"].shape[0]
         tensors = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
         assert set(HF_INPUTS[family]) <= set(tensors)
-        for name, tensor in tensors.items():
-            assert tensor.dtype == ref["inputs"][name].dtype, name
-            torch.testing.assert_close(tensor, ref["inputs"][name], rtol=0, atol=0, msg=name)
+        dtypes = {spec.name: spec.dtype for spec in item.tensors}
+        for name, tensor in tensors.items():  # floating tensors arrive as float32 (Llama 4's bfloat16 exactly)
+            assert dtypes[name] == str(ref["inputs"][name].dtype).removeprefix("torch."), name
+            torch.testing.assert_close(tensor.to(ref["inputs"][name].dtype), ref["inputs"][name], rtol=0, atol=0,
+                                       msg=name)
 
 
 def _runner(ckpt: Path) -> tuple[GenericWorkload, GenericRunner]:
