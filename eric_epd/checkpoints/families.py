@@ -23,7 +23,7 @@ from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1  # bump when the output of build_family_checkpoint changes
+BUILDER_VERSION = 2  # bump when the output of build_family_checkpoint changes
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
@@ -42,6 +42,8 @@ class Tokens:
     bos: str | None = None
     eos: str = "<|endoftext|>"
     pad: str = "<|endoftext|>"
+    plain: tuple[str, ...] = ()
+    """Ordinary tokens the family's vocabulary holds whole, which vLLM looks up by their text (Gemma's newlines)."""
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,13 @@ def build_tokenizer(tokens: Tokens, vocab_size: int = 512):  # -> PreTrainedToke
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     named = set(tokens.named.values()) | {tokens.eos, tokens.pad, tokens.bos}
-    return PreTrainedTokenizerFast(
+    hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=tokens.bos, eos_token=tokens.eos, pad_token=tokens.pad, unk_token=None,
         extra_special_tokens=dict(tokens.named),
         additional_special_tokens=[t for t in tokens.specials if t not in named],
     )
+    hf_tok.add_tokens(list(tokens.plain))
+    return hf_tok
 
 
 def _text(vocab: int, ids: dict[str, int], tokens: Tokens, init_std: float, **extra: Any) -> dict[str, Any]:
@@ -96,10 +100,12 @@ def _text(vocab: int, ids: dict[str, int], tokens: Tokens, init_std: float, **ex
 # ---- families ------------------------------------------------------------------------------------------------
 
 
+NEWLINES = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+"""Gemma's vocabulary has runs of newlines as tokens; vLLM's Gemma 3 reads their ids."""
 GEMMA3 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
                  "<image_soft_token>"),
                 {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
-                bos="<bos>", eos="<eos>", pad="<pad>")
+                bos="<bos>", eos="<eos>", pad="<pad>", plain=NEWLINES)
 
 
 def _gemma3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
@@ -236,7 +242,8 @@ def _idefics3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tup
 GEMMA4 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<|image|>", "<image|>",
                  "<|video|>", "<|audio>", "<|audio|>", "<audio|>"),
                 {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>", "boa_token": "<|audio>",
-                 "audio_token": "<|audio|>", "eoa_token": "<audio|>"}, bos="<bos>", eos="<eos>", pad="<pad>")
+                 "audio_token": "<|audio|>", "eoa_token": "<audio|>"}, bos="<bos>", eos="<eos>", pad="<pad>",
+                plain=NEWLINES)
 
 
 def _gemma4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
@@ -255,7 +262,7 @@ def _gemma4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple
                      "hidden_size_per_layer_input": 8, "sliding_window": 64},
         vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
                        "num_key_value_heads": 2, "head_dim": 32, "pooling_kernel_size": 2, "patch_size": 16,
-                       "position_embedding_size": 64, "initializer_range": init_std},
+                       "position_embedding_size": 64, "default_output_length": 70, "initializer_range": init_std},
         audio_config=None, boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
         image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"], boa_token_id=ids["<|audio>"],
         eoa_token_index=ids["<audio|>"], audio_token_id=ids["<|audio|>"], initializer_range=init_std)
