@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from eric_epd.models.hf.encoder import HFVisionEncoder
-from eric_epd.models.hf.processor import HFProcessedItem
+from eric_epd.models.hf.processor import HFProcessedItem, cost_of
 from eric_epd.models.hf.tensors import TensorSpec, join_items, signature, unpack_tensors
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
@@ -72,7 +72,7 @@ class GenericWorkload:
         values = sum(t.numel for t in spec.tensors)
         if input_nbytes != values * INPUT_BYTES:
             return f"item {item.key}: {input_nbytes} input bytes, its tensors hold {values} float32 values"
-        if item.cost != max(1, -(-values // self.values_per_cost)):
+        if item.cost != cost_of(values, self.values_per_cost):
             return f"item {item.key}: cost {item.cost} for {values} input values"
         return None
 
@@ -103,18 +103,17 @@ class GenericRunner:
     to the model's dtype."""
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
-        specs = [unpack_spec(i, GenericSpec) for i in items]
-        if any(s is None for s in specs):
-            raise RuntimeError("a batch item is not an item of the generic path")
-        sizes = [sum(t.numel for t in s.tensors) for s in specs]  # type: ignore[union-attr]
-        frames = inputs.reshape(-1).split(sizes)
-        groups: dict[str, list[int]] = {}
-        for index, spec in enumerate(specs):
-            groups.setdefault(signature(spec.tensors), []).append(index)  # type: ignore[union-attr]
-        outputs: list[torch.Tensor | None] = [None] * len(items)
+        specs: list[GenericSpec] = []
+        groups: dict[str, list[int]] = {}  # signature -> indices of the items that run in one forward
+        for index, item in enumerate(items):
+            spec = unpack_spec(item, GenericSpec)
+            if spec is None:
+                raise RuntimeError(f"item {item.key} is not an item of the generic path")
+            specs.append(spec)
+            groups.setdefault(signature(spec.tensors), []).append(index)
+        frames = inputs.reshape(-1).split([sum(t.numel for t in s.tensors) for s in specs])
+        outputs: dict[int, torch.Tensor] = {}
         for members in groups.values():
-            joined = join_items([unpack_tensors(specs[i].tensors, frames[i]) for i in members])  # type: ignore[union-attr]
-            rows = self.encoder.encode(joined, [specs[i].rows for i in members])  # type: ignore[union-attr]
-            for index, out in zip(members, rows):
-                outputs[index] = out
-        return outputs  # type: ignore[return-value]
+            joined = join_items([unpack_tensors(specs[i].tensors, frames[i]) for i in members])
+            outputs.update(zip(members, self.encoder.encode(joined, [specs[i].rows for i in members])))
+        return [outputs[i] for i in range(len(items))]

@@ -36,6 +36,9 @@ RTOL = 1e-5
 """Worst relative error allowed (max |ours - transformers'| / max |transformers'|), float32: the same modules run
 on the same inputs; a batch of several items changes only the rounding of batched matmuls."""
 
+BF16_RTOL = 3e-2
+"""bfloat16 against float32: bfloat16 roundings (2^-8 each) through two blocks and a projector (measured <= 1.4e-2)."""
+
 SIZES = ((150, 100), (90, 200), (150, 100))
 """Wide, tall, and wide again (a second image of the first's shape: its tensors join the first's in one forward)."""
 
@@ -113,8 +116,8 @@ def test_processor_gives_hf_tensors_and_rows(checkpoints: dict[str, Path], refer
                                        msg=name)
 
 
-def _runner(ckpt: Path) -> tuple[GenericWorkload, GenericRunner]:
-    config = RuntimeConfig(model=ckpt, dtype="float32", device="cpu")
+def _runner(ckpt: Path, dtype: str = "float32") -> tuple[GenericWorkload, GenericRunner]:
+    config = RuntimeConfig(model=ckpt, dtype=dtype, device="cpu")
     workload = encoder_workload(config)
     assert isinstance(workload, GenericWorkload)
     return workload, workload.load(config, torch.device("cpu"), TPContext())
@@ -147,6 +150,17 @@ def test_rows_equal_transformers(checkpoints: dict[str, Path], references: dict,
     for i, (ours, ref) in enumerate(zip(batched, refs)):
         assert ours.shape == ref.shape, i
         assert _relative_error(ours, ref) <= RTOL, i
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_rows(checkpoints: dict[str, Path], references: dict, family: str) -> None:
+    """Loaded in bfloat16 (as --dtype bfloat16 or a bfloat16 checkpoint), the rows come out in bfloat16, close to
+    transformers' float32 rows (bfloat16 keeps 8 bits of mantissa)."""
+    workload, runner = _runner(checkpoints[family], "bfloat16")
+    items = [load_processor(checkpoints[family]).process_image(image) for image in _images()]
+    for ours, ref in zip(_run(workload, runner, items), references[family]):
+        assert ours.dtype == torch.bfloat16 and ours.shape == ref["rows"].shape
+        assert _relative_error(ours, ref["rows"]) <= BF16_RTOL
 
 
 def test_only_vision_tensors_are_read_and_hashed(checkpoints: dict[str, Path], tmp_path: Path) -> None:

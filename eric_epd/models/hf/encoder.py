@@ -18,12 +18,13 @@ logger = logging.getLogger(__name__)
 class HFVisionEncoder:
     """The model's own `get_image_features` on named input tensors, its output laid out as vLLM's rows."""
 
-    def __init__(self, model: nn.Module, model_type: str, width: int) -> None:
+    def __init__(self, model: nn.Module, model_type: str, width: int, dtype: torch.dtype) -> None:
         self.model = model
         self.layout: FamilyLayout = layout_for(model_type)
         self.width = width
         """Row width: the language model's hidden size."""
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = dtype
+        """The dtype the model was loaded in: pixels go in and rows come out in it."""
         params = inspect.signature(model.get_image_features).parameters.values()
         self.accepts = frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
         """The processor outputs `get_image_features` takes (the others, e.g. num_crops, are left out)."""
@@ -33,7 +34,7 @@ class HFVisionEncoder:
         """The checkpoint's vision tower and projector, only their weights read."""
         config = hf_config(model_dir)
         return cls(load_vision_model(model_dir, dtype, device), config.model_type,
-                   int(config.get_text_config().hidden_size))
+                   int(config.get_text_config().hidden_size), dtype)
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int]) -> list[torch.Tensor]:
         """Each item's [rows, width] output, for a batch whose tensors hold the items one after another along dim 0

@@ -83,8 +83,8 @@ class HFImageProcessor(BaseModalityProcessor):
         specs, frame = pack_tensors(tensors)
         grid = tensors.get("image_grid_thw")
         grid_thw = tuple(int(v) for v in grid.reshape(-1)[:3]) if grid is not None else (1, 1, rows)
-        cost = max(1, math.ceil(frame.size / self.values_per_cost))
-        return HFProcessedItem("image", frame, grid_thw, rows, tensors=specs, cost=cost)  # type: ignore[arg-type]
+        return HFProcessedItem("image", frame, grid_thw, rows, tensors=specs,  # type: ignore[arg-type]
+                               cost=cost_of(frame.size, self.values_per_cost))
 
     def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
                       seconds: Sequence[float] | None = None) -> ProcessedItem:
@@ -103,6 +103,11 @@ def values_per_patch(config: Any) -> int:
     if isinstance(patch, list | tuple):
         patch = patch[0]
     return 3 * int(patch) ** 2
+
+
+def cost_of(num_values: int, values_per_cost: int) -> int:
+    """An item's cost: its input values in whole input patches, at least one."""
+    return max(1, math.ceil(num_values / values_per_cost))
 
 
 def _fingerprint(model_dir: Path, processor: Any) -> bytes:
