@@ -14,6 +14,8 @@ from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
 from eric_epd.testing.media import random_image
 
+pytestmark = pytest.mark.exactness
+
 SIZES = ((150, 100), (90, 200), (33, 47))
 """Wide, tall and smaller than one tile."""
 
