@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from eric_epd.checkpoints.families import FAMILIES, ensure_family_checkpoint
 from eric_epd.eric.generic import GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload, work_item
-from eric_epd.models.hf.loader import vision_tensor_names
+from eric_epd.models.hf.loader import vision_shards, vision_tensor_names
 from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
 from eric_epd.models.layers.parallel import TPContext
@@ -185,6 +185,28 @@ def test_only_vision_tensors_are_read_and_hashed(checkpoints: dict[str, Path], t
     config["image_processor"]["image_mean"] = [0.4, 0.5, 0.5]
     (ckpt / "processor_config.json").write_text(json.dumps(config))
     assert HFImageProcessor(ckpt).fingerprint("image") != fingerprint
+
+
+def test_vision_shards_alone_load_and_hash_alike(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A sharded checkpoint fetched as models/hub.py fetches it (configs, index, and only the shards holding vision
+    tensors) loads, gives the same rows, and hashes as the whole one does."""
+    from transformers import AutoModelForImageTextToText
+
+    whole, partial = tmp_path / "whole", tmp_path / "partial"
+    AutoModelForImageTextToText.from_pretrained(checkpoints["glm4v"]).save_pretrained(whole, max_shard_size="100KB")
+    partial.mkdir()
+    for path in checkpoints["glm4v"].iterdir():  # the processor's and tokenizer's files
+        if path.suffix != ".safetensors" and not (whole / path.name).exists():
+            shutil.copy(path, whole / path.name)
+    shards = vision_shards(whole)
+    assert shards is not None and 0 < len(shards) < len(list(whole.glob("*.safetensors")))
+    for path in whole.iterdir():
+        if path.suffix != ".safetensors" or path.name in shards:
+            shutil.copy(path, partial / path.name)
+    assert vision_weights_digest(partial) == vision_weights_digest(whole)
+    image = _images()[0]
+    rows = [_run(*_runner(ckpt), [load_processor(ckpt).process_image(image)])[0] for ckpt in (whole, partial)]
+    assert torch.equal(rows[0], rows[1])
 
 
 def test_refusals(checkpoints: dict[str, Path], tmp_path: Path) -> None:

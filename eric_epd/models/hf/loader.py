@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +74,9 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     hf_logging.set_verbosity_error()  # the load report lists every language-model tensor as unexpected
     hf_logging.disable_progress_bar()
     try:
-        model, info = vision_only_class(base).from_pretrained(
-            str(model_dir), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
+        with _present_shards(Path(model_dir)) as loadable:
+            model, info = vision_only_class(base).from_pretrained(
+                str(loadable), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -84,6 +87,29 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     logger.info("loaded %s vision tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _present_shards(model_dir: Path) -> Iterator[Path]:
+    """`model_dir`, or, when its index names shards that are absent (models/hub.py fetches only the vision-only
+    model's shards), a temporary view of it whose index lists only the present ones: transformers opens every shard
+    an index names."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
+        yield model_dir
+        return
+    data = json.loads(index.read_text())
+    present = {name: file for name, file in data["weight_map"].items() if (model_dir / file).exists()}
+    if len(present) == len(data["weight_map"]):
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="eric-vision-") as tmp:
+        view = Path(tmp)
+        for path in model_dir.iterdir():
+            if path.name != index.name:
+                (view / path.name).symlink_to(path.resolve())
+        (view / index.name).write_text(json.dumps({**data, "weight_map": present}))
+        yield view
 
 
 def vision_tensor_names(model_dir: str | Path) -> dict[str, list[str]]:
@@ -154,13 +180,15 @@ def vision_digest(model_dir: str | Path) -> str:
     config = json.loads((model_dir / "config.json").read_text())
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps({k: v for k, v in config.items() if k != "text_config"}, sort_keys=True).encode())
-    for shard, names in sorted(vision_tensor_names(model_dir).items()):
-        with safe_open(str(model_dir / shard), framework="pt") as f:
-            for name in sorted(names):
-                part = f.get_slice(name)
-                tensor = part[:] if part.get_shape() else part[()]
-                digest.update(f"{name}|{part.get_dtype()}|{list(part.get_shape())}\0".encode())
-                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    shard_of = {name: shard for shard, names in vision_tensor_names(model_dir).items() for name in names}
+    with contextlib.ExitStack() as files:
+        opened = {shard: files.enter_context(safe_open(str(model_dir / shard), framework="pt"))
+                  for shard in set(shard_of.values())}
+        for name in sorted(shard_of):  # by name: however the checkpoint is sharded
+            part = opened[shard_of[name]].get_slice(name)
+            tensor = part[:] if part.get_shape() else part[()]
+            digest.update(f"{name}|{part.get_dtype()}|{list(part.get_shape())}\0".encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 
