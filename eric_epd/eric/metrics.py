@@ -70,7 +70,7 @@ class EricMetrics:
         self.load.observe_queue(status.queued_items + status.running_items)
         for b in status.batches:
             self.load.observe_batch(b.seconds, b.num_items)
-            modality = "+".join(b.kinds)
+            modality = "+".join(k.partition("/")[0] for k in b.kinds)  # the generic path's kinds add shapes
             self.batches.labels(modalities=modality).inc()
             self.batch_items.labels(modality=modality).observe(b.num_items)
             self.batch_patches.labels(modality=modality).observe(b.cost)

@@ -14,11 +14,11 @@ import numpy as np
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
-from eric_epd.eric.workload import EncodeSpec
+from eric_epd.eric.workload import work_item
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.media.url_policy import MediaError
 from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
-from eric_epd.runtime.work import ItemResult, WorkItem, pack_spec
+from eric_epd.runtime.work import ItemResult
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.pool import PoolEntry
 from eric_epd.transfer.producer import TransferHub
@@ -258,9 +258,7 @@ class EncodeService:
     async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
         """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
         cancellation of this request never frees pool space the engine may still write."""
-        items = [WorkItem(p.hash, p.item.modality, p.item.pixel_values.shape[0], e.offset, e.nbytes,
-                          pack_spec(EncodeSpec(p.item.modality, p.item.grid_thw, p.item.pixel_values.shape[1])))
-                 for p, e in zip(mine.values(), entries)]
+        items = [work_item(p.hash, p.item, e.offset, e.nbytes) for p, e in zip(mine.values(), entries)]
         try:
             request = self._client.submit(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
         except EngineUnavailableError as e:

@@ -10,9 +10,10 @@ import numpy as np
 import torch
 
 from eric_epd.models.facts import ModelFacts
+from eric_epd.models.processor import ProcessedItem
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
-from eric_epd.runtime.workload import INPUT_BYTES
+from eric_epd.runtime.workload import INPUT_BYTES, Workload
 
 MODALITIES = ("image", "video")
 
@@ -23,6 +24,33 @@ class EncodeSpec(msgspec.Struct, array_like=True, frozen=True, tag="encode"):
     modality: str
     grid_thw: tuple[int, int, int]
     patch_dim: int
+
+
+def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -> WorkItem:
+    """The engine's work item for a preprocessed item (an item of the generic path carries its named tensors)."""
+    from eric_epd.models.hf.processor import HFProcessedItem
+
+    if isinstance(item, HFProcessedItem):
+        from eric_epd.eric.generic import generic_work_item
+
+        return generic_work_item(key, item, out_offset, out_nbytes)
+    rows, patch_dim = item.pixel_values.shape
+    return WorkItem(key, item.modality, rows, out_offset, out_nbytes,
+                    pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim)))
+
+
+def encoder_workload(config: RuntimeConfig, facts: ModelFacts) -> Workload:
+    """The workload serving config.model: its hand-written tower's, or the generic path's (TP 1 only). ValueError
+    when Eric cannot serve the checkpoint, naming what it serves."""
+    from eric_epd.eric.generic import TP_REFUSED, GenericWorkload
+    from eric_epd.models.registry import check_servable
+
+    if not facts.generic:
+        return EncoderWorkload.from_facts(facts)
+    check_servable(config.model)
+    if config.tp_size > 1:
+        raise ValueError(TP_REFUSED.format(tp=config.tp_size, model_type=facts.model_type))
+    return GenericWorkload.from_checkpoint(config.model)
 
 
 @dataclass(frozen=True)

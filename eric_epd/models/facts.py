@@ -4,16 +4,53 @@ connector reach embedding_width through wire/handoff."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
+
+TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
+"""The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
+the generic path (images)."""
+DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
+    {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+     "float16": "float16", "fp16": "float16", "half": "float16"})
+"""The --dtype spellings accepted, by the dtype each names."""
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json; a process reads it once, into its ModelFacts, and hands that `config` to the
+    registry's loaders. FileNotFoundError for a directory without one."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
+    return json.loads(path.read_text())
+
+
+def dtype_name(setting: str, config: Mapping[str, Any]) -> str:
+    """The dtype a --dtype `setting` names ("auto": the checkpoint's own dtype, float32 if it names none)."""
+    if setting == "auto":
+        setting = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    if setting not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {setting!r}; use auto, float32, bfloat16 or float16")
+    return DTYPE_NAMES[setting]
+
+
+def is_generic(config: Mapping[str, Any]) -> bool:
+    """No hand-written tower serves this checkpoint's model_type: Eric's generic path (models/hf) does, if it can."""
+    return config.get("model_type", "") not in TOWER_TYPES
 
 
 def embedding_width(config: Mapping[str, Any]) -> int:
     """Width of one embedding row a checkpoint's vision tower hands its language model, from its config.json (or a
-    transformers config's to_dict()): the merged token's width times (1 + DeepStack levels), the rows laid out
-    [merged | level 1 | ... | level k] as the engines' own encoders produce them."""
+    transformers config's to_dict()): on the generic path the language model's hidden size; for a hand-written
+    tower the merged token's width times (1 + DeepStack levels), the rows laid out [merged | level 1 | ... | level k]
+    as the engines' own encoders produce them."""
+    if is_generic(config):
+        return int((config.get("text_config") or config)["hidden_size"])
     vision = config.get("vision_config") or {}
     levels = len(vision.get("deepstack_visual_indexes") or ())
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)
@@ -34,30 +71,31 @@ class ModelFacts:
     """The spatial merge size: merge_size**2 patches make one output token."""
     pixel_row: int
     """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
-    config: dict[str, Any] = field(repr=False, compare=False)
+    generic: bool = False
+    """Served by the generic path (transformers' own classes, TP 1); merge_size and pixel_row are then unused."""
+    config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """config.json as read (for the registry's loaders, the fingerprint and SGLang's dtype rule); never mutated."""
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> ModelFacts:
         """The facts of the checkpoint in `model_dir`: its config.json is read here, once."""
-        from eric_epd.models.registry import read_model_config
-
-        return cls.from_config(Path(model_dir), read_model_config(model_dir))
+        return cls.from_config(Path(model_dir), read_config(model_dir))
 
     @classmethod
     def from_config(cls, model_dir: Path, config: dict[str, Any]) -> ModelFacts:
-        """The facts of a config.json already read; ValueError for a model_type the registry does not support or a
-        config without a vision tower."""
-        from eric_epd.models.registry import get_model_spec
-
-        spec = get_model_spec(config.get("model_type", ""))
+        """The facts of a config.json already read (a model_type without a hand-written tower: the generic path's);
+        ValueError for a hand-written family's config without a vision tower."""
+        if is_generic(config):  # whether the generic path can serve it is checked by registry.check_servable
+            return cls(model_dir, str(config.get("model_type", "")), ("image",), embedding_width(config), 1, 0,
+                       generic=True, config=config)
+        model_type = str(config.get("model_type", ""))
         if "vision_config" not in config:
             raise ValueError(f"{model_dir}/config.json has no vision_config")
         vision = config["vision_config"]
         row = (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
                * vision.get("patch_size", 14) ** 2)
-        return cls(model_dir, spec.model_type, spec.processor_cls.modalities, embedding_width(config),
-                   int(vision.get("spatial_merge_size", 2)), row, config)
+        return cls(model_dir, model_type, TOWER_TYPES[model_type], embedding_width(config),
+                   int(vision.get("spatial_merge_size", 2)), row, config=config)
 
     @property
     def merge_unit(self) -> int:
@@ -67,6 +105,4 @@ class ModelFacts:
     def output_dtype(self, setting: str) -> str:
         """The dtype the encoder computes and outputs in ("float32", "bfloat16", ...) for a --dtype `setting`
         ("auto": the checkpoint's own)."""
-        from eric_epd.models.registry import resolve_dtype
-
-        return str(resolve_dtype(setting, self.config)).removeprefix("torch.")
+        return dtype_name(setting, self.config)

@@ -11,7 +11,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SMALL_FILES = ["config.json", "*preprocessor_config.json", "processor_config.json", "chat_template*",
-               "tokenizer*", "vocab.json", "merges.txt", "generation_config.json", "*.safetensors.index.json"]
+               "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+               "generation_config.json", "*.safetensors.index.json"]
 """What Eric reads besides weights: configs, the processor's files and the shard index."""
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -39,11 +40,16 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a Hugging Face repo id (org/name)")
     from huggingface_hub import snapshot_download
 
-    from eric_epd.models.registry import get_model_spec, read_model_config
+    from eric_epd.models.registry import get_model_spec, is_generic, read_model_config
 
     snapshot = Path(snapshot_download(model, revision=revision, allow_patterns=SMALL_FILES))
-    prefixes = get_model_spec(read_model_config(snapshot).get("model_type", "")).weight_prefixes
-    shards = encoder_shards(snapshot, prefixes)
+    config = read_model_config(snapshot)
+    if is_generic(config):
+        from eric_epd.models.hf.loader import vision_shards
+
+        shards = vision_shards(snapshot)
+    else:
+        shards = encoder_shards(snapshot, get_model_spec(config.get("model_type", "")).weight_prefixes)
     weights = shards if shards is not None else ["*.safetensors"]
     logger.info("%s@%s: fetching %s", model, revision or "main", ", ".join(weights))
     return Path(snapshot_download(model, revision=revision, allow_patterns=[*SMALL_FILES, *weights]))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eric_epd.models.facts import TOWER_TYPES, dtype_name, is_generic, read_config
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
@@ -68,6 +69,17 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(MODEL_SPECS)
 
 
+assert set(MODEL_SPECS) == set(TOWER_TYPES), "facts.TOWER_TYPES must name exactly the hand-written towers"
+
+
+def check_servable(model_dir: str | Path) -> None:
+    """ValueError naming the supported families and what the generic path needs, unless Eric can serve `model_dir`."""
+    if is_generic(read_model_config(Path(model_dir))):
+        from eric_epd.models.hf.loader import check_generic
+
+        check_generic(model_dir, MODEL_SPECS)
+
+
 def get_model_spec(model_type: str) -> ModelSpec:
     """The spec for an HF model_type; ValueError naming the supported types otherwise."""
     try:
@@ -76,27 +88,15 @@ def get_model_spec(model_type: str) -> ModelSpec:
         raise ValueError(f"unsupported model_type {model_type!r}; Eric supports {sorted(MODEL_SPECS)}") from None
 
 
-def read_model_config(model_dir: str | Path) -> dict[str, Any]:
-    """A checkpoint's config.json; a process reads it once, into its ModelFacts (models/facts.py), and hands that
-    `config` to the loaders below."""
-    path = Path(model_dir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
-    return json.loads(path.read_text())
+read_model_config = read_config
+"""A checkpoint's config.json (models/facts.py reads it; a process does so once, into its ModelFacts)."""
 
 
 def resolve_dtype(name: str | torch.dtype, config: Mapping[str, Any]) -> torch.dtype:
     """ "auto" -> the checkpoint's dtype / torch_dtype (float32 if absent); otherwise the named dtype."""
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        name = config.get("dtype") or config.get("torch_dtype") or "float32"
-        if not isinstance(name, str):
-            name = str(name)
-        name = name.removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
-    return DTYPES[name]
+    return DTYPES[dtype_name(name, config)]
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -136,6 +136,10 @@ def vision_weights_digest(model_dir: str | Path, config: Mapping[str, Any] | Non
     import hashlib
 
     config = read_model_config(model_dir) if config is None else config
+    if is_generic(config):
+        from eric_epd.models.hf.loader import vision_digest
+
+        return vision_digest(model_dir)
     spec = get_model_spec(config.get("model_type", ""))
     digest = hashlib.blake2b(digest_size=16)
     for name, part in sorted(iter_vision_tensors(model_dir, spec.weight_prefixes), key=lambda kv: kv[0]):
@@ -190,4 +194,9 @@ def load_encoder(
 def load_processor(model_dir: str | Path, config: Mapping[str, Any] | None = None) -> BaseModalityProcessor:
     """The modality processor for a checkpoint directory."""
     config = read_model_config(model_dir) if config is None else config
+    if is_generic(dict(config)):
+        from eric_epd.models.hf.processor import HFImageProcessor
+
+        check_servable(model_dir)
+        return HFImageProcessor(Path(model_dir))
     return get_model_spec(config.get("model_type", "")).processor_cls(Path(model_dir))

@@ -1,0 +1,370 @@
+"""Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3 and 4,
+InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, Llama 4), saved like a Hugging Face repo.
+
+Each holds random weights, a locally trained tokenizer carrying the family's special tokens, the family's own
+processor classes saved with their defaults (sizes shrunk to the tiny tower) and a chat template. Nothing is
+downloaded; deterministic by seed. Sizes keep vLLM's CPU build able to load them: text heads of 32, image tokens
+inside the vocabulary, processor settings that agree with the model config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
+
+logger = logging.getLogger(__name__)
+
+BUILDER_VERSION = 2  # bump when the output of build_family_checkpoint changes
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
+"""The tiny language model every family shares: heads of 32 (vLLM's CPU attention takes 32 and up)."""
+SIGLIP = dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=2, image_size=64, patch_size=16)
+"""A 64-pixel SigLIP tower: 4x4 patches of 16 pixels."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A family's special tokens: all of them, and those the processor reads by name (`tokenizer.<name>`)."""
+
+    specials: tuple[str, ...]
+    named: dict[str, str] = field(default_factory=dict)
+    bos: str | None = None
+    eos: str = "<|endoftext|>"
+    pad: str = "<|endoftext|>"
+    plain: tuple[str, ...] = ()
+    """Ordinary tokens the family's vocabulary holds whole, which vLLM looks up by their text (Gemma's newlines)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family: its tokens, chat template and a maker of (model config, processor)."""
+
+    tokens: Tokens
+    chat_template: str
+    make: Callable[[Any, dict[str, int], int, float], tuple[Any, Any]]
+    """(tokenizer, token ids, vocab size, init std) -> (model config, processor)."""
+
+
+def _template(user: str, assistant: str, end: str, image: str, bos: str = "") -> str:
+    """A chat template in the family's shape: `user`/`assistant` open a turn, `end` closes it, `image` stands for an
+    image part."""
+    return (
+        f"{bos}{{% for message in messages %}}"
+        f"{{% if message['role'] == 'user' %}}{user}{{% else %}}{assistant}{{% endif %}}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for content in message['content'] %}"
+        f"{{% if content['type'] in ('image', 'image_url') %}}{image}"
+        "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+        f"{end}{{% endfor %}}{{% if add_generation_prompt %}}{assistant}{{% endif %}}"
+    )
+
+
+def build_tokenizer(tokens: Tokens, vocab_size: int = 512):  # -> PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer trained offline, with `tokens`' specials (the named ones readable as attributes,
+    as the family's processor expects)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    named = set(tokens.named.values()) | {tokens.eos, tokens.pad, tokens.bos}
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=tokens.bos, eos_token=tokens.eos, pad_token=tokens.pad, unk_token=None,
+        extra_special_tokens=dict(tokens.named),
+        additional_special_tokens=[t for t in tokens.specials if t not in named],
+    )
+    hf_tok.add_tokens(list(tokens.plain))
+    return hf_tok
+
+
+def _text(vocab: int, ids: dict[str, int], tokens: Tokens, init_std: float, **extra: Any) -> dict[str, Any]:
+    return {**TEXT, "vocab_size": vocab, "initializer_range": init_std, "eos_token_id": ids[tokens.eos],
+            "pad_token_id": ids[tokens.pad], **({"bos_token_id": ids[tokens.bos]} if tokens.bos else {}), **extra}
+
+
+# ---- families ------------------------------------------------------------------------------------------------
+
+
+NEWLINES = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+"""Gemma's vocabulary has runs of newlines as tokens; vLLM's Gemma 3 reads their ids."""
+GEMMA3 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                 "<image_soft_token>"),
+                {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+                bos="<bos>", eos="<eos>", pad="<pad>", plain=NEWLINES)
+
+
+def _gemma3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """SigLIP 64/16 pooled to 2x2 tokens per crop; pan-and-scan on, so a wide image gets crops after the original."""
+    from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3Processor
+
+    cfg = Gemma3Config(
+        text_config={"model_type": "gemma3_text", **_text(vocab, ids, GEMMA3, init_std), "sliding_window": 64,
+                     "query_pre_attn_scalar": 32},
+        vision_config={**SIGLIP, "initializer_range": init_std}, mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"], initializer_range=init_std)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    improc = Gemma3ImageProcessor(size={"height": 64, "width": 64}, do_pan_and_scan=True,
+                                  pan_and_scan_min_crop_size=32, pan_and_scan_max_num_crops=4,
+                                  pan_and_scan_min_ratio_to_activate=1.2)
+    return cfg, Gemma3Processor(improc, tok, image_seq_length=4)
+
+
+INTERNVL = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"),
+                  {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                   "video_token": "<video>"}, eos="<|im_end|>")
+
+
+def _internvl(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """InternViT 64/16 with pixel shuffle 0.5: 4 tokens per 64-pixel tile, up to 6 tiles and a thumbnail."""
+    from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLProcessor, InternVLVideoProcessor
+
+    cfg = InternVLConfig(
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": [64, 64], "patch_size": [16, 16], "initializer_range": init_std},
+        text_config={"model_type": "qwen2", **_text(vocab, ids, INTERNVL, init_std)},
+        image_token_id=ids["<IMG_CONTEXT>"], downsample_ratio=0.5, initializer_range=init_std)
+    cfg.architectures = ["InternVLForConditionalGeneration"]
+    improc = GotOcr2ImageProcessor(size={"height": 64, "width": 64}, crop_to_patches=True, min_patches=1,
+                                   max_patches=6, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    video = InternVLVideoProcessor(size={"height": 64, "width": 64}, image_mean=[0.485, 0.456, 0.406],
+                                   image_std=[0.229, 0.224, 0.225])
+    return cfg, InternVLProcessor(improc, tok, video, image_seq_length=4)
+
+
+QWEN_CHAT = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"),
+                   {"image_token": "<image>", "video_token": "<video>"}, eos="<|im_end|>")
+PINPOINTS = [[64, 64], [64, 128], [128, 64], [128, 128], [64, 192], [192, 64]]
+
+
+def _llava_onevision(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """SigLIP 64/16, anyres over 64-pixel tiles with an image_newline row per grid row (as released: last layer,
+    "full" strategy)."""
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    cfg = LlavaOnevisionConfig(
+        vision_config={**SIGLIP, "initializer_range": init_std},
+        text_config={"model_type": "qwen2", **_text(vocab, ids, QWEN_CHAT, init_std)},
+        image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1, vision_feature_select_strategy="full",
+        image_token_index=ids["<image>"], video_token_index=ids["<video>"])
+    cfg.architectures = ["LlavaOnevisionForConditionalGeneration"]
+    improc = LlavaOnevisionImageProcessor(size={"height": 64, "width": 64}, image_grid_pinpoints=PINPOINTS)
+    video = LlavaOnevisionVideoProcessor(size={"height": 64, "width": 64})
+    return cfg, LlavaOnevisionProcessor(improc, tok, video, num_image_tokens=16, vision_feature_select_strategy="full",
+                                        vision_aspect_ratio="anyres_max_9")
+
+
+MISTRAL3 = Tokens(("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"),
+                  {"image_token": "[IMG]"}, bos="<s>", eos="</s>", pad="<unk>")
+
+
+def _mistral3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Pixtral 16-pixel patches merged 2x2: one token per 32x32 pixels, images up to 128 pixels a side."""
+    from transformers import Mistral3Config, PixtralImageProcessor, PixtralProcessor
+
+    cfg = Mistral3Config(
+        vision_config={"model_type": "pixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "head_dim": 32, "image_size": 128, "patch_size": 16,
+                       "initializer_range": init_std},
+        text_config={"model_type": "mistral", **_text(vocab, ids, MISTRAL3, init_std)},
+        spatial_merge_size=2, vision_feature_layer=-1, image_token_index=ids["[IMG]"], multimodal_projector_bias=False)
+    cfg.architectures = ["Mistral3ForConditionalGeneration"]
+    improc = PixtralImageProcessor(size={"longest_edge": 128}, patch_size={"height": 16, "width": 16})
+    return cfg, PixtralProcessor(improc, tok, patch_size=16, spatial_merge_size=2)
+
+
+GLM4V = Tokens(("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>",
+                "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"),
+               {"image_token": "<|image|>", "video_token": "<|video|>"}, eos="<|endoftext|>")
+
+
+def _glm4v(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """GLM-4.1V's tower at 14-pixel patches merged 2x2, 56x56 to 112x112 pixels per image."""
+    from transformers import Glm4vConfig, Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    text = _text(vocab, ids, GLM4V, init_std, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "mrope_section": [2, 3, 3],
+                                                               "partial_rotary_factor": 0.5})
+    cfg = Glm4vConfig(
+        vision_config={"depth": 2, "hidden_size": 64, "out_hidden_size": 64, "intermediate_size": 128,
+                       "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "image_size": 56, "initializer_range": init_std},
+        text_config=text, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"])
+    cfg.architectures = ["Glm4vForConditionalGeneration"]
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    improc = Glm4vImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    video = Glm4vVideoProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    return cfg, Glm4vProcessor(improc, tok, video)
+
+
+IDEFICS3 = Tokens(("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                   "<global-img>", *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))),
+                  {"image_token": "<image>"}, bos="<|im_start|>", eos="<end_of_utterance>")
+
+
+def _idefics3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """SigLIP 64/16 with pixel shuffle 2: 4 tokens per 64-pixel tile; images split into tiles up to 128 pixels a
+    side, then the whole image."""
+    from transformers import Idefics3Config, Idefics3ImageProcessor, Idefics3Processor
+
+    cfg = Idefics3Config(
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
+        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
+        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
+    cfg.architectures = ["Idefics3ForConditionalGeneration"]
+    improc = Idefics3ImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
+    return cfg, Idefics3Processor(improc, tok, image_seq_len=4)
+
+
+GEMMA4 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<|image|>", "<image|>",
+                 "<|video|>", "<|audio>", "<|audio|>", "<audio|>"),
+                {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>", "boa_token": "<|audio>",
+                 "audio_token": "<|audio|>", "eoa_token": "<audio|>"}, bos="<bos>", eos="<eos>", pad="<pad>",
+                plain=NEWLINES)
+
+
+def _gemma4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Gemma 4's tower at 16-pixel patches pooled 2x2, at most 70 soft tokens an image (its smallest budget); no
+    audio tower."""
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    cfg = Gemma4Config(
+        text_config={**_text(vocab, ids, GEMMA4, init_std), "vocab_size_per_layer_input": vocab,
+                     "hidden_size_per_layer_input": 8, "sliding_window": 64},
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 32, "pooling_kernel_size": 2, "patch_size": 16,
+                       "position_embedding_size": 64, "default_output_length": 70, "initializer_range": init_std},
+        audio_config=None, boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
+        image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"], boa_token_id=ids["<|audio>"],
+        eoa_token_index=ids["<audio|>"], audio_token_id=ids["<|audio|>"], initializer_range=init_std)
+    cfg.architectures = ["Gemma4ForConditionalGeneration"]
+    improc = Gemma4ImageProcessor(patch_size=16, max_soft_tokens=70, pooling_kernel_size=2)
+    video = Gemma4VideoProcessor(patch_size=16, max_soft_tokens=70, pooling_kernel_size=2)
+    return cfg, Gemma4Processor(Gemma4AudioFeatureExtractor(), improc, tok, video, image_seq_length=70)
+
+
+LLAMA4 = Tokens(("<|begin_of_text|>", "<|eot|>", "<|finetune_right_pad|>", "<|header_start|>", "<|header_end|>",
+                 "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+                 "<|tile_y_separator|>"), {}, bos="<|begin_of_text|>", eos="<|eot|>", pad="<|finetune_right_pad|>")
+
+
+def _llama4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Llama 4's tower at 16-pixel patches on 64-pixel tiles, pixel shuffle 0.5 (4 tokens a tile), up to 4 tiles
+    and a global one; a mixture-of-experts language model of 2 experts."""
+    from transformers import Llama4Config, Llama4ImageProcessor, Llama4Processor
+
+    cfg = Llama4Config(
+        vision_config={"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 64, "patch_size": 16, "vision_output_dim": 64, "projector_input_dim": 64,
+                       "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5, "initializer_range": init_std,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        text_config={**_text(vocab, ids, LLAMA4, init_std), "intermediate_size_mlp": 128, "num_local_experts": 2,
+                     "num_experts_per_tok": 1, "attention_chunk_size": 64},
+        boi_token_index=ids["<|image_start|>"], eoi_token_index=ids["<|image_end|>"],
+        image_token_index=ids["<|patch|>"])
+    cfg.architectures = ["Llama4ForConditionalGeneration"]
+    improc = Llama4ImageProcessor(size={"height": 64, "width": 64}, max_patches=4)
+    return cfg, Llama4Processor(improc, tok, patch_size=16, pixel_shuffle_ratio=0.5)
+
+
+FAMILIES: dict[str, Family] = {
+    "gemma3": Family(GEMMA3, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
+                                       "<start_of_image>", "{{ bos_token }}"), _gemma3),
+    "internvl": Family(INTERNVL, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
+                                           "<IMG_CONTEXT>\n"), _internvl),
+    "llava_onevision": Family(QWEN_CHAT, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
+                                                   "<image>\n"), _llava_onevision),
+    "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),
+    "glm4v": Family(GLM4V, _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
+                                     "[gMASK]<sop>"), _glm4v),
+    "idefics3": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
+                                           "<|im_start|>"), _idefics3),
+    "gemma4": Family(GEMMA4, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
+                                       "<|image|>", "{{ bos_token }}"), _gemma4),
+    "llama4": Family(LLAMA4, _template("<|header_start|>user<|header_end|>\n\n",
+                                       "<|header_start|>assistant<|header_end|>\n\n", "<|eot|>", "<|image|>",
+                                       "{{ bos_token }}"), _llama4),
+}
+"""Family name (its HF model_type) -> how to build its tiny checkpoint."""
+
+
+def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int = 0, init_std: float = 0.1) -> Path:
+    """Write a complete random checkpoint of `family` (config, safetensors, tokenizer, processor configs, chat
+    template) to `out_dir`."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; families {sorted(FAMILIES)}")
+    spec = FAMILIES[family]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(spec.tokens)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in spec.tokens.specials}
+    vocab = ((len(tok) + 63) // 64) * 64
+    cfg, processor = spec.make(tok, ids, vocab, init_std)
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
+    _jitter_constants(model, init_std)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=ids[spec.tokens.eos], pad_token_id=ids[spec.tokens.pad],
+                     do_sample=False).save_pretrained(out)
+    processor.chat_template = spec.chat_template
+    processor.save_pretrained(out)
+    _with_chat_template(out, spec.chat_template)
+    logger.info("built %s checkpoint at %s: %.2fM params", family, out,
+                sum(p.numel() for p in model.parameters()) / 1e6)
+    return out
+
+
+def _jitter_constants(model: torch.nn.Module, std: float) -> None:
+    """Parameters transformers initialises to one constant (zero projections such as Gemma 3's, unit norms, zero
+    biases) get random values around it: a test then sees every weight matter."""
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):
+                param.add_(torch.randn_like(param) * std)
+
+
+def _with_chat_template(out: Path, template: str) -> None:
+    """The chat template also in tokenizer_config.json, where vLLM's tokenizer-only paths look for it."""
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))
+
+
+def ensure_family_checkpoint(family: str, seed: int = 0) -> Path:
+    """The cached tiny checkpoint of `family`, built atomically on first use."""
+    return ensure_built(f"{family}-tiny-s{seed}-f{BUILDER_VERSION}", "config.json",
+                        lambda out: build_family_checkpoint(out, family, seed))

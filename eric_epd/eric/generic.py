@@ -1,0 +1,124 @@
+"""Eric's workload on the generic path (models/hf): items carry the HF processor's named tensors in one float32 frame,
+batches join items whose tensors agree past dim 0, and the worker runs the model's own vision tower at TP 1."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+from PIL import Image
+
+from eric_epd.models.hf.encoder import HFVisionEncoder
+from eric_epd.models.hf.processor import HFProcessedItem, cost_of
+from eric_epd.models.hf.tensors import TensorSpec, join_items, signature, unpack_tensors
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
+from eric_epd.runtime.workload import INPUT_BYTES
+
+logger = logging.getLogger(__name__)
+
+TP_REFUSED = ("--tp {tp}: the generic path (model_type {model_type!r}, served by transformers' own classes) runs at "
+              "--tp 1 only; scale it out with more Erics, or serve a family with a hand-written tower at --tp > 1")
+
+
+class GenericSpec(msgspec.Struct, array_like=True, frozen=True, tag="hf"):
+    """One item of the generic path: its frame holds `tensors` one after another, each flattened, as float32."""
+
+    modality: str
+    tensors: tuple[TensorSpec, ...]
+    rows: int
+    """Rows the model gives this item (the placeholder's embedding positions in vLLM)."""
+
+
+def generic_kind(spec: GenericSpec) -> str:
+    """The scheduler batches one kind at a time: the modality and every tensor's shape past dim 0."""
+    return f"{spec.modality}/{signature(spec.tensors)}"
+
+
+def generic_work_item(key: str, item: HFProcessedItem, out_offset: int, out_nbytes: int) -> WorkItem:
+    """The engine's work item for one item of the generic path."""
+    spec = GenericSpec(item.modality, item.tensors, item.num_tokens)
+    return WorkItem(key, generic_kind(spec), item.cost, out_offset, out_nbytes, pack_spec(spec))
+
+
+@dataclass(frozen=True)
+class GenericWorkload:
+    """Read from the checkpoint once, in the router's process, then copied to the engine and the workers."""
+
+    values_per_cost: int
+    """Input values per unit of an item's cost (HFProcessedItem.cost)."""
+    warmup_item: HFProcessedItem
+
+    @classmethod
+    def from_checkpoint(cls, model: Path) -> GenericWorkload:
+        """The workload of `model`; its warm-up item is a mid-grey 224x224 image through the model's processor."""
+        from eric_epd.models.hf.processor import HFImageProcessor
+
+        processor = HFImageProcessor(model)
+        return cls(processor.values_per_cost, processor.process_image(Image.new("RGB", (224, 224), (128, 128, 128))))
+
+    def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
+        """`Workload` hook: why the engine must refuse a generic item (spec, kind, cost or frame size), or None."""
+        spec = unpack_spec(item, GenericSpec)
+        if spec is None:
+            return f"item {item.key}: not an item of the generic path"
+        if spec.modality != "image" or item.kind != generic_kind(spec):
+            return f"item {item.key}: kind {item.kind!r} does not match its {spec.modality} tensors"
+        if spec.rows < 1 or not spec.tensors or any(min(t.shape, default=1) < 1 for t in spec.tensors):
+            return f"item {item.key}: empty tensors or no rows"
+        values = sum(t.numel for t in spec.tensors)
+        if input_nbytes != values * INPUT_BYTES:
+            return f"item {item.key}: {input_nbytes} input bytes, its tensors hold {values} float32 values"
+        if item.cost != cost_of(values, self.values_per_cost):
+            return f"item {item.key}: cost {item.cost} for {values} input values"
+        return None
+
+    def max_batch_input_bytes(self, config: RuntimeConfig) -> int:
+        """`Workload` hook: the most input bytes one batch can carry under the batch cap."""
+        return config.batch_limits().max_patches * self.values_per_cost * INPUT_BYTES
+
+    def warmup(self, config: RuntimeConfig) -> tuple[WorkItem, np.ndarray]:
+        """`Workload` hook: the start-up item (a mid-grey image through the model's processor) and its frame."""
+        return generic_work_item("warm-up", self.warmup_item, 0, 0), self.warmup_item.pixel_values
+
+    def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GenericRunner:
+        """`Workload` hook: this worker's runner, the model's own vision tower and projector on `device`."""
+        from eric_epd.models.registry import read_model_config, resolve_dtype
+
+        world = getattr(tp, "world_size", 1)
+        model_config = read_model_config(config.model)
+        if world != 1:
+            raise ValueError(TP_REFUSED.format(tp=world, model_type=model_config.get("model_type")))
+        dtype = resolve_dtype(config.dtype, model_config)
+        return GenericRunner(HFVisionEncoder.load(config.model, dtype, device))
+
+
+@dataclass
+class GenericRunner:
+    """The model's vision tower: each batch split into items, items of one signature run together."""
+
+    encoder: HFVisionEncoder
+    dtype: torch.dtype = torch.float32
+    """Inputs stay float32 on their way to `run` (integer tensors travel in them exactly); the encoder casts pixels
+    to the model's dtype."""
+
+    def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
+        """`Runner` hook: each item's rows, items with matching tensor shapes joined into one forward."""
+        specs: list[GenericSpec] = []
+        groups: dict[str, list[int]] = {}  # signature -> indices of the items that run in one forward
+        for index, item in enumerate(items):
+            spec = unpack_spec(item, GenericSpec)
+            if spec is None:
+                raise RuntimeError(f"item {item.key} is not an item of the generic path")
+            specs.append(spec)
+            groups.setdefault(signature(spec.tensors), []).append(index)
+        frames = inputs.reshape(-1).split([sum(t.numel for t in s.tensors) for s in specs])
+        outputs: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            joined = join_items([unpack_tensors(specs[i].tensors, frames[i]) for i in members])
+            outputs.update(zip(members, self.encoder.encode(joined, [specs[i].rows for i in members])))
+        return [outputs[i] for i in range(len(items))]

@@ -1,0 +1,2 @@
+"""Eric's generic path: any image-text-to-text checkpoint transformers supports, served at TP 1 by the model's own
+vision tower and projector (only their weights read) and its own HF processor."""

@@ -1,0 +1,224 @@
+"""The vision half of a transformers image-text-to-text model: its class with the language model removed, loaded by
+`from_pretrained` (so transformers' own key renames and conversions apply), and a digest of the tensors it reads."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eric_epd.models.hf.adapters import LAYOUTS
+
+logger = logging.getLogger(__name__)
+
+LANGUAGE_PARTS = ("language_model", "text_model", "lm_head", "audio_tower", "embed_audio")
+"""Submodules the vision-only model replaces with empty modules (on the model and on its inner `.model`): the
+language model under its family's name, the output head, and an audio encoder (only images are served)."""
+
+
+def hf_config(model_dir: str | Path) -> Any:
+    """The checkpoint's transformers config (read from config.json, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def model_class(config: Any) -> type[nn.Module] | None:
+    """The transformers image-text-to-text class of `config`, or None when transformers has none."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        return AutoModelForImageTextToText._model_mapping[type(config)]
+    except KeyError:
+        return None
+
+
+def vision_only_class(base: type[nn.Module]) -> type[nn.Module]:
+    """`base` whose language model, output head and audio tower are empty modules: built by `from_pretrained`, their
+    checkpoint tensors are reported unexpected and never read (transformers opens shards lazily and reads only the
+    tensors the model has)."""
+
+    class VisionOnly(base):  # type: ignore[misc, valid-type]
+        _tied_weights_keys: dict[str, str] = {}  # the output head is gone: nothing to tie
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            for owner in (self, getattr(self, "model", None)):
+                for name in LANGUAGE_PARTS:
+                    if isinstance(getattr(owner, name, None), nn.Module):
+                        setattr(owner, name, nn.Module())
+
+    VisionOnly.__name__ = VisionOnly.__qualname__ = base.__name__
+    return VisionOnly
+
+
+def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The checkpoint's vision tower and projector on `device` in `dtype`, eval mode; the language model is never
+    built and its tensors are never read."""
+    from transformers.utils import logging as hf_logging
+
+    config = hf_config(model_dir)
+    bars = hf_logging.is_progress_bar_enabled()
+    base = model_class(config)
+    if base is None:
+        raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the load report lists every language-model tensor as unexpected
+    hf_logging.disable_progress_bar()
+    try:
+        with _present_shards(Path(model_dir)) as loadable:
+            model, info = vision_only_class(base).from_pretrained(
+                str(loadable), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    if info.get("missing_keys"):
+        raise ValueError(f"{model_dir}: vision tensors missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
+    model = model.to(device)  # loaded on the host first: a device_map needs accelerate
+    logger.info("loaded %s vision tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
+                sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _present_shards(model_dir: Path) -> Iterator[Path]:
+    """`model_dir`, or, when its index names shards that are absent (models/hub.py fetches only the vision-only
+    model's shards), a temporary view of it whose index lists only the present ones: transformers opens every shard
+    an index names."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
+        yield model_dir
+        return
+    data = json.loads(index.read_text())
+    present = {name: file for name, file in data["weight_map"].items() if (model_dir / file).exists()}
+    if len(present) == len(data["weight_map"]):
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="eric-vision-") as tmp:
+        view = Path(tmp)
+        for path in model_dir.iterdir():
+            if path.name != index.name:
+                (view / path.name).symlink_to(path.resolve())
+        (view / index.name).write_text(json.dumps({**data, "weight_map": present}))
+        yield view
+
+
+def vision_tensor_names(model_dir: str | Path) -> dict[str, list[str]]:
+    """Shard file -> the checkpoint tensors the vision-only model loads from it, found as `from_pretrained` finds
+    them (the model's conversion mapping renames each checkpoint name; those landing in the model are read), with the
+    model built on the meta device (nothing allocated, nothing read)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    config = hf_config(model_dir)
+    base = model_class(config)
+    if base is None:
+        raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
+    with torch.device("meta"):
+        model = vision_only_class(base)(config)
+    wanted = model.state_dict()
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    found: dict[str, list[str]] = {}
+    hit: set[str] = set()
+    for shard, names in _checkpoint_names(Path(model_dir)).items():
+        for name in names:
+            renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
+            if renamed not in wanted and name in wanted:  # as transformers: the name as is, maybe re-prefixed
+                renamed, _ = rename_source_key(name, [], [], model.base_model_prefix, wanted)
+            if renamed in wanted:
+                found.setdefault(shard, []).append(name)
+                hit.add(renamed)
+    persistent = {k for k in wanted if not _is_buffer(model, k)}
+    if persistent - hit:
+        raise ValueError(f"{model_dir}: no checkpoint tensor found for {sorted(persistent - hit)[:8]}")
+    return found
+
+
+def _is_buffer(model: nn.Module, name: str) -> bool:
+    module, _, leaf = name.rpartition(".")
+    return leaf in dict(model.get_submodule(module).named_buffers(recurse=False))
+
+
+def _checkpoint_names(model_dir: Path) -> dict[str, list[str]]:
+    """Shard file -> tensor names, from the safetensors index or the files' headers."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        by_file: dict[str, list[str]] = {}
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            by_file.setdefault(file, []).append(name)
+        return by_file
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    out = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            out[path.name] = list(f.keys())
+    return out
+
+
+def vision_digest(model_dir: str | Path) -> str:
+    """blake2b over the model's configuration (all but the language model's) and every tensor the vision-only model
+    reads (name, dtype, shape, bytes): two checkpoints share it only if their towers and projectors compute the same
+    function."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps({k: v for k, v in config.items() if k != "text_config"}, sort_keys=True).encode())
+    shard_of = {name: shard for shard, names in vision_tensor_names(model_dir).items() for name in names}
+    with contextlib.ExitStack() as files:
+        opened = {shard: files.enter_context(safe_open(str(model_dir / shard), framework="pt"))
+                  for shard in set(shard_of.values())}
+        for name in sorted(shard_of):  # by name: however the checkpoint is sharded
+            part = opened[shard_of[name]].get_slice(name)
+            tensor = part[:] if part.get_shape() else part[()]
+            digest.update(f"{name}|{part.get_dtype()}|{list(part.get_shape())}\0".encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def vision_shards(model_dir: str | Path) -> list[str] | None:
+    """The shard files holding the vision-only model's tensors, from the checkpoint's safetensors index (only the
+    configs and the index need be present); None without an index (one file holds everything)."""
+    if not (Path(model_dir) / "model.safetensors.index.json").exists():
+        return None
+    return sorted(vision_tensor_names(model_dir))
+
+
+def check_generic(model_dir: str | Path, hand_written: Iterable[str]) -> None:
+    """ValueError unless the generic path can serve `model_dir`, saying what it needs and which families Eric serves:
+    a config transformers reads, an image-text-to-text class for it, and the checkpoint's processor files."""
+    import transformers
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    served = (f"Eric serves {sorted(hand_written)} with hand-written towers, and any image-text-to-text checkpoint "
+              f"transformers {transformers.__version__} supports through its generic path (families whose row layout "
+              f"was read from vLLM's model: {sorted(LAYOUTS)})")
+    try:
+        config = hf_config(model_dir)
+    except (ValueError, KeyError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"unsupported model_type {model_type!r}: transformers cannot read its config ({reason}); "
+                         f"{served}") from None
+    if model_class(config) is None:
+        raise ValueError(f"unsupported model_type {model_type!r}: transformers has no AutoModelForImageTextToText "
+                         f"class for it; {served}")
+    if not any((Path(model_dir) / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
+        raise ValueError(f"unsupported model_type {model_type!r} checkpoint: {model_dir} has no processor_config.json "
+                         f"or preprocessor_config.json, and the generic path runs the checkpoint's own HF processor; "
+                         f"{served}")

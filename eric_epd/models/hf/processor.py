@@ -1,0 +1,126 @@
+"""The model's own HF processor as Eric's modality processor: one image in, the named tensors `get_image_features`
+takes (packed into one float32 frame) and the number of rows vLLM's placeholder holds for it."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from eric_epd.models.hf.adapters import layout_for
+from eric_epd.models.hf.loader import hf_config
+from eric_epd.models.hf.tensors import TensorSpec, pack_tensors
+from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
+
+logger = logging.getLogger(__name__)
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+"""The checkpoint files holding the processor's settings (hashed into every item's content hash)."""
+
+
+@dataclass(frozen=True)
+class HFProcessedItem(ProcessedItem):
+    """An item of the generic path: `pixel_values` is its flat float32 frame, `tensors` says what it holds."""
+
+    tensors: tuple[TensorSpec, ...] = ()
+    cost: int = 1
+    """What the batch cap counts: the frame's values in input patches of the tower (see values_per_patch)."""
+
+
+class HFImageProcessor(BaseModalityProcessor):
+    """Runs the checkpoint's processor on one image with the text that stands for an image, as vLLM does; the rows
+    are the image tokens it expands that text into (the count transformers' own forward checks the features
+    against). Thread-safe: each thread works on its own copy of the processor (its tokenizer is stateful)."""
+
+    modalities = ("image",)
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoProcessor
+
+        config = hf_config(model_dir)
+        self._processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        image_processor = getattr(self._processor, "image_processor", None)
+        if image_processor is None:
+            raise ValueError(f"{model_dir}: the checkpoint's processor ({type(self._processor).__name__}) has no "
+                             "image processor; the generic path needs one")
+        layout = layout_for(config.model_type)
+        self._placeholder: str = getattr(self._processor, layout.placeholder, None) or ""
+        self._token_id: int | None = getattr(config, "image_token_id", None)
+        if not self._placeholder or self._token_id is None:
+            raise ValueError(f"{model_dir}: cannot tell where images go in the text (processor.{layout.placeholder}="
+                             f"{self._placeholder!r}, config image_token_id={self._token_id})")
+        self._names = frozenset(image_processor.model_input_names)
+        self.values_per_cost = values_per_patch(config)
+        self._local = threading.local()
+        self._fingerprint = _fingerprint(Path(model_dir), self._processor)
+
+    def _mine(self) -> Any:
+        """This thread's copy of the processor."""
+        processor = getattr(self._local, "processor", None)
+        if processor is None:
+            processor = self._local.processor = copy.deepcopy(self._processor)
+        return processor
+
+    def process_image(self, image: Image.Image) -> HFProcessedItem:
+        """One image through the checkpoint's own processor: its named tensors and the rows it will give."""
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        out = self._mine()(text=[self._placeholder], images=[image], return_tensors="pt")
+        rows = int((out["input_ids"] == self._token_id).sum())
+        if rows < 1:
+            raise ValueError("the processor gave this image no image tokens")
+        tensors = {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}
+        specs, frame = pack_tensors(tensors)
+        grid = tensors.get("image_grid_thw")
+        grid_thw = tuple(int(v) for v in grid.reshape(-1)[:3]) if grid is not None else (1, 1, rows)
+        return HFProcessedItem("image", frame, grid_thw, rows, tensors=specs,  # type: ignore[arg-type]
+                               cost=cost_of(frame.size, self.values_per_cost))
+
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
+                      seconds: Sequence[float] | None = None) -> ProcessedItem:
+        """Videos are not on the generic path yet (Eric's router refuses them with a 400 before this)."""
+        raise ValueError("the generic path serves images only")
+
+    def fingerprint(self, modality: str) -> bytes:
+        """What names the processor's output in content hashes (its config files and effective settings)."""
+        return self._fingerprint
+
+
+def values_per_patch(config: Any) -> int:
+    """Float32 values in one input patch of the tower (3 x patch^2): the unit of an item's cost, so the batch cap
+    (--max-batch-patches) means about what it means for the hand-written towers."""
+    patch = getattr(getattr(config, "vision_config", None), "patch_size", None) or 14
+    if isinstance(patch, dict):
+        patch = patch.get("height", 14)
+    if isinstance(patch, list | tuple):
+        patch = patch[0]
+    return 3 * int(patch) ** 2
+
+
+def cost_of(num_values: int, values_per_cost: int) -> int:
+    """An item's cost: its input values in whole input patches, at least one."""
+    return max(1, math.ceil(num_values / values_per_cost))
+
+
+def _fingerprint(model_dir: Path, processor: Any) -> bytes:
+    """Every processor setting that changes an item's tensors or row count: the processor files, the effective image
+    processor settings (class defaults included) and the transformers version whose code runs them."""
+    import transformers
+
+    h = hashlib.sha256(f"{type(processor).__name__}|{transformers.__version__}\0".encode())
+    for name in PROCESSOR_FILES:
+        path = model_dir / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"-") + b"\0")
+    h.update(json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
+    return h.digest()
