@@ -86,8 +86,9 @@ class ModelFacts:
         """The facts of a config.json already read (a model_type without a hand-written tower: the generic path's);
         ValueError for a hand-written family's config without a vision tower."""
         if is_generic(config):  # whether the generic path can serve it is checked by registry.check_servable
-            return cls(model_dir, str(config.get("model_type", "")), ("image",), embedding_width(config), 1, 0,
-                       generic=True, config=config)
+            width = int((config.get("text_config") or config).get("hidden_size", 0))  # 0: check_servable says why
+            return cls(model_dir, str(config.get("model_type", "")), ("image",), width, 1, 0, generic=True,
+                       config=config)
         model_type = str(config.get("model_type", ""))
         if "vision_config" not in config:
             raise ValueError(f"{model_dir}/config.json has no vision_config")

@@ -213,7 +213,8 @@ def test_vision_shards_alone_load_and_hash_alike(checkpoints: dict[str, Path], t
 def test_refusals(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """--tp > 1 on the generic path, and a model_type transformers does not know, fail at start and say why."""
     with pytest.raises(ValueError, match="--tp 1 only"):
-        encoder_workload(RuntimeConfig(model=checkpoints["glm4v"], tp_size=2), ModelFacts.from_checkpoint(checkpoints["glm4v"]))
+        glm = checkpoints["glm4v"]
+        encoder_workload(RuntimeConfig(model=glm, tp_size=2), ModelFacts.from_checkpoint(glm))
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     (unknown / "config.json").write_text('{"model_type": "no_such_vlm", "vision_config": {}}')
