@@ -49,8 +49,8 @@ def embedding_width(config: Mapping[str, Any]) -> int:
     transformers config's to_dict()): on the generic path the language model's hidden size; for a hand-written
     tower the merged token's width times (1 + DeepStack levels), the rows laid out [merged | level 1 | ... | level k]
     as the engines' own encoders produce them."""
-    if is_generic(config):
-        return int((config.get("text_config") or config)["hidden_size"])
+    if is_generic(config):  # 0 for a config without one: registry.check_servable then says what is missing
+        return int((config.get("text_config") or config).get("hidden_size", 0))
     vision = config.get("vision_config") or {}
     levels = len(vision.get("deepstack_visual_indexes") or ())
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)
@@ -86,9 +86,8 @@ class ModelFacts:
         """The facts of a config.json already read (a model_type without a hand-written tower: the generic path's);
         ValueError for a hand-written family's config without a vision tower."""
         if is_generic(config):  # whether the generic path can serve it is checked by registry.check_servable
-            width = int((config.get("text_config") or config).get("hidden_size", 0))  # 0: check_servable says why
-            return cls(model_dir, str(config.get("model_type", "")), ("image",), width, 1, 0, generic=True,
-                       config=config)
+            return cls(model_dir, str(config.get("model_type", "")), ("image",), embedding_width(config), 1, 0,
+                       generic=True, config=config)
         model_type = str(config.get("model_type", ""))
         if "vision_config" not in config:
             raise ValueError(f"{model_dir}/config.json has no vision_config")
