@@ -31,7 +31,7 @@ ANY_PORT = "eric-epd.io/any-port"
 # variable -> (Secret key, the workloads whose process reads it, the sources that read it)
 SECRET_VARS = {
     "ERIC_API_KEY": ("eric-api-key", {"eric", "vllm-prefill", "gateway"},
-                     ["eric_epd/eric/cli.py", "router/epd_gateway/config.py", "eric_epd/plugins/vllm/connector.py"]),
+                     ["eric_epd/eric/cli.py", "router/epd_gateway/config.py", "eric_epd/plugins/vllm/settings.py"]),
     "VLLM_API_KEY": ("engine-api-key", {"vllm-prefill", "vllm-decode", "gateway", "text-encoder"},
                      ["eric_epd/plugins/vllm/auth.py", "router/epd_gateway/config.py"]),
     "EPD_GATEWAY_API_KEY": ("gateway-api-key", {"gateway"}, ["router/epd_gateway/config.py"]),
@@ -185,7 +185,7 @@ def routes(command: list[str]) -> set[str]:
         app = "eric_epd/eric/app.py" if command[1] == "serve" else "eric_epd/geri/app.py"
         return grep(ROOT / "eric_epd/runtime/router.py", fastapi) | grep(ROOT / app, fastapi)
     if command[0] == "epd-gateway":
-        return grep(ROOT / "router/epd_gateway/app.py", r'Route\("([^"]+)", \w+, methods=\["GET"\]')
+        return grep(ROOT / "router/epd_gateway/routes.py", r'Route\("([^"]+)", self\.\w+, methods=\["GET"\]')
     if command[0] == "vllm":
         vllm = Path(importlib.util.find_spec("vllm").origin).parent
         return grep(vllm / "entrypoints/serve/instrumentator/health.py", fastapi)
