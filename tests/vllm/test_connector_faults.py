@@ -202,7 +202,8 @@ def _connector(producer, address: LandingAddress) -> EricECConnector:
         parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=2),
         instance_id=address.instance,
         model_config=SimpleNamespace(
-            hf_config=SimpleNamespace(to_dict=lambda: {"vision_config": {"hidden_size": WIDTH}})))
+            hf_config=SimpleNamespace(
+                to_dict=lambda: {"model_type": "qwen2_vl", "vision_config": {"hidden_size": WIDTH}})))
     return EricECConnector(config, ECConnectorRole.SCHEDULER)  # type: ignore[arg-type]
 
 
