@@ -1,0 +1,82 @@
+"""The generic-path families through the gateway and real `vllm serve` behind Eric, one family after another (those
+eric_epd/checkpoints/support.py says this module proves): several images of different sizes go EPD as their media,
+keyed by Eric's content hash, so vLLM's own processor lays out each placeholder and the connector fills it with
+Eric's rows (vLLM's encoder stays idle); the answer is token for token the one the same vLLM gives with its own
+encoder (up to the first near tie: two towers' float sums)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from eric_epd.checkpoints.families import ensure_family_checkpoint
+from eric_epd.checkpoints.support import vllm_proven
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.media import data_url, image_bytes, random_image
+from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
+
+pytestmark = pytest.mark.exactness
+
+SIZES = ((96, 64), (48, 80), (130, 100))
+"""Wide, tall and larger than a tile: every family lays them out differently."""
+MAX_TOKENS = 8
+
+
+class _Counting(SimpleHTTPRequestHandler):
+    gets: list[str]
+
+    def do_GET(self) -> None:
+        self.gets.append(self.path)
+        super().do_GET()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The images as PNG bytes; the first is also served over http (the gateway fetches it, counted here)."""
+    root = tmp_path_factory.mktemp("media")
+    pngs = [image_bytes(random_image(w, h, seed=700 + i)) for i, (w, h) in enumerate(SIZES)]
+    (root / "first.png").write_bytes(pngs[0])
+    gets: list[str] = []
+    handler = type("Handler", (_Counting,), {"gets": gets})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield {"pngs": pngs, "url": f"http://127.0.0.1:{server.server_address[1]}/first.png", "gets": gets}
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module", params=vllm_proven("tests/vllm/test_generic_families.py"))
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path):
+    """One family's Eric, `vllm serve` behind it and the gateway; stopped before the next family starts."""
+    model = ensure_family_checkpoint(request.param)
+    with colocated_epd_stack(model, tmp_path_factory.mktemp(f"{request.param}-epd")) as servers:
+        yield {**servers, "family": request.param}
+
+
+def _counter(url: str, name: str) -> float:
+    return metric(url, f"vllm:eric_ec_{name}_total")
+
+
+def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
+    gw, vllm, family = stack["gateway"].url, stack["vllm"], stack["family"]
+    inline = [data_url(png) for png in media["pngs"]]
+    before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
+    direct, _ = ask_token_ids(vllm.url, image_messages(inline), key=vllm.api_key, max_tokens=MAX_TOKENS)
+    assert wait_for(lambda: _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3)
+
+    fetched = len(media["gets"])
+    epd, path = ask_token_ids(gw, image_messages([media["url"], *inline[1:]]), max_tokens=MAX_TOKENS)
+    assert path == "epd"
+    assert len(media["gets"]) == fetched + 1  # the gateway fetched it once; Eric and vLLM got its data: URL
+    assert wait_for(lambda: _counter(vllm.url, "loaded_items") == before["loaded_items"] + 3)
+    assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3  # vLLM's encoder: idle
+    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
