@@ -38,18 +38,25 @@ class _Counting(SimpleHTTPRequestHandler):
         pass
 
 
+def _pngs(seed: int) -> list[bytes]:
+    return [image_bytes(random_image(w, h, seed=seed + i)) for i, (w, h) in enumerate(SIZES)]
+
+
 @pytest.fixture(scope="module")
 def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """The images as PNG bytes; the first is also served over http (the gateway fetches it, counted here)."""
+    """Two sets of images of the same sizes (the same prompt tokens, other content); the first image of each set is
+    also served over http (the gateway fetches it, counted here)."""
     root = tmp_path_factory.mktemp("media")
-    pngs = [image_bytes(random_image(w, h, seed=700 + i)) for i, (w, h) in enumerate(SIZES)]
-    (root / "first.png").write_bytes(pngs[0])
+    sets = [_pngs(700), _pngs(800)]
+    for n, pngs in enumerate(sets):
+        (root / f"{n}.png").write_bytes(pngs[0])
     gets: list[str] = []
     handler = type("Handler", (_Counting,), {"gets": gets})
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield {"pngs": pngs, "url": f"http://127.0.0.1:{server.server_address[1]}/first.png", "gets": gets}
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    yield {"sets": sets, "urls": [f"{base}/{n}.png" for n in range(len(sets))], "gets": gets}
     server.shutdown()
     server.server_close()
 
@@ -66,17 +73,26 @@ def _counter(url: str, name: str) -> float:
     return metric(url, f"vllm:eric_ec_{name}_total")
 
 
-def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
-    gw, vllm, family = stack["gateway"].url, stack["vllm"], stack["family"]
-    inline = [data_url(png) for png in media["pngs"]]
-    before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
-    direct, _ = ask_token_ids(vllm.url, image_messages(inline), key=vllm.api_key, max_tokens=MAX_TOKENS)
-    assert wait_for(lambda: _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3)
+def _reaches(url: str, name: str, value: float) -> bool:
+    """Whether the connector's counter `name` comes to `value` (vLLM publishes its stats a moment later)."""
+    return wait_for(lambda: _counter(url, name) == value)
 
-    fetched = len(media["gets"])
-    epd, path = ask_token_ids(gw, image_messages([media["url"], *inline[1:]]), max_tokens=MAX_TOKENS)
-    assert path == "epd"
-    assert len(media["gets"]) == fetched + 1  # the gateway fetched it once; Eric and vLLM got its data: URL
-    assert wait_for(lambda: _counter(vllm.url, "loaded_items") == before["loaded_items"] + 3)
-    assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3  # vLLM's encoder: idle
-    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
+
+def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
+    """Each set first straight to vLLM (its own encoder), then through the gateway (Eric's rows). The second set's
+    prompt has the first's tokens with other images: vLLM's prefix and encoder caches, keyed by content (Eric's
+    hash, or vLLM's own), serve none of the first set's work to it."""
+    gw, vllm, family = stack["gateway"].url, stack["vllm"], stack["family"]
+    for pngs, url in zip(media["sets"], media["urls"], strict=True):
+        inline = [data_url(png) for png in pngs]
+        before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
+        direct, _ = ask_token_ids(vllm.url, image_messages(inline), key=vllm.api_key, max_tokens=MAX_TOKENS)
+        assert _reaches(vllm.url, "local_encoder_items", before["local_encoder_items"] + 3)
+
+        fetched = len(media["gets"])
+        epd, path = ask_token_ids(gw, image_messages([url, *inline[1:]]), max_tokens=MAX_TOKENS)
+        assert path == "epd"
+        assert len(media["gets"]) == fetched + 1  # fetched once by the gateway; Eric and vLLM got its data: URL
+        assert _reaches(vllm.url, "loaded_items", before["loaded_items"] + 3)
+        assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3  # idle for EPD
+        assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
