@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eric_epd.checkpoints.families import ensure_family_checkpoint
-from eric_epd.checkpoints.support import vllm_proven
+from eric_epd.checkpoints.support import GENERIC_VLLM, vllm_proven
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import data_url, image_bytes, random_image
 from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
@@ -61,7 +61,7 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     server.server_close()
 
 
-@pytest.fixture(scope="module", params=vllm_proven("tests/vllm/test_generic_families.py"))
+@pytest.fixture(scope="module", params=vllm_proven(GENERIC_VLLM))
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path):
     """One family's Eric, `vllm serve` behind it and the gateway; stopped before the next family starts."""
     model = ensure_family_checkpoint(request.param)
