@@ -23,14 +23,17 @@ from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 2  # bump when the output of build_family_checkpoint changes
+BUILDER_VERSION = 3  # bump when the output of build_family_checkpoint changes
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
 """The tiny language model every family shares: heads of 32 (vLLM's CPU attention takes 32 and up)."""
 SIGLIP = dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=2, image_size=64, patch_size=16)
-"""A 64-pixel SigLIP tower: 4x4 patches of 16 pixels."""
+              num_attention_heads=2, image_size=64, patch_size=16, vision_use_head=False)
+"""A 64-pixel SigLIP tower: 4x4 patches of 16 pixels; no pooling head (as Gemma 3's and LLaVA-OneVision's)."""
+RELEASED_SIGLIP = {"vision_tower.": "vision_tower.vision_model."}
+"""transformers 5 saves a SigLIP tower without the `vision_model` level that released checkpoints have (it reads
+both); vLLM reads only the released names ("no module or parameter named 'vision_tower.embeddings'")."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Family:
     chat_template: str
     make: Callable[[Any, dict[str, int], int, float], tuple[Any, Any]]
     """(tokenizer, token ids, vocab size, init std) -> (model config, processor)."""
+    released: dict[str, str] = field(default_factory=dict)
+    """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
 
 
 def _template(user: str, assistant: str, end: str, image: str, bos: str = "") -> str:
@@ -279,7 +284,8 @@ LLAMA4 = Tokens(("<|begin_of_text|>", "<|eot|>", "<|finetune_right_pad|>", "<|he
 
 def _llama4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
     """Llama 4's tower at 16-pixel patches on 64-pixel tiles, pixel shuffle 0.5 (4 tokens a tile), up to 4 tiles
-    and a global one; a mixture-of-experts language model of 2 experts."""
+    and a global one; a mixture-of-experts language model of 2 experts whose chunked attention spans 128 tokens
+    (vLLM's CPU blocks are 128: "attn_chunk_size 64 is not divisible by block_size 128")."""
     from transformers import Llama4Config, Llama4ImageProcessor, Llama4Processor
 
     cfg = Llama4Config(
@@ -288,7 +294,7 @@ def _llama4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple
                        "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5, "initializer_range": init_std,
                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
         text_config={**_text(vocab, ids, LLAMA4, init_std), "intermediate_size_mlp": 128, "num_local_experts": 2,
-                     "num_experts_per_tok": 1, "attention_chunk_size": 64},
+                     "num_experts_per_tok": 1, "attention_chunk_size": 128},
         boi_token_index=ids["<|image_start|>"], eoi_token_index=ids["<|image_end|>"],
         image_token_index=ids["<|patch|>"])
     cfg.architectures = ["Llama4ForConditionalGeneration"]
@@ -298,11 +304,11 @@ def _llama4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple
 
 FAMILIES: dict[str, Family] = {
     "gemma3": Family(GEMMA3, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
-                                       "<start_of_image>", "{{ bos_token }}"), _gemma3),
+                                       "<start_of_image>", "{{ bos_token }}"), _gemma3, RELEASED_SIGLIP),
     "internvl": Family(INTERNVL, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                                            "<IMG_CONTEXT>\n"), _internvl),
     "llava_onevision": Family(QWEN_CHAT, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
-                                                   "<image>\n"), _llava_onevision),
+                                                   "<image>\n"), _llava_onevision, RELEASED_SIGLIP),
     "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),
     "glm4v": Family(GLM4V, _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
                                      "[gMASK]<sop>"), _glm4v),
@@ -336,6 +342,7 @@ def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int =
     model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
     _jitter_constants(model, init_std)
     model.save_pretrained(out, safe_serialization=True)
+    _rename_tensors(out / "model.safetensors", spec.released)
     GenerationConfig(eos_token_id=ids[spec.tokens.eos], pad_token_id=ids[spec.tokens.pad],
                      do_sample=False).save_pretrained(out)
     processor.chat_template = spec.chat_template
@@ -354,6 +361,19 @@ def _jitter_constants(model: torch.nn.Module, std: float) -> None:
             flat = param.reshape(-1)
             if flat.numel() and bool((flat == flat[0]).all()):
                 param.add_(torch.randn_like(param) * std)
+
+
+def _rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
+    """Rename the saved tensors whose names start with a key of `prefixes` (one file: the checkpoints are tiny)."""
+    if not prefixes:
+        return
+    from safetensors.torch import load_file, save_file
+
+    def renamed(name: str) -> str:
+        old = next((p for p in prefixes if name.startswith(p)), None)
+        return name if old is None else prefixes[old] + name[len(old):]
+
+    save_file({renamed(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
 
 
 def _with_chat_template(out: Path, template: str) -> None:

@@ -34,7 +34,7 @@ from eric_epd.runtime.router import add_status_routes, connected_client, install
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import transfer_routes
-from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem
+from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> EncodeItem
     return EncodeItem(item_id, modality, url)
 
 
-def encoded_item(answer: ItemAnswer) -> EncodedItem:
-    """The wire form of one answered item."""
+def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:
+    """The wire form of one answered item, placed by the engine as `placement` says (ModelFacts.placement)."""
     handle, item = answer.handle, answer.prepared.item
     return EncodedItem(
         id=answer.request.id, modality=answer.request.modality, hash=handle.hash, shape=list(handle.shape),
         dtype=handle.dtype, num_tokens=item.num_tokens, grid_thw=list(item.grid_thw), handle=handle,
         second_per_grid_ts=item.second_per_grid_ts,
-        timestamps=list(item.timestamps) if item.timestamps is not None else None)
+        timestamps=list(item.timestamps) if item.timestamps is not None else None, placement=placement)
 
 
 def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[[], bool], hub: TransferHub
@@ -90,6 +90,7 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
     # width and dtype of the encoder's output, known before any batch runs (to reserve pool space)
     spec = OutputSpec(facts.embedding_width, facts.output_dtype(config.dtype))
     model_name = str(config.model)
+    placement = facts.placement
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -150,8 +151,8 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
             return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
         start = time.perf_counter()
-        response = Response(msgspec.json.encode(EncodeAnswer(model_name, [encoded_item(a) for a in answers])),
-                            media_type="application/json")
+        answer = EncodeAnswer(model_name, [encoded_item(a, placement) for a in answers])
+        response = Response(msgspec.json.encode(answer), media_type="application/json")
         done = time.perf_counter()
         metrics.stages.observe("answer", done - start)
         metrics.overhead.observe(max(0.0, done - clock.start - clock.compute_seconds))
@@ -171,7 +172,8 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
     add_status_routes(app, state, is_engine_alive, {
-        "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype})
+        "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype,
+        "placement": placement})
 
     @app.get("/v1/load")
     async def load() -> Response:

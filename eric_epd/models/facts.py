@@ -11,6 +11,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from eric_epd.wire.eric import GRID, MEDIA, Placement
+
 TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
 """The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
@@ -96,6 +98,12 @@ class ModelFacts:
                * vision.get("patch_size", 14) ** 2)
         return cls(model_dir, model_type, TOWER_TYPES[model_type], embedding_width(config),
                    int(vision.get("spatial_merge_size", 2)), row, config=config)
+
+    @property
+    def placement(self) -> Placement:
+        """How the engine places this model's items (wire.eric.Placement): "media" on the generic path (the
+        engine's own processor computes the placeholder from the image), "grid" for a hand-written tower."""
+        return MEDIA if self.generic else GRID
 
     @property
     def merge_unit(self) -> int:

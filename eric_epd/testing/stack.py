@@ -18,14 +18,17 @@ def image_messages(urls: list[str], text: str = "Describe what you see.") -> lis
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, **kw):  # -> ChatCompletion
-    """A greedy chat completion through the official openai client (EOS ignored: fixed length)."""
+def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, raw: bool = False,
+        extra: dict | None = None, **kw):  # -> ChatCompletion, or its raw response (headers and all) with `raw`
+    """A greedy chat completion through the official openai client (EOS ignored: fixed length); `extra` adds
+    fields of vLLM's own to the body."""
     import openai
 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
     model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0.0,
-                                          extra_body={"ignore_eos": True}, **kw)
+    completions = client.chat.completions.with_raw_response if raw else client.chat.completions
+    return completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0.0,
+                              extra_body={"ignore_eos": True, **(extra or {})}, **kw)
 
 
 def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10,
@@ -38,6 +41,15 @@ def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens:
     steps = [step for chunk in answer if chunk.choices and chunk.choices[0].logprobs
              for step in chunk.choices[0].logprobs.content or []]
     return Greedy.of_steps([s.token for s in steps], [[c.logprob for c in s.top_logprobs] for s in steps])
+
+
+def ask_token_ids(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10,
+                  ) -> tuple[Greedy, str | None]:
+    """ask_greedy by token ids (vLLM's `return_token_ids`), and the path the gateway took (its `x-epd-path`
+    header; None from an engine asked directly)."""
+    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, raw=True, extra={"return_token_ids": True},
+                 logprobs=True, top_logprobs=2)
+    return greedy_of_openai(answer.parse().choices[0]), answer.headers.get("x-epd-path")
 
 
 def gateway_paths(gateway_url: str) -> dict[str, float]:

@@ -3,9 +3,19 @@ Eric parses and answers with these, the gateway builds and decodes them."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from eric_epd.wire.handles import EmbeddingHandle
+
+Placement = Literal["grid", "media"]
+"""How the engine places an item's rows in the prompt. "grid": from metadata alone (the Qwen families: vLLM's
+metadata-only `image_embeds`/`video_embeds` part carries the grid, and its placeholder follows from it). "media": from
+the media itself (the generic path: the engine gets the image, as a data: URL, with the content hash as its `uuid`;
+its own processor computes the placeholder and the connector fills it with Eric's rows)."""
+GRID: Placement = "grid"
+MEDIA: Placement = "media"
 
 
 class EncodeItem(msgspec.Struct, frozen=True):
@@ -24,7 +34,8 @@ class EncodeBody(msgspec.Struct, frozen=True):
 
 class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     """One encoded item: where its embedding rows wait ([num_tokens, width] of `dtype`) and how the engine places
-    them (grid, and for videos the seconds per temporal patch and the sampled frames' timestamps)."""
+    them (`placement`; for "grid" the grid, and for videos the seconds per temporal patch and the sampled frames'
+    timestamps)."""
 
     id: str
     modality: str
@@ -36,6 +47,8 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     handle: EmbeddingHandle
     second_per_grid_ts: float | None = None
     timestamps: list[float] | None = None
+    placement: Placement = GRID
+    """Left out on the wire when "grid" (what every Eric answered before the generic path)."""
 
 
 class EncodeAnswer(msgspec.Struct, frozen=True):
@@ -43,6 +56,18 @@ class EncodeAnswer(msgspec.Struct, frozen=True):
 
     model: str
     items: list[EncodedItem]
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    """What the gateway reads of an Eric's GET /v1/models card (other fields ignored): what it encodes, and how the
+    engine places its items (known before any encode: the gateway inlines the media first when they go as media)."""
+
+    modalities: list[str]
+    placement: Placement = GRID
+
+
+class _Models(msgspec.Struct, frozen=True):
+    data: list[ModelCard]
 
 
 def encode_body(items: list[EncodeItem]) -> bytes:
@@ -53,3 +78,12 @@ def encode_body(items: list[EncodeItem]) -> bytes:
 def decode_answer(content: bytes) -> EncodeAnswer:
     """An Eric's answer, checked against the schema (msgspec.ValidationError or DecodeError otherwise)."""
     return msgspec.json.decode(content, type=EncodeAnswer)
+
+
+def decode_card(content: bytes) -> ModelCard:
+    """The first card of an Eric's GET /v1/models answer (msgspec.ValidationError or DecodeError otherwise; an empty
+    list is a ValidationError too)."""
+    cards = msgspec.json.decode(content, type=_Models).data
+    if not cards:
+        raise msgspec.ValidationError("GET /v1/models lists no model")
+    return cards[0]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import MediaError, UrlPolicy
+from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import handles_xargs
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
@@ -94,17 +95,31 @@ def one_lease_per_content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return spare
 
 
+def inlined_refs(body: dict[str, Any], refs: list[MediaRef]) -> list[MediaRef]:
+    """`refs` as they stand in `body`, the request with its media inlined (inline.RawBody): each URL the data: URL
+    the engine will get, so an Eric encodes those very bytes and nobody fetches the client's URL twice."""
+    return [replace(ref, url=_part_url(body["messages"][ref.message]["content"][ref.part], f"{ref.modality}_url",
+                                       f"messages[{ref.message}].content[{ref.part}]")) for ref in refs]
+
+
 def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A copy of the request whose media parts are metadata-only embeds parts keyed by Eric's content hash (the
-    gateway mints every uuid, from content Eric encoded), with the handles and their lease tokens beside it."""
+    """A copy of the request whose media parts are keyed by Eric's content hash (the gateway mints every uuid, from
+    content Eric encoded), with the handles and their lease tokens beside it. An item placed by its grid becomes a
+    metadata-only embeds part; an item placed by its media (the generic path) keeps its part as it is in `body`,
+    which then has its media inlined, and gains the uuid: the engine's own processor lays out its placeholder and
+    the connector fills it with Eric's rows."""
     out = dict(body)
     out["messages"] = copy.deepcopy(body["messages"])
     for ref, item in zip(refs, items, strict=True):
+        content = out["messages"][ref.message]["content"]
+        if item.get("placement", GRID) == MEDIA:
+            content[ref.part] = {**content[ref.part], "uuid": item["hash"]}
+            continue
         kind = f"{ref.modality}_embeds"
         fields: dict[str, Any] = {f"{ref.modality}_grid_thw": item["grid_thw"]}
         if "timestamps" in item:  # Qwen3-VL videos: vLLM writes each temporal step's time into the prompt
             fields["timestamps"] = item["timestamps"]
-        out["messages"][ref.message]["content"][ref.part] = {"type": kind, kind: fields, "uuid": item["hash"]}
+        content[ref.part] = {"type": kind, kind: fields, "uuid": item["hash"]}
     first: dict[str, Any] = {}
     for item in items:
         first.setdefault(item["hash"], item["handle"])

@@ -18,7 +18,7 @@ from epd_gateway.loadcheck import Completions, believed_load
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.common.errors import ApiError
-from eric_epd.wire.eric import EncodeItem, decode_answer, encode_body
+from eric_epd.wire.eric import GRID, MEDIA, EncodeItem, Placement, decode_answer, decode_card, encode_body
 from eric_epd.wire.handles import LEASE_HEADER, AckBody, is_content_hash
 from eric_epd.wire.load import LoadReport
 
@@ -40,7 +40,9 @@ class EncoderState:
     failures: int = 0
     inflight: int = 0
     modalities: frozenset[str] | None = None
-    """What it encodes (from its /v1/models), learnt on first need; None until known."""
+    """What it encodes (from its /v1/models card), learnt on first need; None until known, empty if unreadable."""
+    placement: Placement = GRID
+    """How the engine places its items (its card's `placement`; "grid" until known or if unreadable)."""
     load: LoadReport | None = None
     """Its last /v1/load answer (read with each health probe); None until it answered one."""
     inflight_items: int = 0
@@ -170,21 +172,31 @@ class EncoderPool:
     async def serve(self, modalities: set[str]) -> bool:
         """Whether every healthy encoder encodes all these modalities (a model's encoder may serve images but not
         videos yet); an encoder whose list cannot be read is taken to serve them (its answer will tell)."""
-        for member in self.healthy():
-            if member.modalities is None:
-                member.modalities = await self._modalities(member.url)
-            if member.modalities and not modalities <= member.modalities:
-                return False
-        return True
+        return all(not m.modalities or modalities <= m.modalities for m in await self._carded())
 
-    async def _modalities(self, url: str) -> frozenset[str]:
+    async def places_media(self) -> bool:
+        """Whether a healthy encoder's items go to the engine as their media (placement "media", the generic path):
+        the gateway then inlines the media before encoding and sends the Eric the data: URLs the engine gets."""
+        return any(member.placement == MEDIA for member in await self._carded())
+
+    async def _carded(self) -> list[EncoderState]:
+        """The healthy encoders, each with its /v1/models card read (once: on first need)."""
+        healthy = self.healthy()
+        for member in healthy:
+            if member.modalities is None:
+                await self._read_card(member)
+        return healthy
+
+    async def _read_card(self, member: EncoderState) -> None:
         try:
-            resp = await self._client.get(f"{url}/v1/models", timeout=self._timeout)
+            resp = await self._client.get(f"{member.url}/v1/models", timeout=self._timeout)
             resp.raise_for_status()
-            return frozenset(str(m) for m in resp.json()["data"][0]["modalities"])
+            card = decode_card(resp.content)
         except Exception as e:  # unknown: the encode call itself decides
-            logger.warning("encoder %s: cannot read its modalities: %r", url, e)
-            return frozenset()
+            logger.warning("encoder %s: cannot read its model card: %r", member.url, e)
+            member.modalities = frozenset()
+            return
+        member.modalities, member.placement = frozenset(card.modalities), card.placement
 
     def choose(self, key: bytes, exclude: set[str]) -> EncoderState | None:
         """Where to encode the item with this key: the Eric that last answered it (it holds the embedding in its

@@ -17,7 +17,9 @@ from starlette.responses import Response, StreamingResponse
 from epd_gateway.boundary import check_messages, check_request_fields
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import (
+    MediaRef,
     collect_media,
+    inlined_refs,
     one_lease_per_content,
     remote_hosts,
     vllm_can_place,
@@ -33,6 +35,7 @@ from epd_gateway.upstream import Upstreams
 from eric_epd.common.errors import ApiError, parse_body, read_body
 from eric_epd.common.jsonbody import MAX_ID
 from eric_epd.media.url_policy import MediaError
+from eric_epd.wire.eric import MEDIA
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ class Gateway:
             logger.info("the encoders do not encode every modality of this request; the engine encodes it")
             return "pd", await self._plain(plain, headers)
         try:
-            items, fanout = await self.encoders.encode(refs)
+            items, fanout = await self.encoders.encode(await self._as_encoded(plain, refs))
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return "fallback", await self._plain(plain, headers)
@@ -120,8 +123,13 @@ class Gateway:
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
             await self.encoders.release(items)
             return "fallback", await self._plain(plain, headers)
+        try:  # items placed by their media keep them: the inlined body (fetched before encoding, see _as_encoded)
+            source = (await plain.get())[0] if any(i.get("placement") == MEDIA for i in items) else body
+        except BaseException:
+            await asyncio.shield(self.encoders.release(items))
+            raise
         start = time.perf_counter()
-        rewritten = with_embeddings(body, refs, items)
+        rewritten = with_embeddings(source, refs, items)
         self.metrics.stages.observe("rewrite", time.perf_counter() - start)
         try:
             response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
@@ -137,6 +145,16 @@ class Gateway:
             self.metrics.failovers.inc()
             return "fallback", await self._plain(plain, headers)
         return "epd", response
+
+    async def _as_encoded(self, plain: RawBody, refs: list[MediaRef]) -> list[MediaRef]:
+        """The refs to send the Erics: the client's URLs, or where the engine gets the media itself (placement
+        "media", the generic path) the data: URLs it will get, inlined here once (the same bytes encoded and sent)."""
+        if not await self.encoders.places_media():
+            return refs
+        start = time.perf_counter()
+        body, _ = await plain.get()
+        self.metrics.stages.observe("inline", time.perf_counter() - start)
+        return inlined_refs(body, refs)
 
     async def _plain(self, plain: RawBody, headers: dict[str, str], sglang_epd: bool = False) -> Response:
         """The engines' own path: the request with its remote media fetched here and inlined as data: URLs."""

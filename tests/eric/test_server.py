@@ -49,6 +49,7 @@ def test_models_and_health(eric: EricServer) -> None:
     assert httpx.get(eric.url + "/v1/models").status_code == 401  # the key is needed, /health is open
     models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert models["tp_size"] == 2 and set(models["modalities"]) == {"image", "video"}
+    assert models["placement"] == "grid"  # the engine places a Qwen item by its grid (a metadata-only part)
     health = httpx.get(eric.url + "/health")
     assert health.status_code == 200 and len(health.json()["worker_pids"]) == 2
 
@@ -62,6 +63,7 @@ def test_encode_matches_transformers(eric: EricServer, qwen2_vl_tiny: Path) -> N
     assert resp.status_code == 200, resp.text
     item = resp.json()["items"][0]
     assert item["id"] == "cat" and len(item["hash"]) == 64 and item["dtype"] == "float32"
+    assert "placement" not in item  # "grid", left out: the answer Eric gave before the generic path
     fetched = _fetch(eric, item)
     assert fetched.status_code == 200
     ours = load_safetensors(fetched.content)["embedding"]

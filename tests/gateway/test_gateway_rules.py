@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from epd_gateway.boundary import STEERING_FIELDS, check_messages, check_request_fields
-from epd_gateway.content import collect_media, vllm_can_place, with_embeddings
+from epd_gateway.content import collect_media, inlined_refs, vllm_can_place, with_embeddings
 from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
 
 from eric_epd.common.errors import ApiError
@@ -48,6 +48,30 @@ def test_media_parts_are_counted_and_rewritten_to_keyed_embeds() -> None:
     assert body == _body()  # the client's request is not modified
     with pytest.raises(ApiError, match="too many media items"):
         collect_media(body, POLICY, max_items=1)
+
+
+def test_items_placed_by_their_media_keep_the_inlined_part_with_the_hash_as_uuid() -> None:
+    """The generic path: the part stays the media (the inlined body's data: URL, never the client's URL) and gains
+    the uuid; a grid-placed item beside it still becomes a metadata-only part."""
+    body = _body()
+    refs = collect_media(body, POLICY, max_items=4)
+    inlined = json.loads(json.dumps(body))
+    inlined["messages"][1]["content"][2]["video_url"]["url"] = "data:application/octet-stream;base64,BBBB"
+    sent = inlined_refs(inlined, refs)
+    assert [r.url for r in sent] == ["data:image/png;base64,AAAA", "data:application/octet-stream;base64,BBBB"]
+    assert [(r.message, r.part, r.modality) for r in sent] == [(r.message, r.part, r.modality) for r in refs]
+    items = [{"hash": "a" * 64, "grid_thw": [1, 1, 4], "placement": "media", "handle": {"lease": "token-a"}},
+             {"hash": "b" * 64, "grid_thw": [2, 4, 4], "handle": {"lease": "token-b"}}]
+    out = with_embeddings(inlined, refs, items)
+    assert out["messages"][1]["content"][0] == {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, "uuid": "a" * 64}
+    assert out["messages"][1]["content"][2] == {
+        "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]}, "uuid": "b" * 64}
+    assert [h["lease"] for h in json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])] == ["token-a", "token-b"]
+    items[1]["placement"] = "media"
+    kept = with_embeddings(inlined, refs, items)["messages"][1]["content"][2]
+    assert kept == {"type": "video_url", "video_url": {"url": "data:application/octet-stream;base64,BBBB"},
+                    "uuid": "b" * 64}
 
 
 def test_vllm_places_videos_only_at_one_second_per_grid_step() -> None:

@@ -230,11 +230,12 @@ def test_server_answers_transformers_rows(checkpoints: dict[str, Path], referenc
     with EricServer(checkpoints["llava_onevision"], log_path=tmp_path / "eric.log",
                     extra_args=("--dtype", "float32")) as eric:
         models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
-        assert models["modalities"] == ["image"]
+        assert models["modalities"] == ["image"] and models["placement"] == "media"
         items = [{"id": str(i), "modality": "image", "url": data_url(image_bytes(image))}
                  for i, image in enumerate(_images())]
         resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
         assert resp.status_code == 200, resp.text
+        assert all(item["placement"] == "media" for item in resp.json()["items"])  # vLLM gets the image itself
         for answer, ref in zip(resp.json()["items"], references["llava_onevision"]):
             assert answer["num_tokens"] == answer["shape"][0] == ref["rows"].shape[0]
             handle = answer["handle"]

@@ -21,7 +21,9 @@ _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_emb
 
 def has_raw_media(feature: Any) -> bool:
     """True if vLLM can encode this item itself (its pixels came with the request, or its processor cache has
-    them); False for a metadata-only item (grid but no pixels), which only an Eric can serve."""
+    them); False for a metadata-only item (grid but no pixels), which only an Eric can serve. Asked only of an item
+    without an Eric handle: one with a handle is loaded from Eric even when its media came too (placement "media",
+    the generic path, where vLLM's processor needs the image to lay out the placeholder)."""
     data = getattr(feature, "data", None)
     if data is None:
         return True

@@ -1,0 +1,88 @@
+"""Which test proves EPD for each family Eric serves, through each engine; with what the code serves (modalities,
+TP: models/facts.py) it makes the README's family table (`python -m eric_epd.checkpoints.support` prints it;
+tests/project/test_family_table.py checks the README and the families the checkpoint builders know against it)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from eric_epd.models.facts import TOWER_TYPES, is_generic
+
+
+@dataclass(frozen=True)
+class FamilySupport:
+    """One family: its name, its HF model_type, and the test proving EPD through each engine (a test module's
+    path), or why there is none (text that is not a path)."""
+
+    name: str
+    model_type: str
+    vllm: str
+    sglang: str
+
+    @property
+    def generic(self) -> bool:
+        """Served by Eric's generic path (transformers' own classes, images, TP 1), not a hand-written tower."""
+        return is_generic({"model_type": self.model_type})
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What Eric encodes for it."""
+        return ("image",) if self.generic else TOWER_TYPES[self.model_type]
+
+
+NO_SGLANG_GENERIC = "not tested (Eric's SGLang parts carry Qwen-style grids; no generic family has run behind SGLang)"
+QWEN_SGLANG_UNTESTED = "not tested (SGLang's Qwen path; no test runs this family)"
+GENERIC_VLLM = "tests/vllm/test_generic_families.py"
+
+FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
+    FamilySupport("Qwen2-VL", "qwen2_vl", "tests/vllm/test_vllm_plugin.py",
+                  "tests/sglang/test_sglang_adapter.py"),
+    FamilySupport("Qwen2.5-VL", "qwen2_5_vl", "tests/vllm/test_vllm_plugin_qwen25.py",
+                  "tests/sglang/test_sglang_adapter.py"),
+    FamilySupport("Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py",
+                  "tests/sglang/test_sglang_qwen3.py"),
+    FamilySupport("Qwen3-VL-MoE", "qwen3_vl_moe", "tests/gateway/test_gateway_qwen3.py",
+                  QWEN_SGLANG_UNTESTED),
+    FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", QWEN_SGLANG_UNTESTED),
+    FamilySupport("Qwen3.5-MoE", "qwen3_5_moe", "tests/gateway/test_gateway_qwen3.py",
+                  QWEN_SGLANG_UNTESTED),
+    FamilySupport("Gemma 3", "gemma3", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("Gemma 4", "gemma4", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("InternVL 3 (transformers layout)", "internvl", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("LLaVA-OneVision", "llava_onevision", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("Mistral 3", "mistral3", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("GLM-4.1V", "glm4v", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("Idefics3", "idefics3", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
+)
+"""Every family, hand-written towers first."""
+
+TABLE_HEADER = ("| family | model_type | image | video | Eric TP | EPD through vLLM | EPD through SGLang |\n"
+                "|---|---|---|---|---|---|---|")
+
+
+def is_proof(cell: str) -> bool:
+    """Whether a proof cell names a test module (else it says why there is none)."""
+    return cell.startswith("tests/") and cell.endswith(".py")
+
+
+def _cell(text: str) -> str:
+    return f"`{text}`" if is_proof(text) else text
+
+
+def family_table() -> str:
+    """The README's family table, in Markdown."""
+    rows = [f"| {f.name} | `{f.model_type}` | yes | {'yes' if 'video' in f.modalities else 'no'} | "
+            f"{'1 (generic path)' if f.generic else '1, 2'} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
+            for f in FAMILY_SUPPORT]
+    return "\n".join([TABLE_HEADER, *rows])
+
+
+def vllm_proven(path: str) -> list[str]:
+    """The model_types whose vLLM proof is the test module at `path`."""
+    return [f.model_type for f in FAMILY_SUPPORT if f.vllm == path]
+
+
+if __name__ == "__main__":
+    sys.stdout.write(family_table() + "\n")

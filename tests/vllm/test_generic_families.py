@@ -1,0 +1,98 @@
+"""The generic-path families through the gateway and real `vllm serve` behind Eric, one family after another (those
+eric_epd/checkpoints/support.py says this module proves): several images of different sizes go EPD as their media,
+keyed by Eric's content hash, so vLLM's own processor lays out each placeholder and the connector fills it with
+Eric's rows (vLLM's encoder stays idle); the answer is token for token the one the same vLLM gives with its own
+encoder (up to the first near tie: two towers' float sums)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from eric_epd.checkpoints.families import ensure_family_checkpoint
+from eric_epd.checkpoints.support import GENERIC_VLLM, vllm_proven
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.media import data_url, image_bytes, random_image
+from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
+
+pytestmark = pytest.mark.exactness
+
+SIZES = ((96, 64), (48, 80), (130, 100))
+"""Wide, tall and larger than a tile: every family lays them out differently."""
+MAX_TOKENS = 8
+
+
+class _Counting(SimpleHTTPRequestHandler):
+    gets: list[str]
+
+    def do_GET(self) -> None:
+        self.gets.append(self.path)
+        super().do_GET()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _pngs(seed: int) -> list[bytes]:
+    return [image_bytes(random_image(w, h, seed=seed + i)) for i, (w, h) in enumerate(SIZES)]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Two sets of images of the same sizes (the same prompt tokens, other content); the first image of each set is
+    also served over http (the gateway fetches it, counted here)."""
+    root = tmp_path_factory.mktemp("media")
+    sets = [_pngs(700), _pngs(800)]
+    for n, pngs in enumerate(sets):
+        (root / f"{n}.png").write_bytes(pngs[0])
+    gets: list[str] = []
+    handler = type("Handler", (_Counting,), {"gets": gets})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    yield {"sets": sets, "urls": [f"{base}/{n}.png" for n in range(len(sets))], "gets": gets}
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module", params=vllm_proven(GENERIC_VLLM))
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path):
+    """One family's Eric, `vllm serve` behind it and the gateway; stopped before the next family starts."""
+    model = ensure_family_checkpoint(request.param)
+    with colocated_epd_stack(model, tmp_path_factory.mktemp(f"{request.param}-epd")) as servers:
+        yield {**servers, "family": request.param}
+
+
+def _counter(url: str, name: str) -> float:
+    return metric(url, f"vllm:eric_ec_{name}_total")
+
+
+def _reaches(url: str, name: str, value: float) -> bool:
+    """Whether the connector's counter `name` comes to `value` (vLLM publishes its stats a moment later)."""
+    return wait_for(lambda: _counter(url, name) == value)
+
+
+def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
+    """Each set first straight to vLLM (its own encoder), then through the gateway (Eric's rows). The second set's
+    prompt has the first's tokens with other images: vLLM's prefix and encoder caches, keyed by content (Eric's
+    hash, or vLLM's own), serve none of the first set's work to it."""
+    gw, vllm, family = stack["gateway"].url, stack["vllm"], stack["family"]
+    for pngs, url in zip(media["sets"], media["urls"], strict=True):
+        inline = [data_url(png) for png in pngs]
+        before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
+        direct, _ = ask_token_ids(vllm.url, image_messages(inline), key=vllm.api_key, max_tokens=MAX_TOKENS)
+        assert _reaches(vllm.url, "local_encoder_items", before["local_encoder_items"] + 3)
+
+        fetched = len(media["gets"])
+        epd, path = ask_token_ids(gw, image_messages([url, *inline[1:]]), max_tokens=MAX_TOKENS)
+        assert path == "epd"
+        assert len(media["gets"]) == fetched + 1  # fetched once by the gateway; Eric and vLLM got its data: URL
+        assert _reaches(vllm.url, "loaded_items", before["loaded_items"] + 3)
+        assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3  # idle for EPD
+        assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
