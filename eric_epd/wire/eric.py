@@ -3,7 +3,7 @@ Eric parses and answers with these, the gateway builds and decodes them."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -39,7 +39,8 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
 
     id: str
     modality: str
-    hash: str
+    hash: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    """The content hash (sha256, hex): it becomes the engine's item identifier (`uuid`), so the schema pins its form."""
     shape: list[int]
     dtype: str
     num_tokens: int
