@@ -40,10 +40,11 @@ MAX_TOKENS = 8
 CLIENT_TIMEOUT_S = 300.0
 EMBEDDING_TTL_S = 60
 """Eric's lease TTL here: embeddings leased for a request the killed gateway never forwarded wait this long."""
-FAULTS = ("eric", "eric_stall", "eric_worker", "eric_slow", "prefill", "gateway")
+FAULTS = ("eric", "eric_stall", "eric_worker", "eric_slow", "eric_engine", "prefill", "gateway")
 """Cycled in this order, one every --fault-every seconds: kills, and stops (SIGSTOP) that outlast the engines'
 fetch and landing timeouts, so a fetch times out, its landing is given up and the same image is fetched again with a
-fresh lease; a slow encode keeps its regions until its batch ends."""
+fresh lease; a slow encode keeps its regions until its batch ends; a killed engine process fails its requests only
+once its workers are gone."""
 STALL_S = 40.0
 """How long a stopped Eric stays stopped: past the connector's 30 s fetch timeout."""
 
@@ -139,15 +140,18 @@ def inject(stack: Stack, fault: str) -> str:
     """Kill one component and restart it, or stop one for a while; returns what was done."""
     if fault in ("eric_stall", "eric_slow"):
         return stall(stack.erics[0], workers_only=fault == "eric_slow")
-    if fault == "eric_worker":
+    if fault in ("eric_worker", "eric_engine"):
         eric = stack.erics[1]
         pid = httpx.get(eric.url + "/health", headers=eric.headers, timeout=10).json()["worker_pids"][0]
+        what = "worker"
+        if fault == "eric_engine":
+            pid, what = psutil.Process(pid).ppid(), "engine"
         os.kill(pid, signal.SIGKILL)
         time.sleep(5)  # requests meanwhile get 503 from it, the gateway ejects it
         kill(eric)
         tries = restart(eric)
         stack.started["eric_b"] = time.monotonic()
-        return f"killed Eric B's worker {pid}, restarted Eric B ({tries} start(s))"
+        return f"killed Eric B's {what} {pid}, restarted Eric B ({tries} start(s))"
     name, server = {"eric": ("eric_a", stack.erics[0]), "prefill": ("prefill", stack.prefill),
                     "gateway": ("gateway", stack.gateway)}[fault]
     kill(server)

@@ -20,7 +20,7 @@ from eric_epd.media.url_policy import MediaError
 from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
 from eric_epd.runtime.work import ItemResult
 from eric_epd.transfer.global_cache import GlobalCache
-from eric_epd.transfer.pool import PoolEntry
+from eric_epd.transfer.pool import Hold, PoolEntry
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.handles import EmbeddingHandle
@@ -194,18 +194,21 @@ class EncodeService:
         encode would have); the others are left to encode, in the entries returned with them.
 
         The reads run in threads nothing can stop. If this request is cancelled (its client left) or the reads
-        outlast the store's read_wait_s, their regions are detached from their hashes and freed once the reads
-        return. Cancelled: the hashes are resolved at once, so requests waiting for them encode (or read) them
-        anew. Timed out: this request reserves fresh regions and encodes every item itself."""
+        outlast the store's read_wait_s, their entries leave their hashes, and the reads' holds keep the regions
+        until the reads return. Cancelled: the hashes are resolved at once, so requests waiting for them encode (or
+        read) them anew. Timed out: this request reserves fresh regions and encodes every item itself."""
         if self._global is None:
             return set(), entries
         cache = self._global
+        holds = [self.hub.pool.hold(e, "store-read") for e in entries]  # the reads write there until they return
         reads = asyncio.ensure_future(asyncio.gather(*(cache.read_into(e.hash, self.hub.pool.view(e))
                                                        for e in entries)))
+        reads.add_done_callback(lambda _: [h.end() for h in holds])
         try:
             found = await asyncio.wait_for(asyncio.shield(reads), cache.read_wait_s)
         except BaseException as e:
-            self._abandon(entries, reads)
+            for entry in entries:
+                self.hub.release(entry)  # off their hashes now; the regions return when the reads do
             if not isinstance(e, TimeoutError):
                 self._finish(mine, e)
                 raise
@@ -218,22 +221,16 @@ class EncodeService:
         self._finish({k: mine[k] for k in stored}, None)
         return stored, entries
 
-    def _abandon(self, entries: list[PoolEntry], reads: asyncio.Future[list[bool]]) -> None:
-        """Regions `reads` may still write into: off their hashes now, freed when the reads return."""
-        for entry in entries:
-            self.hub.pool.detach(entry)
-        reads.add_done_callback(lambda _: [self.hub.release(entry) for entry in entries])
-
     def _share(self, entry: PoolEntry) -> None:
-        """Put a freshly encoded entry into the global cache in the background, holding a lease on it and counting
-        the copy as a reader (so neither an ack nor the TTL frees it) until the store's copy has returned."""
+        """Put a freshly encoded entry into the global cache in the background, holding a lease on it (so it stays
+        under its hash) and the region's fence (so nothing reuses the region) until the store's copy has returned."""
         assert self._global is not None
         handle = self.hub.lease(entry.hash)
-        entry.readers += 1
+        hold = self.hub.pool.hold(entry, "store-put")
 
         def done(task: asyncio.Task[None]) -> None:
             self._sharing.discard(task)
-            entry.readers -= 1
+            hold.end()
             self._give_back([handle])
 
         task = asyncio.create_task(self._global.write(entry.hash, self.hub.pool.view(entry)))
@@ -266,10 +263,11 @@ class EncodeService:
                 self.hub.release(entry)  # never sent
             self._finish(mine, e)
             raise
+        holds = [self.hub.pool.hold(e, "engine") for e in entries]  # the workers write there until the answer
         flight = _Flight(request, {key: i for i, key in enumerate(mine)})
         self._flights.update(dict.fromkeys(mine, flight))
         self._metrics.inflight_items.inc(len(items))
-        settling = asyncio.create_task(self._settle(flight, mine, entries))
+        settling = asyncio.create_task(self._settle(flight, mine, entries, holds))
         self._settling.add(settling)
         settling.add_done_callback(self._settling.discard)
         timeout = self._client.request_timeout_s
@@ -281,8 +279,8 @@ class EncodeService:
         if error is not None:
             raise error
 
-    async def _settle(self, flight: _Flight, mine: dict[str, PreparedItem],
-                      entries: list[PoolEntry]) -> tuple[ApiError | None, float]:
+    async def _settle(self, flight: _Flight, mine: dict[str, PreparedItem], entries: list[PoolEntry],
+                      holds: list[Hold]) -> tuple[ApiError | None, float]:
         """After the engine's final answer (or its death): commit what was written, free the rest, wake waiters.
         Each written entry keeps one bridge lease until no live request waits for it any more. Returns the error,
         if any, and the forward time of the batches the items rode in."""
@@ -295,9 +293,11 @@ class EncodeService:
             finished = {r.key: r for r in msg.items}
             error = ApiError(msg.status, msg.error) if msg.error is not None else None
         except EngineUnavailableError as e:
-            error = e
+            error = e  # raised only once the engine and its workers are proven gone
         finally:
             self._metrics.inflight_items.dec(len(entries))
+            for hold in holds:
+                hold.end()
         for entry in entries:
             self._flights.pop(entry.hash, None)
             result = finished.get(entry.hash)

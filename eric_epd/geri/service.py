@@ -55,7 +55,8 @@ class GenerateService:
     async def _settle(self, request: EngineRequest, entry: PoolEntry) -> np.ndarray:
         """After the engine's final answer (or its death): the image copied out, the slot freed either way."""
         try:
-            msg, _ = await request.result
+            with self._pool.hold(entry, "engine"):  # the workers write there until the answer
+                msg, _ = await request.result
             if msg.error is not None:
                 raise ApiError(msg.status, msg.error)
             if [r.key for r in msg.items] != [entry.hash] or tuple(msg.items[0].shape) != entry.shape:

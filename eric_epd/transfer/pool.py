@@ -3,6 +3,8 @@
 Workers write embeddings straight into it (rank 0, at offsets the router reserved); transfer backends register it
 once; consumers read from it and acknowledge. An entry is freed when every lease is acknowledged or its TTL passes.
 Each lease is a capability: an unguessable token that alone reads, extends (child leases) or releases it.
+Every party that may still read or write a region without a lease (engine batches, store reads and puts, SGLang
+sends) holds its fence: a freed entry leaves its hash at once, but its region is reused only when the last hold ends.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import itertools
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,13 +64,34 @@ class PoolEntry:
     children: dict[str, int] = field(default_factory=dict)
     """Root token -> child leases added from it (bounded by MAX_CHILD_LEASES)."""
     expires_at: float = 0.0
-    readers: int = 0
-    """Copies out of the region this router runs (global-cache puts) and cannot stop: the TTL does not free the
-    entry while any runs (the lease each holds then ends it)."""
+    fence: Counter[str] = field(default_factory=Counter)
+    """Party kind -> parties that may still read or write the region and cannot be stopped (engine batches, store
+    reads and puts, SGLang sends): the region is reused only once every one has ended its hold."""
 
     def holds(self, token: str | None) -> bool:
         """True if `token` names an outstanding lease on this (written) entry."""
         return self.ready and token is not None and token in self.leases
+
+
+class Hold:
+    """One party's claim on an entry's region (see EmbeddingPool.hold): end() lets it go (idempotent); usable as a
+    context manager."""
+
+    def __init__(self, pool: EmbeddingPool, entry: PoolEntry, party: str) -> None:
+        self._pool, self.entry, self.party = pool, entry, party
+        self._ended = False
+
+    def end(self) -> None:
+        """This party no longer reads or writes the region; the last hold of a freed entry frees the region."""
+        if not self._ended:
+            self._ended = True
+            self._pool._unhold(self.entry, self.party)
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
 
 
 class FreeList:
@@ -117,7 +141,8 @@ class FreeList:
 class EmbeddingPool:
     """Owned by the router process (single-threaded asyncio use; not thread-safe by design)."""
 
-    def __init__(self, name: str, nbytes: int, ttl_s: float, keep_acked_bytes: int = 0) -> None:
+    def __init__(self, name: str, nbytes: int, ttl_s: float, keep_acked_bytes: int = 0,
+                 on_free: Callable[[], None] | None = None) -> None:
         self._shm: Segment | None = Segment(name=name, create=True, size=nbytes)
         self.name = name
         self.nbytes = nbytes
@@ -131,7 +156,8 @@ class EmbeddingPool:
         self._keep_acked_bytes = keep_acked_bytes
         self._acked: OrderedDict[str, PoolEntry] = OrderedDict()
         self._acked_bytes = 0  # in span() bytes, like the free list: used_bytes is exact
-        self._detached: dict[int, PoolEntry] = {}  # generation -> reservation taken off its hash (see detach)
+        self._detached: dict[int, PoolEntry] = {}  # generation -> freed entry whose region a hold still fences
+        self._on_free = on_free  # called when a fenced region returns (space waiters wake)
         self._ended: OrderedDict[str, str] = OrderedDict()  # token of a lease its own ack ended -> its hash
         self.evictions = 0
         """Cached (acknowledged) entries dropped to stay within the budget or to make room."""
@@ -249,31 +275,41 @@ class EmbeddingPool:
             self._evict_oldest()
 
     def release(self, key: str, generation: int | None = None) -> None:
-        """Free an entry now (failed encode, last ack, expiry). With `generation`, only that reservation: a caller
-        holding an entry that was freed and re-encoded meanwhile must not free the newer one under its readers. A
-        detached reservation is freed by its generation."""
-        detached = self._detached.pop(generation, None) if generation is not None else None
-        if detached is not None:
-            self._free.free(detached.offset, detached.nbytes)
-            return
+        """Free an entry now (failed encode, last ack, expiry): it leaves its hash at once (the hash can be reserved
+        again), and its region returns when no hold fences it any more. With `generation`, only that reservation: a
+        caller holding an entry that was freed and re-encoded meanwhile must not free the newer one."""
         entry = self._entries.get(key)
-        if entry is not None and generation is not None and entry.generation != generation:
-            logger.debug("release of %s generation %d skipped: generation %d holds it now", key, generation,
-                         entry.generation)
+        if entry is None or (generation is not None and entry.generation != generation):
+            if entry is not None:
+                logger.debug("release of %s generation %d skipped: generation %d holds it now", key, generation,
+                             entry.generation)
             return
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            if self._acked.pop(key, None) is not None:
-                self._acked_bytes -= span(entry.nbytes)
+        del self._entries[key]
+        if self._acked.pop(key, None) is not None:
+            self._acked_bytes -= span(entry.nbytes)
+        if entry.fence:
+            self._detached[entry.generation] = entry  # still read or written: held (in used_bytes) until unfenced
+        else:
             self._free.free(entry.offset, entry.nbytes)
 
-    def detach(self, entry: PoolEntry) -> None:
-        """Take an unwritten reservation off its hash while something that cannot be stopped may still write into it
-        (a store read that outlived its request): the hash can be reserved again at once, and the space stays held
-        (counted in used_bytes) until release(entry.hash, entry.generation)."""
-        if self._entries.get(entry.hash) is entry and not entry.ready:
-            del self._entries[entry.hash]
-            self._detached[entry.generation] = entry
+    def hold(self, entry: PoolEntry, party: str) -> Hold:
+        """Fence the entry's region for a party that may read or write it and cannot be stopped (an engine batch, a
+        store read or put, an SGLang send): until the hold ends, a release (ack, expiry, failure, eviction) takes
+        the entry off its hash but never hands its region to anyone else."""
+        if self._entries.get(entry.hash) is not entry and self._detached.get(entry.generation) is not entry:
+            raise KeyError(f"{entry.hash} generation {entry.generation} is not in the pool")
+        entry.fence[party] += 1
+        return Hold(self, entry, party)
+
+    def _unhold(self, entry: PoolEntry, party: str) -> None:
+        entry.fence[party] -= 1
+        if entry.fence[party] <= 0:
+            del entry.fence[party]
+        if not entry.fence and self._detached.get(entry.generation) is entry:
+            del self._detached[entry.generation]
+            self._free.free(entry.offset, entry.nbytes)
+            if self._on_free is not None:
+                self._on_free()
 
     def audit(self) -> str | None:
         """None if the accounting adds up exactly (free ranges disjoint, coalesced and within the pool; held space
@@ -295,10 +331,9 @@ class EmbeddingPool:
         return "; ".join(problems) or None
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Free ready entries whose TTL passed and that no copy of this router still reads; return their hashes."""
+        """Free ready entries whose TTL passed (their regions return once unfenced); return their hashes."""
         now = time.monotonic() if now is None else now
-        gone = [k for k, e in self._entries.items()
-                if e.ready and e.expires_at <= now and k not in self._acked and e.readers == 0]
+        gone = [k for k, e in self._entries.items() if e.ready and e.expires_at <= now and k not in self._acked]
         for key in gone:
             self.release(key)
         if gone:

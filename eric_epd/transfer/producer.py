@@ -50,11 +50,12 @@ class TransferHub:
 
     def __init__(self, transfer: TransferConfig, *, pool_name: str, instance_id: str, public_url: str) -> None:
         self._transfer, self._instance_id, self._public_url = transfer, instance_id, public_url
-        self.pool = EmbeddingPool(pool_name, transfer.pool_bytes, transfer.ttl_s, transfer.keep_acked_bytes)
+        self._space_freed = asyncio.Event()
+        self.pool = EmbeddingPool(pool_name, transfer.pool_bytes, transfer.ttl_s, transfer.keep_acked_bytes,
+                                  on_free=self._space_freed.set)
         self.backends = create_backends(transfer, pool_name, instance_id, public_url)
         for backend in self.backends:
             backend.register(self.pool.base_addr, self.pool.nbytes)
-        self._space_freed = asyncio.Event()
 
     @property
     def instance_id(self) -> str:

@@ -148,6 +148,42 @@ def test_a_failed_batch_answers_only_after_the_requests_other_batch(qwen2_vl_tin
         assert (stats["used_bytes"], stats["entries"]) == (0, 0)
 
 
+def _exited(pid: int) -> bool:
+    """The process has exited (gone, or a zombie nobody reaped yet): it runs no more code."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_engine_fails_requests_only_once_its_workers_are_gone(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """The engine process is killed while its worker holds a batch (stopped mid-batch: it would write the batch's
+    regions when it runs on): the router kills the orphaned worker and answers the request's 503 only once the worker
+    has exited, so no region it could still write is handed out again; held bytes return to 0."""
+    with EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log") as eric:
+        assert len(_embeddings(eric, _post(eric, _items([1])))) == 1
+        worker = httpx.get(eric.url + "/health", timeout=10).json()["worker_pids"][0]
+        with open(f"/proc/{worker}/stat") as f:
+            engine = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(_post, eric, _items([5, 6]))
+                assert wait_for(lambda: metric(eric.url, "eric_inflight_items") == 2), "never reached the engine"
+                os.kill(engine, signal.SIGKILL)
+                answer = pending.result(timeout=60)
+                assert _exited(worker), "the request was answered while its worker could still write"
+        finally:
+            if not _exited(worker):
+                os.kill(worker, signal.SIGKILL)
+        assert answer.status_code == 503 and "engine process died" in answer.json()["error"]["message"], answer.text
+        stats = wait_pool_drained(eric.url, eric.headers)
+        assert (stats["used_bytes"], stats["entries"]) == (0, 0)
+        assert httpx.get(eric.url + "/health", timeout=10).status_code == 503
+        assert _post(eric, _items([7])).status_code == 503  # still serving: a clear error, not a hang
+
+
 # ---------------------------------------------------------------- global-cache puts
 
 
@@ -166,18 +202,19 @@ class _BlockedStore:
         return 0
 
 
-def test_a_put_in_flight_keeps_its_region_past_the_ttl() -> None:
+def test_a_put_in_flight_keeps_its_region_fenced_past_the_ttl() -> None:
     pool = EmbeddingPool(f"eric-test-{time.monotonic_ns()}", 1 << 16, ttl_s=0.0)
     try:
         entry = pool.reserve("k", 512, (128, 1), "float32")
         assert entry is not None
         pool.commit("k")
         pool.lease("k")
-        entry.readers += 1  # a put copies it out
-        assert pool.expire(now=time.monotonic() + 3600) == [] and pool.get("k") is entry
-        entry.readers -= 1
-        assert pool.expire(now=time.monotonic() + 3600) == ["k"] and pool.used_bytes == 0
-        assert pool.audit() is None
+        hold = pool.hold(entry, "store-put")  # a put copies it out
+        assert pool.expire(now=time.monotonic() + 3600) == ["k"] and pool.get("k") is None
+        assert pool.reserve("other", 1 << 16, (1,), "uint8") is None  # the region is not handed out under the put
+        assert pool.used_bytes == 512 and pool.audit() is None
+        hold.end()
+        assert pool.used_bytes == 0 and pool.audit() is None
     finally:
         pool.close()
 

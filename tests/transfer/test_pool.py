@@ -255,7 +255,7 @@ def test_used_bytes_returns_exactly_to_zero_after_mixed_sizes() -> None:
     free list is whole again."""
     rng = random.Random(7)
     pool = _pool(64 * ALIGN, keep_acked_bytes=6 * ALIGN)
-    fates = ("ack", "two leases", "release", "detach", "expire")
+    fates = ("ack", "two leases", "release", "held", "expire")
     try:
         for r in range(30):
             held = {}
@@ -269,10 +269,10 @@ def test_used_bytes_returns_exactly_to_zero_after_mixed_sizes() -> None:
                 if fate == "release":
                     pool.release(key, entry.generation)
                     continue
-                if fate == "detach":
-                    pool.detach(entry)
-                    assert pool.get(key) is None and pool.used_bytes >= span(entry.nbytes)
-                    pool.release(key, entry.generation)
+                if fate == "held":
+                    with pool.hold(entry, "store-read"):
+                        pool.release(key, entry.generation)
+                        assert pool.get(key) is None and pool.used_bytes >= span(entry.nbytes)
                     continue
                 pool.commit(key)
                 tokens = [pool.lease(key)[1] for _ in range(2 if fate == "two leases" else 1)]
@@ -290,24 +290,35 @@ def test_used_bytes_returns_exactly_to_zero_after_mixed_sizes() -> None:
         pool.close()
 
 
-def test_a_detached_reservation_frees_its_hash_not_its_space() -> None:
-    """A region something may still write into (a store read that outlived its request) is taken off its hash: the
-    hash is reserved again at once elsewhere, the old region stays held until released by its generation, and that
-    release leaves the new reservation alone."""
+def test_a_fenced_region_leaves_its_hash_at_once_and_returns_when_the_last_hold_ends() -> None:
+    """A region some party may still write or read (a store read that outlived its request, an engine batch, a
+    send) leaves its hash when freed: the hash is reserved again at once elsewhere, the old region stays held until
+    every hold on it ends, and a later release by the old generation leaves the new reservation alone."""
     pool = _pool(8 * ALIGN)
+    freed: list[int] = []
+    pool._on_free = lambda: freed.append(pool.used_bytes)
     try:
         old = pool.reserve("h", 1000, (1000,), "uint8")
         assert old is not None
-        pool.detach(old)
+        reading, writing = pool.hold(old, "store-read"), pool.hold(old, "engine")
+        pool.release("h", old.generation)
+        assert pool.get("h") is None and old.fence == {"store-read": 1, "engine": 1}
         new = pool.reserve("h", 1000, (1000,), "uint8")
         assert new is not None and new.offset != old.offset and len(pool) == 2
         assert pool.used_bytes == 2 * span(1000)
-        pool.release("h", old.generation)
-        assert pool.get("h") is new and pool.used_bytes == span(1000)
-        pool.commit("h")
-        pool.detach(new)  # written entries are never detached
+        pool.release("h", old.generation)  # names the old generation: the new one stays
         assert pool.get("h") is new
-        pool.release("h")
+        reading.end()
+        reading.end()  # idempotent
+        assert pool.used_bytes == 2 * span(1000) and freed == []
+        writing.end()
+        assert pool.get("h") is new and pool.used_bytes == span(1000) and freed == [span(1000)]
+        pool.commit("h")
+        _, token = pool.lease("h")
+        with pool.hold(new, "sglang-send"):
+            assert pool.ack("h", token) and pool.get("h") is None  # the last ack frees it ...
+            assert pool.reserve("x", 8 * ALIGN, (1,), "uint8") is None  # ... but not its region, under the send
+            assert pool.used_bytes == span(1000) and pool.audit() is None
         assert_pool_empty(pool)
     finally:
         pool.close()

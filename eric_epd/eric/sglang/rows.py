@@ -58,16 +58,15 @@ class PartRows:
 
     @contextlib.contextmanager
     def reading(self, part: Part) -> Iterator[None]:
-        """While a send may read the part's rows, their pool entries count it as a reader: the TTL frees none of
-        them under it, whatever the timeouts are set to (an error part sends no rows)."""
+        """While a send may read the part's rows, it holds their regions' fence: whatever frees the entries meanwhile
+        (the TTL, an ack, the sweep), no region is reused under the send (an error part sends no rows)."""
         entries = self.entries(part) if part.error is None else []
-        for entry in entries:
-            entry.readers += 1
+        holds = [self.hub.pool.hold(entry, "sglang-send") for entry in entries]
         try:
             yield
         finally:
-            for entry in entries:
-                entry.readers -= 1
+            for hold in holds:
+                hold.end()
 
     def header(self, part: Part) -> bytes:
         """The pickled part header SGLang reads: the grids, dtype and shape, or the error of a failed part."""

@@ -175,7 +175,7 @@ class EngineClient:
         while self._dead_reason is None:
             await asyncio.sleep(0.25)
             if not self._is_engine_alive():
-                self._fail_all("engine process died")
+                self._fail_all("engine process died (its workers are stopped)")
 
     def _fail_all(self, reason: str) -> None:
         self._dead_reason = self._dead_reason or reason

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
+import time
 from multiprocessing.connection import Connection
 
 import zmq
@@ -27,11 +29,44 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 50
 
 
+class Stragglers:
+    """The engine's workers, watched from the router through pidfds (so a reused pid is never signalled): once the
+    engine is gone, nothing else stops a worker that is mid-batch from writing into the pool."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._fds: dict[int, int] = {}
+        for pid in pids:
+            try:
+                self._fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:  # already gone
+                pass
+
+    def gone(self) -> bool:
+        """Kill every worker still running (SIGKILL, not waiting) and say whether all have exited."""
+        for pid, fd in list(self._fds.items()):
+            if select.select([fd], [], [], 0)[0]:  # a pidfd reads ready once its process has exited
+                os.close(self._fds.pop(pid))
+                continue
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return not self._fds
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Kill and wait up to `timeout_s` for every worker to exit; whether all did."""
+        deadline = time.monotonic() + timeout_s
+        while not self.gone() and time.monotonic() < deadline:
+            select.select(list(self._fds.values()), [], [], min(0.1, max(0.0, deadline - time.monotonic())))
+        return not self._fds
+
+
 class EngineProcess:
     """Parent-side handle: spawn() starts the engine (and through it the workers) and waits until it is ready."""
 
-    def __init__(self, proc: mp.process.BaseProcess) -> None:
+    def __init__(self, proc: mp.process.BaseProcess, worker_pids: list[int]) -> None:
         self.proc = proc
+        self._workers = Stragglers(worker_pids)
 
     @classmethod
     def spawn(cls, config: RuntimeConfig, workload: Workload, timeout_s: float = 900.0) -> EngineProcess:
@@ -48,21 +83,26 @@ class EngineProcess:
             status = parent_end.recv()
         except EOFError:
             status = f"engine exited with code {proc.exitcode} before it was ready"
-        if status != "ready":
+        if not (isinstance(status, tuple) and status[0] == "ready"):
             proc.join(timeout=5)
             raise RuntimeError(status)
-        return cls(proc)
+        return cls(proc, list(status[1]))
 
     def is_alive(self) -> bool:
-        """Whether the engine process is still running."""
-        return self.proc.is_alive()
+        """True while the engine, or any worker it started, may still run and so write into the pool. Once the
+        engine has died its workers are killed, and this turns False only when every one has exited: requests in
+        flight fail (and their regions return) only then. Never blocks."""
+        return self.proc.is_alive() or not self._workers.gone()
 
     def shutdown(self, timeout_s: float = 15.0) -> None:
-        """Wait for the engine to exit after the client sent SHUTDOWN; kill it past the timeout. Idempotent."""
+        """Wait for the engine to exit after the client sent SHUTDOWN; kill it past the timeout, and any worker it
+        left behind. Idempotent."""
         self.proc.join(timeout_s)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)
+        if not self._workers.wait_gone(5.0):
+            logger.error("engine workers still running after shutdown")
 
 
 def main(config: RuntimeConfig, workload: Workload, ready: Connection) -> None:
@@ -83,13 +123,14 @@ def main(config: RuntimeConfig, workload: Workload, ready: Connection) -> None:
             executor.shutdown()
         return
     try:
-        _EngineLoop(config, Engine(config.batch_limits(), executor, workload.validate), ready).run()
+        pids = [w.pid for w in executor.workers()]
+        _EngineLoop(config, Engine(config.batch_limits(), executor, workload.validate), ready, pids).run()
     finally:
         executor.shutdown()
 
 
 class _EngineLoop:
-    def __init__(self, config: RuntimeConfig, engine: Engine, ready: Connection) -> None:
+    def __init__(self, config: RuntimeConfig, engine: Engine, ready: Connection, worker_pids: list[int]) -> None:
         self._engine = engine
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PULL)
@@ -97,7 +138,7 @@ class _EngineLoop:
         self._output = self._ctx.socket(zmq.PUSH)
         self._output.bind(config.engine_output_addr)
         self._parent = os.getppid()
-        ready.send("ready")
+        ready.send(("ready", worker_pids))  # the router watches them should this process die
         ready.close()
 
     def run(self) -> None:
