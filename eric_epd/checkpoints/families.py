@@ -1,5 +1,5 @@
 """Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3 and 4,
-InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, Llama 4), saved like a Hugging Face repo.
+InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, SmolVLM, Llama 4), saved like a Hugging Face repo.
 
 Each holds random weights, a locally trained tokenizer carrying the family's special tokens, the family's own
 processor classes saved with their defaults (sizes shrunk to the tiny tower) and a chat template. Nothing is
@@ -23,7 +23,7 @@ from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 3  # bump when the output of build_family_checkpoint changes
+BUILDER_VERSION = 4  # bump when the output of build_family_checkpoint changes
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
@@ -61,15 +61,16 @@ class Family:
     """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
 
 
-def _template(user: str, assistant: str, end: str, image: str, bos: str = "") -> str:
+def _template(user: str, assistant: str, end: str, image: str, bos: str = "", video: str = "") -> str:
     """A chat template in the family's shape: `user`/`assistant` open a turn, `end` closes it, `image` stands for an
-    image part."""
+    image part and `video` for a video part (none: the family's template has no videos)."""
+    videos = f"{{% elif content['type'] in ('video', 'video_url') %}}{video}" if video else ""
     return (
         f"{bos}{{% for message in messages %}}"
         f"{{% if message['role'] == 'user' %}}{user}{{% else %}}{assistant}{{% endif %}}"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
         "{% for content in message['content'] %}"
-        f"{{% if content['type'] in ('image', 'image_url') %}}{image}"
+        f"{{% if content['type'] in ('image', 'image_url') %}}{image}{videos}"
         "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
         f"{end}{{% endfor %}}{{% if add_generation_prompt %}}{assistant}{{% endif %}}"
     )
@@ -244,6 +245,21 @@ def _idefics3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tup
     return cfg, Idefics3Processor(improc, tok, image_seq_len=4)
 
 
+def _smolvlm(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Idefics3's layout under SmolVLM's own classes (its processor also takes video; it needs num2words)."""
+    from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    cfg = SmolVLMConfig(
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
+        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
+        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
+    cfg.architectures = ["SmolVLMForConditionalGeneration"]
+    improc = SmolVLMImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
+    video = SmolVLMVideoProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 64})
+    return cfg, SmolVLMProcessor(improc, tok, video, image_seq_len=4)
+
+
 GEMMA4 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<|image|>", "<image|>",
                  "<|video|>", "<|audio>", "<|audio|>", "<audio|>"),
                 {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>", "boa_token": "<|audio>",
@@ -308,12 +324,14 @@ FAMILIES: dict[str, Family] = {
     "internvl": Family(INTERNVL, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                                            "<IMG_CONTEXT>\n"), _internvl),
     "llava_onevision": Family(QWEN_CHAT, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
-                                                   "<image>\n"), _llava_onevision, RELEASED_SIGLIP),
+                                                   "<image>\n", video="<video>\n"), _llava_onevision, RELEASED_SIGLIP),
     "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),
     "glm4v": Family(GLM4V, _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
                                      "[gMASK]<sop>"), _glm4v),
     "idefics3": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
                                            "<|im_start|>"), _idefics3),
+    "smolvlm": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
+                                          "<|im_start|>"), _smolvlm),
     "gemma4": Family(GEMMA4, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
                                        "<|image|>", "{{ bos_token }}"), _gemma4),
     "llama4": Family(LLAMA4, _template("<|header_start|>user<|header_end|>\n\n",
