@@ -230,34 +230,33 @@ IDEFICS3 = Tokens(("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake
                   {"image_token": "<image>"}, bos="<|im_start|>", eos="<end_of_utterance>")
 
 
+def _idefics_config(config_class: Any, ids: dict[str, int], vocab: int, init_std: float) -> Any:
+    """An Idefics3-layout config (Idefics3, SmolVLM): SigLIP 64/16 with pixel shuffle 2, a Llama text model."""
+    cfg = config_class(
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
+        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
+        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
+    cfg.architectures = [config_class.__name__.removesuffix("Config") + "ForConditionalGeneration"]
+    return cfg
+
+
 def _idefics3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
     """SigLIP 64/16 with pixel shuffle 2: 4 tokens per 64-pixel tile; images split into tiles up to 128 pixels a
     side, then the whole image."""
     from transformers import Idefics3Config, Idefics3ImageProcessor, Idefics3Processor
 
-    cfg = Idefics3Config(
-        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
-        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
-        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
-    cfg.architectures = ["Idefics3ForConditionalGeneration"]
     improc = Idefics3ImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
-    return cfg, Idefics3Processor(improc, tok, image_seq_len=4)
+    return _idefics_config(Idefics3Config, ids, vocab, init_std), Idefics3Processor(improc, tok, image_seq_len=4)
 
 
 def _smolvlm(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
     """Idefics3's layout under SmolVLM's own classes (its processor also takes video; it needs num2words)."""
     from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
 
-    cfg = SmolVLMConfig(
-        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
-        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
-        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
-    cfg.architectures = ["SmolVLMForConditionalGeneration"]
     improc = SmolVLMImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
     video = SmolVLMVideoProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 64})
-    return cfg, SmolVLMProcessor(improc, tok, video, image_seq_len=4)
+    return _idefics_config(SmolVLMConfig, ids, vocab, init_std), SmolVLMProcessor(improc, tok, video, image_seq_len=4)
 
 
 GEMMA4 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<|image|>", "<image|>",
