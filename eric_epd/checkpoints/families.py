@@ -9,7 +9,6 @@ inside the vocabulary, processor settings that agree with the model config.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
+from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -357,48 +357,17 @@ def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int =
     cfg.tie_word_embeddings = False
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
-    _jitter_constants(model, init_std)
+    jitter_constants(model, init_std)
     model.save_pretrained(out, safe_serialization=True)
-    _rename_tensors(out / "model.safetensors", spec.released)
+    rename_tensors(out / "model.safetensors", spec.released)
     GenerationConfig(eos_token_id=ids[spec.tokens.eos], pad_token_id=ids[spec.tokens.pad],
                      do_sample=False).save_pretrained(out)
     processor.chat_template = spec.chat_template
     processor.save_pretrained(out)
-    _with_chat_template(out, spec.chat_template)
+    with_chat_template(out, spec.chat_template)
     logger.info("built %s checkpoint at %s: %.2fM params", family, out,
                 sum(p.numel() for p in model.parameters()) / 1e6)
     return out
-
-
-def _jitter_constants(model: torch.nn.Module, std: float) -> None:
-    """Parameters transformers initialises to one constant (zero projections such as Gemma 3's, unit norms, zero
-    biases) get random values around it: a test then sees every weight matter."""
-    with torch.no_grad():
-        for param in model.parameters():
-            flat = param.reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                param.add_(torch.randn_like(param) * std)
-
-
-def _rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
-    """Rename the saved tensors whose names start with a key of `prefixes` (one file: the checkpoints are tiny)."""
-    if not prefixes:
-        return
-    from safetensors.torch import load_file, save_file
-
-    def renamed(name: str) -> str:
-        old = next((p for p in prefixes if name.startswith(p)), None)
-        return name if old is None else prefixes[old] + name[len(old):]
-
-    save_file({renamed(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
-
-
-def _with_chat_template(out: Path, template: str) -> None:
-    """The chat template also in tokenizer_config.json, where vLLM's tokenizer-only paths look for it."""
-    path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["chat_template"] = template
-    path.write_text(json.dumps(config, indent=2))
 
 
 def ensure_family_checkpoint(family: str, seed: int = 0) -> Path:

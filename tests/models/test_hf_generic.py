@@ -262,13 +262,14 @@ def test_refusals(checkpoints: dict[str, Path], tmp_path: Path) -> None:
 
 def test_server_answers_transformers_rows(checkpoints: dict[str, Path], references: dict, tmp_path: Path) -> None:
     """A real Eric (router, engine, worker) on LLaVA-OneVision: /v1/encode answers each image with as many rows as
-    its placeholder holds, equal to transformers' rows; video is not offered."""
+    its placeholder holds, equal to transformers' rows; its card offers video too: a 40-frame video is answered
+    with its 32 sampled frames' rows (4 each) and the image_newline row, a broken one with a 400."""
     from eric_epd.stack.servers import EricServer
 
     with EricServer(checkpoints["llava_onevision"], log_path=tmp_path / "eric.log",
                     extra_args=("--dtype", "float32")) as eric:
         models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
-        assert models["modalities"] == ["image"] and models["placement"] == "media"
+        assert models["modalities"] == ["image", "video"] and models["placement"] == "media"
         items = [{"id": str(i), "modality": "image", "url": data_url(image_bytes(image))}
                  for i, image in enumerate(_images())]
         resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
@@ -281,9 +282,14 @@ def test_server_answers_transformers_rows(checkpoints: dict[str, Path], referenc
             assert fetched.status_code == 200, fetched.text
             rows = load_safetensors(fetched.content)["embedding"]
             assert _relative_error(rows, ref["rows"]) <= RTOL
+        broken = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
+                            json={"items": [{"modality": "video", "url": "data:video/mp4;base64,AAAA"}]})
+        assert broken.status_code == 400 and "could not decode video" in broken.text, broken.text
+        url = data_url(video_bytes(40, 64, 48, fps=8, seed=1), "video/mp4")
         video = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                           json={"items": [{"modality": "video", "url": "data:video/mp4;base64,AAAA"}]})
-        assert video.status_code == 400
+                           json={"items": [{"modality": "video", "url": url}]})
+        assert video.status_code == 200, video.text
+        assert video.json()["items"][0]["shape"] == [32 * 4 + 1, 64]
 
 
 def test_warmup_item_is_valid(checkpoints: dict[str, Path]) -> None:

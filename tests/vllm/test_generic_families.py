@@ -99,9 +99,9 @@ def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
 
 
 def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) -> None:
-    """A family whose videos Eric encodes (its card says so): an image and a 40-frame video go EPD, Eric sampling the
-    32 frames vLLM's loader takes, and the answer is vLLM's own; the other families' cards offer images only (their
-    videos go to the engine with the request)."""
+    """A family whose videos Eric encodes (its card says so): an image and a 40-frame video (content no other test
+    sent, so neither cache holds it) go EPD, Eric sampling the 32 frames vLLM's loader takes, and the answer is
+    vLLM's own; the other families' cards offer images only (their videos go to the engine with the request)."""
     import httpx
 
     eric, vllm, family = stack["eric"], stack["vllm"], stack["family"]
@@ -111,7 +111,7 @@ def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) ->
     if "video" not in support.modalities:
         return
     messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(media["sets"][0][0])}},
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(random_image(80, 60, seed=901)))}},
         {"type": "video_url", "video_url": {"url": video_data_url(40, 64, 48, fps=8, seed=41)}},
         {"type": "text", "text": "What happens?"}]}]
     before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
