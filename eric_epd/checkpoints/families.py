@@ -1,5 +1,5 @@
 """Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3 and 4,
-InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, Llama 4), saved like a Hugging Face repo.
+InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, SmolVLM, Llama 4), saved like a Hugging Face repo.
 
 Each holds random weights, a locally trained tokenizer carrying the family's special tokens, the family's own
 processor classes saved with their defaults (sizes shrunk to the tiny tower) and a chat template. Nothing is
@@ -9,7 +9,6 @@ inside the vocabulary, processor settings that agree with the model config.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -20,10 +19,11 @@ from typing import Any
 import torch
 
 from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
+from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_chat_template
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 3  # bump when the output of build_family_checkpoint changes
+BUILDER_VERSION = 4  # bump when the output of build_family_checkpoint changes
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
@@ -61,15 +61,16 @@ class Family:
     """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
 
 
-def _template(user: str, assistant: str, end: str, image: str, bos: str = "") -> str:
+def _template(user: str, assistant: str, end: str, image: str, bos: str = "", video: str = "") -> str:
     """A chat template in the family's shape: `user`/`assistant` open a turn, `end` closes it, `image` stands for an
-    image part."""
+    image part and `video` for a video part (none: the family's template has no videos)."""
+    videos = f"{{% elif content['type'] in ('video', 'video_url') %}}{video}" if video else ""
     return (
         f"{bos}{{% for message in messages %}}"
         f"{{% if message['role'] == 'user' %}}{user}{{% else %}}{assistant}{{% endif %}}"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
         "{% for content in message['content'] %}"
-        f"{{% if content['type'] in ('image', 'image_url') %}}{image}"
+        f"{{% if content['type'] in ('image', 'image_url') %}}{image}{videos}"
         "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
         f"{end}{{% endfor %}}{{% if add_generation_prompt %}}{assistant}{{% endif %}}"
     )
@@ -229,19 +230,33 @@ IDEFICS3 = Tokens(("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake
                   {"image_token": "<image>"}, bos="<|im_start|>", eos="<end_of_utterance>")
 
 
+def _idefics_config(config_class: Any, ids: dict[str, int], vocab: int, init_std: float) -> Any:
+    """An Idefics3-layout config (Idefics3, SmolVLM): SigLIP 64/16 with pixel shuffle 2, a Llama text model."""
+    cfg = config_class(
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
+        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
+        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
+    cfg.architectures = [config_class.__name__.removesuffix("Config") + "ForConditionalGeneration"]
+    return cfg
+
+
 def _idefics3(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
     """SigLIP 64/16 with pixel shuffle 2: 4 tokens per 64-pixel tile; images split into tiles up to 128 pixels a
     side, then the whole image."""
     from transformers import Idefics3Config, Idefics3ImageProcessor, Idefics3Processor
 
-    cfg = Idefics3Config(
-        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": 64, "patch_size": 16, "initializer_range": init_std},
-        text_config={"model_type": "llama", **_text(vocab, ids, IDEFICS3, init_std)},
-        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
-    cfg.architectures = ["Idefics3ForConditionalGeneration"]
     improc = Idefics3ImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
-    return cfg, Idefics3Processor(improc, tok, image_seq_len=4)
+    return _idefics_config(Idefics3Config, ids, vocab, init_std), Idefics3Processor(improc, tok, image_seq_len=4)
+
+
+def _smolvlm(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Idefics3's layout under SmolVLM's own classes (its processor also takes video; it needs num2words)."""
+    from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    improc = SmolVLMImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
+    video = SmolVLMVideoProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 64})
+    return _idefics_config(SmolVLMConfig, ids, vocab, init_std), SmolVLMProcessor(improc, tok, video, image_seq_len=4)
 
 
 GEMMA4 = Tokens(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<|image|>", "<image|>",
@@ -308,12 +323,14 @@ FAMILIES: dict[str, Family] = {
     "internvl": Family(INTERNVL, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                                            "<IMG_CONTEXT>\n"), _internvl),
     "llava_onevision": Family(QWEN_CHAT, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
-                                                   "<image>\n"), _llava_onevision, RELEASED_SIGLIP),
+                                                   "<image>\n", video="<video>\n"), _llava_onevision, RELEASED_SIGLIP),
     "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),
     "glm4v": Family(GLM4V, _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
                                      "[gMASK]<sop>"), _glm4v),
     "idefics3": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
                                            "<|im_start|>"), _idefics3),
+    "smolvlm": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
+                                          "<|im_start|>"), _smolvlm),
     "gemma4": Family(GEMMA4, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
                                        "<|image|>", "{{ bos_token }}"), _gemma4),
     "llama4": Family(LLAMA4, _template("<|header_start|>user<|header_end|>\n\n",
@@ -340,48 +357,17 @@ def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int =
     cfg.tie_word_embeddings = False
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
-    _jitter_constants(model, init_std)
+    jitter_constants(model, init_std)
     model.save_pretrained(out, safe_serialization=True)
-    _rename_tensors(out / "model.safetensors", spec.released)
+    rename_tensors(out / "model.safetensors", spec.released)
     GenerationConfig(eos_token_id=ids[spec.tokens.eos], pad_token_id=ids[spec.tokens.pad],
                      do_sample=False).save_pretrained(out)
     processor.chat_template = spec.chat_template
     processor.save_pretrained(out)
-    _with_chat_template(out, spec.chat_template)
+    with_chat_template(out, spec.chat_template)
     logger.info("built %s checkpoint at %s: %.2fM params", family, out,
                 sum(p.numel() for p in model.parameters()) / 1e6)
     return out
-
-
-def _jitter_constants(model: torch.nn.Module, std: float) -> None:
-    """Parameters transformers initialises to one constant (zero projections such as Gemma 3's, unit norms, zero
-    biases) get random values around it: a test then sees every weight matter."""
-    with torch.no_grad():
-        for param in model.parameters():
-            flat = param.reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                param.add_(torch.randn_like(param) * std)
-
-
-def _rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
-    """Rename the saved tensors whose names start with a key of `prefixes` (one file: the checkpoints are tiny)."""
-    if not prefixes:
-        return
-    from safetensors.torch import load_file, save_file
-
-    def renamed(name: str) -> str:
-        old = next((p for p in prefixes if name.startswith(p)), None)
-        return name if old is None else prefixes[old] + name[len(old):]
-
-    save_file({renamed(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
-
-
-def _with_chat_template(out: Path, template: str) -> None:
-    """The chat template also in tokenizer_config.json, where vLLM's tokenizer-only paths look for it."""
-    path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["chat_template"] = template
-    path.write_text(json.dumps(config, indent=2))
 
 
 def ensure_family_checkpoint(family: str, seed: int = 0) -> Path:

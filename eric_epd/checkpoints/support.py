@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from eric_epd.models.facts import TOWER_TYPES, is_generic
+from eric_epd.models.facts import TOWER_TYPES, generic_modalities, is_generic
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class FamilySupport:
     @property
     def modalities(self) -> tuple[str, ...]:
         """What Eric encodes for it."""
-        return ("image",) if self.generic else TOWER_TYPES[self.model_type]
+        return generic_modalities(self.model_type) if self.generic else TOWER_TYPES[self.model_type]
 
 
 NO_SGLANG_GENERIC = "not tested (Eric's SGLang parts carry Qwen-style grids; no generic family has run behind SGLang)"
@@ -54,6 +54,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Mistral 3", "mistral3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("GLM-4.1V", "glm4v", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Idefics3", "idefics3", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
 )
 """Every family, hand-written towers first."""

@@ -66,7 +66,7 @@ class GenericWorkload:
         spec = unpack_spec(item, GenericSpec)
         if spec is None:
             return f"item {item.key}: not an item of the generic path"
-        if spec.modality != "image" or item.kind != generic_kind(spec):
+        if spec.modality not in ("image", "video") or item.kind != generic_kind(spec):
             return f"item {item.key}: kind {item.kind!r} does not match its {spec.modality} tensors"
         if spec.rows < 1 or not spec.tensors or any(min(t.shape, default=1) < 1 for t in spec.tensors):
             return f"item {item.key}: empty tensors or no rows"
@@ -107,18 +107,20 @@ class GenericRunner:
     to the model's dtype."""
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
-        """`Runner` hook: each item's rows, items with matching tensor shapes joined into one forward."""
+        """`Runner` hook: each item's rows, items of one modality with matching tensor shapes joined into one
+        forward."""
         specs: list[GenericSpec] = []
-        groups: dict[str, list[int]] = {}  # signature -> indices of the items that run in one forward
+        groups: dict[str, list[int]] = {}  # kind -> indices of the items that run in one forward
         for index, item in enumerate(items):
             spec = unpack_spec(item, GenericSpec)
             if spec is None:
                 raise RuntimeError(f"item {item.key} is not an item of the generic path")
             specs.append(spec)
-            groups.setdefault(signature(spec.tensors), []).append(index)
+            groups.setdefault(generic_kind(spec), []).append(index)
         frames = inputs.reshape(-1).split([sum(t.numel for t in s.tensors) for s in specs])
         outputs: dict[int, torch.Tensor] = {}
         for members in groups.values():
             joined = join_items([unpack_tensors(specs[i].tensors, frames[i]) for i in members])
-            outputs.update(zip(members, self.encoder.encode(joined, [specs[i].rows for i in members])))
+            rows = [specs[i].rows for i in members]
+            outputs.update(zip(members, self.encoder.encode(joined, rows, specs[members[0]].modality)))
         return [outputs[i] for i in range(len(items))]

@@ -17,6 +17,9 @@ TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
 """The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
 the generic path (images)."""
+GENERIC_VIDEO_TYPES = frozenset({"llava_onevision"})
+"""Generic-path families whose videos Eric encodes too: their video rows and vLLM's default frame sampling were
+checked against vLLM's model (the others' videos go to the engine with their request)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
      "float16": "float16", "fp16": "float16", "half": "float16"})
@@ -44,6 +47,11 @@ def dtype_name(setting: str, config: Mapping[str, Any]) -> str:
 def is_generic(config: Mapping[str, Any]) -> bool:
     """No hand-written tower serves this checkpoint's model_type: Eric's generic path (models/hf) does, if it can."""
     return config.get("model_type", "") not in TOWER_TYPES
+
+
+def generic_modalities(model_type: str) -> tuple[str, ...]:
+    """What Eric's generic path encodes for a family: images, and videos where GENERIC_VIDEO_TYPES says so."""
+    return ("image", "video") if model_type in GENERIC_VIDEO_TYPES else ("image",)
 
 
 def embedding_width(config: Mapping[str, Any]) -> int:
@@ -88,7 +96,8 @@ class ModelFacts:
         """The facts of a config.json already read (a model_type without a hand-written tower: the generic path's);
         ValueError for a hand-written family's config without a vision tower."""
         if is_generic(config):  # whether the generic path can serve it is checked by registry.check_servable
-            return cls(model_dir, str(config.get("model_type", "")), ("image",), embedding_width(config), 1, 0,
+            model_type = str(config.get("model_type", ""))
+            return cls(model_dir, model_type, generic_modalities(model_type), embedding_width(config), 1, 0,
                        generic=True, config=config)
         model_type = str(config.get("model_type", ""))
         if "vision_config" not in config:

@@ -18,9 +18,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
 from eric_epd.checkpoints.families import FAMILIES, ensure_family_checkpoint
+from eric_epd.eric.decode import decode_video
 from eric_epd.eric.generic import GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload, work_item
-from eric_epd.models.facts import ModelFacts
+from eric_epd.media.limits import MediaLimits
+from eric_epd.models.facts import GENERIC_VIDEO_TYPES, ModelFacts, generic_modalities
 from eric_epd.models.hf.loader import vision_shards, vision_tensor_names
 from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
@@ -28,7 +30,7 @@ from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem
-from eric_epd.testing.media import data_url, image_bytes, random_image
+from eric_epd.testing.media import data_url, image_bytes, random_image, video_bytes
 from eric_epd.wire.handles import LEASE_HEADER
 
 pytestmark = pytest.mark.exactness
@@ -50,11 +52,12 @@ HF_INPUTS = {
     "mistral3": ("pixel_values", "image_sizes"),
     "glm4v": ("pixel_values", "image_grid_thw"),
     "idefics3": ("pixel_values", "pixel_attention_mask"),
+    "smolvlm": ("pixel_values", "pixel_attention_mask"),
     "gemma4": ("pixel_values", "image_position_ids"),
     "llama4": ("pixel_values",),
 }
 """What transformers' get_image_features takes per family (its signature), independently of Eric's filtering."""
-TILED = {"gemma3", "internvl", "idefics3"}
+TILED = {"gemma3", "internvl", "idefics3", "smolvlm"}
 """Families whose features come as [tiles, tokens, hidden] (vLLM flattens the tiles in order); Llama 4's need its
 projector first (HF's forward applies it); the others give one tensor per image."""
 
@@ -104,7 +107,7 @@ def test_processor_gives_hf_tensors_and_rows(checkpoints: dict[str, Path], refer
     """Eric's items hold transformers' processor tensors bit for bit, and as many rows as the text has image
     tokens (the count transformers' forward checks its features against, and vLLM's placeholder holds)."""
     processor = load_processor(checkpoints[family])
-    assert isinstance(processor, HFImageProcessor) and processor.modalities == ("image",)
+    assert isinstance(processor, HFImageProcessor) and processor.modalities == generic_modalities(family)
     for image, ref in zip(_images(), references[family]):
         item = processor.process_image(image)
         assert item.num_tokens == ref["tokens"] == ref["rows"].shape[0]
@@ -151,6 +154,41 @@ def test_rows_equal_transformers(checkpoints: dict[str, Path], references: dict,
     for i, (ours, ref) in enumerate(zip(batched, refs)):
         assert ours.shape == ref.shape, i
         assert _relative_error(ours, ref) <= RTOL, i
+
+
+@pytest.mark.parametrize("family", sorted(GENERIC_VIDEO_TYPES))
+def test_video_rows_equal_transformers(checkpoints: dict[str, Path], family: str) -> None:
+    """Two 40-frame videos, decoded by Eric with the frames vLLM's default loader takes (32, uniformly spaced):
+    Eric's tensors are transformers' processor output bit for bit, its row count the video tokens of the text, and
+    its rows (each video alone, then both in one forward) transformers' `get_video_features` within RTOL."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    ckpt = checkpoints[family]
+    ours = load_processor(ckpt)
+    assert isinstance(ours, HFImageProcessor) and "video" in ours.modalities
+    videos = [decode_video(video_bytes(40, 64, 48, fps=8, seed=s), MediaLimits(), ours.frame_indices)[0]
+              for s in (1, 2)]
+    assert [len(v) for v in videos] == [32, 32]
+    hf = AutoProcessor.from_pretrained(ckpt)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    items, refs = [], []
+    for video in videos:
+        inputs = hf(text=[hf.video_token], videos=[video], return_tensors="pt")
+        with torch.no_grad():
+            refs.append(model.get_video_features(pixel_values_videos=inputs["pixel_values_videos"]
+                                                 ).pooler_output.flatten(0, 1))
+        item = ours.process_video(video)
+        tensors = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
+        torch.testing.assert_close(tensors["pixel_values_videos"], inputs["pixel_values_videos"], rtol=0, atol=0)
+        assert item.num_tokens == int((inputs["input_ids"] == model.config.video_token_index).sum())
+        items.append(item)
+    workload, runner = _runner(ckpt)
+    assert work_item("k", items[0], 0, 0).kind.startswith("video/")
+    for item, ref in zip(items, refs):
+        (alone,) = _run(workload, runner, [item])
+        assert alone.shape == ref.shape and _relative_error(alone, ref) <= RTOL
+    for batched, ref in zip(_run(workload, runner, items), refs):
+        assert batched.shape == ref.shape and _relative_error(batched, ref) <= RTOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -224,13 +262,14 @@ def test_refusals(checkpoints: dict[str, Path], tmp_path: Path) -> None:
 
 def test_server_answers_transformers_rows(checkpoints: dict[str, Path], references: dict, tmp_path: Path) -> None:
     """A real Eric (router, engine, worker) on LLaVA-OneVision: /v1/encode answers each image with as many rows as
-    its placeholder holds, equal to transformers' rows; video is not offered."""
+    its placeholder holds, equal to transformers' rows; its card offers video too: a 40-frame video is answered
+    with its 32 sampled frames' rows (4 each) and the image_newline row, a broken one with a 400."""
     from eric_epd.stack.servers import EricServer
 
     with EricServer(checkpoints["llava_onevision"], log_path=tmp_path / "eric.log",
                     extra_args=("--dtype", "float32")) as eric:
         models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
-        assert models["modalities"] == ["image"] and models["placement"] == "media"
+        assert models["modalities"] == ["image", "video"] and models["placement"] == "media"
         items = [{"id": str(i), "modality": "image", "url": data_url(image_bytes(image))}
                  for i, image in enumerate(_images())]
         resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
@@ -243,9 +282,14 @@ def test_server_answers_transformers_rows(checkpoints: dict[str, Path], referenc
             assert fetched.status_code == 200, fetched.text
             rows = load_safetensors(fetched.content)["embedding"]
             assert _relative_error(rows, ref["rows"]) <= RTOL
+        broken = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
+                            json={"items": [{"modality": "video", "url": "data:video/mp4;base64,AAAA"}]})
+        assert broken.status_code == 400 and "could not decode video" in broken.text, broken.text
+        url = data_url(video_bytes(40, 64, 48, fps=8, seed=1), "video/mp4")
         video = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                           json={"items": [{"modality": "video", "url": "data:video/mp4;base64,AAAA"}]})
-        assert video.status_code == 400
+                           json={"items": [{"modality": "video", "url": url}]})
+        assert video.status_code == 200, video.text
+        assert video.json()["items"][0]["shape"] == [32 * 4 + 1, 64]
 
 
 def test_warmup_item_is_valid(checkpoints: dict[str, Path]) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from eric_epd.checkpoints.families import ensure_family_checkpoint
-from eric_epd.checkpoints.support import GENERIC_VLLM, vllm_proven
+from eric_epd.checkpoints.support import FAMILY_SUPPORT, GENERIC_VLLM, vllm_proven
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
-from eric_epd.testing.media import data_url, image_bytes, random_image
+from eric_epd.testing.media import data_url, image_bytes, random_image, video_data_url
 from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
 
 pytestmark = pytest.mark.exactness
@@ -96,3 +96,29 @@ def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
         assert _reaches(vllm.url, "loaded_items", before["loaded_items"] + 3)
         assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3  # idle for EPD
         assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
+
+
+def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) -> None:
+    """A family whose videos Eric encodes (its card says so): an image and a 40-frame video (content no other test
+    sent, so neither cache holds it) go EPD, Eric sampling the 32 frames vLLM's loader takes, and the answer is
+    vLLM's own; the other families' cards offer images only (their videos go to the engine with the request)."""
+    import httpx
+
+    eric, vllm, family = stack["eric"], stack["vllm"], stack["family"]
+    card = httpx.get(eric.url + "/v1/models", headers=eric.headers, timeout=10).json()["data"][0]
+    [support] = [f for f in FAMILY_SUPPORT if f.model_type == family]
+    assert card["modalities"] == list(support.modalities)
+    if "video" not in support.modalities:
+        return
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(random_image(80, 60, seed=901)))}},
+        {"type": "video_url", "video_url": {"url": video_data_url(40, 64, 48, fps=8, seed=41)}},
+        {"type": "text", "text": "What happens?"}]}]
+    before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
+    direct, _ = ask_token_ids(vllm.url, messages, key=vllm.api_key, max_tokens=MAX_TOKENS)
+    assert _reaches(vllm.url, "local_encoder_items", before["local_encoder_items"] + 2)
+    epd, path = ask_token_ids(stack["gateway"].url, messages, max_tokens=MAX_TOKENS)
+    assert path == "epd"
+    assert _reaches(vllm.url, "loaded_items", before["loaded_items"] + 2)
+    assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 2
+    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)

@@ -1,5 +1,6 @@
-"""The model's own HF processor as Eric's modality processor: one image in, the named tensors `get_image_features`
-takes (packed into one float32 frame) and the number of rows vLLM's placeholder holds for it."""
+"""The model's own HF processor as Eric's modality processor: one image (or video) in, the named tensors
+`get_image_features` (`get_video_features`) takes, packed into one float32 frame, and the rows vLLM's placeholder
+holds for it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from eric_epd.models.facts import generic_modalities
 from eric_epd.models.hf.adapters import layout_for
 from eric_epd.models.hf.loader import hf_config
 from eric_epd.models.hf.tensors import TensorSpec, pack_tensors
@@ -27,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 """The checkpoint files holding the processor's settings (hashed into every item's content hash)."""
+VLLM_VIDEO_FRAMES = 32
+"""Frames vLLM's default video loader takes from a video (`--media-io-kwargs` video num_frames, uniformly spaced);
+Eric samples the same ones, so its rows are those of the frames vLLM lays the placeholder out for."""
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,10 @@ class HFProcessedItem(ProcessedItem):
 
 
 class HFImageProcessor(BaseModalityProcessor):
-    """Runs the checkpoint's processor on one image with the text that stands for an image, as vLLM does; the rows
-    are the image tokens it expands that text into (the count transformers' own forward checks the features
-    against). Thread-safe: each thread works on its own copy of the processor (its tokenizer is stateful)."""
-
-    modalities = ("image",)
+    """Runs the checkpoint's processor on one image (or video) with the text that stands for one, as vLLM does; the
+    rows are the image (video) tokens it expands that text into (the count transformers' own forward checks the
+    features against). Thread-safe: each thread works on its own copy of the processor (its tokenizer is
+    stateful)."""
 
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoProcessor
@@ -61,6 +65,10 @@ class HFImageProcessor(BaseModalityProcessor):
             raise ValueError(f"{model_dir}: cannot tell where images go in the text (processor.{layout.placeholder}="
                              f"{self._placeholder!r}, config image_token_id={self._token_id})")
         self._names = frozenset(image_processor.model_input_names)
+        self.modalities = generic_modalities(config.model_type)
+        self._video: tuple[str, int, frozenset[str]] | None = None
+        if "video" in self.modalities:
+            self._video = _video_placeholder(model_dir, self._processor, config)
         self.values_per_cost = values_per_patch(config)
         self._local = threading.local()
         self._fingerprint = _fingerprint(Path(model_dir), self._processor)
@@ -88,13 +96,46 @@ class HFImageProcessor(BaseModalityProcessor):
                                cost=cost_of(frame.size, self.values_per_cost))
 
     def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> ProcessedItem:
-        """Videos are not on the generic path yet (Eric's router refuses them with a 400 before this)."""
-        raise ValueError("the generic path serves images only")
+                      seconds: Sequence[float] | None = None) -> HFProcessedItem:
+        """Sampled frames [T, H, W, 3] (vLLM's, see frame_indices) through the checkpoint's own processor, as vLLM
+        calls it for one video: its named tensors and the rows it will give."""
+        if self._video is None:
+            raise ValueError("this family's videos are not served by Eric's generic path")
+        placeholder, token_id, names = self._video
+        out = self._mine()(text=[placeholder], videos=[frames], return_tensors="pt")
+        rows = int((out["input_ids"] == token_id).sum())
+        if rows < 1:
+            raise ValueError("the processor gave this video no video tokens")
+        tensors = {k: v for k, v in out.items() if k in names and isinstance(v, torch.Tensor)}
+        specs, frame = pack_tensors(tensors)
+        return HFProcessedItem("video", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
+                               cost=cost_of(frame.size, self.values_per_cost))
+
+    def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
+        """vLLM's default video loader: VLLM_VIDEO_FRAMES frames spaced uniformly (all of a shorter video)."""
+        if total <= VLLM_VIDEO_FRAMES:
+            return list(range(total))
+        return np.linspace(0, total - 1, VLLM_VIDEO_FRAMES, dtype=int).tolist()
 
     def fingerprint(self, modality: str) -> bytes:
-        """What names the processor's output in content hashes (its config files and effective settings)."""
+        """What names the processor's output in content hashes (its config files and effective settings; for a
+        video also the video processor's settings and the frames sampled)."""
+        if modality == "video":
+            video = getattr(self._processor, "video_processor", None)
+            settings = json.dumps(video.to_dict() if video is not None else {}, sort_keys=True, default=str)
+            return self._fingerprint + f"|video|frames={VLLM_VIDEO_FRAMES}|{settings}".encode()
         return self._fingerprint
+
+
+def _video_placeholder(model_dir: Path, processor: Any, config: Any) -> tuple[str, int, frozenset[str]]:
+    """(the text that stands for one video, its token id, the tensors its video processor gives)."""
+    video = getattr(processor, "video_processor", None)
+    text = getattr(processor, "video_token", None)
+    token_id = getattr(config, "video_token_index", None) or getattr(config, "video_token_id", None)
+    if video is None or not text or token_id is None:
+        raise ValueError(f"{model_dir}: cannot tell where videos go in the text (processor.video_token={text!r}, "
+                         f"config video token id={token_id}, video processor {type(video).__name__})")
+    return text, int(token_id), frozenset(video.model_input_names)
 
 
 def values_per_patch(config: Any) -> int:
