@@ -159,3 +159,12 @@ def test_forward_refuses_crops_of_another_size(gemma3_dir: Path) -> None:
     tower = Gemma3VisionTower.from_checkpoint(gemma3_dir)
     with pytest.raises(ValueError, match=r"expected \[crops, 3, 64, 64\]"):
         tower(torch.zeros(1, 3, 32, 64))
+
+
+def test_bfloat16_tower_runs_in_bfloat16(gemma3_dir: Path, case: dict[str, torch.Tensor]) -> None:
+    tower = Gemma3VisionTower.from_checkpoint(gemma3_dir, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in tower.parameters())
+    rows = tower(case["pixel_values"])
+    assert rows.dtype == torch.bfloat16 and rows.shape == case["ref"].shape
+    cos = torch.nn.functional.cosine_similarity(rows.float().flatten(), case["ref"].flatten(), dim=0)
+    assert cos > 0.99, cos  # bfloat16 rounds; sanity only
