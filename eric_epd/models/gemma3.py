@@ -1,5 +1,5 @@
 """Tensor-parallel Gemma 3 vision tower: SigLIP (heads and MLP split over ranks) and Gemma 3's pooling projector,
-equal to transformers' `get_image_features(pixel_values).pooler_output` flattened to rows."""
+equal to transformers' `get_image_features(pixel_values).pooler_output` as rows; Gemma3Encoder serves it to Eric."""
 
 from __future__ import annotations
 
@@ -268,3 +268,42 @@ class Gemma3VisionTower(nn.Module):
             raise KeyError(f"{len(missing)} vision weights missing from the checkpoint, e.g. {missing[:5]}")
         logger.debug("loaded %d gemma3 vision tensors (tp rank %d/%d)", len(loaded), self.tp.rank, self.tp.world_size)
         return loaded
+
+
+def check_tp(config: Mapping[str, Any], tp: int) -> None:
+    """ValueError, before any process starts, unless the tower of `config` (a config.json) splits over `tp` ranks
+    (its attention heads and MLP width divide by it); the tower is built on the meta device, nothing allocated."""
+    with torch.device("meta"):
+        Gemma3VisionTower(config, TPContext(0, tp))
+
+
+class Gemma3Encoder:
+    """The tower behind the generic path's encoder interface (`HFVisionEncoder.encode`): a batch of items' joined
+    processor tensors in, each item's rows out. Images only (Gemma 3 has no video features)."""
+
+    def __init__(self, tower: Gemma3VisionTower) -> None:
+        self.tower = tower
+        self.width = tower.width
+        """Row width: the language model's hidden size."""
+        self.dtype = tower.dtype
+        """The dtype the tower was loaded in: pixels go in and rows come out in it."""
+
+    @classmethod
+    def load(
+        cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> Gemma3Encoder:
+        """This rank's shard of the checkpoint's tower and projector (see Gemma3VisionTower.from_checkpoint)."""
+        return cls(Gemma3VisionTower.from_checkpoint(model_dir, tp, dtype, device, config))
+
+    def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
+        """Each item's [rows, width] output for a batch whose `pixel_values` hold the items' crops one after another
+        (the processor's other tensors, e.g. num_crops, are not needed: every crop gives mm_tokens_per_image rows)."""
+        if modality != "image":
+            raise RuntimeError(f"the Gemma 3 tower encodes images, not {modality}")
+        if "pixel_values" not in inputs:
+            raise RuntimeError(f"a Gemma 3 batch needs pixel_values; it has {sorted(inputs)}")
+        flat = self.tower(inputs["pixel_values"])
+        if flat.shape[0] != sum(rows):
+            raise RuntimeError(f"the tower gave {flat.shape[0]} rows for items of {rows} rows")
+        return list(flat.split(rows))
