@@ -1,5 +1,6 @@
 """Eric's hand-written Gemma 3 vision tower (SigLIP + projector) against transformers' get_image_features on the tiny
-gemma3 checkpoint: TP 1 in process, TP 2 over gloo in spawned processes, and its loader's name variants and refusals."""
+gemma3 checkpoint: TP 1 in process, TP 2 over gloo in spawned processes, its loader's name variants and refusals,
+and the tower behind the generic path's runner (Eric's processor's items in, transformers' rows out)."""
 
 from __future__ import annotations
 
@@ -30,17 +31,24 @@ def gemma3_dir(_checkpoint_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def case(gemma3_dir: Path) -> dict[str, torch.Tensor]:
+def hf_model(gemma3_dir: Path) -> torch.nn.Module:
+    """transformers' full model in float32."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def case(gemma3_dir: Path, hf_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Crops of two images (a wide one pan-and-scanned into the whole plus 3 crops, a square one whole) and
     transformers' rows for them (the full model in float32)."""
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+    from transformers import AutoProcessor
 
     images = [random_image(200, 60, seed=31), random_image(70, 64, seed=32)]
     inputs = AutoProcessor.from_pretrained(gemma3_dir).image_processor(images=images, return_tensors="pt")
     assert inputs["num_crops"].tolist() == [3, 0]  # 5 crops in all
-    model = Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = model.get_image_features(inputs["pixel_values"]).pooler_output.flatten(0, 1)
+        ref = hf_model.get_image_features(inputs["pixel_values"]).pooler_output.flatten(0, 1)
     return {"pixel_values": inputs["pixel_values"], "ref": ref}
 
 
@@ -168,3 +176,57 @@ def test_bfloat16_tower_runs_in_bfloat16(gemma3_dir: Path, case: dict[str, torch
     assert rows.dtype == torch.bfloat16 and rows.shape == case["ref"].shape
     cos = torch.nn.functional.cosine_similarity(rows.float().flatten(), case["ref"].flatten(), dim=0)
     assert cos > 0.99, cos  # bfloat16 rounds; sanity only
+
+
+# ---- served: the generic path's processor and runner, Eric's tower ------------------------------------------------
+
+
+def test_generic_runner_runs_the_tower(gemma3_dir: Path, hf_model: torch.nn.Module) -> None:
+    """Eric's workload for Gemma 3 (accepted at --tp 2, unlike the other generic families) loads the tower behind
+    the generic runner; three images through Eric's processor (one crop each: the processor's call leaves
+    pan-and-scan off), joined in one forward, give transformers' rows for the same pixels."""
+    from eric_epd.eric.generic import GenericRunner, GenericWorkload
+    from eric_epd.eric.workload import encoder_workload, work_item
+    from eric_epd.models.facts import ModelFacts
+    from eric_epd.models.gemma3 import Gemma3Encoder
+    from eric_epd.models.hf.tensors import unpack_tensors
+    from eric_epd.models.registry import load_processor
+    from eric_epd.runtime.config import RuntimeConfig
+
+    facts = ModelFacts.from_checkpoint(gemma3_dir)
+    assert isinstance(encoder_workload(RuntimeConfig(model=gemma3_dir, tp_size=2), facts), GenericWorkload)
+    config = RuntimeConfig(model=gemma3_dir, dtype="float32", device="cpu")
+    workload = encoder_workload(config, facts)
+    runner = workload.load(config, torch.device("cpu"), TPContext())
+    assert isinstance(runner, GenericRunner) and isinstance(runner.encoder, Gemma3Encoder)
+    processor = load_processor(gemma3_dir)
+    images = (random_image(200, 60, seed=31), random_image(70, 64, seed=32), random_image(90, 150, seed=33))
+    items = [processor.process_image(image) for image in images]
+    work = [work_item(f"item{i}", item, 0, 0) for i, item in enumerate(items)]
+    assert all(workload.validate(w, item.pixel_values.nbytes) is None for w, item in zip(work, items))
+    rows = runner.run(work, torch.cat([torch.from_numpy(item.pixel_values) for item in items]))
+    for item, mine in zip(items, rows):
+        pixels = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))["pixel_values"]
+        with torch.no_grad():
+            ref = hf_model.get_image_features(pixels).pooler_output.flatten(0, 1)
+        assert mine.shape == ref.shape == (item.num_tokens, 64)
+        assert _rel_err(mine, ref) <= REL_ERR
+
+
+def test_encoder_and_workload_refusals(gemma3_dir: Path) -> None:
+    from eric_epd.eric.workload import encoder_workload
+    from eric_epd.models.facts import ModelFacts
+    from eric_epd.models.gemma3 import Gemma3Encoder
+    from eric_epd.runtime.config import RuntimeConfig
+
+    encoder = Gemma3Encoder.load(gemma3_dir, torch.float32, "cpu")
+    crops = {"pixel_values": torch.zeros(2, 3, 64, 64)}
+    assert [r.shape for r in encoder.encode(crops, [4, 4])] == [(4, 64), (4, 64)]
+    with pytest.raises(RuntimeError, match="images, not video"):
+        encoder.encode(crops, [8], "video")
+    with pytest.raises(RuntimeError, match="needs pixel_values"):
+        encoder.encode({"num_crops": torch.zeros(2)}, [8])
+    with pytest.raises(RuntimeError, match=r"gave 8 rows for items of \[4\] rows"):
+        encoder.encode(crops, [4])
+    with pytest.raises(ValueError, match="attention heads 2 is not divisible by tensor-parallel size 3"):
+        encoder_workload(RuntimeConfig(model=gemma3_dir, tp_size=3), ModelFacts.from_checkpoint(gemma3_dir))
