@@ -6,6 +6,8 @@ and bfloat16; three workloads.
 Also measures this CPU's matmul FLOP/s and the ceiling of the tower's own GEMMs alone (same shapes, dtype and
 CPUs as Eric's worker), and reports the fraction of each that Eric reaches end to end.
 Writes benchmarks/results/encoder_throughput.{json,png}.  Usage: python benchmarks/encoder_throughput.py [--quick]
+`--family gemma3`: Gemma 3's three encoders in process instead (Eric's own tower, the generic path's, transformers'
+full model; benchmarks/encoder_throughput_gemma3.py), writing encoder_throughput_gemma3.{json,png}.
 """
 
 from __future__ import annotations
@@ -210,12 +212,21 @@ def main() -> None:
     """Measure transformers and Eric per dtype and workload, and write the results, plot and table."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to measure")
+    ap.add_argument("--dtypes", default=None,
+                    help="comma-separated dtypes to measure (default float32,bfloat16; float32 for gemma3)")
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5"),
-                    help="which offline small checkpoint (results of other families get their own file)")
+    ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3"),
+                    help="which offline small checkpoint (results of other families get their own file); gemma3: "
+                         "Eric's own tower against the generic path and transformers, in process")
+    ap.add_argument("--rounds", type=int, default=5, help="gemma3: timed batches of 8 crops per encoder")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.family == "gemma3":
+        from encoder_throughput_gemma3 import main as gemma3_main  # a sibling script (benchmarks/ is on sys.path)
+
+        gemma3_main((args.dtypes or "float32").split(","), max(2, args.rounds // 2) if args.quick else args.rounds)
+        return
+    args.dtypes = args.dtypes or "float32,bfloat16"
     scale = 0.25 if args.quick else 1.0
     model_dir = ensure_checkpoint(args.family, "small")
     out = "encoder_throughput" + ("" if args.family == "qwen2_vl" else f"_{args.family}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from eric_epd.models.facts import TOWER_TYPES, generic_modalities, is_generic
+from eric_epd.models.facts import TOWER_TYPES, generic_modalities, is_generic, serves_tp
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,14 @@ class FamilySupport:
 
     @property
     def generic(self) -> bool:
-        """Served by Eric's generic path (transformers' own classes, images, TP 1), not a hand-written tower."""
+        """Served by Eric's generic path (the checkpoint's HF processor, images; transformers' own classes at TP 1
+        unless facts.GENERIC_TOWER_TYPES gives it a tower of Eric's own), not a Qwen-style hand-written tower."""
         return is_generic({"model_type": self.model_type})
+
+    @property
+    def tp(self) -> str:
+        """The README's "Eric TP" cell: 1 and 2 (what the tests run) for a tensor-parallel tower, else 1."""
+        return "1, 2" if serves_tp(self.model_type, 2) else "1 (generic path)"
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -75,7 +81,7 @@ def _cell(text: str) -> str:
 def family_table() -> str:
     """The README's family table, in Markdown."""
     rows = [f"| {f.name} | `{f.model_type}` | yes | {'yes' if 'video' in f.modalities else 'no'} | "
-            f"{'1 (generic path)' if f.generic else '1, 2'} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
+            f"{f.tp} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
             for f in FAMILY_SUPPORT]
     return "\n".join([TABLE_HEADER, *rows])
 

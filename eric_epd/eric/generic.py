@@ -1,11 +1,13 @@
 """Eric's workload on the generic path (models/hf): items carry the HF processor's named tensors in one float32 frame,
-batches join items whose tensors agree past dim 0, and the worker runs the model's own vision tower at TP 1."""
+batches join items whose tensors agree past dim 0, and the worker runs the model's own vision tower at TP 1 (or, for
+facts.GENERIC_TOWER_TYPES, Eric's own tensor-parallel tower at any TP)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -22,7 +24,16 @@ from eric_epd.runtime.workload import INPUT_BYTES
 logger = logging.getLogger(__name__)
 
 TP_REFUSED = ("--tp {tp}: the generic path (model_type {model_type!r}, served by transformers' own classes) runs at "
-              "--tp 1 only; scale it out with more Erics, or serve a family with a hand-written tower at --tp > 1")
+              "--tp 1 only; scale it out with more Erics, or serve a family with a tower of Eric's own at --tp > 1")
+
+
+class ItemEncoder(Protocol):
+    """What a generic runner's worker calls: HFVisionEncoder (transformers' classes) or a tower of Eric's own behind
+    the same interface (models/gemma3.Gemma3Encoder)."""
+
+    def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
+        """Each item's [rows, width] output for a batch of one modality joined along dim 0."""
+        ...
 
 
 class GenericSpec(msgspec.Struct, array_like=True, frozen=True, tag="hf"):
@@ -86,14 +97,21 @@ class GenericWorkload:
         return generic_work_item("warm-up", self.warmup_item, 0, 0), self.warmup_item.pixel_values
 
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GenericRunner:
-        """`Workload` hook: this worker's runner, the model's own vision tower and projector on `device`."""
+        """`Workload` hook: this worker's runner, the model's vision tower and projector on `device`: Eric's own
+        tower (this rank's shard) for GENERIC_TOWER_TYPES, else transformers' classes (TP 1 only)."""
+        from eric_epd.models.facts import GENERIC_TOWER_TYPES
         from eric_epd.models.registry import read_model_config, resolve_dtype
 
         world = getattr(tp, "world_size", 1)
         model_config = read_model_config(config.model)
-        if world != 1:
-            raise ValueError(TP_REFUSED.format(tp=world, model_type=model_config.get("model_type")))
+        model_type = model_config.get("model_type")
         dtype = resolve_dtype(config.dtype, model_config)
+        if model_type in GENERIC_TOWER_TYPES:
+            from eric_epd.models.gemma3 import Gemma3Encoder
+
+            return GenericRunner(Gemma3Encoder.load(config.model, dtype, device, tp, model_config))  # type: ignore[arg-type]
+        if world != 1:
+            raise ValueError(TP_REFUSED.format(tp=world, model_type=model_type))
         return GenericRunner(HFVisionEncoder.load(config.model, dtype, device))
 
 
@@ -101,7 +119,7 @@ class GenericWorkload:
 class GenericRunner:
     """The model's vision tower: each batch split into items, items of one signature run together."""
 
-    encoder: HFVisionEncoder
+    encoder: ItemEncoder
     dtype: torch.dtype = torch.float32
     """Inputs stay float32 on their way to `run` (integer tensors travel in them exactly); the encoder casts pixels
     to the model's dtype."""

@@ -19,7 +19,7 @@ def transfer_hub(config: EricConfig) -> TransferHub:
 def serve(config: EricConfig) -> None:
     """Run until interrupted. The checkpoint's config.json is read here, once for this process (the engine and
     the workers get the workload built from it; each worker reads it once more to build its encoder); a checkpoint
-    Eric cannot serve (or --tp > 1 on the generic path) stops it at once."""
+    Eric cannot serve (or a --tp its tower does not take: > 1 on transformers' classes) stops it at once."""
     try:
         facts = ModelFacts.from_checkpoint(config.model)
         workload = encoder_workload(config, facts)

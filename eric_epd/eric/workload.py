@@ -40,16 +40,22 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
 
 
 def encoder_workload(config: RuntimeConfig, facts: ModelFacts) -> Workload:
-    """The workload serving config.model: its hand-written tower's, or the generic path's (TP 1 only). ValueError
-    when Eric cannot serve the checkpoint, naming what it serves."""
+    """The workload serving config.model: its hand-written tower's, or the generic path's (TP 1 only, but for
+    facts.GENERIC_TOWER_TYPES, whose tower of Eric's own must split over --tp). ValueError when Eric cannot serve the
+    checkpoint, naming what it serves."""
     from eric_epd.eric.generic import TP_REFUSED, GenericWorkload
+    from eric_epd.models.facts import serves_tp
     from eric_epd.models.registry import check_servable
 
     if not facts.generic:
         return EncoderWorkload.from_facts(facts)
     check_servable(config.model)
-    if config.tp_size > 1:
+    if not serves_tp(facts.model_type, config.tp_size):
         raise ValueError(TP_REFUSED.format(tp=config.tp_size, model_type=facts.model_type))
+    if config.tp_size > 1:
+        from eric_epd.models.gemma3 import check_tp
+
+        check_tp(facts.config, config.tp_size)
     return GenericWorkload.from_checkpoint(config.model)
 
 

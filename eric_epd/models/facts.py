@@ -17,6 +17,10 @@ TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
 """The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
 the generic path (images)."""
+GENERIC_TOWER_TYPES = frozenset({"gemma3"})
+"""Generic-path families whose worker runs a tensor-parallel tower of Eric's own (models/gemma3.py) in place of
+transformers' classes, so --tp > 1 serves them; their processing, batching, hashing and placement stay the generic
+path's."""
 GENERIC_VIDEO_TYPES = frozenset({"llava_onevision"})
 """Generic-path families whose videos Eric encodes too: their video rows and vLLM's default frame sampling were
 checked against vLLM's model (the others' videos go to the engine with their request)."""
@@ -47,6 +51,12 @@ def dtype_name(setting: str, config: Mapping[str, Any]) -> str:
 def is_generic(config: Mapping[str, Any]) -> bool:
     """No hand-written tower serves this checkpoint's model_type: Eric's generic path (models/hf) does, if it can."""
     return config.get("model_type", "") not in TOWER_TYPES
+
+
+def serves_tp(model_type: str, tp: int) -> bool:
+    """Whether Eric runs this model_type's tower at --tp `tp`: any for a tower of its own (hand-written or in
+    GENERIC_TOWER_TYPES), 1 only for the rest of the generic path (transformers' classes)."""
+    return tp == 1 or model_type in TOWER_TYPES or model_type in GENERIC_TOWER_TYPES
 
 
 def generic_modalities(model_type: str) -> tuple[str, ...]:
@@ -82,7 +92,8 @@ class ModelFacts:
     pixel_row: int
     """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
     generic: bool = False
-    """Served by the generic path (transformers' own classes, TP 1); merge_size and pixel_row are then unused."""
+    """Served by the generic path (the checkpoint's HF processor; transformers' own classes at TP 1, or a tower of
+    Eric's for GENERIC_TOWER_TYPES); merge_size and pixel_row are then unused."""
     config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """config.json as read (for the registry's loaders, the fingerprint and SGLang's dtype rule); never mutated."""
 

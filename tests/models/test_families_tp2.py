@@ -1,6 +1,7 @@
 """Every Qwen3-generation family against transformers in float32, every DeepStack level included: through a served
 TP-2 Eric, images of odd sizes and a video (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; Qwen3-VL has its own tests); in
-process at TP 1, a video (all four)."""
+process at TP 1, a video (all four). Gemma 3 (the generic path's processor, Eric's own tower) through a served TP-2
+Eric, images."""
 
 from __future__ import annotations
 
@@ -89,3 +90,34 @@ def test_tp1_video_equals_hf(family: str, request: pytest.FixtureRequest) -> Non
     with torch.no_grad():
         ref = _rows(model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]))
     torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_tp2_eric_gemma3_equals_hf(tmp_path: Path) -> None:
+    """Gemma 3 at --tp 2: each of three images (wide, tall, square) is answered, placed as media, with as many rows
+    as transformers' processor gives its image tokens, equal to transformers' get_image_features on that processor's
+    pixels (float32, worst relative error 1e-5), read over HTTP with the item's lease."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from eric_epd.checkpoints.families import ensure_family_checkpoint
+
+    model_dir = ensure_family_checkpoint("gemma3")
+    images = [random_image(w, h, seed=120 + i) for i, (w, h) in enumerate(SIZES)]
+    items = [{"modality": "image", "url": data_url(image_bytes(image))} for image in images]
+    with EricServer(model_dir, tp=2, log_path=tmp_path / "eric.log", extra_args=("--dtype", "float32")) as eric:
+        card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
+        assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["image"]
+        resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
+        assert resp.status_code == 200, resp.text
+        answered = resp.json()["items"]
+        rows = [_fetched(eric, item) for item in answered]
+
+    hf = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for image, item, mine in zip(images, answered, rows, strict=True):
+        inputs = hf(text=[hf.boi_token], images=[image], return_tensors="pt")
+        with torch.no_grad():
+            ref = model.get_image_features(inputs["pixel_values"]).pooler_output.flatten(0, 1)
+        assert item["placement"] == "media"
+        assert item["num_tokens"] == mine.shape[0] == int((inputs["input_ids"] == model.config.image_token_id).sum())
+        assert mine.shape == ref.shape and mine.dtype == torch.float32
+        assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5

@@ -1,2 +1,3 @@
 """Eric's generic path: any image-text-to-text checkpoint transformers supports, served at TP 1 by the model's own
-vision tower and projector (only their weights read) and its own HF processor."""
+vision tower and projector (only their weights read; Gemma 3's worker runs models/gemma3.py instead, at any TP) and
+its own HF processor."""
