@@ -22,6 +22,7 @@ from eric_epd.models.layers.parallel import (
     default_weight_loader,
     read_rows,
 )
+from eric_epd.models.qwen2_5_vl import RMSNorm
 from eric_epd.models.qwen2_vl import VisionMLP, config_to_dict
 
 logger = logging.getLogger(__name__)
@@ -120,19 +121,12 @@ class SiglipEncoder(nn.Module):
         return x
 
 
-class Gemma3RMSNorm(nn.Module):
-    """Gemma's RMSNorm: normalized in float32, scaled by (1 + weight), then cast back to the input's dtype."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self.eps = eps
+class Gemma3RMSNorm(RMSNorm):
+    """Gemma's RMSNorm: normalized in float32, scaled by (1 + weight) in float32, then cast to the input's dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """RMS-normalize `x` over its last dimension, then scale by 1 + weight (all in float32)."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        return (self.normalized(x) * (1.0 + self.weight.float())).type_as(x)
 
 
 class Gemma3Projector(nn.Module):

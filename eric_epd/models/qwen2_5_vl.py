@@ -27,11 +27,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
 
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` RMS-normalized over its last dimension, in float32 (no weight applied)."""
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """RMS-normalize `x` in float32, then scale by the weight in `x`'s dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * self.normalized(x).to(x.dtype)
 
 
 class GatedMLP(nn.Module):

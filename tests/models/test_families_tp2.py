@@ -37,6 +37,17 @@ def _fetched(eric: EricServer, item: dict) -> torch.Tensor:
     return load_safetensors(resp.content)["embedding"]
 
 
+def _served(model_dir: Path, items: list[dict], log: Path, *args: str) -> tuple[dict, list[dict], list[torch.Tensor]]:
+    """One TP-2 Eric on `model_dir` asked to encode `items`: its card, its answered items and their rows (read over
+    HTTP with each item's lease)."""
+    with EricServer(model_dir, tp=2, log_path=log, extra_args=args) as eric:
+        card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
+        resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
+        assert resp.status_code == 200, resp.text
+        answered = resp.json()["items"]
+        return card, answered, [_fetched(eric, item) for item in answered]
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def test_tp2_eric_equals_hf_images_and_video(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -46,11 +57,7 @@ def test_tp2_eric_equals_hf_images_and_video(family: str, request: pytest.Fixtur
     video = video_bytes(num_frames=11, width=88, height=56, fps=4, seed=9)
     items = [{"modality": "image", "url": data_url(b)} for b in images]
     items.append({"modality": "video", "url": data_url(video, "video/mp4")})
-    with EricServer(model_dir, tp=2, log_path=tmp_path / "eric.log") as eric:
-        resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
-        assert resp.status_code == 200, resp.text
-        answered = resp.json()["items"]
-        rows = [_fetched(eric, item) for item in answered]
+    _, answered, rows = _served(model_dir, items, tmp_path / "eric.log")
 
     hf = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -103,13 +110,8 @@ def test_tp2_eric_gemma3_equals_hf(tmp_path: Path) -> None:
     model_dir = ensure_family_checkpoint("gemma3")
     images = [random_image(w, h, seed=120 + i) for i, (w, h) in enumerate(SIZES)]
     items = [{"modality": "image", "url": data_url(image_bytes(image))} for image in images]
-    with EricServer(model_dir, tp=2, log_path=tmp_path / "eric.log", extra_args=("--dtype", "float32")) as eric:
-        card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
-        assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["image"]
-        resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
-        assert resp.status_code == 200, resp.text
-        answered = resp.json()["items"]
-        rows = [_fetched(eric, item) for item in answered]
+    card, answered, rows = _served(model_dir, items, tmp_path / "eric.log", "--dtype", "float32")
+    assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["image"]
 
     hf = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
