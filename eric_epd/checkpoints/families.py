@@ -321,7 +321,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(GEMMA3, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
                                        "<start_of_image>", "{{ bos_token }}"), _gemma3, RELEASED_SIGLIP),
     "internvl": Family(INTERNVL, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
-                                           "<IMG_CONTEXT>\n"), _internvl),
+                                           "<IMG_CONTEXT>\n", video="<video>\n"), _internvl),
     "llava_onevision": Family(QWEN_CHAT, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                                                    "<image>\n", video="<video>\n"), _llava_onevision, RELEASED_SIGLIP),
     "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),

@@ -21,7 +21,7 @@ GENERIC_TOWER_TYPES = frozenset({"gemma3"})
 """Generic-path families whose worker runs a tensor-parallel tower of Eric's own (models/gemma3.py) in place of
 transformers' classes, so --tp > 1 serves them; their processing, batching, hashing and placement stay the generic
 path's."""
-GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v"})
+GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "internvl"})
 """Generic-path families whose videos Eric encodes too: their video rows and vLLM's frame sampling for them
 (models/hf/video.py) were checked against vLLM's model (the others' videos go to the engine with their request)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(

@@ -160,9 +160,10 @@ def test_rows_equal_transformers(checkpoints: dict[str, Path], references: dict,
 @pytest.mark.parametrize("family", sorted(GENERIC_VIDEO_TYPES))
 def test_video_rows_equal_transformers(checkpoints: dict[str, Path], family: str) -> None:
     """Two 40-frame videos, decoded by Eric with the frames vLLM's loader for the family takes (32 uniformly spaced
-    for LLaVA-OneVision, 2 a second for GLM-4.1V; tests/vllm/test_generic_placeholders.py checks them against
-    vLLM's): Eric's tensors are transformers' processor output bit for bit, and its rows (each video alone, then
-    both in one forward) transformers' `get_video_features` within RTOL, as many as the video's tokens."""
+    for LLaVA-OneVision and InternVL, 2 a second for GLM-4.1V; tests/vllm/test_generic_placeholders.py checks them
+    against vLLM's): Eric's tensors are transformers' processor output bit for bit, and its rows (each video alone,
+    then both in one forward) transformers' `get_video_features` within RTOL (InternVL has none: its forward, like
+    vLLM, runs the frames through `get_image_features`, one tile a frame), as many as the video's tokens."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     ckpt = checkpoints[family]
@@ -170,15 +171,16 @@ def test_video_rows_equal_transformers(checkpoints: dict[str, Path], family: str
     assert isinstance(ours, HFImageProcessor) and "video" in ours.modalities
     videos = [decode_video(video_bytes(40, 64, 48, fps=8, seed=s), MediaLimits(), ours.frame_indices)[0]
               for s in (1, 2)]
-    assert [len(v) for v in videos] == [{"llava_onevision": 32, "glm4v": 10}[family]] * 2
+    assert [len(v) for v in videos] == [{"llava_onevision": 32, "glm4v": 10, "internvl": 32}[family]] * 2
     hf = AutoProcessor.from_pretrained(ckpt)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
-    takes = inspect.signature(model.get_video_features).parameters
+    features = getattr(model, "get_video_features", None) or model.get_image_features
+    takes = inspect.signature(features).parameters
     items, refs = [], []
     for video in videos:
         inputs = hf(text=[hf.video_token], videos=[video], do_sample_frames=False, return_tensors="pt")
         with torch.no_grad():
-            pooled = model.get_video_features(**{k: v for k, v in inputs.items() if k in takes}).pooler_output
+            pooled = features(**{k: v for k, v in inputs.items() if k in takes}).pooler_output
         parts = pooled if isinstance(pooled, tuple) else [pooled]  # one tensor per video, or [1, rows, hidden]
         refs.append(torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]))
         item = ours.process_video(video)

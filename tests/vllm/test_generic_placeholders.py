@@ -94,14 +94,18 @@ def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache
         item = eric.process_video(ours, sampled_fps)
         assert placeholder.get_num_embeds() == item.num_tokens, (count, fps)
         tensors = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
+        compared = []
         for name, field in processed["mm_kwargs"]["video"][0].items():
-            if name in tensors and isinstance(field.data, torch.Tensor):
+            ours_name = name if name in tensors else name.removesuffix("_videos")  # InternVL's processor renames
+            if ours_name in tensors and isinstance(field.data, torch.Tensor):
+                compared.append(name)
                 theirs = field.data
-                mine = tensors[name].reshape(theirs.shape)
+                mine = tensors[ours_name].reshape(theirs.shape)
                 if theirs.dtype == torch.uint8:  # GLM-4.1V: vLLM normalises on the device; Eric's are those pixels
                     mine = _pixels(mine, eric)
                 torch.testing.assert_close(mine.to(theirs.dtype), theirs, rtol=0, atol=0,
                                            msg=f"{name} {count} frames at {fps}")
+        assert "pixel_values_videos" in compared, compared
 
 
 def _pixels(normalised: torch.Tensor, eric: HFImageProcessor) -> torch.Tensor:
@@ -131,6 +135,32 @@ def test_frame_sampling_is_vllms_loader(loader: str) -> None:
             wanted = theirs.compute_frames_index_to_sample(VideoSourceMetadata(total, fps, total / fps), target)
             if not wanted:
                 with pytest.raises(ValueError, match="takes no frame"):
-                    ours.indices(total, fps, None)
+                    ours.indices(total, fps)
                 continue
-            assert ours.indices(total, fps, None) == list(wanted), (total, fps)
+            assert ours.indices(total, fps) == list(wanted), (total, fps)
+
+
+def test_internvl_videos_take_the_image_size(tmp_path: Path, _checkpoint_cache: Path) -> None:
+    """vLLM rebuilds InternVL's video processor with the image processor's size (interns1.py): with a checkpoint
+    whose video size differs, Eric's frames are resized as vLLM's are (the image size), not as the file says."""
+    import json
+    import shutil
+
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    ckpt = tmp_path / "internvl"
+    shutil.copytree(ensure_family_checkpoint("internvl"), ckpt)
+    config = json.loads((ckpt / "processor_config.json").read_text())
+    config["video_processor"]["size"] = {"height": 32, "width": 32}
+    (ckpt / "processor_config.json").write_text(json.dumps(config))
+    vllm_processor = MULTIMODAL_REGISTRY.create_processor(
+        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096))
+    eric = HFImageProcessor(ckpt)
+    frames, sampled_fps, _ = decode_video(video_bytes(8, 64, 48, fps=4, seed=3), MediaLimits(), eric.frame_indices)
+    processed = vllm_processor("<video>\n", vllm_processor.info.parse_mm_data({"video": [frames]}))
+    theirs = processed["mm_kwargs"]["video"][0]["pixel_values_videos"].data
+    item = eric.process_video(frames, sampled_fps)
+    ours = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))["pixel_values"]
+    assert theirs.shape == (8, 3, 64, 64)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -23,7 +23,7 @@ from eric_epd.models.facts import generic_modalities
 from eric_epd.models.hf.adapters import layout_for
 from eric_epd.models.hf.loader import hf_config
 from eric_epd.models.hf.tensors import TensorSpec, pack_tensors
-from eric_epd.models.hf.video import VideoSampling, sampling_for
+from eric_epd.models.hf.video import VideoPlan
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,10 @@ class HFImageProcessor(BaseModalityProcessor):
         self.modalities = generic_modalities(config.model_type)
         self._video: _VideoFacts | None = None
         if "video" in self.modalities:
-            self._video = _video_placeholder(model_dir, self._processor, config)
+            self._video = _video_facts(model_dir, self._processor, config.model_type, self._token_id)
+            if self._video.plan.call.image_size:  # as vLLM rebuilds it (InternVL)
+                self._processor.video_processor = type(self._processor.video_processor).from_pretrained(
+                    str(model_dir), local_files_only=True, size=image_processor.size)
         self.values_per_cost = values_per_patch(config)
         self._local = threading.local()
         self._fingerprint = _fingerprint(Path(model_dir), self._processor)
@@ -99,12 +102,9 @@ class HFImageProcessor(BaseModalityProcessor):
         calls it for one video: its named tensors and the rows it will give."""
         if self._video is None:
             raise ValueError("this family's videos are not served by Eric's generic path")
-        from transformers.video_utils import VideoMetadata
-
         video = self._video
-        metadata = VideoMetadata(total_num_frames=len(frames), fps=sampled_fps, frames_indices=list(range(len(frames))))
-        out = self._mine()(text=[video.placeholder], videos=[frames], video_metadata=[metadata],
-                           do_sample_frames=False, return_tensors="pt")
+        out = self._mine()(text=[video.placeholder], videos=[frames], return_tensors="pt",
+                           **_video_kwargs(video.plan, len(frames), sampled_fps))
         rows = int(torch.isin(out["input_ids"], torch.tensor(video.token_ids)).sum())
         if rows < 1:
             raise ValueError("the processor gave this video no video tokens")
@@ -117,7 +117,7 @@ class HFImageProcessor(BaseModalityProcessor):
         """The frames vLLM's video loader for this checkpoint hands its processor (models/hf/video.py)."""
         if self._video is None:
             return None
-        return self._video.sampling.indices(total, src_fps, self._processor.video_processor)
+        return self._video.plan.frame_indices(total, src_fps, self._processor.video_processor)
 
     def fingerprint(self, modality: str) -> bytes:
         """What names the processor's output in content hashes (its config files and effective settings; for a
@@ -125,8 +125,8 @@ class HFImageProcessor(BaseModalityProcessor):
         if modality == "video":
             video = getattr(self._processor, "video_processor", None)
             settings = json.dumps(video.to_dict() if video is not None else {}, sort_keys=True, default=str)
-            sampling = self._video.sampling if self._video is not None else None
-            return self._fingerprint + f"|video|{sampling!r}|{settings}".encode()
+            plan = self._video.plan if self._video is not None else None
+            return self._fingerprint + f"|video|{plan!r}|{settings}".encode()
         return self._fingerprint
 
 
@@ -138,24 +138,35 @@ class _VideoFacts:
     """The text that stands for one video (the processor expands it)."""
     token_ids: tuple[int, ...]
     """The tokens that hold its rows in the expanded text: the video token, or the image token where each frame is
-    laid out as an image (GLM-4.1V)."""
+    laid out as an image (GLM-4.1V, InternVL)."""
     names: frozenset[str]
-    """The tensors its video processor gives."""
-    sampling: VideoSampling
-    """The frames vLLM's loader takes for it."""
+    """The tensors the processor gives for it (its video processor's; InternVL renames them to the image ones)."""
+    plan: VideoPlan
+    """The frames vLLM takes for it and how vLLM calls the processor on them."""
 
 
-def _video_placeholder(model_dir: Path, processor: Any, config: Any) -> _VideoFacts:
+def _video_facts(model_dir: Path, processor: Any, model_type: str, image_token_id: int) -> _VideoFacts:
     """How the checkpoint's processor takes one video; ValueError if it cannot tell where videos go."""
     video = getattr(processor, "video_processor", None)
     text = getattr(processor, "video_token", None)
-    token_id = getattr(config, "video_token_index", None) or getattr(config, "video_token_id", None)
-    if video is None or not text or token_id is None:
+    token_id = processor.tokenizer.convert_tokens_to_ids(text) if text else None  # as vLLM finds it
+    if video is None or not isinstance(token_id, int) or token_id == processor.tokenizer.unk_token_id:
         raise ValueError(f"{model_dir}: cannot tell where videos go in the text (processor.video_token={text!r}, "
-                         f"config video token id={token_id}, video processor {type(video).__name__})")
-    image_id = getattr(config, "image_token_index", None) or getattr(config, "image_token_id", None)
-    ids = (int(token_id),) if image_id is None else (int(token_id), int(image_id))
-    return _VideoFacts(text, ids, frozenset(video.model_input_names), sampling_for(video))
+                         f"its token id {token_id}, video processor {type(video).__name__})")
+    names = frozenset(video.model_input_names) | frozenset(processor.image_processor.model_input_names)
+    return _VideoFacts(text, (token_id, image_token_id), names, VideoPlan.of(model_type, video))
+
+
+def _video_kwargs(plan: VideoPlan, frames: int, sampled_fps: float) -> dict[str, Any]:
+    """What vLLM passes the processor with a video besides its frames: for a family whose vLLM model hands over
+    the loader's metadata, metadata of the frames taken and no further sampling (Eric's frames already are what the
+    processor would sample: VideoPlan.frame_indices); nothing else (the processor's own settings)."""
+    if not plan.call.metadata:
+        return {}
+    from transformers.video_utils import VideoMetadata
+
+    metadata = VideoMetadata(total_num_frames=frames, fps=sampled_fps, frames_indices=list(range(frames)))
+    return {"video_metadata": [metadata], "do_sample_frames": False}
 
 
 def values_per_patch(config: Any) -> int:

@@ -1,5 +1,6 @@
-"""vLLM 0.32's video loaders as Eric's generic path mirrors them: which source frames vLLM hands a family's processor
-(the loader vLLM picks by the checkpoint's video processor class), so Eric's rows are those of vLLM's frames."""
+"""vLLM 0.32's video handling as Eric's generic path mirrors it: which source frames vLLM's loader takes (it picks the
+loader by the checkpoint's video processor class) and how vLLM's model for the family calls the processor on them,
+so Eric's rows are those of vLLM's frames."""
 
 from __future__ import annotations
 
@@ -29,21 +30,13 @@ class VideoSampling:
     """The dynamic loader's default fps."""
     max_duration: float = 300.0
     """The dynamic loader's default max_duration (seconds)."""
-    resample_all: bool = False
-    """vLLM's model hands the loader's `do_sample_frames` (true when every source frame was taken) to the HF
-    processor, whose own `sample_frames` then samples those frames again (GLM-4.1V)."""
 
-    def indices(self, total: int, src_fps: float, video_processor: Any) -> list[int]:
-        """The source frames (of `total` at `src_fps`) whose pixels the processor ends up with in vLLM."""
+    def indices(self, total: int, src_fps: float) -> list[int]:
+        """The source frames (of `total` at `src_fps`) vLLM's loader takes; ValueError where it takes none."""
         duration = total / src_fps  # vLLM's OpenCV decoder: frame count / fps
         picked = self._dynamic(total, src_fps, duration) if self.loader == "dynamic" else self._uniform(total)
         if not picked:
             raise ValueError(f"vLLM's {self.loader} video loader takes no frame from a {duration:.2f} s video")
-        if self.resample_all and len(picked) == total:
-            from transformers.video_utils import VideoMetadata
-
-            metadata = VideoMetadata(total_num_frames=total, fps=src_fps, duration=duration)
-            picked = [int(i) for i in video_processor.sample_frames(metadata)]
         return picked
 
     def _uniform(self, total: int) -> list[int]:
@@ -67,12 +60,51 @@ class VideoSampling:
 
 
 VLLM_LOADERS: Mapping[str, VideoSampling] = MappingProxyType({
-    "Glm4vVideoProcessor": VideoSampling("dynamic", resample_all=True),  # vLLM registers opencv_dynamic for it
+    "Glm4vVideoProcessor": VideoSampling("dynamic"),  # vLLM registers opencv_dynamic for it
 })
 """The video processor classes vLLM 0.32 registers a loader for (VIDEO_LOADER_REGISTRY's video_processor=), among
 the generic families whose videos Eric encodes; any other class gets vLLM's default loader (uniform, 32 frames)."""
 
 
-def sampling_for(video_processor: Any) -> VideoSampling:
-    """The loader vLLM uses for a checkpoint whose video processor is `video_processor`."""
-    return VLLM_LOADERS.get(type(video_processor).__name__, VideoSampling())
+@dataclass(frozen=True)
+class VllmVideoCall:
+    """How vLLM's model for a family calls the HF processor on a loaded video (default: the frames alone, with the
+    processor's own settings: LLaVA-OneVision)."""
+
+    metadata: bool = False
+    """It hands the loader's metadata with its `do_sample_frames` (true when every source frame was taken) to the
+    processor, whose own `sample_frames` then samples those frames again (GLM-4.1V)."""
+    image_size: bool = False
+    """It rebuilds the video processor with the image processor's `size` (InternVL, vLLM's interns1.py)."""
+
+
+VLLM_CALLS: Mapping[str, VllmVideoCall] = MappingProxyType({
+    "glm4v": VllmVideoCall(metadata=True),
+    "internvl": VllmVideoCall(image_size=True),
+})
+"""model_type -> how vLLM's model calls the processor on a video, where it departs from the default."""
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """A family's videos as vLLM takes them: the loader, then the processor call."""
+
+    sampling: VideoSampling
+    call: VllmVideoCall
+
+    @classmethod
+    def of(cls, model_type: str, video_processor: Any) -> VideoPlan:
+        """The plan for a checkpoint of `model_type` whose video processor is `video_processor`."""
+        return cls(VLLM_LOADERS.get(type(video_processor).__name__, VideoSampling()),
+                   VLLM_CALLS.get(model_type, VllmVideoCall()))
+
+    def frame_indices(self, total: int, src_fps: float, video_processor: Any) -> list[int]:
+        """The source frames whose pixels the processor ends up with in vLLM: the loader's, sampled again by the
+        processor where vLLM lets it (every frame taken, metadata handed over)."""
+        picked = self.sampling.indices(total, src_fps)
+        if self.call.metadata and len(picked) == total:
+            from transformers.video_utils import VideoMetadata
+
+            metadata = VideoMetadata(total_num_frames=total, fps=src_fps, duration=total / src_fps)
+            picked = [int(i) for i in video_processor.sample_frames(metadata)]
+        return picked
