@@ -62,6 +62,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Idefics3", "idefics3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, NO_SGLANG_GENERIC),
 )
 """Every family, hand-written towers first."""
 
