@@ -67,11 +67,13 @@ def media_proc_cfg(image_processor: dict[str, Any]) -> dict[str, Any]:
 
 
 def finish_kimi_k25(out: Path, model: torch.nn.Module) -> None:
-    """Make the saved checkpoint the released layout: tensor names, vLLM's architecture name, `media_proc_cfg`."""
+    """Make the saved checkpoint the released layout: tensor names, vLLM's architecture name, the media token's
+    released name, `media_proc_cfg`."""
     _released_tensors(out / "model.safetensors", model)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    config["media_placeholder_token_id"] = config["image_token_id"]  # the released config's name, which SGLang reads
     config_path.write_text(json.dumps(config, indent=2))
     processor_path = out / "processor_config.json"
     processor = json.loads(processor_path.read_text())

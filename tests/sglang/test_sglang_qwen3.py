@@ -1,11 +1,13 @@
-"""Qwen3-VL behind SGLang's `--language-only --encoder-urls`, with SGLang's real receiver classes: image parts hold
-every DeepStack level in SGLang's layout, video parts carry the timestamps SGLang writes into the prompt."""
+"""The Qwen3-VL and Qwen3.5 families behind SGLang's `--language-only --encoder-urls`, with SGLang's real receiver
+classes: image parts hold every DeepStack level in SGLang's layout, video parts carry the timestamps SGLang writes
+into the prompt."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from eric_epd.stack.servers import EricServer
@@ -23,30 +25,35 @@ from tests.support.helpers_sglang import (  # noqa: F401  (bootstrap_port, setup
 )
 
 
-def test_qwen3_vl_parts_hold_every_deepstack_level(setup, qwen3_vl_tiny: Path, tmp_path: Path) -> None:  # noqa: F811
-    """Qwen3-VL: SGLang's scheduler-side receiver (TP 1, float32) ends up holding, per image, transformers' rows
-    in SGLang's own layout: [merged | DeepStack level 1 | level 2] on the last dimension."""
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_qwen3_family_parts_hold_every_deepstack_level(setup, family: str, request: pytest.FixtureRequest,  # noqa: F811
+                                                       tmp_path: Path) -> None:
+    """Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (SGLang's Qwen processor serves all four): SGLang's
+    scheduler-side receiver (TP 1, float32) ends up holding, per image, transformers' rows in SGLang's own layout:
+    [merged | DeepStack level 1 | level 2 ...] on the last dimension (merged alone where the tower has none)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    checkpoint: Path = request.getfixturevalue(f"{family}_tiny")
     prefill, _ = setup
     specs = IMAGES[:2]
-    processor = AutoProcessor.from_pretrained(qwen3_vl_tiny)
-    model = AutoModelForImageTextToText.from_pretrained(qwen3_vl_tiny, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
     inputs = processor.image_processor(images=[random_image(w, h, s) for w, h, s in specs], return_tensors="pt")
     with torch.no_grad():
         feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
-    rows = [torch.cat([merged, *(level[i] for level in feats.deepstack_features)], dim=-1)
+    levels = getattr(feats, "deepstack_features", None) or []
+    rows = [torch.cat([merged, *(level[i] for level in levels)], dim=-1)
             for i, merged in enumerate(feats.pooler_output)]
     urls = [image_data_url(*spec) for spec in specs]
-    with EricServer(qwen3_vl_tiny, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
+    with EricServer(checkpoint, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
                     log_path=tmp_path / "eric.log") as eric:
-        result = prefill.job(kind="scheduler", model=str(qwen3_vl_tiny), backend="zmq_to_scheduler",
+        result = prefill.job(kind="scheduler", model=str(checkpoint), backend="zmq_to_scheduler",
                              encoder_urls=[eric.url], images=urls, prompt=prompt_for(len(urls)), tp=1,
                              dtype="float32")
         assert result.dispatch_error is None
         check_equal(result.outcomes[0], eric_tensors(eric, urls), (rows, inputs["image_grid_thw"].tolist()),
                     torch.float32)
-    assert rows[0].shape[1] == 3 * model.config.vision_config.out_hidden_size
+    assert rows[0].shape[1] == (1 + len(levels)) * model.config.vision_config.out_hidden_size
 
 
 def test_qwen3_vl_video_part_carries_its_timestamps(setup, qwen3_vl_tiny: Path, tmp_path: Path) -> None:  # noqa: F811
