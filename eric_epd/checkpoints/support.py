@@ -47,12 +47,12 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Qwen2.5-VL", "qwen2_5_vl", "tests/vllm/test_vllm_plugin_qwen25.py",
                   "tests/sglang/test_sglang_adapter.py"),
     FamilySupport("Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_qwen3.py"),
+                  "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen3-VL-MoE", "qwen3_vl_moe", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_qwen3.py"),
-    FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_qwen3.py"),
+                  "tests/sglang/test_sglang_families.py"),
+    FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen3.5-MoE", "qwen3_5_moe", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_qwen3.py"),
+                  "tests/sglang/test_sglang_families.py"),
     FamilySupport("Gemma 3", "gemma3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Gemma 4", "gemma4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("InternVL 3 (transformers layout)", "internvl", GENERIC_VLLM, NO_SGLANG_GENERIC),
@@ -62,7 +62,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Idefics3", "idefics3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
-    FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_kimi.py"),
+    FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
 )
 """Every family, hand-written towers first."""
 
