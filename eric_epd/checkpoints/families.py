@@ -25,7 +25,7 @@ from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_c
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 4  # bump when the output of build_family_checkpoint changes
+BUILDER_VERSION = 5  # bump when the output of build_family_checkpoint changes
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
@@ -338,7 +338,7 @@ FAMILIES: dict[str, Family] = {
                                                    "<image>\n", video="<video>\n"), _llava_onevision, RELEASED_SIGLIP),
     "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),
     "glm4v": Family(GLM4V, _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
-                                     "[gMASK]<sop>"), _glm4v),
+                                     "[gMASK]<sop>", "<|begin_of_video|><|video|><|end_of_video|>"), _glm4v),
     "idefics3": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
                                            "<|im_start|>"), _idefics3),
     "smolvlm": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",

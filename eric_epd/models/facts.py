@@ -25,9 +25,9 @@ so --tp > 1 serves them, by the module holding it (its `ENCODER`, loaded by Gene
 called before any process starts; see generic_tower); their processing, batching, hashing and placement stay the
 generic path's."""
 GENERIC_TOWER_TYPES = frozenset(GENERIC_TOWERS)
-GENERIC_VIDEO_TYPES = frozenset({"llava_onevision"})
-"""Generic-path families whose videos Eric encodes too: their video rows and vLLM's default frame sampling were
-checked against vLLM's model (the others' videos go to the engine with their request)."""
+GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v"})
+"""Generic-path families whose videos Eric encodes too: their video rows and vLLM's frame sampling for them
+(models/hf/video.py) were checked against vLLM's model (the others' videos go to the engine with their request)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
      "float16": "float16", "fp16": "float16", "half": "float16"})

@@ -4,6 +4,7 @@ batched; only vision tensors are read and hashed; a real Eric server answers the
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -162,9 +163,10 @@ def test_rows_equal_transformers(checkpoints: dict[str, Path], references: dict,
 
 @pytest.mark.parametrize("family", sorted(GENERIC_VIDEO_TYPES))
 def test_video_rows_equal_transformers(checkpoints: dict[str, Path], family: str) -> None:
-    """Two 40-frame videos, decoded by Eric with the frames vLLM's default loader takes (32, uniformly spaced):
-    Eric's tensors are transformers' processor output bit for bit, its row count the video tokens of the text, and
-    its rows (each video alone, then both in one forward) transformers' `get_video_features` within RTOL."""
+    """Two 40-frame videos, decoded by Eric with the frames vLLM's loader for the family takes (32 uniformly spaced
+    for LLaVA-OneVision, 2 a second for GLM-4.1V; tests/vllm/test_generic_placeholders.py checks them against
+    vLLM's): Eric's tensors are transformers' processor output bit for bit, and its rows (each video alone, then
+    both in one forward) transformers' `get_video_features` within RTOL, as many as the video's tokens."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     ckpt = checkpoints[family]
@@ -172,19 +174,22 @@ def test_video_rows_equal_transformers(checkpoints: dict[str, Path], family: str
     assert isinstance(ours, HFImageProcessor) and "video" in ours.modalities
     videos = [decode_video(video_bytes(40, 64, 48, fps=8, seed=s), MediaLimits(), ours.frame_indices)[0]
               for s in (1, 2)]
-    assert [len(v) for v in videos] == [32, 32]
+    assert [len(v) for v in videos] == [{"llava_onevision": 32, "glm4v": 10}[family]] * 2
     hf = AutoProcessor.from_pretrained(ckpt)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    takes = inspect.signature(model.get_video_features).parameters
     items, refs = [], []
     for video in videos:
-        inputs = hf(text=[hf.video_token], videos=[video], return_tensors="pt")
+        inputs = hf(text=[hf.video_token], videos=[video], do_sample_frames=False, return_tensors="pt")
         with torch.no_grad():
-            refs.append(model.get_video_features(pixel_values_videos=inputs["pixel_values_videos"]
-                                                 ).pooler_output.flatten(0, 1))
+            pooled = model.get_video_features(**{k: v for k, v in inputs.items() if k in takes}).pooler_output
+        parts = pooled if isinstance(pooled, tuple) else [pooled]  # one tensor per video, or [1, rows, hidden]
+        refs.append(torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]))
         item = ours.process_video(video)
         tensors = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
-        torch.testing.assert_close(tensors["pixel_values_videos"], inputs["pixel_values_videos"], rtol=0, atol=0)
-        assert item.num_tokens == int((inputs["input_ids"] == model.config.video_token_index).sum())
+        for name in tensors:
+            torch.testing.assert_close(tensors[name], inputs[name].to(tensors[name].dtype), rtol=0, atol=0)
+        assert item.num_tokens == refs[-1].shape[0]
         items.append(item)
     workload, runner = _runner(ckpt)
     assert work_item("k", items[0], 0, 0).kind.startswith("video/")

@@ -1,18 +1,23 @@
-"""vLLM's own multimodal processor (no engine started) on every tiny family of Eric's generic path: for each image,
-the embedding positions of vLLM's placeholder are exactly as many as the rows Eric answers, the tensors vLLM would
-feed its tower are Eric's, and the family's chat template puts the placeholder where vLLM looks for it."""
+"""vLLM's own multimodal processor (no engine started) on every tiny family of Eric's generic path: for each image
+(and each video of the families whose videos Eric encodes), the embedding positions of vLLM's placeholder are exactly
+as many as the rows Eric answers, the tensors vLLM would feed its tower are Eric's, and the family's chat template
+puts the placeholder where vLLM looks for it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from eric_epd.checkpoints.families import FAMILIES, ensure_family_checkpoint
+from eric_epd.eric.decode import decode_video
+from eric_epd.media.limits import MediaLimits
+from eric_epd.models.facts import GENERIC_VIDEO_TYPES
 from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
-from eric_epd.testing.media import random_image
+from eric_epd.testing.media import data_url, random_image, video_bytes
 
 pytestmark = pytest.mark.exactness
 
@@ -48,3 +53,84 @@ def test_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path
             if theirs.dtype == torch.uint8:  # normalised on the device by vLLM (Mistral 3, GLM-4.1V): the same math
                 continue
             torch.testing.assert_close(mine.to(theirs.dtype), theirs, rtol=0, atol=0, msg=f"{name} {width}x{height}")
+
+
+VIDEOS = ((40, 8), (41, 8), (7, 1), (30, 30), (18, 4))
+"""(frames, fps): sampled below the source rate (40, 41), every frame taken (7 at 1 fps: vLLM lets GLM-4.1V's
+processor sample them again), a one-second video (2 frames at GLM-4.1V's 2 fps) and an odd sample count (9 of 18
+at 4 fps)."""
+
+
+@pytest.mark.parametrize("family", sorted(GENERIC_VIDEO_TYPES))
+def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path) -> None:
+    """Each video through vLLM's own chat media path (the loader it picks for the checkpoint's video processor) and
+    multimodal processor: Eric's decoder takes frames vLLM's loader took, bit for bit, its tensors are the ones vLLM
+    would feed its tower (so it took the frames vLLM's processor ended up with) and its rows as many as the
+    placeholder's embedding positions."""
+    from transformers import AutoTokenizer
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.media.connector import MediaConnector
+    from vllm.transformers_utils.processor import get_video_processor_cls_name_from_config
+
+    ckpt = ensure_family_checkpoint(family)
+    vllm_processor = MULTIMODAL_REGISTRY.create_processor(
+        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096))
+    prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    video_processor = get_video_processor_cls_name_from_config(str(ckpt))
+    eric = HFImageProcessor(ckpt)
+    for seed, (count, fps) in enumerate(VIDEOS):
+        data = video_bytes(count, 64, 48, fps=fps, seed=seed)
+        frames, metadata = MediaConnector().fetch_video(data_url(data, "video/mp4"),
+                                                        video_processor=video_processor).media
+        ours, sampled_fps, _ = decode_video(data, MediaLimits(), eric.frame_indices)
+        theirs = dict(zip(metadata["frames_indices"], frames, strict=True))  # what vLLM's loader decoded, by frame
+        for index, frame in zip(eric.frame_indices(count, fps), ours, strict=True):
+            assert np.array_equal(frame, theirs[index]), (count, fps, index, metadata)
+        processed = vllm_processor(prompt, vllm_processor.info.parse_mm_data({"video": [(frames, metadata)]}))
+        (placeholder,) = processed["mm_placeholders"]["video"]
+        item = eric.process_video(ours, sampled_fps)
+        assert placeholder.get_num_embeds() == item.num_tokens, (count, fps)
+        tensors = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
+        for name, field in processed["mm_kwargs"]["video"][0].items():
+            if name in tensors and isinstance(field.data, torch.Tensor):
+                theirs = field.data
+                mine = tensors[name].reshape(theirs.shape)
+                if theirs.dtype == torch.uint8:  # GLM-4.1V: vLLM normalises on the device; Eric's are those pixels
+                    mine = _pixels(mine, eric)
+                torch.testing.assert_close(mine.to(theirs.dtype), theirs, rtol=0, atol=0,
+                                           msg=f"{name} {count} frames at {fps}")
+
+
+def _pixels(normalised: torch.Tensor, eric: HFImageProcessor) -> torch.Tensor:
+    """The uint8 pixels that normalised patch rows [n, channels x ...] came from (the video processor's mean, std
+    and rescale undone, rounded)."""
+    video = eric._processor.video_processor
+    rows = normalised.reshape(normalised.shape[0], 3, -1).double()
+    mean, std = (torch.tensor(v, dtype=torch.float64)[None, :, None] for v in (video.image_mean, video.image_std))
+    return ((rows * std + mean) / video.rescale_factor).round().reshape(normalised.shape)
+
+
+@pytest.mark.parametrize("loader", ["opencv", "opencv_dynamic"])
+def test_frame_sampling_is_vllms_loader(loader: str) -> None:
+    """Eric's sampling (models/hf/video.py) names the frames vLLM's loader computes, with the arguments vLLM calls it
+    with (num_frames 32, the loader's default fps and max_duration), over short, long (past 300 s) and odd-rate
+    videos; where vLLM's loader takes no frame, Eric refuses the video."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+
+    from eric_epd.models.hf.video import VideoSampling
+
+    theirs = VIDEO_LOADER_REGISTRY.load(loader)
+    ours = VideoSampling("dynamic" if loader == "opencv_dynamic" else "uniform")
+    target = VideoTargetMetadata(num_frames=32, fps=2 if loader == "opencv_dynamic" else -1, max_duration=300)
+    for total in (1, 2, 7, 31, 32, 33, 40, 41, 599, 601, 1000, 9001, 20000):
+        for fps in (1.0, 2.5, 8.0, 23.976023976023978, 29.97002997002997, 30.0, 60.0):
+            wanted = theirs.compute_frames_index_to_sample(VideoSourceMetadata(total, fps, total / fps), target)
+            if not wanted:
+                with pytest.raises(ValueError, match="takes no frame"):
+                    ours.indices(total, fps, None)
+                continue
+            assert ours.indices(total, fps, None) == list(wanted), (total, fps)

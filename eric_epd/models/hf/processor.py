@@ -23,15 +23,13 @@ from eric_epd.models.facts import generic_modalities
 from eric_epd.models.hf.adapters import layout_for
 from eric_epd.models.hf.loader import hf_config
 from eric_epd.models.hf.tensors import TensorSpec, pack_tensors
+from eric_epd.models.hf.video import VideoSampling, sampling_for
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 
 logger = logging.getLogger(__name__)
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 """The checkpoint files holding the processor's settings (hashed into every item's content hash)."""
-VLLM_VIDEO_FRAMES = 32
-"""Frames vLLM's default video loader takes from a video (`--media-io-kwargs` video num_frames, uniformly spaced);
-Eric samples the same ones, so its rows are those of the frames vLLM lays the placeholder out for."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class HFImageProcessor(BaseModalityProcessor):
                              f"{self._placeholder!r}, config image_token_id={self._token_id})")
         self._names = frozenset(image_processor.model_input_names)
         self.modalities = generic_modalities(config.model_type)
-        self._video: tuple[str, int, frozenset[str]] | None = None
+        self._video: _VideoFacts | None = None
         if "video" in self.modalities:
             self._video = _video_placeholder(model_dir, self._processor, config)
         self.values_per_cost = values_per_patch(config)
@@ -107,21 +105,25 @@ class HFImageProcessor(BaseModalityProcessor):
         calls it for one video: its named tensors and the rows it will give."""
         if self._video is None:
             raise ValueError("this family's videos are not served by Eric's generic path")
-        placeholder, token_id, names = self._video
-        out = self._mine()(text=[placeholder], videos=[frames], return_tensors="pt")
-        rows = int((out["input_ids"] == token_id).sum())
+        from transformers.video_utils import VideoMetadata
+
+        video = self._video
+        metadata = VideoMetadata(total_num_frames=len(frames), fps=sampled_fps, frames_indices=list(range(len(frames))))
+        out = self._mine()(text=[video.placeholder], videos=[frames], video_metadata=[metadata],
+                           do_sample_frames=False, return_tensors="pt")
+        rows = int(torch.isin(out["input_ids"], torch.tensor(video.token_ids)).sum())
         if rows < 1:
             raise ValueError("the processor gave this video no video tokens")
-        tensors = {k: v for k, v in out.items() if k in names and isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in out.items() if k in video.names and isinstance(v, torch.Tensor)}
         specs, frame = pack_tensors(tensors)
         return HFProcessedItem("video", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
                                cost=cost_of(frame.size, self.values_per_cost))
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
-        """vLLM's default video loader: VLLM_VIDEO_FRAMES frames spaced uniformly (all of a shorter video)."""
-        if total <= VLLM_VIDEO_FRAMES:
-            return list(range(total))
-        return np.linspace(0, total - 1, VLLM_VIDEO_FRAMES, dtype=int).tolist()
+        """The frames vLLM's video loader for this checkpoint hands its processor (models/hf/video.py)."""
+        if self._video is None:
+            return None
+        return self._video.sampling.indices(total, src_fps, self._processor.video_processor)
 
     def fingerprint(self, modality: str) -> bytes:
         """What names the processor's output in content hashes (its config files and effective settings; for a
@@ -129,19 +131,37 @@ class HFImageProcessor(BaseModalityProcessor):
         if modality == "video":
             video = getattr(self._processor, "video_processor", None)
             settings = json.dumps(video.to_dict() if video is not None else {}, sort_keys=True, default=str)
-            return self._fingerprint + f"|video|frames={VLLM_VIDEO_FRAMES}|{settings}".encode()
+            sampling = self._video.sampling if self._video is not None else None
+            return self._fingerprint + f"|video|{sampling!r}|{settings}".encode()
         return self._fingerprint
 
 
-def _video_placeholder(model_dir: Path, processor: Any, config: Any) -> tuple[str, int, frozenset[str]]:
-    """(the text that stands for one video, its token id, the tensors its video processor gives)."""
+@dataclass(frozen=True)
+class _VideoFacts:
+    """How the checkpoint's processor takes one video."""
+
+    placeholder: str
+    """The text that stands for one video (the processor expands it)."""
+    token_ids: tuple[int, ...]
+    """The tokens that hold its rows in the expanded text: the video token, or the image token where each frame is
+    laid out as an image (GLM-4.1V)."""
+    names: frozenset[str]
+    """The tensors its video processor gives."""
+    sampling: VideoSampling
+    """The frames vLLM's loader takes for it."""
+
+
+def _video_placeholder(model_dir: Path, processor: Any, config: Any) -> _VideoFacts:
+    """How the checkpoint's processor takes one video; ValueError if it cannot tell where videos go."""
     video = getattr(processor, "video_processor", None)
     text = getattr(processor, "video_token", None)
     token_id = getattr(config, "video_token_index", None) or getattr(config, "video_token_id", None)
     if video is None or not text or token_id is None:
         raise ValueError(f"{model_dir}: cannot tell where videos go in the text (processor.video_token={text!r}, "
                          f"config video token id={token_id}, video processor {type(video).__name__})")
-    return text, int(token_id), frozenset(video.model_input_names)
+    image_id = getattr(config, "image_token_index", None) or getattr(config, "image_token_id", None)
+    ids = (int(token_id),) if image_id is None else (int(token_id), int(image_id))
+    return _VideoFacts(text, ids, frozenset(video.model_input_names), sampling_for(video))
 
 
 def values_per_patch(config: Any) -> int:
