@@ -6,8 +6,9 @@ and bfloat16; three workloads.
 Also measures this CPU's matmul FLOP/s and the ceiling of the tower's own GEMMs alone (same shapes, dtype and
 CPUs as Eric's worker), and reports the fraction of each that Eric reaches end to end.
 Writes benchmarks/results/encoder_throughput.{json,png}.  Usage: python benchmarks/encoder_throughput.py [--quick]
-`--family gemma3`: Gemma 3's three encoders in process instead (Eric's own tower, the generic path's, transformers'
-full model; benchmarks/encoder_throughput_gemma3.py), writing encoder_throughput_gemma3.{json,png}.
+`--family gemma3` / `internvl`: that family's three encoders in process instead (Eric's own tower, the generic path's,
+transformers' full model; benchmarks/encoder_throughput_towers.py with encoder_throughput_<family>.py), writing
+encoder_throughput_<family>.{json,png}.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from eric_epd.testing.media import image_bytes, random_image
 logger = logging.getLogger("encoder_throughput")
 RESULTS = Path(__file__).parent / "results"
 
+TOWER_BENCHES = {"gemma3": "encoder_throughput_gemma3", "internvl": "encoder_throughput_internvl"}
+"""Families with a tower of Eric's own -> the sibling script benchmarking it against the generic path."""
 WORKLOADS = {  # name -> (min side, max side, number of images)
     "small": (112, 224, 64),
     "mixed": (56, 896, 24),
@@ -213,18 +216,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
     ap.add_argument("--dtypes", default=None,
-                    help="comma-separated dtypes to measure (default float32,bfloat16; float32 for gemma3)")
+                    help="comma-separated dtypes to measure (default float32,bfloat16; float32 for gemma3 and "
+                         "internvl)")
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3"),
-                    help="which offline small checkpoint (results of other families get their own file); gemma3: "
-                         "Eric's own tower against the generic path and transformers, in process")
-    ap.add_argument("--rounds", type=int, default=5, help="gemma3: timed batches of 8 crops per encoder")
+    ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5", *TOWER_BENCHES),
+                    help="which offline small checkpoint (results of other families get their own file); gemma3, "
+                         "internvl: Eric's own tower against the generic path and transformers, in process")
+    ap.add_argument("--rounds", type=int, default=5, help="gemma3, internvl: timed batches of 8 crops per encoder")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.family == "gemma3":
-        from encoder_throughput_gemma3 import main as gemma3_main  # a sibling script (benchmarks/ is on sys.path)
+    if args.family in TOWER_BENCHES:
+        import importlib
 
-        gemma3_main((args.dtypes or "float32").split(","), max(2, args.rounds // 2) if args.quick else args.rounds)
+        bench = importlib.import_module(TOWER_BENCHES[args.family])  # a sibling script (benchmarks/ is on sys.path)
+        bench.main((args.dtypes or "float32").split(","), max(2, args.rounds // 2) if args.quick else args.rounds)
         return
     args.dtypes = args.dtypes or "float32,bfloat16"
     scale = 0.25 if args.quick else 1.0

@@ -1,5 +1,6 @@
 """Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3 and 4,
-InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, SmolVLM, Llama 4), saved like a Hugging Face repo.
+InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, SmolVLM, Llama 4, Kimi-K2.5), saved like a Hugging Face
+repo.
 
 Each holds random weights, a locally trained tokenizer carrying the family's special tokens, the family's own
 processor classes saved with their defaults (sizes shrunk to the tiny tower) and a chat template. Nothing is
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
+from eric_epd.checkpoints.kimi import KIMI_IMAGE, KIMI_NAMED, KIMI_SPECIALS, finish_kimi_k25, make_kimi_k25
 from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_chat_template
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class Family:
     """(tokenizer, token ids, vocab size, init std) -> (model config, processor)."""
     released: dict[str, str] = field(default_factory=dict)
     """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
+    finish: Callable[[Path, Any], None] | None = None
+    """(checkpoint dir, model) -> None: the family's last touches to what was saved (its released layout)."""
 
 
 def _template(user: str, assistant: str, end: str, image: str, bos: str = "", video: str = "") -> str:
@@ -317,6 +321,14 @@ def _llama4(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple
     return cfg, Llama4Processor(improc, tok, patch_size=16, pixel_shuffle_ratio=0.5)
 
 
+KIMI = Tokens(KIMI_SPECIALS, KIMI_NAMED, bos="[BOS]", eos="<|im_end|>", pad="[EOS]")
+
+
+def _kimi_k25(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """MoonViT 14-pixel patches merged 2x2 (checkpoints/kimi.py), a DeepSeek-V3 language model with MLA."""
+    return make_kimi_k25(tok, ids, _text(vocab, ids, KIMI, init_std), init_std)
+
+
 FAMILIES: dict[str, Family] = {
     "gemma3": Family(GEMMA3, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
                                        "<start_of_image>", "{{ bos_token }}"), _gemma3, RELEASED_SIGLIP),
@@ -336,6 +348,8 @@ FAMILIES: dict[str, Family] = {
     "llama4": Family(LLAMA4, _template("<|header_start|>user<|header_end|>\n\n",
                                        "<|header_start|>assistant<|header_end|>\n\n", "<|eot|>", "<|image|>",
                                        "{{ bos_token }}"), _llama4),
+    "kimi_k25": Family(KIMI, _template("<|im_user|>user<|im_middle|>", "<|im_assistant|>assistant<|im_middle|>",
+                                       "<|im_end|>", KIMI_IMAGE), _kimi_k25, finish=finish_kimi_k25),
 }
 """Family name (its HF model_type) -> how to build its tiny checkpoint."""
 
@@ -365,6 +379,8 @@ def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int =
     processor.chat_template = spec.chat_template
     processor.save_pretrained(out)
     with_chat_template(out, spec.chat_template)
+    if spec.finish is not None:
+        spec.finish(out, model)
     logger.info("built %s checkpoint at %s: %.2fM params", family, out,
                 sum(p.numel() for p in model.parameters()) / 1e6)
     return out

@@ -37,8 +37,8 @@ class FamilySupport:
         return generic_modalities(self.model_type) if self.generic else TOWER_TYPES[self.model_type]
 
 
-NO_SGLANG_GENERIC = "not tested (Eric's SGLang parts carry Qwen-style grids; no generic family has run behind SGLang)"
-QWEN_SGLANG_UNTESTED = "not tested (SGLang's Qwen path; no test runs this family)"
+NO_SGLANG_GENERIC = ("not tested (SGLang 0.5.23's encoder disaggregation lays out the Qwen-VL, Kimi and MiMo families "
+                     "from their grids; no test checks its generic placement for this family)")
 GENERIC_VLLM = "tests/vllm/test_generic_families.py"
 
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
@@ -47,12 +47,12 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Qwen2.5-VL", "qwen2_5_vl", "tests/vllm/test_vllm_plugin_qwen25.py",
                   "tests/sglang/test_sglang_adapter.py"),
     FamilySupport("Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_qwen3.py"),
+                  "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen3-VL-MoE", "qwen3_vl_moe", "tests/gateway/test_gateway_qwen3.py",
-                  QWEN_SGLANG_UNTESTED),
-    FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", QWEN_SGLANG_UNTESTED),
+                  "tests/sglang/test_sglang_families.py"),
+    FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen3.5-MoE", "qwen3_5_moe", "tests/gateway/test_gateway_qwen3.py",
-                  QWEN_SGLANG_UNTESTED),
+                  "tests/sglang/test_sglang_families.py"),
     FamilySupport("Gemma 3", "gemma3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Gemma 4", "gemma4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("InternVL 3 (transformers layout)", "internvl", GENERIC_VLLM, NO_SGLANG_GENERIC),
@@ -62,6 +62,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Idefics3", "idefics3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
 )
 """Every family, hand-written towers first."""
 

@@ -29,7 +29,7 @@ TP_REFUSED = ("--tp {tp}: the generic path (model_type {model_type!r}, served by
 
 class ItemEncoder(Protocol):
     """What a generic runner's worker calls: HFVisionEncoder (transformers' classes) or a tower of Eric's own behind
-    the same interface (models/gemma3.Gemma3Encoder)."""
+    the same interface (models/crop_tower.CropTowerEncoder: models/gemma3.py's, models/internvl.py's)."""
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch of one modality joined along dim 0."""
@@ -99,7 +99,7 @@ class GenericWorkload:
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GenericRunner:
         """`Workload` hook: this worker's runner, the model's vision tower and projector on `device`: Eric's own
         tower (this rank's shard) for GENERIC_TOWER_TYPES, else transformers' classes (TP 1 only)."""
-        from eric_epd.models.facts import GENERIC_TOWER_TYPES
+        from eric_epd.models.facts import GENERIC_TOWER_TYPES, generic_tower
         from eric_epd.models.registry import read_model_config, resolve_dtype
 
         world = getattr(tp, "world_size", 1)
@@ -107,9 +107,8 @@ class GenericWorkload:
         model_type = model_config.get("model_type")
         dtype = resolve_dtype(config.dtype, model_config)
         if model_type in GENERIC_TOWER_TYPES:
-            from eric_epd.models.gemma3 import Gemma3Encoder
-
-            return GenericRunner(Gemma3Encoder.load(config.model, dtype, device, tp, model_config))  # type: ignore[arg-type]
+            encoder = generic_tower(model_type).ENCODER
+            return GenericRunner(encoder.load(config.model, dtype, device, tp, model_config))
         if world != 1:
             raise ValueError(TP_REFUSED.format(tp=world, model_type=model_type))
         return GenericRunner(HFVisionEncoder.load(config.model, dtype, device))

@@ -44,7 +44,7 @@ def encoder_workload(config: RuntimeConfig, facts: ModelFacts) -> Workload:
     facts.GENERIC_TOWER_TYPES, whose tower of Eric's own must split over --tp). ValueError when Eric cannot serve the
     checkpoint, naming what it serves."""
     from eric_epd.eric.generic import TP_REFUSED, GenericWorkload
-    from eric_epd.models.facts import serves_tp
+    from eric_epd.models.facts import GENERIC_TOWER_TYPES, generic_tower, serves_tp
     from eric_epd.models.registry import check_servable
 
     if not facts.generic:
@@ -52,10 +52,8 @@ def encoder_workload(config: RuntimeConfig, facts: ModelFacts) -> Workload:
     check_servable(config.model)
     if not serves_tp(facts.model_type, config.tp_size):
         raise ValueError(TP_REFUSED.format(tp=config.tp_size, model_type=facts.model_type))
-    if config.tp_size > 1:
-        from eric_epd.models.gemma3 import check_tp
-
-        check_tp(facts.config, config.tp_size)
+    if config.tp_size > 1 and facts.model_type in GENERIC_TOWER_TYPES:
+        generic_tower(facts.model_type).check_tp(facts.config, config.tp_size)
     return GenericWorkload.from_checkpoint(config.model)
 
 

@@ -4,11 +4,12 @@ connector reach embedding_width through wire/handoff."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 from eric_epd.wire.eric import GRID, MEDIA, Placement
@@ -17,10 +18,13 @@ TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
 """The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
 the generic path (images)."""
-GENERIC_TOWER_TYPES = frozenset({"gemma3"})
-"""Generic-path families whose worker runs a tensor-parallel tower of Eric's own (models/gemma3.py) in place of
-transformers' classes, so --tp > 1 serves them; their processing, batching, hashing and placement stay the generic
-path's."""
+GENERIC_TOWERS: Mapping[str, str] = MappingProxyType(
+    {"gemma3": "eric_epd.models.gemma3", "internvl": "eric_epd.models.internvl"})
+"""Generic-path families whose worker runs a tensor-parallel tower of Eric's own in place of transformers' classes,
+so --tp > 1 serves them, by the module holding it (its `ENCODER`, loaded by GenericWorkload, and its `check_tp`,
+called before any process starts; see generic_tower); their processing, batching, hashing and placement stay the
+generic path's."""
+GENERIC_TOWER_TYPES = frozenset(GENERIC_TOWERS)
 GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "internvl"})
 """Generic-path families whose videos Eric encodes too: their video rows and vLLM's frame sampling for them
 (models/hf/video.py) were checked against vLLM's model (the others' videos go to the engine with their request)."""
@@ -57,6 +61,14 @@ def serves_tp(model_type: str, tp: int) -> bool:
     """Whether Eric runs this model_type's tower at --tp `tp`: any for a tower of its own (hand-written or in
     GENERIC_TOWER_TYPES), 1 only for the rest of the generic path (transformers' classes)."""
     return tp == 1 or model_type in TOWER_TYPES or model_type in GENERIC_TOWER_TYPES
+
+
+def generic_tower(model_type: str) -> ModuleType:
+    """The module of the tower of Eric's own serving a GENERIC_TOWERS family (imported here: it imports torch)."""
+    if model_type not in GENERIC_TOWERS:
+        raise ValueError(f"model_type {model_type!r} has no tower of Eric's own; those that do: "
+                         f"{', '.join(sorted(GENERIC_TOWERS))}")
+    return importlib.import_module(GENERIC_TOWERS[model_type])
 
 
 def generic_modalities(model_type: str) -> tuple[str, ...]:

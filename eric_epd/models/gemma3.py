@@ -4,8 +4,7 @@ equal to transformers' `get_image_features(pixel_values).pooler_output` as rows;
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -13,15 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eric_epd.models.facts import read_config
-from eric_epd.models.layers.parallel import (
-    QKVParallelLinear,
-    RowParallelLinear,
-    TPContext,
-    copy_into,
-    default_weight_loader,
-    read_rows,
-)
+from eric_epd.models.crop_tower import CropTower, CropTowerEncoder, check_tower_tp
+from eric_epd.models.layers.parallel import QKVParallelLinear, RowParallelLinear, TPContext
 from eric_epd.models.qwen2_5_vl import RMSNorm
 from eric_epd.models.qwen2_vl import VisionMLP, config_to_dict
 
@@ -36,8 +28,6 @@ SIGLIP_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
     "layer_norm_eps": 1e-6})
 """transformers' SiglipVisionConfig defaults, for keys a checkpoint's vision_config leaves out."""
-QKV_PARTS: Mapping[str, int] = MappingProxyType({"q_proj": 0, "k_proj": 1, "v_proj": 2})
-"""The checkpoint's separate projections, by their place in the fused qkv."""
 
 
 def checkpoint_key(name: str) -> str:
@@ -72,15 +62,8 @@ class SiglipAttention(nn.Module):
         super().__init__()
         self.qkv = QKVParallelLinear(dim, num_heads, True, tp, dtype)
         self.out_proj = RowParallelLinear(dim, dim, True, tp, dtype)
-        self.tp = tp
         self.heads = self.qkv.num_heads_local
         self.head_dim = dim // num_heads
-
-    def load_qkv_part(self, param: torch.Tensor, src: Any, part: int) -> None:
-        """Load this rank's heads of the checkpoint's q (part 0), k (1) or v (2) weight or bias into the fused qkv."""
-        local = self.qkv.local
-        start = self.tp.rank * local
-        copy_into(param.narrow(0, part * local, local), read_rows(src, start, start + local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, dim) -> (B, L, dim): this rank's heads attend over each crop's tokens, summed over ranks."""
@@ -153,15 +136,19 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(x)
 
 
-class Gemma3VisionTower(nn.Module):
+class Gemma3VisionTower(CropTower):
     """Gemma 3's SigLIP tower and projector. forward(pixel_values (crops, 3, S, S)) -> (crops * mm_tokens_per_image,
     text hidden size) rows, crops in order, identical (replicated) on every tensor-parallel rank."""
 
+    model_type = "gemma3"
+    family = "Gemma 3"
+    weight_prefixes = WEIGHT_PREFIXES
+    checkpoint_key = staticmethod(checkpoint_key)
+
     def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
+        super().__init__(tp)
         full = config_to_dict(config)
         cfg = {**SIGLIP_DEFAULTS, **config_to_dict(full.get("vision_config") or {})}
-        self.tp = tp or TPContext()
         self.image_size, self.patch_size = int(cfg["image_size"]), int(cfg["patch_size"])
         self.channels = int(cfg["num_channels"])
         self.tokens_per_image = int(full.get("mm_tokens_per_image", 256))
@@ -176,128 +163,22 @@ class Gemma3VisionTower(nn.Module):
         self.multi_modal_projector = Gemma3Projector(dim, self.width, side, self.tokens_per_image,
                                                      float(cfg["layer_norm_eps"]), dtype)
 
-    @classmethod
-    def from_checkpoint(
-        cls, model_dir: str | Path, tp: TPContext | None = None, dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu", config: Mapping[str, Any] | None = None,
-    ) -> Gemma3VisionTower:
-        """The tower of a Gemma 3 checkpoint on `device` in `dtype`, this rank's shard of each vision and projector
-        tensor read from its safetensors (the language model's never); `config`: its config.json if already read."""
-        from eric_epd.models.registry import iter_vision_tensors  # here: the registry is to import this module
-
-        model_dir = Path(model_dir)
-        config = read_config(model_dir) if config is None else config
-        if config.get("model_type") != "gemma3":
-            raise ValueError(f"{model_dir} is model_type {config.get('model_type')!r}, not gemma3")
-        tp = tp or TPContext()
-        with torch.device("meta"):
-            tower = cls(config, tp, dtype)
-        tower = tower.to_empty(device=torch.device(device)).eval()
-        loaded = tower.load_weights(iter_vision_tensors(model_dir, WEIGHT_PREFIXES))
-        n_params = sum(p.numel() for p in tower.parameters())
-        logger.info("loaded gemma3 vision tower from %s: %d tensors, %.1fM params/rank, %s on %s, tp %d/%d",
-                    model_dir, len(loaded), n_params / 1e6, dtype, device, tp.rank, tp.world_size)
-        return tower
-
-    @property
-    def device(self) -> torch.device:
-        """The device the tower's weights are on."""
-        return self.post_layernorm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the tower's weights (pixels are cast to it, rows come out in it)."""
-        return self.post_layernorm.weight.dtype
-
-    @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Rows of every crop, crops in order: the layout of `get_image_features(...).pooler_output.flatten(0, 1)`."""
-        size = (self.channels, self.image_size, self.image_size)
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != size:
-            expected = ", ".join(map(str, size))
-            raise ValueError(f"pixel_values of shape {list(pixel_values.shape)}; expected [crops, {expected}]")
-        if pixel_values.shape[0] == 0:
-            return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
-        x = self.embeddings(pixel_values.to(device=self.device, dtype=self.dtype))
-        x = self.post_layernorm(self.encoder(x))
-        return self.multi_modal_projector(x).flatten(0, 1)
-
-    # ---- weights -------------------------------------------------------------------------------------------
-    def expected_keys(self) -> set[str]:
-        """Every tensor the checkpoint must provide, by `checkpoint_key` name (the fused qkv as its q, k and v)."""
-        keys: set[str] = set()
-        for name, _ in self.named_parameters():
-            head, _, leaf = name.rpartition(".")
-            if head.endswith(".self_attn.qkv"):
-                keys.update(f"{head[:-3]}{proj}.{leaf}" for proj in QKV_PARTS)
-            else:
-                keys.add(name)
-        return keys
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load (name, tensor-or-safetensors-slice) pairs under any `WEIGHT_PREFIXES` spelling, each sliced to this
-        rank's shard. Raises on unexpected or repeated names and, at the end, on any missing. Returns the keys."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, src in weights:
-            key = checkpoint_key(name)
-            if key in loaded:
-                raise KeyError(f"vision weight {name!r} given twice")
-            head, _, leaf = key.rpartition(".")
-            owner, _, proj = head.rpartition(".")
-            try:
-                if proj in QKV_PARTS and owner.endswith(".self_attn") and f"{owner}.qkv.{leaf}" in params:
-                    attn = self.get_submodule(owner)
-                    attn.load_qkv_part(params[f"{owner}.qkv.{leaf}"], src, QKV_PARTS[proj])
-                elif key in params:
-                    loader = getattr(self.get_submodule(head), "weight_loader", None) or default_weight_loader
-                    loader(params[key], src)
-                else:
-                    raise KeyError(f"unexpected vision weight {name!r} for {type(self).__name__}")
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
-            loaded.add(key)
-        missing = sorted(self.expected_keys() - loaded)
-        if missing:
-            raise KeyError(f"{len(missing)} vision weights missing from the checkpoint, e.g. {missing[:5]}")
-        logger.debug("loaded %d gemma3 vision tensors (tp rank %d/%d)", len(loaded), self.tp.rank, self.tp.world_size)
-        return loaded
+    def rows(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(crops, 3, S, S) -> (crops, mm_tokens_per_image, width): SigLIP, post-layernorm, the pooling projector."""
+        return self.multi_modal_projector(self.post_layernorm(self.encoder(self.embeddings(pixels))))
 
 
 def check_tp(config: Mapping[str, Any], tp: int) -> None:
     """ValueError, before any process starts, unless the tower of `config` (a config.json) splits over `tp` ranks
     (its attention heads and MLP width divide by it); the tower is built on the meta device, nothing allocated."""
-    with torch.device("meta"):
-        Gemma3VisionTower(config, TPContext(0, tp))
+    check_tower_tp(Gemma3VisionTower, config, tp)
 
 
-class Gemma3Encoder:
-    """The tower behind the generic path's encoder interface (`HFVisionEncoder.encode`): a batch of items' joined
-    processor tensors in, each item's rows out. Images only (Gemma 3 has no video features)."""
+class Gemma3Encoder(CropTowerEncoder):
+    """The Gemma 3 tower behind the generic path's encoder interface (Gemma 3 has no video features)."""
 
-    def __init__(self, tower: Gemma3VisionTower) -> None:
-        self.tower = tower
-        self.width = tower.width
-        """Row width: the language model's hidden size."""
-        self.dtype = tower.dtype
-        """The dtype the tower was loaded in: pixels go in and rows come out in it."""
+    tower_class = Gemma3VisionTower
 
-    @classmethod
-    def load(
-        cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
-        config: Mapping[str, Any] | None = None,
-    ) -> Gemma3Encoder:
-        """This rank's shard of the checkpoint's tower and projector (see Gemma3VisionTower.from_checkpoint)."""
-        return cls(Gemma3VisionTower.from_checkpoint(model_dir, tp, dtype, device, config))
 
-    def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
-        """Each item's [rows, width] output for a batch whose `pixel_values` hold the items' crops one after another
-        (the processor's other tensors, e.g. num_crops, are not needed: every crop gives mm_tokens_per_image rows)."""
-        if modality != "image":
-            raise RuntimeError(f"the Gemma 3 tower encodes images, not {modality}")
-        if "pixel_values" not in inputs:
-            raise RuntimeError(f"a Gemma 3 batch needs pixel_values; it has {sorted(inputs)}")
-        flat = self.tower(inputs["pixel_values"])
-        if flat.shape[0] != sum(rows):
-            raise RuntimeError(f"the tower gave {flat.shape[0]} rows for items of {rows} rows")
-        return list(flat.split(rows))
+ENCODER = Gemma3Encoder
+"""The encoder GenericWorkload loads for this family (facts.GENERIC_TOWERS)."""

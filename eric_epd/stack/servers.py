@@ -57,6 +57,15 @@ NO_MEDIA_DOMAIN = "media.eric-epd.invalid"
 at all. The gateway hands engines data: URLs only; this is the second wall, with redirects off too."""
 
 
+def media_limits(model: Path) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt for `model`: 4 images and a video, or 5 of a model's single modality for both
+    (vLLM turns Kimi-K2.5's image and video parts into "vision_chunk" items: `use_unified_vision_chunk`)."""
+    config = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else {}
+    if config.get("use_unified_vision_chunk"):
+        return {"vision_chunk": 5}
+    return {"image": 4, "video": 1}
+
+
 class VllmServe(ServerProcess):
     """`vllm serve` on a small local model, listening on loopback only; with eric_urls, behind Eric (connector +
     guard middleware, the Erics' key in ERIC_API_KEY); `eric_dns` ("NAME:PORT") trusts the Erics a name lists too.
@@ -77,7 +86,7 @@ class VllmServe(ServerProcess):
                "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
                "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
                "--allowed-media-domains", NO_MEDIA_DOMAIN,
-               "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}), *extra]
+               "--limit-mm-per-prompt", json.dumps(media_limits(model)), *extra]
         if eric_urls or eric_dns:
             ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),

@@ -1,7 +1,7 @@
 """Every Qwen3-generation family against transformers in float32, every DeepStack level included: through a served
 TP-2 Eric, images of odd sizes and a video (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; Qwen3-VL has its own tests); in
-process at TP 1, a video (all four). Gemma 3 (the generic path's processor, Eric's own tower) through a served TP-2
-Eric, images."""
+process at TP 1, a video (all four). Gemma 3 and InternVL (the generic path's processor, Eric's own towers) through a
+served TP-2 Eric, images."""
 
 from __future__ import annotations
 
@@ -123,3 +123,32 @@ def test_tp2_eric_gemma3_equals_hf(tmp_path: Path) -> None:
         assert item["num_tokens"] == mine.shape[0] == int((inputs["input_ids"] == model.config.image_token_id).sum())
         assert mine.shape == ref.shape and mine.dtype == torch.float32
         assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5
+
+
+def test_tp2_eric_internvl_equals_hf(tmp_path: Path) -> None:
+    """InternVL at --tp 2: each of three images (wide, tall, square: 7, 7 and 1 crops) is answered, placed as media,
+    with as many rows as transformers' processor gives its image tokens, equal to transformers' get_image_features on
+    that processor's pixels (float32, worst relative error 1e-5), read over HTTP with the item's lease."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from eric_epd.checkpoints.families import ensure_family_checkpoint
+
+    model_dir = ensure_family_checkpoint("internvl")
+    images = [random_image(w, h, seed=130 + i) for i, (w, h) in enumerate(SIZES)]
+    items = [{"modality": "image", "url": data_url(image_bytes(image))} for image in images]
+    card, answered, rows = _served(model_dir, items, tmp_path / "eric.log", "--dtype", "float32")
+    assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["image"]
+
+    hf = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    crops = []
+    for image, item, mine in zip(images, answered, rows, strict=True):
+        inputs = hf(text=[hf.image_token], images=[image], return_tensors="pt")
+        with torch.no_grad():
+            ref = model.get_image_features(inputs["pixel_values"]).pooler_output.flatten(0, 1)
+        crops.append(int(inputs["pixel_values"].shape[0]))
+        assert item["placement"] == "media"
+        assert item["num_tokens"] == mine.shape[0] == int((inputs["input_ids"] == model.config.image_token_id).sum())
+        assert mine.shape == ref.shape and mine.dtype == torch.float32
+        assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5
+    assert len(set(crops)) > 1, crops  # items of different crop counts

@@ -24,6 +24,7 @@ from eric_epd.eric.generic import GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload, work_item
 from eric_epd.media.limits import MediaLimits
 from eric_epd.models.facts import GENERIC_VIDEO_TYPES, ModelFacts, generic_modalities
+from eric_epd.models.hf.adapters import layout_for
 from eric_epd.models.hf.loader import vision_shards, vision_tensor_names
 from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
@@ -56,6 +57,7 @@ HF_INPUTS = {
     "smolvlm": ("pixel_values", "pixel_attention_mask"),
     "gemma4": ("pixel_values", "image_position_ids"),
     "llama4": ("pixel_values",),
+    "kimi_k25": ("pixel_values", "image_grid_thw"),
 }
 """What transformers' get_image_features takes per family (its signature), independently of Eric's filtering."""
 TILED = {"gemma3", "internvl", "idefics3", "smolvlm"}
@@ -87,8 +89,10 @@ def references(checkpoints: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
         token_id = AutoConfig.from_pretrained(ckpt).image_token_id
         model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
         text = processor.boi_token if family == "gemma3" else processor.image_token
+        prepare = layout_for(family).prepare  # Kimi-K2.5: scaled as vLLM's processor scales (test_kimi_processor.py)
         refs = []
         for image in _images():
+            image = prepare(image, processor.image_processor) if prepare is not None else image
             inputs = processor(text=[text], images=[image], return_tensors="pt")
             kwargs = {k: inputs[k].float() if inputs[k].is_floating_point() else inputs[k] for k in HF_INPUTS[family]}
             with torch.no_grad():

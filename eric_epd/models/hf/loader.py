@@ -133,16 +133,26 @@ def vision_tensor_names(model_dir: str | Path) -> dict[str, list[str]]:
     hit: set[str] = set()
     for shard, names in _checkpoint_names(Path(model_dir)).items():
         for name in names:
-            renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
+            renamed, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
             if renamed not in wanted and name in wanted:  # as transformers: the name as is, maybe re-prefixed
-                renamed, _ = rename_source_key(name, [], [], model.base_model_prefix, wanted)
+                renamed, pattern = rename_source_key(name, [], [], model.base_model_prefix, wanted)
             if renamed in wanted:
                 found.setdefault(shard, []).append(name)
-                hit.add(renamed)
+                hit.update(_split_targets(renamed, pattern, converters))
     persistent = {k for k in wanted if not _is_buffer(model, k)}
     if persistent - hit:
         raise ValueError(f"{model_dir}: no checkpoint tensor found for {sorted(persistent - hit)[:8]}")
     return found
+
+
+def _split_targets(renamed: str, pattern: str | None, converters: list) -> list[str]:
+    """The model tensors one checkpoint tensor becomes: `renamed`, and where a converter splits it (Kimi-K2.5's fused
+    `wqkv` into q, k and v; transformers names only the first target) the other targets too."""
+    for converter in converters:
+        targets = converter.target_patterns
+        if pattern in converter.source_patterns and len(targets) > 1 and targets[0] in renamed:
+            return [renamed.replace(targets[0], target) for target in targets]
+    return [renamed]
 
 
 def _is_buffer(model: nn.Module, name: str) -> bool:

@@ -57,6 +57,9 @@ class HFImageProcessor(BaseModalityProcessor):
             raise ValueError(f"{model_dir}: the checkpoint's processor ({type(self._processor).__name__}) has no "
                              "image processor; the generic path needs one")
         layout = layout_for(config.model_type)
+        if layout.check is not None:
+            layout.check(image_processor)
+        self._prepare = layout.prepare
         self._placeholder: str = getattr(self._processor, layout.placeholder, None) or ""
         self._token_id: int | None = getattr(config, "image_token_id", None)
         if not self._placeholder or self._token_id is None:
@@ -85,7 +88,10 @@ class HFImageProcessor(BaseModalityProcessor):
         """One image through the checkpoint's own processor: its named tensors and the rows it will give."""
         if image.mode != "RGB":
             image = image.convert("RGB")
-        out = self._mine()(text=[self._placeholder], images=[image], return_tensors="pt")
+        processor = self._mine()
+        if self._prepare is not None:
+            image = self._prepare(image, processor.image_processor)
+        out = processor(text=[self._placeholder], images=[image], return_tensors="pt")
         rows = int((out["input_ids"] == self._token_id).sum())
         if rows < 1:
             raise ValueError("the processor gave this image no image tokens")

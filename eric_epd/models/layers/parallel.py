@@ -158,6 +158,11 @@ class QKVParallelLinear(_ParallelLinear):
         parts = [read_rows(full, j * self.hidden + start, j * self.hidden + start + self.local) for j in range(3)]
         copy_into(param, torch.cat(parts, dim=0))
 
+    def load_part(self, param: torch.Tensor, src: Any, part: int) -> None:
+        """Load this rank's heads of a checkpoint's separate q (part 0), k (1) or v (2) weight or bias."""
+        start = self.tp.rank * self.local
+        copy_into(param.narrow(0, part * self.local, self.local), read_rows(src, start, start + self.local))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's q, k and v features of `x`."""
         return F.linear(x, self.weight, self.bias)

@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from eric_epd.stack.process import free_port
+from eric_epd.testing.sglang_prefill.kimi import as_sglang_sees_it, stand_in_remote_processors
 from eric_epd.testing.sglang_prefill.messages import (
     Bootstrap,
     Command,
@@ -49,6 +50,7 @@ class PrefillHost:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # discovers eric_epd's `sglang.srt.plugins` entry point and applies its hooks
+        stand_in_remote_processors()  # the receivers load their processor themselves (Kimi-K2.5: remote code)
         ctx = multiprocessing.get_context("fork")  # after the imports and hooks, before any thread starts
         self.groups: dict[int, list[Any]] = {}
         for tp in (1, 2):
@@ -128,7 +130,7 @@ class PrefillHost:
         publish(args, role="tokenizer")
         model_config = ModelConfig.from_server_args(args)
         import_processors("sglang.srt.multimodal.processors")
-        mm_processor = get_mm_processor(model_config.hf_config, args, get_processor(job.model),
+        mm_processor = get_mm_processor(model_config.hf_config, args, as_sglang_sees_it(get_processor(job.model)),
                                         determine_tensor_transport_mode(), model_config=model_config)
         # As TokenizerManager: the receiver shares the bootstrap server's URL list (pre-filled by --encoder-urls).
         urls = self.bootstrap_urls if job.use_bootstrap else list(job.encoder_urls)

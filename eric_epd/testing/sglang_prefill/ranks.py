@@ -37,11 +37,15 @@ def spy_grids(mm_processor: Any, captured: dict[str, Any]) -> None:
 
 
 def server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: str) -> Any:
-    """SGLang's resolved server arguments of a CPU language-only prefill using these encoders."""
+    """SGLang's resolved server arguments of a CPU language-only prefill using these encoders (the hybrid Qwen3.5
+    models' radix cache without state snapshots, which SGLang's CPU platform lacks: "extra_buffer requires platform
+    support for Mamba cache state snapshots", and so without the overlap schedule; GPUs resolve "auto" to extra_buffer;
+    the receivers are the same)."""
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=job_model, language_only=True, encoder_urls=urls, encoder_transfer_backend=backend,
-                      device="cpu", host="127.0.0.1", tp_size=tp, dtype=dtype)
+                      device="cpu", host="127.0.0.1", tp_size=tp, dtype=dtype, mamba_radix_cache_strategy="no_buffer",
+                      disable_overlap_schedule=True)
     args.resolve_once()
     return args
 
