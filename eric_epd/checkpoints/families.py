@@ -25,7 +25,7 @@ from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_c
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 5  # bump when the output of build_family_checkpoint changes
+BUILDER_VERSION = 6  # bump when the output of build_family_checkpoint changes
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
@@ -344,7 +344,7 @@ FAMILIES: dict[str, Family] = {
     "smolvlm": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
                                           "<|im_start|>"), _smolvlm),
     "gemma4": Family(GEMMA4, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
-                                       "<|image|>", "{{ bos_token }}"), _gemma4),
+                                       "<|image|>", "{{ bos_token }}", "<|video|>"), _gemma4),
     "llama4": Family(LLAMA4, _template("<|header_start|>user<|header_end|>\n\n",
                                        "<|header_start|>assistant<|header_end|>\n\n", "<|eot|>", "<|image|>",
                                        "{{ bos_token }}"), _llama4),

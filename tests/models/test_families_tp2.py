@@ -126,24 +126,29 @@ def test_tp2_eric_gemma3_equals_hf(tmp_path: Path) -> None:
 
 
 def test_tp2_eric_internvl_equals_hf(tmp_path: Path) -> None:
-    """InternVL at --tp 2: each of three images (wide, tall, square: 7, 7 and 1 crops) is answered, placed as media,
-    with as many rows as transformers' processor gives its image tokens, equal to transformers' get_image_features on
-    that processor's pixels (float32, worst relative error 1e-5), read over HTTP with the item's lease."""
+    """InternVL at --tp 2: each of three images (wide, tall, square: 7, 7 and 1 crops) and a 40-frame video (32
+    frames, one tile each) is answered, placed as media, with as many rows as transformers' processor gives its image
+    tokens, equal to transformers' get_image_features on that processor's pixels (float32, worst relative error
+    1e-5), read over HTTP with the item's lease."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from eric_epd.checkpoints.families import ensure_family_checkpoint
 
     model_dir = ensure_family_checkpoint("internvl")
     images = [random_image(w, h, seed=130 + i) for i, (w, h) in enumerate(SIZES)]
+    video = video_bytes(40, 64, 48, fps=8, seed=131)
     items = [{"modality": "image", "url": data_url(image_bytes(image))} for image in images]
+    items.append({"modality": "video", "url": data_url(video, "video/mp4")})
     card, answered, rows = _served(model_dir, items, tmp_path / "eric.log", "--dtype", "float32")
-    assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["image"]
+    assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["image", "video"]
 
     hf = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    frames = decode_video(video, MediaLimits(), load_processor(model_dir).frame_indices)[0]
     crops = []
-    for image, item, mine in zip(images, answered, rows, strict=True):
-        inputs = hf(text=[hf.image_token], images=[image], return_tensors="pt")
+    for image, item, mine in zip([*images, frames], answered, rows, strict=True):
+        media = {"videos": [image]} if image is frames else {"images": [image]}
+        inputs = hf(text=[hf.video_token if image is frames else hf.image_token], return_tensors="pt", **media)
         with torch.no_grad():
             ref = model.get_image_features(inputs["pixel_values"]).pooler_output.flatten(0, 1)
         crops.append(int(inputs["pixel_values"].shape[0]))

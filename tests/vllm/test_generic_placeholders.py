@@ -61,6 +61,11 @@ processor sample them again), a one-second video (2 frames at GLM-4.1V's 2 fps) 
 at 4 fps)."""
 
 
+VLLM_NAMES = {"pixel_position_ids_videos": "image_position_ids"}
+"""vLLM's name for a video tensor -> Eric's, where the processor's image path made it (Gemma 4; vLLM renames
+image_position_ids); otherwise vLLM's name less `_videos` (InternVL's processor, Gemma 4's image path)."""
+
+
 @pytest.mark.parametrize("family", sorted(GENERIC_VIDEO_TYPES))
 def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path) -> None:
     """Each video through vLLM's own chat media path (the loader it picks for the checkpoint's video processor) and
@@ -96,7 +101,7 @@ def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache
         tensors = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
         compared = []
         for name, field in processed["mm_kwargs"]["video"][0].items():
-            ours_name = name if name in tensors else name.removesuffix("_videos")  # InternVL's processor renames
+            ours_name = name if name in tensors else VLLM_NAMES.get(name, name.removesuffix("_videos"))
             if ours_name in tensors and isinstance(field.data, torch.Tensor):
                 compared.append(name)
                 theirs = field.data
@@ -106,6 +111,7 @@ def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache
                 torch.testing.assert_close(mine.to(theirs.dtype), theirs, rtol=0, atol=0,
                                            msg=f"{name} {count} frames at {fps}")
         assert "pixel_values_videos" in compared, compared
+        assert family != "gemma4" or "pixel_position_ids_videos" in compared, compared
 
 
 def _pixels(normalised: torch.Tensor, eric: HFImageProcessor) -> torch.Tensor:

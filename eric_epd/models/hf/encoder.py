@@ -27,15 +27,10 @@ class HFVisionEncoder:
         """Row width: the language model's hidden size."""
         self.dtype = dtype
         """The dtype the model was loaded in: pixels go in and rows come out in it."""
-        self.methods = {"image": "get_image_features", "video": "get_video_features"}
-        """Per modality, the model's method that encodes it; a model without `get_video_features` encodes a video's
-        frames as images (InternVL: vLLM runs them through its image path, one tile a frame)."""
-        if getattr(model, "get_video_features", None) is None:
-            self.methods["video"] = "get_image_features"
-        self.accepts = {modality: _named_params(getattr(model, method, None))
-                        for modality, method in self.methods.items()}
-        """Per modality, the processor outputs its method takes (the others, e.g. num_crops, are left out); empty
-        for a modality the model has no such method for."""
+        self.accepts = {modality: _named_params(getattr(model, f"get_{modality}_features", None))
+                        for modality in ("image", "video")}
+        """Per modality, the processor outputs its `get_*_features` takes (the others, e.g. num_crops, are left
+        out); empty for a modality the model has no such method for."""
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> HFVisionEncoder:
@@ -48,10 +43,12 @@ class HFVisionEncoder:
         """Each item's [rows, width] output, for a batch of one modality whose tensors hold the items one after
         another along dim 0 (as the processor would have batched them); floating inputs are cast to the model's
         dtype."""
+        if modality == "video" and not self.accepts["video"] & inputs.keys():
+            modality = "image"  # a video's frames laid out as images (InternVL's tiles, Gemma 4's frames), as in vLLM
         accepts = self.accepts.get(modality)
-        method = self.methods.get(modality, "")
+        method = f"get_{modality}_features"
         if not accepts:
-            raise RuntimeError(f"the model has no {method or modality + ' encoder'}")
+            raise RuntimeError(f"the model has no {method}")
         kwargs = {name: t.to(self.dtype) if t.is_floating_point() else t
                   for name, t in inputs.items() if name in accepts}
         out = getattr(self.model, method)(**kwargs, return_dict=True)

@@ -109,8 +109,13 @@ class HFImageProcessor(BaseModalityProcessor):
         if self._video is None:
             raise ValueError("this family's videos are not served by Eric's generic path")
         video = self._video
-        out = self._mine()(text=[video.placeholder], videos=[frames], return_tensors="pt",
-                           **_video_kwargs(video.plan, len(frames), sampled_fps))
+        as_images = video.plan.call.as_images
+        if as_images is not None:  # vLLM's call: the frames as images, each with the family's image text
+            out = self._mine()(text="".join("\t" + self._placeholder for _ in frames), return_tensors="pt",
+                               images=[Image.fromarray(frame) for frame in frames], **as_images)
+        else:
+            out = self._mine()(text=[video.placeholder], videos=[frames], return_tensors="pt",
+                               **_video_kwargs(video.plan, len(frames), sampled_fps))
         rows = int(torch.isin(out["input_ids"], torch.tensor(video.token_ids)).sum())
         if rows < 1:
             raise ValueError("the processor gave this video no video tokens")

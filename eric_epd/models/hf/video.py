@@ -76,11 +76,16 @@ class VllmVideoCall:
     processor, whose own `sample_frames` then samples those frames again (GLM-4.1V)."""
     image_size: bool = False
     """It rebuilds the video processor with the image processor's `size` (InternVL, vLLM's interns1.py)."""
+    as_images: Mapping[str, Any] | None = None
+    """It runs the frames through the processor's image path, as PIL images, with these kwargs (Gemma 4, whose
+    model has no video tower: `max_soft_tokens=70`, vLLM's gemma4_mm.py _VIDEO_MAX_SOFT_TOKENS); None: the
+    processor's video path."""
 
 
 VLLM_CALLS: Mapping[str, VllmVideoCall] = MappingProxyType({
     "glm4v": VllmVideoCall(metadata=True),
     "internvl": VllmVideoCall(image_size=True),
+    "gemma4": VllmVideoCall(as_images=MappingProxyType({"max_soft_tokens": 70})),
 })
 """model_type -> how vLLM's model calls the processor on a video, where it departs from the default."""
 
