@@ -37,8 +37,9 @@ class FamilySupport:
         return generic_modalities(self.model_type) if self.generic else TOWER_TYPES[self.model_type]
 
 
-NO_SGLANG_GENERIC = ("not tested (SGLang 0.5.23's encoder disaggregation lays out the Qwen-VL, Kimi and MiMo families "
-                     "from their grids; no test checks its generic placement for this family)")
+NO_SGLANG_GENERIC = ("not tested (SGLang 0.5.23 rebuilds an encoder-disaggregated prompt from the encoder's grids "
+                     "in the Qwen-VL, Kimi, MiMo, InternS1-Pro and MiniMax processors only; this family's falls back "
+                     "to the generic rebuild, which no test runs against Eric)")
 GENERIC_VLLM = "tests/vllm/test_generic_families.py"
 
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (

@@ -30,6 +30,7 @@ def test_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path
     from transformers import AutoTokenizer
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.inputs import VisionChunkImage
 
     ckpt = ensure_family_checkpoint(family)
     vllm_processor = MULTIMODAL_REGISTRY.create_processor(
@@ -38,14 +39,20 @@ def test_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
         tokenize=False, add_generation_prompt=True)
     eric = HFImageProcessor(ckpt)
+    # Kimi-K2.5 (`use_unified_vision_chunk`): vLLM's chat parser hands images over as "vision_chunk" items
+    modality = "vision_chunk" if getattr(vllm_processor.info.get_hf_config(), "use_unified_vision_chunk", False) \
+        else "image"
     for seed, (width, height) in enumerate(SIZES):
         image = random_image(width, height, seed=seed)
-        processed = vllm_processor(prompt, vllm_processor.info.parse_mm_data({"image": [image]}))
-        (placeholder,) = processed["mm_placeholders"]["image"]
+        data = [VisionChunkImage(type="image", image=image, uuid=None)] if modality == "vision_chunk" else [image]
+        processed = vllm_processor(prompt, vllm_processor.info.parse_mm_data({modality: data}))
+        (placeholder,) = processed["mm_placeholders"][modality]
         item = eric.process_image(image)
         assert placeholder.get_num_embeds() == item.num_tokens, (width, height)
         ours = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
-        for name, field in processed["mm_kwargs"]["image"][0].items():
+        if "image_grid_thw" in ours:  # Kimi-K2.5: vLLM's name for the same grid
+            ours["grid_thws"] = ours["image_grid_thw"]
+        for name, field in processed["mm_kwargs"][modality][0].items():
             theirs = field.data
             if name not in ours or not isinstance(theirs, torch.Tensor):
                 continue  # vLLM's own bookkeeping (patch counts, token ids)
