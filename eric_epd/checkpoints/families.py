@@ -1,6 +1,6 @@
 """Offline builders of tiny random checkpoints for the families Eric serves through its generic path (Gemma 3 and 4,
-InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V, Idefics3, SmolVLM, Llama 4, Kimi-K2.5), saved like a Hugging Face
-repo.
+InternVL 3, LLaVA-OneVision, Mistral 3, GLM-4.1V and -4.5V, Idefics3, SmolVLM, Llama 4, Kimi-K2.5), saved like a
+Hugging Face repo.
 
 Each holds random weights, a locally trained tokenizer carrying the family's special tokens, the family's own
 processor classes saved with their defaults (sizes shrunk to the tiny tower) and a chat template. Nothing is
@@ -10,6 +10,7 @@ inside the vocabulary, processor settings that agree with the model config.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -19,36 +20,21 @@ from typing import Any
 
 import torch
 
-from eric_epd.checkpoints.builtin import _CORPUS, ensure_built
+from eric_epd.checkpoints.builtin import ensure_built
 from eric_epd.checkpoints.kimi import KIMI_IMAGE, KIMI_NAMED, KIMI_SPECIALS, finish_kimi_k25, make_kimi_k25
 from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_chat_template
+from eric_epd.checkpoints.text_parts import Tokens, _template, _text, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = 6  # bump when the output of build_family_checkpoint changes
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
-"""The tiny language model every family shares: heads of 32 (vLLM's CPU attention takes 32 and up)."""
 SIGLIP = dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=2, image_size=64, patch_size=16, vision_use_head=False)
 """A 64-pixel SigLIP tower: 4x4 patches of 16 pixels; no pooling head (as Gemma 3's and LLaVA-OneVision's)."""
 RELEASED_SIGLIP = {"vision_tower.": "vision_tower.vision_model."}
 """transformers 5 saves a SigLIP tower without the `vision_model` level that released checkpoints have (it reads
 both); vLLM reads only the released names ("no module or parameter named 'vision_tower.embeddings'")."""
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """A family's special tokens: all of them, and those the processor reads by name (`tokenizer.<name>`)."""
-
-    specials: tuple[str, ...]
-    named: dict[str, str] = field(default_factory=dict)
-    bos: str | None = None
-    eos: str = "<|endoftext|>"
-    pad: str = "<|endoftext|>"
-    plain: tuple[str, ...] = ()
-    """Ordinary tokens the family's vocabulary holds whole, which vLLM looks up by their text (Gemma's newlines)."""
 
 
 @dataclass(frozen=True)
@@ -63,48 +49,6 @@ class Family:
     """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
     finish: Callable[[Path, Any], None] | None = None
     """(checkpoint dir, model) -> None: the family's last touches to what was saved (its released layout)."""
-
-
-def _template(user: str, assistant: str, end: str, image: str, bos: str = "", video: str = "") -> str:
-    """A chat template in the family's shape: `user`/`assistant` open a turn, `end` closes it, `image` stands for an
-    image part and `video` for a video part (none: the family's template has no videos)."""
-    videos = f"{{% elif content['type'] in ('video', 'video_url') %}}{video}" if video else ""
-    return (
-        f"{bos}{{% for message in messages %}}"
-        f"{{% if message['role'] == 'user' %}}{user}{{% else %}}{assistant}{{% endif %}}"
-        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-        "{% for content in message['content'] %}"
-        f"{{% if content['type'] in ('image', 'image_url') %}}{image}{videos}"
-        "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-        f"{end}{{% endfor %}}{{% if add_generation_prompt %}}{assistant}{{% endif %}}"
-    )
-
-
-def build_tokenizer(tokens: Tokens, vocab_size: int = 512):  # -> PreTrainedTokenizerFast
-    """A byte-level BPE tokenizer trained offline, with `tokens`' specials (the named ones readable as attributes,
-    as the family's processor expects)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
-    named = set(tokens.named.values()) | {tokens.eos, tokens.pad, tokens.bos}
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=tokens.bos, eos_token=tokens.eos, pad_token=tokens.pad, unk_token=None,
-        extra_special_tokens=dict(tokens.named),
-        additional_special_tokens=[t for t in tokens.specials if t not in named],
-    )
-    hf_tok.add_tokens(list(tokens.plain))
-    return hf_tok
-
-
-def _text(vocab: int, ids: dict[str, int], tokens: Tokens, init_std: float, **extra: Any) -> dict[str, Any]:
-    return {**TEXT, "vocab_size": vocab, "initializer_range": init_std, "eos_token_id": ids[tokens.eos],
-            "pad_token_id": ids[tokens.pad], **({"bos_token_id": ids[tokens.bos]} if tokens.bos else {}), **extra}
 
 
 # ---- families ------------------------------------------------------------------------------------------------
@@ -208,21 +152,28 @@ GLM4V = Tokens(("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>"
                {"image_token": "<|image|>", "video_token": "<|video|>"}, eos="<|endoftext|>")
 
 
-def _glm4v(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
-    """GLM-4.1V's tower at 14-pixel patches merged 2x2, 56x56 to 112x112 pixels per image."""
-    from transformers import Glm4vConfig, Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+GLM45V_MOE = {"model_type": "glm4v_moe_text", "n_routed_experts": 2, "num_experts_per_tok": 1,
+              "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_shared_experts": 1}
+"""GLM-4.5V's language model: GLM-4.1V's with a mixture of 2 experts after its first (dense) layer."""
 
-    text = _text(vocab, ids, GLM4V, init_std, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                               "mrope_section": [2, 3, 3],
-                                                               "partial_rotary_factor": 0.5})
-    cfg = Glm4vConfig(
+
+def _glm4v(tok: Any, ids: dict[str, int], vocab: int, init_std: float, moe: bool = False) -> tuple[Any, Any]:
+    """GLM-4.1V's tower at 14-pixel patches merged 2x2, 56x56 to 112x112 pixels per image (GLM-4.5V: the same tower
+    and processor before a mixture-of-experts language model)."""
+    import transformers
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}
+    text = _text(vocab, ids, GLM4V, init_std, rope_parameters=rope, **(GLM45V_MOE if moe else {}))
+    name = "Glm4vMoe" if moe else "Glm4v"
+    cfg = getattr(transformers, f"{name}Config")(
         vision_config={"depth": 2, "hidden_size": 64, "out_hidden_size": 64, "intermediate_size": 128,
                        "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                        "image_size": 56, "initializer_range": init_std},
         text_config=text, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
         image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
         video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"])
-    cfg.architectures = ["Glm4vForConditionalGeneration"]
+    cfg.architectures = [f"{name}ForConditionalGeneration"]
     size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
     improc = Glm4vImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
     video = Glm4vVideoProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
@@ -329,6 +280,10 @@ def _kimi_k25(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tup
     return make_kimi_k25(tok, ids, _text(vocab, ids, KIMI, init_std), init_std)
 
 
+FAMILY_GLM_TEMPLATE = _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
+                                "[gMASK]<sop>", "<|begin_of_video|><|video|><|end_of_video|>")
+"""GLM-4.1V's and GLM-4.5V's chat template."""
+
 FAMILIES: dict[str, Family] = {
     "gemma3": Family(GEMMA3, _template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n",
                                        "<start_of_image>", "{{ bos_token }}"), _gemma3, RELEASED_SIGLIP),
@@ -337,8 +292,8 @@ FAMILIES: dict[str, Family] = {
     "llava_onevision": Family(QWEN_CHAT, _template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                                                    "<image>\n", video="<video>\n"), _llava_onevision, RELEASED_SIGLIP),
     "mistral3": Family(MISTRAL3, _template("[INST]", "", "[/INST]", "[IMG]", "{{ bos_token }}"), _mistral3),
-    "glm4v": Family(GLM4V, _template("<|user|>\n", "<|assistant|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>",
-                                     "[gMASK]<sop>", "<|begin_of_video|><|video|><|end_of_video|>"), _glm4v),
+    "glm4v": Family(GLM4V, FAMILY_GLM_TEMPLATE, _glm4v),
+    "glm4v_moe": Family(GLM4V, FAMILY_GLM_TEMPLATE, functools.partial(_glm4v, moe=True)),
     "idefics3": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",
                                            "<|im_start|>"), _idefics3),
     "smolvlm": Family(IDEFICS3, _template("User:", "Assistant:", "<end_of_utterance>\n", "<image>",

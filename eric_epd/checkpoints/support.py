@@ -60,6 +60,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("LLaVA-OneVision", "llava_onevision", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Mistral 3", "mistral3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("GLM-4.1V", "glm4v", GENERIC_VLLM, NO_SGLANG_GENERIC),
+    FamilySupport("GLM-4.5V", "glm4v_moe", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Idefics3", "idefics3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),

@@ -25,7 +25,7 @@ so --tp > 1 serves them, by the module holding it (its `ENCODER`, loaded by Gene
 called before any process starts; see generic_tower); their processing, batching, hashing and placement stay the
 generic path's."""
 GENERIC_TOWER_TYPES = frozenset(GENERIC_TOWERS)
-GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "internvl", "gemma4"})
+GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "glm4v_moe", "internvl", "gemma4"})
 """Generic-path families whose videos Eric encodes too: their video rows and vLLM's frame sampling for them
 (models/hf/video.py) were checked against vLLM's model (the others' videos go to the engine with their request)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(

@@ -84,6 +84,7 @@ class VllmVideoCall:
 
 VLLM_CALLS: Mapping[str, VllmVideoCall] = MappingProxyType({
     "glm4v": VllmVideoCall(metadata=True),
+    "glm4v_moe": VllmVideoCall(metadata=True),  # GLM-4.5V: GLM-4.1V's processor and vLLM model code
     "internvl": VllmVideoCall(image_size=True),
     "gemma4": VllmVideoCall(as_images=MappingProxyType({"max_soft_tokens": 70})),
 })
