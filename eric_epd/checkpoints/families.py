@@ -153,8 +153,10 @@ GLM4V = Tokens(("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>"
 
 
 GLM45V_MOE = {"model_type": "glm4v_moe_text", "n_routed_experts": 2, "num_experts_per_tok": 1,
-              "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_shared_experts": 1}
-"""GLM-4.5V's language model: GLM-4.1V's with a mixture of 2 experts after its first (dense) layer."""
+              "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_shared_experts": 1,
+              "use_qk_norm": False}
+"""GLM-4.5V's language model: GLM-4.1V's with a mixture of 2 experts after its first (dense) layer (vLLM reads
+`use_qk_norm`, which transformers' config does not define)."""
 
 
 def _glm4v(tok: Any, ids: dict[str, int], vocab: int, init_std: float, moe: bool = False) -> tuple[Any, Any]:

@@ -23,7 +23,7 @@ from eric_epd.models.facts import generic_modalities
 from eric_epd.models.hf.adapters import layout_for
 from eric_epd.models.hf.loader import hf_config
 from eric_epd.models.hf.tensors import TensorSpec, pack_tensors
-from eric_epd.models.hf.video import VideoPlan
+from eric_epd.models.hf.video import VideoPlan, vllm_video_processor_name
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,8 @@ def _video_facts(model_dir: Path, processor: Any, model_type: str, image_token_i
         raise ValueError(f"{model_dir}: cannot tell where videos go in the text (processor.video_token={text!r}, "
                          f"its token id {token_id}, video processor {type(video).__name__})")
     names = frozenset(video.model_input_names) | frozenset(processor.image_processor.model_input_names)
-    return _VideoFacts(text, (token_id, image_token_id), names, VideoPlan.of(model_type, video))
+    plan = VideoPlan.of(model_type, vllm_video_processor_name(model_dir, model_type))
+    return _VideoFacts(text, (token_id, image_token_id), names, plan)
 
 
 def _video_kwargs(plan: VideoPlan, frames: int, sampled_fps: float) -> dict[str, Any]:

@@ -4,10 +4,12 @@ so Eric's rows are those of vLLM's frames."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -99,9 +101,10 @@ class VideoPlan:
     call: VllmVideoCall
 
     @classmethod
-    def of(cls, model_type: str, video_processor: Any) -> VideoPlan:
-        """The plan for a checkpoint of `model_type` whose video processor is `video_processor`."""
-        return cls(VLLM_LOADERS.get(type(video_processor).__name__, VideoSampling()),
+    def of(cls, model_type: str, video_processor_name: str | None) -> VideoPlan:
+        """The plan for a checkpoint of `model_type` for which vLLM names the video processor class
+        `video_processor_name` (vllm_video_processor_name: what picks its loader)."""
+        return cls(VLLM_LOADERS.get(video_processor_name or "", VideoSampling()),
                    VLLM_CALLS.get(model_type, VllmVideoCall()))
 
     def frame_indices(self, total: int, src_fps: float, video_processor: Any) -> list[int]:
@@ -114,3 +117,20 @@ class VideoPlan:
             metadata = VideoMetadata(total_num_frames=total, fps=src_fps, duration=total / src_fps)
             picked = [int(i) for i in video_processor.sample_frames(metadata)]
         return picked
+
+
+def vllm_video_processor_name(model_dir: Path, model_type: str) -> str | None:
+    """The video processor class name vLLM 0.32 picks a checkpoint's loader by
+    (`get_video_processor_cls_name_from_config`): `video_processor_type` in video_preprocessor_config.json or
+    preprocessor_config.json, else transformers' model_type mapping (a GLM-4.5V checkpoint without either file gets
+    vLLM's default loader, not GLM-4.1V's)."""
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            if "video_processor_type" in config:
+                return config["video_processor_type"]
+    mapped = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
+    return mapped.get("torchvision") if isinstance(mapped, dict) else mapped
