@@ -6,6 +6,7 @@ puts the placeholder where vLLM looks for it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,17 +28,10 @@ SIZES = ((150, 100), (90, 200), (33, 47))
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path) -> None:
-    from transformers import AutoTokenizer
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.inputs import VisionChunkImage
 
     ckpt = ensure_family_checkpoint(family)
-    vllm_processor = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=2048))
-    prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
-        tokenize=False, add_generation_prompt=True)
+    vllm_processor, prompt = _vllm_processor_and_prompt(ckpt, "image", "What is this?")
     eric = HFImageProcessor(ckpt)
     # Kimi-K2.5 (`use_unified_vision_chunk`): vLLM's chat parser hands images over as "vision_chunk" items
     modality = "vision_chunk" if getattr(vllm_processor.info.get_hf_config(), "use_unified_vision_chunk", False) \
@@ -79,18 +73,11 @@ def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache
     multimodal processor: Eric's decoder takes frames vLLM's loader took, bit for bit, its tensors are the ones vLLM
     would feed its tower (so it took the frames vLLM's processor ended up with) and its rows as many as the
     placeholder's embedding positions."""
-    from transformers import AutoTokenizer
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.media.connector import MediaConnector
     from vllm.transformers_utils.processor import get_video_processor_cls_name_from_config
 
     ckpt = ensure_family_checkpoint(family)
-    vllm_processor = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096))
-    prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
-        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}],
-        tokenize=False, add_generation_prompt=True)
+    vllm_processor, prompt = _vllm_processor_and_prompt(ckpt, "video", "What happens?")
     video_processor = get_video_processor_cls_name_from_config(str(ckpt))
     eric = HFImageProcessor(ckpt)
     for seed, (count, fps) in enumerate(VIDEOS):
@@ -177,3 +164,18 @@ def test_internvl_videos_take_the_image_size(tmp_path: Path, _checkpoint_cache: 
     ours = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))["pixel_values"]
     assert theirs.shape == (8, 3, 64, 64)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def _vllm_processor_and_prompt(ckpt: Path, part: str, text: str) -> tuple[Any, str]:
+    """vLLM's own multimodal processor for `ckpt` (no engine), and the chat template's prompt for one `part`
+    ("image" or "video") and `text`."""
+    from transformers import AutoTokenizer
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    processor = MULTIMODAL_REGISTRY.create_processor(
+        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096))
+    prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
+        [{"role": "user", "content": [{"type": part}, {"type": "text", "text": text}]}],
+        tokenize=False, add_generation_prompt=True)
+    return processor, prompt
