@@ -8,6 +8,7 @@ import logging
 import os
 from pathlib import Path
 
+from eric_epd.checkpoints.builtin import SIZES
 from eric_epd.eric import cli as eric_cli
 from eric_epd.geri import cli as geri_cli
 
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("out", type=Path, help="directory to write the checkpoint to")
     b.add_argument("--family", default="qwen2_vl",
                    help="qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe or qwen3_5 (checked by the builder)")
-    b.add_argument("--size", choices=("tiny", "small"), default="tiny", help="tiny: for tests; small: for benchmarks")
+    b.add_argument("--size", choices=SIZES, default="tiny",
+                   help="tiny: for tests; small: for benchmarks; shaped3b/shaped7b (qwen2_5_vl): cost ratios of the "
+                   "released 3B and 7B")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     _up_parser(sub)
     geri_cli.add_parser(sub)

@@ -20,7 +20,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "shaped3b", "shaped7b")
+SHAPED = ("shaped3b", "shaped7b")
+"""Benchmark sizes of qwen2_5_vl whose per-token costs have the released 3B's and 7B's ratios (planning/costs.py)."""
 BUILDER_VERSION = 3  # bump when the output of build_checkpoint changes
 
 SPECIALS = [
@@ -70,12 +72,18 @@ class CheckpointSpec:
     vision_mlp: int
     min_pixels: int
     max_pixels: int
+    text_mlp: int = 0
+    """the language model's intermediate size (0: twice its width)"""
 
 
 def spec_for(family: str, size: str) -> CheckpointSpec:
     """The fixed sizes of a (family, size) pair."""
-    if family not in FAMILIES or size not in SIZES:
-        raise ValueError(f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES}")
+    if family not in FAMILIES or size not in SIZES or (size in SHAPED and family != "qwen2_5_vl"):
+        raise ValueError(f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES} (shaped sizes: "
+                         "qwen2_5_vl only)")
+    if size in SHAPED:  # one tower (6 blocks of 384, 2 of them full attention); the 7B shape has a deeper LM
+        return CheckpointSpec(family, size, 1024, 3 if size == "shaped3b" else 7, 16, 2, 6, 384, 6, 1024,
+                              56 * 56, 14 * 14 * 4 * 1280, text_mlp=5504)
     if size == "tiny":  # Qwen3-VL: 4 blocks, so two DeepStack taps sit before the last block
         return CheckpointSpec(family, size, 128, 2, 2, 1, 4 if family.startswith("qwen3") else 2, 64, 2, 128,
                               56 * 56, 224 * 224)
@@ -180,7 +188,7 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
     head_dim = spec.text_hidden // spec.text_heads
     hw = 3 * head_dim // 16  # Qwen's split of the rotary half-dim over (t, h, w): 16/24/24 for head_dim 128
     text_config = dict(
-        vocab_size=vocab, hidden_size=spec.text_hidden, intermediate_size=2 * spec.text_hidden,
+        vocab_size=vocab, hidden_size=spec.text_hidden, intermediate_size=spec.text_mlp or 2 * spec.text_hidden,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
