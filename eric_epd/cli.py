@@ -1,5 +1,6 @@
 """Command line: `eric-epd serve` runs an Eric encode server; `eric-epd geri` a Geri generation server; `eric-epd up`
-the whole local EPD stack; `eric-epd build-checkpoint` writes a tiny model."""
+the whole local EPD stack; `eric-epd profile` and `plan` measure a model's two sides and size the split;
+`eric-epd build-checkpoint` writes a tiny model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from eric_epd.checkpoints.builtin import SIZES
 from eric_epd.eric import cli as eric_cli
 from eric_epd.geri import cli as geri_cli
+from eric_epd.planning import cli as planning_cli
 
 
 def _up_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +27,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse `argv` and run the chosen subcommand: serve, geri, up or build-checkpoint."""
+    """Parse `argv` and run the chosen subcommand: serve, geri, up, profile, plan or build-checkpoint."""
     parser = argparse.ArgumentParser(prog="eric-epd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     eric_cli.add_parser(sub)
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     _up_parser(sub)
     geri_cli.add_parser(sub)
+    planning_cli.add_parsers(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(up(UpConfig(model=eric_cli.model_or_default(args.model), port=args.port, tp=args.tp,
                                      api_key=args.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
                                      log_dir=args.log_dir, ready_file=args.ready_file)))
+    elif args.command == "profile":
+        planning_cli.run_profile(args)
+    elif args.command == "plan":
+        print(planning_cli.run_plan(args))
     else:
         from eric_epd.checkpoints.builtin import build_checkpoint
 

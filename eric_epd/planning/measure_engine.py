@@ -1,0 +1,126 @@
+"""The engine's side on one device share, measured through `vllm serve`'s OpenAI API: prefill time against prompt
+length with the images as precomputed embeddings (random tensors of the model's width, so no encoder runs), TPOT
+against the number of requests decoding together, and what the engine's own encoder adds per raw image."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from itertools import count
+from pathlib import Path
+
+import httpx
+import torch
+
+from eric_epd.planning.profiles import DecodePoint, EngineSide, PrefillPoint, Traffic
+from eric_epd.stack.servers import VllmServe
+from eric_epd.testing.media import image_data_url
+from eric_epd.wire.handoff import embedding_width
+
+logger = logging.getLogger(__name__)
+REPEATS = 3
+
+
+def image_grid(model: Path, side: int) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of a side x side image, as the checkpoint's Qwen-VL image processor resizes it."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    pre = json.loads((model / "preprocessor_config.json").read_text())
+    cfg = json.loads((model / "config.json").read_text())["vision_config"]
+    patch, merge = cfg.get("patch_size", 14), cfg.get("spatial_merge_size", 2)
+    h, w = smart_resize(side, side, factor=patch * merge, min_pixels=pre["min_pixels"], max_pixels=pre["max_pixels"])
+    return 1, h // patch, w // patch
+
+
+def image_tokens(model: Path, side: int) -> int:
+    """Language-model tokens of one side x side image."""
+    merge = json.loads((model / "config.json").read_text())["vision_config"].get("spatial_merge_size", 2)
+    t, h, w = image_grid(model, side)
+    return t * h * w // (merge * merge)
+
+
+class EngineProbe:
+    """Requests to one `vllm serve` (prefix caching off, embeddings on) on the model `model`."""
+
+    def __init__(self, vllm: VllmServe, model: Path, seed: int = 0) -> None:
+        self.vllm, self.model = vllm, model
+        self.width = embedding_width(json.loads((model / "config.json").read_text()))
+        self.seeds: Iterator[int] = count(seed * 1_000_003)
+        self.name = httpx.get(vllm.url + "/v1/models", headers=vllm.headers, timeout=30).json()["data"][0]["id"]
+
+    def embeds_part(self, side: int) -> dict:
+        """An image_embeds part: a random [tokens, width] tensor (torch.save, base64) and its grid."""
+        generator = torch.Generator().manual_seed(next(self.seeds))
+        tensor = torch.randn(image_tokens(self.model, side), self.width, generator=generator) * 0.02
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        return {"type": "image_embeds", "image_embeds": {"image_embeds": base64.b64encode(buffer.getvalue()).decode(),
+                                                         "image_grid_thw": list(image_grid(self.model, side))}}
+
+    def image_part(self, side: int) -> dict:
+        """A raw image part (a new random PNG as a data URL)."""
+        return {"type": "image_url", "image_url": {"url": image_data_url(side, side, next(self.seeds))}}
+
+    def body(self, parts: list[dict], max_tokens: int, stream: bool = False, words: int = 16) -> dict:
+        """A chat request: the parts, then `words` words of text; greedy, `max_tokens` tokens, EOS ignored."""
+        text = {"type": "text", "text": "Describe these images. " + "word " * words}
+        return {"model": self.name, "messages": [{"role": "user", "content": [*parts, text]}],
+                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+
+    def timed(self, body: dict) -> tuple[float, int]:
+        """(seconds, prompt tokens) of one non-streaming request."""
+        t0 = time.perf_counter()
+        r = httpx.post(self.vllm.url + "/v1/chat/completions", json=body, headers=self.vllm.headers, timeout=600)
+        seconds = time.perf_counter() - t0
+        r.raise_for_status()
+        return seconds, int(r.json()["usage"]["prompt_tokens"])
+
+    async def _stream_tpot(self, client: httpx.AsyncClient, body: dict) -> float:
+        stamps: list[float] = []
+        async with client.stream("POST", self.vllm.url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+                    stamps.append(time.perf_counter())
+        return (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+
+    async def _decode_together(self, batch: int, output_tokens: int) -> float:
+        async with httpx.AsyncClient(timeout=600, headers=self.vllm.headers) as client:
+            tpots = await asyncio.gather(*(self._stream_tpot(client, self.body([], output_tokens, stream=True))
+                                           for _ in range(batch)))
+        return statistics.median(tpots)
+
+    def decode_point(self, batch: int, output_tokens: int) -> DecodePoint:
+        """`batch` text requests started together: the median of their TPOTs (median over REPEATS runs)."""
+        runs = [asyncio.run(self._decode_together(batch, output_tokens)) for _ in range(REPEATS)]
+        return DecodePoint(batch=batch, tpot_s=statistics.median(runs))
+
+
+def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tuple[int, ...],
+                   seed: int = 0) -> EngineSide:
+    """Prefill points for 0, 1 and images_per_request images of each side as embeddings, the own encoder's seconds
+    per image token (raw images minus embeddings, same prompt), and a decode point per batch size."""
+    probe = EngineProbe(vllm, model, seed)
+    probe.timed(probe.body([probe.image_part(traffic.sides[0])], 1))  # warm-up: first-call costs
+    prefill: list[PrefillPoint] = []
+    own: list[float] = []
+    for side in traffic.sides:
+        for n in sorted({0, 1, max(traffic.images_per_request, 1)}):
+            embeds = [probe.timed(probe.body([probe.embeds_part(side) for _ in range(n)], 1))
+                      for _ in range(REPEATS)]
+            seconds = statistics.median(s for s, _ in embeds)
+            prefill.append(PrefillPoint(tokens=embeds[0][1], seconds=seconds))
+            if n:
+                raw = statistics.median(probe.timed(probe.body([probe.image_part(side) for _ in range(n)], 1))[0]
+                                        for _ in range(REPEATS))
+                own.append((raw - seconds) / (n * image_tokens(model, side)))
+    decode = [probe.decode_point(b, max(traffic.output_tokens, 8)) for b in batches]
+    side = EngineSide(prefill=prefill, decode=decode, own_encoder_s_per_image_token=max(statistics.median(own), 0.0))
+    logger.info("engine: %s", side)
+    return side

@@ -1,0 +1,92 @@
+"""The planner's model on hand-made profiles, where its answers follow by arithmetic: one request's TTFT, the
+colocated encoder's share of a step, saturated throughput as the slower side's capacity, and the layouts tried."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from eric_epd.planning.planner import Layout, PlanConfig, colocated_layout, epd_layouts, plan, predict
+from eric_epd.planning.profiles import (
+    DecodePoint,
+    EngineSide,
+    EricPoint,
+    PrefillPoint,
+    Profile,
+    Share,
+    Slo,
+    Traffic,
+    read_profile,
+    write_profile,
+)
+
+TOKENS = {224: 64, 448: 256}
+
+
+def _profile(eric_items_per_s: float = 10.0, encoder_s_per_token: float = 1e-3, sizes: tuple[int, ...] = (1, 2)
+             ) -> Profile:
+    """Eric: 10 items/s of 224 px (640 tokens/s) and 0.2 s for a lone 2-image request (0.0 s fixed); the engine:
+    prefill 0.05 s + 1 ms per token, TPOT 10 ms alone, 20 ms at 8."""
+    eric = [EricPoint(1, eric_items_per_s / 2, 2 / eric_items_per_s, 2 / eric_items_per_s, 2.0),
+            EricPoint(8, eric_items_per_s, 1.0, 1.2, 8.0)]
+    engine = EngineSide([PrefillPoint(100, 0.15), PrefillPoint(300, 0.35)],
+                        [DecodePoint(1, 0.01), DecodePoint(8, 0.02)], encoder_s_per_token)
+    shares = [Share(tuple(range(n)), eric, engine) for n in sizes]
+    return Profile("m", "cpu", "float32", Traffic(2, (224,)), TOKENS, {}, shares)
+
+
+def _config(rate: float = 0.0, requests: int = 1, images: int = 2, output: int = 11) -> PlanConfig:
+    return PlanConfig(2, Traffic(images, (224,), 36, output, rate), Slo(10_000, 1_000), requests=requests, seeds=1)
+
+
+def test_one_request_ttft_is_the_sum_of_its_stages() -> None:
+    """EPD: Eric (128 tokens at 640/s) + one step (10 ms + 164 tokens x 1 ms) + the request overhead (the fit's
+    50 ms intercept beyond a 10 ms step); colocated: the same step plus its own encoder (128 x 1 ms), no Eric."""
+    prof = _profile()
+    epd = predict(prof, Layout(1, 1, 1, 1), _config())
+    assert epd.ttft_ms["p50"] == pytest.approx(1e3 * (128 / 640 + 0.01 + 0.164 + 0.04))
+    assert epd.tpot_ms["p50"] == pytest.approx(10.0)
+    col = predict(prof, Layout(0, 0, 1, 1), _config())
+    assert col.ttft_ms["p50"] == pytest.approx(1e3 * (0.01 + 0.164 + 0.128 + 0.04))
+
+
+def test_saturated_throughput_is_the_slower_sides_capacity() -> None:
+    """Eric at 1 item/s is the bottleneck (2 images a request: 0.5 req/s); at 1,000 items/s the engine is, and EPD
+    then beats colocated, whose engine also encodes."""
+    slow = predict(_profile(eric_items_per_s=1.0), Layout(1, 1, 1, 1), _config(requests=200))
+    assert slow.request_throughput == pytest.approx(0.5, rel=0.02)
+    fast = _profile(eric_items_per_s=1000.0)
+    epd = predict(fast, Layout(1, 1, 1, 1), _config(requests=200))
+    col = predict(fast, Layout(0, 0, 1, 1), _config(requests=200))
+    assert epd.request_throughput > 1.5 * col.request_throughput
+
+
+def test_plan_picks_the_best_layout_and_reports_both_modes() -> None:
+    result = plan(_profile(eric_items_per_s=1000.0), _config(rate=2.0, requests=100))
+    assert result.epd.layout == Layout(1, 1, 1, 1)
+    assert result.colocated.layout == Layout(0, 0, 1, 2)
+    assert result.ratios["throughput"] == pytest.approx(result.epd.request_throughput
+                                                        / result.colocated.request_throughput)
+    assert {p.layout for p in result.candidates} == set(epd_layouts(_profile(), 2))
+
+
+def test_layouts_on_eight_gpus() -> None:
+    """Shares of 1 and 2 GPUs on 8: every mix with at least one Eric and one engine, filling the devices."""
+    layouts = epd_layouts(_profile(sizes=(1, 2)), 8)
+    assert Layout(1, 1, 7, 1) in layouts and Layout(6, 1, 1, 2) in layouts and Layout(2, 2, 2, 2) in layouts
+    assert all(lay.erics * lay.eric_devices + lay.engines * lay.engine_devices <= 8 for lay in layouts)
+    assert colocated_layout(_profile(sizes=(1, 2)), 8) == Layout(0, 0, 4, 2)
+    with pytest.raises(ValueError, match="fit no Eric"):
+        epd_layouts(_profile(sizes=(2,)), 2)
+
+
+def test_profile_file_round_trip_and_validation(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    write_profile(_profile(), path)
+    assert read_profile(path) == _profile()
+    path.write_text(path.read_text().replace('"images_per_request"', '"images_per_req"'))
+    with pytest.raises(msgspec.ValidationError, match="images_per_req"):
+        read_profile(path)
+    with pytest.raises(ValueError, match="sides between"):
+        Traffic(1, (10,))
+    assert _profile().image_tokens_for(Traffic(1, (224, 896))) == {224: 64, 896: 1024}
