@@ -24,6 +24,11 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="clients' key for the gateway (default: $EPD_GATEWAY_API_KEY)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the gateway URL here once serving")
+    p.add_argument("--eric-cpus", type=int, default=0,
+                   help="CPUs for Eric and the gateway, the engine gets the rest (default: half, or --plan-from)")
+    p.add_argument("--plan-from", type=Path, default=None,
+                   help="a profile from `eric-epd profile`: size Eric's CPUs by `eric-epd plan`'s best split")
+    p.add_argument("--slo", default="8000,400", help="TTFT,TPOT in ms that --plan-from optimizes goodput for")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +62,9 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(up(UpConfig(model=eric_cli.model_or_default(args.model), port=args.port, tp=args.tp,
                                      api_key=args.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
-                                     log_dir=args.log_dir, ready_file=args.ready_file)))
+                                     log_dir=args.log_dir, ready_file=args.ready_file, eric_cpus=args.eric_cpus,
+                                     plan_from=args.plan_from,
+                                     slo=tuple(float(v) for v in args.slo.split(",")))))  # type: ignore[arg-type]
     elif args.command == "profile":
         planning_cli.run_profile(args)
     elif args.command == "plan":

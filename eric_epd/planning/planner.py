@@ -116,6 +116,18 @@ def colocated_layout(profile: Profile, devices: int) -> Layout:
     return Layout(0, 0, devices // size, size)
 
 
+def eric_share_for_host(profile: Profile, cpus: int, traffic: Traffic, slo: Slo) -> int:
+    """How many of a host's `cpus` one Eric should get beside one engine on the rest (`eric-epd up`'s layout): the
+    best such layout the profile covers, by predicted goodput then throughput."""
+    config = PlanConfig(cpus, traffic, slo, requests=100, seeds=3)
+    sizes = {len(s.devices) for s in profile.shares}
+    layouts = [Layout(1, e, 1, cpus - e) for e in range(1, cpus) if e in sizes and cpus - e in sizes]
+    if not layouts:
+        raise ValueError(f"the profile covers no split of {cpus} CPUs into one Eric and one engine (profiled share "
+                         f"sizes: {sorted(sizes)}); profile shares of sizes e and {cpus} - e")
+    return max((predict(profile, lay, config) for lay in layouts), key=_goodness).layout.eric_devices
+
+
 def _goodness(p: Prediction) -> tuple[float, float]:
     return p.request_goodput, p.request_throughput
 

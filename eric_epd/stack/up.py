@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from eric_epd.common.cpus import format_cpus
+from eric_epd.common.cpus import available_cpus, format_cpus
 from eric_epd.stack.process import ServerProcess
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
 
@@ -33,6 +33,30 @@ class UpConfig:
     again (a quarter of Eric's default 512 MiB pool)."""
     ready_file: Path | None = None
     """Written with the gateway URL once every server is healthy (for scripts that start `up` in the background)."""
+    eric_cpus: int = 0
+    """CPUs for Eric and the gateway (the engine gets the rest); 0: half the host, or what `plan_from` says."""
+    plan_from: Path | None = None
+    """A profile (`eric-epd profile`): Eric's CPU count is the planner's best split for `slo` on the profiled mix."""
+    slo: tuple[float, float] = (8000.0, 400.0)
+    """(TTFT, TPOT) in ms the plan optimizes goodput for."""
+
+
+def split_for(config: UpConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(Eric's CPUs, the engine's CPUs): a count given, or planned from a profile, or the host's two halves."""
+    cpus = available_cpus()
+    count = config.eric_cpus
+    if not count and config.plan_from is not None:
+        from eric_epd.planning.planner import eric_share_for_host
+        from eric_epd.planning.profiles import Slo, read_profile
+
+        profile = read_profile(config.plan_from)
+        count = eric_share_for_host(profile, len(cpus), profile.traffic, Slo(*config.slo))
+        logger.info("planned from %s: Eric on %d of %d CPUs", config.plan_from, count, len(cpus))
+    if not count:
+        return host_split()
+    if not 0 < count < len(cpus):
+        raise ValueError(f"Eric needs between 1 and {len(cpus) - 1} of this host's {len(cpus)} CPUs, not {count}")
+    return cpus[:count], cpus[count:]
 
 
 def _watch(servers: list[ServerProcess], stop: threading.Event) -> str | None:
@@ -48,7 +72,7 @@ def up(config: UpConfig) -> int:
     """Start the stack, serve until stopped (signal) or until a server dies; 0 on a clean stop."""
     logs = config.log_dir or Path(tempfile.mkdtemp(prefix="eric-epd-up-"))
     logs.mkdir(parents=True, exist_ok=True)
-    eric_cpus, engine_cpus = host_split()
+    eric_cpus, engine_cpus = split_for(config)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

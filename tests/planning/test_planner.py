@@ -90,3 +90,37 @@ def test_profile_file_round_trip_and_validation(tmp_path) -> None:
     with pytest.raises(ValueError, match="sides between"):
         Traffic(1, (10,))
     assert _profile().image_tokens_for(Traffic(1, (224, 896))) == {224: 64, 896: 1024}
+
+
+def _scaling_profile() -> Profile:
+    """Shares of 1-3 CPUs where both sides' speed is proportional to their CPUs: Eric 4 items/s of 64 tokens per
+    CPU; the engine 1 ms per prefill token and a 10 ms step, divided by its CPUs."""
+    shares = []
+    for n in (1, 2, 3):
+        eric = [EricPoint(1, 2.0 * n, 0.5 / n, 0.5 / n, 2.0), EricPoint(8, 4.0 * n, 1.0, 1.2, 8.0)]
+        engine = EngineSide([PrefillPoint(100, 0.11 / n), PrefillPoint(300, 0.31 / n)],
+                            [DecodePoint(1, 0.01 / n), DecodePoint(8, 0.02 / n)], 1e-3 / n)
+        shares.append(Share(tuple(range(n)), eric, engine))
+    return Profile("m", "cpu", "float32", Traffic(2, (224,)), TOKENS, {}, shares)
+
+
+def test_up_gives_eric_the_cpus_the_plan_says(tmp_path, monkeypatch) -> None:
+    """On 4 CPUs, image-heavy traffic gets Eric 3 of them (8 s of tower work a request on one CPU against 2.1 s of
+    prefill) and text-heavy traffic 1 (0.25 s against 1.6 s); `eric-epd up --plan-from` takes the count planned for
+    the profiled mix, `--eric-cpus` the one given, and a count that leaves a side without a CPU is refused."""
+    from eric_epd.planning.planner import eric_share_for_host
+    from eric_epd.stack import up
+
+    prof, slo = _scaling_profile(), Slo(5_000, 200)
+    heavy = Traffic(8, (448,), 32, 8, rate=0.3)
+    light = Traffic(1, (224,), 1500, 64, rate=0.5)
+    assert eric_share_for_host(prof, 4, heavy, slo) == 3
+    assert eric_share_for_host(prof, 4, light, slo) == 1
+    assert eric_share_for_host(prof, 4, prof.traffic, slo) == 3  # the profiled mix, 2 images of 224 px: Eric-bound
+    path = tmp_path / "p.json"
+    write_profile(prof, path)
+    monkeypatch.setattr(up, "available_cpus", lambda: (0, 1, 2, 3))
+    assert up.split_for(up.UpConfig(model=tmp_path, plan_from=path, slo=(5_000, 200))) == ((0, 1, 2), (3,))
+    assert up.split_for(up.UpConfig(model=tmp_path, eric_cpus=1)) == ((0,), (1, 2, 3))
+    with pytest.raises(ValueError, match="between 1 and 3"):
+        up.split_for(up.UpConfig(model=tmp_path, eric_cpus=4))
