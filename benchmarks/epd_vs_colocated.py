@@ -1,10 +1,13 @@
 """EPD against colocated vLLM on the same cores, loaded by `vllm bench serve`: TTFT/TPOT p50/p99, throughput and
-goodput under an SLO, over a sweep of request rates, for encoder-heavy, single-image and repeated-image traffic.
+goodput under an interactive SLO, over request rates up to saturation, each point `--runs` times (medians and
+spread), on checkpoints shaped like Qwen2.5-VL-3B and -7B (planning/costs.py), both sides in float32.
 
 Colocated: one `vllm serve` on every core. EPD: Eric (and the gateway) on one half of the cores, vLLM behind Eric
-on the other (`eric-epd up`'s layout, its content cache included).
-Writes benchmarks/results/epd_vs_colocated.{json,png}.
-Usage: python benchmarks/epd_vs_colocated.py [--quick] [--series heavy,single,repeat,tiny] [--rates 0.5,1,inf]
+on the other (`eric-epd up`'s layout, its content cache included). Before the runs `eric-epd profile` measures Eric
+alone and the engine alone on those shares (and the engine on all cores): from it the planner predicts every point
+(its error is reported) and the pipeline efficiency is EPD's saturated throughput over the smaller capacity alone.
+Writes benchmarks/results/epd_vs_colocated<tag>.{json,png}.
+Usage: python benchmarks/epd_vs_colocated.py [--quick] [--size shaped3b] [--series mix,heavy] [--runs 3]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,9 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import msgspec
+from epd_report import KEYS, pipeline_efficiency, plot, prediction_errors, print_table, ratios, summarize
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.common.cpus import available_cpus
+from eric_epd.planning.planner import Layout, PlanConfig, predict
+from eric_epd.planning.profiler import ProfileConfig, profile
+from eric_epd.planning.profiles import Profile, Slo, Traffic, read_profile
+from eric_epd.planning.simulate import EngineModel, tokens_per_item
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
 from eric_epd.stack.up import UpConfig
 from eric_epd.testing.media import image_bytes, random_image
@@ -36,8 +46,10 @@ logger = logging.getLogger("epd_vs_colocated")
 RESULTS = Path(__file__).parent / "results"
 OUTPUT_TOKENS = 32
 MAX_MODEL_LEN = 8192  # the offline checkpoints' max_position_embeddings
-SLO = {"ttft": 8000.0, "tpot": 400.0}
-"""Goodput SLO in ms (a request counts when both hold): generous for a 2-core CPU running the small checkpoint."""
+SLO = {"ttft": 10000.0, "tpot": 100.0}
+"""Goodput SLO in ms (a request counts when both hold). TPOT 100 ms is ten tokens a second, about reading speed: the
+bound an interactive chat needs. TTFT 10 s: a CPU encodes four images of a 3B-shaped model in about a second per
+core, so queueing at saturation is what the bound separates."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,10 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
             out.write(json.dumps({"prompt": "Describe these images.", "image_files": files}) + "\n")
 
 
-def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
-    """The traffic series by name: heavy, single, repeat (a dataset file written per run) and tiny."""
+
+def make_series(quick: bool, tmp: Path, prompts: int, size: str) -> dict[str, Series]:
+    """The traffic series by name: mix (the headline: 4 images of 224 or 448 px), heavy (encoder-heavy: 4-8 images
+    up to 672 px), single, repeat (a dataset file written per run; half of each request's images repeat) and tiny."""
     heavy_sides = (224, 448) if quick else (224, 448, 672)  # 8 images of 896 px would pass the 8192-token context
     repeat = tmp / "repeat_{seed}.jsonl"
 
@@ -95,13 +109,22 @@ def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
         repeat_dataset(Path(str(repeat).replace("{seed}", str(seed))), max(prompts, 4), 4, (224, 448), seed)
 
     return {
-        "heavy": Series("heavy", "small", _random_mm(6, 0.34, heavy_sides, 8), 8),
-        "single": Series("single", "small", _random_mm(1, 0.0, (224, 448), 1), 8),
-        "repeat": Series("repeat", "small", ["--dataset-name", "custom_image", "--dataset-path", str(repeat),
-                                             "--custom-output-len", str(OUTPUT_TOKENS),
-                                             "--custom-ensure-client-side-data"], 8, prepare_repeat),
+        "mix": Series("mix", size, _random_mm(4, 0.0, (224, 448), 4), 4),
+        "heavy": Series("heavy", size, _random_mm(6, 0.34, heavy_sides, 8), 8),
+        "single": Series("single", size, _random_mm(1, 0.0, (224, 448), 1), 8),
+        "repeat": Series("repeat", size, ["--dataset-name", "custom_image", "--dataset-path", str(repeat),
+                                          "--custom-output-len", str(OUTPUT_TOKENS),
+                                          "--custom-ensure-client-side-data"], 8, prepare_repeat),
         "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
     }
+
+
+def traffic_of(series: Series) -> Traffic:
+    """The planner's view of a random-mm series: its items per request and sides, 64 text tokens, the output."""
+    i = series.dataset.index("--random-mm-bucket-config")
+    sides = tuple(int(side) for side in re.findall(r"\((\d+), \d+, 1\)", series.dataset[i + 1]))
+    items = int(series.dataset[series.dataset.index("--random-mm-base-items-per-request") + 1])
+    return Traffic(items, sides, 64, OUTPUT_TOKENS)
 
 
 # ---- systems --------------------------------------------------------------------------------------------------
@@ -166,14 +189,11 @@ def stage_means(metrics_url: str, prefix: str) -> dict[str, float]:
     return {s: sums[s] / counts[s] for s in sums if counts.get(s)}
 
 
-KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_throughput", "output_throughput",
-        "request_goodput", "completed")
-
-
-def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: Path, family: str) -> dict:
-    """One side (colocated or EPD) of a series: a warm-up, then `vllm bench serve` at each rate, and EPD's stages."""
-    model = ensure_checkpoint(family, series.checkpoint)
-    runs: dict = {}
+def run_side(side: str, series: Series, model: Path, rates: list[float], args: argparse.Namespace,
+             logs: Path) -> dict:
+    """One side (colocated or EPD) of a series: a warm-up, then `args.runs` rounds of `vllm bench serve` at each
+    rate (each run and rate its own seed: its own random images), and EPD's stage means."""
+    runs: dict[str, list[dict]] = {}
     with ExitStack() as stack:
         if side == "colocated":
             url, key = start_colocated(stack, model, series, logs)
@@ -181,103 +201,129 @@ def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: 
         else:
             url, key, metrics = start_epd(stack, model, series, logs)
         bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
-        for i, rate in enumerate(rates):
-            result = bench(url, key, model, series, rate, prompts, logs / f"{side}_{series.name}_{rate}.json", seed=i)
-            runs[str(rate)] = {k: result.get(k) for k in KEYS}
-            logger.info("%s %s rate %s: %s", side, series.name, rate, runs[str(rate)])
-        if metrics:
-            runs["stages_s"] = {"eric": stage_means(metrics["eric"], "eric_stage"),
-                                "gateway": stage_means(metrics["gateway"], "gateway_stage")}
-    return runs
+        for run in range(args.runs):
+            for i, rate in enumerate(rates):
+                out = logs / f"{side}_{series.name}_{rate}_{run}.json"
+                result = bench(url, key, model, series, rate, args.prompts, out, seed=100 * run + i)
+                runs.setdefault(str(rate), []).append({k: result.get(k) for k in KEYS})
+                logger.info("%s %s run %d rate %s: %s", side, series.name, run, rate, runs[str(rate)][-1])
+        stages = ({"eric": stage_means(metrics["eric"], "eric_stage"),
+                   "gateway": stage_means(metrics["gateway"], "gateway_stage")} if metrics else {})
+    return {"runs": runs, "points": {r: summarize(v) for r, v in runs.items()}, "stages_s": stages}
 
 
-# ---- report ---------------------------------------------------------------------------------------------------
+def profile_shares(model: Path, traffic: Traffic, logs: Path) -> Profile:
+    """`eric-epd profile` on EPD's two shares and on every core (the colocated engine's)."""
+    eric_cpus, engine_cpus = host_split()
+    shares = (eric_cpus, engine_cpus) if len(eric_cpus) != len(engine_cpus) else (eric_cpus,)
+    return profile(ProfileConfig(model=model, out=logs / "profile.json", shares=(*shares, available_cpus()),
+                                 traffic=traffic, requests_per_point=8, log_dir=logs / "profile"))
 
 
-def ratios(results: dict) -> dict:
-    """EPD over colocated per series and rate: TTFT p50/p99, TPOT p99, throughput and goodput."""
-    out: dict = {}
-    for name, sides in results["runs"].items():
-        for rate, epd in sides["epd"].items():
-            col = sides["colocated"].get(rate)
-            if rate == "stages_s" or not col:
-                continue
-            out.setdefault(name, {})[rate] = {
-                k: (epd[k] / col[k]) if epd.get(k) and col.get(k) else None
-                for k in ("p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput", "request_goodput")}
+def predictions(prof: Profile, traffic: Traffic, rates: list[float], prompts: int) -> dict[str, dict]:
+    """The planner's prediction of each side at each rate (all at once for inf), over as many requests."""
+    eric_cpus, engine_cpus = host_split()
+    layouts = {"epd": Layout(1, len(eric_cpus), 1, len(engine_cpus)),
+               "colocated": Layout(0, 0, 1, len(available_cpus()))}
+    out: dict[str, dict] = {}
+    for side, layout in layouts.items():
+        for rate in rates:
+            mix = msgspec.structs.replace(traffic, rate=0.0 if rate == float("inf") else rate)
+            config = PlanConfig(len(available_cpus()), mix, Slo(SLO["ttft"], SLO["tpot"]), requests=prompts, seeds=5)
+            out.setdefault(side, {})[str(rate)] = msgspec.to_builtins(predict(prof, layout, config))
     return out
 
 
-def print_table(results: dict) -> None:
-    """Print the ratios as a table, one row per series and rate."""
-    cols = ("p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
-    lines = [f"{'series':8} {'rate':>6} | " + " ".join(f"{c:>18}" for c in cols)]
-    for name, by_rate in results["ratios"].items():
-        for rate, r in by_rate.items():
-            lines.append(f"{name:8} {rate:>6} | " + " ".join(f"{r[c]:18.2f}" if r[c] else f"{'-':>18}" for c in cols))
-    lines.append("EPD/colocated ratios: below 1 is better for TTFT/TPOT, above 1 for throughput and goodput")
-    print("\n".join(lines))
+def capacity_alone(prof: Profile, traffic: Traffic) -> dict[str, float]:
+    """Requests/s of Eric alone on its share (saturated items/s over items per request) and of the engine alone on
+    its share (the mix as embeddings, all at once)."""
+    eric_cpus, engine_cpus = host_split()
+    eric = max(p.items_per_s for p in prof.share(len(eric_cpus)).eric) / traffic.images_per_request
+    return {"eric": eric, "engine": prof.share(len(engine_cpus)).engine.saturated_requests_per_s}
 
 
-def plot(results: dict, path: Path) -> None:
-    """TTFT, TPOT and goodput against request rate, both sides, one row of panels per series, saved to `path`."""
-    import matplotlib
+def cost_check(prof: Profile) -> dict[str, float]:
+    """The checkpoint's FLOP ratios beside the same ratios in measured seconds on one share: prefill seconds per token
+    (the profile's fit) over Eric's seconds per image token (saturated) and over vLLM's own encoder's; decode: TPOT
+    per token at the largest batch profiled over Eric's seconds per image token."""
+    share = prof.shares[0]
+    eric_s_per_token = 1.0 / (max(p.items_per_s for p in share.eric) * tokens_per_item(prof))
+    engine = EngineModel.from_side(share.engine, False, 2048, 16)
+    decode = max(share.engine.decode, key=lambda d: d.batch)
+    return {**{f"flops_{k}": v for k, v in prof.cost_ratios.items()},
+            "measured_prefill_over_eric": engine.slope_s / eric_s_per_token,
+            "measured_prefill_over_vllm_encoder": engine.slope_s / share.engine.own_encoder_s_per_image_token,
+            f"measured_decode_at_batch_{decode.batch}_over_eric": decode.tpot_s / decode.batch / eric_s_per_token}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    names = list(results["runs"])
-    panels = (("p50_ttft_ms", "TTFT p50 (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"),
-              ("request_goodput", "goodput (req/s)"))
-    fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
-    for row, name in enumerate(names):
-        for col, (key, label) in enumerate(panels):
-            ax = axes[row][col]
-            for side in ("colocated", "epd"):
-                rates = [r for r in results["runs"][name][side] if r != "stages_s"]
-                xs = [float(r) if r != "inf" else max(float(x) for x in rates if x != "inf") * 2 for r in rates]
-                ax.plot(xs, [results["runs"][name][side][r][key] or 0 for r in rates], "o-", label=side)
-            ax.set_xlabel("request rate (req/s; rightmost: all at once)")
-            ax.set_title(f"{name}: {label}")
-            ax.legend()
-    fig.suptitle(f"EPD vs colocated vLLM, {os.cpu_count()} CPU cores, SLO TTFT {SLO['ttft']:.0f} ms / TPOT "
-                 f"{SLO['tpot']:.0f} ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+def run_series(series: Series, args: argparse.Namespace, logs: Path) -> dict:
+    """Profile (random-mm series), then both sides, then the derived figures."""
+    model = ensure_checkpoint(args.family, series.checkpoint)
+    out: dict = {"checkpoint": f"{args.family} {series.checkpoint}", "dataset": series.dataset}
+    rates = list(args.rate_list)
+    if "--random-mm-bucket-config" in series.dataset and not args.no_profile:
+        traffic = traffic_of(series)
+        prof = (read_profile(args.profile_from) if args.profile_from
+                else profile_shares(model, traffic, logs / series.name))
+        out["profile"] = msgspec.to_builtins(prof)
+        out["cost_check"] = cost_check(prof)
+        out["capacity_alone"] = capacity_alone(prof, traffic)
+        if args.rates is None:  # up to saturation: fractions of the slower side's capacity alone, then all at once
+            top = min(out["capacity_alone"].values())
+            rates = [round(top * f, 3) for f in (0.5, 0.8, 1.0, 1.25)] + [float("inf")]
+        predicted = predictions(prof, traffic, rates, args.prompts)
+    else:
+        predicted = {}
+    for side in ("colocated", "epd"):
+        out[side] = run_side(side, series, model, rates, args, logs)
+        if side in predicted:
+            out[side]["predicted"] = predicted[side]
+    out["ratios"] = ratios(out)
+    out["prediction_errors"] = prediction_errors(out)
+    out["pipeline_efficiency"] = pipeline_efficiency(out)
+    return out
 
 
 def main() -> None:
-    """Run every series on both sides, and write the results and plot and print the ratios."""
+    """Run every series on both sides, write the results and plot, and print the ratios."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="images up to 448 px, 8 prompts per rate, two rates")
-    ap.add_argument("--series", default="heavy,single,repeat,tiny", help="comma-separated traffic series to run")
-    ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once)")
-    ap.add_argument("--prompts", type=int, default=None, help="prompts per point (default: each series' own)")
+    ap.add_argument("--quick", action="store_true", help="8 prompts per point, one run, rates 0.5 and all at once")
+    ap.add_argument("--series", default="mix,heavy", help="comma-separated traffic series to run "
+                    "(mix, heavy, single, repeat, tiny)")
+    ap.add_argument("--size", default="shaped3b", help="checkpoint size: shaped3b, shaped7b (Qwen2.5-VL-3B/7B cost "
+                    "ratios), small or tiny")
+    ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once); default: 0.5, "
+                    "0.8, 1 and 1.25 x the slower side's profiled capacity, then all at once")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per point (default 48; --quick 8)")
+    ap.add_argument("--runs", type=int, default=None, help="runs per point (default 3; --quick 1)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profile (no predictions, no efficiency)")
+    ap.add_argument("--profile-from", type=Path, default=None, help="use this profile (same model, mix and shares) "
+                    "instead of profiling")
     ap.add_argument("--tag", default="", help="suffix of the result files (epd_vs_colocated<tag>.json/.png)")
-    ap.add_argument("--family", default="qwen2_vl", help="the offline checkpoints' family (any the builder has)")
+    ap.add_argument("--family", default="qwen2_5_vl", help="the offline checkpoints' family (shaped: qwen2_5_vl)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    rates = [float(r) for r in (args.rates or ("0.5,inf" if args.quick else "0.25,0.5,1,2,inf")).split(",")]
-    prompts = args.prompts or (8 if args.quick else 32)
+    args.prompts = args.prompts or (8 if args.quick else 48)
+    args.runs = args.runs or (1 if args.quick else 3)
+    if args.quick and args.rates is None:
+        args.rates = "0.5,inf"
+    args.rate_list = [float(r) for r in (args.rates or "0.5,inf").split(",")]
     RESULTS.mkdir(exist_ok=True)
     start = time.perf_counter()
-    logs = RESULTS / "epd_vs_colocated_logs"  # server logs and vllm bench results, kept for inspection
+    logs = RESULTS / f"epd_vs_colocated{args.tag}_logs"  # server logs and vllm bench results, kept for inspection
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
+    results: dict = {"slo_ms": SLO, "output_tokens": OUTPUT_TOKENS, "prompts_per_point": args.prompts,
+                     "runs": args.runs, "cpu_cores": os.cpu_count(), "dtype": "float32 (Eric and vLLM)",
+                     "layout": {"colocated": "vllm serve on every core",
+                                "epd": "Eric + gateway on one half of the cores, vLLM behind Eric on the other"},
+                     "series": {}}
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
-        catalogue = make_series(args.quick, Path(tmp), prompts)
-        results: dict = {"slo_ms": SLO, "output_tokens": OUTPUT_TOKENS, "prompts_per_rate": prompts,
-                         "cpu_cores": os.cpu_count(), "rates": rates,
-                         "layout": {"colocated": "vllm serve on every core",
-                                    "epd": "Eric + gateway on one half of the cores, vLLM behind Eric on the other"},
-                         "series": {}, "runs": {}}
+        catalogue = make_series(args.quick, Path(tmp), args.prompts, args.size)
         for name in args.series.split(","):
-            series = catalogue[name]
-            results["series"][name] = {"checkpoint": f"{args.family} {series.checkpoint}", "dataset": series.dataset}
-            results["runs"][name] = {side: run_side(side, series, rates, prompts, logs, args.family)
-                                     for side in ("colocated", "epd")}
-    results["ratios"] = ratios(results)
+            results["series"][name] = run_series(catalogue[name], args, logs)
+            (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
     results["wall_s"] = time.perf_counter() - start
     (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"epd_vs_colocated{args.tag}.png")

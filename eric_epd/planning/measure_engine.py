@@ -73,13 +73,30 @@ class EngineProbe:
         return {"model": self.name, "messages": [{"role": "user", "content": [*parts, text]}],
                 "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
 
-    def timed(self, body: dict) -> tuple[float, int]:
-        """(seconds, prompt tokens) of one non-streaming request."""
+    def _prefill_totals(self) -> tuple[float, float]:
+        """(sum, count) of vLLM's vllm:request_prefill_time_seconds: engine time from scheduling to first token."""
+        total = count_ = 0.0
+        for line in httpx.get(self.vllm.url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith("vllm:request_prefill_time_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:request_prefill_time_seconds_count"):
+                count_ += float(line.rsplit(" ", 1)[1])
+        return total, count_
+
+    def timed(self, body: dict) -> tuple[float, float, int]:
+        """(seconds at the client, seconds in the engine's prefill, prompt tokens) of one non-streaming request."""
+        before = self._prefill_totals()
         t0 = time.perf_counter()
         r = httpx.post(self.vllm.url + "/v1/chat/completions", json=body, headers=self.vllm.headers, timeout=600)
         seconds = time.perf_counter() - t0
         r.raise_for_status()
-        return seconds, int(r.json()["usage"]["prompt_tokens"])
+        after = self._prefill_totals()
+        for _ in range(50):  # the request's stats land as it finishes, maybe just after the answer
+            if after[1] > before[1]:
+                break
+            time.sleep(0.02)
+            after = self._prefill_totals()
+        return seconds, after[0] - before[0], int(r.json()["usage"]["prompt_tokens"])
 
     async def _stream_tpot(self, client: httpx.AsyncClient, body: dict) -> float:
         stamps: list[float] = []
@@ -96,6 +113,21 @@ class EngineProbe:
                                            for _ in range(batch)))
         return statistics.median(tpots)
 
+    async def _all_at_once(self, bodies: list[dict]) -> float:
+        async with httpx.AsyncClient(timeout=1800, headers=self.vllm.headers) as client:
+            start = time.perf_counter()
+            for r in await asyncio.gather(*(client.post(self.vllm.url + "/v1/chat/completions", json=b)
+                                            for b in bodies)):
+                r.raise_for_status()
+            return time.perf_counter() - start
+
+    def saturated(self, traffic: Traffic, requests: int) -> float:
+        """Requests/s of `requests` requests of the mix (images as embeddings) sent all at once."""
+        sides = [traffic.sides[i % len(traffic.sides)] for i in range(traffic.images_per_request)]
+        bodies = [self.body([self.embeds_part(s) for s in sides], traffic.output_tokens, words=traffic.prompt_tokens)
+                  for _ in range(requests)]
+        return requests / asyncio.run(self._all_at_once(bodies))
+
     def decode_point(self, batch: int, output_tokens: int) -> DecodePoint:
         """`batch` text requests started together: the median of their TPOTs (median over REPEATS runs)."""
         runs = [asyncio.run(self._decode_together(batch, output_tokens)) for _ in range(REPEATS)]
@@ -103,24 +135,31 @@ class EngineProbe:
 
 
 def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tuple[int, ...],
-                   seed: int = 0) -> EngineSide:
-    """Prefill points for 0, 1 and images_per_request images of each side as embeddings, the own encoder's seconds
-    per image token (raw images minus embeddings, same prompt), and a decode point per batch size."""
+                   saturation_requests: int = 16, seed: int = 0) -> EngineSide:
+    """Prefill points for 0, 1 and images_per_request images of each side as embeddings; the own encoder's engine
+    seconds per image token (raw images minus embeddings, same prompt) and its preprocessing's (the rest of the
+    client's wait); a decode point per batch size; the requests/s of `saturation_requests` of the mix at once."""
     probe = EngineProbe(vllm, model, seed)
     probe.timed(probe.body([probe.image_part(traffic.sides[0])], 1))  # warm-up: first-call costs
     prefill: list[PrefillPoint] = []
     own: list[float] = []
+    preprocess: list[float] = []
     for side in traffic.sides:
         for n in sorted({0, 1, max(traffic.images_per_request, 1)}):
             embeds = [probe.timed(probe.body([probe.embeds_part(side) for _ in range(n)], 1))
                       for _ in range(REPEATS)]
-            seconds = statistics.median(s for s, _ in embeds)
-            prefill.append(PrefillPoint(tokens=embeds[0][1], seconds=seconds))
+            point = PrefillPoint(tokens=embeds[0][2], seconds=statistics.median(e[0] for e in embeds),
+                                 engine_seconds=statistics.median(e[1] for e in embeds))
+            prefill.append(point)
             if n:
-                raw = statistics.median(probe.timed(probe.body([probe.image_part(side) for _ in range(n)], 1))[0]
-                                        for _ in range(REPEATS))
-                own.append((raw - seconds) / (n * image_tokens(model, side)))
+                raw = [probe.timed(probe.body([probe.image_part(side) for _ in range(n)], 1)) for _ in range(REPEATS)]
+                tokens = n * image_tokens(model, side)
+                own.append((statistics.median(r[1] for r in raw) - point.engine_seconds) / tokens)
+                preprocess.append((statistics.median(r[0] - r[1] for r in raw)
+                                   - (point.seconds - point.engine_seconds)) / tokens)
     decode = [probe.decode_point(b, max(traffic.output_tokens, 8)) for b in batches]
-    side = EngineSide(prefill=prefill, decode=decode, own_encoder_s_per_image_token=max(statistics.median(own), 0.0))
+    side = EngineSide(prefill=prefill, decode=decode, own_encoder_s_per_image_token=max(statistics.median(own), 0.0),
+                      own_preprocess_s_per_image_token=max(statistics.median(preprocess), 0.0),
+                      saturated_requests_per_s=probe.saturated(traffic, saturation_requests))
     logger.info("engine: %s", side)
     return side

@@ -79,9 +79,9 @@ def predict(profile: Profile, layout: Layout, config: PlanConfig) -> Prediction:
         requests = make_requests(config.traffic, profile.image_tokens_for(config.traffic), config.requests, seed)
         if erics:
             run_erics(requests, erics)
-        else:
+        else:  # colocated: the engine's processor prepares the raw images before the request is scheduled
             for r in requests:
-                r.ready = r.arrival
+                r.ready = r.arrival + engine_side.own_preprocess_s_per_image_token * r.image_tokens
         for e in range(layout.engines):  # round robin over the engines
             run_engine(requests[e::layout.engines], engine)
         runs.append(outcome(requests, config.slo.ttft_ms, config.slo.tpot_ms))

@@ -57,7 +57,7 @@ def profile_share(config: ProfileConfig, share: tuple[int, ...], logs: Path) -> 
                  *(("--tensor-parallel-size", str(len(share))) if config.device == "cuda" else ()))
     with VllmServe(config.model, logs / f"vllm_{tag}.log", extra=vllm_args, env=env, dtype=config.dtype,
                    max_model_len=config.max_model_len, cpus=cpus) as vllm:
-        engine = measure_engine(vllm, config.model, config.traffic, config.batches)
+        engine = measure_engine(vllm, config.model, config.traffic, config.batches, 2 * config.requests_per_point)
     return Share(devices=share, eric=eric_points, engine=engine)
 
 

@@ -43,10 +43,12 @@ class EricPoint(msgspec.Struct, frozen=True):
 
 
 class PrefillPoint(msgspec.Struct, frozen=True):
-    """One prompt alone: its tokens (image tokens as precomputed embeddings) and the seconds to its first token."""
+    """One prompt alone: its tokens (image tokens as precomputed embeddings), the seconds to its first token at the
+    client, and those of the engine's prefill phase (vLLM's request_prefill_time: scheduled to first token)."""
 
     tokens: int
     seconds: float
+    engine_seconds: float = 0.0
 
 
 class DecodePoint(msgspec.Struct, frozen=True):
@@ -63,6 +65,10 @@ class EngineSide(msgspec.Struct, frozen=True):
     prefill: list[PrefillPoint]
     decode: list[DecodePoint]
     own_encoder_s_per_image_token: float
+    own_preprocess_s_per_image_token: float = 0.0
+    """what raw images add to a request's time outside the engine's steps (the processor), per image token"""
+    saturated_requests_per_s: float = 0.0
+    """requests of the profiled mix (as embeddings) per second, all sent at once: the engine's capacity alone"""
 
 
 class Share(msgspec.Struct, frozen=True):

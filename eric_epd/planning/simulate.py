@@ -51,10 +51,14 @@ class EngineModel:
     def from_side(cls, side: EngineSide, colocated: bool, max_batched_tokens: int, max_seqs: int) -> EngineModel:
         """Least squares over the prefill points; the decode points as measured."""
         x = np.array([p.tokens for p in side.prefill], dtype=float)
-        y = np.array([p.seconds for p in side.prefill], dtype=float)
+        engine_timed = all(p.engine_seconds > 0 for p in side.prefill)
+        y = np.array([p.engine_seconds if engine_timed else p.seconds for p in side.prefill], dtype=float)
         slope, intercept = np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(y.mean()))
         decode = sorted(side.decode, key=lambda d: d.batch)
-        overhead = max(float(intercept) - decode[0].tpot_s, 0.0)
+        if engine_timed:  # outside the engine: HTTP, the chat template, tokenizing, detokenizing
+            overhead = float(np.median([p.seconds - p.engine_seconds for p in side.prefill]))
+        else:
+            overhead = max(float(intercept) - decode[0].tpot_s, 0.0)
         return cls(overhead, max(float(slope), 0.0), tuple(d.batch for d in decode),
                    tuple(d.tpot_s for d in decode), side.own_encoder_s_per_image_token if colocated else 0.0,
                    max_batched_tokens, max_seqs)

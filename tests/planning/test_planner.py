@@ -50,6 +50,19 @@ def test_one_request_ttft_is_the_sum_of_its_stages() -> None:
     assert col.ttft_ms["p50"] == pytest.approx(1e3 * (0.01 + 0.164 + 0.128 + 0.04))
 
 
+def test_engine_timed_points_split_engine_work_from_the_rest() -> None:
+    """With vLLM's own prefill times in the points, the fit runs on those (1 ms per token) and the rest of each
+    request's wait (30 ms here) is its overhead; colocated, the processor's 0.5 ms per raw image token comes first."""
+    side = EngineSide([PrefillPoint(100, 0.14, 0.11), PrefillPoint(300, 0.34, 0.31)],
+                      [DecodePoint(1, 0.01), DecodePoint(8, 0.02)], 1e-3, own_preprocess_s_per_image_token=5e-4)
+    prof = msgspec.structs.replace(_profile(), shares=[Share((0,), _profile().shares[0].eric, side),
+                                                       Share((0, 1), _profile().shares[0].eric, side)])
+    epd = predict(prof, Layout(1, 1, 1, 1), _config())
+    assert epd.ttft_ms["p50"] == pytest.approx(1e3 * (128 / 640 + 0.01 + 0.164 + 0.03))
+    col = predict(prof, Layout(0, 0, 1, 1), _config())
+    assert col.ttft_ms["p50"] == pytest.approx(1e3 * (0.064 + 0.01 + 0.164 + 0.128 + 0.03))
+
+
 def test_saturated_throughput_is_the_slower_sides_capacity() -> None:
     """Eric at 1 item/s is the bottleneck (2 images a request: 0.5 req/s); at 1,000 items/s the engine is, and EPD
     then beats colocated, whose engine also encodes."""
