@@ -31,8 +31,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo", default="8000,400", help="TTFT,TPOT in ms that --plan-from optimizes goodput for")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse `argv` and run the chosen subcommand: serve, geri, up, profile, plan or build-checkpoint."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eric-epd` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="eric-epd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     eric_cli.add_parser(sub)
@@ -47,7 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     _up_parser(sub)
     geri_cli.add_parser(sub)
     planning_cli.add_parsers(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse `argv` and run the chosen subcommand: serve, geri, up, profile, plan or build-checkpoint."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
         from eric_epd.eric.launch import serve

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from eric_epd.media.synthetic import image_data_url
 from eric_epd.planning.profiles import DecodePoint, EngineSide, PrefillPoint, Traffic
 from eric_epd.stack.servers import VllmServe
-from eric_epd.testing.media import image_data_url
 from eric_epd.wire.handoff import embedding_width
 
 logger = logging.getLogger(__name__)

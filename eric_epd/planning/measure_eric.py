@@ -12,9 +12,9 @@ from itertools import count
 import httpx
 import numpy as np
 
+from eric_epd.media.synthetic import image_data_url
 from eric_epd.planning.profiles import EricPoint, Traffic
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.media import image_data_url
 
 logger = logging.getLogger(__name__)
 

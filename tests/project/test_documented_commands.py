@@ -95,6 +95,19 @@ def test_eric_command_lines_parse_and_are_reachable(qwen2_vl_tiny: Path) -> None
         assert config_from_args(args).tp_size >= 1, where
 
 
+def test_profile_plan_and_up_lines_parse() -> None:
+    """`eric-epd profile`, `plan` and `up` lines parse with the real `eric-epd` parser."""
+    from eric_epd.cli import build_parser
+
+    parser = build_parser()
+    for program, least in (("eric-epd profile", 2), ("eric-epd plan", 1), ("eric-epd up", 2)):
+        commands = _commands(program)
+        assert len(commands) >= least, program
+        for where, argv in commands:
+            args = parser.parse_args([program.split()[1], *argv])
+            assert args.command == program.split()[1], where
+
+
 def test_gateway_command_lines_parse() -> None:
     from epd_gateway.config import parse_args
 

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LOWER = ("common", "media", "wire", "models", "transfer", "runtime")
 """What every server and plugin stands on; none of it knows who stands on it."""
-UPPER = ("eric", "geri", "plugins", "stack", "testing", "checkpoints")
+UPPER = ("eric", "geri", "plugins", "stack", "testing", "checkpoints", "planning")
 GATEWAY_MAY_USE = ("common", "media", "wire")
 
 
