@@ -212,12 +212,14 @@ def run_side(side: str, series: Series, model: Path, rates: list[float], args: a
     return {"runs": runs, "points": {r: summarize(v) for r, v in runs.items()}, "stages_s": stages}
 
 
-def profile_shares(model: Path, traffic: Traffic, logs: Path) -> Profile:
-    """`eric-epd profile` on EPD's two shares and on every core (the colocated engine's)."""
+def profile_shares(model: Path, traffic: Traffic, logs: Path, prompts: int) -> Profile:
+    """`eric-epd profile` on EPD's two shares and on every core (the colocated engine's); the engine's capacity alone
+    from as many requests at once as a point of the benchmark sends."""
     eric_cpus, engine_cpus = host_split()
     shares = (eric_cpus, engine_cpus) if len(eric_cpus) != len(engine_cpus) else (eric_cpus,)
     return profile(ProfileConfig(model=model, out=logs / "profile.json", shares=(*shares, available_cpus()),
-                                 traffic=traffic, requests_per_point=8, log_dir=logs / "profile"))
+                                 traffic=traffic, requests_per_point=8, saturation_requests=prompts,
+                                 log_dir=logs / "profile"))
 
 
 def predictions(prof: Profile, traffic: Traffic, rates: list[float], prompts: int) -> dict[str, dict]:
@@ -264,7 +266,7 @@ def run_series(series: Series, args: argparse.Namespace, logs: Path) -> dict:
     if "--random-mm-bucket-config" in series.dataset and not args.no_profile:
         traffic = traffic_of(series)
         prof = (read_profile(args.profile_from) if args.profile_from
-                else profile_shares(model, traffic, logs / series.name))
+                else profile_shares(model, traffic, logs / series.name, args.prompts))
         out["profile"] = msgspec.to_builtins(prof)
         out["cost_check"] = cost_check(prof)
         out["capacity_alone"] = capacity_alone(prof, traffic)

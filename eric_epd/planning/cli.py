@@ -47,6 +47,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8), help="Eric's client concurrencies")
     p.add_argument("--batches", type=_ints, default=(1, 2, 4, 8, 16), help="engine decode batch sizes")
     p.add_argument("--requests", type=int, default=8, help="Eric requests per concurrency point (at least 2 x it)")
+    p.add_argument("--saturation-requests", type=int, default=16,
+                   help="requests of the mix sent to the engine at once to measure its capacity alone")
     p.add_argument("--max-model-len", type=int, default=8192, help="the engine's --max-model-len")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
     _traffic_flags(p, rate=False)
@@ -73,6 +75,7 @@ def run_profile(args: argparse.Namespace) -> None:
     profile(ProfileConfig(model=args.model, out=args.out, shares=tuple(args.share), traffic=_traffic(args),
                           device=args.device, dtype=args.dtype, concurrencies=args.concurrency,
                           batches=args.batches, requests_per_point=args.requests, max_model_len=args.max_model_len,
+                          saturation_requests=args.saturation_requests,
                           log_dir=args.log_dir))
 
 

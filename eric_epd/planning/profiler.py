@@ -32,6 +32,8 @@ class ProfileConfig:
     concurrencies: tuple[int, ...] = (1, 2, 4, 8)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     requests_per_point: int = 8
+    saturation_requests: int = 16
+    """requests of the mix sent to the engine at once for its capacity alone (as many as the load to compare with)"""
     max_model_len: int = 8192
     log_dir: Path | None = None
 
@@ -57,7 +59,7 @@ def profile_share(config: ProfileConfig, share: tuple[int, ...], logs: Path) -> 
                  *(("--tensor-parallel-size", str(len(share))) if config.device == "cuda" else ()))
     with VllmServe(config.model, logs / f"vllm_{tag}.log", extra=vllm_args, env=env, dtype=config.dtype,
                    max_model_len=config.max_model_len, cpus=cpus) as vllm:
-        engine = measure_engine(vllm, config.model, config.traffic, config.batches, 2 * config.requests_per_point)
+        engine = measure_engine(vllm, config.model, config.traffic, config.batches, config.saturation_requests)
     return Share(devices=share, eric=eric_points, engine=engine)
 
 
