@@ -103,7 +103,7 @@ def plot(results: dict, path) -> None:
     fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         series = results["series"][name]
-        for col, (key, label, path) in enumerate(panels):
+        for col, (key, label, where) in enumerate(panels):
             ax = axes[row][col]
             for side, colour in (("colocated", "C0"), ("epd", "C1")):
                 points = series[side]["points"]
@@ -119,7 +119,7 @@ def plot(results: dict, path) -> None:
                     ys = []
                     for r in rates:
                         value = predicted[r]
-                        for part in path:
+                        for part in where:
                             value = value[part]
                         ys.append(value)
                     ax.plot(xs, ys, "x--", color=colour, alpha=0.6, label=f"{side} (planner)")
