@@ -1,10 +1,11 @@
 """EPD against colocated vLLM on the same cores, loaded by `vllm bench serve`: TTFT/TPOT p50/p99, throughput and
-goodput under an SLO, over a sweep of request rates, for encoder-heavy, single-image and repeated-image traffic.
+goodput under an SLO, over a sweep of request rates, for encoder-heavy, single-image and repeated-image traffic; and
+multi-turn chats that resend earlier images (benchmarks/multiturn.py's driver): per turn TTFT p50 and its work.
 
 Colocated: one `vllm serve` on every core. EPD: Eric (and the gateway) on one half of the cores, vLLM behind Eric
 on the other (`eric-epd up`'s layout, its content cache included).
 Writes benchmarks/results/epd_vs_colocated.{json,png}.
-Usage: python benchmarks/epd_vs_colocated.py [--quick] [--series heavy,single,repeat,tiny] [--rates 0.5,1,inf]
+Usage: python benchmarks/epd_vs_colocated.py [--quick] [--series heavy,single,repeat,tiny,multiturn] [--rates 0.5,inf]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from multiturn import Load, driver, print_turns  # a sibling script (benchmarks/ is on sys.path)
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.common.cpus import available_cpus
@@ -51,6 +53,9 @@ class Series:
     max_images: int
     prepare: Callable[[int], None] | None = None
     """Writes the dataset file of one run (its seed replaces "{seed}" in `dataset`)."""
+    driver: Callable[[str, str, dict[str, str], int], dict] | None = None
+    """Runs the series itself, once, instead of `vllm bench serve` at each rate: (base URL, key, metric servers by
+    role, seed) -> its results."""
 
 
 def _buckets(sides: tuple[int, ...]) -> str:
@@ -87,7 +92,8 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
 
 
 def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
-    """The traffic series by name: heavy, single, repeat (a dataset file written per run) and tiny."""
+    """The traffic series by name: heavy, single, repeat (a dataset file written per run), tiny and multiturn (its
+    own driver: 3-turn chats, `prompts` conversations of each shape, half of them at a time)."""
     heavy_sides = (224, 448) if quick else (224, 448, 672)  # 8 images of 896 px would pass the 8192-token context
     repeat = tmp / "repeat_{seed}.jsonl"
 
@@ -101,21 +107,24 @@ def make_series(quick: bool, tmp: Path, prompts: int) -> dict[str, Series]:
                                              "--custom-output-len", str(OUTPUT_TOKENS),
                                              "--custom-ensure-client-side-data"], 8, prepare_repeat),
         "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
+        "multiturn": Series("multiturn", "small", [], 4, driver=driver(
+            Load(prompts, max(prompts // 2, 1), OUTPUT_TOKENS), Load(2, 2, OUTPUT_TOKENS))),
     }
 
 
 # ---- systems --------------------------------------------------------------------------------------------------
 
 
-def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str]:
-    """One `vllm serve` on every core, its own encoder: (base URL, API key)."""
+def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
+    """One `vllm serve` on every core, its own encoder: (base URL, API key, base URLs of its metrics by role)."""
     vllm = stack.enter_context(VllmServe(model, logs / "colocated_vllm.log", cpus=available_cpus(),
                                          extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
-    return vllm.url, vllm.api_key
+    return vllm.url, vllm.api_key, {"vllm": vllm.url}
 
 
 def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
-    """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, metric URLs)."""
+    """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, base URLs of the
+    servers' metrics by role)."""
     eric_cpus, engine_cpus = host_split()
     eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log",
                                           extra_args=("--keep-acked-bytes", str(UpConfig.keep_acked_bytes))))
@@ -124,7 +133,7 @@ def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tupl
     gateway = stack.enter_context(GatewayServer(
         logs / "epd_gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
         eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench", cpus=eric_cpus))
-    return gateway.url, "bench", {"eric": eric.url + "/metrics", "gateway": gateway.url + "/metrics"}
+    return gateway.url, "bench", {"eric": eric.url, "gateway": gateway.url, "vllm": vllm.url}
 
 
 def vllm_extra(series: Series) -> tuple[str, ...]:
@@ -154,11 +163,11 @@ def bench(url: str, key: str, model: Path, series: Series, rate: float, prompts:
     return json.loads(out.read_text())
 
 
-def stage_means(metrics_url: str, prefix: str) -> dict[str, float]:
-    """Mean seconds per stage from a Prometheus histogram family `<prefix>_seconds{stage=...}`."""
+def stage_means(server_url: str, prefix: str) -> dict[str, float]:
+    """Mean seconds per stage from a server's Prometheus histogram family `<prefix>_seconds{stage=...}`."""
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
-    for line in httpx.get(metrics_url, timeout=30).text.splitlines():
+    for line in httpx.get(server_url + "/metrics", timeout=30).text.splitlines():
         for kind, into in (("_seconds_sum{", sums), ("_seconds_count{", counts)):
             if line.startswith(prefix + kind) and 'stage="' in line:
                 stage = line.split('stage="')[1].split('"')[0]
@@ -170,22 +179,31 @@ KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_thr
         "request_goodput", "completed")
 
 
+def run_rates(url: str, key: str, model: Path, series: Series, rates: list[float], prompts: int, logs: Path,
+              side: str) -> dict:
+    """A warm-up, then `vllm bench serve` at each rate: the results by rate."""
+    bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
+    runs = {}
+    for i, rate in enumerate(rates):
+        result = bench(url, key, model, series, rate, prompts, logs / f"{side}_{series.name}_{rate}.json", seed=i)
+        runs[str(rate)] = {k: result.get(k) for k in KEYS}
+        logger.info("%s %s rate %s: %s", side, series.name, rate, runs[str(rate)])
+    return runs
+
+
 def run_side(side: str, series: Series, rates: list[float], prompts: int, logs: Path, family: str) -> dict:
-    """One side (colocated or EPD) of a series: a warm-up, then `vllm bench serve` at each rate, and EPD's stages."""
+    """One side (colocated or EPD) of a series: `vllm bench serve` at each rate, or the series' own driver once (its
+    results under "turns"); and EPD's stages."""
     model = ensure_checkpoint(family, series.checkpoint)
-    runs: dict = {}
     with ExitStack() as stack:
-        if side == "colocated":
-            url, key = start_colocated(stack, model, series, logs)
-            metrics: dict[str, str] = {}
+        start = start_colocated if side == "colocated" else start_epd
+        url, key, metrics = start(stack, model, series, logs)
+        if series.driver is None:
+            runs = run_rates(url, key, model, series, rates, prompts, logs, side)
         else:
-            url, key, metrics = start_epd(stack, model, series, logs)
-        bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
-        for i, rate in enumerate(rates):
-            result = bench(url, key, model, series, rate, prompts, logs / f"{side}_{series.name}_{rate}.json", seed=i)
-            runs[str(rate)] = {k: result.get(k) for k in KEYS}
-            logger.info("%s %s rate %s: %s", side, series.name, rate, runs[str(rate)])
-        if metrics:
+            runs = {"turns": series.driver(url, key, metrics, 0)}
+            logger.info("%s %s: %s", side, series.name, runs["turns"])
+        if "eric" in metrics:
             runs["stages_s"] = {"eric": stage_means(metrics["eric"], "eric_stage"),
                                 "gateway": stage_means(metrics["gateway"], "gateway_stage")}
     return runs
@@ -200,7 +218,7 @@ def ratios(results: dict) -> dict:
     for name, sides in results["runs"].items():
         for rate, epd in sides["epd"].items():
             col = sides["colocated"].get(rate)
-            if rate == "stages_s" or not col:
+            if rate in ("stages_s", "turns") or not col:
                 continue
             out.setdefault(name, {})[rate] = {
                 k: (epd[k] / col[k]) if epd.get(k) and col.get(k) else None
@@ -226,7 +244,9 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results["runs"])
+    names = [n for n in results["runs"] if "turns" not in results["runs"][n]["epd"]]  # rate sweeps only
+    if not names:
+        return
     panels = (("p50_ttft_ms", "TTFT p50 (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"),
               ("request_goodput", "goodput (req/s)"))
     fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
@@ -278,6 +298,9 @@ def main() -> None:
             results["runs"][name] = {side: run_side(side, series, rates, prompts, logs, args.family)
                                      for side in ("colocated", "epd")}
     results["ratios"] = ratios(results)
+    for name, sides in results["runs"].items():
+        if "turns" in sides["epd"]:
+            print_turns(name, sides)
     results["wall_s"] = time.perf_counter() - start
     (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"epd_vs_colocated{args.tag}.png")
