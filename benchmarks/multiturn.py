@@ -98,8 +98,9 @@ def run_shape(base_url: str, key: str, servers: dict[str, str], shape: tuple[int
 def driver(load: Load, warmup: Load) -> Callable[[str, str, dict[str, str], int], dict]:
     """The series' run: a warm-up conversation set (its own images), then every shape; result by shape and turn."""
     def run(base_url: str, key: str, servers: dict[str, str], seed: int) -> dict:
-        run_shape(base_url, key, servers, SHAPES["two_images_first"], warmup, seed=seed + 7919)
-        return {name: run_shape(base_url, key, servers, shape, load, seed) for name, shape in SHAPES.items()}
+        run_shape(base_url, key, servers, SHAPES["two_images_first"], warmup, seed=100 * seed)
+        return {name: run_shape(base_url, key, servers, shape, load, seed=100 * seed + k + 1)  # images of its own
+                for k, (name, shape) in enumerate(SHAPES.items())}
 
     return run
 
