@@ -97,7 +97,9 @@ def plot(results: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results["series"])
+    names = [n for n, series in results["series"].items() if series["epd"]["points"]]  # rate sweeps only
+    if not names:
+        return
     panels = (("p50_ttft_ms", "TTFT p50 (ms)", ("ttft_ms", "p50")), ("p99_tpot_ms", "TPOT p99 (ms)",
               ("tpot_ms", "p99")), ("request_goodput", "goodput (req/s)", ("request_goodput",)))
     fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)

@@ -6,8 +6,10 @@ Colocated: one `vllm serve` on every core. EPD: Eric (and the gateway) on one ha
 on the other (`eric-epd up`'s layout, its content cache included). Before the runs `eric-epd profile` measures Eric
 alone and the engine alone on those shares (and the engine on all cores): from it the planner predicts every point
 (its error is reported) and the pipeline efficiency is EPD's saturated throughput over the smaller capacity alone.
+The multiturn series (benchmarks/multiturn.py's driver, small checkpoint) runs 3-turn chats resending earlier images:
+per turn TTFT p50 of both sides and EPD's encodes and transfers.
 Writes benchmarks/results/epd_vs_colocated<tag>.{json,png}.
-Usage: python benchmarks/epd_vs_colocated.py [--quick] [--size shaped3b] [--series mix,heavy] [--runs 3]
+Usage: python benchmarks/epd_vs_colocated.py [--quick] [--size shaped3b] [--series mix,heavy,multiturn] [--runs 3]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 import httpx
 import msgspec
 from epd_report import KEYS, pipeline_efficiency, plot, prediction_errors, print_table, ratios, summarize
+from multiturn import Load, driver, print_turns  # sibling scripts (benchmarks/ is on sys.path)
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.common.cpus import available_cpus
@@ -63,6 +66,9 @@ class Series:
     max_images: int
     prepare: Callable[[int], None] | None = None
     """Writes the dataset file of one run (its seed replaces "{seed}" in `dataset`)."""
+    driver: Callable[[str, str, dict[str, str], int], dict] | None = None
+    """Runs the series itself, once, instead of `vllm bench serve` at each rate: (base URL, key, metric servers by
+    role, seed) -> its results."""
 
 
 def _buckets(sides: tuple[int, ...]) -> str:
@@ -101,7 +107,8 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
 
 def make_series(quick: bool, tmp: Path, prompts: int, size: str) -> dict[str, Series]:
     """The traffic series by name: mix (the headline: 4 images of 224 or 448 px), heavy (encoder-heavy: 4-8 images
-    up to 672 px), single, repeat (a dataset file written per run; half of each request's images repeat) and tiny."""
+    up to 672 px), single, repeat (a dataset file written per run; half of each request's images repeat), tiny and
+    multiturn (its own driver: 3-turn chats, `prompts` conversations of each shape, half of them at a time)."""
     heavy_sides = (224, 448) if quick else (224, 448, 672)  # 8 images of 896 px would pass the 8192-token context
     repeat = tmp / "repeat_{seed}.jsonl"
 
@@ -116,6 +123,8 @@ def make_series(quick: bool, tmp: Path, prompts: int, size: str) -> dict[str, Se
                                           "--custom-output-len", str(OUTPUT_TOKENS),
                                           "--custom-ensure-client-side-data"], 8, prepare_repeat),
         "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
+        "multiturn": Series("multiturn", "small", [], 4, driver=driver(
+            Load(prompts, max(prompts // 2, 1), OUTPUT_TOKENS), Load(2, 2, OUTPUT_TOKENS))),
     }
 
 
@@ -130,15 +139,16 @@ def traffic_of(series: Series) -> Traffic:
 # ---- systems --------------------------------------------------------------------------------------------------
 
 
-def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str]:
-    """One `vllm serve` on every core, its own encoder: (base URL, API key)."""
+def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
+    """One `vllm serve` on every core, its own encoder: (base URL, API key, base URLs of its metrics by role)."""
     vllm = stack.enter_context(VllmServe(model, logs / "colocated_vllm.log", cpus=available_cpus(),
                                          extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
-    return vllm.url, vllm.api_key
+    return vllm.url, vllm.api_key, {"vllm": vllm.url}
 
 
 def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
-    """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, metric URLs)."""
+    """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, base URLs of the
+    servers' metrics by role)."""
     eric_cpus, engine_cpus = host_split()
     eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log",
                                           extra_args=("--keep-acked-bytes", str(UpConfig.keep_acked_bytes))))
@@ -147,7 +157,7 @@ def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tupl
     gateway = stack.enter_context(GatewayServer(
         logs / "epd_gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
         eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench", cpus=eric_cpus))
-    return gateway.url, "bench", {"eric": eric.url + "/metrics", "gateway": gateway.url + "/metrics"}
+    return gateway.url, "bench", {"eric": eric.url, "gateway": gateway.url, "vllm": vllm.url}
 
 
 def vllm_extra(series: Series) -> tuple[str, ...]:
@@ -177,11 +187,11 @@ def bench(url: str, key: str, model: Path, series: Series, rate: float, prompts:
     return json.loads(out.read_text())
 
 
-def stage_means(metrics_url: str, prefix: str) -> dict[str, float]:
-    """Mean seconds per stage from a Prometheus histogram family `<prefix>_seconds{stage=...}`."""
+def stage_means(server_url: str, prefix: str) -> dict[str, float]:
+    """Mean seconds per stage from a server's Prometheus histogram family `<prefix>_seconds{stage=...}`."""
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
-    for line in httpx.get(metrics_url, timeout=30).text.splitlines():
+    for line in httpx.get(server_url + "/metrics", timeout=30).text.splitlines():
         for kind, into in (("_seconds_sum{", sums), ("_seconds_count{", counts)):
             if line.startswith(prefix + kind) and 'stage="' in line:
                 stage = line.split('stage="')[1].split('"')[0]
@@ -189,27 +199,38 @@ def stage_means(metrics_url: str, prefix: str) -> dict[str, float]:
     return {s: sums[s] / counts[s] for s in sums if counts.get(s)}
 
 
+def run_rates(url: str, key: str, model: Path, series: Series, rates: list[float], args: argparse.Namespace,
+              logs: Path, side: str) -> dict[str, list[dict]]:
+    """A warm-up, then `args.runs` rounds of `vllm bench serve` at each rate (each run and rate its own seed: its
+    own random images): every run's results by rate."""
+    bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
+    runs: dict[str, list[dict]] = {}
+    for run in range(args.runs):
+        for i, rate in enumerate(rates):
+            out = logs / f"{side}_{series.name}_{rate}_{run}.json"
+            result = bench(url, key, model, series, rate, args.prompts, out, seed=100 * run + i)
+            runs.setdefault(str(rate), []).append({k: result.get(k) for k in KEYS})
+            logger.info("%s %s run %d rate %s: %s", side, series.name, run, rate, runs[str(rate)][-1])
+    return runs
+
+
 def run_side(side: str, series: Series, model: Path, rates: list[float], args: argparse.Namespace,
              logs: Path) -> dict:
-    """One side (colocated or EPD) of a series: a warm-up, then `args.runs` rounds of `vllm bench serve` at each
-    rate (each run and rate its own seed: its own random images), and EPD's stage means."""
-    runs: dict[str, list[dict]] = {}
+    """One side (colocated or EPD) of a series: the rate sweep (medians and spread under "points"), or the series'
+    own driver once (its results under "turns"); and EPD's stage means."""
     with ExitStack() as stack:
-        if side == "colocated":
-            url, key = start_colocated(stack, model, series, logs)
-            metrics: dict[str, str] = {}
+        start = start_colocated if side == "colocated" else start_epd
+        url, key, metrics = start(stack, model, series, logs)
+        if series.driver is None:
+            runs = run_rates(url, key, model, series, rates, args, logs, side)
+            out: dict = {"runs": runs, "points": {r: summarize(v) for r, v in runs.items()}}
         else:
-            url, key, metrics = start_epd(stack, model, series, logs)
-        bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
-        for run in range(args.runs):
-            for i, rate in enumerate(rates):
-                out = logs / f"{side}_{series.name}_{rate}_{run}.json"
-                result = bench(url, key, model, series, rate, args.prompts, out, seed=100 * run + i)
-                runs.setdefault(str(rate), []).append({k: result.get(k) for k in KEYS})
-                logger.info("%s %s run %d rate %s: %s", side, series.name, run, rate, runs[str(rate)][-1])
-        stages = ({"eric": stage_means(metrics["eric"], "eric_stage"),
-                   "gateway": stage_means(metrics["gateway"], "gateway_stage")} if metrics else {})
-    return {"runs": runs, "points": {r: summarize(v) for r, v in runs.items()}, "stages_s": stages}
+            out = {"turns": series.driver(url, key, metrics, 0), "points": {}}
+            logger.info("%s %s: %s", side, series.name, out["turns"])
+        if "eric" in metrics:
+            out["stages_s"] = {"eric": stage_means(metrics["eric"], "eric_stage"),
+                               "gateway": stage_means(metrics["gateway"], "gateway_stage")}
+    return out
 
 
 def profile_shares(model: Path, traffic: Traffic, logs: Path, prompts: int) -> Profile:
@@ -283,6 +304,8 @@ def run_series(series: Series, args: argparse.Namespace, logs: Path) -> dict:
     out["ratios"] = ratios(out)
     out["prediction_errors"] = prediction_errors(out)
     out["pipeline_efficiency"] = pipeline_efficiency(out)
+    if series.driver is not None:
+        print_turns(series.name, out)
     return out
 
 

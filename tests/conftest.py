@@ -86,8 +86,9 @@ def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFact
 # than the host's best, so a comparison exact only by one CPU's luck fails here rather than on a user's machine.
 EXACTNESS_MODULES = {
     "test_connector_stall", "test_families_tp2", "test_gateway", "test_gateway_images", "test_gateway_pd",
-    "test_gateway_qwen3", "test_geri_model", "test_geri_server", "test_models", "test_processor", "test_qwen3_5",
-    "test_qwen3_vl", "test_vllm_plugin", "test_vllm_plugin_qwen25", "test_gemma3_tower",
+    "test_gateway_multiturn", "test_gateway_qwen3", "test_geri_model", "test_geri_server", "test_models",
+    "test_processor", "test_qwen3_5", "test_qwen3_vl", "test_vllm_plugin", "test_vllm_plugin_qwen25",
+    "test_gemma3_tower",
 }
 
 

@@ -12,10 +12,15 @@ from typing import Any
 from eric_epd.testing.exactness import Greedy, greedy_of_openai
 
 
+def user_turn(urls: list[str], text: str) -> dict:
+    """A user message: these image URLs, then the text."""
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
 def image_messages(urls: list[str], text: str = "Describe what you see.") -> list[dict]:
     """One user turn with these image URLs, then the text."""
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    return [user_turn(urls, text)]
 
 
 def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, raw: bool = False,
