@@ -121,17 +121,32 @@ class EngineProbe:
                 r.raise_for_status()
             return time.perf_counter() - start
 
-    def saturated(self, traffic: Traffic, requests: int) -> float:
-        """Requests/s of `requests` requests of the mix (images as embeddings) sent all at once."""
-        sides = [traffic.sides[i % len(traffic.sides)] for i in range(traffic.images_per_request)]
-        bodies = [self.body([self.embeds_part(s) for s in sides], traffic.output_tokens, words=traffic.prompt_tokens)
-                  for _ in range(requests)]
+    def words_for(self, tokens: int) -> int:
+        """Words of filler text that make a text-only prompt `tokens` long (two probes: the filler's tokens per word
+        and the fixed part)."""
+        fixed = self.timed(self.body([], 1, words=0))[2]
+        per_word = (self.timed(self.body([], 1, words=200))[2] - fixed) / 200
+        return max(round((tokens - fixed) / per_word), 0)
+
+    def saturated(self, traffic: Traffic, requests: int, prompt_tokens: int) -> float:
+        """Requests/s of `requests` text-only requests as long as the mix's prompts (`prompt_tokens`, images
+        included) and its output, sent all at once: the engine's prefill and decode work without any media on its
+        API server (embeddings in the request would be deserialized on the engine's own cores; EPD's connector
+        loads them from shared memory)."""
+        words = self.words_for(prompt_tokens)
+        bodies = [self.body([], traffic.output_tokens, words=words) for _ in range(requests)]
         return requests / asyncio.run(self._all_at_once(bodies))
 
     def decode_point(self, batch: int, output_tokens: int) -> DecodePoint:
         """`batch` text requests started together: the median of their TPOTs (median over REPEATS runs)."""
         runs = [asyncio.run(self._decode_together(batch, output_tokens)) for _ in range(REPEATS)]
         return DecodePoint(batch=batch, tpot_s=statistics.median(runs))
+
+
+def _mix_prompt_tokens(prefill: list[PrefillPoint], traffic: Traffic) -> int:
+    """Mean prompt tokens of the mix's requests: the measured points with all its images, over its sides."""
+    full = [p.tokens for p in prefill[len(prefill) // len(traffic.sides) - 1::len(prefill) // len(traffic.sides)]]
+    return round(sum(full) / len(full))
 
 
 def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tuple[int, ...],
@@ -160,6 +175,7 @@ def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tupl
     decode = [probe.decode_point(b, max(traffic.output_tokens, 8)) for b in batches]
     side = EngineSide(prefill=prefill, decode=decode, own_encoder_s_per_image_token=max(statistics.median(own), 0.0),
                       own_preprocess_s_per_image_token=max(statistics.median(preprocess), 0.0),
-                      saturated_requests_per_s=probe.saturated(traffic, saturation_requests))
+                      saturated_requests_per_s=probe.saturated(traffic, saturation_requests,
+                                                               _mix_prompt_tokens(prefill, traffic)))
     logger.info("engine: %s", side)
     return side

@@ -68,7 +68,8 @@ class EngineSide(msgspec.Struct, frozen=True):
     own_preprocess_s_per_image_token: float = 0.0
     """what raw images add to a request's time outside the engine's steps (the processor), per image token"""
     saturated_requests_per_s: float = 0.0
-    """requests of the profiled mix (as embeddings) per second, all sent at once: the engine's capacity alone"""
+    """requests/s of text-only requests as long as the mix's (images included), all sent at once: the engine's
+    capacity alone"""
 
 
 class Share(msgspec.Struct, frozen=True):
