@@ -10,6 +10,7 @@ from eric_epd.common.cpus import parse_cpus
 from eric_epd.common.net import is_loopback
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.eric.config import (
+    COMPILE_MODES,
     SGLANG_DTYPES,
     BatchLimits,
     EricConfig,
@@ -42,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batches-in-flight", type=int, choices=(0, 1, 2), default=BatchLimits.in_flight,
                    help="batches handed to the workers at once (2: the next is ready while one computes; "
                         "0: 2 on CUDA, 1 on CPU)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default=EricConfig.compile,
+                   help="run the vision tower eagerly (none) or through torch.compile (inductor: each block's parts "
+                        "around attention, weights frozen in, any batch size; CUDA graphs on CUDA); the workers "
+                        "compile at start, before the server is ready. The Qwen families' towers only")
     p.add_argument("--cpus", type=parse_cpus, default=(),
                    help="CPUs this Eric may use, e.g. 0-3 (workers split them; default: all); leave the rest to "
                         "an engine on the same host")
@@ -177,7 +182,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         global_cache=args.global_cache, global_cache_bytes=args.global_cache_bytes,
         register_with=tuple(u.rstrip("/") for u in args.register_with),
         register_key=args.register_key or os.environ.get("EPD_GATEWAY_ADMIN_KEY") or None,
-        heartbeat_s=args.heartbeat, drain_timeout_s=args.drain_timeout,
+        heartbeat_s=args.heartbeat, drain_timeout_s=args.drain_timeout, compile=args.compile,
         url_policy=UrlPolicy(file_roots=tuple(r.resolve() for r in args.file_root),
                              allow_private_hosts=args.allow_private_hosts,
                              host_allowlist=frozenset(args.allowed_host)),

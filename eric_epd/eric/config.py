@@ -11,9 +11,12 @@ from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.runtime.config import DTYPES, BatchLimits, RuntimeConfig
 from eric_epd.transfer.config import TransferConfig
 
-__all__ = ["DTYPES", "SGLANG_DTYPES", "BatchLimits", "EricConfig", "SglangConfig"]
+__all__ = ["COMPILE_MODES", "DTYPES", "SGLANG_DTYPES", "BatchLimits", "EricConfig", "SglangConfig"]
 
 SGLANG_DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_MODES = ("none", "inductor")
+"""How the workers run the vision tower (`eric-epd serve --compile`): eagerly, or through torch.compile's inductor
+(models/layers/compiled.py)."""
 
 
 def _network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
@@ -93,6 +96,9 @@ class EricConfig(RuntimeConfig):
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 10.0
     """On shutdown, how long requests in flight may take to finish (new connections are refused meanwhile)."""
+    compile: str = "none"
+    """How the workers run the vision tower (`COMPILE_MODES`): "none" eagerly; "inductor" through torch.compile
+    (the Qwen towers' parts around attention, compiled by each worker before it is ready; CUDA graphs on CUDA)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,6 +106,8 @@ class EricConfig(RuntimeConfig):
             raise ValueError("preprocess_threads must be >= 0")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
 
     @property
     def public_url(self) -> str:

@@ -22,7 +22,7 @@ def serve(config: EricConfig) -> None:
     Eric cannot serve (or a --tp its tower does not take: > 1 on transformers' classes) stops it at once."""
     try:
         facts = ModelFacts.from_checkpoint(config.model)
-        workload = encoder_workload(config, facts)
+        workload = encoder_workload(config, facts, config.compile)
     except ValueError as e:
         raise SystemExit(f"eric-epd serve: --model {config.model}: {e}") from None
     run_server("Eric", config, workload, lambda: transfer_hub(config),

@@ -39,16 +39,19 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
                     pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim)))
 
 
-def encoder_workload(config: RuntimeConfig, facts: ModelFacts) -> Workload:
-    """The workload serving config.model: its hand-written tower's, or the generic path's (TP 1 only, but for
-    facts.GENERIC_TOWER_TYPES, whose tower of Eric's own must split over --tp). ValueError when Eric cannot serve the
-    checkpoint, naming what it serves."""
+def encoder_workload(config: RuntimeConfig, facts: ModelFacts, compile: str = "none") -> Workload:
+    """The workload serving config.model: its hand-written tower's (run as `compile` says: EricConfig.compile), or
+    the generic path's (TP 1 only, but for facts.GENERIC_TOWER_TYPES, whose tower of Eric's own must split over
+    --tp; never compiled). ValueError when Eric cannot serve the checkpoint, naming what it serves."""
     from eric_epd.eric.generic import TP_REFUSED, GenericWorkload
     from eric_epd.models.facts import GENERIC_TOWER_TYPES, generic_tower, serves_tp
     from eric_epd.models.registry import check_servable
 
     if not facts.generic:
-        return EncoderWorkload.from_facts(facts)
+        return EncoderWorkload.from_facts(facts, compile)
+    if compile != "none":
+        raise ValueError(f"--compile {compile} compiles the Qwen families' towers; {facts.model_type} takes the "
+                         "generic path, which runs eagerly (leave out --compile)")
     check_servable(config.model)
     if not serves_tp(facts.model_type, config.tp_size):
         raise ValueError(TP_REFUSED.format(tp=config.tp_size, model_type=facts.model_type))
@@ -65,11 +68,13 @@ class EncoderWorkload:
     """Patches per output token (the spatial merge size squared)."""
     pixel_row: int
     """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
+    compile: str = "none"
+    """EricConfig.compile: "inductor" compiles the tower's parts at load; the warm-up batch compiles them."""
 
     @classmethod
-    def from_facts(cls, facts: ModelFacts) -> EncoderWorkload:
-        """The workload of the checkpoint `facts` describe (the router's, read once)."""
-        return cls(facts.merge_unit, facts.pixel_row)
+    def from_facts(cls, facts: ModelFacts, compile: str = "none") -> EncoderWorkload:
+        """The workload of the checkpoint `facts` describe (the router's, read once), run as `compile` says."""
+        return cls(facts.merge_unit, facts.pixel_row, compile)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         """`Workload` hook: why the engine must refuse this encode item (spec, modality, grid, byte count), or None."""
@@ -105,6 +110,8 @@ class EncoderWorkload:
         model_config = read_model_config(config.model)  # this worker process's one read
         dtype = resolve_dtype(config.dtype, model_config)
         encoder = load_encoder(config.model, dtype, device, tp, model_config)  # type: ignore[arg-type]
+        if self.compile == "inductor":
+            encoder.compile_parts()
         return EncoderRunner(encoder, dtype, self.merge_unit)
 
 

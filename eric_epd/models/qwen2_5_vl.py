@@ -12,9 +12,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from eric_epd.models.layers.activations import get_activation
 from eric_epd.models.layers.attention import VarlenPlan
 from eric_epd.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
-from eric_epd.models.qwen2_vl import Grid, Qwen2VLVisionEncoder, frame_cu_seqlens, get_activation
+from eric_epd.models.qwen2_vl import Grid, Qwen2VLVisionEncoder, frame_cu_seqlens
 
 logger = logging.getLogger(__name__)
 

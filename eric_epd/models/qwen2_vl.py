@@ -6,14 +6,15 @@ Shared pieces (patch embed, attention, blocks, merger, weight loading) are reuse
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import MappingProxyType
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eric_epd.models.layers.activations import QUICK_GELU_SCALE, get_activation, silu_inplace
 from eric_epd.models.layers.attention import (
     VarlenPlan,
     apply_vision_rope,
@@ -51,35 +52,6 @@ def rope_theta(cfg: dict[str, Any]) -> float:
     """Vision rope base: rope_parameters.rope_theta in transformers 5 configs, 10000 otherwise."""
     params = cfg.get("rope_parameters") or {}
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
-QUICK_GELU_SCALE = 1.702
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(QUICK_GELU_SCALE * x)
-
-
-def _silu_inplace(x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x, inplace=True)
-
-
-ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
-    {
-        "quick_gelu": _quick_gelu,
-        "silu": F.silu,
-        "swish": F.silu,
-        "gelu": F.gelu,
-        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    }
-)
-
-
-def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation a vision config names, from `ACTIVATIONS`; ValueError for an unknown one."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unsupported vision activation {name!r}; known: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
 
 
 def grid_list(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Grid:
@@ -164,12 +136,18 @@ class VisionAttention(nn.Module):
         self.heads = self.qkv.num_heads_local
         self.head_dim = dim // num_heads
 
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q and k (rotary positions applied) and v of this rank's heads, each (N, heads, head_dim)."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        return (*apply_vision_rope(q, k, cos, sin), v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        """Attention within each segment of `plan`, heads side by side (N, heads * head_dim), not yet projected."""
+        return varlen_attention(q, k, v, plan, scale=self.head_dim**-0.5).reshape(q.shape[0], -1)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         """Attention of this rank's heads within each segment of `plan`, rotary positions applied, then projected."""
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
-        q, k = apply_vision_rope(q, k, cos, sin)
-        out = varlen_attention(q, k, v, plan, scale=self.head_dim**-0.5)
-        return self.proj(out.reshape(x.shape[0], -1))
+        return self.proj(self.attend(*self.rotated_qkv(x, cos, sin), plan))
 
 
 class VisionMLP(nn.Module):
@@ -192,7 +170,7 @@ class VisionMLP(nn.Module):
             self.fc1.weight.mul_(QUICK_GELU_SCALE)
             self.fc1.bias.mul_(QUICK_GELU_SCALE)
             self.fc2.weight.div_(QUICK_GELU_SCALE)
-        self.act_name, self.act = "silu_folded", _silu_inplace
+        self.act_name, self.act = "silu_folded", silu_inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """fc2(act(fc1(x))) for this rank's hidden features, all-reduced by the row-parallel fc2."""
@@ -206,10 +184,19 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
-        """Pre-norm residual block: attention, then MLP."""
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Everything before attention: norm, q/k/v, rotary positions (`--compile` compiles it, token count
+        dynamic)."""
+        return self.attn.rotated_qkv(self.norm1(x), cos, sin)
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: projection, residual, MLP, residual (`--compile` compiles it too)."""
+        x = x + self.attn.proj(attended)
         return x + self.mlp(self.norm2(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        """Pre-norm residual block: attention (eager: its segments vary per batch), then MLP."""
+        return self.finish(x, self.attn.attend(*self.attention_inputs(x, cos, sin), plan))
 
 
 class _Gelu(nn.Module):
@@ -289,6 +276,8 @@ class Qwen2VLVisionEncoder(nn.Module):
         return VisionBlock(self._make_norm(self.width), self._make_norm(self.width), attn, self._make_mlp())
 
     tap_layers: frozenset[int] = frozenset()
+    cuda_graphs: bool = False
+    """Set by compile_parts on CUDA: the compiled parts replay CUDA graphs, whose outputs the next forward reuses."""
     """Blocks whose output also feeds a level of the result (Qwen3-VL's DeepStack); none here."""
 
     def _embed(self, pixels: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -327,6 +316,8 @@ class Qwen2VLVisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         """Merged tokens of every item, in item order, from the packed patches and each item's (t, h, w) grid."""
         grid = grid_list(grid_thw)
+        if self.cuda_graphs:  # a new forward: the graphs may reuse the last one's outputs, all consumed by now
+            torch.compiler.cudagraph_mark_step_begin()
         n_patches = sum(t * h * w for t, h, w in grid)
         if pixel_values.shape[0] != n_patches:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw implies {n_patches}")
@@ -349,7 +340,20 @@ class Qwen2VLVisionEncoder(nn.Module):
             out = torch.cat([out, *taps], dim=-1)
         if order is not None:
             out = out[torch.argsort(order).to(device)]
-        return out
+        return out.clone() if self.cuda_graphs else out  # the caller's own, not a graph's buffer
+
+    def compile_parts(self) -> None:
+        """`--compile inductor`: each block's parts around attention and the mergers compiled (layers/compiled.py),
+        then one small forward so every graph is built now, before any request (one serves every token count)."""
+        from eric_epd.models.layers.compiled import compile_methods
+
+        start = time.perf_counter()
+        compile_methods(self.blocks, ("attention_inputs", "finish"), self.device)
+        compile_methods([m for m in self.modules() if isinstance(m, PatchMerger)], ("forward",), self.device)
+        self.cuda_graphs = self.device.type == "cuda"
+        side = 2 * self.merge  # two merge windows per side, as the engine's warm-up item
+        self(torch.zeros(side * side, self.patch_embed.in_dim, device=self.device), [(1, side, side)])
+        logger.info("compiled the vision tower in %.1fs", time.perf_counter() - start)
 
     # ---- weights -------------------------------------------------------------------------------------------
     @staticmethod

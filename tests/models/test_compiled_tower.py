@@ -1,0 +1,100 @@
+"""`--compile inductor`: the compiled Qwen towers against the same towers run eagerly (in process, two image sizes
+alone and batched), no graph built after the load-time compile, a served compiled Eric (TP 2) answering as an eager
+one (TP 1) does, and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from torch._dynamo.utils import counters
+
+from eric_epd.eric.config import EricConfig
+from eric_epd.eric.workload import encoder_workload
+from eric_epd.models.facts import ModelFacts
+from eric_epd.models.registry import load_encoder
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.exactness import COMPILED_TOWER_BFLOAT16, COMPILED_TOWER_FLOAT32, relative_error
+from eric_epd.testing.media import image_data_url
+from eric_epd.wire.handles import LEASE_HEADER
+
+BOUNDS = {torch.float32: COMPILED_TOWER_FLOAT32, torch.bfloat16: COMPILED_TOWER_BFLOAT16}
+GRIDS = ([(1, 8, 12)], [(1, 16, 16)], [(1, 16, 16), (1, 8, 12), (2, 12, 8)])
+"""Two image sizes alone, then batched with a two-frame video: token counts 96, 256 and 544."""
+
+
+def _pixels(encoder: torch.nn.Module, grid: list[tuple[int, int, int]], seed: int) -> torch.Tensor:
+    rows = sum(t * h * w for t, h, w in grid)
+    return torch.randn(rows, encoder.patch_embed.in_dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2_vl", torch.float32), ("qwen2_5_vl", torch.float32),
+                                               ("qwen2_5_vl", torch.bfloat16), ("qwen3_vl", torch.float32)])
+def test_compiled_tower_equals_eager(family: str, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    """Each block's compiled parts and the mergers give the eager tower's rows within the stated bound, for every
+    token count, and the load-time compile built every graph: later batches of other sizes build none."""
+    checkpoint = request.getfixturevalue(f"{family}_tiny")
+    eager = load_encoder(checkpoint, dtype, "cpu")
+    compiled = load_encoder(checkpoint, dtype, "cpu")
+    before = _graphs()
+    compiled.compile_parts()
+    mergers = 1 + len(compiled.tap_layers)
+    assert _graphs() - before == 2 * compiled.depth + mergers  # one graph per compiled part, at load
+    built = _graphs()
+    for seed, grid in enumerate(GRIDS):
+        pixels = _pixels(eager, grid, seed)
+        ours, reference = compiled(pixels, grid), eager(pixels, grid)
+        assert ours.dtype == dtype and ours.shape == reference.shape == (sum(eager.num_tokens(grid)), ours.shape[1])
+        error = relative_error(ours, reference)
+        assert error <= BOUNDS[dtype], f"{family} {dtype} {grid}: compiled rows {error:.2e} from eager"
+    assert _graphs() == built
+
+
+def test_compile_is_refused_where_it_does_not_apply(tmp_path: Path) -> None:
+    """The generic path runs transformers' classes eagerly: --compile stops the start and says so; an unknown mode
+    is refused by the config."""
+    generic = tmp_path / "generic"
+    generic.mkdir()
+    (generic / "config.json").write_text('{"model_type": "llava_onevision", "vision_config": {}}')
+    with pytest.raises(ValueError, match="--compile inductor compiles the Qwen families' towers; llava_onevision"):
+        encoder_workload(RuntimeConfig(model=generic), ModelFacts.from_checkpoint(generic), "inductor")
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EricConfig(model=generic, compile="tensorrt")
+
+
+def _embeddings(eric: EricServer, urls: list[str]) -> list[torch.Tensor]:
+    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
+                      json={"items": [{"modality": "image", "url": url} for url in urls]})
+    assert resp.status_code == 200, resp.text
+    out = []
+    for item in resp.json()["items"]:
+        fetched = httpx.get(item["handle"]["http"], timeout=60,
+                            headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
+        assert fetched.status_code == 200, fetched.text
+        out.append(load_safetensors(fetched.content)["embedding"])
+    return out
+
+
+def test_served_compiled_eric_answers_as_an_eager_one(qwen2_5_vl_tiny: Path, tmp_path: Path) -> None:
+    """`eric-epd serve --compile inductor` at TP 2 (its row-parallel all-reduces inside the compiled graphs) gives
+    the embeddings an eager TP-1 Eric gives, for two image sizes in one request."""
+    urls = [image_data_url(120, 90, seed=3), image_data_url(200, 150, seed=4)]
+    with EricServer(qwen2_5_vl_tiny, tp=2, extra_args=("--compile", "inductor", "--dtype", "float32"),
+                    log_path=tmp_path / "compiled.log") as eric:
+        card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
+        assert card["tp_size"] == 2
+        compiled = _embeddings(eric, urls)
+    with EricServer(qwen2_5_vl_tiny, extra_args=("--dtype", "float32"), log_path=tmp_path / "eager.log") as eric:
+        eager = _embeddings(eric, urls)
+    assert [e.shape for e in compiled] == [e.shape for e in eager] and compiled[0].shape != compiled[1].shape
+    for ours, reference in zip(compiled, eager, strict=True):
+        assert relative_error(ours, reference) <= COMPILED_TOWER_FLOAT32
+    assert "compiled the vision tower" in (tmp_path / "compiled.log").read_text()
