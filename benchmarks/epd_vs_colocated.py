@@ -252,7 +252,8 @@ def predictions(prof: Profile, traffic: Traffic, rates: list[float], prompts: in
     for side, layout in layouts.items():
         for rate in rates:
             mix = msgspec.structs.replace(traffic, rate=0.0 if rate == float("inf") else rate)
-            config = PlanConfig(len(available_cpus()), mix, Slo(SLO["ttft"], SLO["tpot"]), requests=prompts, seeds=5)
+            config = PlanConfig(len(available_cpus()), mix, Slo(SLO["ttft"], SLO["tpot"]), requests=prompts,
+                                seeds=10)
             out.setdefault(side, {})[str(rate)] = msgspec.to_builtins(predict(prof, layout, config))
     return out
 
