@@ -63,6 +63,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-batched-tokens", type=int, default=2048, help="the engines' token budget per step "
                    "(vLLM's --max-num-batched-tokens; its CPU server default is 2048)")
     q.add_argument("--max-seqs", type=int, default=16, help="the engines' --max-num-seqs")
+    q.add_argument("--try-batched-tokens", type=_ints, default=(),
+                   help="further token budgets per step to try for both modes, comma-separated (e.g. 512,128)")
     q.add_argument("--json", type=Path, default=None, help="also write the plan here")
     _traffic_flags(q, rate=True)
 
@@ -87,7 +89,7 @@ def run_plan(args: argparse.Namespace) -> str:
     prof = read_profile(args.profile)
     devices = args.devices or max(len(s.devices) for s in prof.shares)
     result = plan(prof, PlanConfig(devices, _traffic(args), Slo(args.ttft_ms, args.tpot_ms), args.requests,
-                                   args.seeds, args.max_batched_tokens, args.max_seqs))
+                                   args.seeds, args.max_batched_tokens, args.max_seqs, args.try_batched_tokens))
     if args.json is not None:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=1))
     return render_plan(result)

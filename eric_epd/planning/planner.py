@@ -33,15 +33,20 @@ class PlanConfig:
     seeds: int = 5
     max_batched_tokens: int = 2048
     max_seqs: int = 16
+    batched_token_choices: tuple[int, ...] = ()
+    """Engine token budgets per step to try as well (vLLM's --max-num-batched-tokens): smaller chunks make decode
+    wait less behind a prefill, at some throughput."""
 
 
 class Layout(msgspec.Struct, frozen=True):
-    """Erics and engines, each on a share of `eric_devices` / `engine_devices` devices (no Erics: colocated)."""
+    """Erics and engines, each on a share of `eric_devices` / `engine_devices` devices (no Erics: colocated), and
+    the engines' token budget per step (0: the plan's max_batched_tokens)."""
 
     erics: int
     eric_devices: int
     engines: int
     engine_devices: int
+    max_batched_tokens: int = 0
 
 
 class Prediction(msgspec.Struct, frozen=True):
@@ -71,7 +76,8 @@ def predict(profile: Profile, layout: Layout, config: PlanConfig) -> Prediction:
     """Simulate `layout` under config.traffic, over config.seeds seeds; medians of each figure."""
     per_item = tokens_per_item(profile)
     engine_side = profile.share(layout.engine_devices).engine
-    engine = EngineModel.from_side(engine_side, layout.erics == 0, config.max_batched_tokens, config.max_seqs)
+    budget = layout.max_batched_tokens or config.max_batched_tokens
+    engine = EngineModel.from_side(engine_side, layout.erics == 0, budget, config.max_seqs)
     erics = [EricModel.from_points(profile.share(layout.eric_devices).eric, per_item,
                                    profile.traffic.images_per_request)] * layout.erics if layout.erics else []
     runs: list[Outcome] = []
@@ -133,10 +139,15 @@ def _goodness(p: Prediction) -> tuple[float, float]:
 
 
 def plan(profile: Profile, config: PlanConfig) -> Plan:
-    """The best EPD layout by goodput (then throughput), colocated serving, and EPD over colocated."""
-    candidates = [predict(profile, layout, config) for layout in epd_layouts(profile, config.devices)]
+    """The best EPD layout by goodput (then throughput), the best colocated one, and EPD over colocated; each tried
+    at every token budget of the config."""
+    budgets = sorted({config.max_batched_tokens, *config.batched_token_choices}, reverse=True)
+    candidates = [predict(profile, msgspec.structs.replace(layout, max_batched_tokens=b), config)
+                  for layout in epd_layouts(profile, config.devices) for b in budgets]
     best = max(candidates, key=_goodness)
-    col = predict(profile, colocated_layout(profile, config.devices), config)
+    colocated = colocated_layout(profile, config.devices)
+    col = max((predict(profile, msgspec.structs.replace(colocated, max_batched_tokens=b), config) for b in budgets),
+              key=_goodness)
     ratios = {"throughput": best.request_throughput / col.request_throughput,
               "ttft_p50": best.ttft_ms["p50"] / col.ttft_ms["p50"],
               "tpot_p99": best.tpot_ms["p99"] / col.tpot_ms["p99"],
@@ -150,13 +161,14 @@ def render_plan(p: Plan) -> str:
     lines = [f"traffic: {t.images_per_request} images of {'/'.join(map(str, t.sides))} px, prompt "
              f"{t.prompt_tokens}, output {t.output_tokens} tokens, rate {t.rate or 'all at once'} req/s; "
              f"SLO TTFT {p.slo.ttft_ms:.0f} ms, TPOT {p.slo.tpot_ms:.0f} ms; {p.devices} devices",
-             f"{'layout':36} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'req/s':>7} "
+             f"{'layout':52} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'req/s':>7} "
              f"{'goodput':>8}"]
     for name, pred in (("EPD (best)", p.epd), ("colocated", p.colocated)):
         lay = pred.layout
         where = (f"{lay.erics} Eric x{lay.eric_devices} + {lay.engines} engine x{lay.engine_devices}"
                  if lay.erics else f"{lay.engines} engine x{lay.engine_devices}")
-        lines.append(f"{name + ': ' + where:36} {pred.ttft_ms['p50']:9.0f} {pred.ttft_ms['p99']:9.0f} "
+        where += f", {lay.max_batched_tokens} tok/step"
+        lines.append(f"{name + ': ' + where:52} {pred.ttft_ms['p50']:9.0f} {pred.ttft_ms['p99']:9.0f} "
                      f"{pred.tpot_ms['p50']:9.1f} {pred.tpot_ms['p99']:9.1f} {pred.request_throughput:7.3f} "
                      f"{pred.request_goodput:8.3f}")
     lines.append("EPD / colocated: " + ", ".join(f"{k} {v:.2f}x" for k, v in p.ratios.items()))

@@ -76,11 +76,28 @@ def test_saturated_throughput_is_the_slower_sides_capacity() -> None:
 
 def test_plan_picks_the_best_layout_and_reports_both_modes() -> None:
     result = plan(_profile(eric_items_per_s=1000.0), _config(rate=2.0, requests=100))
-    assert result.epd.layout == Layout(1, 1, 1, 1)
-    assert result.colocated.layout == Layout(0, 0, 1, 2)
+    assert result.epd.layout == Layout(1, 1, 1, 1, 2048)
+    assert result.colocated.layout == Layout(0, 0, 1, 2, 2048)
     assert result.ratios["throughput"] == pytest.approx(result.epd.request_throughput
                                                         / result.colocated.request_throughput)
-    assert {p.layout for p in result.candidates} == set(epd_layouts(_profile(), 2))
+    assert {p.layout for p in result.candidates} == {msgspec.structs.replace(lay, max_batched_tokens=2048)
+                                                     for lay in epd_layouts(_profile(), 2)}
+
+
+def test_plan_tries_token_budgets_and_keeps_the_best() -> None:
+    """With a tight TPOT bound, long prompts and a prefill that costs 1 ms a token, a 2048-token step holds decode
+    for 1.5 s: EPD picks 64 tokens a step (better goodput and TPOT p99); colocated keeps whichever of its budgets
+    serves it best (its own encoder still holds whole steps); every budget was simulated for both."""
+    config = PlanConfig(2, Traffic(2, (224,), 1400, 64, rate=0.3), Slo(20_000, 60), requests=60, seeds=2,
+                        batched_token_choices=(64,))
+    result = plan(_profile(eric_items_per_s=1000.0), config)
+    assert result.epd.layout.max_batched_tokens == 64
+    colocated = [predict(_profile(eric_items_per_s=1000.0), Layout(0, 0, 1, 2, b), config) for b in (64, 2048)]
+    assert result.colocated == max(colocated, key=lambda p: (p.request_goodput, p.request_throughput))
+    assert sorted({p.layout.max_batched_tokens for p in result.candidates}) == [64, 2048]
+    big = predict(_profile(eric_items_per_s=1000.0), msgspec.structs.replace(result.epd.layout,
+                                                                             max_batched_tokens=2048), config)
+    assert result.epd.request_goodput > big.request_goodput and result.epd.tpot_ms["p99"] < big.tpot_ms["p99"]
 
 
 def test_layouts_on_eight_gpus() -> None:
