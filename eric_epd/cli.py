@@ -15,6 +15,18 @@ from eric_epd.geri import cli as geri_cli
 from eric_epd.planning import cli as planning_cli
 
 
+def _slo(text: str) -> tuple[float, float]:
+    """'TTFT,TPOT' in ms: two positive numbers."""
+    parts = text.split(",")
+    try:
+        ttft, tpot = (float(v) for v in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TTFT,TPOT in ms (e.g. 8000,400), got {text!r}") from None
+    if ttft <= 0 or tpot <= 0:
+        raise argparse.ArgumentTypeError(f"TTFT and TPOT must be positive, got {text!r}")
+    return ttft, tpot
+
+
 def _up_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="the whole local EPD stack (Eric, vLLM behind Eric, the gateway) on disjoint CPUs")
     p.add_argument("--model", type=Path, default=None,
@@ -28,7 +40,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPUs for Eric and the gateway, the engine gets the rest (default: half, or --plan-from)")
     p.add_argument("--plan-from", type=Path, default=None,
                    help="a profile from `eric-epd profile`: size Eric's CPUs by `eric-epd plan`'s best split")
-    p.add_argument("--slo", default="8000,400", help="TTFT,TPOT in ms that --plan-from optimizes goodput for")
+    p.add_argument("--slo", type=_slo, default=(8000.0, 400.0),
+                   help="TTFT,TPOT in ms that --plan-from optimizes goodput for")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                                      api_key=args.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
                                      log_dir=args.log_dir, ready_file=args.ready_file, eric_cpus=args.eric_cpus,
                                      plan_from=args.plan_from,
-                                     slo=tuple(float(v) for v in args.slo.split(",")))))  # type: ignore[arg-type]
+                                     slo=args.slo)))
     elif args.command == "profile":
         planning_cli.run_profile(args)
     elif args.command == "plan":

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from eric_epd.common.prometheus import histogram_totals
 from eric_epd.media.synthetic import image_data_url
 from eric_epd.planning.profiles import DecodePoint, EngineSide, PrefillPoint, Traffic
 from eric_epd.stack.servers import VllmServe
@@ -74,14 +75,8 @@ class EngineProbe:
                 "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
 
     def _prefill_totals(self) -> tuple[float, float]:
-        """(sum, count) of vLLM's vllm:request_prefill_time_seconds: engine time from scheduling to first token."""
-        total = count_ = 0.0
-        for line in httpx.get(self.vllm.url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:request_prefill_time_seconds_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:request_prefill_time_seconds_count"):
-                count_ += float(line.rsplit(" ", 1)[1])
-        return total, count_
+        """(sum, count) of vLLM's request_prefill_time: engine time from scheduling to first token."""
+        return histogram_totals(self.vllm.url, "vllm:request_prefill_time_seconds")
 
     def timed(self, body: dict) -> tuple[float, float, int]:
         """(seconds at the client, seconds in the engine's prefill, prompt tokens) of one non-streaming request."""

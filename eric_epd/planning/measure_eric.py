@@ -12,6 +12,7 @@ from itertools import count
 import httpx
 import numpy as np
 
+from eric_epd.common.prometheus import histogram_totals
 from eric_epd.media.synthetic import image_data_url
 from eric_epd.planning.profiles import EricPoint, Traffic
 from eric_epd.stack.servers import EricServer
@@ -23,17 +24,6 @@ def image_urls(traffic: Traffic, seeds: Iterator[int]) -> list[str]:
     """One request's images: the mix's sides in turn, each a new random image."""
     return [image_data_url(side, side, next(seeds))
             for side in (traffic.sides[i % len(traffic.sides)] for i in range(traffic.images_per_request))]
-
-
-def _batch_totals(eric: EricServer) -> tuple[float, float]:
-    """(sum, count) of Eric's items-per-batch histogram, over every modality."""
-    total = batches = 0.0
-    for line in httpx.get(eric.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("eric_batch_items_sum{"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("eric_batch_items_count{"):
-            batches += float(line.rsplit(" ", 1)[1])
-    return total, batches
 
 
 async def _load(eric: EricServer, bodies: list[dict], concurrency: int) -> tuple[list[float], float]:
@@ -64,9 +54,9 @@ def measure_eric(eric: EricServer, traffic: Traffic, concurrencies: tuple[int, .
     for c in concurrencies:
         n = max(requests_per_point, 2 * c)
         bodies = [{"items": [{"modality": "image", "url": u} for u in image_urls(traffic, seeds)]} for _ in range(n)]
-        before = _batch_totals(eric)
+        before = histogram_totals(eric.url, "eric_batch_items")
         latencies, wall = asyncio.run(_load(eric, bodies, c))
-        after = _batch_totals(eric)
+        after = histogram_totals(eric.url, "eric_batch_items")
         batches = max(after[1] - before[1], 1.0)
         point = EricPoint(concurrency=c, items_per_s=n * traffic.images_per_request / wall,
                           latency_p50_s=float(np.percentile(latencies, 50)),
