@@ -14,6 +14,13 @@ if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnl-rout
   $SUDO apt-get update -q >/dev/null
   $SUDO apt-get install -y -q libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 >/dev/null
 fi
+# A C++ compiler: torch inductor's CPU backend builds `eric-epd serve --compile inductor`'s kernels with it
+# (tests/models/test_compiled_tower.py).
+if ! command -v g++ >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q >/dev/null
+  $SUDO apt-get install -y -q --no-install-recommends g++ >/dev/null
+fi
 # promtool (Debian's prometheus package), which checks and unit-tests deploy/kubernetes' alert rules
 # (tests/deploy/test_kubernetes.py; that test also needs kubectl with kustomize on PATH).
 if ! command -v promtool >/dev/null; then
