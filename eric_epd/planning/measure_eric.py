@@ -26,16 +26,17 @@ def image_urls(traffic: Traffic, seeds: Iterator[int]) -> list[str]:
             for side in (traffic.sides[i % len(traffic.sides)] for i in range(traffic.images_per_request))]
 
 
-async def _load(eric: EricServer, bodies: list[dict], concurrency: int) -> tuple[list[float], float]:
-    """Send `bodies` with `concurrency` clients; (latencies, wall seconds)."""
+async def post_all(url: str, headers: dict[str, str], bodies: list[dict],
+                   concurrency: int) -> tuple[list[float], float]:
+    """POST `bodies` to `url` in order with `concurrency` clients, each failure raised; (latencies, wall seconds)."""
     queue = list(reversed(bodies))
     latencies: list[float] = []
-    async with httpx.AsyncClient(timeout=600, headers=eric.headers) as client:
+    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
         async def worker() -> None:
             while queue:
                 body = queue.pop()
                 t0 = time.perf_counter()
-                (await client.post(eric.url + "/v1/encode", json=body)).raise_for_status()
+                (await client.post(url, json=body)).raise_for_status()
                 latencies.append(time.perf_counter() - t0)
 
         start = time.perf_counter()
@@ -49,13 +50,13 @@ def measure_eric(eric: EricServer, traffic: Traffic, concurrencies: tuple[int, .
     seeds = count(seed * 1_000_003)
     warm = [{"items": [{"modality": "image", "url": u}]} for u in
             (image_data_url(s, s, next(seeds)) for s in traffic.sides)]
-    asyncio.run(_load(eric, warm, 1))
+    asyncio.run(post_all(eric.url + "/v1/encode", eric.headers, warm, 1))
     points = []
     for c in concurrencies:
         n = max(requests_per_point, 2 * c)
         bodies = [{"items": [{"modality": "image", "url": u} for u in image_urls(traffic, seeds)]} for _ in range(n)]
         before = histogram_totals(eric.url, "eric_batch_items")
-        latencies, wall = asyncio.run(_load(eric, bodies, c))
+        latencies, wall = asyncio.run(post_all(eric.url + "/v1/encode", eric.headers, bodies, c))
         after = histogram_totals(eric.url, "eric_batch_items")
         batches = max(after[1] - before[1], 1.0)
         point = EricPoint(concurrency=c, items_per_s=n * traffic.images_per_request / wall,
