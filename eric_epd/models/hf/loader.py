@@ -95,7 +95,7 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     if info.get("missing_keys"):
         raise ValueError(f"{model_dir}: vision tensors missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
     model = model.to(device)  # loaded on the host first: a device_map needs accelerate
-    logger.info("loaded %s vision tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
+    logger.info("loaded %s tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
     return model.eval()
 
