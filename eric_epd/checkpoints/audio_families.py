@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from eric_epd.checkpoints.builtin import ensure_built
-from eric_epd.checkpoints.saving import jitter_constants, with_chat_template
+from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_chat_template
 from eric_epd.checkpoints.text_parts import Tokens, _text, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1  # bump when the output of build_audio_checkpoint changes
+BUILDER_VERSION = 2  # bump when the output of build_audio_checkpoint changes
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class AudioFamily:
     tokens: Tokens
     make: Callable[[Any, dict[str, int], int, float], tuple[Any, Any]]
     """(tokenizer, token ids, vocab size, init std) -> (model config, processor)."""
+    released: dict[str, str]
+    """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
 
 
 QWEN2_AUDIO = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
@@ -60,7 +62,8 @@ def _qwen2_audio(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> 
 
 
 AUDIO_FAMILIES: dict[str, AudioFamily] = {
-    "qwen2_audio": AudioFamily(QWEN2_AUDIO, _qwen2_audio),
+    # transformers 5.19 saves the language model one `model.` too deep (it reads both back alike)
+    "qwen2_audio": AudioFamily(QWEN2_AUDIO, _qwen2_audio, {"language_model.model.model.": "language_model.model."}),
 }
 """Family name (its HF model_type) -> how to build its tiny checkpoint."""
 
@@ -84,6 +87,7 @@ def build_audio_checkpoint(out_dir: str | os.PathLike, family: str, seed: int = 
     model = AutoModelForMultimodalLM.from_config(cfg).to(torch.float32).eval()
     jitter_constants(model, init_std)
     model.save_pretrained(out, safe_serialization=True)
+    rename_tensors(out / "model.safetensors", spec.released)
     GenerationConfig(eos_token_id=ids[spec.tokens.eos], pad_token_id=ids[spec.tokens.pad],
                      do_sample=False).save_pretrained(out)
     processor.save_pretrained(out)
