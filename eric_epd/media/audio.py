@@ -49,6 +49,8 @@ def decode_audio(data: bytes, limits: MediaLimits, stop: threading.Event | None 
         if exc.code not in UNRECOGNISED:
             raise MediaError(400, f"could not decode audio: {exc.error_string}") from exc
         decoded = _decode_pyav(data, limits, stop)
+    except (RuntimeError, ValueError, TypeError) as exc:  # libsndfile giving up mid-stream, or a header it rejects
+        raise MediaError(400, f"could not decode audio: {str(exc) or type(exc).__name__}") from exc
     if decoded.samples.size == 0:
         raise MediaError(400, "could not decode audio: it holds no samples")
     _check_length(decoded.samples.shape[-1], decoded.sample_rate, decoded.channels, limits)
