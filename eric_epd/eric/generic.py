@@ -69,14 +69,15 @@ class GenericWorkload:
     def from_checkpoint(cls, model: Path) -> GenericWorkload:
         """The workload of `model`; its warm-up item is a mid-grey 224x224 image through the model's processor (an
         audio model's: a second of silence)."""
+        from eric_epd.models.hf.audio import HFAudioProcessor
         from eric_epd.models.registry import load_processor
 
         processor = load_processor(model)
-        if "image" not in processor.modalities:
-            rate = processor.sampling_rate  # type: ignore[attr-defined]
+        if isinstance(processor, HFAudioProcessor):
+            rate = processor.sampling_rate
             return cls(processor.values_per_cost, processor.process_audio(np.zeros(rate, np.float32), rate))
         image = Image.new("RGB", (224, 224), (128, 128, 128))
-        return cls(processor.values_per_cost, processor.process_image(image))  # type: ignore[arg-type]
+        return cls(processor.values_per_cost, processor.process_image(image))  # type: ignore[attr-defined, arg-type]
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         """`Workload` hook: why the engine must refuse a generic item (spec, kind, cost or frame size), or None."""
