@@ -1,7 +1,8 @@
 """A real Eric (router, engine, worker) on the tiny Qwen2-Audio checkpoint: audio items posted as data: URLs (wav,
 flac, mp3, ogg; odd lengths, rates and channel counts), file:// and http:// URLs are answered with rows, fetched over
 the transfer path with each item's lease, equal to transformers' full model's audio features on the samples vLLM's
-loader gives; audio items share batches; bad audio gets a 4xx naming the problem and the server keeps serving."""
+loader gives; audio items share batches; bad audio gets a 4xx naming the problem and the server keeps serving; a
+client that leaves cancels its audio items and their pool space comes back."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 import io
 import re
 import threading
+import time
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +24,7 @@ from eric_epd.media.resample import resample
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import AUDIO_FORMATS, audio_bytes, data_url
 from eric_epd.wire.handles import LEASE_HEADER
+from tests.support.helpers_servers import post_raw, stopped
 
 RTOL = 1e-5
 """Worst relative error against transformers in float32: the same modules on the same features (the server's CPU may
@@ -144,4 +147,35 @@ def test_bad_audio_gets_a_4xx_naming_it_and_the_server_keeps_serving(eric: EricS
     assert resp.status_code == status, (name, resp.text)
     assert named in resp.json()["error"]["message"], resp.text
     good = _encode(eric, [{"modality": "audio", "url": _audio_url("wav", 16000, 16000, 1, seed=3)}])
+    assert good.status_code == 200, good.text
+
+
+def _state(eric: EricServer) -> tuple[int, int, int]:
+    """(pool bytes held, items queued, items running)."""
+    pool = httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=10).json()
+    health = httpx.get(eric.url + "/health", timeout=10).json()
+    return pool["used_bytes"], health["queued_items"], health["running_items"]
+
+
+def test_a_client_that_leaves_cancels_its_audio_items(eric: EricServer) -> None:
+    """Four new clips posted while the worker is stopped, the client gone before any could be answered: the request
+    counts as a 499, its items leave the queue and their pool space comes back; the server then answers again."""
+    held, _, _ = _state(eric)
+    aborted = _metric(httpx.get(eric.url + "/metrics").text, "eric_requests_total", 'status="499"')
+    worker = httpx.get(eric.url + "/health", timeout=10).json()["worker_pids"][0]
+    body = {"items": [{"modality": "audio", "url": _audio_url("wav", 16000 + k, 16000, 1, seed=500 + k)}
+                      for k in range(4)]}
+    with stopped(worker):
+        sock = post_raw(eric.port, "/v1/encode", body, eric.headers)
+        time.sleep(1.0)  # its clips decode and queue behind the stopped worker (any stage is cancelled alike)
+        sock.close()
+        deadline = time.monotonic() + 60
+        while _metric(httpx.get(eric.url + "/metrics").text, "eric_requests_total", 'status="499"') == aborted:
+            assert time.monotonic() < deadline, "the router never saw the client leave"
+            time.sleep(0.2)
+    deadline = time.monotonic() + 60
+    while _state(eric) != (held, 0, 0):
+        assert time.monotonic() < deadline, f"not drained: {_state(eric)}, held before {held}"
+        time.sleep(0.2)
+    good = _encode(eric, [{"modality": "audio", "url": _audio_url("wav", 16000, 16000, 1, seed=4)}])
     assert good.status_code == 200, good.text
