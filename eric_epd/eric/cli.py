@@ -97,6 +97,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="longest video accepted, read from its container before decoding (413 otherwise)")
     p.add_argument("--max-video-decode-seconds", type=float, default=MediaLimits.max_video_decode_s,
                    help="wall time one video may take to decode before it is refused with 413")
+    p.add_argument("--max-audio-seconds", type=float, default=MediaLimits.max_audio_seconds,
+                   help="longest audio item accepted, from its header and again as decoded (413 otherwise)")
+    p.add_argument("--max-audio-sample-rate", type=int, default=MediaLimits.max_audio_sample_rate,
+                   help="highest audio sample rate (Hz) accepted, read from the header before decoding (413 otherwise)")
+    p.add_argument("--max-audio-channels", type=int, default=MediaLimits.max_audio_channels,
+                   help="most audio channels accepted, read from the header before decoding (413 otherwise)")
+    p.add_argument("--max-audio-decode-bytes", type=int, default=MediaLimits.max_audio_decode_bytes,
+                   help="most bytes one audio item may decode to, as float32 samples of every channel (413 otherwise)")
     g = p.add_argument_group("SGLang encoder protocol (for --language-only --encoder-urls prefills)")
     g.add_argument("--no-sglang", action="store_true", help="do not serve SGLang's encoder endpoints")
     g.add_argument("--sglang-register-url", action="append", default=[],
@@ -165,7 +173,10 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
                           args.batches_in_flight),
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames,
                           max_video_source_frames=args.max_video_source_frames,
-                          max_video_seconds=args.max_video_seconds, max_video_decode_s=args.max_video_decode_seconds),
+                          max_video_seconds=args.max_video_seconds, max_video_decode_s=args.max_video_decode_seconds,
+                          max_audio_seconds=args.max_audio_seconds, max_audio_sample_rate=args.max_audio_sample_rate,
+                          max_audio_channels=args.max_audio_channels,
+                          max_audio_decode_bytes=args.max_audio_decode_bytes),
         transfer=TransferConfig(
             pool_bytes=args.pool_bytes, ttl_s=args.embedding_ttl, pool_wait_s=args.pool_wait,
             keep_acked_bytes=args.keep_acked_bytes,

@@ -1,6 +1,6 @@
 """Eric's workload on the generic path (models/hf): items carry the HF processor's named tensors in one float32 frame,
-batches join items whose tensors agree past dim 0, and the worker runs the model's own vision tower at TP 1 (or, for
-facts.GENERIC_TOWER_TYPES, Eric's own tensor-parallel tower at any TP)."""
+batches join items whose tensors agree past dim 0, and the worker runs the model's own vision (or audio) tower at TP 1
+(or, for facts.GENERIC_TOWER_TYPES, Eric's own tensor-parallel tower at any TP)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from eric_epd.models.hf.tensors import TensorSpec, join_items, signature, unpack
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
 from eric_epd.runtime.workload import INPUT_BYTES
+from eric_epd.wire.eric import Modality
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class ItemEncoder(Protocol):
 class GenericSpec(msgspec.Struct, array_like=True, frozen=True, tag="hf"):
     """One item of the generic path: its frame holds `tensors` one after another, each flattened, as float32."""
 
-    modality: str
+    modality: Modality
     tensors: tuple[TensorSpec, ...]
     rows: int
     """Rows the model gives this item (the placeholder's embedding positions in vLLM)."""
@@ -66,18 +67,24 @@ class GenericWorkload:
 
     @classmethod
     def from_checkpoint(cls, model: Path) -> GenericWorkload:
-        """The workload of `model`; its warm-up item is a mid-grey 224x224 image through the model's processor."""
-        from eric_epd.models.hf.processor import HFImageProcessor
+        """The workload of `model`; its warm-up item is a mid-grey 224x224 image through the model's processor (an
+        audio model's: a second of silence)."""
+        from eric_epd.models.hf.audio import HFAudioProcessor
+        from eric_epd.models.registry import load_processor
 
-        processor = HFImageProcessor(model)
-        return cls(processor.values_per_cost, processor.process_image(Image.new("RGB", (224, 224), (128, 128, 128))))
+        processor = load_processor(model)
+        if isinstance(processor, HFAudioProcessor):
+            rate = processor.sampling_rate
+            return cls(processor.values_per_cost, processor.process_audio(np.zeros(rate, np.float32), rate))
+        image = Image.new("RGB", (224, 224), (128, 128, 128))
+        return cls(processor.values_per_cost, processor.process_image(image))  # type: ignore[attr-defined, arg-type]
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         """`Workload` hook: why the engine must refuse a generic item (spec, kind, cost or frame size), or None."""
         spec = unpack_spec(item, GenericSpec)
         if spec is None:
             return f"item {item.key}: not an item of the generic path"
-        if spec.modality not in ("image", "video") or item.kind != generic_kind(spec):
+        if item.kind != generic_kind(spec):
             return f"item {item.key}: kind {item.kind!r} does not match its {spec.modality} tensors"
         if spec.rows < 1 or not spec.tensors or any(min(t.shape, default=1) < 1 for t in spec.tensors):
             return f"item {item.key}: empty tensors or no rows"
@@ -99,7 +106,7 @@ class GenericWorkload:
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GenericRunner:
         """`Workload` hook: this worker's runner, the model's vision tower and projector on `device`: Eric's own
         tower (this rank's shard) for GENERIC_TOWER_TYPES, else transformers' classes (TP 1 only)."""
-        from eric_epd.models.facts import GENERIC_TOWER_TYPES, generic_tower
+        from eric_epd.models.facts import GENERIC_AUDIO_TYPES, GENERIC_TOWER_TYPES, generic_tower
         from eric_epd.models.registry import read_model_config, resolve_dtype
 
         world = getattr(tp, "world_size", 1)
@@ -111,6 +118,10 @@ class GenericWorkload:
             return GenericRunner(encoder.load(config.model, dtype, device, tp, model_config))
         if world != 1:
             raise ValueError(TP_REFUSED.format(tp=world, model_type=model_type))
+        if model_type in GENERIC_AUDIO_TYPES:
+            from eric_epd.models.hf.audio_encoder import HFAudioEncoder
+
+            return GenericRunner(HFAudioEncoder.load(config.model, dtype, device))
         return GenericRunner(HFVisionEncoder.load(config.model, dtype, device))
 
 

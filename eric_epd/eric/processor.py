@@ -1,4 +1,5 @@
-"""Processor: decodes media and runs the model's ModalityProcessor in a thread pool; computes the content hash."""
+"""Processor: decodes media (images, videos, audio) and runs the model's ModalityProcessor in a thread pool; computes
+the content hash."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eric_epd.eric.decode import decode_image, decode_video
+from eric_epd.media.audio import decode_audio
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
 from eric_epd.models.facts import ModelFacts
@@ -105,12 +107,18 @@ class Processor:
 
     def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None) -> PreparedItem:
         start = time.perf_counter()
+        tag = ""
         try:
             if modality == "image":
                 image = decode_image(data, self._limits)
                 pixels = np.asarray(image)
                 decoded = time.perf_counter()
                 item = self._mp.process_image(image)
+            elif modality == "audio":
+                audio = decode_audio(data, self._limits, stop)
+                pixels, tag = audio.samples, f"@{audio.sample_rate}Hz"
+                decoded = time.perf_counter()
+                item = self._mp.process_audio(audio.samples, audio.sample_rate)
             else:
                 pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop)
                 decoded = time.perf_counter()
@@ -118,12 +126,14 @@ class Processor:
         except ValueError as e:  # the model's processor refuses this input (e.g. its aspect ratio)
             raise MediaError(400, f"the model's processor refuses this {modality}: {e}") from e
         processed = time.perf_counter()
-        key = self._content_hash(modality, pixels)
+        key = self._content_hash(modality, pixels, tag)
         return PreparedItem(key, item, (decoded - start, processed - decoded, time.perf_counter() - processed))
 
-    def _content_hash(self, modality: str, pixels: np.ndarray) -> str:
+    def _content_hash(self, modality: str, pixels: np.ndarray, tag: str = "") -> str:
+        """sha256 over the modality's salt, the decoded values' shape (and `tag`: an audio item's sample rate) and
+        the values themselves."""
         h = hashlib.sha256(self._salt[modality])
-        h.update(str(pixels.shape).encode())
+        h.update(str(pixels.shape).encode() + tag.encode())
         h.update(np.ascontiguousarray(pixels).data)
         return h.hexdigest()
 

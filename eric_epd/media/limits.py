@@ -19,6 +19,10 @@ class MediaLimits:
     max_video_source_frames: int = 36_000  # frames in the source (decoding runs up to the last sampled one)
     max_video_seconds: float = 3600.0  # source duration
     max_video_decode_s: float = 30.0  # wall time to decode one video
+    max_audio_seconds: float = 600.0  # one audio item's duration (vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S default)
+    max_audio_sample_rate: int = 192_000  # Hz, read from the header before decoding
+    max_audio_channels: int = 8  # read from the header before decoding
+    max_audio_decode_bytes: int = 256 * 2**20  # decoded float32 PCM (vLLM's VLLM_MAX_AUDIO_DECODE_BYTES default)
 
     def __post_init__(self) -> None:
         if min(self.max_bytes, self.max_image_pixels, self.max_video_pixels) <= 0:
@@ -29,3 +33,6 @@ class MediaLimits:
             raise ValueError("MediaLimits.max_video_frames must be >= 2")
         if min(self.max_video_source_frames, self.max_video_seconds, self.max_video_decode_s) <= 0:
             raise ValueError("MediaLimits video source frames, seconds and decode time must be positive")
+        if min(self.max_audio_seconds, self.max_audio_sample_rate, self.max_audio_channels,
+               self.max_audio_decode_bytes) <= 0:
+            raise ValueError("MediaLimits audio seconds, sample rate, channels and decode bytes must be positive")

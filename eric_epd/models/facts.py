@@ -28,6 +28,9 @@ GENERIC_TOWER_TYPES = frozenset(GENERIC_TOWERS)
 GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "glm4v_moe", "internvl", "gemma4"})
 """Generic-path families whose videos Eric encodes too: their video rows and vLLM's frame sampling for them
 (models/hf/video.py) were checked against vLLM's model (the others' videos go to the engine with their request)."""
+GENERIC_AUDIO_TYPES = frozenset({"qwen2_audio"})
+"""Generic-path families whose Eric encodes audio (models/hf/audio.py, audio_encoder.py): audio-only models, served by
+transformers' own audio tower and projector at TP 1."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
      "float16": "float16", "fp16": "float16", "half": "float16"})
@@ -72,7 +75,10 @@ def generic_tower(model_type: str) -> ModuleType:
 
 
 def generic_modalities(model_type: str) -> tuple[str, ...]:
-    """What Eric's generic path encodes for a family: images, and videos where GENERIC_VIDEO_TYPES says so."""
+    """What Eric's generic path encodes for a family: audio for GENERIC_AUDIO_TYPES, else images, and videos where
+    GENERIC_VIDEO_TYPES says so."""
+    if model_type in GENERIC_AUDIO_TYPES:
+        return ("audio",)
     return ("image", "video") if model_type in GENERIC_VIDEO_TYPES else ("image",)
 
 
@@ -96,7 +102,7 @@ class ModelFacts:
     model_type: str
     """The HF model_type, one the registry supports."""
     modalities: tuple[str, ...]
-    """What its modality processor takes ("image", "video")."""
+    """What its modality processor takes ("image", "video", "audio")."""
     embedding_width: int
     """Values per output row (DeepStack levels included): see embedding_width."""
     merge_size: int

@@ -22,7 +22,7 @@ ResizeBackend = Literal["torch", "numpy"]
 class ProcessedItem:
     """One image or video ready for the encoder."""
 
-    modality: str  # "image" | "video"
+    modality: str  # "image" | "video" | "audio"
     pixel_values: np.ndarray  # float32 (num_patches, C*T*P*P), the layout HF's processor produces
     grid_thw: tuple[int, int, int]
     num_tokens: int  # t*h*w // merge**2
@@ -48,6 +48,10 @@ class BaseModalityProcessor(ABC):
                       seconds: Sequence[float] | None = None) -> ProcessedItem:
         """Already-sampled frames, uint8 (T, H, W, 3) RGB, taken at `sampled_fps` frames per second (2.0, HF's
         default for a video without metadata); `seconds`: each frame's time in the source, when known."""
+
+    def process_audio(self, samples: np.ndarray, sampling_rate: int) -> ProcessedItem:
+        """Mono float32 audio samples at `sampling_rate` Hz; a processor whose model takes no audio refuses them."""
+        raise ValueError(f"this model takes no audio (it takes {', '.join(self.modalities)})")
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
         """The source frames this model's processor samples from a video of `total` frames at `src_fps`; None:

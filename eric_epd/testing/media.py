@@ -1,4 +1,5 @@
-"""Deterministic test media: images and short videos as bytes and data URLs (for tests, benchmarks, demos)."""
+"""Deterministic test media: images, short videos and audio clips as bytes and data URLs (for tests, benchmarks,
+demos)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import numpy as np
 
 from eric_epd.media.synthetic import data_url, image_bytes, image_data_url, random_image
 
-__all__ = ["data_url", "image_bytes", "image_data_url", "random_image", "video_bytes", "video_data_url",
-           "video_frames"]
+__all__ = ["AUDIO_FORMATS", "audio_bytes", "audio_samples", "data_url", "image_bytes", "image_data_url",
+           "random_image", "video_bytes", "video_data_url", "video_frames"]
+
+AUDIO_FORMATS = {"wav": ("WAV", "PCM_16", "audio/wav"), "flac": ("FLAC", "PCM_24", "audio/flac"),
+                 "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"), "ogg": ("OGG", "VORBIS", "audio/ogg")}
+"""Name -> (libsndfile container, encoding, MIME type) of the audio formats the tests write."""
 
 
 def video_frames(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
@@ -36,3 +41,22 @@ def video_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int
 def video_data_url(num_frames: int = 8, width: int = 64, height: int = 48, fps: int = 4, seed: int = 0) -> str:
     """A `video_bytes` MP4 as a video/mp4 data URL."""
     return data_url(video_bytes(num_frames, width, height, fps, seed), "video/mp4")
+
+
+def audio_samples(frames: int, rate: int, channels: int = 1, seed: int = 0) -> np.ndarray:
+    """float32 [frames, channels] in [-0.5, 0.5]: a tone per channel (220 Hz apart) under quiet noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(frames)[:, None] / rate
+    tones = 0.3 * np.sin(2 * np.pi * (220.0 + 220.0 * np.arange(channels))[None, :] * t)
+    return (tones + 0.05 * rng.standard_normal((frames, channels))).astype(np.float32)
+
+
+def audio_bytes(frames: int, rate: int, channels: int = 1, fmt: str = "wav", seed: int = 0) -> bytes:
+    """`audio_samples` encoded as `fmt` (a key of AUDIO_FORMATS) by libsndfile; mp3 and ogg are lossy, so compare
+    decoded samples, not these."""
+    import soundfile
+
+    container, subtype, _ = AUDIO_FORMATS[fmt]
+    buf = io.BytesIO()
+    soundfile.write(buf, audio_samples(frames, rate, channels, seed), rate, format=container, subtype=subtype)
+    return buf.getvalue()

@@ -17,12 +17,16 @@ its own processor computes the placeholder and the connector fills it with Eric'
 GRID: Placement = "grid"
 MEDIA: Placement = "media"
 
+Modality = Literal["image", "video", "audio"]
+"""What one item is: Eric's router takes the modalities its model's processor does (ModelFacts.modalities), and the
+generic path's engine items carry this type (eric/generic.GenericSpec), so another one never decodes."""
+
 
 class EncodeItem(msgspec.Struct, frozen=True):
     """One media item to encode: a caller-chosen id (echoed back), its modality and its URL (http(s), data, file)."""
 
     id: str
-    modality: str
+    modality: Modality
     url: str
 
 
@@ -38,7 +42,7 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     timestamps)."""
 
     id: str
-    modality: str
+    modality: Modality
     hash: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     """The content hash (sha256, hex): it becomes the engine's item identifier (`uuid`), so the schema pins its form."""
     shape: list[int]

@@ -15,13 +15,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from eric_epd.models.facts import GENERIC_AUDIO_TYPES
 from eric_epd.models.hf.adapters import LAYOUTS
 
 logger = logging.getLogger(__name__)
 
-LANGUAGE_PARTS = ("language_model", "text_model", "lm_head", "audio_tower", "embed_audio")
+TEXT_PARTS = ("language_model", "text_model", "lm_head")
+"""The language model under its family's name and the output head: never built on Eric's side."""
+LANGUAGE_PARTS = (*TEXT_PARTS, "audio_tower", "embed_audio")
 """Submodules the vision-only model replaces with empty modules (on the model and on its inner `.model`): the
-language model under its family's name, the output head, and an audio encoder (only images are served)."""
+language model, the output head, and an audio encoder (an image model's Eric serves images and videos)."""
+
+
+def dropped_parts(config: Any) -> tuple[str, ...]:
+    """What the encoder-only model of `config` replaces with empty modules: TEXT_PARTS for an audio family
+    (facts.GENERIC_AUDIO_TYPES: its audio tower stays), LANGUAGE_PARTS otherwise."""
+    return TEXT_PARTS if config.model_type in GENERIC_AUDIO_TYPES else LANGUAGE_PARTS
 
 
 def hf_config(model_dir: str | Path) -> Any:
@@ -32,19 +41,21 @@ def hf_config(model_dir: str | Path) -> Any:
 
 
 def model_class(config: Any) -> type[nn.Module] | None:
-    """The transformers image-text-to-text class of `config`, or None when transformers has none."""
-    from transformers import AutoModelForImageTextToText
+    """The transformers image-text-to-text class of `config` (for an audio family, facts.GENERIC_AUDIO_TYPES, its
+    multimodal-LM class), or None when transformers has none."""
+    from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
 
+    auto = AutoModelForMultimodalLM if config.model_type in GENERIC_AUDIO_TYPES else AutoModelForImageTextToText
     try:
-        return AutoModelForImageTextToText._model_mapping[type(config)]
+        return auto._model_mapping[type(config)]
     except KeyError:
         return None
 
 
-def vision_only_class(base: type[nn.Module]) -> type[nn.Module]:
-    """`base` whose language model, output head and audio tower are empty modules: built by `from_pretrained`, their
-    checkpoint tensors are reported unexpected and never read (transformers opens shards lazily and reads only the
-    tensors the model has)."""
+def vision_only_class(base: type[nn.Module], drop: tuple[str, ...] = LANGUAGE_PARTS) -> type[nn.Module]:
+    """`base` whose `drop` parts (language model, output head, and an image model's audio tower) are empty modules:
+    built by `from_pretrained`, their checkpoint tensors are reported unexpected and never read (transformers opens
+    shards lazily and reads only the tensors the model has)."""
 
     class VisionOnly(base):  # type: ignore[misc, valid-type]
         _tied_weights_keys: dict[str, str] = {}  # the output head is gone: nothing to tie
@@ -52,7 +63,7 @@ def vision_only_class(base: type[nn.Module]) -> type[nn.Module]:
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
             for owner in (self, getattr(self, "model", None)):
-                for name in LANGUAGE_PARTS:
+                for name in drop:
                     if isinstance(getattr(owner, name, None), nn.Module):
                         setattr(owner, name, nn.Module())
 
@@ -61,8 +72,8 @@ def vision_only_class(base: type[nn.Module]) -> type[nn.Module]:
 
 
 def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """The checkpoint's vision tower and projector on `device` in `dtype`, eval mode; the language model is never
-    built and its tensors are never read."""
+    """The checkpoint's vision (for an audio family: audio) tower and projector on `device` in `dtype`, eval mode; the
+    language model is never built and its tensors are never read."""
     from transformers.utils import logging as hf_logging
 
     config = hf_config(model_dir)
@@ -75,7 +86,7 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     hf_logging.disable_progress_bar()
     try:
         with _present_shards(Path(model_dir)) as loadable:
-            model, info = vision_only_class(base).from_pretrained(
+            model, info = vision_only_class(base, dropped_parts(config)).from_pretrained(
                 str(loadable), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -84,7 +95,7 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     if info.get("missing_keys"):
         raise ValueError(f"{model_dir}: vision tensors missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
     model = model.to(device)  # loaded on the host first: a device_map needs accelerate
-    logger.info("loaded %s vision tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
+    logger.info("loaded %s tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
     return model.eval()
 
@@ -124,7 +135,7 @@ def vision_tensor_names(model_dir: str | Path) -> dict[str, list[str]]:
     if base is None:
         raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
     with torch.device("meta"):
-        model = vision_only_class(base)(config)
+        model = vision_only_class(base, dropped_parts(config))(config)
     wanted = model.state_dict()
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]

@@ -1,0 +1,115 @@
+"""The model's own HF processor as Eric's modality processor for audio: decoded samples in, resampled to the feature
+extractor's rate as vLLM resamples them, its features (e.g. Whisper log-mels and their mask) packed into one float32
+frame, and the rows vLLM's placeholder holds for them."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from eric_epd.media import resample as resampler
+from eric_epd.models.hf.loader import hf_config
+from eric_epd.models.hf.processor import PROCESSOR_FILES, HFProcessedItem, cost_of
+from eric_epd.models.hf.tensors import pack_tensors
+from eric_epd.models.processor import BaseModalityProcessor
+
+logger = logging.getLogger(__name__)
+
+
+class HFAudioProcessor(BaseModalityProcessor):
+    """Runs the checkpoint's processor on one audio item with the text that stands for one, as vLLM's model calls it
+    (`sampling_rate` and `truncation=True`: Qwen2-Audio's features stop at the extractor's 30 s); the rows are the
+    audio tokens it expands that text into. Thread-safe: each thread works on its own copy of the processor."""
+
+    modalities = ("audio",)
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoProcessor
+
+        config = hf_config(model_dir)
+        self._processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        extractor = getattr(self._processor, "feature_extractor", None)
+        if extractor is None:
+            raise ValueError(f"{model_dir}: the checkpoint's processor ({type(self._processor).__name__}) has no "
+                             "feature extractor; Eric's audio path needs one")
+        self.sampling_rate = int(extractor.sampling_rate)
+        """The rate the feature extractor takes: every item is resampled to it first."""
+        self._placeholder: str = getattr(self._processor, "audio_token", None) or ""
+        self._token_id: int | None = getattr(config, "audio_token_id", None)
+        if not self._placeholder or self._token_id is None:
+            raise ValueError(f"{model_dir}: cannot tell where audio goes in the text (processor.audio_token="
+                             f"{self._placeholder!r}, config audio_token_id={self._token_id})")
+        text_names = set(self._processor.tokenizer.model_input_names)
+        self._names = frozenset(n for n in self._processor.model_input_names if n not in text_names)
+        self.values_per_cost = audio_values_per_cost(extractor)
+        self._local = threading.local()
+        self._fingerprint = _fingerprint(Path(model_dir), self._processor)
+
+    def _mine(self) -> Any:
+        """This thread's copy of the processor."""
+        processor = getattr(self._local, "processor", None)
+        if processor is None:
+            processor = self._local.processor = copy.deepcopy(self._processor)
+        return processor
+
+    def process_audio(self, samples: np.ndarray, sampling_rate: int) -> HFProcessedItem:
+        """Mono float32 samples at `sampling_rate` Hz (media/audio.decode_audio's), resampled as vLLM does
+        (media/resample.py), through the checkpoint's own processor: its named tensors and the rows they give."""
+        wave = resampler.resample(samples, int(sampling_rate), self.sampling_rate)
+        out = self._mine()(text=[self._placeholder], audio=[wave], sampling_rate=self.sampling_rate,
+                           truncation=True, return_tensors="pt")
+        rows = int((out["input_ids"] == self._token_id).sum())
+        if rows < 1:
+            raise ValueError(f"the audio ({samples.shape[-1]} samples at {sampling_rate} Hz) is too short to give "
+                             "the model any audio token")
+        tensors = {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}
+        specs, frame = pack_tensors(tensors)
+        return HFProcessedItem("audio", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
+                               cost=cost_of(frame.size, self.values_per_cost))
+
+    def process_image(self, image: Image.Image) -> HFProcessedItem:
+        """Not served: this checkpoint's Eric encodes audio only."""
+        raise ValueError("this model's Eric encodes audio only")
+
+    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
+                      seconds: Sequence[float] | None = None) -> HFProcessedItem:
+        """Not served: this checkpoint's Eric encodes audio only."""
+        raise ValueError("this model's Eric encodes audio only")
+
+    def fingerprint(self, modality: str) -> bytes:
+        """What names the processor's output in content hashes: its files and effective feature-extractor settings,
+        the resampler and the rate it resamples to."""
+        return self._fingerprint + f"|{resampler.METHOD}|{self.sampling_rate}".encode()
+
+
+def audio_values_per_cost(extractor: Any) -> int:
+    """Float32 values per unit of an audio item's cost: a mel frame pair (`feature_size` x 2), so the batch cap
+    (--max-batch-patches) counts the audio encoder's positions after its stride-2 convolution, as it counts a vision
+    tower's patches."""
+    return 2 * int(getattr(extractor, "feature_size", 0) or 80)
+
+
+def _fingerprint(model_dir: Path, processor: Any) -> bytes:
+    """Every processor setting that changes an item's tensors or row count: the processor files, the effective
+    feature-extractor settings and the transformers version whose code runs them."""
+    import transformers
+
+    h = hashlib.sha256(f"{type(processor).__name__}|{transformers.__version__}\0".encode())
+    for name in PROCESSOR_FILES:
+        path = model_dir / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"-") + b"\0")
+    settings = processor.feature_extractor.to_dict()
+    h.update(json.dumps({k: v for k, v in settings.items() if k != "mel_filters"}, sort_keys=True,
+                        default=str).encode())
+    return h.digest()
+

@@ -1,0 +1,81 @@
+"""An audio-only transformers model as Eric's encoder: the checkpoint's own audio tower and projector (the language
+model never built), a batch of feature-extractor outputs in, each item's rows out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from eric_epd.models.hf.loader import hf_config, load_vision_model
+
+logger = logging.getLogger(__name__)
+
+
+def qwen2_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Qwen2-Audio's audio rows for a batch, items in order: what `Qwen2AudioModel.forward` (transformers 5.19, which
+    has no `get_audio_features` for it) scatters into the audio tokens' positions. The tower attends only within each
+    item's length after its stride-2 convolution, the projector maps every position, and each item keeps the first
+    `_get_feat_extract_output_lengths` rows (one per audio token)."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    inner = model.model
+    tower = inner.audio_tower
+    features, mask = inputs["input_features"], inputs["feature_attention_mask"]
+    feat_lengths, out_lengths = tower._get_feat_extract_output_lengths(mask.sum(-1))
+    batch, _, mel_frames = features.shape
+    positions = (mel_frames - 2) // 2 + 1
+    seq = torch.arange(positions, dtype=feat_lengths.dtype, device=feat_lengths.device)
+    valid = (seq[None, :] < feat_lengths[:, None]).to(torch.long)
+    attention = create_bidirectional_mask(config=tower.config, attention_mask=valid,
+                                          inputs_embeds=torch.zeros((batch, positions, 1), dtype=features.dtype,
+                                                                    device=features.device))
+    hidden = tower(features, attention_mask=attention).last_hidden_state
+    projected = inner.multi_modal_projector(hidden)
+    lengths = out_lengths.to(projected.device)
+    return projected[torch.arange(projected.shape[1], device=projected.device)[None, :] < lengths[:, None]]
+
+
+AUDIO_ROWS: Mapping[str, Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]] = MappingProxyType({
+    "qwen2_audio": qwen2_audio_rows,
+})
+"""HF model_type -> (model, a batch's feature tensors) -> the batch's rows, items in order."""
+
+
+class HFAudioEncoder:
+    """The model's audio tower and projector on named feature tensors, its output laid out as vLLM's rows."""
+
+    def __init__(self, model: nn.Module, model_type: str, width: int, dtype: torch.dtype) -> None:
+        if model_type not in AUDIO_ROWS:
+            raise ValueError(f"model_type {model_type!r} has no audio rows in Eric; those that do: "
+                             f"{', '.join(sorted(AUDIO_ROWS))}")
+        self.model = model
+        self.rows = AUDIO_ROWS[model_type]
+        self.width = width
+        """Row width: the language model's hidden size."""
+        self.dtype = dtype
+        """The dtype the model was loaded in: features go in and rows come out in it."""
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> HFAudioEncoder:
+        """The checkpoint's audio tower and projector, only their weights read."""
+        config = hf_config(model_dir)
+        return cls(load_vision_model(model_dir, dtype, device), config.model_type,
+                   int(config.get_text_config().hidden_size), dtype)
+
+    def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "audio") -> list[torch.Tensor]:
+        """Each item's [rows, width] output, for a batch of audio items whose tensors hold them one after another
+        along dim 0; floating inputs are cast to the model's dtype (integer masks travel in their own)."""
+        if modality != "audio":
+            raise RuntimeError(f"this encoder takes audio, not {modality}")
+        tensors = {name: t.to(self.dtype) if t.is_floating_point() else t for name, t in inputs.items()}
+        with torch.no_grad():
+            flat = self.rows(self.model, tensors)
+        if flat.dim() != 2 or flat.shape[0] != sum(rows) or flat.shape[1] != self.width:
+            raise RuntimeError(f"the model gave rows of shape {list(flat.shape)}, expected [{sum(rows)}, {self.width}] "
+                               f"for items of {rows} rows")
+        return list(flat.to(self.dtype).split(rows))
