@@ -1,7 +1,8 @@
 """Faults in the vLLM connector's landing leave nothing broken (real producer process, real ZMQ sockets, two ranks):
 a landing that times out on a stalled Eric is fetched again by the next request with a fresh lease, its range, the
 ranks' copies and the lease come back once every rank has answered, a request that finds no room waits only so long,
-a rank whose copy fails fails the item and keeps nothing, and a consumer unmaps the pool of an Eric that restarted."""
+a rank whose copy fails fails the item and keeps nothing, the connector follows vLLM's encoder cache through a
+reset and an eviction, and a consumer unmaps the pool of an Eric that restarted."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from eric_epd.plugins.vllm.connector import EricECConnector, EricWorkerMetadata
+from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.pool_server import seeded_bytes
@@ -244,6 +246,63 @@ def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -
                 ec_connector_worker_meta=EricWorkerMetadata(copied={fresh.hash})))
             connector.request_finished(r2)
             assert not connector.take_unavailable_requests()
+            assert _idle(connector._prefetch, areas)
+        finally:
+            connector.shutdown()
+    assert wait_for(lambda: _entries(producer) == 0, 30)
+
+
+def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(producer) -> None:
+    """The connector reads vLLM's own encoder cache manager (no copy of its own): an item vLLM holds is not fetched;
+    one vLLM evicts in the very pass that needs it is still a load (the workers keep its rows), never a failure;
+    after vLLM resets the cache the next request fetches the item again and loads its real rows."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    h1, h2, h3 = _entry(producer, "reset-image", seed=0, leases=3, data=rows)
+    n = rows.shape[0]
+    manager = EncoderCacheManager(cache_size=n)
+    address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
+    step = SimpleNamespace(scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1)
+    with ranks(address, 1 << 20, torch.float32) as areas:
+        connector = _connector(producer, address)
+        connector._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
+
+        def scheduled(request: Request) -> int:
+            """vLLM's pass for a request whose item its cache lacks: a load, allocated, sent to the workers; the
+            number of loads (each with the real rows on every rank)."""
+            assert connector.has_cache_item(h1.hash) and manager.can_allocate(request, 0, n, 0)
+            manager.allocate(request, 0)
+            connector.update_state_after_alloc(request, 0)
+            loads = connector.build_connector_meta(step).loads  # type: ignore[arg-type, attr-defined]
+            for ld in loads:
+                assert all(torch.equal(area.take(ld.staged.offset, ld.mm_hash), rows) for area in areas)
+            connector.update_connector_output(ECConnectorOutput(
+                ec_connector_worker_meta=EricWorkerMetadata(copied={ld.mm_hash for ld in loads})))
+            return len(loads)
+
+        def finished(request: Request) -> None:
+            connector.request_finished(request)
+            manager.free(request)
+
+        try:
+            r1, r2, r3 = (_request(f"r{i}", h) for i, h in enumerate((h1, h2, h3), 1))
+            assert wait_for(lambda: connector.ensure_cache_available(r1, 0), 60, 0.1)
+            assert scheduled(r1) == 1
+            finished(r1)
+            assert connector.ensure_cache_available(r2, 0)  # vLLM holds it: nothing fetched, ...
+            assert connector._prefetch.get(h1.hash) is None
+            assert manager.can_allocate(SimpleNamespace(get_num_encoder_embeds=lambda i: n), 0, n, 0)  # ... evicted
+            assert scheduled(r2) == 0  # in this pass: vLLM allocates it again, its rows stay on the workers
+            finished(r2)
+            assert not connector.has_cache_item(h1.hash)  # the pass is over
+            manager.reset()
+            assert wait_for(lambda: connector.ensure_cache_available(r3, 0), 60, 0.1)  # fetched with r3's lease
+            assert scheduled(r3) == 1
+            finished(r3)
+            assert not connector.take_unavailable_requests()
+            assert connector.get_ec_connector_stats().data == {  # type: ignore[union-attr]
+                "loaded_items": 2, "loaded_bytes": 2 * ITEM, "via_http": 2, "external_items": 2, "released_items": 1}
             assert _idle(connector._prefetch, areas)
         finally:
             connector.shutdown()

@@ -130,6 +130,32 @@ def test_items_vllm_already_holds_give_their_lease_back(llm, erics) -> None:
     assert pool_entries(main) == 0
 
 
+def test_items_are_fetched_again_after_vllm_resets_its_encoder_cache(llm, erics) -> None:
+    """vLLM resets its encoder and prefix caches (as for new weights): the next request fetches its items from Eric
+    again, with its own leases, and answers as before the reset, which is this engine's own encoder's answer; the
+    request after it finds them in vLLM's encoder cache again."""
+    main, _ = erics
+    case = Case("reset", ((72, 56), (120, 88)), seed=31)  # images no other test sent
+    own = greedy_of_vllm(generate(llm, raw_prompt(case)).outputs[0])
+    before = eric_counters(llm)
+    outputs = []
+    for i in range(3):
+        items = encode(main, case)
+        out = generate(llm, epd_prompt(case, items), items).outputs[0]
+        assert out.finish_reason == "length"
+        outputs.append(out)
+        if i == 0:
+            llm.llm_engine.reset_encoder_cache()
+            assert llm.reset_prefix_cache()
+    assert [list(o.token_ids) for o in outputs[1:]] == [list(outputs[0].token_ids)] * 2
+    assert_greedy_agree(greedy_of_vllm(outputs[0]), own, NEAR_TIE_FLOAT32, case.name)
+    after = eric_counters(llm)
+    assert after["loaded_items"] - before.get("loaded_items", 0) == 4  # both images, before and after the reset
+    assert after["released_items"] - before.get("released_items", 0) == 2  # the third request's leases
+    assert after.get("unavailable_requests", 0) == before.get("unavailable_requests", 0)
+    assert wait_for(lambda: pool_entries(main) == 0, 30)
+
+
 def test_changed_embedding_changes_output(llm, erics) -> None:
     """Scale the embedding Eric holds: vLLM's answer changes, so the fetched embedding is the one used. The
     unchanged answer is this engine's own encoder on the raw image (test_epd_tokens_equal_monolithic shows EPD

@@ -8,7 +8,8 @@ background and the scheduler then acknowledges them to Eric (or while a producer
 `eric_dns` names); no network call runs on the scheduler's loop or in a model step, and a slow Eric delays only the
 requests whose items it holds. A request whose items can be neither fetched nor encoded locally, or whose handles
 fail the checks, is failed alone; a failed fetch leaves nothing behind: the next request for that item fetches it
-again with its own lease.
+again with its own lease. Whether vLLM's encoder cache holds an item is read from vLLM's scheduler itself
+(encoder_cache.py), so after vLLM resets that cache the next request fetches its items again.
 Worker side (each vLLM worker): lands items when told (NIXL READs straight into device memory) and copies each out
 in the model's dtype before the scheduler hears of it (a rank whose copy fails fails the item, never a step), then
 hands those copies to vLLM's encoder cache.
@@ -29,6 +30,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
+from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache, building_scheduler
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
 from eric_epd.plugins.vllm.settings import EricConnectorSettings
@@ -57,9 +59,7 @@ class EricLoad:
     """Scheduler -> workers: one embedding a request loads in this step, and where it was staged."""
     request_id: str
     mm_hash: str
-    shape: tuple[int, ...]
-    staged: StagedLoad | None
-    """None: nothing to copy (the request has failed); the worker fills zeros to keep the step well-formed."""
+    staged: StagedLoad
 
 
 @dataclass
@@ -125,7 +125,7 @@ class EricECConnector(ECConnectorBase):
             self._used: dict[str, set[str]] = {}  # request id -> hashes fetched with its own lease
             self._pending: list[EricLoad] = []
             self._unavailable: set[str] = set()
-            self._cached: set[str] = set()  # identifiers loaded into vLLM's encoder cache and not evicted since
+            self._vllm_cache = VllmEncoderCache(building_scheduler())
         else:
             self._dtype = vllm_config.model_config.dtype
             self._area = _landing_area(settings, address, self._dtype)
@@ -180,8 +180,9 @@ class EricECConnector(ECConnectorBase):
             self._used.setdefault(owner, set()).add(key)
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Staged, or loaded earlier: vLLM then schedules a load, never its own encoder, for this item."""
-        return self._prefetch.ready(identifier) or identifier in self._cached
+        """Asked only of an item vLLM's encoder cache does not hold now. True (vLLM then schedules a load, never its
+        own encoder) if it is staged, or if vLLM held it earlier in this pass (the workers still have its rows)."""
+        return self._prefetch.ready(identifier) or self._vllm_cache.held_this_pass(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """True once every Eric item the request still needs is staged; until then its fetches run in the
@@ -194,7 +195,7 @@ class EricECConnector(ECConnectorBase):
         ready = True
         for index, feature in enumerate(request.mm_features):
             key, pos = feature.identifier, feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens or key in self._cached:
+            if pos.offset + pos.length <= num_computed_tokens or self._vllm_cache.holds(request, index):
                 continue  # already in the KV cache, or in vLLM's encoder cache
             rows = request.get_num_encoder_embeds(index)
             item = self._prefetch.get(key)
@@ -228,16 +229,12 @@ class EricECConnector(ECConnectorBase):
         return taken
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """vLLM hook: queue the staged item at `index` for loading in this step; fail the request if it was evicted."""
-        feature = request.mm_features[index]
-        key, rid = feature.identifier, request.request_id
+        """vLLM hook: queue the staged item at `index` for loading in this step."""
+        key, rid = request.mm_features[index].identifier, request.request_id
         if not self._prefetch.ready(key):
-            if key in self._cached:  # vLLM evicted it in this very step: nothing to load it from
-                self._fail(rid, f"embedding {key[:16]} left vLLM's encoder cache before it was used; retry")
-                self._pending.append(EricLoad(rid, key, (request.get_num_encoder_embeds(index), self._width), None))
-            return  # otherwise vLLM's own encoder computes this item
+            return  # vLLM's own encoder computes it, or the workers still hold it (`has_cache_item`)
         staged, backend = self._prefetch.to_workers(key, rid)
-        self._pending.append(EricLoad(rid, key, staged.shape, staged))
+        self._pending.append(EricLoad(rid, key, staged))
         self._stats.record(loaded_items=1, loaded_bytes=staged.nbytes, **{f"via_{backend}": 1})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
@@ -245,8 +242,7 @@ class EricECConnector(ECConnectorBase):
         local = sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values())
         self._stats.record(local_encoder_items=local, external_items=len(self._pending))
         meta, self._pending = EricECMetadata(self._pending), []
-        self._cached.difference_update(scheduler_output.free_encoder_mm_hashes)
-        self._cached.update(load.mm_hash for load in meta.loads)
+        self._vllm_cache.pass_ended()
         if not scheduler_output.total_num_scheduled_tokens and self._prefetch.busy():
             self._prefetch.wait(IDLE_WAIT_S)  # idle until a fetch ends, rather than spin the engine loop
         elif not scheduler_output.total_num_scheduled_tokens and self._trust.asking():
@@ -297,17 +293,17 @@ class EricECConnector(ECConnectorBase):
 
     def _load(self, load: EricLoad) -> torch.Tensor:
         """The copy this rank made when the item landed (nothing is allocated in a step, so nothing fails here)."""
-        copy = None if load.staged is None else self._area.take(load.staged.offset, load.mm_hash)
+        copy = self._area.take(load.staged.offset, load.mm_hash)
         if copy is not None:
             if copy.is_cuda:  # made on the landing stream, used and freed on this one
                 copy.record_stream(torch.cuda.current_stream(copy.device))
             return copy
-        if load.staged is not None:  # cannot happen: a rank that has no copy fails the landing itself
-            logger.error("request %s: no landed copy of embedding %s", load.request_id, load.mm_hash)
-            self._failed.add(load.request_id)
-            self._stats.record(load_failures=1)
+        # cannot happen: a rank that has no copy fails the landing itself
+        logger.error("request %s: no landed copy of embedding %s", load.request_id, load.mm_hash)
+        self._failed.add(load.request_id)
+        self._stats.record(load_failures=1)
         # keep this step well-formed; the scheduler fails the request before it returns any output
-        return torch.zeros(load.shape, dtype=self._dtype, device=self._area.buffer.device)
+        return torch.zeros(load.staged.shape, dtype=self._dtype, device=self._area.buffer.device)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Consumer only: nothing to save."""
