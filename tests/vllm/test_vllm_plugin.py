@@ -180,8 +180,8 @@ def test_killed_eric_fails_request_engine_survives(llm, erics, reference: dict[s
     items = encode(doomed, case)
     doomed.stop()
     out = generate(llm, epd_prompt(case, items), items)
-    # the worker finds the Eric gone during the step that needed it; vLLM collects failed requests before it reads
-    # that step's worker output, so the step's one token (computed on a zero placeholder) comes with the error
+    # the connector's fetch from the gone Eric fails before the request is scheduled: vLLM ends it with an error
+    # (at most one token, were a step already under way), and no row of it enters vLLM's encoder cache
     assert out.outputs[0].finish_reason == "error" and len(out.outputs[0].token_ids) <= 1
     # metadata only, no uuid: also an error for that request, not a dead engine
     no_uuid = epd_prompt(case, items)
