@@ -18,12 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from eric_epd.checkpoints.builtin import ensure_built
 from eric_epd.checkpoints.kimi import KIMI_IMAGE, KIMI_NAMED, KIMI_SPECIALS, finish_kimi_k25, make_kimi_k25
-from eric_epd.checkpoints.saving import jitter_constants, rename_tensors, with_chat_template
-from eric_epd.checkpoints.text_parts import Tokens, _template, _text, build_tokenizer
+from eric_epd.checkpoints.saving import save_random_checkpoint
+from eric_epd.checkpoints.text_parts import Tokens, _template, _text
 
 logger = logging.getLogger(__name__)
 
@@ -314,28 +312,14 @@ FAMILIES: dict[str, Family] = {
 def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int = 0, init_std: float = 0.1) -> Path:
     """Write a complete random checkpoint of `family` (config, safetensors, tokenizer, processor configs, chat
     template) to `out_dir`."""
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForImageTextToText
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; families {sorted(FAMILIES)}")
     spec = FAMILIES[family]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(spec.tokens)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in spec.tokens.specials}
-    vocab = ((len(tok) + 63) // 64) * 64
-    cfg, processor = spec.make(tok, ids, vocab, init_std)
-    cfg.tie_word_embeddings = False
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(cfg).to(torch.float32).eval()
-    jitter_constants(model, init_std)
-    model.save_pretrained(out, safe_serialization=True)
-    rename_tensors(out / "model.safetensors", spec.released)
-    GenerationConfig(eos_token_id=ids[spec.tokens.eos], pad_token_id=ids[spec.tokens.pad],
-                     do_sample=False).save_pretrained(out)
-    processor.chat_template = spec.chat_template
-    processor.save_pretrained(out)
-    with_chat_template(out, spec.chat_template)
+    model = save_random_checkpoint(out, spec.tokens, spec.make, AutoModelForImageTextToText, spec.released, seed,
+                                   init_std, spec.chat_template)
     if spec.finish is not None:
         spec.finish(out, model)
     logger.info("built %s checkpoint at %s: %.2fM params", family, out,

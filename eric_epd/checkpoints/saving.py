@@ -1,12 +1,17 @@
-"""Touches a tiny family checkpoint gets after transformers saved it: constant parameters jittered, tensors renamed to
-the released checkpoints' names, the chat template also in tokenizer_config.json."""
+"""Saving a tiny family checkpoint: the random model, tokenizer, processor and generation config written like a hub
+repo, constant parameters jittered, tensors renamed to the released checkpoints' names, the chat template also in
+tokenizer_config.json."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from eric_epd.checkpoints.text_parts import Tokens, build_tokenizer
 
 
 def jitter_constants(model: torch.nn.Module, std: float) -> None:
@@ -38,3 +43,32 @@ def with_chat_template(out: Path, template: str) -> None:
     config = json.loads(path.read_text())
     config["chat_template"] = template
     path.write_text(json.dumps(config, indent=2))
+
+
+def save_random_checkpoint(out: Path, tokens: Tokens,
+                           make: Callable[[Any, dict[str, int], int, float], tuple[Any, Any]], auto_class: Any,
+                           released: dict[str, str], seed: int, init_std: float,
+                           chat_template: str | None = None) -> torch.nn.Module:
+    """Write a random checkpoint to `out`: a tokenizer trained on `tokens`, the config and processor `make` gives
+    (tokenizer, token ids, vocab size, init std), an `auto_class` model of that config (float32, constants jittered,
+    tensors renamed by `released`), its generation config, and the processor with `chat_template` (default: the
+    processor's own) also in tokenizer_config.json. Returns the model."""
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(tokens)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tokens.specials}
+    vocab = ((len(tok) + 63) // 64) * 64
+    cfg, processor = make(tok, ids, vocab, init_std)
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    model = auto_class.from_config(cfg).to(torch.float32).eval()
+    jitter_constants(model, init_std)
+    model.save_pretrained(out, safe_serialization=True)
+    rename_tensors(out / "model.safetensors", released)
+    GenerationConfig(eos_token_id=ids[tokens.eos], pad_token_id=ids[tokens.pad], do_sample=False).save_pretrained(out)
+    if chat_template is not None:
+        processor.chat_template = chat_template
+    processor.save_pretrained(out)
+    with_chat_template(out, processor.chat_template)
+    return model
