@@ -4,9 +4,6 @@ frame, and the rows vLLM's placeholder holds for them."""
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -19,7 +16,7 @@ from PIL import Image
 
 from eric_epd.media import resample as resampler
 from eric_epd.models.hf.loader import hf_config
-from eric_epd.models.hf.processor import PROCESSOR_FILES, HFProcessedItem, cost_of
+from eric_epd.models.hf.processor import HFProcessedItem, cost_of, processor_fingerprint, thread_copy
 from eric_epd.models.hf.tensors import pack_tensors
 from eric_epd.models.processor import BaseModalityProcessor
 
@@ -53,14 +50,13 @@ class HFAudioProcessor(BaseModalityProcessor):
         self._names = frozenset(n for n in self._processor.model_input_names if n not in text_names)
         self.values_per_cost = audio_values_per_cost(extractor)
         self._local = threading.local()
-        self._fingerprint = _fingerprint(Path(model_dir), self._processor)
+        settings = self._processor.feature_extractor.to_dict()
+        self._fingerprint = processor_fingerprint(Path(model_dir), self._processor,
+                                                  {k: v for k, v in settings.items() if k != "mel_filters"})
 
     def _mine(self) -> Any:
         """This thread's copy of the processor."""
-        processor = getattr(self._local, "processor", None)
-        if processor is None:
-            processor = self._local.processor = copy.deepcopy(self._processor)
-        return processor
+        return thread_copy(self._local, self._processor)
 
     def process_audio(self, samples: np.ndarray, sampling_rate: int) -> HFProcessedItem:
         """Mono float32 samples at `sampling_rate` Hz (media/audio.decode_audio's), resampled as vLLM does
@@ -98,18 +94,4 @@ def audio_values_per_cost(extractor: Any) -> int:
     tower's patches."""
     return 2 * int(getattr(extractor, "feature_size", 0) or 80)
 
-
-def _fingerprint(model_dir: Path, processor: Any) -> bytes:
-    """Every processor setting that changes an item's tensors or row count: the processor files, the effective
-    feature-extractor settings and the transformers version whose code runs them."""
-    import transformers
-
-    h = hashlib.sha256(f"{type(processor).__name__}|{transformers.__version__}\0".encode())
-    for name in PROCESSOR_FILES:
-        path = model_dir / name
-        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"-") + b"\0")
-    settings = processor.feature_extractor.to_dict()
-    h.update(json.dumps({k: v for k, v in settings.items() if k != "mel_filters"}, sort_keys=True,
-                        default=str).encode())
-    return h.digest()
 

@@ -75,14 +75,12 @@ class HFImageProcessor(BaseModalityProcessor):
                     str(model_dir), local_files_only=True, size=image_processor.size)
         self.values_per_cost = values_per_patch(config)
         self._local = threading.local()
-        self._fingerprint = _fingerprint(Path(model_dir), self._processor)
+        self._fingerprint = processor_fingerprint(Path(model_dir), self._processor,
+                                                  self._processor.image_processor.to_dict())
 
     def _mine(self) -> Any:
         """This thread's copy of the processor."""
-        processor = getattr(self._local, "processor", None)
-        if processor is None:
-            processor = self._local.processor = copy.deepcopy(self._processor)
-        return processor
+        return thread_copy(self._local, self._processor)
 
     def process_image(self, image: Image.Image) -> HFProcessedItem:
         """One image through the checkpoint's own processor: its named tensors and the rows it will give."""
@@ -197,14 +195,23 @@ def cost_of(num_values: int, values_per_cost: int) -> int:
     return max(1, math.ceil(num_values / values_per_cost))
 
 
-def _fingerprint(model_dir: Path, processor: Any) -> bytes:
-    """Every processor setting that changes an item's tensors or row count: the processor files, the effective image
-    processor settings (class defaults included) and the transformers version whose code runs them."""
+def processor_fingerprint(model_dir: Path, processor: Any, settings: dict[str, Any]) -> bytes:
+    """Every processor setting that changes an item's tensors or row count: the processor files, `settings` (the
+    effective settings of its image processor or feature extractor, class defaults included) and the transformers
+    version whose code runs them."""
     import transformers
 
     h = hashlib.sha256(f"{type(processor).__name__}|{transformers.__version__}\0".encode())
     for name in PROCESSOR_FILES:
         path = model_dir / name
         h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"-") + b"\0")
-    h.update(json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return h.digest()
+
+
+def thread_copy(local: threading.local, processor: Any) -> Any:
+    """This thread's copy of `processor` (made on first use: an HF processor is not safe across threads)."""
+    mine = getattr(local, "processor", None)
+    if mine is None:
+        mine = local.processor = copy.deepcopy(processor)
+    return mine
