@@ -49,11 +49,11 @@ def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens:
 
 
 def ask_token_ids(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10,
-                  ) -> tuple[Greedy, str | None]:
+                  extra: dict | None = None) -> tuple[Greedy, str | None]:
     """ask_greedy by token ids (vLLM's `return_token_ids`), and the path the gateway took (its `x-epd-path`
-    header; None from an engine asked directly)."""
-    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, raw=True, extra={"return_token_ids": True},
-                 logprobs=True, top_logprobs=2)
+    header; None from an engine asked directly); `extra` adds fields of vLLM's own (e.g. `vllm_xargs`)."""
+    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, raw=True,
+                 extra={"return_token_ids": True, **(extra or {})}, logprobs=True, top_logprobs=2)
     return greedy_of_openai(answer.parse().choices[0]), answer.headers.get("x-epd-path")
 
 

@@ -16,14 +16,17 @@ from eric_epd.wire.handles import LEASE_HEADER, AckBody, EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
-_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_embeds")
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_embeds",
+               "input_features", "input_audio_features", "audio_embeds")
+"""Fields of vLLM's processed items that its own encoder (or none, for embeds) turns into rows: pixels, audio
+features (Qwen2-Audio's `input_features`, the Omni thinkers' `input_audio_features`) and given embeddings."""
 
 
 def has_raw_media(feature: Any) -> bool:
-    """True if vLLM can encode this item itself (its pixels came with the request, or its processor cache has
-    them); False for a metadata-only item (grid but no pixels), which only an Eric can serve. Asked only of an item
-    without an Eric handle: one with a handle is loaded from Eric even when its media came too (placement "media",
-    the generic path, where vLLM's processor needs the image to lay out the placeholder)."""
+    """True if vLLM can encode this item itself (its pixels or audio features came with the request, or its
+    processor cache has them); False for a metadata-only item (grid but no pixels), which only an Eric can serve.
+    Asked only of an item without an Eric handle: one with a handle is loaded from Eric even when its media came too
+    (placement "media", the generic path, where vLLM's processor needs the media to lay out the placeholder)."""
     data = getattr(feature, "data", None)
     if data is None:
         return True
