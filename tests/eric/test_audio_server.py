@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from eric_epd.media.resample import resample
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import AUDIO_FORMATS, audio_bytes, data_url
 from eric_epd.wire.handles import LEASE_HEADER
+from tests.support.audio_reference import transformers_audio_rows
 from tests.support.helpers_servers import post_raw, stopped
 
 RTOL = 1e-5
@@ -63,26 +63,13 @@ def _rows(eric: EricServer, item: dict) -> torch.Tensor:
 
 def _references(model_dir: Path) -> list[torch.Tensor]:
     """Per clip, transformers' full-model audio rows on the samples vLLM's loader gives, resampled as vLLM does."""
-    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
     from vllm.multimodal.media.audio import load_audio
 
-    hf = AutoProcessor.from_pretrained(model_dir)
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    caught: dict[str, torch.Tensor] = {}
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda _m, _a, kwargs: caught.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
-    refs = []
-    try:
-        for fmt, frames, rate, channels in CLIPS:
-            samples, native = load_audio(io.BytesIO(audio_bytes(frames, rate, channels, fmt)), sr=None)
-            inputs = hf(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[resample(samples, int(native), 16000)],
-                        sampling_rate=16000, truncation=True, return_tensors="pt")
-            with torch.no_grad():
-                model(**inputs)
-            refs.append(caught["embeds"][0][inputs["input_ids"][0] == model.config.audio_token_id])
-    finally:
-        hook.remove()
-    return refs
+    clips = []
+    for fmt, frames, rate, channels in CLIPS:
+        samples, native = load_audio(io.BytesIO(audio_bytes(frames, rate, channels, fmt)), sr=None)
+        clips.append((samples, int(native)))
+    return transformers_audio_rows(model_dir, clips)
 
 
 def _metric(text: str, name: str, labels: str) -> float:

@@ -24,6 +24,7 @@ from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem
 from eric_epd.testing.media import audio_samples
+from tests.support.audio_reference import transformers_audio_rows
 
 RTOL = 1e-5
 """Worst relative error (max |ours - transformers'| / max |transformers'|) in float32: the same modules on the same
@@ -54,26 +55,7 @@ def processor(qwen2_audio_tiny: Path) -> HFAudioProcessor:
 def references(qwen2_audio_tiny: Path, processor: HFAudioProcessor) -> list[torch.Tensor]:
     """Per clip, the rows transformers' full model puts at the audio tokens (its processor's features in, the
     language model's input embeddings caught at those positions)."""
-    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
-
-    from eric_epd.media.resample import resample
-
-    hf = AutoProcessor.from_pretrained(qwen2_audio_tiny)
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(qwen2_audio_tiny, dtype=torch.float32).eval()
-    caught: dict[str, torch.Tensor] = {}
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda _m, _a, kwargs: caught.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
-    refs = []
-    try:
-        for wave, rate in _waves():
-            inputs = hf(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[resample(wave, rate, 16000)],
-                        sampling_rate=16000, truncation=True, return_tensors="pt")
-            with torch.no_grad():
-                model(**inputs)
-            refs.append(caught["embeds"][0][inputs["input_ids"][0] == model.config.audio_token_id])
-    finally:
-        hook.remove()
-    return refs
+    return transformers_audio_rows(qwen2_audio_tiny, _waves())
 
 
 def _runner(ckpt: Path, dtype: str = "float32") -> tuple[GenericWorkload, GenericRunner]:
