@@ -106,7 +106,7 @@ class GenericWorkload:
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GenericRunner:
         """`Workload` hook: this worker's runner, the model's vision tower and projector on `device`: Eric's own
         tower (this rank's shard) for GENERIC_TOWER_TYPES, else transformers' classes (TP 1 only)."""
-        from eric_epd.models.facts import GENERIC_AUDIO_TYPES, GENERIC_TOWER_TYPES, generic_tower
+        from eric_epd.models.facts import GENERIC_AUDIO_TYPES, GENERIC_OMNI_TYPES, GENERIC_TOWER_TYPES, generic_tower
         from eric_epd.models.registry import read_model_config, resolve_dtype
 
         world = getattr(tp, "world_size", 1)
@@ -122,12 +122,16 @@ class GenericWorkload:
             from eric_epd.models.hf.audio_encoder import HFAudioEncoder
 
             return GenericRunner(HFAudioEncoder.load(config.model, dtype, device))
+        if model_type in GENERIC_OMNI_TYPES:
+            from eric_epd.models.hf.omni import HFOmniEncoder
+
+            return GenericRunner(HFOmniEncoder.load(config.model, dtype, device))
         return GenericRunner(HFVisionEncoder.load(config.model, dtype, device))
 
 
 @dataclass
 class GenericRunner:
-    """The model's vision tower: each batch split into items, items of one signature run together."""
+    """The model's vision (audio) tower: each batch split into items, items of one signature run together."""
 
     encoder: ItemEncoder
     dtype: torch.dtype = torch.float32

@@ -31,6 +31,9 @@ GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "glm4v_moe", "inter
 GENERIC_AUDIO_TYPES = frozenset({"qwen2_audio"})
 """Generic-path families whose Eric encodes audio (models/hf/audio.py, audio_encoder.py): audio-only models, served by
 transformers' own audio tower and projector at TP 1."""
+GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni"})
+"""Generic-path families whose Eric encodes audio, images and videos (models/hf/omni.py): the thinker's audio tower
+and vision tower, transformers' own, at TP 1 (the thinker's language model, talker and token2wav are never built)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
      "float16": "float16", "fp16": "float16", "half": "float16"})
@@ -75,10 +78,12 @@ def generic_tower(model_type: str) -> ModuleType:
 
 
 def generic_modalities(model_type: str) -> tuple[str, ...]:
-    """What Eric's generic path encodes for a family: audio for GENERIC_AUDIO_TYPES, else images, and videos where
-    GENERIC_VIDEO_TYPES says so."""
+    """What Eric's generic path encodes for a family: audio for GENERIC_AUDIO_TYPES, all three for
+    GENERIC_OMNI_TYPES, else images, and videos where GENERIC_VIDEO_TYPES says so."""
     if model_type in GENERIC_AUDIO_TYPES:
         return ("audio",)
+    if model_type in GENERIC_OMNI_TYPES:
+        return ("image", "video", "audio")
     return ("image", "video") if model_type in GENERIC_VIDEO_TYPES else ("image",)
 
 
@@ -88,7 +93,8 @@ def embedding_width(config: Mapping[str, Any]) -> int:
     tower the merged token's width times (1 + DeepStack levels), the rows laid out [merged | level 1 | ... | level k]
     as the engines' own encoders produce them."""
     if is_generic(config):  # 0 for a config without one: registry.check_servable then says what is missing
-        return int((config.get("text_config") or config).get("hidden_size", 0))
+        inner = config.get("thinker_config") or config  # an Omni checkpoint: its thinker's language model
+        return int((inner.get("text_config") or inner).get("hidden_size", 0))
     vision = config.get("vision_config") or {}
     levels = len(vision.get("deepstack_visual_indexes") or ())
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)

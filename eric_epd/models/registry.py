@@ -195,13 +195,17 @@ def load_processor(model_dir: str | Path, config: Mapping[str, Any] | None = Non
     """The modality processor for a checkpoint directory."""
     config = read_model_config(model_dir) if config is None else config
     if is_generic(dict(config)):
-        from eric_epd.models.facts import GENERIC_AUDIO_TYPES
+        from eric_epd.models.facts import GENERIC_AUDIO_TYPES, GENERIC_OMNI_TYPES
 
         check_servable(model_dir)
         if config.get("model_type") in GENERIC_AUDIO_TYPES:
             from eric_epd.models.hf.audio import HFAudioProcessor
 
             return HFAudioProcessor(Path(model_dir))
+        if config.get("model_type") in GENERIC_OMNI_TYPES:
+            from eric_epd.models.hf.omni import HFOmniProcessor
+
+            return HFOmniProcessor(Path(model_dir))
         from eric_epd.models.hf.processor import HFImageProcessor
 
         return HFImageProcessor(Path(model_dir))

@@ -97,6 +97,7 @@ LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "idefics3": FamilyLayout(),
     "smolvlm": FamilyLayout(),
     "kimi_k25": FamilyLayout(prepare=kimi_resized, check=kimi_settings_agree),
+    "qwen2_5_omni": FamilyLayout(),  # the thinker's merged patches, one tensor per image (vLLM's qwen2_5_omni_thinker)
 })
 """HF model_type -> layout, for the families whose vLLM model was read; any other takes the default, unverified."""
 

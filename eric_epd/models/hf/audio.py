@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,28 @@ import torch
 from PIL import Image
 
 from eric_epd.media import resample as resampler
-from eric_epd.models.hf.loader import hf_config
+from eric_epd.models.hf.loader import hf_config, thinker
 from eric_epd.models.hf.processor import HFProcessedItem, cost_of, processor_fingerprint, thread_copy
 from eric_epd.models.hf.tensors import pack_tensors
 from eric_epd.models.processor import BaseModalityProcessor
 
 logger = logging.getLogger(__name__)
+
+
+def valid_frames(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen2.5-Omni: its processor pads every clip's log-mels to the extractor's 300 s, and its thinker reads only the
+    frames the mask keeps (`get_audio_features` selects them, as vLLM's processor does before its tower): those
+    frames, frame-major ([frames, mel bins], so clips of any length join along dim 0), and their count, named as
+    vLLM names it."""
+    mask = out["feature_attention_mask"].bool()
+    return {"input_features": out["input_features"].permute(0, 2, 1)[mask], "audio_feature_lengths": mask.sum(-1)}
+
+
+AUDIO_TENSORS: Mapping[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = MappingProxyType({
+    "qwen2_5_omni": valid_frames,
+})
+"""HF model_type -> (the processor's output) -> an item's tensors, where they are not the processor's audio tensors
+as they come (models/hf/audio_encoder.AUDIO_ROWS takes them back)."""
 
 
 class HFAudioProcessor(BaseModalityProcessor):
@@ -30,7 +47,7 @@ class HFAudioProcessor(BaseModalityProcessor):
 
     modalities = ("audio",)
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, values_per_cost: int | None = None) -> None:
         from transformers import AutoProcessor
 
         config = hf_config(model_dir)
@@ -42,13 +59,16 @@ class HFAudioProcessor(BaseModalityProcessor):
         self.sampling_rate = int(extractor.sampling_rate)
         """The rate the feature extractor takes: every item is resampled to it first."""
         self._placeholder: str = getattr(self._processor, "audio_token", None) or ""
-        self._token_id: int | None = getattr(config, "audio_token_id", None)
+        self._token_id: int | None = getattr(thinker(config), "audio_token_id", None)
         if not self._placeholder or self._token_id is None:
             raise ValueError(f"{model_dir}: cannot tell where audio goes in the text (processor.audio_token="
                              f"{self._placeholder!r}, config audio_token_id={self._token_id})")
         text_names = set(self._processor.tokenizer.model_input_names)
         self._names = frozenset(n for n in self._processor.model_input_names if n not in text_names)
-        self.values_per_cost = audio_values_per_cost(extractor)
+        self._tensors = AUDIO_TENSORS.get(config.model_type, self._processor_tensors)
+        self.values_per_cost = values_per_cost or audio_values_per_cost(extractor)
+        """Input values per unit of an item's cost: audio_values_per_cost's, or the model's other unit (an Omni
+        model's vision patch: one unit for all its items)."""
         self._local = threading.local()
         settings = self._processor.feature_extractor.to_dict()
         self._fingerprint = processor_fingerprint(Path(model_dir), self._processor,
@@ -68,10 +88,13 @@ class HFAudioProcessor(BaseModalityProcessor):
         if rows < 1:
             raise ValueError(f"the audio ({samples.shape[-1]} samples at {sampling_rate} Hz) is too short to give "
                              "the model any audio token")
-        tensors = {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}
-        specs, frame = pack_tensors(tensors)
+        specs, frame = pack_tensors(self._tensors(out))
         return HFProcessedItem("audio", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
                                cost=cost_of(frame.size, self.values_per_cost))
+
+    def _processor_tensors(self, out: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The processor's audio tensors as they come (its feature extractor's, e.g. log-mels and their mask)."""
+        return {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}
 
     def process_image(self, image: Image.Image) -> HFProcessedItem:
         """Not served: this checkpoint's Eric encodes audio only."""

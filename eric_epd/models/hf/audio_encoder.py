@@ -40,8 +40,23 @@ def qwen2_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch
     return projected[torch.arange(projected.shape[1], device=projected.device)[None, :] < lengths[:, None]]
 
 
+def qwen2_5_omni_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Qwen2.5-Omni's thinker: `get_audio_features` on the batch's clips (models/hf/audio.valid_frames: each clip's
+    valid log-mel frames, one after another) padded back to the longest clip and masked, as the processor pads and
+    masks them (the tower reads only the masked frames, chunk by chunk within each clip); its rows, items in order,
+    are what the thinker's forward scatters into the audio tokens' positions."""
+    frames, lengths = inputs["input_features"], inputs["audio_feature_lengths"].reshape(-1)
+    mask = torch.arange(int(lengths.max()), device=frames.device)[None, :] < lengths[:, None]
+    padded = frames.new_zeros((*mask.shape, frames.shape[-1]))
+    padded[mask] = frames
+    out = model.get_audio_features(padded.transpose(1, 2), feature_attention_mask=mask.to(torch.long),
+                                   return_dict=True)
+    return out.last_hidden_state
+
+
 AUDIO_ROWS: Mapping[str, Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]] = MappingProxyType({
     "qwen2_audio": qwen2_audio_rows,
+    "qwen2_5_omni": qwen2_5_omni_audio_rows,
 })
 """HF model_type -> (model, a batch's feature tensors) -> the batch's rows, items in order."""
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eric_epd.models.facts import GENERIC_AUDIO_TYPES
+from eric_epd.models.facts import GENERIC_AUDIO_TYPES, GENERIC_OMNI_TYPES
 from eric_epd.models.hf.adapters import LAYOUTS
 
 logger = logging.getLogger(__name__)
@@ -27,10 +27,23 @@ LANGUAGE_PARTS = (*TEXT_PARTS, "audio_tower", "embed_audio")
 language model, the output head, and an audio encoder (an image model's Eric serves images and videos)."""
 
 
+THINKER_PARTS = ("model", "lm_head")
+"""An Omni thinker's language model (its `model`) and output head; its audio tower and vision tower stay."""
+
+
 def dropped_parts(config: Any) -> tuple[str, ...]:
     """What the encoder-only model of `config` replaces with empty modules: TEXT_PARTS for an audio family
-    (facts.GENERIC_AUDIO_TYPES: its audio tower stays), LANGUAGE_PARTS otherwise."""
+    (facts.GENERIC_AUDIO_TYPES: its audio tower stays), THINKER_PARTS for an Omni family (facts.GENERIC_OMNI_TYPES),
+    LANGUAGE_PARTS otherwise."""
+    if config.model_type in GENERIC_OMNI_TYPES:
+        return THINKER_PARTS
     return TEXT_PARTS if config.model_type in GENERIC_AUDIO_TYPES else LANGUAGE_PARTS
+
+
+def thinker(config: Any) -> Any:
+    """The config of the model Eric loads from `config`: an Omni checkpoint's thinker (the multimodal language model;
+    its talker and token2wav make speech, which Eric never serves), any other checkpoint's own config."""
+    return getattr(config, "thinker_config", None) or config
 
 
 def hf_config(model_dir: str | Path) -> Any:
@@ -42,12 +55,12 @@ def hf_config(model_dir: str | Path) -> Any:
 
 def model_class(config: Any) -> type[nn.Module] | None:
     """The transformers image-text-to-text class of `config` (for an audio family, facts.GENERIC_AUDIO_TYPES, its
-    multimodal-LM class), or None when transformers has none."""
+    multimodal-LM class; for an Omni family its thinker's class), or None when transformers has none."""
     from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
 
     auto = AutoModelForMultimodalLM if config.model_type in GENERIC_AUDIO_TYPES else AutoModelForImageTextToText
     try:
-        return auto._model_mapping[type(config)]
+        return auto._model_mapping[type(thinker(config))]
     except KeyError:
         return None
 
@@ -87,7 +100,7 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     try:
         with _present_shards(Path(model_dir)) as loadable:
             model, info = vision_only_class(base, dropped_parts(config)).from_pretrained(
-                str(loadable), config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
+                str(loadable), config=thinker(config), dtype=dtype, local_files_only=True, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -135,7 +148,7 @@ def vision_tensor_names(model_dir: str | Path) -> dict[str, list[str]]:
     if base is None:
         raise ValueError(f"transformers has no image-text-to-text class for model_type {config.model_type!r}")
     with torch.device("meta"):
-        model = vision_only_class(base, dropped_parts(config))(config)
+        model = vision_only_class(base, dropped_parts(config))(thinker(config))
     wanted = model.state_dict()
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
@@ -200,7 +213,7 @@ def vision_digest(model_dir: str | Path) -> str:
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps({k: v for k, v in config.items() if k != "text_config"}, sort_keys=True).encode())
+    digest.update(json.dumps(_tower_config(config), sort_keys=True).encode())
     shard_of = {name: shard for shard, names in vision_tensor_names(model_dir).items() for name in names}
     with contextlib.ExitStack() as files:
         opened = {shard: files.enter_context(safe_open(str(model_dir / shard), framework="pt"))
@@ -211,6 +224,15 @@ def vision_digest(model_dir: str | Path) -> str:
             digest.update(f"{name}|{part.get_dtype()}|{list(part.get_shape())}\0".encode())
             digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+def _tower_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json without what configures no tower: the language model's `text_config` (an Omni checkpoint's
+    thinker's too) and an Omni checkpoint's talker and token2wav."""
+    out = {k: v for k, v in config.items() if k not in ("text_config", "talker_config", "token2wav_config")}
+    if isinstance(out.get("thinker_config"), dict):
+        out["thinker_config"] = _tower_config(out["thinker_config"])
+    return out
 
 
 def vision_shards(model_dir: str | Path) -> list[str] | None:

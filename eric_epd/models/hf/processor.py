@@ -21,7 +21,7 @@ from PIL import Image
 
 from eric_epd.models.facts import generic_modalities
 from eric_epd.models.hf.adapters import layout_for
-from eric_epd.models.hf.loader import hf_config
+from eric_epd.models.hf.loader import hf_config, thinker
 from eric_epd.models.hf.tensors import TensorSpec, pack_tensors
 from eric_epd.models.hf.video import VideoPlan, vllm_video_processor_name
 from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
@@ -61,7 +61,7 @@ class HFImageProcessor(BaseModalityProcessor):
             layout.check(image_processor)
         self._prepare = layout.prepare
         self._placeholder: str = getattr(self._processor, layout.placeholder, None) or ""
-        self._token_id: int | None = getattr(config, "image_token_id", None)
+        self._token_id: int | None = getattr(thinker(config), "image_token_id", None)
         if not self._placeholder or self._token_id is None:
             raise ValueError(f"{model_dir}: cannot tell where images go in the text (processor.{layout.placeholder}="
                              f"{self._placeholder!r}, config image_token_id={self._token_id})")
@@ -182,7 +182,7 @@ def _video_kwargs(plan: VideoPlan, frames: int, sampled_fps: float) -> dict[str,
 def values_per_patch(config: Any) -> int:
     """Float32 values in one input patch of the tower (3 x patch^2): the unit of an item's cost, so the batch cap
     (--max-batch-patches) means about what it means for the hand-written towers."""
-    patch = getattr(getattr(config, "vision_config", None), "patch_size", None) or 14
+    patch = getattr(getattr(thinker(config), "vision_config", None), "patch_size", None) or 14
     if isinstance(patch, dict):
         patch = patch.get("height", 14)
     if isinstance(patch, list | tuple):

@@ -1,0 +1,48 @@
+"""Reference rows for Qwen2.5-Omni tests: transformers' full thinker (language model included) on its processor's
+output for one item at a time, through `get_audio_features`, `get_image_features` and `get_video_features`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+AUDIO_TEXT = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+IMAGE_TEXT = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+VIDEO_TEXT = "<|vision_bos|><|VIDEO|><|vision_eos|>"
+"""The chat template's text for one item of each modality."""
+
+
+def omni_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]] = (), images: list[Image.Image] = (),
+              videos: list[np.ndarray] = ()) -> dict[str, list[torch.Tensor]]:
+    """Per modality, per item (clips: mono samples and their rate, resampled to 16 kHz as vLLM does; images; videos:
+    uint8 [T, H, W, 3] frames): the thinker's features for it, checked to be as many as the processor's tokens."""
+    from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
+
+    from eric_epd.media.resample import resample
+
+    hf = AutoProcessor.from_pretrained(model_dir)
+    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out: dict[str, list[torch.Tensor]] = {"audio": [], "image": [], "video": []}
+    with torch.no_grad():
+        for samples, rate in clips:
+            inputs = hf(text=[AUDIO_TEXT], audio=[resample(samples, rate, 16000)], return_tensors="pt")
+            features = model.get_audio_features(inputs["input_features"], inputs["feature_attention_mask"])
+            out["audio"].append(_checked(features.last_hidden_state, inputs, model.config.audio_token_id))
+        for image in images:
+            inputs = hf(text=[IMAGE_TEXT], images=[image], return_tensors="pt")
+            (rows,) = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+            out["image"].append(_checked(rows, inputs, model.config.image_token_id))
+        for frames in videos:
+            inputs = hf(text=[VIDEO_TEXT], videos=[frames], return_tensors="pt")
+            (rows,) = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output
+            out["video"].append(_checked(rows, inputs, model.config.video_token_id))
+    return out
+
+
+def _checked(rows: torch.Tensor, inputs: dict, token_id: int) -> torch.Tensor:
+    """`rows`, after checking the processor gave as many of the item's tokens (what the forward scatters them into)."""
+    assert rows.shape[0] == int((inputs["input_ids"] == token_id).sum())
+    return rows
