@@ -18,13 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import load as load_safetensors
 
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import AUDIO_FORMATS, audio_bytes, data_url
-from eric_epd.wire.handles import LEASE_HEADER
 from tests.support.audio_reference import transformers_audio_rows
-from tests.support.helpers_servers import post_raw, stopped
+from tests.support.helpers_servers import embedding_rows, encode_items, post_raw, stopped
 
 RTOL = 1e-5
 """Worst relative error against transformers in float32: the same modules on the same features (the server's CPU may
@@ -49,18 +47,6 @@ def eric(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield server
 
 
-def _encode(eric: EricServer, items: list[dict], timeout: float = 120) -> httpx.Response:
-    return httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=timeout)
-
-
-def _rows(eric: EricServer, item: dict) -> torch.Tensor:
-    """The item's embedding read over HTTP with its own lease."""
-    handle = item["handle"]
-    fetched = httpx.get(handle["http"], headers=eric.headers | {LEASE_HEADER: handle["lease"]})
-    assert fetched.status_code == 200, fetched.text
-    return load_safetensors(fetched.content)["embedding"]
-
-
 def _references(model_dir: Path) -> list[torch.Tensor]:
     """Per clip, transformers' full-model audio rows on the samples vLLM's loader gives, resampled as vLLM does."""
     from vllm.multimodal.media.audio import load_audio
@@ -77,17 +63,17 @@ def _metric(text: str, name: str, labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_audio_items_are_answered_with_transformers_rows(eric: EricServer, qwen2_audio_tiny: Path) -> None:
+def test_audio_items_are_answered_with_transformersembedding_rows(eric: EricServer, qwen2_audio_tiny: Path) -> None:
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert card["modalities"] == ["audio"] and card["placement"] == "media"
-    resp = _encode(eric, [{"id": fmt, "modality": "audio", "url": _audio_url(fmt, frames, rate, channels)}
+    resp = encode_items(eric, [{"id": fmt, "modality": "audio", "url": _audio_url(fmt, frames, rate, channels)}
                           for fmt, frames, rate, channels in CLIPS])
     assert resp.status_code == 200, resp.text
     answers = resp.json()["items"]
     for answer, ref, (fmt, *_rest) in zip(answers, _references(qwen2_audio_tiny), CLIPS):
         assert answer["id"] == fmt and answer["modality"] == "audio" and answer["placement"] == "media"
         assert answer["num_tokens"] == answer["shape"][0] == ref.shape[0] and answer["shape"][1] == 64
-        rows = _rows(eric, answer)
+        rows = embedding_rows(eric, answer)
         assert rows.dtype == torch.float32 and rows.shape == ref.shape
         assert float((rows - ref).abs().max() / ref.abs().max()) <= RTOL, fmt
     metrics = httpx.get(eric.url + "/metrics").text
@@ -106,14 +92,14 @@ def test_file_and_http_urls_take_the_same_policy_and_give_the_same_item(eric: Er
         try:
             urls = [data_url(wav, "audio/wav"), (root / "clip.wav").as_uri(),
                     f"http://127.0.0.1:{origin.server_address[1]}/clip.wav"]
-            resp = _encode(eric, [{"modality": "audio", "url": url} for url in urls])
+            resp = encode_items(eric, [{"modality": "audio", "url": url} for url in urls])
         finally:
             origin.shutdown()
     assert resp.status_code == 200, resp.text
     items = resp.json()["items"]
     assert len({item["hash"] for item in items}) == 1  # one content, one hash: encoded once
-    assert torch.equal(_rows(eric, items[0]), _rows(eric, items[2]))
-    outside = _encode(eric, [{"modality": "audio", "url": "file:///etc/hostname"}])
+    assert torch.equal(embedding_rows(eric, items[0]), embedding_rows(eric, items[2]))
+    outside = encode_items(eric, [{"modality": "audio", "url": "file:///etc/hostname"}])
     assert outside.status_code == 403 and "outside the allowed file roots" in outside.text, outside.text
 
 
@@ -130,10 +116,10 @@ BAD = (
 def test_bad_audio_gets_a_4xx_naming_it_and_the_server_keeps_serving(eric: EricServer, name: str, url: str,
                                                                      status: int, named: str) -> None:
     modality = "image" if name == "an image" else "audio"
-    resp = _encode(eric, [{"modality": modality, "url": url}])
+    resp = encode_items(eric, [{"modality": modality, "url": url}])
     assert resp.status_code == status, (name, resp.text)
     assert named in resp.json()["error"]["message"], resp.text
-    good = _encode(eric, [{"modality": "audio", "url": _audio_url("wav", 16000, 16000, 1, seed=3)}])
+    good = encode_items(eric, [{"modality": "audio", "url": _audio_url("wav", 16000, 16000, 1, seed=3)}])
     assert good.status_code == 200, good.text
 
 
@@ -164,5 +150,5 @@ def test_a_client_that_leaves_cancels_its_audio_items(eric: EricServer) -> None:
     while _state(eric) != (held, 0, 0):
         assert time.monotonic() < deadline, f"not drained: {_state(eric)}, held before {held}"
         time.sleep(0.2)
-    good = _encode(eric, [{"modality": "audio", "url": _audio_url("wav", 16000, 16000, 1, seed=4)}])
+    good = encode_items(eric, [{"modality": "audio", "url": _audio_url("wav", 16000, 16000, 1, seed=4)}])
     assert good.status_code == 200, good.text

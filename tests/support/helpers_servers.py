@@ -10,12 +10,16 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 
 from eric_epd.stack.process import ServerProcess
 from eric_epd.stack.servers import EricServer
 from eric_epd.wire.handles import LEASE_HEADER
+
+if TYPE_CHECKING:
+    import torch
 
 
 def start_in_threads(servers: Iterable[ServerProcess]) -> Callable[[], None]:
@@ -72,3 +76,18 @@ def read_and_ack(eric: EricServer, item: dict) -> bytes:
                      json={"instance_id": handle["instance_id"]})
     assert ack.status_code == 200, ack.text
     return got.content
+
+
+def encode_items(eric: EricServer, items: list[dict], timeout: float = 120) -> httpx.Response:
+    """POST /v1/encode with `items`."""
+    return httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=timeout)
+
+
+def embedding_rows(eric: EricServer, item: dict) -> torch.Tensor:
+    """An answered item's embedding read over HTTP with its own lease (no ack)."""
+    from safetensors.torch import load as load_safetensors
+
+    handle = item["handle"]
+    fetched = httpx.get(handle["http"], headers=eric.headers | {LEASE_HEADER: handle["lease"]})
+    assert fetched.status_code == 200, fetched.text
+    return load_safetensors(fetched.content)["embedding"]

@@ -1,0 +1,86 @@
+"""A real Eric (router, engine, worker) on the tiny Qwen2.5-Omni checkpoint: one request carrying audio clips (odd
+lengths, rates and channel counts), an image and a video is answered with rows, fetched over the transfer path with
+each item's lease, equal to transformers' thinker's features on the samples vLLM's loader gives, the decoded image
+and the frames Eric samples; the card names all three modalities; bad audio gets a 4xx and the server keeps
+serving."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from eric_epd.eric.decode import decode_video
+from eric_epd.media.limits import MediaLimits
+from eric_epd.models.registry import load_processor
+from eric_epd.stack.servers import EricServer
+from eric_epd.testing.media import AUDIO_FORMATS, audio_bytes, data_url, image_bytes, random_image, video_bytes
+from tests.support.helpers_servers import embedding_rows, encode_items
+from tests.support.omni_reference import omni_rows
+
+RTOL = 1e-5
+"""Worst relative error against transformers in float32: the same modules on the same inputs (the server's CPU may
+round batched matmuls otherwise)."""
+
+CLIPS = (("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2))
+"""(format, frames, rate, channels) of the clips the request carries."""
+IMAGE = (200, 150, 7)
+"""(width, height, seed) of its image."""
+VIDEO = dict(num_frames=8, width=64, height=48, fps=4, seed=5)
+"""Its video (all 8 frames are taken: vLLM's default loader takes up to 32)."""
+
+
+@pytest.fixture(scope="module")
+def eric(qwen2_5_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
+    root = tmp_path_factory.mktemp("omni")
+    with EricServer(qwen2_5_omni_tiny, log_path=root / "eric.log",
+                    extra_args=("--dtype", "float32", "--max-audio-channels", "2")) as server:
+        yield server
+
+
+def _references(model_dir: Path) -> dict[str, list[torch.Tensor]]:
+    """Transformers' thinker's rows on what Eric's items hold: the clips as vLLM's loader decodes them (resampled as
+    vLLM does), the image, and the video's frames as Eric decodes and samples them."""
+    from vllm.multimodal.media.audio import load_audio
+
+    clips = []
+    for fmt, frames, rate, channels in CLIPS:
+        samples, native = load_audio(io.BytesIO(audio_bytes(frames, rate, channels, fmt)), sr=None)
+        clips.append((samples, int(native)))
+    frames, _, _ = decode_video(video_bytes(**VIDEO), MediaLimits(), load_processor(model_dir).frame_indices)
+    return omni_rows(model_dir, clips, [random_image(*IMAGE)], [frames])
+
+
+def test_audio_image_and_video_items_are_answered_with_transformersembedding_rows(eric: EricServer,
+                                                                         qwen2_5_omni_tiny: Path) -> None:
+    card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
+    assert card["modalities"] == ["image", "video", "audio"] and card["placement"] == "media"
+    items = [{"id": fmt, "modality": "audio", "url": data_url(audio_bytes(frames, rate, channels, fmt),
+                                                               AUDIO_FORMATS[fmt][2])}
+             for fmt, frames, rate, channels in CLIPS]
+    items.append({"id": "image", "modality": "image", "url": data_url(image_bytes(random_image(*IMAGE)))})
+    items.append({"id": "video", "modality": "video", "url": data_url(video_bytes(**VIDEO), "video/mp4")})
+    resp = encode_items(eric, items)
+    assert resp.status_code == 200, resp.text
+    answers = resp.json()["items"]
+    refs = _references(qwen2_5_omni_tiny)
+    expected = [*zip(refs["audio"], ("audio",) * len(CLIPS)), (refs["image"][0], "image"), (refs["video"][0], "video")]
+    assert [a["id"] for a in answers] == [item["id"] for item in items]
+    for answer, (ref, modality) in zip(answers, expected):
+        assert answer["modality"] == modality and answer["placement"] == "media"
+        assert answer["num_tokens"] == answer["shape"][0] == ref.shape[0] and answer["shape"][1] == 64
+        rows = embedding_rows(eric, answer)
+        assert rows.dtype == torch.float32 and rows.shape == ref.shape
+        assert float((rows - ref).abs().max() / ref.abs().max()) <= RTOL, answer["id"]
+
+
+def test_bad_audio_gets_a_4xx_and_the_server_keeps_serving(eric: EricServer) -> None:
+    short = encode_items(eric, [{"modality": "audio", "url": data_url(audio_bytes(100, 16000, 1, "wav"), "audio/wav")}])
+    assert short.status_code == 400 and "too short" in short.json()["error"]["message"], short.text
+    good = encode_items(eric, [{"modality": "audio", "url": data_url(audio_bytes(16000, 16000, 1, "wav", seed=3),
+                                                                 "audio/wav")}])
+    assert good.status_code == 200 and good.json()["items"][0]["num_tokens"] == 25, good.text
