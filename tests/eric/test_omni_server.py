@@ -31,7 +31,7 @@ CLIPS = (("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2))
 IMAGE = (200, 150, 7)
 """(width, height, seed) of its image."""
 VIDEO = dict(num_frames=8, width=64, height=48, fps=4, seed=5)
-"""Its video (all 8 frames are taken: vLLM's default loader takes up to 32)."""
+"""Its video: 2 s, of which vLLM's Qwen2-VL loader (and so Eric) takes 4 frames."""
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,8 @@ def test_image_rows_equal_transformers_alone_and_batched(processor: HFOmniProces
 
 
 def test_video_rows_equal_transformers(processor: HFOmniProcessor, served: Served, references: Refs) -> None:
+    # the frames vLLM's loader for Qwen2VLVideoProcessor takes: 2 a second, 4 to 768, an even count
+    assert processor.frame_indices(8, 4.0) == [0, 2, 4, 6] and len(processor.frame_indices(301, 30.0)) == 20
     item = processor.process_video(_video())
     assert item.modality == "video" and item.num_tokens == 420
     _check(*served, [item], references["video"])

@@ -25,7 +25,8 @@ class VideoSampling:
     loader: str = "uniform"
     """"uniform" (vllm/multimodal/video.py VideoBackend, "opencv"): `num_frames` spaced uniformly, all frames of a
     shorter video; "dynamic" (DynamicVideoBackend, "opencv_dynamic"): one frame every 1/`fps` seconds up to
-    `max_duration`, else `fps * max_duration` spread over the whole video."""
+    `max_duration`, else `fps * max_duration` spread over the whole video; "qwen2_vl" (Qwen2VLVideoBackend):
+    `fps` frames a second, 4 to 768 and an even count, spread over the whole video."""
     num_frames: int = 32
     """VideoMediaIO's default num_frames (the uniform loader's count; the dynamic loader ignores it)."""
     fps: float = 2.0
@@ -36,7 +37,10 @@ class VideoSampling:
     def indices(self, total: int, src_fps: float) -> list[int]:
         """The source frames (of `total` at `src_fps`) vLLM's loader takes; ValueError where it takes none."""
         duration = total / src_fps  # vLLM's OpenCV decoder: frame count / fps
-        picked = self._dynamic(total, src_fps, duration) if self.loader == "dynamic" else self._uniform(total)
+        if self.loader == "qwen2_vl":
+            picked = self._qwen2_vl(total, src_fps)
+        else:
+            picked = self._dynamic(total, src_fps, duration) if self.loader == "dynamic" else self._uniform(total)
         if not picked:
             raise ValueError(f"vLLM's {self.loader} video loader takes no frame from a {duration:.2f} s video")
         return picked
@@ -61,8 +65,22 @@ class VideoSampling:
         return sorted({min(last, math.ceil(t * src_fps)) for t in seconds})
 
 
+    def _qwen2_vl(self, total: int, src_fps: float) -> list[int]:
+        """Qwen2VLVideoBackend.compute_frames_index_to_sample at its defaults (temporal patch 2, 4 to 768 frames,
+        fps at most 30), with its float32 `torch.arange` step; none for a video of under two frames."""
+        import torch
+
+        patch, most = 2, math.floor(min(768, total) / 2) * 2
+        n = min(max(total / src_fps * min(self.fps, 30), 4), most, total)
+        n = math.floor(n / patch) * patch
+        if n < 1:
+            return []
+        return torch.clamp(torch.arange(0, total, total / n).int(), max=total - 1).tolist()
+
+
 VLLM_LOADERS: Mapping[str, VideoSampling] = MappingProxyType({
     "Glm4vVideoProcessor": VideoSampling("dynamic"),  # vLLM registers opencv_dynamic for it
+    "Qwen2VLVideoProcessor": VideoSampling("qwen2_vl"),  # vLLM registers qwen2_vl for it (Qwen2.5-Omni's videos)
 })
 """The video processor classes vLLM 0.32 registers a loader for (VIDEO_LOADER_REGISTRY's video_processor=), among
 the generic families whose videos Eric encodes; any other class gets vLLM's default loader (uniform, 32 frames)."""
