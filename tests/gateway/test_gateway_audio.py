@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.models.facts import has_audio_tower
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import audio_bytes, image_data_url
@@ -67,6 +68,15 @@ def test_audio_parts_are_media_items_under_the_url_policy() -> None:
     bad = {"messages": _messages([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav;x"}}])}
     with pytest.raises(ApiError, match="'input_audio' needs a 'format'"):
         collect_media(bad, UrlPolicy(), max_items=4)
+
+
+def test_a_model_takes_audio_where_its_config_has_an_audio_tower() -> None:
+    """What an Eric's card says as `takes_audio`, whether Eric encodes the audio (Qwen2-Audio) or not (an Omni
+    thinker's, a Gemma whose checkpoint has no audio tower)."""
+    assert has_audio_tower({"model_type": "qwen2_audio", "audio_config": {"d_model": 64}})
+    assert has_audio_tower({"model_type": "qwen2_5_omni", "thinker_config": {"audio_config": {"d_model": 64}}})
+    assert not has_audio_tower({"model_type": "gemma4", "audio_config": None, "vision_config": {}})
+    assert not has_audio_tower({"model_type": "qwen2_vl", "vision_config": {}})
 
 
 def _chat(cards: list[EncoderState], body: dict) -> tuple[str, list[MediaRef], dict]:
