@@ -103,6 +103,14 @@ def test_audio_part_message_is_the_embedding_data_sglang_sends(stack) -> None:
     assert prefill.call(WireCheck(), str) == "ok"
 
 
+def test_health_generate_encodes_audio(stack) -> None:
+    """/health_generate (SGLang's encoder health probe) runs a real encode; an audio-only Eric encodes a second of
+    silence instead of SGLang's probe image, and the probe's leases go back."""
+    _, eric = stack
+    assert httpx.get(eric.url + "/health_generate", timeout=60).status_code == 200
+    assert httpx.get(eric.url + "/health_generate", timeout=60).status_code == 200
+
+
 @pytest.mark.parametrize("clips", [[0], [0, 1]])
 def test_zmq_to_tokenizer_places_audio_as_sglangs_own_processing(stack, reference, qwen2_audio_tiny: Path,
                                                                   clips: list[int]) -> None:
