@@ -250,7 +250,7 @@ class PrefillHost:
 @contextlib.contextmanager
 def _load_audio_without_torchaudio() -> Any:
     """SGLang's load_audio without torchcodec falls back to soundfile and imports torchaudio, which this machine
-    lacks. `LoadAudioStandIn` does that fallback's steps (soundfile.read, mean over channels) for clips already at
+    lacks. `load_audio_stand_in` does that fallback's steps (soundfile.read, mean over channels) for clips already at
     the target rate, where the fallback never calls torchaudio; other rates are refused, not resampled."""
     import base64
     import io
@@ -263,7 +263,7 @@ def _load_audio_without_torchaudio() -> Any:
         source = base64.b64decode(audio.split(",", 1)[1]) if audio.startswith("data:") else audio
         samples, rate = soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source)
         if rate != (sr or 16000):
-            raise ValueError(f"LoadAudioStandIn does not resample ({rate} Hz -> {sr} Hz)")
+            raise ValueError(f"load_audio_stand_in does not resample ({rate} Hz -> {sr} Hz)")
         return np.mean(samples, axis=1) if mono and samples.ndim > 1 else samples
 
     real, base_processor.load_audio = base_processor.load_audio, load_audio_stand_in
