@@ -65,8 +65,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
-    FamilySupport("Qwen2-Audio", "qwen2_audio", "tests/vllm/test_audio_epd.py",
-                  "not tested (SGLang 0.5.23 has no Qwen2-Audio encoder-disaggregation path Eric was run against)"),
+    FamilySupport("Qwen2-Audio", "qwen2_audio", "tests/vllm/test_audio_epd.py", "tests/sglang/test_sglang_audio.py"),
 )
 """Every family, hand-written towers first."""
 

@@ -70,8 +70,10 @@ class HFAudioProcessor(BaseModalityProcessor):
                              "the model any audio token")
         tensors = {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}
         specs, frame = pack_tensors(tensors)
+        mask = out.get("feature_attention_mask")
         return HFProcessedItem("audio", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
-                               cost=cost_of(frame.size, self.values_per_cost))
+                               cost=cost_of(frame.size, self.values_per_cost),
+                               feature_frames=int(mask.sum()) if isinstance(mask, torch.Tensor) else None)
 
     def process_image(self, image: Image.Image) -> HFProcessedItem:
         """Not served: this checkpoint's Eric encodes audio only."""
