@@ -75,6 +75,7 @@ def _shaped(tok, ids: dict[str, int], vocab: int, init_std: float):
         setattr(cfg.audio_config, k, v)
     for k, v in TEXT_7B.items():
         setattr(cfg.text_config, k, v)
+    cfg.text_config.layer_types = ["full_attention"] * TEXT_7B["num_hidden_layers"]  # derived at construction
     return cfg, processor
 
 
