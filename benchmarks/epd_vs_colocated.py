@@ -69,6 +69,10 @@ class Series:
     driver: Callable[[str, str, dict[str, str], int], dict] | None = None
     """Runs the series itself, once, instead of `vllm bench serve` at each rate: (base URL, key, metric servers by
     role, seed) -> its results."""
+    limits: dict[str, int] | None = None
+    """vLLM's --limit-mm-per-prompt (default: `max_images` images, no video)"""
+    gateway_args: tuple[str, ...] = ()
+    """Extra flags of EPD's gateway"""
 
 
 def _buckets(sides: tuple[int, ...]) -> str:
@@ -156,14 +160,15 @@ def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tupl
                                          cpus=engine_cpus, extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
     gateway = stack.enter_context(GatewayServer(
         logs / "epd_gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-        eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench", cpus=eric_cpus))
+        *series.gateway_args, eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench",
+        cpus=eric_cpus))
     return gateway.url, "bench", {"eric": eric.url, "gateway": gateway.url, "vllm": vllm.url}
 
 
 def vllm_extra(series: Series) -> tuple[str, ...]:
     """The vLLM flags every run of a series gets: 16 sequences, a seed, and the series' image limit."""
     return ("--max-num-seqs", "16", "--seed", "0", "--limit-mm-per-prompt",
-            json.dumps({"image": series.max_images, "video": 0}))
+            json.dumps(series.limits or {"image": series.max_images, "video": 0}))
 
 
 # ---- load -----------------------------------------------------------------------------------------------------

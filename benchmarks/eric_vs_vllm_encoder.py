@@ -115,8 +115,8 @@ def summarize(rates: dict[str, dict[int, list[float]]]) -> dict:
     return out
 
 
-def plot(summary: dict, path: Path, title: str) -> None:
-    """Images/s per server at each concurrency (median bars, min-max whiskers), Eric's ratio over vLLM on top."""
+def plot(summary: dict, path: Path, title: str, unit: str = "images") -> None:
+    """Items/s per server at each concurrency (median bars, min-max whiskers), Eric's ratio over vLLM on top."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +135,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
             if "vs_vllm" in cell:
                 ax.text(x, cell["max"], f"{cell['vs_vllm']:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(CONCURRENCIES)), [f"concurrency {c}" for c in CONCURRENCIES])
-    ax.set_ylabel("images/s on one core")
+    ax.set_ylabel(f"{unit}/s on one core")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -65,11 +65,12 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("SmolVLM", "smolvlm", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
+    FamilySupport("Qwen2-Audio", "qwen2_audio", "tests/vllm/test_audio_epd.py", "tests/sglang/test_sglang_audio.py"),
 )
 """Every family, hand-written towers first."""
 
-TABLE_HEADER = ("| family | model_type | image | video | Eric TP | EPD through vLLM | EPD through SGLang |\n"
-                "|---|---|---|---|---|---|---|")
+TABLE_HEADER = ("| family | model_type | image | video | audio | Eric TP | EPD through vLLM | EPD through SGLang |\n"
+                "|---|---|---|---|---|---|---|---|")
 
 
 def is_proof(cell: str) -> bool:
@@ -83,8 +84,9 @@ def _cell(text: str) -> str:
 
 def family_table() -> str:
     """The README's family table, in Markdown."""
-    rows = [f"| {f.name} | `{f.model_type}` | yes | {'yes' if 'video' in f.modalities else 'no'} | "
-            f"{f.tp} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
+    rows = [f"| {f.name} | `{f.model_type}` | "
+            + "".join(f"{'yes' if m in f.modalities else 'no'} | " for m in ("image", "video", "audio"))
+            + f"{f.tp} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
             for f in FAMILY_SUPPORT]
     return "\n".join([TABLE_HEADER, *rows])
 

@@ -173,7 +173,7 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
 
     add_status_routes(app, state, is_engine_alive, {
         "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype,
-        "placement": placement})
+        "placement": placement, "takes_audio": facts.takes_audio})
 
     @app.get("/v1/load")
     async def load() -> Response:

@@ -87,6 +87,13 @@ def generic_modalities(model_type: str) -> tuple[str, ...]:
     return ("image", "video") if model_type in GENERIC_VIDEO_TYPES else ("image",)
 
 
+def has_audio_tower(config: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's model takes audio: its config.json (or its thinker's, in the Omni families) holds an
+    audio tower's `audio_config`, whether or not Eric encodes its audio."""
+    thinker = config.get("thinker_config")
+    return bool(config.get("audio_config") or (isinstance(thinker, Mapping) and thinker.get("audio_config")))
+
+
 def embedding_width(config: Mapping[str, Any]) -> int:
     """Width of one embedding row a checkpoint's vision tower hands its language model, from its config.json (or a
     transformers config's to_dict()): on the generic path the language model's hidden size; for a hand-written
@@ -148,6 +155,11 @@ class ModelFacts:
         """How the engine places this model's items (wire.eric.Placement): "media" on the generic path (the
         engine's own processor computes the placeholder from the image), "grid" for a hand-written tower."""
         return MEDIA if self.generic else GRID
+
+    @property
+    def takes_audio(self) -> bool:
+        """Whether the model takes audio (Eric encodes it, or the engine does: see has_audio_tower)."""
+        return "audio" in self.modalities or has_audio_tower(self.config)
 
     @property
     def merge_unit(self) -> int:

@@ -32,6 +32,9 @@ class ProcessedItem:
     timestamps: tuple[float, ...] | None = None
     """Seconds of each temporal grid step of a video, for models whose prompt states them (Qwen3-VL: vLLM writes
     `<t seconds>` before each step's tokens); None otherwise."""
+    feature_frames: int | None = None
+    """An audio item's feature frames before the tower (its processor's feature_attention_mask summed): what SGLang's
+    prefill expands the audio placeholder from (its `audio_feature_lens`); None for other items."""
 
 
 class BaseModalityProcessor(ABC):

@@ -64,11 +64,14 @@ class EncodeAnswer(msgspec.Struct, frozen=True):
 
 
 class ModelCard(msgspec.Struct, frozen=True):
-    """What the gateway reads of an Eric's GET /v1/models card (other fields ignored): what it encodes, and how the
-    engine places its items (known before any encode: the gateway inlines the media first when they go as media)."""
+    """What the gateway reads of an Eric's GET /v1/models card (other fields ignored): what it encodes, how the
+    engine places its items (known before any encode: the gateway inlines the media first when they go as media),
+    and whether the model takes audio at all (Eric encoding it or not)."""
 
     modalities: list[str]
     placement: Placement = GRID
+    takes_audio: bool | None = None
+    """None: an Eric that does not say (the engine's own answer then tells the client)."""
 
 
 class _Models(msgspec.Struct, frozen=True):

@@ -131,8 +131,10 @@ class EmbeddingPart(msgspec.Struct, kw_only=True):
     num_parts: int
     part_idx: int
     modality: str
-    grid: list[list[int]] | None
-    """(t, h, w) per item, as the HF processor reports image_grid_thw / video_grid_thw."""
+    grid: list[list[int]] | list[int] | None
+    """(t, h, w) per item, as the HF processor reports image_grid_thw / video_grid_thw; for AUDIO, each item's
+    feature frames (audio_feature_lens_raw), written as the int64 tensor SGLang's encoder sends (its receiver
+    flattens it)."""
     dtype: str | None
     shape: list[int] | None
     error_msg: str | None = None
@@ -226,7 +228,8 @@ def embedding_data_pickle(part: EmbeddingPart) -> bytes:
 
     SGLang's receivers read every ZMQ part message with ``safe_pickle_loads`` (an allowlisting unpickler) and expect
     a ``sglang.srt.disaggregation.encoder.receiver.EmbeddingData``. These protocol-4 opcodes name only globals on
-    that allowlist (``EmbeddingData``, ``Modality``, ``torch.<dtype>``), with plain lists and numbers for the rest;
+    that allowlist (``EmbeddingData``, ``Modality``, ``torch.<dtype>``, ``torch.LongTensor`` for an audio part's
+    frame counts), with plain lists and numbers for the rest;
     no stdlib pickler runs, and sglang need not be installed next to Eric.
     """
     if part.modality not in MODALITY_VALUES:
@@ -237,7 +240,8 @@ def embedding_data_pickle(part: EmbeddingPart) -> bytes:
         "req_id": part.req_id,
         "num_parts": part.num_parts,
         "part_idx": part.part_idx,
-        "grid_dim": part.grid,
+        "grid_dim": _Reduce(_Global("torch", "LongTensor"), (part.grid,)) if part.modality == "AUDIO"
+        and part.grid is not None else part.grid,
         "modality": _Reduce(_Global(*_MODALITY), (MODALITY_VALUES[part.modality],)),
         "embedding": None,
         "send_time": None,

@@ -28,10 +28,12 @@ PART_KEYS = {
     "image_url": {"type", "image_url"},
     "video_url": {"type", "video_url"},
     "input_audio": {"type", "input_audio"},
+    "audio_url": {"type", "audio_url"},
 }
 """Content part types vLLM's chat API accepts for media, and the only keys each may carry."""
 EMBED_PARTS = {"image_embeds": {"type", "image_embeds"}, "video_embeds": {"type", "video_embeds"}}
-PAYLOAD_KEYS = {"image_url": {"url", "detail"}, "video_url": {"url"}, "input_audio": {"data", "format"}}
+PAYLOAD_KEYS = {"image_url": {"url", "detail"}, "video_url": {"url"}, "audio_url": {"url"},
+                "input_audio": {"data", "format"}}
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"})
 MAX_STRING = 1 << 20
 """Longest id/name-like string accepted anywhere (media data: URLs are bounded by the body limit instead)."""

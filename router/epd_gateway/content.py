@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,7 +14,10 @@ from eric_epd.media.url_policy import MediaError, UrlPolicy
 from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import handles_xargs
 
-MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
+"""The content part types the gateway routes, by their item's modality."""
+AUDIO_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+-]{0,15}")
+"""An `input_audio` part's `format` (wav, mp3, flac, ...): it becomes the media type of the data: URL."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,13 @@ class MediaRef:
     part: int
     modality: str
     url: str
+    kind: str = ""
+    """The part's type (image_url, video_url, audio_url, input_audio); empty: `<modality>_url`."""
+
+    @property
+    def part_type(self) -> str:
+        """The type of the content part this item is."""
+        return self.kind or f"{self.modality}_url"
 
     @property
     def routing_key(self) -> bytes:
@@ -32,15 +43,29 @@ class MediaRef:
 
 
 def _part_url(part: dict[str, Any], kind: str, where: str) -> str:
+    """A media part's URL; for `input_audio` the data: URL vLLM makes of it (data:audio/<format>;base64,<data>),
+    which is what Eric is sent."""
     value = part.get(kind)
+    if kind == "input_audio":
+        return _input_audio_url(value, where)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise ApiError(400, f"{where}: '{kind}' needs a non-empty 'url'", param=kind)
     return url
 
 
+def _input_audio_url(value: Any, where: str) -> str:
+    data = value.get("data") if isinstance(value, dict) else None
+    if not isinstance(data, str) or not data:
+        raise ApiError(400, f"{where}: 'input_audio' needs a non-empty base64 'data'", param="input_audio")
+    fmt = value.get("format")
+    if not isinstance(fmt, str) or not AUDIO_FORMAT.fullmatch(fmt):
+        raise ApiError(400, f"{where}: 'input_audio' needs a 'format' such as 'wav' or 'mp3'", param="input_audio")
+    return f"data:audio/{fmt};base64,{data}"
+
+
 def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> list[MediaRef]:
-    """Every image/video part of a chat request (whose parts boundary.check_messages already validated), each URL
+    """Every image/video/audio part of a chat request (whose parts boundary.check_messages already validated), each URL
     through the URL policy; 400 for anything the gateway cannot route."""
     refs: list[MediaRef] = []
     for m, message in enumerate(body["messages"]):
@@ -56,7 +81,7 @@ def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> li
                     policy.check(url)
                 except MediaError as e:
                     raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
-                refs.append(MediaRef(m, p, MEDIA_PARTS[kind], url))
+                refs.append(MediaRef(m, p, MEDIA_PARTS[kind], url, kind))
     if len(refs) > max_items:
         raise ApiError(400, f"too many media items: {len(refs)} > {max_items}", param="messages")
     return refs
@@ -98,7 +123,7 @@ def one_lease_per_content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def inlined_refs(body: dict[str, Any], refs: list[MediaRef]) -> list[MediaRef]:
     """`refs` as they stand in `body`, the request with its media inlined (inline.RawBody): each URL the data: URL
     the engine will get, so an Eric encodes those very bytes and nobody fetches the client's URL twice."""
-    return [replace(ref, url=_part_url(body["messages"][ref.message]["content"][ref.part], f"{ref.modality}_url",
+    return [replace(ref, url=_part_url(body["messages"][ref.message]["content"][ref.part], ref.part_type,
                                        f"messages[{ref.message}].content[{ref.part}]")) for ref in refs]
 
 

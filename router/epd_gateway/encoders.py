@@ -43,6 +43,7 @@ class EncoderState:
     """What it encodes (from its /v1/models card), learnt on first need; None until known, empty if unreadable."""
     placement: Placement = GRID
     """How the engine places its items (its card's `placement`; "grid" until known or if unreadable)."""
+    takes_audio: bool | None = None  # whether its model takes audio (its card's); None: unknown
     load: LoadReport | None = None
     """Its last /v1/load answer (read with each health probe); None until it answered one."""
     inflight_items: int = 0
@@ -172,14 +173,14 @@ class EncoderPool:
     async def serve(self, modalities: set[str]) -> bool:
         """Whether every healthy encoder encodes all these modalities (a model's encoder may serve images but not
         videos yet); an encoder whose list cannot be read is taken to serve them (its answer will tell)."""
-        return all(not m.modalities or modalities <= m.modalities for m in await self._carded())
+        return all(not m.modalities or modalities <= m.modalities for m in await self.carded())
 
     async def places_media(self) -> bool:
         """Whether a healthy encoder's items go to the engine as their media (placement "media", the generic path):
         the gateway then inlines the media before encoding and sends the Eric the data: URLs the engine gets."""
-        return any(member.placement == MEDIA for member in await self._carded())
+        return any(member.placement == MEDIA for member in await self.carded())
 
-    async def _carded(self) -> list[EncoderState]:
+    async def carded(self) -> list[EncoderState]:
         """The healthy encoders, each with its /v1/models card read (once: on first need)."""
         healthy = self.healthy()
         for member in healthy:
@@ -196,7 +197,8 @@ class EncoderPool:
             logger.warning("encoder %s: cannot read its model card: %r", member.url, e)
             member.modalities = frozenset()
             return
-        member.modalities, member.placement = frozenset(card.modalities), card.placement
+        member.modalities, member.placement, member.takes_audio = (frozenset(card.modalities), card.placement,
+                                                                    card.takes_audio)
 
     def choose(self, key: bytes, exclude: set[str]) -> EncoderState | None:
         """Where to encode the item with this key: the Eric that last answered it (it holds the embedding in its

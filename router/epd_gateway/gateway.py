@@ -92,11 +92,13 @@ class Gateway:
             check_embeds_parts(body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items)
         await self._check_hosts(refs)
+        if any(ref.modality == "audio" for ref in refs):
+            await self._check_takes_audio(body)
         start = time.perf_counter()
         self.metrics.stages.observe("validate", start - checking)
         plain = RawBody(self.inliner, body, raw, refs)  # what the engines' own path gets: never a URL
         if self.config.backend == "sglang":
-            return await self._sglang_chat(plain, headers, len(refs))
+            return await self._sglang_chat(plain, headers, refs)
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
             return path, await self._plain(plain, headers)
@@ -163,11 +165,12 @@ class Gateway:
         self.metrics.stages.observe("inline", time.perf_counter() - start)
         return await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=sglang_epd)
 
-    async def _sglang_chat(self, plain: RawBody, headers: dict[str, str], items: int) -> tuple[str, Response]:
+    async def _sglang_chat(self, plain: RawBody, headers: dict[str, str], refs: list[MediaRef]) -> tuple[str, Response]:
         """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so
         the request goes there (media inlined, as everywhere an engine sees it); if that prefill fails, a plain
-        prefill encodes the raw media."""
-        if items < self.config.epd_min_items or not self.config.epd_prefill_urls:
+        prefill encodes the raw media. Audio takes the plain path: Eric's SGLang routes encode no audio."""
+        if (len(refs) < self.config.epd_min_items or not self.config.epd_prefill_urls
+                or any(ref.modality == "audio" for ref in refs)):
             return "pd", await self._plain(plain, headers)
         try:
             response = await self._plain(plain, headers, sglang_epd=True)
@@ -182,6 +185,13 @@ class Gateway:
             await response.body_iterator.aclose()  # type: ignore[attr-defined]  # releases the upstream stream
         self.metrics.failovers.inc()
         return "fallback", await self._plain(plain, headers)
+
+    async def _check_takes_audio(self, body: dict[str, Any]) -> None:
+        """400 when the Erics' cards say the served model takes no audio (unknown: the engine's own answer tells)."""
+        said = {member.takes_audio for member in await self.encoders.carded()} - {None}
+        if said == {False}:
+            raise ApiError(400, f"the model {body.get('model') or 'served here'!r} does not take audio "
+                                "(its input_audio or audio_url parts)", param="messages")
 
     async def _check_hosts(self, refs: list) -> None:
         policy = self.config.url_policy

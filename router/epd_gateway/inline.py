@@ -42,7 +42,7 @@ class MediaInliner:
         out["messages"] = copy.deepcopy(body["messages"])
         for ref, data in zip(remote, fetched, strict=True):
             part = out["messages"][ref.message]["content"][ref.part]
-            kind = f"{ref.modality}_url"
+            kind = ref.part_type  # an image_url, video_url or audio_url part (input_audio parts carry their data)
             url = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
             payload = part[kind]
             part[kind] = {**payload, "url": url} if isinstance(payload, dict) else {"url": url}

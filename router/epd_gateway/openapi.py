@@ -26,9 +26,17 @@ _IMAGE = {"type": "object", "required": ["type", "image_url"], "additionalProper
 _VIDEO = {"type": "object", "required": ["type", "video_url"], "additionalProperties": False, "properties": {
     "type": {"const": "video_url"}, "video_url": {"type": "object", "required": ["url"], "additionalProperties": False,
                                                   "properties": {"url": {"type": "string"}}}}}
+_AUDIO_URL = {"type": "object", "required": ["type", "audio_url"], "additionalProperties": False, "properties": {
+    "type": {"const": "audio_url"}, "audio_url": {"type": "object", "required": ["url"], "additionalProperties": False,
+                                                  "properties": {"url": {"type": "string"}}}}}
+_INPUT_AUDIO = {"type": "object", "required": ["type", "input_audio"], "additionalProperties": False, "properties": {
+    "type": {"const": "input_audio"}, "input_audio": {
+        "type": "object", "required": ["data", "format"], "additionalProperties": False,
+        "properties": {"data": {"type": "string", "contentEncoding": "base64"}, "format": {"type": "string"}}}}}
 MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"enum": ["system", "user", "assistant"]},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT, _IMAGE, _VIDEO]}}]}}}
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
+        _TEXT, _IMAGE, _VIDEO, _AUDIO_URL, _INPUT_AUDIO]}}]}}}
 _SAMPLING = {"max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
              "stream": {"type": "boolean"}, "seed": {"type": "integer"}}
 CHAT = {"type": "object", "required": ["model", "messages"], "properties": {

@@ -63,9 +63,9 @@ def _metric(text: str, name: str, labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_audio_items_are_answered_with_transformersembedding_rows(eric: EricServer, qwen2_audio_tiny: Path) -> None:
+def test_audio_items_are_answered_with_transformers_rows(eric: EricServer, qwen2_audio_tiny: Path) -> None:
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
-    assert card["modalities"] == ["audio"] and card["placement"] == "media"
+    assert card["modalities"] == ["audio"] and card["placement"] == "media" and card["takes_audio"] is True
     resp = encode_items(eric, [{"id": fmt, "modality": "audio", "url": _audio_url(fmt, frames, rate, channels)}
                           for fmt, frames, rate, channels in CLIPS])
     assert resp.status_code == 200, resp.text

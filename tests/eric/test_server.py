@@ -50,6 +50,7 @@ def test_models_and_health(eric: EricServer) -> None:
     models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert models["tp_size"] == 2 and set(models["modalities"]) == {"image", "video"}
     assert models["placement"] == "grid"  # the engine places a Qwen item by its grid (a metadata-only part)
+    assert models["takes_audio"] is False  # the gateway refuses audio for this model
     health = httpx.get(eric.url + "/health")
     assert health.status_code == 200 and len(health.json()["worker_pids"]) == 2
 

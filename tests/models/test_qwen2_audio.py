@@ -18,6 +18,7 @@ from eric_epd.eric.generic import TP_REFUSED, GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload, work_item
 from eric_epd.models.facts import ModelFacts, serves_tp
 from eric_epd.models.hf.audio import HFAudioProcessor
+from eric_epd.models.hf.audio_encoder import whisper_frames_needed
 from eric_epd.models.hf.loader import vision_tensor_names
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.registry import load_processor, vision_weights_digest
@@ -89,6 +90,11 @@ def test_rows_equal_transformers_alone_and_batched(qwen2_audio_tiny: Path, proce
     for i, (ours, ref) in enumerate(zip(_run(workload, runner, items), references)):
         assert ours.shape == ref.shape, i
         assert _relative_error(ours, ref) <= RTOL, i
+    # without the 31 s clip the tower runs over the first clip's 300 frames and two more (304), not 3000
+    mel_lengths = torch.tensor([int(it.pixel_values[-3000:].sum()) for it in items[:3]])  # each mask, flat at the end
+    assert whisper_frames_needed(mel_lengths, 3000) == 304
+    for i, (ours, ref) in enumerate(zip(_run(workload, runner, items[:3]), references)):
+        assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, i
 
 
 def test_bfloat16_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor, references: list[torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from eric_epd.checkpoints import builtin, families
+from eric_epd.checkpoints import audio_families, builtin, families
 from eric_epd.checkpoints.support import FAMILY_SUPPORT, family_table, is_proof
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,8 +22,9 @@ def test_readme_table_is_the_generated_one() -> None:
 def test_every_family_is_listed_once() -> None:
     listed = [f.model_type for f in FAMILY_SUPPORT]
     assert len(listed) == len(set(listed))
-    assert set(listed) == set(builtin.FAMILIES) | set(families.FAMILIES)
-    assert {f.model_type for f in FAMILY_SUPPORT if f.generic} == set(families.FAMILIES)
+    assert set(listed) == set(builtin.FAMILIES) | set(families.FAMILIES) | set(audio_families.AUDIO_FAMILIES)
+    assert {f.model_type for f in FAMILY_SUPPORT if f.generic} == set(families.FAMILIES) | set(
+        audio_families.AUDIO_FAMILIES)
 
 
 def test_every_proof_is_a_test_module_that_runs_the_family() -> None:

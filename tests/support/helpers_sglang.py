@@ -35,6 +35,17 @@ def prompt_for(num_images: int, num_videos: int = 0) -> str:
 # ------------------------------------------------------------------------------------------------ fixtures
 
 
+def plugin_entry_point(tmp: Path) -> Path:
+    """A directory whose dist-info declares eric_epd's `sglang.srt.plugins` entry point (what installing eric-epd
+    next to SGLang declares); the prefill host puts it on sys.path."""
+    dist = tmp / "entry" / "eric_epd_sglang_entry_point-0.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eric-epd-sglang-entry-point\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
+    return tmp / "entry"
+
+
 @pytest.fixture(scope="module")
 def bootstrap_port() -> int:
     return free_port()
@@ -52,11 +63,6 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
     C: Qwen2-VL like A, and it registers itself with the prefill's EncoderBootstrapServer.
     """
     tmp = tmp_path_factory.mktemp("sglang")
-    dist = tmp / "entry" / "eric_epd_sglang_entry_point-0.0.0.dist-info"  # eric_epd's plugin entry point
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eric-epd-sglang-entry-point\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
     backends = ("--transfer-backends", "shm")
     master = StoreMaster(tmp / "master.log").start()
     shared = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
@@ -71,7 +77,7 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
                                     *shared)),
     }
     join = start_in_threads(erics.values())
-    prefill = Prefill(tmp / "entry")
+    prefill = Prefill(plugin_entry_point(tmp))
     try:
         prefill.wait_ready()
         prefill.call(Bootstrap(bootstrap_port))

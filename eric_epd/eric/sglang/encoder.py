@@ -17,7 +17,7 @@ from eric_epd.eric.config import EricConfig, SglangConfig
 from eric_epd.eric.service import EncodeService
 from eric_epd.eric.sglang.parts import PartTable
 from eric_epd.eric.sglang.peers import PeerPolicy
-from eric_epd.eric.sglang.protocol import HEALTH_PNG, MODALITIES, Part, SglangError, host_port, item_url, validate
+from eric_epd.eric.sglang.protocol import MODALITIES, Part, SglangError, health_item, host_port, item_url, validate
 from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher, PushError
 from eric_epd.eric.sglang.rows import PartRows
 from eric_epd.eric.sglang.zmq_push import ZmqSender
@@ -49,8 +49,10 @@ class SglangEncoder:
     """
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangConfig,
-                 dim: int, eric_dtype: str, wire: str) -> None:
+                 dim: int, eric_dtype: str, wire: str, modalities: tuple[str, ...] = ("image", "video")) -> None:
         self.config = config
+        self.modalities = modalities
+        """What the checkpoint's encoder takes (Eric's modality names); other parts get SGLang's 400."""
         self.hub = hub
         self._state = state
         self.settings = settings
@@ -122,7 +124,7 @@ class SglangEncoder:
 
     async def encode(self, req: EncodeRequest, caller: str | None) -> Any:
         """SGLang's /encode: encode the part's items, stage its rows, then deliver it or answer its sizes by mode."""
-        validate(req, self.config.max_items_per_request)
+        validate(req, self.config.max_items_per_request, self.modalities)
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
         items = [EncodeItem(str(i), MODALITIES[modality], item_url(it, i)) for i, it in enumerate(req.mm_items)]
@@ -380,9 +382,10 @@ class SglangEncoder:
     # -------------------------------------------------------------------------------------------------- health
 
     async def health_generate(self) -> bool:
-        """A real encode of SGLang's own probe image, as its encoder's /health_generate does."""
+        """A real encode of SGLang's own probe image (silence for an audio model), as its /health_generate does."""
         try:
-            answers = await asyncio.wait_for(self.service.encode([EncodeItem("health", "image", HEALTH_PNG)]), 30)
+            answers = await asyncio.wait_for(self.service.encode([EncodeItem("health", *health_item(self.modalities))]),
+                                             30)
         except Exception as e:
             logger.error("SGLang health encode failed: %r", e)
             return False

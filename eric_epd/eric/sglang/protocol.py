@@ -22,7 +22,7 @@ HEALTH_PNG = (
     "E0Y/lIgNQULD/OqyCMgCihCKSG4yRuKuiNH6JLsoEbMACOGBcua9HOR7Y6w6swBwMy0qLTpkeI77qdEBpBFAHBBDAGH8WrwJKI4AAegUCfAKgEgpQDvh3CR3oQ"
     "Cuav58qlAw73kKCSgAAAABJRU5ErkJggg=="
 )
-MODALITIES = {"IMAGE": "image", "VIDEO": "video"}
+MODALITIES = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
 _URL_SCHEMES = ("http://", "https://", "data:", "file://")
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -84,14 +84,34 @@ def item_url(item: str | dict[str, Any], index: int) -> str:
     return "data:application/octet-stream;base64," + url  # SGLang's loaders take bare base64 too
 
 
-def validate(req: EncodeRequest, max_items: int) -> None:
-    """The checks of SGLang's runtime.validate_encode_request, with its messages."""
+def health_item(modalities: tuple[str, ...]) -> tuple[str, str]:
+    """(modality, URL) of the /health_generate probe: SGLang's own probe image, or for an audio-only model one
+    second of silence (SGLang probes audio encoders with 10 ms of it, too short to give Qwen2-Audio a token)."""
+    if "image" in modalities:
+        return "image", HEALTH_PNG
+    import base64
+    import io
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(2 * 16000))
+    return "audio", "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def validate(req: EncodeRequest, max_items: int, modalities: tuple[str, ...]) -> None:
+    """The checks of SGLang's runtime.validate_encode_request, with its messages; and that this Eric's model takes
+    the part's modality (`modalities`: Eric's names, e.g. ("audio",))."""
     if not req.req_id:
         raise SglangError(400, "missing or invalid req_id")
-    if req.modality.upper() not in ("IMAGE", "VIDEO", "AUDIO"):
-        raise SglangError(400, f"unsupported modality: {req.modality}")
     if req.modality.upper() not in MODALITIES:
-        raise SglangError(400, f"unsupported modality: {req.modality} (Eric encodes images and videos)")
+        raise SglangError(400, f"unsupported modality: {req.modality}")
+    if MODALITIES[req.modality.upper()] not in modalities:
+        raise SglangError(400, f"unsupported modality: {req.modality} (this Eric's model encodes "
+                               f"{', '.join(modalities)})")
     if not req.mm_items:
         raise SglangError(400, "missing or empty mm_items")
     if len(req.mm_items) > max_items:

@@ -25,6 +25,7 @@ class PartRows:
     async def stage(self, part: Part) -> bool:
         """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (registered
         with the push engines like every pool byte). True if a copy was made (Eric's own entries are then free)."""
+        audio_grid(part)  # an audio part's header must be writable before anything is sent
         part.wire_bytes = part.tokens * self.dim * ELEMENT_BYTES[self.dtype]
         if self.dtype == self.eric_dtype:
             return False
@@ -85,9 +86,11 @@ class PartRows:
         stamps = [a.prepared.item.timestamps for a in answers]
         if modality == "VIDEO" and all(s is not None for s in stamps):  # Qwen3-VL writes them into the prompt
             extra["video_timestamps"] = [list(s) for s in stamps if s is not None]
+        grid: list[list[int]] | list[int] = (audio_grid(part) if modality == "AUDIO"
+                                              else [list(a.prepared.item.grid_thw) for a in answers])
         return embedding_data_pickle(EmbeddingPart(
-            req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality,
-            grid=[list(a.prepared.item.grid_thw) for a in answers], dtype=self.dtype,
+            req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=grid,
+            dtype=self.dtype,
             shape=[part.tokens, self.dim], extra=extra))
 
     def payload(self, part: Part) -> memoryview | bytes:
@@ -99,3 +102,16 @@ class PartRows:
         """The rows' pool addresses and byte lengths, entry by entry (the sources of a push)."""
         entries = self.entries(part)
         return [self.hub.pool.base_addr + e.offset for e in entries], [e.nbytes for e in entries]
+
+
+def audio_grid(part: Part) -> list[int]:
+    """An audio part's grid as SGLang's encoder sends it: each item's feature frames (audio_feature_lens_raw), from
+    which SGLang's Qwen2-Audio and Qwen2.5-Omni processors compute the item's token count; [] for other parts."""
+    req = part.request
+    if req is None or req.modality.upper() != "AUDIO":
+        return []
+    frames = [a.prepared.item.feature_frames for a in part.answers or ()]
+    if any(f is None for f in frames):
+        raise SglangError(400, f"[{part.req_id}] this model's audio items carry no feature-frame count "
+                               "(feature_attention_mask), which SGLang's prefill expands the audio placeholder from")
+    return [int(f) for f in frames if f is not None]

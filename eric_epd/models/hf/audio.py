@@ -89,8 +89,10 @@ class HFAudioProcessor(BaseModalityProcessor):
             raise ValueError(f"the audio ({samples.shape[-1]} samples at {sampling_rate} Hz) is too short to give "
                              "the model any audio token")
         specs, frame = pack_tensors(self._tensors(out))
+        mask = out.get("feature_attention_mask")  # the processor's own, whatever the item keeps of it
         return HFProcessedItem("audio", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
-                               cost=cost_of(frame.size, self.values_per_cost))
+                               cost=cost_of(frame.size, self.values_per_cost),
+                               feature_frames=int(mask.sum()) if isinstance(mask, torch.Tensor) else None)
 
     def _processor_tensors(self, out: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The processor's audio tensors as they come (its feature extractor's, e.g. log-mels and their mask)."""

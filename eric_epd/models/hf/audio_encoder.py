@@ -16,26 +16,49 @@ from eric_epd.models.hf.loader import hf_config, load_vision_model
 logger = logging.getLogger(__name__)
 
 
+def whisper_frames_needed(mel_lengths: torch.Tensor, mel_frames: int) -> int:
+    """Mel frames a Whisper-style tower (two 3-wide convolutions, the second of stride 2, then a 2-wide average pool)
+    must see for every item's valid outputs to equal the full-length forward's: each item's frames and the two after
+    them (the convolutions' reach), rounded up to the pool's alignment of 4, at most the padded length."""
+    needed = int(mel_lengths.max()) + 2
+    return min(mel_frames, -(-needed // 4) * 4)
+
+
+def trimmed_whisper_tower(tower: nn.Module, features: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:
+    """`Qwen2AudioEncoder.forward` (transformers 5.19) on features cut to fewer than its fixed 3000 frames, which its
+    forward refuses: the same modules in the same order, the positional table cut alike. Padding past every item's
+    end attends to nothing valid and is never kept, so the valid rows equal the full forward's at a fraction of its
+    work (a 5 s clip is a sixth of the frames and a thirty-sixth of the attention)."""
+    hidden = nn.functional.gelu(tower.conv1(features))
+    hidden = nn.functional.gelu(tower.conv2(hidden)).permute(0, 2, 1)
+    hidden = hidden + tower.embed_positions.weight[: hidden.shape[1]]
+    for layer in tower.layers:
+        hidden = layer(hidden, attention)
+    hidden = tower.avg_pooler(hidden.permute(0, 2, 1)).permute(0, 2, 1)
+    return tower.layer_norm(hidden)
+
+
 def qwen2_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Qwen2-Audio's audio rows for a batch, items in order: what `Qwen2AudioModel.forward` (transformers 5.19, which
     has no `get_audio_features` for it) scatters into the audio tokens' positions. The tower attends only within each
     item's length after its stride-2 convolution, the projector maps every position, and each item keeps the first
-    `_get_feat_extract_output_lengths` rows (one per audio token)."""
+    `_get_feat_extract_output_lengths` rows (one per audio token). Unlike transformers and vLLM, the tower runs only
+    over the frames the batch's longest item needs (`whisper_frames_needed`), not the 30 s every clip is padded to."""
     from transformers.masking_utils import create_bidirectional_mask
 
     inner = model.model
     tower = inner.audio_tower
-    features, mask = inputs["input_features"], inputs["feature_attention_mask"]
-    feat_lengths, out_lengths = tower._get_feat_extract_output_lengths(mask.sum(-1))
-    batch, _, mel_frames = features.shape
-    positions = (mel_frames - 2) // 2 + 1
+    mel_lengths = inputs["feature_attention_mask"].sum(-1)
+    feat_lengths, out_lengths = tower._get_feat_extract_output_lengths(mel_lengths)
+    frames = whisper_frames_needed(mel_lengths, inputs["input_features"].shape[-1])
+    features = inputs["input_features"][..., :frames].to(tower.conv1.weight.dtype)
+    batch, positions = features.shape[0], (frames - 1) // 2 + 1
     seq = torch.arange(positions, dtype=feat_lengths.dtype, device=feat_lengths.device)
     valid = (seq[None, :] < feat_lengths[:, None]).to(torch.long)
     attention = create_bidirectional_mask(config=tower.config, attention_mask=valid,
                                           inputs_embeds=torch.zeros((batch, positions, 1), dtype=features.dtype,
                                                                     device=features.device))
-    hidden = tower(features, attention_mask=attention).last_hidden_state
-    projected = inner.multi_modal_projector(hidden)
+    projected = inner.multi_modal_projector(trimmed_whisper_tower(tower, features, attention))
     lengths = out_lengths.to(projected.device)
     return projected[torch.arange(projected.shape[1], device=projected.device)[None, :] < lengths[:, None]]
 

@@ -7,9 +7,11 @@ publish, load_plugins() (eric_epd's entry point), EncoderBootstrapServer, create
 recv_mm_data on the tokenizer side, and TP scheduler ranks (ranks.py: forked processes joined by SGLang's own gloo
 TP group) that call MMReceiverHTTP.process_waiting_requests with TokenizedGenerateReqInput until the request is
 ready or aborted. The multimodal processor that lays the embeddings out (input_ids, offsets, M-RoPE) is SGLang's
-real QwenVLImageProcessor. Stand-ins, for the model runner only: `FakeSchedulerStandIn` (the attributes the
-receiver reads off the Scheduler) and `CpuLandingPoolStandIn` (SGLang's EmbeddingPool with its landing buffer in
-host memory instead of cuda:N; its allocator and the RDMA landing logic are SGLang's).
+real one for the checkpoint (QwenVLImageProcessor, Qwen2AudioMultimodalProcessor, ...). Stand-ins, for the model
+runner only: `FakeSchedulerStandIn` (the attributes the receiver reads off the Scheduler) and
+`CpuLandingPoolStandIn` (SGLang's EmbeddingPool with its landing buffer in host memory instead of cuda:N; its
+allocator and the RDMA landing logic are SGLang's). SGLang's own local audio reference loads clips with
+`load_audio_stand_in` (its soundfile fallback without the torchaudio import this machine lacks; no resampling).
 """
 
 from eric_epd.testing.sglang_prefill.host import Prefill

@@ -102,6 +102,15 @@ class PrefillHost:
         if type(ours) is not EmbeddingData or torch.as_tensor(b.pop("grid_dim")).tolist() != \
                 a.pop("grid_dim").tolist() or a != b:
             return f"mismatch: SGLang {vars(theirs)} vs Eric {vars(ours)}"
+        theirs = EmbeddingData("a_local_part_0", 1, 0, torch.tensor([3000, 1207]), Modality.AUDIO,
+                               torch.zeros(9, 32)).copy_without_embedding()  # audio_feature_lens_raw, int64
+        ours = safe_pickle_loads(embedding_data_pickle(EmbeddingPart(
+            req_id="a_local_part_0", num_parts=1, part_idx=0, modality="AUDIO", grid=[3000, 1207], dtype="float32",
+            shape=[9, 32])))
+        a, b = dict(vars(theirs)), dict(vars(ours))
+        ga, gb = a.pop("grid_dim"), b.pop("grid_dim")
+        if not (isinstance(gb, torch.Tensor) and gb.dtype == ga.dtype and torch.equal(ga, gb)) or a != b:
+            return f"audio mismatch: SGLang {vars(theirs)} vs Eric {vars(ours)}"
         err = safe_pickle_loads(embedding_data_pickle(EmbeddingPart(
             req_id="e", num_parts=1, part_idx=0, modality="VIDEO", grid=None, dtype=None, shape=None,
             error_msg="bad", error_code=400)))
@@ -151,7 +160,8 @@ class PrefillHost:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         mm_processor, receiver = self._tokenizer_side(job)
-        obj = GenerateReqInput(text=job.prompt, image_data=job.images or None, video_data=job.videos or None)
+        obj = GenerateReqInput(text=job.prompt, image_data=job.images or None, video_data=job.videos or None,
+                               audio_data=job.audios or None)
         obj.rid = uuid.uuid4().hex
         if job.kind == "tokenizer":
             return self._run_tokenizer(job, obj, mm_processor, receiver)
@@ -181,7 +191,6 @@ class PrefillHost:
 
     def _run_tokenizer(self, job: Job, obj: Any, mm_processor: Any, receiver: Any) -> JobResult:
         from fastapi import HTTPException
-        from sglang.srt.managers.io_struct import GenerateReqInput
         from sglang.srt.managers.tokenizer_manager import _reject_missing_dispatched_encoder_embedding
 
         captured: dict[str, Any] = {}
@@ -198,12 +207,7 @@ class PrefillHost:
             outcome = outcome_from_mm(mm, captured)
         local = None
         if job.local_reference:  # SGLang's own, non-disaggregated path: its HF preprocessing and placement
-            ref = GenerateReqInput(text=job.prompt, image_data=job.images or None)
-            local_mm = asyncio.run(mm_processor.process_mm_data_async(
-                image_data=job.images, input_text=job.prompt, request_obj=ref, max_req_input_len=4096))
-            local = Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids],
-                            mrope=pack(local_mm.mrope_positions),
-                            grid={"img_grid_thw": torch.cat([i.image_grid_thw for i in local_mm.mm_items]).tolist()})
+            local = _local_outcome(job, mm_processor)
         return JobResult(outcomes=[outcome], local=local)
 
     def serve(self, conn: Any) -> None:
@@ -241,6 +245,52 @@ class PrefillHost:
             self.start_bootstrap(cmd.port)
             return "ok"
         return list(self.bootstrap.list_urls()) if self.bootstrap else []
+
+
+@contextlib.contextmanager
+def _load_audio_without_torchaudio() -> Any:
+    """SGLang's load_audio without torchcodec falls back to soundfile and imports torchaudio, which this machine
+    lacks. `load_audio_stand_in` does that fallback's steps (soundfile.read, mean over channels) for clips already at
+    the target rate, where the fallback never calls torchaudio; other rates are refused, not resampled."""
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile
+    from sglang.srt.multimodal.processors import base_processor
+
+    def load_audio_stand_in(audio: Any, sr: int | None = None, mono: bool = True) -> np.ndarray:
+        source = base64.b64decode(audio.split(",", 1)[1]) if audio.startswith("data:") else audio
+        samples, rate = soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source)
+        if rate != (sr or 16000):
+            raise ValueError(f"load_audio_stand_in does not resample ({rate} Hz -> {sr} Hz)")
+        return np.mean(samples, axis=1) if mono and samples.ndim > 1 else samples
+
+    real, base_processor.load_audio = base_processor.load_audio, load_audio_stand_in
+    try:
+        yield
+    finally:
+        base_processor.load_audio = real
+
+
+def _local_outcome(job: Job, mm_processor: Any) -> Outcome:
+    """SGLang's own, non-disaggregated processing of the job's images or audio: its HF preprocessing and placement
+    (for audio, each item's feature frames and its tower-side token counts)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if job.audios:
+        ref = GenerateReqInput(text=job.prompt, audio_data=job.audios)
+        with _load_audio_without_torchaudio():
+            local_mm = asyncio.run(mm_processor.process_mm_data_async(audio_data=job.audios, input_text=job.prompt,
+                                                                      request_obj=ref, max_req_input_len=4096))
+        frames = torch.cat([i.feature_attention_mask for i in local_mm.mm_items]).sum(-1)
+        return Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids],
+                       audio_feature_lens=[int(x) for x in frames])
+    ref = GenerateReqInput(text=job.prompt, image_data=job.images or None)
+    local_mm = asyncio.run(mm_processor.process_mm_data_async(
+        image_data=job.images, input_text=job.prompt, request_obj=ref, max_req_input_len=4096))
+    return Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids], mrope=pack(local_mm.mrope_positions),
+                   grid={"img_grid_thw": torch.cat([i.image_grid_thw for i in local_mm.mm_items]).tolist()})
 
 
 def _prefill_main(conn: Any, entry_point_dir: str) -> None:

@@ -39,6 +39,8 @@ class Outcome(msgspec.Struct, kw_only=True):
     mrope: Tensor | None = None
     grid: dict[str, list[list[int]]] = msgspec.field(default_factory=dict)
     """img_grid_thw / video_grid_thw the receiver handed SGLang's processor."""
+    audio_feature_lens: list[int] = msgspec.field(default_factory=list)
+    """The audio items' feature frames the receiver handed SGLang's processor (flattened over parts)."""
     extra: dict[str, list[float]] = msgspec.field(default_factory=dict)
     rank: int = -1
     engine: str = ""
@@ -52,6 +54,7 @@ class Job(msgspec.Struct, kw_only=True):
     encoder_urls: list[str]
     images: list[str] = msgspec.field(default_factory=list)
     videos: list[str] = msgspec.field(default_factory=list)
+    audios: list[str] = msgspec.field(default_factory=list)
     prompt: str = ""
     tp: int = 1
     env: dict[str, str] = msgspec.field(default_factory=dict)

@@ -19,9 +19,11 @@ def outcome_from_mm(mm: Any, captured: dict[str, Any], rank: int = -1, engine: s
     extra = {k: [float(x) for x in v] for k, v in captured.items() if k == "second_per_grid_ts" and v is not None}
     if captured.get("video_timestamps") is not None:  # one list per video: flattened, in order
         extra["video_timestamps"] = [float(x) for video in captured["video_timestamps"] for x in video]
+    lens = captured.get("audio_feature_lens")
     return Outcome(ok=True, embeddings=[pack(i.precomputed_embeddings) for i in mm.mm_items],
                    modalities=[i.modality.name for i in mm.mm_items], input_ids=[int(x) for x in mm.input_ids],
                    mrope=pack(mm.mrope_positions) if mm.mrope_positions is not None else None, grid=grid,
+                   audio_feature_lens=[int(x) for x in lens.flatten()] if lens is not None else [],
                    extra=extra, rank=rank, engine=engine)
 
 

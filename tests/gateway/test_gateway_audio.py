@@ -1,0 +1,199 @@
+"""Audio through the gateway: `input_audio` and `audio_url` parts are media items (counted for --epd-min-items, their
+URLs under the URL policy). Qwen2-Audio (tiny, offline) behind real Eric and real `vllm serve` with the connector:
+two clips go EPD and one clip the plain path, both answering what vLLM answers on its own; a model without audio
+(Qwen2-VL) gets a 400 naming audio and keeps serving. A request with audio and images takes one path, all its items
+to the Erics or none (checked here on the gateway's own decision: no family in this venv takes both yet)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from epd_gateway.config import GatewayConfig
+from epd_gateway.content import MediaRef, collect_media
+from epd_gateway.encoders import EncoderState
+from epd_gateway.gateway import Gateway
+from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.upstream import new_session
+from starlette.responses import Response
+
+from eric_epd.common.errors import ApiError
+from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.models.facts import has_audio_tower
+from eric_epd.stack.servers import GatewayServer
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.media import audio_bytes, image_data_url
+from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
+from eric_epd.wire.eric import GRID, MEDIA
+from eric_epd.wire.handoff import EXTRA_ARGS_KEY
+
+RATE = 16000
+"""vLLM resamples with torchaudio, which this venv cannot load: every clip is at the model's 16 kHz."""
+MAX_TOKENS = 8
+
+
+def _audio_part(wav: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+
+
+def _messages(parts: list[dict], text: str = "What do you hear?") -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _clips(*specs: tuple[int, int]) -> list[dict]:
+    """An input_audio part per (frames at 16 kHz, seed)."""
+    return [_audio_part(audio_bytes(frames, RATE, 1, "wav", seed=seed)) for frames, seed in specs]
+
+
+# ---------------------------------------------------------------- parsing and the one-path decision (no servers)
+
+
+def test_audio_parts_are_media_items_under_the_url_policy() -> None:
+    wav = audio_bytes(RATE // 4, RATE, seed=1)
+    body = {"messages": _messages([_audio_part(wav), {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,"
+                                                                                          "AAAA"}}])}
+    refs = collect_media(body, UrlPolicy(), max_items=4)
+    assert [(r.part, r.modality, r.part_type) for r in refs] == [(0, "audio", "input_audio"), (1, "audio", "audio_url")]
+    assert refs[0].url == "data:audio/wav;base64," + base64.b64encode(wav).decode()  # what vLLM makes of the part
+    with pytest.raises(ApiError, match="too many media items: 2 > 1"):
+        collect_media(body, UrlPolicy(), max_items=1)
+    remote = {"messages": _messages([{"type": "audio_url", "audio_url": {"url": "http://10.0.0.1/a.wav"}}])}
+    with pytest.raises(ApiError, match="private/loopback/reserved address; refused"):
+        collect_media(remote, UrlPolicy(), max_items=4)
+    bad = {"messages": _messages([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav;x"}}])}
+    with pytest.raises(ApiError, match="'input_audio' needs a 'format'"):
+        collect_media(bad, UrlPolicy(), max_items=4)
+
+
+def test_a_model_takes_audio_where_its_config_has_an_audio_tower() -> None:
+    """What an Eric's card says as `takes_audio`, whether Eric encodes the audio (Qwen2-Audio) or not (an Omni
+    thinker's, a Gemma whose checkpoint has no audio tower)."""
+    assert has_audio_tower({"model_type": "qwen2_audio", "audio_config": {"d_model": 64}})
+    assert has_audio_tower({"model_type": "qwen2_5_omni", "thinker_config": {"audio_config": {"d_model": 64}}})
+    assert not has_audio_tower({"model_type": "gemma4", "audio_config": None, "vision_config": {}})
+    assert not has_audio_tower({"model_type": "qwen2_vl", "vision_config": {}})
+
+
+def _chat(cards: list[EncoderState], body: dict) -> tuple[str, list[MediaRef], dict]:
+    """Gateway.chat with these Eric cards, each encode answered by a fake Eric and the engine by a fake vLLM: the
+    path, the refs sent to the Erics and the body the engine got."""
+    sent: list[MediaRef] = []
+    engine: dict[str, Any] = {}
+
+    async def carded() -> list[EncoderState]:
+        return cards
+
+    async def encode(refs: list[MediaRef]) -> tuple[list[dict], int]:
+        sent.extend(refs)
+        return [{"hash": f"{i:064x}", "grid_thw": [1, 2, 2], "placement": MEDIA, "handle": {"lease": f"t{i}"}}
+                for i in range(len(refs))], 1
+
+    async def complete(_path: str, out: dict, _headers: dict, _raw: bytes | None = None, **_: Any) -> Response:
+        engine.update(out if _raw is None else orjson.loads(_raw))
+        return Response(orjson.dumps({"choices": [{"finish_reason": "length"}]}), media_type="application/json")
+
+    async def run() -> str:
+        config = GatewayConfig(encoder_urls=tuple(c.url for c in cards), colocated_urls=("http://127.0.0.1:9",))
+        metrics = GatewayMetrics()
+        async with httpx.AsyncClient() as client, new_session(config) as session:
+            gateway = Gateway(config, client, session, metrics, client)
+            gateway.encoders.carded = carded  # type: ignore[method-assign]
+            gateway.encoders.encode = encode  # type: ignore[method-assign]
+            gateway.upstreams.complete = complete  # type: ignore[method-assign]
+            path, _ = await gateway.chat(orjson.dumps(body), body, {})
+            await gateway.inliner.aclose()
+            return path
+
+    return asyncio.run(run()), sent, engine
+
+
+def _mixed() -> dict:
+    wav = audio_bytes(RATE // 2, RATE, seed=2)
+    return {"model": "omni", "messages": _messages(
+        [{"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=3)}}, _audio_part(wav)])}
+
+
+def test_audio_and_images_take_one_path() -> None:
+    """Erics that encode both: both items go to them and both parts reach the engine keyed by Eric's hash; Erics
+    that encode images only: neither item goes there and the engine gets the client's parts as they were."""
+    both = [EncoderState("http://e1", modalities=frozenset({"image", "audio"}), placement=MEDIA, takes_audio=True)]
+    path, sent, engine = _chat(both, _mixed())
+    assert path == "epd"
+    assert [r.modality for r in sent] == ["image", "audio"]
+    parts = engine["messages"][0]["content"]
+    assert [(p["type"], p.get("uuid")) for p in parts] == [("image_url", f"{0:064x}"), ("input_audio", f"{1:064x}"),
+                                                            ("text", None)]
+    assert [h["lease"] for h in orjson.loads(engine["vllm_xargs"][EXTRA_ARGS_KEY])] == ["t0", "t1"]
+
+    images_only = [EncoderState("http://e1", modalities=frozenset({"image"}), placement=GRID, takes_audio=True)]
+    path, sent, engine = _chat(images_only, _mixed())
+    assert (path, sent) == ("pd", [])
+    assert engine["messages"] == _mixed()["messages"] and "vllm_xargs" not in engine
+
+
+def test_audio_to_a_model_without_audio_is_refused() -> None:
+    no_audio = [EncoderState("http://e1", modalities=frozenset({"image", "video"}), takes_audio=False)]
+    with pytest.raises(ApiError, match="the model 'omni' does not take audio") as e:
+        _chat(no_audio, _mixed())
+    assert e.value.status == 400
+    unknown = [EncoderState("http://e1", modalities=frozenset({"image", "video"}))]  # an Eric that does not say
+    assert _chat(unknown, _mixed())[0] == "pd"  # the engine's own answer tells
+
+
+# ---------------------------------------------------------------- real Eric, vLLM and gateway
+
+
+@pytest.fixture(scope="module")
+def stack(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Eric and `vllm serve` (connector) for Qwen2-Audio, the gateway in front (--epd-min-items 2, the default)."""
+    with colocated_epd_stack(qwen2_audio_tiny, tmp_path_factory.mktemp("audio-gateway")) as servers:
+        yield servers
+
+
+@pytest.mark.exactness
+def test_two_clips_go_epd_and_one_clip_the_plain_path_answering_like_vllm(stack) -> None:
+    """Each request straight to vLLM (its own encoder), then through the gateway: two clips go EPD (the connector
+    loads both clips' rows from Eric), one clip goes as it came; the greedy answers are vLLM's own."""
+    gw, vllm = stack["gateway"].url, stack["vllm"]
+    for clips, want in ((_clips((RATE + 101, 21), (2 * RATE + 5, 22)), "epd"), (_clips((3 * RATE // 2, 23)), "pd")):
+        msgs = _messages(clips)
+        direct, _ = ask_token_ids(vllm.url, msgs, key=vllm.api_key, max_tokens=MAX_TOKENS)
+        loaded = metric(vllm.url, "vllm:eric_ec_loaded_items_total")
+        answer, path = ask_token_ids(gw, msgs, max_tokens=MAX_TOKENS)
+        assert path == want
+        expected = loaded + (len(clips) if want == "epd" else 0)
+        assert wait_for(lambda: metric(vllm.url, "vllm:eric_ec_loaded_items_total") == expected)  # noqa: B023
+        assert len(answer.tokens) == MAX_TOKENS
+        assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{len(clips)} clip(s) through the gateway")
+
+
+def test_audio_urls_pass_the_url_policy(stack) -> None:
+    gw = stack["gateway"].url
+    for url, status, says in (("http://10.0.0.1/clip.wav", 400, "private/loopback/reserved address; refused"),
+                              ("file:///tmp/clip.wav", 403, "file:// URLs are disabled (no file roots configured)")):
+        parts = [{"type": "audio_url", "audio_url": {"url": url}}, *_clips((RATE, 24))]
+        resp = httpx.post(gw + "/v1/chat/completions", timeout=60,
+                          json={"model": "m", "messages": _messages(parts), "max_tokens": 2})
+        assert resp.status_code == status, resp.text
+        assert says in resp.json()["error"]["message"]
+
+
+def test_audio_to_an_image_model_is_refused_and_the_gateway_keeps_serving(vllm_behind_erics, tmp_path: Path) -> None:
+    """Qwen2-VL's Erics say their model takes no audio: a 400 naming it, before anything is encoded; the next
+    request, two images, goes EPD and answers."""
+    erics, vllm = vllm_behind_erics["erics"], vllm_behind_erics["vllm"]
+    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
+                       "--colocated-urls", vllm.url, eric_api_key=vllm_behind_erics["eric_key"],
+                       upstream_api_key=vllm.api_key) as gateway:
+        resp = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
+                          json={"model": "qwen2-vl", "messages": _messages(_clips((RATE, 25))), "max_tokens": 2})
+        assert resp.status_code == 400, resp.text
+        assert "'qwen2-vl' does not take audio" in resp.json()["error"]["message"]
+        msgs = image_messages([image_data_url(64, 48, seed=26), image_data_url(48, 64, seed=27)])
+        answer, path = ask_token_ids(gateway.url, msgs, max_tokens=4)
+        assert path == "epd" and len(answer.tokens) == 4
