@@ -55,7 +55,7 @@ def _references(model_dir: Path) -> dict[str, list[torch.Tensor]]:
     return omni_rows(model_dir, clips, [random_image(*IMAGE)], [frames])
 
 
-def test_audio_image_and_video_items_are_answered_with_transformersembedding_rows(eric: EricServer,
+def test_audio_image_and_video_items_are_answered_with_transformers_rows(eric: EricServer,
                                                                          qwen2_5_omni_tiny: Path) -> None:
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert card["modalities"] == ["image", "video", "audio"] and card["placement"] == "media"
