@@ -7,7 +7,7 @@ per token matches the released model's (`cost_ratios`, written to the results).
 Both sides in float32 on the same cores, layouts as benchmarks/epd_vs_colocated.py's (the gateway sends every
 request with audio to Eric: `--epd-min-items 1`). Each run has its own clips (no cache answers).
 Writes benchmarks/results/epd_vs_colocated_audio.{json,png}.
-Usage: python benchmarks/epd_vs_colocated_audio.py [--quick] [--rates 0.2,0.4,inf] [--runs 2] [--prompts 32]
+Usage: python benchmarks/epd_vs_colocated_audio.py [--quick] [--rates 0.4,0.8,inf] [--runs 2] [--prompts 32]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
     """Both sides over the rates, the ratios and the JSON and PNG."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 prompts, one run, rates 0.2 and all at once")
-    ap.add_argument("--rates", default="0.15,0.3,inf", help="comma-separated requests/s ('inf': all at once)")
+    ap.add_argument("--rates", default="0.4,0.8,inf", help="comma-separated requests/s ('inf': all at once)")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per point")
     ap.add_argument("--runs", type=int, default=2, help="runs per point (medians and spread)")
     args = ap.parse_args()
