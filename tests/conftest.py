@@ -98,6 +98,20 @@ def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFact
         yield {"erics": erics, "vllm": vllm, "eric_key": key}
 
 
+@pytest.fixture(scope="session")
+def qwen2_audio_servers(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One Eric and one `vllm serve` with the connector behind it for the tiny Qwen2-Audio (float32, started
+    together), shared by the audio tests that talk to vLLM straight or put a gateway in front."""
+    from eric_epd.stack.process import running
+    from eric_epd.stack.servers import EricServer, VllmServe
+
+    logs = tmp_path_factory.mktemp("audio-backend")
+    eric = EricServer(qwen2_audio_tiny, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
+    vllm = VllmServe(qwen2_audio_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key)
+    with running(eric, vllm):
+        yield {"eric": eric, "vllm": vllm}
+
+
 # Modules whose tests compare two implementations (Eric's tower and transformers' or vLLM's, Geri and diffusers), two
 # batch shapes or two instruction sets: `scripts/test_other_isa.sh` runs them (-m exactness) on another instruction set
 # than the host's best, so a comparison exact only by one CPU's luck fails here rather than on a user's machine.

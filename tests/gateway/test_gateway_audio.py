@@ -28,7 +28,7 @@ from eric_epd.models.facts import has_audio_tower
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import audio_bytes, image_data_url
-from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
+from eric_epd.testing.stack import ask_token_ids, image_messages, metric, wait_for
 from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 
@@ -149,10 +149,13 @@ def test_audio_to_a_model_without_audio_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Eric and `vllm serve` (connector) for Qwen2-Audio, the gateway in front (--epd-min-items 2, the default)."""
-    with colocated_epd_stack(qwen2_audio_tiny, tmp_path_factory.mktemp("audio-gateway")) as servers:
-        yield servers
+def stack(qwen2_audio_servers: dict):
+    """The session's Qwen2-Audio Eric and `vllm serve` (connector), the gateway in front (--epd-min-items 2, the
+    default)."""
+    eric, vllm = qwen2_audio_servers["eric"], qwen2_audio_servers["vllm"]
+    with GatewayServer(None, "--encoder-urls", eric.url, "--colocated-urls", vllm.url, eric_api_key=eric.api_key,
+                       upstream_api_key=vllm.api_key) as gateway:
+        yield {"eric": eric, "vllm": vllm, "gateway": gateway}
 
 
 @pytest.mark.exactness

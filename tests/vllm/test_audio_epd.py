@@ -8,13 +8,10 @@ encoder (up to the first near tie). Clips are at 16 kHz: vLLM resamples with tor
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from eric_epd.stack.process import running
 from eric_epd.stack.servers import EricServer, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import audio_bytes, data_url
@@ -31,13 +28,9 @@ a case's audio when it is asked)."""
 
 
 @pytest.fixture(scope="module")
-def stack(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EricServer, VllmServe]]:
-    """One Eric and one `vllm serve` with the connector behind it, started together."""
-    logs = tmp_path_factory.mktemp("audio-epd")
-    eric = EricServer(qwen2_audio_tiny, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
-    vllm = VllmServe(qwen2_audio_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key)
-    with running(eric, vllm):
-        yield eric, vllm
+def stack(qwen2_audio_servers: dict) -> tuple[EricServer, VllmServe]:
+    """The session's Qwen2-Audio Eric and `vllm serve` with the connector behind it."""
+    return qwen2_audio_servers["eric"], qwen2_audio_servers["vllm"]
 
 
 def _messages(wavs: list[bytes], uuids: list[str] | None = None) -> list[dict]:
