@@ -1,5 +1,6 @@
-"""What the generic path's towers of Eric's own (models/gemma3.py, models/internvl.py) share: square crops of one size
-in, rows out; loading by rank shards (separate q, k, v checkpoint tensors into a fused qkv); the encoder interface."""
+"""What the generic path's towers of Eric's own share: loading by rank shards (separate q, k, v checkpoint tensors
+into a fused qkv; models/qwen2_audio.py's too), and for the image towers (models/gemma3.py, models/internvl.py)
+square crops of one size in, rows out, behind the encoder interface."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ logger = logging.getLogger(__name__)
 QKV_PARTS: Mapping[str, int] = MappingProxyType({"q_proj": 0, "k_proj": 1, "v_proj": 2})
 """The checkpoint's separate projections, by their place in a fused qkv."""
 
-TowerT = TypeVar("TowerT", bound="CropTower")
+TowerT = TypeVar("TowerT", bound="ShardedTower")
 
 
-class CropTower(nn.Module):
-    """A vision tower and projector over crops of one square size. forward(pixel_values (crops, C, S, S)) ->
-    (crops * tokens_per_image, width) rows, crops in order, identical (replicated) on every tensor-parallel rank.
-    A subclass builds its modules, sets the attributes below and defines `rows` and `checkpoint_key`."""
+class ShardedTower(nn.Module):
+    """A tower and projector of Eric's own, this rank's shard of it, loaded from a checkpoint's tower tensors only.
+    A subclass builds its modules (`__init__(config, tp, dtype)`), sets the attributes below and defines
+    `checkpoint_key`."""
 
     model_type: ClassVar[str]
     """The HF model_type its checkpoints carry."""
@@ -34,8 +35,6 @@ class CropTower(nn.Module):
     """The family's name, for messages."""
     weight_prefixes: ClassVar[tuple[str, ...]]
     """Checkpoint names of the tower's and projector's tensors (the language model's are never read)."""
-    channels: int
-    image_size: int
     width: int
     """Row width: the language model's hidden size."""
 
@@ -48,7 +47,7 @@ class CropTower(nn.Module):
         cls: type[TowerT], model_dir: str | Path, tp: TPContext | None = None, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", config: Mapping[str, Any] | None = None,
     ) -> TowerT:
-        """The tower of a checkpoint on `device` in `dtype`, this rank's shard of each vision and projector tensor
+        """The tower of a checkpoint on `device` in `dtype`, this rank's shard of each tower and projector tensor
         read from its safetensors (the language model's never); `config`: its config.json if already read."""
         from eric_epd.models.registry import iter_vision_tensors  # here: the registry is to import the towers
 
@@ -62,7 +61,7 @@ class CropTower(nn.Module):
         tower = tower.to_empty(device=torch.device(device)).eval()
         loaded = tower.load_weights(iter_vision_tensors(model_dir, cls.weight_prefixes))
         n_params = sum(p.numel() for p in tower.parameters())
-        logger.info("loaded %s vision tower from %s: %d tensors, %.1fM params/rank, %s on %s, tp %d/%d",
+        logger.info("loaded %s tower from %s: %d tensors, %.1fM params/rank, %s on %s, tp %d/%d",
                     cls.model_type, model_dir, len(loaded), n_params / 1e6, dtype, device, tp.rank, tp.world_size)
         return tower
 
@@ -75,21 +74,6 @@ class CropTower(nn.Module):
     def dtype(self) -> torch.dtype:
         """The dtype of the tower's weights (pixels are cast to it, rows come out in it)."""
         return next(self.parameters()).dtype
-
-    def rows(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(crops, C, S, S) pixels on the tower's device and dtype, at least one crop -> (crops, tokens, width)."""
-        raise NotImplementedError
-
-    @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Rows of every crop, crops in order: the layout of `get_image_features(...).pooler_output.flatten(0, 1)`."""
-        size = (self.channels, self.image_size, self.image_size)
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != size:
-            expected = ", ".join(map(str, size))
-            raise ValueError(f"pixel_values of shape {list(pixel_values.shape)}; expected [crops, {expected}]")
-        if pixel_values.shape[0] == 0:
-            return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
-        return self.rows(pixel_values.to(device=self.device, dtype=self.dtype)).flatten(0, 1)
 
     # ---- weights -------------------------------------------------------------------------------------------
     @staticmethod
@@ -122,7 +106,7 @@ class CropTower(nn.Module):
             if self.skipped(key):
                 continue
             if key in loaded:
-                raise KeyError(f"vision weight {name!r} given twice")
+                raise KeyError(f"{self.family} weight {name!r} given twice")
             head, _, leaf = key.rpartition(".")
             owner, _, proj = head.rpartition(".")
             try:
@@ -133,19 +117,44 @@ class CropTower(nn.Module):
                     loader = getattr(self.get_submodule(head), "weight_loader", None) or default_weight_loader
                     loader(params[key], src)
                 else:
-                    raise KeyError(f"unexpected vision weight {name!r} for {type(self).__name__}")
+                    raise KeyError(f"unexpected {self.family} weight {name!r} for {type(self).__name__}")
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from e
             loaded.add(key)
         missing = sorted(self.expected_keys() - loaded)
         if missing:
-            raise KeyError(f"{len(missing)} vision weights missing from the checkpoint, e.g. {missing[:5]}")
-        logger.debug("loaded %d %s vision tensors (tp rank %d/%d)", len(loaded), self.model_type, self.tp.rank,
+            raise KeyError(f"{len(missing)} {self.family} tower weights missing from the checkpoint, e.g. "
+                           f"{missing[:5]}")
+        logger.debug("loaded %d %s tower tensors (tp rank %d/%d)", len(loaded), self.model_type, self.tp.rank,
                      self.tp.world_size)
         return loaded
 
 
-def check_tower_tp(tower: type[CropTower], config: Mapping[str, Any], tp: int) -> None:
+class CropTower(ShardedTower):
+    """A vision tower and projector over crops of one square size. forward(pixel_values (crops, C, S, S)) ->
+    (crops * tokens_per_image, width) rows, crops in order, identical (replicated) on every tensor-parallel rank.
+    A subclass builds its modules, sets the attributes below and defines `rows` and `checkpoint_key`."""
+
+    channels: int
+    image_size: int
+
+    def rows(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(crops, C, S, S) pixels on the tower's device and dtype, at least one crop -> (crops, tokens, width)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Rows of every crop, crops in order: the layout of `get_image_features(...).pooler_output.flatten(0, 1)`."""
+        size = (self.channels, self.image_size, self.image_size)
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != size:
+            expected = ", ".join(map(str, size))
+            raise ValueError(f"pixel_values of shape {list(pixel_values.shape)}; expected [crops, {expected}]")
+        if pixel_values.shape[0] == 0:
+            return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
+        return self.rows(pixel_values.to(device=self.device, dtype=self.dtype)).flatten(0, 1)
+
+
+def check_tower_tp(tower: type[ShardedTower], config: Mapping[str, Any], tp: int) -> None:
     """ValueError, before any process starts, unless `tower` for `config` (a config.json) splits over `tp` ranks;
     the tower is built on the meta device, nothing allocated."""
     with torch.device("meta"):

@@ -19,7 +19,8 @@ TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 """The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
 the generic path (images)."""
 GENERIC_TOWERS: Mapping[str, str] = MappingProxyType(
-    {"gemma3": "eric_epd.models.gemma3", "internvl": "eric_epd.models.internvl"})
+    {"gemma3": "eric_epd.models.gemma3", "internvl": "eric_epd.models.internvl",
+     "qwen2_audio": "eric_epd.models.qwen2_audio"})
 """Generic-path families whose worker runs a tensor-parallel tower of Eric's own in place of transformers' classes,
 so --tp > 1 serves them, by the module holding it (its `ENCODER`, loaded by GenericWorkload, and its `check_tp`,
 called before any process starts; see generic_tower); their processing, batching, hashing and placement stay the
@@ -29,8 +30,9 @@ GENERIC_VIDEO_TYPES = frozenset({"llava_onevision", "glm4v", "glm4v_moe", "inter
 """Generic-path families whose videos Eric encodes too: their video rows and vLLM's frame sampling for them
 (models/hf/video.py) were checked against vLLM's model (the others' videos go to the engine with their request)."""
 GENERIC_AUDIO_TYPES = frozenset({"qwen2_audio"})
-"""Generic-path families whose Eric encodes audio (models/hf/audio.py, audio_encoder.py): audio-only models, served by
-transformers' own audio tower and projector at TP 1."""
+"""Generic-path families whose Eric encodes audio (models/hf/audio.py): audio-only models, whose worker runs Eric's own
+tower where GENERIC_TOWERS has one (Qwen2-Audio's: models/qwen2_audio.py, any TP), else transformers' audio tower and
+projector at TP 1 (models/hf/audio_encoder.py)."""
 GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni"})
 """Generic-path families whose Eric encodes audio, images and videos (models/hf/omni.py): the thinker's audio tower
 and vision tower, transformers' own, at TP 1 (the thinker's language model, talker and token2wav are never built)."""

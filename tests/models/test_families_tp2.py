@@ -1,7 +1,7 @@
 """Every Qwen3-generation family against transformers in float32, every DeepStack level included: through a served
 TP-2 Eric, images of odd sizes and a video (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; Qwen3-VL has its own tests); in
 process at TP 1, a video (all four). Gemma 3 and InternVL (the generic path's processor, Eric's own towers) through a
-served TP-2 Eric, images."""
+served TP-2 Eric, images; Qwen2-Audio likewise, audio clips."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from eric_epd.eric.decode import decode_video
 from eric_epd.media.limits import MediaLimits
 from eric_epd.models.registry import load_processor
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.media import data_url, image_bytes, random_image, video_bytes
+from eric_epd.testing.media import AUDIO_FORMATS, audio_bytes, data_url, image_bytes, random_image, video_bytes
 from eric_epd.wire.handles import LEASE_HEADER
 
 SIZES = [(120, 90), (33, 200), (57, 57)]
@@ -157,3 +157,28 @@ def test_tp2_eric_internvl_equals_hf(tmp_path: Path) -> None:
         assert mine.shape == ref.shape and mine.dtype == torch.float32
         assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5
     assert len(set(crops)) > 1, crops  # items of different crop counts
+
+
+def test_tp2_eric_qwen2_audio_equals_hf(qwen2_audio_tiny: Path, tmp_path: Path) -> None:
+    """Qwen2-Audio at --tp 2: three clips (wav, stereo flac at 44.1 kHz, ogg at 8 kHz) are answered, placed as media,
+    with as many rows as transformers' processor gives their audio tokens, equal to transformers' full model's audio
+    features on the samples vLLM's loader gives (float32, worst relative error 1e-5), read over HTTP with each item's
+    lease."""
+    from vllm.multimodal.media.audio import load_audio
+
+    from tests.support.audio_reference import transformers_audio_rows
+
+    clips = [("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2), ("ogg", 5 * 8000 + 3, 8000, 1)]
+    encoded = [audio_bytes(frames, rate, channels, fmt, seed=140 + i)
+               for i, (fmt, frames, rate, channels) in enumerate(clips)]
+    items = [{"modality": "audio", "url": data_url(data, AUDIO_FORMATS[fmt][2])}
+             for data, (fmt, *_) in zip(encoded, clips)]
+    card, answered, rows = _served(qwen2_audio_tiny, items, tmp_path / "eric.log", "--dtype", "float32",
+                                   "--max-audio-channels", "2")
+    assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["audio"]
+    decoded = [load_audio(io.BytesIO(data), sr=None) for data in encoded]
+    refs = transformers_audio_rows(qwen2_audio_tiny, [(samples, int(rate)) for samples, rate in decoded])
+    for item, mine, ref in zip(answered, rows, refs, strict=True):
+        assert item["placement"] == "media" and item["num_tokens"] == mine.shape[0]
+        assert mine.shape == ref.shape and mine.dtype == torch.float32
+        assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5
