@@ -66,8 +66,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen2-Audio", "qwen2_audio", "tests/vllm/test_audio_epd.py", "tests/sglang/test_sglang_audio.py"),
-    FamilySupport("Qwen2.5-Omni (thinker)", "qwen2_5_omni",
-                  "not yet run end to end (Eric's rows equal transformers'; vLLM's placeholders match them)",
+    FamilySupport("Qwen2.5-Omni (thinker)", "qwen2_5_omni", "tests/vllm/test_omni_epd.py",
                   "not yet run (SGLang 0.5.23 serves its audio through the encoder protocol)"),
 )
 """Every family, hand-written towers first."""

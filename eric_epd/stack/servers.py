@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from eric_epd.common.cpus import available_cpus, format_cpus, split_cpus
+from eric_epd.models.facts import has_audio_tower
 from eric_epd.stack.process import ServerProcess, free_port, new_key
 
 
@@ -57,13 +58,19 @@ NO_MEDIA_DOMAIN = "media.eric-epd.invalid"
 at all. The gateway hands engines data: URLs only; this is the second wall, with redirects off too."""
 
 
+AUDIO_LIMIT = 2
+"""Clips a prompt may carry to a model with an audio tower (its thinker's, in the Omni families)."""
+
+
 def media_limits(model: Path) -> dict[str, int]:
     """vLLM's --limit-mm-per-prompt for `model`: 4 images and a video, or 5 of a model's single modality for both
-    (vLLM turns Kimi-K2.5's image and video parts into "vision_chunk" items: `use_unified_vision_chunk`)."""
+    (vLLM turns Kimi-K2.5's image and video parts into "vision_chunk" items: `use_unified_vision_chunk`); and
+    AUDIO_LIMIT clips where its config has an audio tower."""
     config = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else {}
+    audio = {"audio": AUDIO_LIMIT} if has_audio_tower(config) else {}
     if config.get("use_unified_vision_chunk"):
-        return {"vision_chunk": 5}
-    return {"image": 4, "video": 1}
+        return {"vision_chunk": 5, **audio}
+    return {"image": 4, "video": 1, **audio}
 
 
 class VllmServe(ServerProcess):

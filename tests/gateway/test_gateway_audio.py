@@ -2,7 +2,8 @@
 URLs under the URL policy). Qwen2-Audio (tiny, offline) behind real Eric and real `vllm serve` with the connector:
 two clips go EPD and one clip the plain path, both answering what vLLM answers on its own; a model without audio
 (Qwen2-VL) gets a 400 naming audio and keeps serving. A request with audio and images takes one path, all its items
-to the Erics or none (checked here on the gateway's own decision: no family in this venv takes both yet)."""
+to the Erics or none (checked here on the gateway's own decision; a real one, Qwen2.5-Omni's clip and image down the
+EPD path, in tests/vllm/test_omni_epd.py)."""
 
 from __future__ import annotations
 

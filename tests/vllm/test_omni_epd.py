@@ -1,0 +1,115 @@
+"""Qwen2.5-Omni's thinker EPD through real `vllm serve` behind a real Eric (tiny offline checkpoint): two audio clips,
+a clip and an image, and a video (without its audio) go to vLLM keeping their data (its processor lays out each
+placeholder), each part carrying Eric's content hash as its uuid and Eric's handles in `vllm_xargs`; the connector
+fills every placeholder with Eric's rows (vLLM's encoder stays idle) and the answer is token for token the one the same
+vLLM gives the same request with its own encoder (up to the first near tie). Then the gateway in front sends a mixed
+audio + image request down the EPD path, both items to Eric. Clips are at 16 kHz (vLLM here cannot resample)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eric_epd.stack.process import running
+from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes
+from eric_epd.testing.stack import ask_token_ids, metric, wait_for
+from eric_epd.wire.handoff import handles_xargs
+
+pytestmark = pytest.mark.exactness
+
+RATE = 16000
+MAX_TOKENS = 8
+
+
+def _clip(frames: int, seed: int) -> tuple[str, bytes]:
+    return "audio", audio_bytes(frames, RATE, 1, "wav", seed=seed)
+
+
+CASES = {
+    "two_clips": (_clip(RATE + 333, 31), _clip(2 * RATE + 7, 32)),
+    "clip_and_image": (_clip(3 * RATE // 2 + 1, 33), ("image", image_bytes(random_image(96, 64, seed=34)))),
+    "video": (("video", video_bytes(num_frames=8, width=64, height=48, fps=4, seed=35)),),
+}
+"""Case -> (modality, bytes) per item: no item in two cases (neither of vLLM's caches holds a case's media)."""
+MIME = {"audio": "audio/wav", "image": "image/png", "video": "video/mp4"}
+
+
+@pytest.fixture(scope="module")
+def stack(qwen2_5_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EricServer, VllmServe]]:
+    """One Eric and one `vllm serve` with the connector behind it, started together."""
+    logs = tmp_path_factory.mktemp("omni-epd")
+    eric = EricServer(qwen2_5_omni_tiny, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
+    vllm = VllmServe(qwen2_5_omni_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key)
+    with running(eric, vllm):
+        yield eric, vllm
+
+
+def _part(modality: str, data: bytes, uuid: str | None) -> dict:
+    """An OpenAI content part for one item (with its uuid, if given)."""
+    if modality == "audio":
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+    else:
+        key = f"{modality}_url"
+        part = {"type": key, key: {"url": data_url(data, MIME[modality])}}
+    return part | ({"uuid": uuid} if uuid else {})
+
+
+def _messages(items: tuple[tuple[str, bytes], ...], uuids: list[str] | None = None) -> list[dict]:
+    parts = [_part(m, d, uuids[n] if uuids else None) for n, (m, d) in enumerate(items)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
+
+
+def _counter(vllm: VllmServe, name: str) -> float:
+    return metric(vllm.url, f"vllm:eric_ec_{name}_total")
+
+
+def _direct(vllm: VllmServe, items: tuple[tuple[str, bytes], ...]):
+    """The request straight to vLLM (its own encoder runs once per item, the connector loads nothing)."""
+    before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
+    direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS)
+    local = before["local_encoder_items"] + len(items)
+    assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
+    assert _counter(vllm, "loaded_items") == before["loaded_items"]
+    return direct, before["loaded_items"], local
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer, VllmServe], case: str) -> None:
+    """The items straight to vLLM, then encoded by Eric and sent with its hashes and handles: the connector loads
+    every item's rows from Eric, vLLM's encoder runs no more, and the greedy answer is vLLM's own."""
+    eric, vllm = stack
+    items = CASES[case]
+    direct, loaded, local = _direct(vllm, items)
+    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
+                      json={"items": [{"modality": m, "url": data_url(d, MIME[m])} for m, d in items]})
+    assert resp.status_code == 200, resp.text
+    encoded = resp.json()["items"]
+    assert [(i["modality"], i["placement"]) for i in encoded] == [(m, "media") for m, _ in items]
+    epd, _ = ask_token_ids(vllm.url, _messages(items, [i["hash"] for i in encoded]), key=vllm.api_key,
+                           max_tokens=MAX_TOKENS, extra={"vllm_xargs": handles_xargs(i["handle"] for i in encoded)})
+    assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + len(items))
+    assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
+    assert len(epd.tokens) == MAX_TOKENS
+    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"qwen2_5_omni {case}")
+
+
+def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[EricServer, VllmServe],
+                                                               tmp_path: Path) -> None:
+    """A clip and an image through the gateway in front of the same servers: the EPD path, both items loaded from
+    Eric, and vLLM's own answer."""
+    eric, vllm = stack
+    items = (_clip(RATE + 91, 36), ("image", image_bytes(random_image(80, 60, seed=37))))
+    direct, loaded, local = _direct(vllm, items)
+    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                       eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
+        answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS)
+    assert path == "epd"
+    assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
+    assert _counter(vllm, "local_encoder_items") == local
+    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni audio + image through the gateway")
