@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from eric_epd.common.shm import attach_untracked
-from eric_epd.stack.process import new_key
+from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, StoreMaster, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, greedy_of_openai, greedy_of_vllm
 from eric_epd.testing.stack import metric, wait_for
@@ -53,11 +53,10 @@ def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("erics")
     key = new_key()  # one key for the Erics behind one engine
     main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key,
-                      extra_args=("--transfer-backends", "shm,nixl")).start()
-    doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log", api_key=key).start()
-    yield main, doomed
-    main.stop()
-    doomed.stop()
+                      extra_args=("--transfer-backends", "shm,nixl"))
+    doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log", api_key=key)
+    with running(main, doomed):  # their start-ups overlap
+        yield main, doomed
 
 
 @pytest.fixture(scope="module")
