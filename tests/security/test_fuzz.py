@@ -29,7 +29,7 @@ from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, image_messages
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-EXAMPLES = 30
+EXAMPLES = 20
 """Examples per operation and generation mode (a bounded time in CI)."""
 GATEWAY_KEY = "sk-fuzz"
 
