@@ -21,11 +21,10 @@ from eric_epd.models.facts import ModelFacts, serves_tp
 from eric_epd.models.hf.loader import vision_tensor_names
 from eric_epd.models.hf.omni import HFOmniProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
-from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
-from eric_epd.runtime.work import WorkItem
 from eric_epd.testing.media import audio_samples, random_image, video_frames
+from tests.support.generic_batches import generic_runner, run_batch
 from tests.support.omni_reference import AUDIO_TEXT, omni_rows
 
 Served = tuple[GenericWorkload, GenericRunner]
@@ -73,34 +72,17 @@ def references(qwen2_5_omni_tiny: Path) -> Refs:
 
 @pytest.fixture(scope="module")
 def served(qwen2_5_omni_tiny: Path) -> Served:
-    return _runner(qwen2_5_omni_tiny)
-
-
-def _runner(ckpt: Path, dtype: str = "float32") -> tuple[GenericWorkload, GenericRunner]:
-    config = RuntimeConfig(model=ckpt, dtype=dtype, device="cpu")
-    workload = encoder_workload(config, ModelFacts.from_checkpoint(ckpt))
-    assert isinstance(workload, GenericWorkload)
-    return workload, workload.load(config, torch.device("cpu"), TPContext())
-
-
-def _run(workload: GenericWorkload, runner: GenericRunner, items: list) -> list[torch.Tensor]:
-    """A batch as the engine hands it to a worker: validated work items, their frames concatenated (float32)."""
-    work: list[WorkItem] = [work_item(f"item{i}", it, 0, 0) for i, it in enumerate(items)]
-    for w, it in zip(work, items):
-        assert workload.validate(w, it.pixel_values.nbytes) is None
-    inputs = torch.cat([torch.from_numpy(it.pixel_values) for it in items])
-    with torch.inference_mode():
-        return runner.run(work, inputs)
+    return generic_runner(qwen2_5_omni_tiny)
 
 
 def _check(workload: GenericWorkload, runner: GenericRunner, items: list, refs: list[torch.Tensor]) -> None:
     """Each item's rows alone, then all of them in one batch, equal the references."""
     assert [it.num_tokens for it in items] == [r.shape[0] for r in refs]
     for item, ref in zip(items, refs):
-        (alone,) = _run(workload, runner, [item])
+        (alone,) = run_batch(workload, runner, [item])
         assert alone.shape == ref.shape and alone.dtype == torch.float32
         assert _relative_error(alone, ref) <= RTOL
-    for i, (ours, ref) in enumerate(zip(_run(workload, runner, items), refs)):
+    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), refs)):
         assert ours.shape == ref.shape, i
         assert _relative_error(ours, ref) <= RTOL, i
 
@@ -145,12 +127,12 @@ def test_video_rows_equal_transformers(processor: HFOmniProcessor, served: Serve
 
 
 def test_bfloat16_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, references: Refs) -> None:
-    workload, runner = _runner(qwen2_5_omni_tiny, "bfloat16")
+    workload, runner = generic_runner(qwen2_5_omni_tiny, "bfloat16")
     audio = [processor.process_audio(wave, rate) for wave, rate in _waves()[:2]]
-    for ours, ref in zip(_run(workload, runner, audio), references["audio"]):
+    for ours, ref in zip(run_batch(workload, runner, audio), references["audio"]):
         assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
         assert _relative_error(ours, ref) <= BF16_RTOL
-    (ours,) = _run(workload, runner, [processor.process_image(_images()[0])])
+    (ours,) = run_batch(workload, runner, [processor.process_image(_images()[0])])
     assert ours.dtype == torch.bfloat16 and _relative_error(ours, references["image"][0]) <= BF16_RTOL
 
 

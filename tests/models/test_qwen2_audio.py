@@ -26,9 +26,9 @@ from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen2_audio import Qwen2AudioTower, Qwen2AudioTowerEncoder, checkpoint_key
 from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
-from eric_epd.runtime.work import WorkItem
 from eric_epd.testing.media import audio_samples
 from tests.support.audio_reference import transformers_audio_rows
+from tests.support.generic_batches import generic_runner, run_batch
 
 RTOL = 1e-5
 """Worst relative error (max |ours - transformers'| / max |transformers'|) in float32: the same sums on the same
@@ -63,22 +63,9 @@ def references(qwen2_audio_tiny: Path, processor: HFAudioProcessor) -> list[torc
 
 
 def _runner(ckpt: Path, dtype: str = "float32") -> tuple[GenericWorkload, GenericRunner]:
-    config = RuntimeConfig(model=ckpt, dtype=dtype, device="cpu")
-    workload = encoder_workload(config, ModelFacts.from_checkpoint(ckpt))
-    assert isinstance(workload, GenericWorkload)
-    runner = workload.load(config, torch.device("cpu"), TPContext())
+    workload, runner = generic_runner(ckpt, dtype)
     assert isinstance(runner.encoder, Qwen2AudioTowerEncoder)  # Eric's own tower, at TP 1 too
     return workload, runner
-
-
-def _run(workload: GenericWorkload, runner: GenericRunner, items: list) -> list[torch.Tensor]:
-    """A batch as the engine hands it to a worker: validated work items, their frames concatenated (float32)."""
-    work: list[WorkItem] = [work_item(f"item{i}", it, 0, 0) for i, it in enumerate(items)]
-    for w, it in zip(work, items):
-        assert workload.validate(w, it.pixel_values.nbytes) is None
-    inputs = torch.cat([torch.from_numpy(it.pixel_values) for it in items])
-    with torch.inference_mode():
-        return runner.run(work, inputs)
 
 
 def test_rows_equal_transformers_alone_and_batched(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
@@ -89,23 +76,23 @@ def test_rows_equal_transformers_alone_and_batched(qwen2_audio_tiny: Path, proce
     kinds = {work_item("k", it, 0, 0).kind for it in items}
     assert kinds == {"audio/input_features:128x3000,feature_attention_mask:3000"}  # every clip joins one forward
     for item, ref in zip(items, references):
-        (alone,) = _run(workload, runner, [item])
+        (alone,) = run_batch(workload, runner, [item])
         assert alone.shape == ref.shape and alone.dtype == torch.float32
         assert _relative_error(alone, ref) <= RTOL
-    for i, (ours, ref) in enumerate(zip(_run(workload, runner, items), references)):
+    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references)):
         assert ours.shape == ref.shape, i
         assert _relative_error(ours, ref) <= RTOL, i
     # without the 31 s clip the tower runs over the first clip's 300 frames and two more (304), not 3000
     mel_lengths = torch.tensor([int(it.pixel_values[-3000:].sum()) for it in items[:3]])  # each mask, flat at the end
     assert whisper_frames_needed(mel_lengths, 3000) == 304
-    for i, (ours, ref) in enumerate(zip(_run(workload, runner, items[:3]), references)):
+    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items[:3]), references)):
         assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, i
 
 
 def test_bfloat16_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor, references: list[torch.Tensor]) -> None:
     workload, runner = _runner(qwen2_audio_tiny, "bfloat16")
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()[:2]]
-    for ours, ref in zip(_run(workload, runner, items), references):
+    for ours, ref in zip(run_batch(workload, runner, items), references):
         assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
         assert _relative_error(ours, ref) <= BF16_RTOL
 
@@ -117,7 +104,7 @@ def test_transformers_classes_give_the_same_rows(qwen2_audio_tiny: Path, process
     workload, _ = _runner(qwen2_audio_tiny)
     runner = GenericRunner(HFAudioEncoder.load(qwen2_audio_tiny, torch.float32, "cpu"))
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
-    for i, (ours, ref) in enumerate(zip(_run(workload, runner, items), references)):
+    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references)):
         assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, i
 
 
