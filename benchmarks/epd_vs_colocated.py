@@ -274,11 +274,11 @@ def capacity_alone(prof: Profile, traffic: Traffic) -> dict[str, float]:
 def cost_check(prof: Profile) -> dict[str, float]:
     """The checkpoint's FLOP ratios beside the same ratios in measured seconds on one share: prefill seconds per token
     (the profile's fit) over Eric's seconds per image token (saturated) and over vLLM's own encoder's; decode: TPOT
-    per token at the largest batch profiled over Eric's seconds per image token."""
+    per token at the largest batch profiled (after prompts as long as the mix's) over Eric's seconds per image token."""
     share = prof.shares[0]
     eric_s_per_token = 1.0 / (max(p.items_per_s for p in share.eric) * tokens_per_item(prof))
     engine = EngineModel.from_side(share.engine, False, 2048, 16)
-    decode = max(share.engine.decode, key=lambda d: d.batch)
+    decode = max(share.engine.decode, key=lambda d: (d.batch, d.context_tokens))
     return {**{f"flops_{k}": v for k, v in prof.cost_ratios.items()},
             "measured_prefill_over_eric": engine.slope_s / eric_s_per_token,
             "measured_prefill_over_vllm_encoder": engine.slope_s / share.engine.own_encoder_s_per_image_token,

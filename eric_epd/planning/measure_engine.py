@@ -1,6 +1,7 @@
 """The engine's side on one device share, measured through `vllm serve`'s OpenAI API: prefill time against prompt
 length with the images as precomputed embeddings (random tensors of the model's width, so no encoder runs), TPOT
-against the number of requests decoding together, and what the engine's own encoder adds per raw image."""
+against the number of requests decoding together (after a short prompt and after one as long as the mix's), and
+what the engine's own encoder adds per raw image."""
 
 from __future__ import annotations
 
@@ -93,20 +94,24 @@ class EngineProbe:
             after = self._prefill_totals()
         return seconds, after[0] - before[0], int(r.json()["usage"]["prompt_tokens"])
 
-    async def _stream_tpot(self, client: httpx.AsyncClient, body: dict) -> float:
+    async def _stream_stamps(self, client: httpx.AsyncClient, body: dict) -> list[float]:
         stamps: list[float] = []
         async with client.stream("POST", self.vllm.url + "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
                     stamps.append(time.perf_counter())
-        return (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+        return stamps
 
-    async def _decode_together(self, batch: int, output_tokens: int) -> float:
+    async def _decode_together(self, batch: int, output_tokens: int, words: int) -> float:
+        """The median TPOT of `batch` requests started together, over the tokens after the last of them began to
+        decode (before that, steps also hold the others' prefill)."""
         async with httpx.AsyncClient(timeout=600, headers=self.vllm.headers) as client:
-            tpots = await asyncio.gather(*(self._stream_tpot(client, self.body([], output_tokens, stream=True))
-                                           for _ in range(batch)))
-        return statistics.median(tpots)
+            streams = await asyncio.gather(*(self._stream_stamps(client, self.body([], output_tokens, True, words))
+                                             for _ in range(batch)))
+        start = max(s[0] for s in streams)
+        windows = [w for w in ([t for t in s if t >= start] for s in streams) if len(w) > 2]
+        return statistics.median((w[-1] - w[0]) / (len(w) - 1) for w in windows)
 
     async def _all_at_once(self, bodies: list[dict]) -> float:
         async with httpx.AsyncClient(timeout=1800, headers=self.vllm.headers) as client:
@@ -132,10 +137,15 @@ class EngineProbe:
         bodies = [self.body([], traffic.output_tokens, words=words) for _ in range(requests)]
         return requests / asyncio.run(self._all_at_once(bodies))
 
-    def decode_point(self, batch: int, output_tokens: int) -> DecodePoint:
-        """`batch` text requests started together: the median of their TPOTs (median over REPEATS runs)."""
-        runs = [asyncio.run(self._decode_together(batch, output_tokens)) for _ in range(REPEATS)]
-        return DecodePoint(batch=batch, tpot_s=statistics.median(runs))
+    def prompt_tokens(self, words: int) -> int:
+        """Prompt tokens of a text-only request with `words` words of filler."""
+        return self.timed(self.body([], 1, words=words))[2]
+
+    def decode_point(self, batch: int, output_tokens: int, words: int = 16) -> DecodePoint:
+        """`batch` text requests of `words` words of filler started together: the median of their TPOTs once all
+        decode (median over REPEATS runs)."""
+        runs = [asyncio.run(self._decode_together(batch, output_tokens, words)) for _ in range(REPEATS)]
+        return DecodePoint(batch=batch, tpot_s=statistics.median(runs), context_tokens=self.prompt_tokens(words))
 
 
 def _mix_prompt_tokens(prefill: list[PrefillPoint], traffic: Traffic) -> int:
@@ -148,7 +158,8 @@ def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tupl
                    saturation_requests: int = 16, seed: int = 0) -> EngineSide:
     """Prefill points for 0, 1 and images_per_request images of each side as embeddings; the own encoder's engine
     seconds per image token (raw images minus embeddings, same prompt) and its preprocessing's (the rest of the
-    client's wait); a decode point per batch size; the requests/s of `saturation_requests` of the mix at once."""
+    client's wait); a decode point per batch size after a short prompt and after one as long as the mix's;
+    the requests/s of `saturation_requests` of the mix at once."""
     probe = EngineProbe(vllm, model, seed)
     probe.timed(probe.body([probe.image_part(traffic.sides[0])], 1))  # warm-up: first-call costs
     prefill: list[PrefillPoint] = []
@@ -167,10 +178,11 @@ def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tupl
                 own.append((statistics.median(r[1] for r in raw) - point.engine_seconds) / tokens)
                 preprocess.append((statistics.median(r[0] - r[1] for r in raw)
                                    - (point.seconds - point.engine_seconds)) / tokens)
-    decode = [probe.decode_point(b, max(traffic.output_tokens, 8)) for b in batches]
+    mix_tokens = _mix_prompt_tokens(prefill, traffic)
+    decode = [probe.decode_point(b, max(traffic.output_tokens, 8), words)
+              for words in (16, probe.words_for(mix_tokens)) for b in batches]
     side = EngineSide(prefill=prefill, decode=decode, own_encoder_s_per_image_token=max(statistics.median(own), 0.0),
                       own_preprocess_s_per_image_token=max(statistics.median(preprocess), 0.0),
-                      saturated_requests_per_s=probe.saturated(traffic, saturation_requests,
-                                                               _mix_prompt_tokens(prefill, traffic)))
+                      saturated_requests_per_s=probe.saturated(traffic, saturation_requests, mix_tokens))
     logger.info("engine: %s", side)
     return side

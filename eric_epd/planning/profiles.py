@@ -52,10 +52,12 @@ class PrefillPoint(msgspec.Struct, frozen=True):
 
 
 class DecodePoint(msgspec.Struct, frozen=True):
-    """`batch` requests decoding together: the median time per output token."""
+    """`batch` requests decoding together, each after a prompt of `context_tokens`: the median time per output token
+    once all of them decode (0 context: a short text prompt, as profiles recorded before contexts were)."""
 
     batch: int
     tpot_s: float
+    context_tokens: int = 0
 
 
 class EngineSide(msgspec.Struct, frozen=True):

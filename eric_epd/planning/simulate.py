@@ -1,7 +1,7 @@
 """A discrete-event model of serving one traffic mix, built from a profile: Erics as FIFO servers (a fixed latency
 plus image tokens over their saturated rate), engines as vLLM-style continuous batching (chunked prefill within a
-token budget, decode steps whose time follows the profiled TPOT against batch), and for colocated serving the
-engine's own encoder run inside the step that starts a request's prefill."""
+token budget, decode steps whose time follows the profiled TPOT against batch and context), and for colocated
+serving the engine's own encoder run inside the step that starts a request's prefill."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eric_epd.planning.profiles import EngineSide, EricPoint, Profile, Traffic
+from eric_epd.planning.profiles import DecodePoint, EngineSide, EricPoint, Profile, Traffic
 
 
 @dataclass(frozen=True)
@@ -34,36 +34,14 @@ class EricModel:
 
 
 @dataclass(frozen=True)
-class EngineModel:
-    """One engine: a step takes tpot(b) for its b decoding requests (at least 1) plus `slope_s` per prefill token; a
-    first token reaches its client `request_overhead_s` later (the prefill fit's intercept beyond one step: HTTP,
-    tokenizing, detokenizing); with `encoder_s_per_token` > 0 it also encodes its requests' images (colocated)."""
+class DecodeCurve:
+    """TPOT against batch for requests decoding after prompts of `context` tokens."""
 
-    request_overhead_s: float
-    slope_s: float
+    context: int
     batches: tuple[int, ...]
     tpots: tuple[float, ...]
-    encoder_s_per_token: float = 0.0
-    max_batched_tokens: int = 2048
-    max_seqs: int = 16
 
-    @classmethod
-    def from_side(cls, side: EngineSide, colocated: bool, max_batched_tokens: int, max_seqs: int) -> EngineModel:
-        """Least squares over the prefill points; the decode points as measured."""
-        x = np.array([p.tokens for p in side.prefill], dtype=float)
-        engine_timed = all(p.engine_seconds > 0 for p in side.prefill)
-        y = np.array([p.engine_seconds if engine_timed else p.seconds for p in side.prefill], dtype=float)
-        slope, intercept = np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(y.mean()))
-        decode = sorted(side.decode, key=lambda d: d.batch)
-        if engine_timed:  # outside the engine: HTTP, the chat template, tokenizing, detokenizing
-            overhead = float(np.median([p.seconds - p.engine_seconds for p in side.prefill]))
-        else:
-            overhead = max(float(intercept) - decode[0].tpot_s, 0.0)
-        return cls(overhead, max(float(slope), 0.0), tuple(d.batch for d in decode),
-                   tuple(d.tpot_s for d in decode), side.own_encoder_s_per_image_token if colocated else 0.0,
-                   max_batched_tokens, max_seqs)
-
-    def decode_step_s(self, batch: int) -> float:
+    def at(self, batch: int) -> float:
         """TPOT at `batch`, interpolated between the profiled batches (linear beyond the last two)."""
         b, t = self.batches, self.tpots
         if len(b) == 1 or batch <= b[0]:
@@ -71,6 +49,53 @@ class EngineModel:
         if batch >= b[-1]:
             return t[-1] + (t[-1] - t[-2]) / (b[-1] - b[-2]) * (batch - b[-1])
         return float(np.interp(batch, b, t))
+
+
+def decode_curves(points: list[DecodePoint]) -> tuple[DecodeCurve, ...]:
+    """One curve per profiled context length, shortest first."""
+    contexts = sorted({p.context_tokens for p in points})
+    return tuple(DecodeCurve(c, tuple(p.batch for p in sorted(points, key=lambda p: p.batch) if p.context_tokens == c),
+                             tuple(p.tpot_s for p in sorted(points, key=lambda p: p.batch) if p.context_tokens == c))
+                 for c in contexts)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """One engine: a step takes the TPOT of its b decoding requests (at least 1) at their mean context, plus `slope_s`
+    per prefill token; a first token reaches its client `request_overhead_s` later (outside the engine: HTTP,
+    tokenizing, detokenizing); with `encoder_s_per_token` > 0 it also encodes its requests' images (colocated)."""
+
+    request_overhead_s: float
+    slope_s: float
+    curves: tuple[DecodeCurve, ...]
+    encoder_s_per_token: float = 0.0
+    max_batched_tokens: int = 2048
+    max_seqs: int = 16
+
+    @classmethod
+    def from_side(cls, side: EngineSide, colocated: bool, max_batched_tokens: int, max_seqs: int) -> EngineModel:
+        """Least squares over the prefill points; the decode points as measured, per context."""
+        x = np.array([p.tokens for p in side.prefill], dtype=float)
+        engine_timed = all(p.engine_seconds > 0 for p in side.prefill)
+        y = np.array([p.engine_seconds if engine_timed else p.seconds for p in side.prefill], dtype=float)
+        slope, intercept = np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(y.mean()))
+        curves = decode_curves(side.decode)
+        if engine_timed:  # outside the engine: HTTP, the chat template, tokenizing, detokenizing
+            overhead = float(np.median([p.seconds - p.engine_seconds for p in side.prefill]))
+        else:
+            overhead = max(float(intercept) - curves[0].tpots[0], 0.0)
+        return cls(overhead, max(float(slope), 0.0), curves,
+                   side.own_encoder_s_per_image_token if colocated else 0.0, max_batched_tokens, max_seqs)
+
+    def decode_step_s(self, batch: int, context: float = 0.0) -> float:
+        """TPOT at `batch` for requests at a mean `context` tokens: linear in context between the shortest and the
+        longest profiled contexts (and beyond the longest), the shortest's curve alone when only one was profiled."""
+        short, long = self.curves[0], self.curves[-1]
+        if long.context == short.context:
+            return short.at(batch)
+        t_short, t_long = short.at(batch), long.at(batch)
+        frac = (max(context, short.context) - short.context) / (long.context - short.context)
+        return max(t_short + (t_long - t_short) * frac, 0.0)
 
 
 @dataclass
@@ -141,7 +166,8 @@ def _step(waiting: list[Request], running: list[Request], engine: EngineModel, n
         budget -= take
     prefill = sum(take for _, take in chunks)
     encode = sum(r.image_tokens for r, _ in chunks if not r.encoded) * engine.encoder_s_per_token
-    seconds = engine.decode_step_s(max(len(decoding), 1)) + engine.slope_s * prefill
+    context = float(np.mean([r.prompt_tokens + r.output_tokens - r.left for r in decoding])) if decoding else 0.0
+    seconds = engine.decode_step_s(max(len(decoding), 1), context) + engine.slope_s * prefill
     seconds += encode
     end = now + seconds
     for r, take in chunks:

@@ -50,6 +50,17 @@ def test_one_request_ttft_is_the_sum_of_its_stages() -> None:
     assert col.ttft_ms["p50"] == pytest.approx(1e3 * (0.01 + 0.164 + 0.128 + 0.04))
 
 
+def test_decode_steps_cost_more_at_longer_contexts() -> None:
+    """Profiled at two contexts (10 ms after 0 tokens, 20 ms after 1000), a step costs linearly in between at its
+    requests' mean context: one request of 164 prompt tokens decodes its 10 tokens at contexts 165..174."""
+    side = EngineSide([PrefillPoint(100, 0.15), PrefillPoint(300, 0.35)],
+                      [DecodePoint(1, 0.01, 0), DecodePoint(8, 0.02, 0), DecodePoint(1, 0.02, 1000),
+                       DecodePoint(8, 0.04, 1000)], 1e-3)
+    prof = msgspec.structs.replace(_profile(), shares=[Share((0,), _profile().shares[0].eric, side)])
+    epd = predict(prof, Layout(1, 1, 1, 1), _config())
+    assert epd.tpot_ms["p50"] == pytest.approx(10.0 + 10.0 * 169.5 / 1000)
+
+
 def test_engine_timed_points_split_engine_work_from_the_rest() -> None:
     """With vLLM's own prefill times in the points, the fit runs on those (1 ms per token) and the rest of each
     request's wait (30 ms here) is its overhead; colocated, the processor's 0.5 ms per raw image token comes first."""
