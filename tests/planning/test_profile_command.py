@@ -38,9 +38,9 @@ def test_profile_then_plan(tmp_path: Path) -> None:
     assert all(0 < p.engine_seconds < p.seconds for p in prefill)  # vLLM's prefill phase is within the wait
     decode = share.engine.decode
     assert [d.batch for d in decode] == [1, 4, 1, 4] and all(d.tpot_s > 0 for d in decode)
-    # a short text prompt, then one as long as the mix's (text, plus every image's rows and its two markers)
+    # the text-only prompt, then one as long as the mix's (text, plus every image's rows and its two markers)
     short, mix = decode[0].context_tokens, decode[2].context_tokens
-    assert decode[1].context_tokens == short < text_only and decode[3].context_tokens == mix
+    assert decode[1].context_tokens == short == text_only and decode[3].context_tokens == mix
     assert abs(mix - (prefill[2].tokens + prefill[5].tokens) / 2) <= 3
     assert share.engine.own_encoder_s_per_image_token >= 0
     assert share.engine.saturated_requests_per_s > 0
