@@ -1,6 +1,6 @@
 """What the generic path's towers of Eric's own share: loading by rank shards (separate q, k, v checkpoint tensors
-into a fused qkv; models/qwen2_audio.py's too), and for the image towers (models/gemma3.py, models/internvl.py)
-square crops of one size in, rows out, behind the encoder interface."""
+into a fused qkv; models/qwen2_audio.py's and models/qwen2_5_omni.py's too), and for the image towers
+(models/gemma3.py, models/internvl.py) square crops of one size in, rows out, behind the encoder interface."""
 
 from __future__ import annotations
 

@@ -51,6 +51,14 @@ def whisper_output_lengths(mel_lengths: torch.Tensor) -> tuple[torch.Tensor, tor
     return positions, (positions - 2) // 2 + 1
 
 
+def pooled_pairs(packed: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The 2-wide average pool (stride 2) over each item's packed positions (`positions` of them per item, items one
+    after another in `packed`), only the first `rows` pairs of each item computed: (sum of rows, dim)."""
+    starts = torch.cumsum(positions, 0) - positions
+    kept = torch.cat([torch.arange(s, s + 2 * r) for s, r in zip(starts.tolist(), rows.tolist())])
+    return packed[kept.to(packed.device)].view(-1, 2, packed.shape[1]).mean(1)
+
+
 class WhisperAttention(nn.Module):
     """Self-attention within each item: q, k and v fused and split by heads (Whisper's k_proj has no bias: its part
     of the fused bias stays zero), out_proj row-parallel (all-reduced)."""
@@ -127,13 +135,10 @@ class WhisperEncoder(nn.Module):
         hidden = self.embedded(features)
         valid = torch.arange(hidden.shape[1])[None, :] < positions[:, None]
         packed = hidden[valid.to(hidden.device)]  # (sum of positions, dim), items in order
-        starts = torch.cumsum(positions, 0) - positions
         plan = VarlenPlan.build([0, *torch.cumsum(positions, 0).tolist()], packed.device)
         for layer in self.layers:
             packed = layer(packed, plan)
-        kept = torch.cat([torch.arange(s, s + 2 * r) for s, r in zip(starts.tolist(), rows.tolist())])
-        pooled = packed[kept.to(packed.device)].view(-1, 2, packed.shape[1]).mean(1)
-        return self.layer_norm(pooled)
+        return self.layer_norm(pooled_pairs(packed, positions, rows))
 
 
 class Qwen2AudioProjector(nn.Module):
@@ -173,7 +178,7 @@ class Qwen2AudioTower(ShardedTower):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """ShardedTower.load_weights, a k_proj bias refused (the tower would drop it), then k's bias part zeroed."""
-        loaded = super().load_weights(_without_key_bias(weights))
+        loaded = super().load_weights(without_key_bias(weights))
         for layer in self.audio_tower.layers:
             layer.self_attn.zero_key_bias()
         return loaded
@@ -192,11 +197,12 @@ class Qwen2AudioTower(ShardedTower):
         return self.multi_modal_projector(self.audio_tower(features, mel_lengths))
 
 
-def _without_key_bias(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """The weights, a KeyError for a k_proj bias (Whisper's k_proj has none, so the tower would compute without it)."""
+def without_key_bias(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The weights, a KeyError for a Whisper layer's k_proj bias (it has none, so the tower would compute without it;
+    Qwen2.5-Omni's audio tower too)."""
     for name, src in weights:
         if name.endswith(".self_attn.k_proj.bias"):
-            raise KeyError(f"unexpected Qwen2-Audio weight {name!r}: Whisper's k_proj has no bias")
+            raise KeyError(f"unexpected weight {name!r}: Whisper's k_proj has no bias")
         yield name, src
 
 

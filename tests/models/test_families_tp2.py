@@ -1,7 +1,8 @@
 """Every Qwen3-generation family against transformers in float32, every DeepStack level included: through a served
 TP-2 Eric, images of odd sizes and a video (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; Qwen3-VL has its own tests); in
 process at TP 1, a video (all four). Gemma 3 and InternVL (the generic path's processor, Eric's own towers) through a
-served TP-2 Eric, images; Qwen2-Audio likewise, audio clips."""
+served TP-2 Eric, images; Qwen2-Audio likewise, audio clips; Qwen2.5-Omni's thinker, audio clips, an image and a
+video."""
 
 from __future__ import annotations
 
@@ -182,3 +183,36 @@ def test_tp2_eric_qwen2_audio_equals_hf(qwen2_audio_tiny: Path, tmp_path: Path) 
         assert item["placement"] == "media" and item["num_tokens"] == mine.shape[0]
         assert mine.shape == ref.shape and mine.dtype == torch.float32
         assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5
+
+
+def test_tp2_eric_qwen2_5_omni_equals_hf(qwen2_5_omni_tiny: Path, tmp_path: Path) -> None:
+    """Qwen2.5-Omni's thinker at --tp 2: two clips (wav at 16 kHz, stereo flac at 44.1 kHz), an image and a video in
+    one request are answered, placed as media, with as many rows as transformers' processor gives their tokens,
+    equal to the full thinker's get_audio_features / get_image_features / get_video_features on the samples vLLM's
+    loader gives, the image and the frames Eric samples (float32, worst relative error 1e-5), read over HTTP with
+    each item's lease."""
+    from vllm.multimodal.media.audio import load_audio
+
+    from tests.support.omni_reference import omni_rows
+
+    clips = [("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2)]
+    encoded = [audio_bytes(frames, rate, channels, fmt, seed=150 + i)
+               for i, (fmt, frames, rate, channels) in enumerate(clips)]
+    image = random_image(200, 150, seed=151)
+    video = video_bytes(num_frames=8, width=64, height=48, fps=4, seed=152)
+    items = [{"modality": "audio", "url": data_url(data, AUDIO_FORMATS[fmt][2])}
+             for data, (fmt, *_) in zip(encoded, clips)]
+    items += [{"modality": "image", "url": data_url(image_bytes(image))},
+              {"modality": "video", "url": data_url(video, "video/mp4")}]
+    card, answered, rows = _served(qwen2_5_omni_tiny, items, tmp_path / "eric.log", "--dtype", "float32",
+                                   "--max-audio-channels", "2")
+    assert card["tp_size"] == 2 and card["placement"] == "media"
+    assert card["modalities"] == ["image", "video", "audio"]
+    decoded = [load_audio(io.BytesIO(data), sr=None) for data in encoded]
+    frames = decode_video(video, MediaLimits(), load_processor(qwen2_5_omni_tiny).frame_indices)[0]
+    refs = omni_rows(qwen2_5_omni_tiny, [(samples, int(rate)) for samples, rate in decoded], [image], [frames])
+    expected = [*refs["audio"], *refs["image"], *refs["video"]]
+    for item, mine, ref in zip(answered, rows, expected, strict=True):
+        assert item["placement"] == "media" and item["num_tokens"] == mine.shape[0]
+        assert mine.shape == ref.shape and mine.dtype == torch.float32
+        assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5, item["modality"]

@@ -1,8 +1,10 @@
 """Qwen2.5-Omni's thinker on Eric's generic path, on the tiny offline checkpoint loaded as a real one is: the worker
-builds and reads only the thinker's audio tower and vision tower, and its rows for audio clips (odd lengths and rates,
-one past the extractor's 300 s), images and a video equal transformers' full thinker's `get_audio_features`,
-`get_image_features` and `get_video_features` on its processor's output, alone and batched; an audio item holds
-exactly the processor's log-mel frames that its mask keeps; TP 1 only."""
+runs Eric's own towers (models/qwen2_5_omni.py: the chunked audio tower and the Qwen2.5-VL vision tower), built from
+and reading only the thinker's tower tensors, and its rows for audio clips (odd lengths and rates, one past the
+extractor's 300 s), images and a video equal transformers' full thinker's `get_audio_features`, `get_image_features`
+and `get_video_features` on its processor's output, alone and batched, at TP 1 in process and TP 2 over gloo in
+spawned processes (each rank holding its shard); transformers' classes (HFOmniEncoder) give them too; an audio item
+holds exactly the processor's log-mel frames that its mask keeps."""
 
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eric_epd.eric.generic import TP_REFUSED, GenericRunner, GenericWorkload
+from eric_epd.eric.generic import GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload, work_item
 from eric_epd.media.resample import resample
 from eric_epd.models.facts import ModelFacts, serves_tp
 from eric_epd.models.hf.loader import vision_tensor_names
-from eric_epd.models.hf.omni import HFOmniProcessor
-from eric_epd.models.hf.tensors import unpack_tensors
+from eric_epd.models.hf.omni import HFOmniEncoder, HFOmniProcessor
+from eric_epd.models.hf.tensors import join_items, unpack_tensors
+from eric_epd.models.layers.parallel import TPContext
+from eric_epd.models.qwen2_5_omni import UNUSED_KEYS, Qwen2_5OmniTowerEncoder, checkpoint_key
 from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.testing.media import audio_samples, random_image, video_frames
@@ -72,7 +76,9 @@ def references(qwen2_5_omni_tiny: Path) -> Refs:
 
 @pytest.fixture(scope="module")
 def served(qwen2_5_omni_tiny: Path) -> Served:
-    return generic_runner(qwen2_5_omni_tiny)
+    workload, runner = generic_runner(qwen2_5_omni_tiny)
+    assert isinstance(runner.encoder, Qwen2_5OmniTowerEncoder)  # Eric's own towers, at TP 1 too
+    return workload, runner
 
 
 def _check(workload: GenericWorkload, runner: GenericRunner, items: list, refs: list[torch.Tensor]) -> None:
@@ -136,35 +142,141 @@ def test_bfloat16_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, refe
     assert ours.dtype == torch.bfloat16 and _relative_error(ours, references["image"][0]) <= BF16_RTOL
 
 
+def test_transformers_classes_give_the_same_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor,
+                                                 served: Served, references: Refs) -> None:
+    """The generic path's transformers encoder (HFOmniEncoder), kept for Omni families without towers of Eric's own,
+    on the same batches."""
+    workload, _ = served
+    runner = GenericRunner(HFOmniEncoder.load(qwen2_5_omni_tiny, torch.float32, "cpu"))
+    batches = {"audio": [processor.process_audio(wave, rate) for wave, rate in _waves()[:3]],
+               "image": [processor.process_image(image) for image in _images()],
+               "video": [processor.process_video(_video())]}
+    for modality, items in batches.items():
+        for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references[modality])):
+            assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, (modality, i)
+
+
 def test_only_the_thinkers_towers_are_built_read_and_hashed(qwen2_5_omni_tiny: Path, served: Served,
                                                             tmp_path: Path) -> None:
     _, runner = served
-    built = {name.split(".")[0] for name, _ in runner.encoder.model.named_parameters()}  # type: ignore[attr-defined]
-    assert built == {"audio_tower", "visual"}
+    tower = runner.encoder.tower  # type: ignore[attr-defined]
+    assert {name.split(".")[0] for name, _ in tower.named_parameters()} == {"audio_tower", "visual"}
     ckpt = tmp_path / "qwen2_5_omni"
     shutil.copytree(qwen2_5_omni_tiny, ckpt)
     names = vision_tensor_names(ckpt)["model.safetensors"]
     tensors = load_file(ckpt / "model.safetensors")
     towers = {n for n in tensors if n.startswith(("thinker.audio_tower.", "thinker.visual."))}  # the released names
     assert set(names) == towers and len(tensors) > len(towers)  # everything else is the language model's
+    assert {checkpoint_key(n) for n in towers} - UNUSED_KEYS == tower.expected_keys()  # what the towers read, all
     base = vision_weights_digest(ckpt)
     language = next(n for n in tensors if n not in towers)
     tensors[language] = tensors[language] + 1
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     assert vision_weights_digest(ckpt) == base
     for part in ("audio_tower.layers.1", "visual.blocks.1"):  # each tower's tensors are hashed
-        tower = next(n for n in towers if part in n)
-        tensors[tower] = tensors[tower] + 1
+        tower_tensor = next(n for n in towers if part in n)
+        tensors[tower_tensor] = tensors[tower_tensor] + 1
         save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
         assert vision_weights_digest(ckpt) != base
         base = vision_weights_digest(ckpt)
 
 
-def test_facts_and_tensor_parallel_refused(qwen2_5_omni_tiny: Path) -> None:
+def test_loader_refusals(qwen2_5_omni_tiny: Path, served: Served) -> None:
+    from eric_epd.models.qwen2_5_omni import Qwen2_5OmniTowers
+
+    released = {n: t for n, t in load_file(qwen2_5_omni_tiny / "model.safetensors").items()
+                if n.startswith(("thinker.audio_tower.", "thinker.visual."))}
+    config = ModelFacts.from_checkpoint(qwen2_5_omni_tiny).config
+    with pytest.raises(KeyError, match="k_proj has no bias"):
+        k_bias = "thinker.audio_tower.layers.0.self_attn.k_proj.bias"
+        Qwen2_5OmniTowers(config).load_weights([*released.items(), (k_bias, torch.zeros(64))])
+    with pytest.raises(KeyError, match=r"missing.*visual\.blocks\.1\.attn\.k_proj\.bias"):
+        k_bias = "thinker.visual.blocks.1.attn.k.bias"  # the vision tower's k has one
+        Qwen2_5OmniTowers(config).load_weights((n, t) for n, t in released.items() if n != k_bias)
+    with pytest.raises(KeyError, match=r"not a Qwen2\.5-Omni audio or vision tower"):
+        Qwen2_5OmniTowers(config).load_weights([("thinker.model.norm.weight", torch.zeros(64))])
+    encoder = served[1].encoder
+    batch = {"input_features": torch.zeros(101, 128), "audio_feature_lengths": torch.tensor([101])}
+    with pytest.raises(RuntimeError, match=r"give \[25\] rows, their specs say \[24\]"):
+        encoder.encode(batch, [24], "audio")
+    with pytest.raises(RuntimeError, match=r"needs \['video_grid_thw'\]"):
+        encoder.encode({"pixel_values_videos": torch.zeros(16, 1176)}, [4], "video")
+
+
+def test_tensor_parallel_is_served_where_the_towers_split(qwen2_5_omni_tiny: Path) -> None:
+    """--tp 2 splits the tiny towers' 2 heads each, the audio FFN and vision MLP of 128; --tp 3 is refused before any
+    process starts."""
     facts = ModelFacts.from_checkpoint(qwen2_5_omni_tiny)
     assert facts.generic and facts.modalities == ("image", "video", "audio") and facts.embedding_width == 64
-    assert not serves_tp("qwen2_5_omni", 2)
+    assert serves_tp("qwen2_5_omni", 2)
     config = RuntimeConfig(model=qwen2_5_omni_tiny, device="cpu", tp_size=2)
-    with pytest.raises(ValueError) as caught:
-        encoder_workload(config, facts)
-    assert str(caught.value) == TP_REFUSED.format(tp=2, model_type="qwen2_5_omni")
+    assert isinstance(encoder_workload(config, facts), GenericWorkload)
+    with pytest.raises(ValueError, match="attention heads 2 is not divisible by tensor-parallel size 3"):
+        encoder_workload(RuntimeConfig(model=qwen2_5_omni_tiny, device="cpu", tp_size=3), facts)
+
+
+# ---- TP 2 over gloo (the spawning pattern of test_qwen2_audio.py) ----------------------------------------------
+
+
+def _tp_worker(rank: int, world: int, port: int, model_dir: str, batches: dict[str, tuple[dict, list[int]]],
+               out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        encoder = Qwen2_5OmniTowerEncoder.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
+        tower = encoder.tower
+        out = {modality: encoder.encode(inputs, rows, modality) for modality, (inputs, rows) in batches.items()}
+        out |= {"audio_qkv": tower.audio_tower.layers[0].self_attn.qkv.weight,
+                "audio_fc2": tower.audio_tower.layers[0].fc2.weight,
+                "vision_qkv": tower.visual.blocks[0].attn.qkv.weight,
+                "vision_qkv_bias": tower.visual.blocks[0].attn.qkv.bias,
+                "vision_up": tower.visual.blocks[0].mlp.up_proj.weight}
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_results(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor,
+                tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from eric_epd.stack.process import free_port
+
+    items = {"audio": [processor.process_audio(wave, rate) for wave, rate in _waves()],
+             "image": [processor.process_image(image) for image in _images()],
+             "video": [processor.process_video(_video())]}
+    batches = {modality: (join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in its]),
+                          [it.num_tokens for it in its]) for modality, its in items.items()}
+    out_dir = tmp_path_factory.mktemp("qwen2-5-omni-tp2")
+    mp.spawn(_tp_worker, args=(2, free_port(), str(qwen2_5_omni_tiny), batches, str(out_dir)), nprocs=2, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+
+
+def test_tp2_rows_equal_transformers_on_every_rank(references: Refs, tp2_results: list[dict]) -> None:
+    """Audio clips of four lengths in one batch, three images in one batch, a video: every rank's rows."""
+    for result in tp2_results:
+        for modality in ("audio", "image", "video"):
+            for i, (ours, ref) in enumerate(zip(result[modality], references[modality], strict=True)):
+                assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, (modality, i)
+    for modality in ("audio", "image", "video"):
+        for a, b in zip(tp2_results[0][modality], tp2_results[1][modality]):
+            assert torch.equal(a, b)  # replicated after the all-reduces
+
+
+def test_tp2_ranks_hold_their_own_shards(qwen2_5_omni_tiny: Path, tp2_results: list[dict]) -> None:
+    """Each rank holds one of the two heads of each tower's q, k and v (the vision tower's from its separate q, k
+    and v tensors, biases included), half of the audio FFN and of the vision MLP."""
+    full = load_file(qwen2_5_omni_tiny / "model.safetensors")
+    audio, vision = "thinker.audio_tower.layers.0", "thinker.visual.blocks.0"
+    for rank, result in enumerate(tp2_results):
+        heads, half = slice(32 * rank, 32 * (rank + 1)), slice(64 * rank, 64 * (rank + 1))
+        assert torch.equal(result["audio_qkv"],
+                           torch.cat([full[f"{audio}.self_attn.{p}_proj.weight"][heads] for p in "qkv"]))
+        assert torch.equal(result["audio_fc2"], full[f"{audio}.fc2.weight"][:, half])
+        assert torch.equal(result["vision_qkv"], torch.cat([full[f"{vision}.attn.{p}.weight"][heads] for p in "qkv"]))
+        bias = torch.cat([full[f"{vision}.attn.{p}.bias"][heads] for p in "qkv"])
+        assert torch.equal(result["vision_qkv_bias"], bias)
+        assert torch.equal(result["vision_up"], full[f"{vision}.mlp.up_proj.weight"][half])
