@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import torch
 from torch import nn
@@ -161,30 +161,36 @@ def check_tower_tp(tower: type[ShardedTower], config: Mapping[str, Any], tp: int
         tower(config, TPContext(0, tp))  # type: ignore[call-arg]
 
 
-class CropTowerEncoder:
-    """A tower behind the generic path's encoder interface (`HFVisionEncoder.encode`): a batch of items' joined
-    processor tensors in, each item's rows out: images, and where `modalities` says so videos whose frames come as
-    crops (InternVL's: vLLM runs them through its image path, one tile a frame). A subclass names its tower
-    class."""
+class TowerEncoder:
+    """A tower of Eric's own behind the generic path's encoder interface (`HFVisionEncoder.encode`): loading this
+    rank's shard, its row width and dtype; a subclass names its tower class and writes `encode`."""
 
-    tower_class: ClassVar[type[CropTower]]
-    modalities: ClassVar[tuple[str, ...]] = ("image",)
-    """What it encodes: images, and for a family whose video frames come as crops also "video"."""
+    tower_class: ClassVar[type[ShardedTower]]
 
-    def __init__(self, tower: CropTower) -> None:
+    def __init__(self, tower: Any) -> None:
         self.tower = tower
-        self.width = tower.width
+        self.width: int = tower.width
         """Row width: the language model's hidden size."""
-        self.dtype = tower.dtype
-        """The dtype the tower was loaded in: pixels go in and rows come out in it."""
+        self.dtype: torch.dtype = tower.dtype
+        """The dtype the tower was loaded in: inputs go in and rows come out in it."""
 
     @classmethod
     def load(
         cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
         config: Mapping[str, Any] | None = None,
-    ) -> CropTowerEncoder:
-        """This rank's shard of the checkpoint's tower and projector (see CropTower.from_checkpoint)."""
+    ) -> Self:
+        """This rank's shard of the checkpoint's tower (see ShardedTower.from_checkpoint)."""
         return cls(cls.tower_class.from_checkpoint(model_dir, tp, dtype, device, config))
+
+
+class CropTowerEncoder(TowerEncoder):
+    """A crop tower behind the encoder interface: a batch of items' joined processor tensors in, each item's rows
+    out: images, and where `modalities` says so videos whose frames come as crops (InternVL's: vLLM runs them through
+    its image path, one tile a frame). A subclass names its tower class."""
+
+    tower_class: ClassVar[type[CropTower]]
+    modalities: ClassVar[tuple[str, ...]] = ("image",)
+    """What it encodes: images, and for a family whose video frames come as crops also "video"."""
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch whose `pixel_values` hold the items' crops (a video's: its

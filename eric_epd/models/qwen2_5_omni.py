@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eric_epd.models.crop_tower import ShardedTower, check_tower_tp
+from eric_epd.models.crop_tower import ShardedTower, TowerEncoder, check_tower_tp
 from eric_epd.models.facts import embedding_width
 from eric_epd.models.layers.attention import VarlenPlan
 from eric_epd.models.layers.parallel import TPContext
@@ -197,25 +196,12 @@ def check_tp(config: Mapping[str, Any], tp: int) -> None:
     check_tower_tp(Qwen2_5OmniTowers, config, tp)
 
 
-class Qwen2_5OmniTowerEncoder:  # noqa: N801 - HF naming
+class Qwen2_5OmniTowerEncoder(TowerEncoder):  # noqa: N801 - HF naming
     """The towers behind the generic path's encoder interface: a batch of one modality's joined processor tensors in
     (audio: `input_features` and `audio_feature_lengths`; images: `pixel_values` and `image_grid_thw`; videos:
     `pixel_values_videos` and `video_grid_thw`), each item's rows out."""
 
-    def __init__(self, tower: Qwen2_5OmniTowers) -> None:
-        self.tower = tower
-        self.width = tower.width
-        """Row width: the language model's hidden size."""
-        self.dtype = tower.dtype
-        """The dtype the towers were loaded in: inputs go in and rows come out in it."""
-
-    @classmethod
-    def load(
-        cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
-        config: Mapping[str, Any] | None = None,
-    ) -> Qwen2_5OmniTowerEncoder:
-        """This rank's shard of the checkpoint's two towers (see ShardedTower.from_checkpoint)."""
-        return cls(Qwen2_5OmniTowers.from_checkpoint(model_dir, tp, dtype, device, config))
+    tower_class = Qwen2_5OmniTowers
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch of one modality whose tensors hold the items one after

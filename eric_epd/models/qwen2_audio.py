@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eric_epd.models.crop_tower import ShardedTower, check_tower_tp
+from eric_epd.models.crop_tower import ShardedTower, TowerEncoder, check_tower_tp
 from eric_epd.models.facts import embedding_width
 from eric_epd.models.hf.audio_encoder import whisper_frames_needed
 from eric_epd.models.layers.activations import get_activation
@@ -212,24 +211,11 @@ def check_tp(config: Mapping[str, Any], tp: int) -> None:
     check_tower_tp(Qwen2AudioTower, config, tp)
 
 
-class Qwen2AudioTowerEncoder:
+class Qwen2AudioTowerEncoder(TowerEncoder):
     """The tower behind the generic path's encoder interface: a batch of audio items' joined feature-extractor
     tensors (`input_features`, `feature_attention_mask`) in, each item's rows out."""
 
-    def __init__(self, tower: Qwen2AudioTower) -> None:
-        self.tower = tower
-        self.width = tower.width
-        """Row width: the language model's hidden size."""
-        self.dtype = tower.dtype
-        """The dtype the tower was loaded in: features go in and rows come out in it."""
-
-    @classmethod
-    def load(
-        cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
-        config: Mapping[str, Any] | None = None,
-    ) -> Qwen2AudioTowerEncoder:
-        """This rank's shard of the checkpoint's audio tower and projector (see ShardedTower.from_checkpoint)."""
-        return cls(Qwen2AudioTower.from_checkpoint(model_dir, tp, dtype, device, config))
+    tower_class = Qwen2AudioTower
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "audio") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch whose tensors hold the items one after another along dim 0;
