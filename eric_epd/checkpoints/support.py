@@ -67,7 +67,9 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen2-Audio", "qwen2_audio", "tests/vllm/test_audio_epd.py", "tests/sglang/test_sglang_audio.py"),
     FamilySupport("Qwen2.5-Omni (thinker)", "qwen2_5_omni", "tests/vllm/test_omni_epd.py",
-                  "not yet run (SGLang 0.5.23 serves its audio through the encoder protocol)"),
+                  "not supported by SGLang 0.5.23 (`tests/sglang/test_sglang_audio.py`: Eric's audio, image and "
+                  "video rows reach its receiver, but it has no Qwen2.5-Omni model or processor: with --model-impl "
+                  "auto its receiver finds no processor, with transformers the fallback's get_mm_data fails)"),
 )
 """Every family, hand-written towers first."""
 

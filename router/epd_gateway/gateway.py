@@ -168,9 +168,9 @@ class Gateway:
     async def _sglang_chat(self, plain: RawBody, headers: dict[str, str], refs: list[MediaRef]) -> tuple[str, Response]:
         """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so
         the request goes there (media inlined, as everywhere an engine sees it); if that prefill fails, a plain
-        prefill encodes the raw media. Audio takes the plain path: Eric's SGLang routes encode no audio."""
-        if (len(refs) < self.config.epd_min_items or not self.config.epd_prefill_urls
-                or any(ref.modality == "audio" for ref in refs)):
+        prefill encodes the raw media. Audio items (`input_audio`, `audio_url`) count and go as images do: Eric's
+        SGLang routes encode a model's audio, and a request with audio and images takes one path, whole."""
+        if len(refs) < self.config.epd_min_items or not self.config.epd_prefill_urls:
             return "pd", await self._plain(plain, headers)
         try:
             response = await self._plain(plain, headers, sglang_epd=True)

@@ -1,10 +1,12 @@
 """The gateway with --backend sglang: EPD requests go unchanged to the --language-only prefills (SGLang has the
-Erics encode them through its own --encoder-urls protocol, tested in test_sglang_adapter.py), the rest to plain
-prefills, each joined to decode by one bootstrap room. SGLang's servers are SglangServerStandIn (it cannot run a
-model here); the gateway and the openai client are real."""
+Erics encode them through its own --encoder-urls protocol, tested in test_sglang_adapter.py and, for audio,
+test_sglang_audio.py), the rest to plain prefills, each joined to decode by one bootstrap room. Audio parts
+(`input_audio`, `audio_url`) count and go as images do; a request with audio and images takes one path.
+SGLang's servers are SglangServerStandIn (it cannot run a model here); the gateway and the openai client are real."""
 
 from __future__ import annotations
 
+import base64
 import sys
 from pathlib import Path
 
@@ -13,10 +15,23 @@ import pytest
 
 from eric_epd.stack.process import ServerProcess, free_port
 from eric_epd.stack.servers import GatewayServer
-from eric_epd.testing.media import image_data_url
+from eric_epd.testing.media import audio_bytes, data_url, image_data_url
 from eric_epd.testing.stack import ask, gateway_paths, image_messages
 
 IMAGES = [image_data_url(40 + 8 * i, 40, seed=i) for i in range(3)]
+CLIPS = [audio_bytes(16000 + 333 * i, 16000, 1, "wav", seed=i) for i in range(2)]
+
+
+def audio_messages(parts: list[dict], text: str = "What do you hear?") -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def input_audio(wav: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+
+
+def audio_url(wav: bytes) -> dict:
+    return {"type": "audio_url", "audio_url": {"url": data_url(wav, "audio/wav")}}
 
 
 class SglangServerStandIn(ServerProcess):
@@ -91,3 +106,42 @@ def test_unknown_paths_and_methods_get_json_errors(sglang) -> None:
     assert "/v1/nothing" in r.json()["error"]["message"]
     r = httpx.get(sglang["gateway"].url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_audio_parts_go_to_the_language_only_prefill_as_images_do(sglang) -> None:
+    """Two clips (an input_audio and an audio_url part), and a clip with an image: each request goes whole and
+    unchanged to the language-only prefill (whose --encoder-urls Erics encode every item), joined to decode; none
+    reaches the plain prefill. One clip alone (below --epd-min-items 2) goes to the plain prefill, as one image does."""
+    gw = sglang["gateway"].url
+    plain_before = len(sglang["prefill"].requests())
+    before = gateway_paths(gw)
+    image = {"type": "image_url", "image_url": {"url": IMAGES[0]}}
+    for parts in ([input_audio(CLIPS[0]), audio_url(CLIPS[1])], [image, input_audio(CLIPS[1])]):
+        messages = audio_messages(parts)
+        assert ask(gw, messages).choices[0].message.content == "answer from decode"
+        sent, decoded = _last(sglang["lang_only"]), _last(sglang["decode"])
+        assert sent["messages"] == messages
+        assert sent["bootstrap_room"] == decoded["bootstrap_room"] and decoded["messages"] == messages
+    assert len(sglang["prefill"].requests()) == plain_before
+    after = gateway_paths(gw)
+    assert after.get("epd", 0) - before.get("epd", 0) == 2
+    one = audio_messages([audio_url(CLIPS[0])])
+    assert ask(gw, one).choices[0].message.content == "answer from decode"
+    assert _last(sglang["prefill"])["messages"] == one
+    assert gateway_paths(gw).get("pd", 0) - after.get("pd", 0) == 1
+
+
+def test_failing_language_only_prefill_sends_audio_and_image_whole_to_the_plain_prefill(sglang) -> None:
+    """A clip and an image whose language-only prefill fails: both go, as the client sent them, to the plain
+    prefill (SGLang's own encoder path), never split between the two."""
+    gw = sglang["gateway"].url
+    before = gateway_paths(gw)
+    messages = audio_messages([input_audio(CLIPS[0]), {"type": "image_url", "image_url": {"url": IMAGES[1]}}])
+    sglang["lang_only"].fail(True)
+    try:
+        assert ask(gw, messages).choices[0].message.content == "answer from decode"
+    finally:
+        sglang["lang_only"].fail(False)
+    assert _last(sglang["lang_only"])["messages"] == messages
+    assert _last(sglang["prefill"])["messages"] == messages
+    assert gateway_paths(gw).get("fallback", 0) - before.get("fallback", 0) == 1

@@ -106,7 +106,8 @@ class PartRows:
 
 def audio_grid(part: Part) -> list[int]:
     """An audio part's grid as SGLang's encoder sends it: each item's feature frames (audio_feature_lens_raw), from
-    which SGLang's Qwen2-Audio and Qwen2.5-Omni processors compute the item's token count; [] for other parts."""
+    which SGLang's Qwen2-Audio processor (and its Qwen-VL one's qwen2_5_omni branch) compute the item's token count;
+    [] for other parts."""
     req = part.request
     if req is None or req.modality.upper() != "AUDIO":
         return []

@@ -135,7 +135,8 @@ class PrefillHost:
         from eric_epd.plugins.sglang import plugin
 
         os.environ.pop(plugin.ENV, None)
-        args = server_args(job.model, job.backend, [] if job.use_bootstrap else job.encoder_urls, job.tp, job.dtype)
+        args = server_args(job.model, job.backend, [] if job.use_bootstrap else job.encoder_urls, job.tp, job.dtype,
+                           job.model_impl)
         publish(args, role="tokenizer")
         model_config = ModelConfig.from_server_args(args)
         import_processors("sglang.srt.multimodal.processors")
@@ -181,7 +182,7 @@ class PrefillHost:
         rank_job = msgspec.msgpack.encode(RankJob(
             model=job.model, backend=job.backend, encoder_urls=list(obj.encoder_urls), rid=obj.rid, prompt=job.prompt,
             num_items_assigned={m.name: list(v) for m, v in obj.num_items_assigned.items()}, env=job.env,
-            dtype=job.dtype, timeout_s=job.timeout_s))
+            dtype=job.dtype, timeout_s=job.timeout_s, model_impl=job.model_impl))
         with self._send_lock:
             for conn in ranks:
                 conn.send_bytes(rank_job)

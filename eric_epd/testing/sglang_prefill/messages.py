@@ -42,6 +42,9 @@ class Outcome(msgspec.Struct, kw_only=True):
     audio_feature_lens: list[int] = msgspec.field(default_factory=list)
     """The audio items' feature frames the receiver handed SGLang's processor (flattened over parts)."""
     extra: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    received: dict[str, Tensor] = msgspec.field(default_factory=dict)
+    """Per modality (AUDIO, IMAGE, VIDEO), the rows the receiver assembled from the parts and handed SGLang's
+    processor, set on a failed outcome too when the processor itself failed on them."""
     rank: int = -1
     engine: str = ""
 
@@ -61,6 +64,7 @@ class Job(msgspec.Struct, kw_only=True):
     use_bootstrap: bool = False
     local_reference: bool = False
     dtype: str = "auto"  # the prefill's --dtype
+    model_impl: str = "auto"  # the prefill's --model-impl
     timeout_s: float = 120.0
 
 
@@ -82,6 +86,7 @@ class RankJob(msgspec.Struct, tag=True, kw_only=True):
     env: dict[str, str]
     dtype: str
     timeout_s: float
+    model_impl: str = "auto"
 
 
 class RankEvent(msgspec.Struct, tag=True, kw_only=True):

@@ -15,30 +15,44 @@ from eric_epd.testing.sglang_prefill.messages import Outcome, RankEvent, RankJob
 
 def outcome_from_mm(mm: Any, captured: dict[str, Any], rank: int = -1, engine: str = "") -> Outcome:
     """The outcome of a receiver that got its multimodal inputs: embeddings, ids, M-RoPE, grids and extras."""
+    return Outcome(ok=True, embeddings=[pack(i.precomputed_embeddings) for i in mm.mm_items],
+                   modalities=[i.modality.name for i in mm.mm_items], input_ids=[int(x) for x in mm.input_ids],
+                   mrope=pack(mm.mrope_positions) if mm.mrope_positions is not None else None, rank=rank,
+                   engine=engine, **captured_fields(captured))
+
+
+def outcome_of_failure(message: str, code: int | None, captured: dict[str, Any], rank: int = -1,
+                       engine: str = "") -> Outcome:
+    """The outcome of an aborted request, with what the receiver handed SGLang's processor if it got that far."""
+    received = {m.name: pack(t) for m, t in (captured.get("embeddings") or {}).items() if t is not None}
+    return Outcome(ok=False, error_msg=message, error_code=code, received=received, rank=rank, engine=engine,
+                   **captured_fields(captured))
+
+
+def captured_fields(captured: dict[str, Any]) -> dict[str, Any]:
+    """Outcome's grid, audio_feature_lens and extra fields from the kwargs the receiver handed the processor."""
     grid = {k: v.tolist() for k, v in captured.items() if k.endswith("grid_thw") and v is not None}
     extra = {k: [float(x) for x in v] for k, v in captured.items() if k == "second_per_grid_ts" and v is not None}
     if captured.get("video_timestamps") is not None:  # one list per video: flattened, in order
         extra["video_timestamps"] = [float(x) for video in captured["video_timestamps"] for x in video]
     lens = captured.get("audio_feature_lens")
-    return Outcome(ok=True, embeddings=[pack(i.precomputed_embeddings) for i in mm.mm_items],
-                   modalities=[i.modality.name for i in mm.mm_items], input_ids=[int(x) for x in mm.input_ids],
-                   mrope=pack(mm.mrope_positions) if mm.mrope_positions is not None else None, grid=grid,
-                   audio_feature_lens=[int(x) for x in lens.flatten()] if lens is not None else [],
-                   extra=extra, rank=rank, engine=engine)
+    return {"grid": grid, "extra": extra,
+            "audio_feature_lens": [int(x) for x in lens.flatten()] if lens is not None else []}
 
 
 def spy_grids(mm_processor: Any, captured: dict[str, Any]) -> None:
-    """Record the kwargs the receiver hands SGLang's processor (grids, video metadata); behaviour unchanged."""
+    """Record the kwargs the receiver hands SGLang's processor (grids, video metadata) and, as "embeddings", the
+    rows by modality; behaviour unchanged."""
     real = mm_processor.get_validated_mm_data
 
     def spy(prompt: Any, embeddings: Any, **kwargs: Any) -> Any:
-        captured.update(kwargs)
+        captured.update(kwargs, embeddings={m: t.detach().clone() for m, t in embeddings.items()})
         return real(prompt, embeddings, **kwargs)
 
     mm_processor.get_validated_mm_data = spy
 
 
-def server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: str) -> Any:
+def server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: str, model_impl: str = "auto") -> Any:
     """SGLang's resolved server arguments of a CPU language-only prefill using these encoders (the hybrid Qwen3.5
     models' radix cache without state snapshots, which SGLang's CPU platform lacks: "extra_buffer requires platform
     support for Mamba cache state snapshots", and so without the overlap schedule; GPUs resolve "auto" to extra_buffer;
@@ -47,7 +61,7 @@ def server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: s
 
     args = ServerArgs(model_path=job_model, language_only=True, encoder_urls=urls, encoder_transfer_backend=backend,
                       device="cpu", host="127.0.0.1", tp_size=tp, dtype=dtype, mamba_radix_cache_strategy="no_buffer",
-                      disable_overlap_schedule=True)
+                      disable_overlap_schedule=True, model_impl=model_impl)
     args.resolve_once()
     return args
 
@@ -125,7 +139,7 @@ def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, deco
 
     os.environ.pop(plugin.ENV, None)
     os.environ.update(cmd.env)
-    args = server_args(cmd.model, cmd.backend, cmd.encoder_urls, tp, cmd.dtype)
+    args = server_args(cmd.model, cmd.backend, cmd.encoder_urls, tp, cmd.dtype, cmd.model_impl)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
     if not torch.distributed.is_initialized():  # SGLang's own TP group, on gloo
         parallel_state.init_distributed_environment(world_size=tp, rank=world_rank, local_rank=world_rank,
@@ -163,8 +177,7 @@ def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, deco
             return outcome_from_mm(ready[0].mm_inputs, captured, world_rank, engine_name)
         if aborts:
             _, message, code = aborts[0]
-            return Outcome(ok=False, error_msg=str(message), error_code=int(code) if code else None,
-                           rank=world_rank, engine=engine_name)
+            return outcome_of_failure(str(message), int(code) if code else None, captured, world_rank, engine_name)
         if time.monotonic() > deadline:
             return Outcome(ok=False, error_msg="harness: no outcome in time", rank=world_rank)
         time.sleep(0.005)
