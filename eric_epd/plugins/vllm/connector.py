@@ -306,7 +306,7 @@ class EricECConnector(ECConnectorBase):
 
     def _load(self, load: EricLoad) -> torch.Tensor:
         """The copy this rank made when the item landed (nothing is allocated in a step, so nothing fails here)."""
-        copy = self._area.take(load.staged.offset, load.mm_hash)
+        copy = self._area.take(load.staged.offset, load.staged.content or load.mm_hash)
         if copy is not None:
             if copy.is_cuda:  # made on the landing stream, used and freed on this one
                 copy.record_stream(torch.cuda.current_stream(copy.device))
