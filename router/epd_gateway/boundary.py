@@ -21,7 +21,7 @@ STEERING_FIELDS = frozenset({
 })
 """Request fields that steer vLLM's or SGLang's internals (KV/EC transfer, processor and media settings, request
 identity and placement, sessions, adapters, server-side code): the gateway writes them itself where needed, a client
-never does."""
+never does (but for one processor option on chat requests: `audio_in_video`)."""
 
 PART_KEYS = {
     "text": {"type", "text"},
