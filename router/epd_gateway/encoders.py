@@ -288,8 +288,7 @@ class EncoderPool:
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
         member.inflight_items += len(refs)
-        body = encode_body([EncodeItem(str(i), r.modality, r.url, r.with_audio)  # type: ignore[arg-type]
-                            for i, r in enumerate(refs)])
+        body = encode_body([EncodeItem(str(i), r.modality, r.url, r.with_audio) for i, r in enumerate(refs)])
         try:
             resp = await self._post_encode(url, body)
         except httpx.HTTPError as e:

@@ -3,7 +3,9 @@ URLs under the URL policy). Qwen2-Audio (tiny, offline) behind real Eric and rea
 two clips go EPD and one clip the plain path, both answering what vLLM answers on its own; a model without audio
 (Qwen2-VL) gets a 400 naming audio and keeps serving. A request with audio and images takes one path, all its items
 to the Erics or none (checked here on the gateway's own decision; a real one, Qwen2.5-Omni's clip and image down the
-EPD path, in tests/vllm/test_omni_epd.py)."""
+EPD path, in tests/vllm/test_omni_epd.py). A video with `use_audio_in_video` (the one processor option a client may
+set) goes to the Erics asking for its soundtrack, and the engine gets the option, both handles and the pair; Erics
+without audio leave it to the engine, and a model without audio or another option is a 400."""
 
 from __future__ import annotations
 
