@@ -121,8 +121,9 @@ class EricECConnector(ECConnectorBase):
         address = LandingAddress(vllm_config.instance_id, parallel.data_parallel_rank)
         if role == ECConnectorRole.SCHEDULER:
             self._width = model_embedding_width(vllm_config.model_config)
-            mm_config = vllm_config.model_config.multimodal_config
-            self._hashing = (getattr(mm_config, "mm_hasher_algorithm", "blake3"), vllm_config.model_config.model)
+            model = vllm_config.model_config
+            mm_config = getattr(model, "multimodal_config", None)
+            self._hashing = (getattr(mm_config, "mm_hasher_algorithm", "blake3"), str(getattr(model, "model", "")))
             """How vLLM's processor hashes items (algorithm, model id): what aliases.py names them by."""
             self._trust = TrustedProducers(settings.eric_urls, settings.eric_dns, settings.dns_interval_s)
             self._leases = LeaseClient(settings.api_key, settings.lookup_timeout_s)
