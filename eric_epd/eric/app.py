@@ -68,17 +68,32 @@ def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> EncodeItem
     item_id = str(item_id)
     if len(item_id) > MAX_ID:
         raise ApiError(400, f"item {index}: the id is {len(item_id)} characters long, over the limit of {MAX_ID}")
-    return EncodeItem(item_id, modality, url)
+    return EncodeItem(item_id, modality, url, _soundtrack_asked(index, raw, modalities))
+
+
+def _soundtrack_asked(index: int, raw: dict, modalities: tuple[str, ...]) -> bool:
+    """An item's `use_audio_in_video`: a boolean, true only on a video for a model that takes audio too."""
+    asked = raw.get("use_audio_in_video", False)
+    if not isinstance(asked, bool):
+        raise ApiError(400, f"item {index}: field 'use_audio_in_video' must be a boolean")
+    if asked and raw.get("modality") != "video":
+        raise ApiError(400, f"item {index}: 'use_audio_in_video' is for a video, not {clip(raw.get('modality'))}")
+    if asked and "audio" not in modalities:
+        raise ApiError(400, f"item {index}: this model takes no audio, so not a video's soundtrack "
+                            "('use_audio_in_video')")
+    return asked
 
 
 def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:
-    """The wire form of one answered item, placed by the engine as `placement` says (ModelFacts.placement)."""
+    """The wire form of one answered item (and of its soundtrack), placed by the engine as `placement` says
+    (ModelFacts.placement)."""
     handle, item = answer.handle, answer.prepared.item
     return EncodedItem(
         id=answer.request.id, modality=answer.request.modality, hash=handle.hash, shape=list(handle.shape),
         dtype=handle.dtype, num_tokens=item.num_tokens, grid_thw=list(item.grid_thw), handle=handle,
         second_per_grid_ts=item.second_per_grid_ts,
-        timestamps=list(item.timestamps) if item.timestamps is not None else None, placement=placement)
+        timestamps=list(item.timestamps) if item.timestamps is not None else None, placement=placement,
+        soundtrack=encoded_item(answer.soundtrack, placement) if answer.soundtrack is not None else None)
 
 
 def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[[], bool], hub: TransferHub

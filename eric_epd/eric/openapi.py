@@ -31,10 +31,14 @@ def _body(schema: dict[str, Any], required: bool = True) -> dict[str, Any]:
     return {"required": required, "content": {JSON: {"schema": schema}}}
 
 
+SOUNDTRACK = {"type": "boolean", "description": "a video's soundtrack too, answered as its 'soundtrack'"}
+
+
 def _encode_body(modalities: list[str], max_items: int) -> dict[str, Any]:
     item = {"type": "object", "required": ["modality", "url"], "properties": {
         "id": {"anyOf": [{"type": "string", "maxLength": MAX_ID}, {"type": "integer"}]},
-        "modality": {"enum": modalities}, "url": {"type": "string", "minLength": 1}}}
+        "modality": {"enum": modalities}, "url": {"type": "string", "minLength": 1},
+        **({"use_audio_in_video": SOUNDTRACK} if "audio" in modalities else {})}}
     return {"type": "object", "required": ["items"], "properties": {
         "items": {"type": "array", "items": item, "minItems": 1, "maxItems": max_items}}}
 

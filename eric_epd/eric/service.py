@@ -32,10 +32,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class ItemAnswer:
-    """One encoded item's answer: the request item, what preprocessing made of it, and its leased handle."""
+    """One encoded item's answer: the request item, what preprocessing made of it, and its leased handle (and a
+    video's soundtrack, asked with `use_audio_in_video`: an audio item's answer of its own)."""
     request: EncodeItem
     prepared: PreparedItem
     handle: EmbeddingHandle
+    soundtrack: ItemAnswer | None = None
 
 
 @dataclass(frozen=True)
@@ -90,21 +92,28 @@ class EncodeService:
         """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in."""
         start = time.perf_counter()
         prepared = await self._prepare(items)
-        handles = await self._embed(prepared, clock or RequestClock())
+        handles = await self._embed([p for pair in prepared for p in pair if p is not None], clock or RequestClock())
         self._metrics.observe_request(time.perf_counter() - start)
-        return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
+        return [ItemAnswer(r, p, handles[p.hash], _soundtrack_answer(r, track, handles))
+                for r, (p, track) in zip(items, prepared)]
 
-    async def _prepare(self, items: list[EncodeItem]) -> list[PreparedItem]:
-        """Every item fetched (concurrently), then decoded, preprocessed and hashed; the first failure is a 4xx
-        naming its item."""
+    async def _prepare(self, items: list[EncodeItem]) -> list[tuple[PreparedItem, PreparedItem | None]]:
+        """Every item fetched (concurrently), then decoded, preprocessed and hashed, each with its soundtrack where
+        asked (an audio item decoded from the same bytes); the first failure is a 4xx naming its item."""
         fetched = await asyncio.gather(*(self._fetch(i, item) for i, item in enumerate(items)))
-        results = await self._processor.prepare_many([(item.modality, data) for item, (data, _) in zip(items, fetched)])
-        prepared: list[PreparedItem] = []
+        work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
+        tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
+        results = await self._processor.prepare_many(work + [("audio", work[n][1]) for n in tracks])
+        soundtrack: dict[int, PreparedItem | MediaError] = dict(zip(tracks, results[len(items):]))
+        prepared: list[tuple[PreparedItem, PreparedItem | None]] = []
         for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
-            if isinstance(result, MediaError):
-                raise ApiError(result.status, f"item {index} ({item.id}): {result.message}") from result
+            track = soundtrack.get(index)
+            for got, what in ((result, ""), (track, "its soundtrack (use_audio_in_video): ")):
+                if isinstance(got, MediaError):
+                    raise ApiError(got.status, f"item {index} ({item.id}): {what}{got.message}") from got
+            assert isinstance(result, PreparedItem) and not isinstance(track, MediaError)
             self._metrics.observe_item(seconds, result.seconds)
-            prepared.append(result)
+            prepared.append((result, track))
         return prepared
 
     async def _fetch(self, index: int, item: EncodeItem) -> tuple[bytes, float]:
@@ -360,3 +369,11 @@ class EncodeService:
         quiet = ApiError | asyncio.CancelledError  # the engine's and the pool's errors included; a client that left
         if error is not None and not isinstance(error, quiet):
             logger.warning("encode of %d items failed: %r", len(mine), error)
+
+
+def _soundtrack_answer(request: EncodeItem, track: PreparedItem | None,
+                       handles: dict[str, EmbeddingHandle]) -> ItemAnswer | None:
+    """A video's soundtrack as an audio item's answer (same id), or None where none was asked."""
+    if track is None:
+        return None
+    return ItemAnswer(EncodeItem(request.id, "audio", request.url), track, handles[track.hash])

@@ -10,7 +10,7 @@ import numpy as np
 from eric_epd.media.synthetic import data_url, image_bytes, image_data_url, random_image
 
 __all__ = ["AUDIO_FORMATS", "audio_bytes", "audio_samples", "data_url", "image_bytes", "image_data_url",
-           "random_image", "video_bytes", "video_data_url", "video_frames"]
+           "random_image", "video_bytes", "video_data_url", "video_frames", "video_with_audio_bytes"]
 
 AUDIO_FORMATS = {"wav": ("WAV", "PCM_16", "audio/wav"), "flac": ("FLAC", "PCM_24", "audio/flac"),
                  "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"), "ogg": ("OGG", "VORBIS", "audio/ogg")}
@@ -35,6 +35,29 @@ def video_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+    return buf.getvalue()
+
+
+def video_with_audio_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int = 4,
+                           rate: int = 16000, seed: int = 0) -> bytes:
+    """An MP4 of `video_bytes`' frames (mpeg4) with a mono AAC soundtrack of `audio_samples` as long as the video
+    (the encoder adds its priming and padding: compare decoded samples, not these)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        video = container.add_stream("mpeg4", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = container.add_stream("aac", rate=rate, layout="mono")
+        for frame in video_frames(num_frames, width, height, seed):
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        samples = audio_samples(rate * num_frames // fps, rate, 1, seed).T
+        clip = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp", layout="mono")
+        clip.sample_rate = rate
+        for stream, frame in ((video, None), (audio, clip), (audio, None)):
+            for packet in stream.encode(frame):
+                container.mux(packet)
     return buf.getvalue()
 
 

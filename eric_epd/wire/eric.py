@@ -22,12 +22,15 @@ Modality = Literal["image", "video", "audio"]
 generic path's engine items carry this type (eric/generic.GenericSpec), so another one never decodes."""
 
 
-class EncodeItem(msgspec.Struct, frozen=True):
+class EncodeItem(msgspec.Struct, frozen=True, omit_defaults=True):
     """One media item to encode: a caller-chosen id (echoed back), its modality and its URL (http(s), data, file)."""
 
     id: str
     modality: Modality
     url: str
+    use_audio_in_video: bool = False
+    """A video only, for a model that takes audio: its soundtrack is encoded too, as vLLM's `use_audio_in_video`
+    has it (the first audio stream of the same bytes, decoded as an audio item), and answered as its `soundtrack`."""
 
 
 class EncodeBody(msgspec.Struct, frozen=True):
@@ -54,6 +57,8 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     timestamps: list[float] | None = None
     placement: Placement = GRID
     """Left out on the wire when "grid" (what every Eric answered before the generic path)."""
+    soundtrack: EncodedItem | None = None
+    """A video asked with `use_audio_in_video`: its soundtrack, an audio item of its own (hash, rows, handle)."""
 
 
 class EncodeAnswer(msgspec.Struct, frozen=True):

@@ -11,12 +11,16 @@ import msgspec
 from eric_epd.models.facts import embedding_width
 from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
 
-__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "HandleError", "check_handle", "embedding_width", "handles_xargs",
-           "model_embedding_width", "offered_handles", "offered_producers"]
+__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "SOUNDTRACKS_KEY", "HandleError", "check_handle", "embedding_width",
+           "handles_xargs", "model_embedding_width", "offered_handles", "offered_producers", "offered_soundtracks",
+           "soundtracks_xargs"]
 
 EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
 MAX_HANDLES = 256
+SOUNDTRACKS_KEY = "eric_soundtracks"
+"""Key in vllm_xargs: a JSON object, video hash -> its soundtrack's hash, for videos sent with vLLM's
+`use_audio_in_video` (vLLM names the soundtrack after the video's uuid; both handles are in EXTRA_ARGS_KEY's list)."""
 def handles_xargs(handles: Iterable[dict[str, Any] | EmbeddingHandle]) -> dict[str, str]:
     """The vllm_xargs (or SamplingParams.extra_args) entry that hands `handles` to the connector."""
     return {EXTRA_ARGS_KEY: msgspec.json.encode(list(handles)).decode()}
@@ -59,3 +63,26 @@ def model_embedding_width(model_config: Any) -> int:
     """Width of the rows the model's own encoder hands its language model, from vLLM's model config (its
     transformers config as a dict): the one rule, embedding_width."""
     return embedding_width(model_config.hf_config.to_dict())
+
+
+def soundtracks_xargs(pairs: dict[str, str]) -> dict[str, str]:
+    """The vllm_xargs entry that tells the connector which handle is which video's soundtrack (video hash -> audio
+    hash); none for no pairs."""
+    return {SOUNDTRACKS_KEY: msgspec.json.encode(pairs).decode()} if pairs else {}
+
+
+def offered_soundtracks(extra_args: dict[str, Any] | None, handles: Collection[str]) -> dict[str, str]:
+    """video hash -> soundtrack hash from a request's extra_args, each a pair of `handles` (HandleError otherwise)."""
+    raw = (extra_args or {}).get(SOUNDTRACKS_KEY)
+    if raw is None:
+        return {}
+    try:
+        pairs = msgspec.json.decode(raw if isinstance(raw, str | bytes) else b"", type=dict[str, str])
+    except msgspec.DecodeError as e:
+        raise HandleError(f"{SOUNDTRACKS_KEY} is not a JSON object of hashes: {e}") from e
+    if len(pairs) > MAX_HANDLES:
+        raise HandleError(f"{len(pairs)} soundtracks > {MAX_HANDLES}")
+    stray = next((f"{v[:16]}/{a[:16]}" for v, a in pairs.items() if v not in handles or a not in handles), None)
+    if stray is not None:
+        raise HandleError(f"{SOUNDTRACKS_KEY} pairs {stray}, not both among the request's handles")
+    return pairs

@@ -21,7 +21,7 @@ STEERING_FIELDS = frozenset({
 })
 """Request fields that steer vLLM's or SGLang's internals (KV/EC transfer, processor and media settings, request
 identity and placement, sessions, adapters, server-side code): the gateway writes them itself where needed, a client
-never does."""
+never does (but for one processor option on chat requests: `audio_in_video`)."""
 
 PART_KEYS = {
     "text": {"type", "text"},
@@ -39,12 +39,30 @@ MAX_STRING = 1 << 20
 """Longest id/name-like string accepted anywhere (media data: URLs are bounded by the body limit instead)."""
 
 
-def check_request_fields(body: dict[str, Any]) -> None:
-    """400 for a field only the gateway may write."""
+AUDIO_IN_VIDEO = "use_audio_in_video"
+"""The one processor option a chat request may carry (`mm_processor_kwargs`): its videos bring their soundtracks."""
+
+
+def check_request_fields(body: dict[str, Any], chat: bool = False) -> None:
+    """400 for a field only the gateway may write (a chat request may set `audio_in_video`'s one option)."""
     for name in body:
-        if name in STEERING_FIELDS:
+        if chat and name == "mm_processor_kwargs":
+            audio_in_video(body)
+        elif name in STEERING_FIELDS:
             raise ApiError(400, f"the request field '{name}' is not accepted: it steers the engine's internals "
                                 "and only the gateway sets it", param=name)
+
+
+def audio_in_video(body: dict[str, Any]) -> bool:
+    """A chat request's `mm_processor_kwargs`: absent, or exactly {"use_audio_in_video": <bool>} (vLLM's option that
+    gives each video's soundtrack to the model too); 400 for any other processor option."""
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None:
+        return False
+    if not isinstance(kwargs, dict) or set(kwargs) != {AUDIO_IN_VIDEO} or not isinstance(kwargs[AUDIO_IN_VIDEO], bool):
+        raise ApiError(400, f"the request field 'mm_processor_kwargs' may only be {{\"{AUDIO_IN_VIDEO}\": true}}: "
+                            "other processor options steer the engine's internals", param="mm_processor_kwargs")
+    return kwargs[AUDIO_IN_VIDEO]
 
 
 def check_messages(body: dict[str, Any], allow_embeddings: bool) -> None:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import MediaError, UrlPolicy
 from eric_epd.wire.eric import GRID, MEDIA
-from eric_epd.wire.handoff import handles_xargs
+from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
 """The content part types the gateway routes, by their item's modality."""
@@ -30,6 +30,13 @@ class MediaRef:
     url: str
     kind: str = ""
     """The part's type (image_url, video_url, audio_url, input_audio); empty: `<modality>_url`."""
+    with_audio: bool = False
+    """A video whose soundtrack goes to the model too (vLLM's `use_audio_in_video`): Eric encodes both."""
+
+    @property
+    def modalities(self) -> set[str]:
+        """What the model takes from this item: its modality, and audio for a video with its soundtrack."""
+        return {self.modality, "audio"} if self.with_audio else {self.modality}
 
     @property
     def part_type(self) -> str:
@@ -64,9 +71,11 @@ def _input_audio_url(value: Any, where: str) -> str:
     return f"data:audio/{fmt};base64,{data}"
 
 
-def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> list[MediaRef]:
+def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int,
+                  with_audio: bool = False) -> list[MediaRef]:
     """Every image/video/audio part of a chat request (whose parts boundary.check_messages already validated), each URL
-    through the URL policy; 400 for anything the gateway cannot route."""
+    through the URL policy, each video `with_audio` (its soundtrack too) as the request says; 400 for anything the
+    gateway cannot route."""
     refs: list[MediaRef] = []
     for m, message in enumerate(body["messages"]):
         content = message.get("content")
@@ -81,7 +90,8 @@ def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int) -> li
                     policy.check(url)
                 except MediaError as e:
                     raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
-                refs.append(MediaRef(m, p, MEDIA_PARTS[kind], url, kind))
+                modality = MEDIA_PARTS[kind]
+                refs.append(MediaRef(m, p, modality, url, kind, with_audio and modality == "video"))
     if len(refs) > max_items:
         raise ApiError(400, f"too many media items: {len(refs)} > {max_items}", param="messages")
     return refs
@@ -146,7 +156,14 @@ def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict
             fields["timestamps"] = item["timestamps"]
         content[ref.part] = {"type": kind, kind: fields, "uuid": item["hash"]}
     first: dict[str, Any] = {}
-    for item in items:
+    for item in [*items, *soundtracks(items)]:
         first.setdefault(item["hash"], item["handle"])
-    out["vllm_xargs"] = handles_xargs(first.values())  # one handle per content: one_lease_per_content's choice
+    pairs = {item["hash"]: item["soundtrack"]["hash"] for item in items if item.get("soundtrack")}
+    # one handle per content (one_lease_per_content's choice), and which is which video's soundtrack
+    out["vllm_xargs"] = handles_xargs(first.values()) | soundtracks_xargs(pairs)
     return out
+
+
+def soundtracks(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The soundtracks Eric answered for videos sent with `use_audio_in_video` (audio items of their own)."""
+    return [item["soundtrack"] for item in items if isinstance(item.get("soundtrack"), dict)]

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from epd_gateway.content import MediaRef
+from epd_gateway.content import MediaRef, soundtracks
 from epd_gateway.loadcheck import Completions, believed_load
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
@@ -288,7 +288,7 @@ class EncoderPool:
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
         member.inflight_items += len(refs)
-        body = encode_body([EncodeItem(str(i), r.modality, r.url) for i, r in enumerate(refs)])
+        body = encode_body([EncodeItem(str(i), r.modality, r.url, r.with_audio) for i, r in enumerate(refs)])
         try:
             resp = await self._post_encode(url, body)
         except httpx.HTTPError as e:
@@ -348,7 +348,8 @@ class EncoderPool:
             except (httpx.HTTPError, KeyError) as e:
                 logger.debug("releasing %s failed: %r", handle.get("hash"), e)
 
-        handles = {item["handle"]["lease"]: item["handle"] for item in items if isinstance(item.get("handle"), dict)}
+        handles = {item["handle"]["lease"]: item["handle"] for item in [*items, *soundtracks(items)]
+                   if isinstance(item.get("handle"), dict)}
         await asyncio.gather(*(ack(handle) for handle in handles.values()))
 
     def _record_failure(self, member: EncoderState) -> None:

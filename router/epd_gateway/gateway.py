@@ -14,7 +14,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from epd_gateway.boundary import check_messages, check_request_fields
+from epd_gateway.boundary import audio_in_video, check_messages, check_request_fields
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import (
     MediaRef,
@@ -22,6 +22,7 @@ from epd_gateway.content import (
     inlined_refs,
     one_lease_per_content,
     remote_hosts,
+    soundtracks,
     vllm_can_place,
     with_embeddings,
 )
@@ -86,13 +87,14 @@ class Gateway:
     async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
         """A checked chat request, routed EPD (media encoded by the Erics) or plain: the path taken and the answer."""
         checking = time.perf_counter()
-        check_request_fields(body)
+        check_request_fields(body, chat=True)
         check_messages(body, allow_embeddings=self.config.client_embeddings is not None)
         if self.config.client_embeddings is not None:
             check_embeds_parts(body, self.config.client_embeddings)
-        refs = collect_media(body, self.config.url_policy, self.config.max_items)
+        refs = collect_media(body, self.config.url_policy, self.config.max_items, audio_in_video(body))
         await self._check_hosts(refs)
-        if any(ref.modality == "audio" for ref in refs):
+        modalities = {m for ref in refs for m in ref.modalities}
+        if "audio" in modalities:
             await self._check_takes_audio(body)
         start = time.perf_counter()
         self.metrics.stages.observe("validate", start - checking)
@@ -102,7 +104,7 @@ class Gateway:
         if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
             path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
             return path, await self._plain(plain, headers)
-        if not await self.encoders.serve({r.modality for r in refs}):
+        if not await self.encoders.serve(modalities):
             logger.info("the encoders do not encode every modality of this request; the engine encodes it")
             return "pd", await self._plain(plain, headers)
         try:
@@ -110,7 +112,8 @@ class Gateway:
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return "fallback", await self._plain(plain, headers)
-        spare = one_lease_per_content(items)  # the same content under two URLs: one lease used, the others back
+        # the same content under two URLs: one lease used, the others back (a video's and its soundtrack's alike)
+        spare = one_lease_per_content(items) + one_lease_per_content(soundtracks(items))
         if spare:
             try:
                 await asyncio.shield(self.encoders.release(spare))
@@ -169,8 +172,10 @@ class Gateway:
         """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so
         the request goes there (media inlined, as everywhere an engine sees it); if that prefill fails, a plain
         prefill encodes the raw media. Audio items (`input_audio`, `audio_url`) count and go as images do: Eric's
-        SGLang routes encode a model's audio, and a request with audio and images takes one path, whole."""
-        if len(refs) < self.config.epd_min_items or not self.config.epd_prefill_urls:
+        SGLang routes encode a model's audio, and a request with audio and images takes one path, whole. A video with
+        its soundtrack (`use_audio_in_video`) takes the plain path: Eric's SGLang routes encode no soundtracks."""
+        if (len(refs) < self.config.epd_min_items or not self.config.epd_prefill_urls
+                or any(ref.with_audio for ref in refs)):
             return "pd", await self._plain(plain, headers)
         try:
             response = await self._plain(plain, headers, sglang_epd=True)

@@ -18,7 +18,15 @@ from eric_epd.eric.decode import decode_video
 from eric_epd.media.limits import MediaLimits
 from eric_epd.models.registry import load_processor
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.media import AUDIO_FORMATS, audio_bytes, data_url, image_bytes, random_image, video_bytes
+from eric_epd.testing.media import (
+    AUDIO_FORMATS,
+    audio_bytes,
+    data_url,
+    image_bytes,
+    random_image,
+    video_bytes,
+    video_with_audio_bytes,
+)
 from tests.support.helpers_servers import embedding_rows, encode_items
 from tests.support.omni_reference import omni_rows
 
@@ -32,6 +40,8 @@ IMAGE = (200, 150, 7)
 """(width, height, seed) of its image."""
 VIDEO = dict(num_frames=8, width=64, height=48, fps=4, seed=5)
 """Its video: 2 s, of which vLLM's Qwen2-VL loader (and so Eric) takes 4 frames."""
+TALKIE = dict(num_frames=12, width=64, height=48, fps=4, rate=24000, seed=9)
+"""A 3 s video with a 24 kHz AAC soundtrack (resampled to the extractor's 16 kHz, as vLLM does)."""
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +94,42 @@ def test_bad_audio_gets_a_4xx_and_the_server_keeps_serving(eric: EricServer) -> 
     good = encode_items(eric, [{"modality": "audio", "url": data_url(audio_bytes(16000, 16000, 1, "wav", seed=3),
                                                                  "audio/wav")}])
     assert good.status_code == 200 and good.json()["items"][0]["num_tokens"] == 25, good.text
+
+
+def test_a_video_with_use_audio_in_video_is_answered_with_its_soundtrack(eric: EricServer,
+                                                                         qwen2_5_omni_tiny: Path) -> None:
+    """The video's rows and, as its `soundtrack`, the rows of the audio vLLM's loader decodes from the same bytes
+    (transformers' `get_audio_features` on them); the soundtrack is the item the same bytes give as an audio item."""
+    from vllm.multimodal.media.audio import load_audio
+
+    data = video_with_audio_bytes(**TALKIE)
+    url = data_url(data, "video/mp4")
+    resp = encode_items(eric, [{"id": "talkie", "modality": "video", "url": url, "use_audio_in_video": True},
+                               {"id": "track", "modality": "audio", "url": url}])
+    assert resp.status_code == 200, resp.text
+    video, track = resp.json()["items"]
+    samples, native = load_audio(io.BytesIO(data), sr=None)
+    assert int(native) == TALKIE["rate"] and samples.shape[0] >= TALKIE["rate"] * 3  # the whole track, AAC padding too
+    frames, _, _ = decode_video(data, MediaLimits(), load_processor(qwen2_5_omni_tiny).frame_indices)
+    refs = omni_rows(qwen2_5_omni_tiny, [(samples, int(native))], videos=[frames])
+    sound = video["soundtrack"]
+    assert (video["modality"], sound["modality"], sound["id"]) == ("video", "audio", "talkie")
+    assert sound["hash"] == track["hash"] and sound["num_tokens"] == track["num_tokens"]
+    for answer, ref in ((video, refs["video"][0]), (sound, refs["audio"][0])):
+        assert answer["num_tokens"] == answer["shape"][0] == ref.shape[0]
+        rows = embedding_rows(eric, answer)
+        assert float((rows - ref).abs().max() / ref.abs().max()) <= RTOL, answer["modality"]
+    assert "soundtrack" not in track
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ({"modality": "video", "url": data_url(video_bytes(seed=6), "video/mp4"), "use_audio_in_video": True},
+     "soundtrack (use_audio_in_video): could not decode audio: no audio stream"),
+    ({"modality": "audio", "url": data_url(audio_bytes(16000, 16000), "audio/wav"), "use_audio_in_video": True},
+     "'use_audio_in_video' is for a video"),
+    ({"modality": "video", "url": data_url(video_bytes(seed=6), "video/mp4"), "use_audio_in_video": "yes"},
+     "must be a boolean"),
+])
+def test_a_soundtrack_that_cannot_be_had_is_a_400(eric: EricServer, item: dict, message: str) -> None:
+    resp = encode_items(eric, [item])
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text

@@ -3,7 +3,9 @@ URLs under the URL policy). Qwen2-Audio (tiny, offline) behind real Eric and rea
 two clips go EPD and one clip the plain path, both answering what vLLM answers on its own; a model without audio
 (Qwen2-VL) gets a 400 naming audio and keeps serving. A request with audio and images takes one path, all its items
 to the Erics or none (checked here on the gateway's own decision; a real one, Qwen2.5-Omni's clip and image down the
-EPD path, in tests/vllm/test_omni_epd.py)."""
+EPD path, in tests/vllm/test_omni_epd.py). A video with `use_audio_in_video` (the one processor option a client may
+set) goes to the Erics asking for its soundtrack, and the engine gets the option, both handles and the pair; Erics
+without audio leave it to the engine, and a model without audio or another option is a 400."""
 
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.models.facts import has_audio_tower
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
-from eric_epd.testing.media import audio_bytes, image_data_url
+from eric_epd.testing.media import audio_bytes, data_url, image_data_url
 from eric_epd.testing.stack import ask_token_ids, image_messages, metric, wait_for
 from eric_epd.wire.eric import GRID, MEDIA
-from eric_epd.wire.handoff import EXTRA_ARGS_KEY
+from eric_epd.wire.handoff import EXTRA_ARGS_KEY, SOUNDTRACKS_KEY
 
 RATE = 16000
 """vLLM resamples with torchaudio, which this venv cannot load: every clip is at the model's 16 kHz."""
@@ -80,9 +82,10 @@ def test_a_model_takes_audio_where_its_config_has_an_audio_tower() -> None:
     assert not has_audio_tower({"model_type": "qwen2_vl", "vision_config": {}})
 
 
-def _chat(cards: list[EncoderState], body: dict) -> tuple[str, list[MediaRef], dict]:
-    """Gateway.chat with these Eric cards, each encode answered by a fake Eric and the engine by a fake vLLM: the
-    path, the refs sent to the Erics and the body the engine got."""
+def _chat(cards: list[EncoderState], body: dict, min_items: int = 2) -> tuple[str, list[MediaRef], dict]:
+    """Gateway.chat with these Eric cards, each encode answered by a fake Eric (a video sent with its soundtrack
+    answered with one) and the engine by a fake vLLM: the path, the refs sent to the Erics and the body the engine
+    got."""
     sent: list[MediaRef] = []
     engine: dict[str, Any] = {}
 
@@ -91,15 +94,17 @@ def _chat(cards: list[EncoderState], body: dict) -> tuple[str, list[MediaRef], d
 
     async def encode(refs: list[MediaRef]) -> tuple[list[dict], int]:
         sent.extend(refs)
-        return [{"hash": f"{i:064x}", "grid_thw": [1, 2, 2], "placement": MEDIA, "handle": {"lease": f"t{i}"}}
-                for i in range(len(refs))], 1
+        return [{"hash": f"{i:064x}", "grid_thw": [1, 2, 2], "placement": MEDIA, "handle": {"lease": f"t{i}"},
+                 **({"soundtrack": {"hash": f"{i + 100:064x}", "handle": {"lease": f"s{i}"}}} if r.with_audio else {})}
+                for i, r in enumerate(refs)], 1
 
     async def complete(_path: str, out: dict, _headers: dict, _raw: bytes | None = None, **_: Any) -> Response:
         engine.update(out if _raw is None else orjson.loads(_raw))
         return Response(orjson.dumps({"choices": [{"finish_reason": "length"}]}), media_type="application/json")
 
     async def run() -> str:
-        config = GatewayConfig(encoder_urls=tuple(c.url for c in cards), colocated_urls=("http://127.0.0.1:9",))
+        config = GatewayConfig(encoder_urls=tuple(c.url for c in cards), colocated_urls=("http://127.0.0.1:9",),
+                               epd_min_items=min_items)
         metrics = GatewayMetrics()
         async with httpx.AsyncClient() as client, new_session(config) as session:
             gateway = Gateway(config, client, session, metrics, client)
@@ -144,6 +149,46 @@ def test_audio_to_a_model_without_audio_is_refused() -> None:
     assert e.value.status == 400
     unknown = [EncoderState("http://e1", modalities=frozenset({"image", "video"}))]  # an Eric that does not say
     assert _chat(unknown, _mixed())[0] == "pd"  # the engine's own answer tells
+
+
+def _talkie(option: object = True) -> dict:
+    """A video and an image, and vLLM's option that gives the video's soundtrack to the model too."""
+    parts = [{"type": "video_url", "video_url": {"url": data_url(b"not decoded here", "video/mp4")}},
+             {"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=4)}}]
+    return {"model": "omni", "messages": _messages(parts), "mm_processor_kwargs": {"use_audio_in_video": option}}
+
+
+OMNI_ERIC = EncoderState("http://e1", modalities=frozenset({"image", "video", "audio"}), placement=MEDIA,
+                         takes_audio=True)
+
+
+def test_a_video_with_its_soundtrack_goes_epd_with_both_handles_and_the_pair() -> None:
+    """The video goes to the Erics asking for its soundtrack; the engine gets the option, the video keyed by its
+    hash, every handle (the soundtrack's too) and which is which video's soundtrack."""
+    path, sent, engine = _chat([OMNI_ERIC], _talkie())
+    assert path == "epd"
+    assert [(r.modality, r.with_audio) for r in sent] == [("video", True), ("image", False)]
+    assert engine["mm_processor_kwargs"] == {"use_audio_in_video": True}
+    assert engine["messages"][0]["content"][0]["uuid"] == f"{0:064x}"
+    assert [h["lease"] for h in orjson.loads(engine["vllm_xargs"][EXTRA_ARGS_KEY])] == ["t0", "t1", "s0"]
+    assert orjson.loads(engine["vllm_xargs"][SOUNDTRACKS_KEY]) == {f"{0:064x}": f"{100:064x}"}
+    path, sent, engine = _chat([OMNI_ERIC], _talkie(False))
+    assert path == "epd" and not any(r.with_audio for r in sent) and SOUNDTRACKS_KEY not in engine["vllm_xargs"]
+
+
+def test_a_soundtrack_the_erics_cannot_encode_takes_the_plain_path_or_a_400() -> None:
+    """Erics that encode no audio: the whole request to the engine as it came (option included); a model without
+    audio: a 400; any other processor option: a 400 naming the field."""
+    vision = EncoderState("http://e1", modalities=frozenset({"image", "video"}), placement=MEDIA, takes_audio=True)
+    path, sent, engine = _chat([vision], _talkie())
+    assert (path, sent, engine["mm_processor_kwargs"]) == ("pd", [], {"use_audio_in_video": True})
+    deaf = EncoderState("http://e1", modalities=frozenset({"image", "video"}), takes_audio=False)
+    with pytest.raises(ApiError, match="does not take audio"):
+        _chat([deaf], _talkie())
+    for body in (_talkie("yes"), {**_talkie(), "mm_processor_kwargs": {"use_audio_in_video": True, "fps": 1}}):
+        with pytest.raises(ApiError, match="mm_processor_kwargs") as e:
+            _chat([OMNI_ERIC], body)
+        assert e.value.status == 400
 
 
 # ---------------------------------------------------------------- real Eric, vLLM and gateway

@@ -2,8 +2,10 @@
 a clip and an image, and a video (without its audio) go to vLLM keeping their data (its processor lays out each
 placeholder), each part carrying Eric's content hash as its uuid and Eric's handles in `vllm_xargs`; the connector
 fills every placeholder with Eric's rows (vLLM's encoder stays idle) and the answer is token for token the one the same
-vLLM gives the same request with its own encoder (up to the first near tie). Then the gateway in front sends a mixed
-audio + image request down the EPD path, both items to Eric. Clips are at 16 kHz (vLLM here cannot resample)."""
+vLLM gives the same request with its own encoder (up to the first near tie). A video with its soundtrack
+(`use_audio_in_video`) goes the same way: Eric encodes both, the connector fills the video's and the soundtrack's
+interleaved placeholders. Then the gateway in front sends a mixed audio + image request, and a video with its
+soundtrack, down the EPD path, every item to Eric. Clips are at 16 kHz (vLLM here cannot resample)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ import pytest
 from eric_epd.stack.process import running
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
-from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes
+from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes, video_with_audio_bytes
 from eric_epd.testing.stack import ask_token_ids, metric, wait_for
-from eric_epd.wire.handoff import handles_xargs
+from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
 
 pytestmark = pytest.mark.exactness
 
@@ -45,7 +47,8 @@ def stack(qwen2_5_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """One Eric and one `vllm serve` with the connector behind it, started together."""
     logs = tmp_path_factory.mktemp("omni-epd")
     eric = EricServer(qwen2_5_omni_tiny, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
-    vllm = VllmServe(qwen2_5_omni_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key)
+    vllm = VllmServe(qwen2_5_omni_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
+                     extra=("--trust-request-mm-kwargs",))  # use_audio_in_video is a per-request processor option
     with running(eric, vllm):
         yield eric, vllm
 
@@ -99,6 +102,32 @@ def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"qwen2_5_omni {case}")
 
 
+def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple[EricServer, VllmServe]) -> None:
+    """A video with an AAC soundtrack and `use_audio_in_video`: vLLM alone encodes the video and the audio it takes
+    from it; then Eric encodes both (the video asked with its soundtrack), the request carries the video's hash as
+    its uuid, both handles and the pair, and the connector loads both items: vLLM's encoder stays idle and the greedy
+    answer is vLLM's own."""
+    eric, vllm = stack
+    data = video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=38)
+    items, option = (("video", data),), {"mm_processor_kwargs": {"use_audio_in_video": True}}
+    before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
+    direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
+    local = before["local_encoder_items"] + 2  # the video and its soundtrack
+    assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
+    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120, json={"items": [
+        {"modality": "video", "url": data_url(data, MIME["video"]), "use_audio_in_video": True}]})
+    assert resp.status_code == 200, resp.text
+    (video,) = resp.json()["items"]
+    sound = video["soundtrack"]
+    xargs = handles_xargs([video["handle"], sound["handle"]]) | soundtracks_xargs({video["hash"]: sound["hash"]})
+    epd, _ = ask_token_ids(vllm.url, _messages(items, [video["hash"]]), key=vllm.api_key, max_tokens=MAX_TOKENS,
+                           extra={**option, "vllm_xargs": xargs})
+    assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
+    assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
+    assert len(epd.tokens) == MAX_TOKENS
+    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni video with its soundtrack")
+
+
 def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[EricServer, VllmServe],
                                                                tmp_path: Path) -> None:
     """A clip and an image through the gateway in front of the same servers: the EPD path, both items loaded from
@@ -113,3 +142,23 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[Eri
     assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
     assert _counter(vllm, "local_encoder_items") == local
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni audio + image through the gateway")
+
+
+def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: tuple[EricServer, VllmServe],
+                                                                         tmp_path: Path) -> None:
+    """A video with `use_audio_in_video` through the gateway (one item is enough here): the EPD path, the video and
+    its soundtrack loaded from Eric, and vLLM's own answer."""
+    eric, vllm = stack
+    items = (("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=39)),)
+    option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
+    before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
+    direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
+    local = before["local_encoder_items"] + 2
+    assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
+    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                       "--epd-min-items", "1", eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
+        answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
+    assert path == "epd"
+    assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
+    assert _counter(vllm, "local_encoder_items") == local
+    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni video with its soundtrack through the gateway")

@@ -30,6 +30,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
+from eric_epd.plugins.vllm.aliases import audio_in_video_offers
 from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache, building_scheduler
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingArea, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
@@ -40,7 +41,13 @@ from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher
 from eric_epd.wire.handles import EmbeddingHandle
-from eric_epd.wire.handoff import HandleError, model_embedding_width, offered_handles, offered_producers
+from eric_epd.wire.handoff import (
+    HandleError,
+    model_embedding_width,
+    offered_handles,
+    offered_producers,
+    offered_soundtracks,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,6 +121,10 @@ class EricECConnector(ECConnectorBase):
         address = LandingAddress(vllm_config.instance_id, parallel.data_parallel_rank)
         if role == ECConnectorRole.SCHEDULER:
             self._width = model_embedding_width(vllm_config.model_config)
+            model = vllm_config.model_config
+            mm_config = getattr(model, "multimodal_config", None)
+            self._hashing = (getattr(mm_config, "mm_hasher_algorithm", "blake3"), str(getattr(model, "model", "")))
+            """How vLLM's processor hashes items (algorithm, model id): what aliases.py names them by."""
             self._trust = TrustedProducers(settings.eric_urls, settings.eric_dns, settings.dns_interval_s)
             self._leases = LeaseClient(settings.api_key, settings.lookup_timeout_s)
             acks = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
@@ -145,6 +156,9 @@ class EricECConnector(ECConnectorBase):
             return None
         try:
             offered = offered_handles(extra_args, self._trust, self._width)
+            soundtracks = offered_soundtracks(extra_args, offered)
+            if soundtracks:  # a use_audio_in_video request: vLLM names its items after their uuids and the option
+                offered = audio_in_video_offers(offered, soundtracks, *self._hashing)
         except HandleError as e:
             if live:
                 self._fail(rid, f"refused Eric handles: {e}")
@@ -293,7 +307,7 @@ class EricECConnector(ECConnectorBase):
 
     def _load(self, load: EricLoad) -> torch.Tensor:
         """The copy this rank made when the item landed (nothing is allocated in a step, so nothing fails here)."""
-        copy = self._area.take(load.staged.offset, load.mm_hash)
+        copy = self._area.take(load.staged.offset, load.staged.content or load.mm_hash)
         if copy is not None:
             if copy.is_cuda:  # made on the landing stream, used and freed on this one
                 copy.record_stream(torch.cuda.current_stream(copy.device))

@@ -59,6 +59,8 @@ class StagedLoad:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+    content: str = ""
+    """The Eric content hash of what landed there (vLLM may name the item otherwise: aliases.py)."""
 
 
 class Prefetcher:
@@ -144,7 +146,7 @@ class Prefetcher:
             item.users.discard(rid)
             item.in_steps += 1
             h = item.handle
-            return StagedLoad(item.offset, h.nbytes, tuple(h.shape), h.dtype), item.backend
+            return StagedLoad(item.offset, h.nbytes, tuple(h.shape), h.dtype, h.hash), item.backend
 
     def copied(self, keys: list[str]) -> None:
         """The workers copied these items (their step's output is back)."""
