@@ -1,0 +1,50 @@
+"""Qwen3-Omni-MoE's thinker: the tiny offline checkpoint loads as a released one does (transformers' full model and its
+thinker alone read the same `thinker.*` tensors, per-expert MoE weights, no talker or code2wav), and its processor
+expands the Qwen3 placeholders by the family's own token counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from eric_epd.testing.media import audio_samples, random_image
+
+
+def test_checkpoint_loads_as_the_thinker_with_released_names(qwen3_omni_tiny: Path) -> None:
+    from transformers import Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    with safe_open(str(qwen3_omni_tiny / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert {n.split(".")[1] for n in names} == {"audio_tower", "visual", "model", "lm_head"}
+    assert all(n.startswith("thinker.") for n in names)
+    assert "thinker.model.layers.0.mlp.experts.3.gate_proj.weight" in names  # per expert, as released
+    assert "thinker.visual.merger_list.1.ln_q.weight" in names  # DeepStack mergers under the released name
+    full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_omni_tiny)
+    thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(qwen3_omni_tiny)
+    assert not full.has_talker
+    ours, theirs = full.thinker.state_dict(), thinker.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert thinker.config.vision_config.deepstack_visual_indexes == [1, 2]
+    assert thinker.config.audio_config.n_window == 50 and thinker.config.audio_config.n_window_infer == 800
+
+
+def test_processor_expands_the_qwen3_placeholders(qwen3_omni_tiny: Path) -> None:
+    from transformers import AutoProcessor
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    processor = AutoProcessor.from_pretrained(qwen3_omni_tiny)
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": "hi"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|audio_start|><|audio_pad|><|audio_end|><|vision_start|><|image_pad|><|vision_end|>hi" in prompt
+    wave = audio_samples(2 * 16000 + 345, 16000, seed=0)[:, 0].astype(np.float32)
+    out = processor(text=[prompt], audio=[wave], images=[random_image(96, 64, seed=1)], return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    frames = int(out["feature_attention_mask"].sum())
+    assert frames == len(wave) // 160  # padding to the longest clip, no truncation: every frame kept
+    audio_id, image_id = (processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|audio_pad|>", "<|image_pad|>"))
+    assert ids.count(audio_id) == int(_get_feat_extract_output_lengths(torch.tensor(frames)))
+    t, h, w = out["image_grid_thw"][0].tolist()
+    assert (h, w) == (4, 6) and ids.count(image_id) == t * h * w // 4  # 16-pixel patches merged 2x2
