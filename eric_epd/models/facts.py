@@ -96,17 +96,29 @@ def has_audio_tower(config: Mapping[str, Any]) -> bool:
     return bool(config.get("audio_config") or (isinstance(thinker, Mapping) and thinker.get("audio_config")))
 
 
-def embedding_width(config: Mapping[str, Any]) -> int:
-    """Width of one embedding row a checkpoint's vision tower hands its language model, from its config.json (or a
-    transformers config's to_dict()): on the generic path the language model's hidden size; for a hand-written
-    tower the merged token's width times (1 + DeepStack levels), the rows laid out [merged | level 1 | ... | level k]
-    as the engines' own encoders produce them."""
+def embedding_width(config: Mapping[str, Any], modality: str = "image") -> int:
+    """Width of one embedding row a checkpoint's tower hands its language model for a `modality` item, from its
+    config.json (or a transformers config's to_dict()). A vision row is the merged token's width times (1 +
+    DeepStack levels), laid out [merged | level 1 | ... | level k] as the engines' own encoders produce them: for a
+    hand-written tower, and for an Omni thinker whose vision tower has DeepStack taps (Qwen3-Omni); otherwise, on
+    the generic path, a row is the language model's hidden size, as is every audio row."""
     if is_generic(config):  # 0 for a config without one: registry.check_servable then says what is missing
         inner = config.get("thinker_config") or config  # an Omni checkpoint: its thinker's language model
-        return int((inner.get("text_config") or inner).get("hidden_size", 0))
+        hidden = int((inner.get("text_config") or inner).get("hidden_size", 0))
+        vision = (inner.get("vision_config") or {}) if "thinker_config" in config else {}
+        levels = len(vision.get("deepstack_visual_indexes") or ())
+        if modality == "audio" or not levels:
+            return hidden
+        return int(vision.get("out_hidden_size") or hidden) * (1 + levels)
     vision = config.get("vision_config") or {}
     levels = len(vision.get("deepstack_visual_indexes") or ())
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)
+
+
+def embedding_widths(config: Mapping[str, Any]) -> dict[str, int]:
+    """embedding_width of every modality ("image", "video", "audio"): equal for every family but an Omni thinker with
+    DeepStack, whose vision rows are wider than its audio rows."""
+    return {modality: embedding_width(config, modality) for modality in ("image", "video", "audio")}
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ class ModelFacts:
     modalities: tuple[str, ...]
     """What its modality processor takes ("image", "video", "audio")."""
     embedding_width: int
-    """Values per output row (DeepStack levels included): see embedding_width."""
+    """Values per image row (DeepStack levels included): see embedding_width; `width` gives any modality's."""
     merge_size: int
     """The spatial merge size: merge_size**2 patches make one output token."""
     pixel_row: int
@@ -162,6 +174,15 @@ class ModelFacts:
     def takes_audio(self) -> bool:
         """Whether the model takes audio (Eric encodes it, or the engine does: see has_audio_tower)."""
         return "audio" in self.modalities or has_audio_tower(self.config)
+
+    def width(self, modality: str) -> int:
+        """Values per output row of a `modality` item (embedding_width; that of images for a config without one)."""
+        return embedding_width(self.config, modality) if self.config else self.embedding_width
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """The row width of each modality the model takes (see width)."""
+        return {modality: self.width(modality) for modality in self.modalities}
 
     @property
     def merge_unit(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -48,3 +49,33 @@ def test_processor_expands_the_qwen3_placeholders(qwen3_omni_tiny: Path) -> None
     assert ids.count(audio_id) == int(_get_feat_extract_output_lengths(torch.tensor(frames)))
     t, h, w = out["image_grid_thw"][0].tolist()
     assert (h, w) == (4, 6) and ids.count(image_id) == t * h * w // 4  # 16-pixel patches merged 2x2
+
+
+def test_row_widths_by_modality(qwen3_omni_tiny: Path, qwen2_5_omni_tiny: Path) -> None:
+    """Qwen3-Omni's image and video rows are DeepStack rows [main | level 1 | level 2], its audio rows the text
+    width; Qwen2.5-Omni's are one width; Eric's output spec reserves each item at its modality's width."""
+    from eric_epd.eric.service import OutputSpec
+    from eric_epd.models.facts import ModelFacts, embedding_width, embedding_widths, read_config
+    from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
+
+    config = read_config(qwen3_omni_tiny)
+    assert embedding_widths(config) == {"image": 192, "video": 192, "audio": 64}
+    assert embedding_width(config) == 192  # images by default (the gateway's and profiler's embeds parts)
+    assert embedding_widths(read_config(qwen2_5_omni_tiny)) == {"image": 64, "video": 64, "audio": 64}
+    facts = ModelFacts.from_checkpoint(qwen3_omni_tiny)
+    spec = OutputSpec(facts.embedding_width, "float32", {"image": 192, "video": 192, "audio": 64})
+    assert (spec.nbytes(5, "image"), spec.nbytes(5, "audio"), spec.nbytes(5, "video")) == (3840, 1280, 3840)
+    assert OutputSpec(8, "bfloat16").nbytes(3, "audio") == 48  # one width: every modality's
+    url = "http://eric:1"
+
+    def handle(width: int) -> EmbeddingHandle:
+        key = "ab" * 32
+        return EmbeddingHandle(key, (2, width), "float32", 8 * width, url, "i", f"{url}/v1/embeddings/{key}",
+                               lease="t")
+
+    for width in (64, 192):
+        check_handle(handle(width), (url,), {64, 192})
+    with pytest.raises(HandleError, match=r"\[rows, 64 or 192\]"):
+        check_handle(handle(128), (url,), {64, 192})
+    with pytest.raises(HandleError, match=r"\[rows, 64\]"):
+        check_handle(handle(192), (url,), 64)

@@ -40,7 +40,7 @@ from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher
 from eric_epd.wire.handles import EmbeddingHandle
-from eric_epd.wire.handoff import HandleError, model_embedding_width, offered_handles, offered_producers
+from eric_epd.wire.handoff import HandleError, model_embedding_widths, offered_handles, offered_producers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,7 +113,7 @@ class EricECConnector(ECConnectorBase):
         parallel = vllm_config.parallel_config
         address = LandingAddress(vllm_config.instance_id, parallel.data_parallel_rank)
         if role == ECConnectorRole.SCHEDULER:
-            self._width = model_embedding_width(vllm_config.model_config)
+            self._widths = model_embedding_widths(vllm_config.model_config)  # by modality
             self._trust = TrustedProducers(settings.eric_urls, settings.eric_dns, settings.dns_interval_s)
             self._leases = LeaseClient(settings.api_key, settings.lookup_timeout_s)
             acks = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
@@ -144,7 +144,7 @@ class EricECConnector(ECConnectorBase):
         if live and self._trust.by_name and not self._trust.settled(offered_producers(extra_args)):
             return None
         try:
-            offered = offered_handles(extra_args, self._trust, self._width)
+            offered = offered_handles(extra_args, self._trust, set(self._widths.values()))
         except HandleError as e:
             if live:
                 self._fail(rid, f"refused Eric handles: {e}")
@@ -208,6 +208,10 @@ class EricECConnector(ECConnectorBase):
                     return self._fail(rid, f"item {key[:16]} has no Eric handle and carries no media to encode")
                 if handle.shape[0] != rows:
                     return self._fail(rid, f"embedding {key[:16]} has {handle.shape[0]} rows, its grid needs {rows}")
+                width = self._widths.get(feature.modality, handle.shape[1])
+                if handle.shape[1] != width:
+                    return self._fail(rid, f"embedding {key[:16]} has rows of {handle.shape[1]}; its "
+                                           f"{feature.modality} rows are {width} wide")
                 try:
                     item = self._prefetch.want(key, handle, rid)
                 except TransferError as e:
