@@ -69,7 +69,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Qwen2.5-Omni (thinker)", "qwen2_5_omni", "tests/vllm/test_omni_epd.py",
                   "not yet run (SGLang 0.5.23 serves its audio through the encoder protocol)"),
     FamilySupport("Qwen3-Omni-MoE (thinker)", "qwen3_omni_moe",
-                  "not yet run (Eric's rows for it are per-modality wide: DeepStack vision rows, narrower audio rows)",
+                  "not yet run (Eric's rows equal transformers' thinker's: tests/models/test_qwen3_omni.py)",
                   "not yet run"),
 )
 """Every family, hand-written towers first."""

@@ -33,7 +33,7 @@ GENERIC_AUDIO_TYPES = frozenset({"qwen2_audio"})
 """Generic-path families whose Eric encodes audio (models/hf/audio.py): audio-only models, whose worker runs Eric's own
 tower where GENERIC_TOWERS has one (Qwen2-Audio's: models/qwen2_audio.py, any TP), else transformers' audio tower and
 projector at TP 1 (models/hf/audio_encoder.py)."""
-GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni"})
+GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni", "qwen3_omni_moe"})
 """Generic-path families whose Eric encodes audio, images and videos (models/hf/omni.py): the thinker's audio tower
 and vision tower, transformers' own, at TP 1 (the thinker's language model, talker and token2wav are never built)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
