@@ -129,7 +129,7 @@ EXACTNESS_MODULES = {
     "test_gateway_multiturn", "test_gateway_qwen3", "test_geri_model", "test_geri_server", "test_models",
     "test_processor", "test_qwen3_5", "test_qwen3_vl", "test_vllm_plugin", "test_vllm_plugin_qwen25",
     "test_gemma3_tower", "test_audio", "test_qwen2_audio", "test_audio_server",
-    "test_qwen2_5_omni", "test_omni_server", "test_qwen3_omni",
+    "test_qwen2_5_omni", "test_omni_server", "test_qwen3_omni", "test_qwen3_omni_server",
 }
 
 

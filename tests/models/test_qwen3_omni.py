@@ -17,6 +17,7 @@ from safetensors import safe_open
 from eric_epd.eric.generic import TP_REFUSED, GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload
 from eric_epd.models.facts import ModelFacts, serves_tp
+from eric_epd.models.hf.loader import vision_tensor_names
 from eric_epd.models.hf.omni import HFOmniProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
 from eric_epd.models.registry import load_processor
@@ -177,6 +178,10 @@ def test_only_the_towers_are_built_and_tensor_parallel_refused(qwen3_omni_tiny: 
     _, runner = served
     built = {name.split(".")[0] for name, _ in runner.encoder.model.named_parameters()}  # type: ignore[attr-defined]
     assert built == {"audio_tower", "visual"}
+    with safe_open(str(qwen3_omni_tiny / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    towers = {n for n in names if n.startswith(("thinker.audio_tower.", "thinker.visual."))}
+    assert set(vision_tensor_names(qwen3_omni_tiny)["model.safetensors"]) == towers  # only the towers are read
     facts = ModelFacts.from_checkpoint(qwen3_omni_tiny)
     assert facts.generic and facts.modalities == ("image", "video", "audio")
     assert facts.widths == {"image": 192, "video": 192, "audio": 64}
