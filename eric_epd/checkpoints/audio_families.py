@@ -22,7 +22,7 @@ from eric_epd.checkpoints.text_parts import Tokens, _text
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 2  # bump when the output of build_audio_checkpoint changes
+BUILDER_VERSION = 3  # bump when the output of build_audio_checkpoint changes
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ def _qwen3_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> t
         vision_config={"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 64,
                        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
                        "num_position_embeddings": 64, "deepstack_visual_indexes": [1, 2],
+                       "image_size": 128, "apply_vit_abs_pos_embed": True,  # vLLM reads these: 8x8 positions
                        "hidden_act": "gelu_pytorch_tanh", "initializer_range": init_std},
         text_config=text, audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],

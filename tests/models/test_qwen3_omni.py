@@ -98,6 +98,9 @@ def test_checkpoint_loads_as_the_thinker_with_released_names(qwen3_omni_tiny: Pa
     ours, theirs = full.thinker.state_dict(), thinker.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert thinker.config.vision_config.deepstack_visual_indexes == [1, 2]
+    vision = thinker.config.vision_config  # vLLM's tower reads these: a grid of 8x8 learned positions
+    assert vision.image_size // vision.patch_size == 8 and vision.num_position_embeddings == 64
+    assert vision.apply_vit_abs_pos_embed
     assert thinker.config.audio_config.n_window == 50 and thinker.config.audio_config.n_window_infer == 800
 
 
