@@ -84,6 +84,15 @@ def qwen2_5_omni_tiny(_checkpoint_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_omni_tiny(_checkpoint_cache: Path) -> Path:
+    """The offline tiny Qwen3-Omni-MoE checkpoint (thinker only; checkpoints/audio_families.py), built into the
+    session's cache."""
+    from eric_epd.checkpoints.audio_families import ensure_audio_checkpoint
+
+    return ensure_audio_checkpoint("qwen3_omni_moe")
+
+
+@pytest.fixture(scope="session")
 def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two Erics (one shared key) and one colocated `vllm serve` behind them, shared by every test that puts a
     gateway in front (one vLLM per configuration per session). A test that stops an Eric starts it again."""
@@ -120,7 +129,7 @@ EXACTNESS_MODULES = {
     "test_gateway_multiturn", "test_gateway_qwen3", "test_geri_model", "test_geri_server", "test_models",
     "test_processor", "test_qwen3_5", "test_qwen3_vl", "test_vllm_plugin", "test_vllm_plugin_qwen25",
     "test_gemma3_tower", "test_audio", "test_qwen2_audio", "test_audio_server",
-    "test_qwen2_5_omni", "test_omni_server",
+    "test_qwen2_5_omni", "test_omni_server", "test_qwen3_omni", "test_qwen3_omni_server",
 }
 
 

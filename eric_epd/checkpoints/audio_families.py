@@ -22,7 +22,7 @@ from eric_epd.checkpoints.text_parts import Tokens, _text
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 2  # bump when the output of build_audio_checkpoint changes
+BUILDER_VERSION = 3  # bump when the output of build_audio_checkpoint changes
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,69 @@ def _qwen2_5_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) ->
     return cfg, processor
 
 
+QWEN3_OMNI = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>",
+                     "<|audio_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                    {"image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
+                     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+                     "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}, eos="<|im_end|>")
+"""Qwen3-Omni's special tokens (Qwen3's placeholder names), those its processor reads by name named."""
+QWEN3_OMNI_TEMPLATE = (QWEN2_5_OMNI_TEMPLATE.replace("<|vision_bos|>", "<|vision_start|>")
+                       .replace("<|vision_eos|>", "<|vision_end|>").replace("<|IMAGE|>", "<|image_pad|>")
+                       .replace("<|VIDEO|>", "<|video_pad|>").replace("<|audio_bos|>", "<|audio_start|>")
+                       .replace("<|audio_eos|>", "<|audio_end|>").replace("<|AUDIO|>", "<|audio_pad|>"))
+"""Qwen2.5-Omni's template shape with Qwen3-Omni's placeholders (the released Qwen3 template, with its tool and
+thinking branches, is not available offline; the placeholders are the ones vLLM's Qwen3-Omni thinker emits)."""
+
+
+def _qwen3_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
+    """Qwen3-Omni-MoE as released (thinker, talker and code2wav configs nested) without audio output, so only the
+    thinker is saved (`thinker.*`): its audio tower (three stride-2 convolutions over 100-frame chunks, windowed
+    attention; the released n_window 50 and n_window_infer 800 kept, which vLLM and SGLang hard-code) at width 64
+    and depth 2, its Qwen3-VL vision tower (patch 16, learned positions, DeepStack taps after blocks 1 and 2 of 4),
+    a 4-expert top-2 MoE language model, and the processor: Whisper extractor at 128 mel bins, the Qwen2-VL image
+    and video processors at patch 16 (Qwen3-VL's normalisation; the released values are not checked offline)."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3OmniMoeConfig,
+        Qwen3OmniMoeProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True,
+            "interleaved": True}  # halves of 32-wide heads, Qwen3-VL's interleaved split
+    text = _text(vocab, ids, QWEN3_OMNI, init_std, rope_parameters=rope, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1)
+    thinker = dict(
+        audio_config={"d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 128,
+                      "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 50, "n_window_infer": 800,
+                      "downsample_hidden_size": 8, "output_dim": 64, "initializer_range": init_std},
+        vision_config={"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [1, 2],
+                       "image_size": 128, "apply_vit_abs_pos_embed": True,  # vLLM reads these: 8x8 positions
+                       "hidden_act": "gelu_pytorch_tanh", "initializer_range": init_std},
+        text_config=text, audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
+        audio_end_token_id=ids["<|audio_end|>"], vision_start_token_id=ids["<|vision_start|>"],
+        initializer_range=init_std)
+    cfg = Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False,
+                             im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"])
+    cfg.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+    extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300,
+                                        n_fft=400, padding_value=0.0, return_attention_mask=True, dither=0.0)
+    norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "patch_size": 16, "temporal_patch_size": 2,
+            "merge_size": 2}
+    processor = Qwen3OmniMoeProcessor(Qwen2VLImageProcessor(**norm), Qwen2VLVideoProcessor(**norm), extractor, tok,
+                                      chat_template=QWEN3_OMNI_TEMPLATE)
+    return cfg, processor
+
+
 AUDIO_FAMILIES: dict[str, AudioFamily] = {
     # transformers 5.19 saves the language model one `model.` too deep (it reads both back alike)
     "qwen2_audio": AudioFamily(QWEN2_AUDIO, _qwen2_audio, {"language_model.model.model.": "language_model.model."}),
     "qwen2_5_omni": AudioFamily(QWEN2_5_OMNI, _qwen2_5_omni, {}),
+    "qwen3_omni_moe": AudioFamily(QWEN3_OMNI, _qwen3_omni, {}),
 }
 """Family name (its HF model_type) -> how to build its tiny checkpoint."""
 

@@ -103,7 +103,7 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
     metrics = EricMetrics()
     mp = load_processor(facts.model_dir, facts.config)
     # width and dtype of the encoder's output, known before any batch runs (to reserve pool space)
-    spec = OutputSpec(facts.embedding_width, facts.output_dtype(config.dtype))
+    spec = OutputSpec(facts.embedding_width, facts.output_dtype(config.dtype), facts.widths)
     model_name = str(config.model)
     placement = facts.placement
     state: dict[str, Any] = {}

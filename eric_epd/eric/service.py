@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,14 +42,20 @@ class ItemAnswer:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """What the encoder emits per merged token."""
+    """What the encoder emits per merged token: `dim` values, or a modality's own width where `widths` gives one
+    (Qwen3-Omni: DeepStack image and video rows, narrower audio rows)."""
 
     dim: int
     dtype: str
+    widths: Mapping[str, int] = field(default_factory=dict)
 
-    def nbytes(self, num_tokens: int) -> int:
-        """Bytes of an output of `num_tokens` merged tokens."""
-        return num_tokens * self.dim * _DTYPE_BYTES[self.dtype]
+    def width(self, modality: str) -> int:
+        """Values per row of a `modality` item."""
+        return self.widths.get(modality, self.dim)
+
+    def nbytes(self, num_tokens: int, modality: str = "image") -> int:
+        """Bytes of an output of `num_tokens` merged tokens of a `modality` item."""
+        return num_tokens * self.width(modality) * _DTYPE_BYTES[self.dtype]
 
 
 @dataclass
@@ -252,8 +258,10 @@ class EncodeService:
         entries: list[PoolEntry] = []
         try:
             for key, p in mine.items():
-                entries.append(await self.hub.reserve(key, self._output.nbytes(p.item.num_tokens),
-                                                      (p.item.num_tokens, self._output.dim), self._output.dtype))
+                modality = p.item.modality
+                entries.append(await self.hub.reserve(key, self._output.nbytes(p.item.num_tokens, modality),
+                                                      (p.item.num_tokens, self._output.width(modality)),
+                                                      self._output.dtype))
         except BaseException as e:
             for entry in entries:
                 self.hub.release(entry)

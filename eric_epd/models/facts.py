@@ -33,11 +33,11 @@ GENERIC_AUDIO_TYPES = frozenset({"qwen2_audio"})
 """Generic-path families whose Eric encodes audio (models/hf/audio.py): audio-only models, whose worker runs Eric's own
 tower where GENERIC_TOWERS has one (Qwen2-Audio's: models/qwen2_audio.py, any TP), else transformers' audio tower and
 projector at TP 1 (models/hf/audio_encoder.py)."""
-GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni"})
+GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni", "qwen3_omni_moe"})
 """Generic-path families whose Eric encodes audio, images and videos (models/hf/omni.py: the processor): the
 thinker's audio tower and vision tower (its language model, talker and token2wav never built), Eric's own where
 GENERIC_TOWERS has them (Qwen2.5-Omni's: models/qwen2_5_omni.py, any TP), else transformers' at TP 1
-(models/hf/omni.HFOmniEncoder)."""
+(models/hf/omni.HFOmniEncoder: Qwen3-Omni's)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
      "float16": "float16", "fp16": "float16", "half": "float16"})
@@ -98,17 +98,29 @@ def has_audio_tower(config: Mapping[str, Any]) -> bool:
     return bool(config.get("audio_config") or (isinstance(thinker, Mapping) and thinker.get("audio_config")))
 
 
-def embedding_width(config: Mapping[str, Any]) -> int:
-    """Width of one embedding row a checkpoint's vision tower hands its language model, from its config.json (or a
-    transformers config's to_dict()): on the generic path the language model's hidden size; for a hand-written
-    tower the merged token's width times (1 + DeepStack levels), the rows laid out [merged | level 1 | ... | level k]
-    as the engines' own encoders produce them."""
+def embedding_width(config: Mapping[str, Any], modality: str = "image") -> int:
+    """Width of one embedding row a checkpoint's tower hands its language model for a `modality` item, from its
+    config.json (or a transformers config's to_dict()). A vision row is the merged token's width times (1 +
+    DeepStack levels), laid out [merged | level 1 | ... | level k] as the engines' own encoders produce them: for a
+    hand-written tower, and for an Omni thinker whose vision tower has DeepStack taps (Qwen3-Omni); otherwise, on
+    the generic path, a row is the language model's hidden size, as is every audio row."""
     if is_generic(config):  # 0 for a config without one: registry.check_servable then says what is missing
         inner = config.get("thinker_config") or config  # an Omni checkpoint: its thinker's language model
-        return int((inner.get("text_config") or inner).get("hidden_size", 0))
+        hidden = int((inner.get("text_config") or inner).get("hidden_size", 0))
+        vision = (inner.get("vision_config") or {}) if "thinker_config" in config else {}
+        levels = len(vision.get("deepstack_visual_indexes") or ())
+        if modality == "audio" or not levels:
+            return hidden
+        return int(vision.get("out_hidden_size") or hidden) * (1 + levels)
     vision = config.get("vision_config") or {}
     levels = len(vision.get("deepstack_visual_indexes") or ())
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)
+
+
+def embedding_widths(config: Mapping[str, Any]) -> dict[str, int]:
+    """embedding_width of every modality ("image", "video", "audio"): equal for every family but an Omni thinker with
+    DeepStack, whose vision rows are wider than its audio rows."""
+    return {modality: embedding_width(config, modality) for modality in ("image", "video", "audio")}
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,7 @@ class ModelFacts:
     modalities: tuple[str, ...]
     """What its modality processor takes ("image", "video", "audio")."""
     embedding_width: int
-    """Values per output row (DeepStack levels included): see embedding_width."""
+    """Values per image row (DeepStack levels included): see embedding_width; `width` gives any modality's."""
     merge_size: int
     """The spatial merge size: merge_size**2 patches make one output token."""
     pixel_row: int
@@ -164,6 +176,15 @@ class ModelFacts:
     def takes_audio(self) -> bool:
         """Whether the model takes audio (Eric encodes it, or the engine does: see has_audio_tower)."""
         return "audio" in self.modalities or has_audio_tower(self.config)
+
+    def width(self, modality: str) -> int:
+        """Values per output row of a `modality` item (embedding_width; that of images for a config without one)."""
+        return embedding_width(self.config, modality) if self.config else self.embedding_width
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """The row width of each modality the model takes (see width)."""
+        return {modality: self.width(modality) for modality in self.modalities}
 
     @property
     def merge_unit(self) -> int:

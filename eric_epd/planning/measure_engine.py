@@ -52,7 +52,7 @@ class EngineProbe:
 
     def __init__(self, vllm: VllmServe, model: Path, seed: int = 0) -> None:
         self.vllm, self.model = vllm, model
-        self.width = embedding_width(json.loads((model / "config.json").read_text()))
+        self.width = embedding_width(json.loads((model / "config.json").read_text()), "image")
         self.seeds: Iterator[int] = count(seed * 1_000_003)
         self.name = httpx.get(vllm.url + "/v1/models", headers=vllm.headers, timeout=30).json()["data"][0]["id"]
 

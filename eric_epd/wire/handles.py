@@ -105,15 +105,19 @@ class HandleError(ValueError):
     """An offered handle that a consumer must not use: the request fails, the consumer does not."""
 
 
-def check_handle(h: EmbeddingHandle, eric_urls: Collection[str], width: int) -> None:
-    """The handle points only at a configured producer, and describes a [rows, width] tensor of its byte length."""
+def check_handle(h: EmbeddingHandle, eric_urls: Collection[str], width: int | Collection[int]) -> None:
+    """The handle points only at a configured producer, and describes a [rows, width] tensor of its byte length;
+    `width` may be the set of the model's widths (Qwen3-Omni's vision and audio rows differ): the consumer then
+    checks each item's width against its modality's."""
     if h.producer not in eric_urls:
         raise HandleError(f"embedding {h.hash[:16]} is held by {h.producer!r}, which is not one of the "
                           f"configured producers {list(eric_urls)}")
     if not h.lease:
         raise HandleError(f"embedding {h.hash[:16]} has no lease token")
-    if h.dtype not in DTYPE_BYTES or len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] != width:
-        raise HandleError(f"embedding {h.hash[:16]} is {list(h.shape)} {h.dtype}; this model takes [rows, {width}] "
+    widths = {width} if isinstance(width, int) else set(width)
+    if h.dtype not in DTYPE_BYTES or len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] not in widths:
+        wanted = " or ".join(str(w) for w in sorted(widths))
+        raise HandleError(f"embedding {h.hash[:16]} is {list(h.shape)} {h.dtype}; this model takes [rows, {wanted}] "
                           f"in one of {sorted(DTYPE_BYTES)}")
     if h.nbytes != math.prod(h.shape) * DTYPE_BYTES[h.dtype]:
         raise HandleError(f"embedding {h.hash[:16]}: {h.nbytes} bytes do not fit {list(h.shape)} {h.dtype}")

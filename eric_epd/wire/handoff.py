@@ -8,12 +8,12 @@ from typing import Any
 
 import msgspec
 
-from eric_epd.models.facts import embedding_width
+from eric_epd.models.facts import embedding_width, embedding_widths
 from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
 
 __all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "SOUNDTRACKS_KEY", "HandleError", "check_handle", "embedding_width",
-           "handles_xargs", "model_embedding_width", "offered_handles", "offered_producers", "offered_soundtracks",
-           "soundtracks_xargs"]
+           "handles_xargs", "model_embedding_width", "model_embedding_widths", "offered_handles", "offered_producers",
+           "offered_soundtracks", "soundtracks_xargs"]
 
 EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
@@ -41,10 +41,11 @@ def offered_producers(extra_args: dict[str, Any] | None) -> set[str]:
         return set()
 
 
-def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int,
+def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int | Collection[int],
                     ) -> dict[str, EmbeddingHandle]:
     """hash -> handle from a request's extra_args, each checked (HandleError names the first problem); `eric_urls`
-    is any collection of the trusted producers (a tuple, or the connector's TrustedProducers)."""
+    is any collection of the trusted producers (a tuple, or the connector's TrustedProducers); `width` one width or
+    the model's set of widths (see check_handle)."""
     raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
     if raw is None:
         return {}
@@ -63,6 +64,11 @@ def model_embedding_width(model_config: Any) -> int:
     """Width of the rows the model's own encoder hands its language model, from vLLM's model config (its
     transformers config as a dict): the one rule, embedding_width."""
     return embedding_width(model_config.hf_config.to_dict())
+
+
+def model_embedding_widths(model_config: Any) -> dict[str, int]:
+    """The row width of each modality ("image", "video", "audio") from vLLM's model config: embedding_widths."""
+    return embedding_widths(model_config.hf_config.to_dict())
 
 
 def soundtracks_xargs(pairs: dict[str, str]) -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""Reference rows for Qwen2.5-Omni tests: transformers' full thinker (language model included) on its processor's
-output for one item at a time, through `get_audio_features`, `get_image_features` and `get_video_features`."""
+"""Reference rows for Qwen2.5-Omni and Qwen3-Omni tests: transformers' full thinker (language model included) on its
+processor's output for one item at a time, through `get_audio_features`,
+`get_image_features` and `get_video_features`."""
 
 from __future__ import annotations
 
@@ -46,3 +47,45 @@ def _checked(rows: torch.Tensor, inputs: dict, token_id: int) -> torch.Tensor:
     """`rows`, after checking the processor gave as many of the item's tokens (what the forward scatters them into)."""
     assert rows.shape[0] == int((inputs["input_ids"] == token_id).sum())
     return rows
+
+
+QWEN3_TEXT = {"audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+              "image": "<|vision_start|><|image_pad|><|vision_end|>",
+              "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+"""Qwen3-Omni's chat-template text for one item of each modality."""
+
+
+def qwen3_omni_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]] = (), images: list[Image.Image] = (),
+                    videos: list[np.ndarray] = ()) -> dict[str, list[torch.Tensor]]:
+    """omni_rows for Qwen3-Omni's thinker, as vLLM 0.32 feeds it: every clip resampled to 16 kHz and zero-padded to a
+    whole number of 160-sample hops before the processor; image and video rows are [merged | DeepStack levels]."""
+    from transformers import AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from eric_epd.media.resample import resample
+
+    hf = AutoProcessor.from_pretrained(model_dir)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out: dict[str, list[torch.Tensor]] = {"audio": [], "image": [], "video": []}
+    with torch.no_grad():
+        for samples, rate in clips:
+            wave = resample(samples, rate, 16000)
+            wave = np.pad(wave, (0, -len(wave) % 160))
+            inputs = hf(text=[QWEN3_TEXT["audio"]], audio=[wave], return_tensors="pt")
+            assert int(inputs["feature_attention_mask"].sum()) == len(wave) // 160
+            features = model.get_audio_features(inputs["input_features"], inputs["feature_attention_mask"])
+            out["audio"].append(_checked(features.last_hidden_state, inputs, model.config.audio_token_id))
+        for image in images:
+            inputs = hf(text=[QWEN3_TEXT["image"]], images=[image], return_tensors="pt")
+            feats = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+            out["image"].append(_checked(_stacked(feats), inputs, model.config.image_token_id))
+        for frames in videos:
+            inputs = hf(text=[QWEN3_TEXT["video"]], videos=[frames], return_tensors="pt")
+            feats = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
+            out["video"].append(_checked(_stacked(feats), inputs, model.config.video_token_id))
+    return out
+
+
+def _stacked(features) -> torch.Tensor:
+    """One item's merged rows with its DeepStack levels beside them, as vLLM's Qwen3-Omni tower returns them."""
+    (rows,) = features.pooler_output
+    return torch.cat([rows, *(level[0] for level in features.deepstack_features)], dim=-1)

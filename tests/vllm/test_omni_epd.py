@@ -1,11 +1,13 @@
-"""Qwen2.5-Omni's thinker EPD through real `vllm serve` behind a real Eric (tiny offline checkpoint): two audio clips,
+"""The Omni thinkers' EPD (Qwen2.5-Omni; Qwen3-Omni-MoE, whose image and video rows are DeepStack rows wider than its
+audio rows) through real `vllm serve` behind a real Eric (tiny offline checkpoints): two audio clips,
 a clip and an image, and a video (without its audio) go to vLLM keeping their data (its processor lays out each
 placeholder), each part carrying Eric's content hash as its uuid and Eric's handles in `vllm_xargs`; the connector
 fills every placeholder with Eric's rows (vLLM's encoder stays idle) and the answer is token for token the one the same
 vLLM gives the same request with its own encoder (up to the first near tie). A video with its soundtrack
-(`use_audio_in_video`) goes the same way: Eric encodes both, the connector fills the video's and the soundtrack's
-interleaved placeholders. Then the gateway in front sends a mixed audio + image request, and a video with its
-soundtrack, down the EPD path, every item to Eric. Clips are at 16 kHz (vLLM here cannot resample)."""
+(`use_audio_in_video`, Qwen2.5-Omni) goes the same way: Eric encodes both, the connector fills the video's and the
+soundtrack's interleaved placeholders. Then the gateway in front sends a mixed audio + image request, and a video with
+its soundtrack, down the EPD path, every item to Eric. Clips are at 16 kHz (vLLM here cannot resample), each
+at least a second (a shorter Qwen3-Omni clip's rows depend on its batch, in vLLM too) and off the 160-sample hop."""
 
 from __future__ import annotations
 
@@ -42,15 +44,22 @@ CASES = {
 MIME = {"audio": "audio/wav", "image": "image/png", "video": "video/mp4"}
 
 
-@pytest.fixture(scope="module")
-def stack(qwen2_5_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EricServer, VllmServe]]:
-    """One Eric and one `vllm serve` with the connector behind it, started together."""
-    logs = tmp_path_factory.mktemp("omni-epd")
-    eric = EricServer(qwen2_5_omni_tiny, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
-    vllm = VllmServe(qwen2_5_omni_tiny, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
+FAMILIES = {"qwen2_5_omni": "qwen2_5_omni_tiny", "qwen3_omni_moe": "qwen3_omni_tiny"}
+"""Family -> the fixture building its tiny checkpoint."""
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          ) -> Iterator[tuple[EricServer, VllmServe, str]]:
+    """One Eric and one `vllm serve` with the connector behind it, started together, for each family."""
+    family = request.param
+    model = request.getfixturevalue(FAMILIES[family])
+    logs = tmp_path_factory.mktemp(f"{family}-epd")
+    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
+    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
                      extra=("--trust-request-mm-kwargs",))  # use_audio_in_video is a per-request processor option
     with running(eric, vllm):
-        yield eric, vllm
+        yield eric, vllm, family
 
 
 def _part(modality: str, data: bytes, uuid: str | None) -> dict:
@@ -83,10 +92,10 @@ def _direct(vllm: VllmServe, items: tuple[tuple[str, bytes], ...]):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer, VllmServe], case: str) -> None:
+def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer, VllmServe, str], case: str) -> None:
     """The items straight to vLLM, then encoded by Eric and sent with its hashes and handles: the connector loads
     every item's rows from Eric, vLLM's encoder runs no more, and the greedy answer is vLLM's own."""
-    eric, vllm = stack
+    eric, vllm, family = stack
     items = CASES[case]
     direct, loaded, local = _direct(vllm, items)
     resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
@@ -99,15 +108,16 @@ def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer
     assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + len(items))
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
-    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"qwen2_5_omni {case}")
+    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"{family} {case}")
 
 
-def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple[EricServer, VllmServe]) -> None:
+@pytest.mark.parametrize("stack", ["qwen2_5_omni"], indirect=True)  # Qwen3-Omni's soundtracks: not yet proven
+def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple[EricServer, VllmServe, str]) -> None:
     """A video with an AAC soundtrack and `use_audio_in_video`: vLLM alone encodes the video and the audio it takes
     from it; then Eric encodes both (the video asked with its soundtrack), the request carries the video's hash as
     its uuid, both handles and the pair, and the connector loads both items: vLLM's encoder stays idle and the greedy
     answer is vLLM's own."""
-    eric, vllm = stack
+    eric, vllm, _ = stack
     data = video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=38)
     items, option = (("video", data),), {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
@@ -128,11 +138,11 @@ def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni video with its soundtrack")
 
 
-def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[EricServer, VllmServe],
+def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[EricServer, VllmServe, str],
                                                                tmp_path: Path) -> None:
     """A clip and an image through the gateway in front of the same servers: the EPD path, both items loaded from
     Eric, and vLLM's own answer."""
-    eric, vllm = stack
+    eric, vllm, family = stack
     items = (_clip(RATE + 91, 36), ("image", image_bytes(random_image(80, 60, seed=37))))
     direct, loaded, local = _direct(vllm, items)
     with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
@@ -141,14 +151,15 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[Eri
     assert path == "epd"
     assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
     assert _counter(vllm, "local_encoder_items") == local
-    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni audio + image through the gateway")
+    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} audio + image through the gateway")
 
 
-def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: tuple[EricServer, VllmServe],
+@pytest.mark.parametrize("stack", ["qwen2_5_omni"], indirect=True)  # Qwen3-Omni's soundtracks: not yet proven
+def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: tuple[EricServer, VllmServe, str],
                                                                          tmp_path: Path) -> None:
     """A video with `use_audio_in_video` through the gateway (one item is enough here): the EPD path, the video and
     its soundtrack loaded from Eric, and vLLM's own answer."""
-    eric, vllm = stack
+    eric, vllm, _ = stack
     items = (("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=39)),)
     option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}

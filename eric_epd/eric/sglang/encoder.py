@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,19 +50,19 @@ class SglangEncoder:
     """
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangConfig,
-                 dim: int, eric_dtype: str, wire: str, modalities: tuple[str, ...] = ("image", "video")) -> None:
+                 width: Callable[[str], int], eric_dtype: str, wire: str,
+                 modalities: tuple[str, ...] = ("image", "video")) -> None:
         self.config = config
         self.modalities = modalities
         """What the checkpoint's encoder takes (Eric's modality names); other parts get SGLang's 400."""
         self.hub = hub
         self._state = state
         self.settings = settings
-        self.dim = dim
         if wire != eric_dtype:
             import torch  # noqa: F401  (parts are converted: load it now, not at the first request)
 
             logger.info("SGLang parts are sent as %s (Eric computes %s)", wire, eric_dtype)
-        self.rows = PartRows(hub, dim, eric_dtype, wire)
+        self.rows = PartRows(hub, width, eric_dtype, wire)  # width: values per row of a modality's item
         self.peers = PeerPolicy(settings.peer_networks)
         self.table = PartTable(hub, settings)
         self._zmq: ZmqSender | None = None
@@ -174,7 +175,7 @@ class SglangEncoder:
             return await self._deliver_registered(part)
         return {"req_id": req.req_id, "num_parts": req.num_parts, "part_idx": req.part_idx,
                 "modality": modality, "embedding_size": part.wire_bytes, "embedding_len": part.tokens,
-                "embedding_dim": self.dim}
+                "embedding_dim": self.rows.dim(part)}
 
     def _claim(self, part: Part, caller: str | None) -> None:
         """The /encode caller owns the part: ranks registered earlier from addresses it may not use are dropped."""
@@ -327,7 +328,7 @@ class SglangEncoder:
         part = await self.wait_encoded(req.req_id, create=True)
         self.peers.check_caller(caller, part.owner, req.req_id)
         return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.wire_bytes,
-                "embedding_len": part.tokens, "embedding_dim": self.dim}
+                "embedding_len": part.tokens, "embedding_dim": self.rows.dim(part)}
 
     async def send(self, req: SendRequest, caller: str | None) -> None:
         """SGLang's /send: write the part's rows to the rank's buffer (Mooncake or NIXL), then notify it over ZMQ."""

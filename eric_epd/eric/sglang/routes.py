@@ -37,7 +37,7 @@ def sglang_routes(config: EricConfig, facts: ModelFacts, spec: OutputSpec, hub: 
     if not settings.enabled:
         return APIRouter()
     wire = wire_dtype(settings.dtype, facts.config)
-    encoder = SglangEncoder(config, hub, state, settings, spec.dim, spec.dtype, wire, facts.modalities)
+    encoder = SglangEncoder(config, hub, state, settings, spec.width, spec.dtype, wire, facts.modalities)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -3,36 +3,42 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from eric_epd.eric.sglang.protocol import ELEMENT_BYTES, Part, SglangError
+from eric_epd.eric.sglang.protocol import ELEMENT_BYTES, MODALITIES, Part, SglangError
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
 
 class PartRows:
     """A part's rows in the pool: staged in the prefill's dtype and read out as header, payload or ranges."""
-    def __init__(self, hub: TransferHub, dim: int, eric_dtype: str, wire_dtype: str) -> None:
+    def __init__(self, hub: TransferHub, width: Callable[[str], int], eric_dtype: str, wire_dtype: str) -> None:
         self.hub = hub
-        self.dim = dim
+        self.width = width
+        """Values per row of an item of a modality (Eric's names): Qwen3-Omni's image and audio rows differ."""
         self.eric_dtype = eric_dtype
         self.dtype = wire_dtype
         """What the part header announces and the rows are in (the prefill's model dtype)."""
+
+    def dim(self, part: Part) -> int:
+        """Values per row of the part (that of its modality)."""
+        assert part.request is not None
+        return self.width(MODALITIES[part.request.modality.upper()])
 
     async def stage(self, part: Part) -> bool:
         """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (registered
         with the push engines like every pool byte). True if a copy was made (Eric's own entries are then free)."""
         audio_grid(part)  # an audio part's header must be writable before anything is sent
-        part.wire_bytes = part.tokens * self.dim * ELEMENT_BYTES[self.dtype]
+        part.wire_bytes = part.tokens * self.dim(part) * ELEMENT_BYTES[self.dtype]
         if self.dtype == self.eric_dtype:
             return False
         import torch
 
         key = f"sglang-stage:{part.req_id}"
-        entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim), self.dtype)
+        entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim(part)), self.dtype)
         part.staged = entry
         src_dtype, offset = getattr(torch, self.eric_dtype), 0
         dst = torch.from_numpy(self.hub.pool.view(entry)).view(getattr(torch, self.dtype))
@@ -91,7 +97,7 @@ class PartRows:
         return embedding_data_pickle(EmbeddingPart(
             req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=grid,
             dtype=self.dtype,
-            shape=[part.tokens, self.dim], extra=extra))
+            shape=[part.tokens, self.dim(part)], extra=extra))
 
     def payload(self, part: Part) -> memoryview | bytes:
         """The part's rows, contiguous: a view of the pool for one entry, a copy for several."""

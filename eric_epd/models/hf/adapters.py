@@ -69,12 +69,22 @@ def projected_rows(model: nn.Module, out: Any) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1])
 
 
+def deepstack_rows(model: nn.Module, out: Any) -> torch.Tensor:
+    """Qwen3-Omni's thinker: each merged token's row with its DeepStack levels beside it, [merged | level 1 | ... |
+    level k], items in order: the rows vLLM's qwen3_omni_moe_thinker tower returns and its embed_input_ids splits
+    (`pooler_output` is one tensor per item, `deepstack_features` one such tuple per level)."""
+    levels = [torch.cat(list(level)) for level in out.deepstack_features]
+    return torch.cat([torch.cat(list(out.pooler_output)), *levels], dim=-1)
+
+
 @dataclass(frozen=True)
 class FamilyLayout:
     """One family's layout on the generic path."""
 
     rows: Callable[[nn.Module, Any], torch.Tensor] = pooled_rows
     """(model, get_image_features output for a batch) -> the batch's rows, items in order."""
+    video_rows: Callable[[nn.Module, Any], torch.Tensor] = pooled_rows
+    """The same for get_video_features' output (one tensor per item in every family so far but Qwen3-Omni's)."""
     placeholder: str = "image_token"
     """The processor attribute holding the text that stands for one image (the processor expands it)."""
     verified: bool = True
@@ -98,6 +108,7 @@ LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "smolvlm": FamilyLayout(),
     "kimi_k25": FamilyLayout(prepare=kimi_resized, check=kimi_settings_agree),
     "qwen2_5_omni": FamilyLayout(),  # the thinker's merged patches, one tensor per image (vLLM's qwen2_5_omni_thinker)
+    "qwen3_omni_moe": FamilyLayout(rows=deepstack_rows, video_rows=deepstack_rows),  # vLLM's qwen3_omni_moe_thinker
 })
 """HF model_type -> layout, for the families whose vLLM model was read; any other takes the default, unverified."""
 

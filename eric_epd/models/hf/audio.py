@@ -35,9 +35,19 @@ def valid_frames(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 AUDIO_TENSORS: Mapping[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = MappingProxyType({
     "qwen2_5_omni": valid_frames,
+    "qwen3_omni_moe": valid_frames,  # its processor pads to the longest clip: one clip is all valid frames
 })
 """HF model_type -> (the processor's output) -> an item's tensors, where they are not the processor's audio tensors
 as they come (models/hf/audio_encoder.AUDIO_ROWS takes them back)."""
+HOP_PADDED = frozenset({"qwen3_omni_moe"})
+"""Families whose clips vLLM zero-pads to a whole number of hops before its processor (vLLM 0.32's
+qwen3_omni_moe_thinker), so their clips keep every frame (ceil(samples / hop), not samples // hop); their features
+then stop nowhere (`truncation=False`, the family's processor default). SGLang pads no clip: Eric's rows are vLLM's."""
+
+
+def padded_to_hop(wave: np.ndarray, hop: int) -> np.ndarray:
+    """`wave` zero-padded at its end to a whole number of `hop` samples, as vLLM pads a Qwen3-Omni clip."""
+    return np.pad(wave, (0, -len(wave) % hop))
 
 
 class HFAudioProcessor(BaseModalityProcessor):
@@ -66,6 +76,8 @@ class HFAudioProcessor(BaseModalityProcessor):
         text_names = set(self._processor.tokenizer.model_input_names)
         self._names = frozenset(n for n in self._processor.model_input_names if n not in text_names)
         self._tensors = AUDIO_TENSORS.get(config.model_type, self._processor_tensors)
+        self._hop = int(extractor.hop_length) if config.model_type in HOP_PADDED else 0
+        """Samples per hop a clip is zero-padded to a multiple of (HOP_PADDED), else 0: not padded, truncated."""
         self.values_per_cost = values_per_cost or audio_values_per_cost(extractor)
         """Input values per unit of an item's cost: audio_values_per_cost's, or the model's other unit (an Omni
         model's vision patch: one unit for all its items)."""
@@ -82,8 +94,10 @@ class HFAudioProcessor(BaseModalityProcessor):
         """Mono float32 samples at `sampling_rate` Hz (media/audio.decode_audio's), resampled as vLLM does
         (media/resample.py), through the checkpoint's own processor: its named tensors and the rows they give."""
         wave = resampler.resample(samples, int(sampling_rate), self.sampling_rate)
+        if self._hop:
+            wave = padded_to_hop(wave, self._hop)
         out = self._mine()(text=[self._placeholder], audio=[wave], sampling_rate=self.sampling_rate,
-                           truncation=True, return_tensors="pt")
+                           truncation=not self._hop, return_tensors="pt")
         rows = int((out["input_ids"] == self._token_id).sum())
         if rows < 1:
             raise ValueError(f"the audio ({samples.shape[-1]} samples at {sampling_rate} Hz) is too short to give "
@@ -110,7 +124,8 @@ class HFAudioProcessor(BaseModalityProcessor):
     def fingerprint(self, modality: str) -> bytes:
         """What names the processor's output in content hashes: its files and effective feature-extractor settings,
         the resampler and the rate it resamples to."""
-        return self._fingerprint + f"|{resampler.METHOD}|{self.sampling_rate}".encode()
+        padding = f"|hop-padded {self._hop}" if self._hop else ""
+        return self._fingerprint + f"|{resampler.METHOD}|{self.sampling_rate}{padding}".encode()
 
 
 def audio_values_per_cost(extractor: Any) -> int:

@@ -67,7 +67,8 @@ def qwen2_5_omni_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -
     """Qwen2.5-Omni's thinker: `get_audio_features` on the batch's clips (models/hf/audio.valid_frames: each clip's
     valid log-mel frames, one after another) padded back to the longest clip and masked, as the processor pads and
     masks them (the tower reads only the masked frames, chunk by chunk within each clip); its rows, items in order,
-    are what the thinker's forward scatters into the audio tokens' positions."""
+    are what the thinker's forward scatters into the audio tokens' positions. Qwen3-Omni's thinker takes the same
+    call (its `get_audio_features` drops `audio_feature_lengths` given alone, so the mask is always passed)."""
     frames, lengths = inputs["input_features"], inputs["audio_feature_lengths"].reshape(-1)
     mask = torch.arange(int(lengths.max()), device=frames.device)[None, :] < lengths[:, None]
     padded = frames.new_zeros((*mask.shape, frames.shape[-1]))
@@ -80,6 +81,7 @@ def qwen2_5_omni_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -
 AUDIO_ROWS: Mapping[str, Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]] = MappingProxyType({
     "qwen2_audio": qwen2_audio_rows,
     "qwen2_5_omni": qwen2_5_omni_audio_rows,
+    "qwen3_omni_moe": qwen2_5_omni_audio_rows,  # the same call (the mask always passed: see the docstring)
 })
 """HF model_type -> (model, a batch's feature tensors) -> the batch's rows, items in order."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eric_epd.models.hf.adapters import FamilyLayout, layout_for, pooled_rows
+from eric_epd.models.hf.adapters import FamilyLayout, layout_for
 from eric_epd.models.hf.loader import hf_config, load_vision_model
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class HFVisionEncoder:
         self.model = model
         self.layout: FamilyLayout = layout_for(model_type)
         self.width = width
-        """Row width: the language model's hidden size."""
+        """Row width: the language model's hidden size (Qwen3-Omni: times 1 + its DeepStack levels)."""
         self.dtype = dtype
         """The dtype the model was loaded in: pixels go in and rows come out in it."""
         self.accepts = {modality: _named_params(getattr(model, f"get_{modality}_features", None))
@@ -52,7 +52,7 @@ class HFVisionEncoder:
         kwargs = {name: t.to(self.dtype) if t.is_floating_point() else t
                   for name, t in inputs.items() if name in accepts}
         out = getattr(self.model, method)(**kwargs, return_dict=True)
-        layout = self.layout.rows if method == "get_image_features" else pooled_rows  # videos: one tensor per item
+        layout = self.layout.rows if method == "get_image_features" else self.layout.video_rows
         flat = layout(self.model, out)
         if flat.dim() != 2 or flat.shape[0] != sum(rows) or flat.shape[1] != self.width:
             raise RuntimeError(f"the model gave rows of shape {list(flat.shape)}, expected [{sum(rows)}, {self.width}] "

@@ -228,8 +228,9 @@ def vision_digest(model_dir: str | Path) -> str:
 
 def _tower_config(config: dict[str, Any]) -> dict[str, Any]:
     """config.json without what configures no tower: the language model's `text_config` (an Omni checkpoint's
-    thinker's too) and an Omni checkpoint's talker and token2wav."""
-    out = {k: v for k, v in config.items() if k not in ("text_config", "talker_config", "token2wav_config")}
+    thinker's too) and an Omni checkpoint's talker and token2wav (Qwen3-Omni: code2wav)."""
+    out = {k: v for k, v in config.items()
+           if k not in ("text_config", "talker_config", "token2wav_config", "code2wav_config")}
     if isinstance(out.get("thinker_config"), dict):
         out["thinker_config"] = _tower_config(out["thinker_config"])
     return out

@@ -1,6 +1,7 @@
-"""An Omni checkpoint (Qwen2.5-Omni) on Eric's generic path: its processor takes images and videos as the generic
-image processor does and audio as the generic audio processor does, and one thinker, built without its language
-model, encodes all three with transformers' own `get_image_features`, `get_video_features` and `get_audio_features`."""
+"""An Omni checkpoint (Qwen2.5-Omni, Qwen3-Omni) on Eric's generic path: its processor takes images and videos as
+the generic image processor does and audio as the generic audio processor does, and one thinker, built without its
+language model, encodes all three with transformers' own `get_image_features`, `get_video_features` and
+`get_audio_features`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from eric_epd.models.facts import embedding_widths
 from eric_epd.models.hf.audio import HFAudioProcessor
 from eric_epd.models.hf.audio_encoder import HFAudioEncoder
 from eric_epd.models.hf.encoder import HFVisionEncoder
@@ -80,9 +82,9 @@ class HFOmniEncoder:
         """The checkpoint's thinker towers, only their weights read, shared by both encoders."""
         config = hf_config(model_dir)
         model = load_vision_model(model_dir, dtype, device)
-        width = int(config.get_text_config().hidden_size)
-        return cls(HFVisionEncoder(model, config.model_type, width, dtype),
-                   HFAudioEncoder(model, config.model_type, width, dtype))
+        widths = embedding_widths(config.to_dict())  # Qwen3-Omni's vision rows carry its DeepStack levels
+        return cls(HFVisionEncoder(model, config.model_type, widths["image"], dtype),
+                   HFAudioEncoder(model, config.model_type, widths["audio"], dtype))
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch of one modality."""

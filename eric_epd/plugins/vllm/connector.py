@@ -43,7 +43,7 @@ from eric_epd.transfer.client import EmbeddingFetcher
 from eric_epd.wire.handles import EmbeddingHandle
 from eric_epd.wire.handoff import (
     HandleError,
-    model_embedding_width,
+    model_embedding_widths,
     offered_handles,
     offered_producers,
     offered_soundtracks,
@@ -120,7 +120,7 @@ class EricECConnector(ECConnectorBase):
         parallel = vllm_config.parallel_config
         address = LandingAddress(vllm_config.instance_id, parallel.data_parallel_rank)
         if role == ECConnectorRole.SCHEDULER:
-            self._width = model_embedding_width(vllm_config.model_config)
+            self._widths = model_embedding_widths(vllm_config.model_config)  # by modality
             model = vllm_config.model_config
             mm_config = getattr(model, "multimodal_config", None)
             self._hashing = (getattr(mm_config, "mm_hasher_algorithm", "blake3"), str(getattr(model, "model", "")))
@@ -155,7 +155,7 @@ class EricECConnector(ECConnectorBase):
         if live and self._trust.by_name and not self._trust.settled(offered_producers(extra_args)):
             return None
         try:
-            offered = offered_handles(extra_args, self._trust, self._width)
+            offered = offered_handles(extra_args, self._trust, set(self._widths.values()))
             soundtracks = offered_soundtracks(extra_args, offered)
             if soundtracks:  # a use_audio_in_video request: vLLM names its items after their uuids and the option
                 offered = audio_in_video_offers(offered, soundtracks, *self._hashing)
@@ -222,6 +222,10 @@ class EricECConnector(ECConnectorBase):
                     return self._fail(rid, f"item {key[:16]} has no Eric handle and carries no media to encode")
                 if handle.shape[0] != rows:
                     return self._fail(rid, f"embedding {key[:16]} has {handle.shape[0]} rows, its grid needs {rows}")
+                width = self._widths.get(feature.modality, handle.shape[1])
+                if handle.shape[1] != width:
+                    return self._fail(rid, f"embedding {key[:16]} has rows of {handle.shape[1]}; its "
+                                           f"{feature.modality} rows are {width} wide")
                 try:
                     item = self._prefetch.want(key, handle, rid)
                 except TransferError as e:
