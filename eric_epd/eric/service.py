@@ -92,19 +92,22 @@ class EncodeService:
         self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
         self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
 
-    async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None) -> list[ItemAnswer]:
-        """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in."""
+    async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None,
+                     hop_padded: bool = True) -> list[ItemAnswer]:
+        """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in;
+        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many)."""
         start = time.perf_counter()
-        prepared = await self._prepare(items)
+        prepared = await self._prepare(items, hop_padded)
         handles = await self._embed(prepared, clock or RequestClock())
         self._metrics.observe_request(time.perf_counter() - start)
         return [ItemAnswer(r, p, handles[p.hash]) for r, p in zip(items, prepared)]
 
-    async def _prepare(self, items: list[EncodeItem]) -> list[PreparedItem]:
+    async def _prepare(self, items: list[EncodeItem], hop_padded: bool = True) -> list[PreparedItem]:
         """Every item fetched (concurrently), then decoded, preprocessed and hashed; the first failure is a 4xx
         naming its item."""
         fetched = await asyncio.gather(*(self._fetch(i, item) for i, item in enumerate(items)))
-        results = await self._processor.prepare_many([(item.modality, data) for item, (data, _) in zip(items, fetched)])
+        results = await self._processor.prepare_many([(item.modality, data) for item, (data, _) in zip(items, fetched)],
+                                                     hop_padded)
         prepared: list[PreparedItem] = []
         for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
             if isinstance(result, MediaError):
