@@ -167,6 +167,7 @@ def _qwen3_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> t
         text_config=text, audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
         audio_end_token_id=ids["<|audio_end|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],  # SGLang's Qwen-VL processor reads it (the released config's)
         initializer_range=init_std)
     cfg = Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False,
                              im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"])

@@ -80,13 +80,16 @@ class Processor:
         return hashlib.sha256(model_id + b"\0" + modality.encode() + b"\0" + self._mp.fingerprint(modality)
                               + b"\0" + sampling).digest()
 
-    async def prepare_many(self, items: list[tuple[str, bytes]]) -> list[PreparedItem | MediaError]:
+    async def prepare_many(self, items: list[tuple[str, bytes]],
+                           hop_padded: bool = True) -> list[PreparedItem | MediaError]:
         """Every item prepared, in order, each its PreparedItem or its MediaError. Items go to the pool in one
         contiguous chunk per thread: a hop to the pool and back costs about as much as preprocessing a small
         image, so a request of small images pays it once per thread, not once per item. Cancelled (the client
-        left), the chunks stop before their next item."""
+        left), the chunks stop before their next item. `hop_padded=False`: audio as SGLang reads it (no hop padding;
+        other content hashes)."""
         loop, stop = asyncio.get_running_loop(), threading.Event()
-        runs = [loop.run_in_executor(self._pool, self._prepare_chunk, c, stop) for c in _chunks(items, self._threads)]
+        runs = [loop.run_in_executor(self._pool, self._prepare_chunk, c, stop, hop_padded)
+                for c in _chunks(items, self._threads)]
         try:
             done = await asyncio.gather(*runs)
         except BaseException:
@@ -94,18 +97,20 @@ class Processor:
             raise
         return [result for chunk in done for result in chunk]
 
-    def _prepare_chunk(self, items: list[tuple[str, bytes]], stop: threading.Event) -> list[PreparedItem | MediaError]:
+    def _prepare_chunk(self, items: list[tuple[str, bytes]], stop: threading.Event,
+                       hop_padded: bool = True) -> list[PreparedItem | MediaError]:
         out: list[PreparedItem | MediaError] = []
         for modality, data in items:
             if stop.is_set():
                 break
             try:
-                out.append(self._prepare_sync(modality, data, stop))
+                out.append(self._prepare_sync(modality, data, stop, hop_padded))
             except MediaError as e:
                 out.append(e)
         return out
 
-    def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None) -> PreparedItem:
+    def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None,
+                      hop_padded: bool = True) -> PreparedItem:
         start = time.perf_counter()
         tag = ""
         try:
@@ -116,9 +121,9 @@ class Processor:
                 item = self._mp.process_image(image)
             elif modality == "audio":
                 audio = decode_audio(data, self._limits, stop)
-                pixels, tag = audio.samples, f"@{audio.sample_rate}Hz"
+                pixels, tag = audio.samples, f"@{audio.sample_rate}Hz" + ("" if hop_padded else "|unpadded")
                 decoded = time.perf_counter()
-                item = self._mp.process_audio(audio.samples, audio.sample_rate)
+                item = self._mp.process_audio(audio.samples, audio.sample_rate, hop_padded)
             else:
                 pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop)
                 decoded = time.perf_counter()

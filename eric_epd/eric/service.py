@@ -94,22 +94,25 @@ class EncodeService:
         self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
         self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
 
-    async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None) -> list[ItemAnswer]:
-        """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in."""
+    async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None,
+                     hop_padded: bool = True) -> list[ItemAnswer]:
+        """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in;
+        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many)."""
         start = time.perf_counter()
-        prepared = await self._prepare(items)
+        prepared = await self._prepare(items, hop_padded)
         handles = await self._embed([p for pair in prepared for p in pair if p is not None], clock or RequestClock())
         self._metrics.observe_request(time.perf_counter() - start)
         return [ItemAnswer(r, p, handles[p.hash], _soundtrack_answer(r, track, handles))
                 for r, (p, track) in zip(items, prepared)]
 
-    async def _prepare(self, items: list[EncodeItem]) -> list[tuple[PreparedItem, PreparedItem | None]]:
+    async def _prepare(self, items: list[EncodeItem], hop_padded: bool = True,
+                       ) -> list[tuple[PreparedItem, PreparedItem | None]]:
         """Every item fetched (concurrently), then decoded, preprocessed and hashed, each with its soundtrack where
         asked (an audio item decoded from the same bytes); the first failure is a 4xx naming its item."""
         fetched = await asyncio.gather(*(self._fetch(i, item) for i, item in enumerate(items)))
         work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
         tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
-        results = await self._processor.prepare_many(work + [("audio", work[n][1]) for n in tracks])
+        results = await self._processor.prepare_many(work + [("audio", work[n][1]) for n in tracks], hop_padded)
         soundtrack: dict[int, PreparedItem | MediaError] = dict(zip(tracks, results[len(items):]))
         prepared: list[tuple[PreparedItem, PreparedItem | None]] = []
         for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):

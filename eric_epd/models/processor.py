@@ -52,8 +52,9 @@ class BaseModalityProcessor(ABC):
         """Already-sampled frames, uint8 (T, H, W, 3) RGB, taken at `sampled_fps` frames per second (2.0, HF's
         default for a video without metadata); `seconds`: each frame's time in the source, when known."""
 
-    def process_audio(self, samples: np.ndarray, sampling_rate: int) -> ProcessedItem:
-        """Mono float32 audio samples at `sampling_rate` Hz; a processor whose model takes no audio refuses them."""
+    def process_audio(self, samples: np.ndarray, sampling_rate: int, hop_padded: bool = True) -> ProcessedItem:
+        """Mono float32 audio samples at `sampling_rate` Hz; a processor whose model takes no audio refuses them.
+        `hop_padded=False`: a family vLLM pads to whole hops (HFAudioProcessor) is processed as SGLang reads it."""
         raise ValueError(f"this model takes no audio (it takes {', '.join(self.modalities)})")
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:

@@ -77,7 +77,7 @@ class FakeMedia:
     async def fetch(self, url: str) -> bytes:
         return url.encode()
 
-    async def prepare_many(self, items: list[tuple[str, bytes]]) -> list[PreparedItem]:
+    async def prepare_many(self, items: list[tuple[str, bytes]], hop_padded: bool = True) -> list[PreparedItem]:
         return [PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
                 for modality, data in items]
 

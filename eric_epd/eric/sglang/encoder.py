@@ -140,7 +140,7 @@ class SglangEncoder:
         try:
             part.active += 1  # the sweep leaves it alone while it encodes (an encode may outlast the send timeout)
             try:
-                part.answers = await self.service.encode(items)
+                part.answers = await self.service.encode(items, hop_padded=False)  # SGLang pads no clip to hops
                 await self._stage(part)
             finally:
                 part.active -= 1

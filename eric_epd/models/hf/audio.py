@@ -90,11 +90,13 @@ class HFAudioProcessor(BaseModalityProcessor):
         """This thread's copy of the processor."""
         return thread_copy(self._local, self._processor)
 
-    def process_audio(self, samples: np.ndarray, sampling_rate: int) -> HFProcessedItem:
+    def process_audio(self, samples: np.ndarray, sampling_rate: int, hop_padded: bool = True) -> HFProcessedItem:
         """Mono float32 samples at `sampling_rate` Hz (media/audio.decode_audio's), resampled as vLLM does
-        (media/resample.py), through the checkpoint's own processor: its named tensors and the rows they give."""
+        (media/resample.py), through the checkpoint's own processor: its named tensors and the rows they give.
+        `hop_padded=False`: a HOP_PADDED family's clip as SGLang 0.5.23 reads it (not padded, samples // hop frames,
+        still never truncated)."""
         wave = resampler.resample(samples, int(sampling_rate), self.sampling_rate)
-        if self._hop:
+        if self._hop and hop_padded:
             wave = padded_to_hop(wave, self._hop)
         out = self._mine()(text=[self._placeholder], audio=[wave], sampling_rate=self.sampling_rate,
                            truncation=not self._hop, return_tensors="pt")

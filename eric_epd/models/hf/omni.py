@@ -51,9 +51,9 @@ class HFOmniProcessor(BaseModalityProcessor):
         """One video's sampled frames through the checkpoint's processor (HFImageProcessor.process_video)."""
         return self._vision.process_video(frames, sampled_fps, seconds)
 
-    def process_audio(self, samples: np.ndarray, sampling_rate: int) -> HFProcessedItem:
+    def process_audio(self, samples: np.ndarray, sampling_rate: int, hop_padded: bool = True) -> HFProcessedItem:
         """One clip through the checkpoint's processor (HFAudioProcessor.process_audio: the valid log-mel frames)."""
-        return self._audio.process_audio(samples, sampling_rate)
+        return self._audio.process_audio(samples, sampling_rate, hop_padded)
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
         """The frames vLLM's video loader for this checkpoint takes (HFImageProcessor.frame_indices)."""

@@ -275,23 +275,25 @@ def _load_audio_without_torchaudio() -> Any:
 
 
 def _local_outcome(job: Job, mm_processor: Any) -> Outcome:
-    """SGLang's own, non-disaggregated processing of the job's images or audio: its HF preprocessing and placement
-    (for audio, each item's feature frames and its tower-side token counts)."""
+    """SGLang's own, non-disaggregated processing of the job's images, videos and audio: its HF preprocessing and
+    placement (for audio, each item's feature frames and its tower-side token counts)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    if job.audios:
-        ref = GenerateReqInput(text=job.prompt, audio_data=job.audios)
-        with _load_audio_without_torchaudio():
-            local_mm = asyncio.run(mm_processor.process_mm_data_async(audio_data=job.audios, input_text=job.prompt,
-                                                                      request_obj=ref, max_req_input_len=4096))
-        frames = torch.cat([i.feature_attention_mask for i in local_mm.mm_items]).sum(-1)
-        return Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids],
-                       audio_feature_lens=[int(x) for x in frames])
-    ref = GenerateReqInput(text=job.prompt, image_data=job.images or None)
-    local_mm = asyncio.run(mm_processor.process_mm_data_async(
-        image_data=job.images, input_text=job.prompt, request_obj=ref, max_req_input_len=4096))
-    return Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids], mrope=pack(local_mm.mrope_positions),
-                   grid={"img_grid_thw": torch.cat([i.image_grid_thw for i in local_mm.mm_items]).tolist()})
+    ref = GenerateReqInput(text=job.prompt, image_data=job.images or None, video_data=job.videos or None,
+                           audio_data=job.audios or None)
+    media: dict[str, Any] = {"image_data": job.images or None}  # Qwen-VL reads videos and audio off `ref`
+    if job.audios:  # Qwen2-Audio's processor takes them as an argument
+        media["audio_data"] = job.audios
+    with _load_audio_without_torchaudio():
+        local_mm = asyncio.run(mm_processor.process_mm_data_async(input_text=job.prompt, request_obj=ref,
+                                                                  max_req_input_len=4096, **media))
+    audio = [i.feature_attention_mask for i in local_mm.mm_items if i.is_audio()]
+    grid = {name: torch.cat(grids).tolist() for name, grids in (
+        ("img_grid_thw", [i.image_grid_thw for i in local_mm.mm_items if i.is_image()]),
+        ("video_grid_thw", [i.video_grid_thw for i in local_mm.mm_items if i.is_video()])) if grids}
+    return Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids],
+                   mrope=pack(local_mm.mrope_positions) if local_mm.mrope_positions is not None else None, grid=grid,
+                   audio_feature_lens=[int(x) for x in torch.cat(audio).sum(-1)] if audio else [])
 
 
 def _prefill_main(conn: Any, entry_point_dir: str) -> None:
