@@ -71,8 +71,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "video rows reach its receiver, but it has no Qwen2.5-Omni model or processor: with --model-impl "
                   "auto its receiver finds no processor, with transformers the fallback's get_mm_data fails)"),
     FamilySupport("Qwen3-Omni-MoE (thinker)", "qwen3_omni_moe", "tests/vllm/test_omni_epd.py",
-                  "`tests/sglang/test_sglang_qwen3_omni.py` (audio and images; clips unpadded, as SGLang reads them; "
-                  "videos not yet: Eric's items carry no second_per_grid_ts, which SGLang's rope reads)"),
+                  "tests/sglang/test_sglang_qwen3_omni.py"),
 )
 """Every family, hand-written towers first."""
 
