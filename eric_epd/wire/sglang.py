@@ -142,6 +142,9 @@ class EmbeddingPart(msgspec.Struct, kw_only=True):
     extra: dict[str, list[float] | list[list[float]]] = msgspec.field(default_factory=dict)
     """Per-item video metadata SGLang forwards to its processor (second_per_grid_ts for Qwen2.5-VL, each video's
     video_timestamps for Qwen3-VL)."""
+    float_tensors: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    """Per-item video metadata written as a float32 tensor, as SGLang's own encoder sends it (second_per_grid_ts for
+    Qwen3-Omni, whose M-RoPE calls `.cpu()` on each item's value)."""
 
 
 class _Global(msgspec.Struct, frozen=True):
@@ -229,7 +232,7 @@ def embedding_data_pickle(part: EmbeddingPart) -> bytes:
     SGLang's receivers read every ZMQ part message with ``safe_pickle_loads`` (an allowlisting unpickler) and expect
     a ``sglang.srt.disaggregation.encoder.receiver.EmbeddingData``. These protocol-4 opcodes name only globals on
     that allowlist (``EmbeddingData``, ``Modality``, ``torch.<dtype>``, ``torch.LongTensor`` for an audio part's
-    frame counts), with plain lists and numbers for the rest;
+    frame counts, ``torch.FloatTensor`` for `float_tensors`), with plain lists and numbers for the rest;
     no stdlib pickler runs, and sglang need not be installed next to Eric.
     """
     if part.modality not in MODALITY_VALUES:
@@ -251,8 +254,9 @@ def embedding_data_pickle(part: EmbeddingPart) -> bytes:
         "error_msg": part.error_msg,
         "error_code": part.error_code,
     }
-    for key, values in part.extra.items():
+    for key, values in [*part.extra.items(), *part.float_tensors.items()]:
         if key in state or key.startswith("_"):
             raise ValueError(f"extra attribute {key!r} would shadow an EmbeddingData field")
-        state[key] = values
+        state[key] = (_Reduce(_Global("torch", "FloatTensor"), ([float(v) for v in values],))
+                      if key in part.float_tensors else values)
     return _PickleWriter().new_object(_Global(*_EMBEDDING_DATA), state)

@@ -3,7 +3,9 @@ real receivers (`Qwen3OmniMoeForConditionalGeneration` is in arg_groups/pd_disag
 whose QwenVLImageProcessor (multimodal/processors/qwen_vl.py get_mm_data) expands each audio placeholder from the
 part's feature frames with the Qwen3 token formula and places Eric's rows there: per modality one width (image and
 video rows [merged | DeepStack levels], which SGLang's model splits at the text hidden size; audio rows the text
-width). The prefill side is eric_epd.testing.sglang_prefill (stand-ins only for SGLang's model runner)."""
+width). A video's part carries its processor grid and the second_per_grid_ts SGLang's own encoder sends, which its
+Qwen3-Omni M-RoPE reads. The prefill side is eric_epd.testing.sglang_prefill (stand-ins only for SGLang's model
+runner)."""
 
 from __future__ import annotations
 
@@ -64,9 +66,9 @@ def stack(qwen3_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def reference(qwen3_omni_tiny: Path) -> dict[str, list[torch.Tensor]]:
+def reference(qwen3_omni_tiny: Path) -> dict[str, list]:
     """Transformers' thinker rows: each clip as SGLang's processor takes it (16 kHz, not padded to whole hops), the
-    image, and the video's frames as Eric decodes and samples them."""
+    image, and the video's frames as Eric decodes and samples them; and the image's and the video's grids."""
     from transformers import AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
 
     from eric_epd.eric.decode import decode_video
@@ -80,6 +82,9 @@ def reference(qwen3_omni_tiny: Path) -> dict[str, list[torch.Tensor]]:
     out["vllm_audio"] = out.pop("audio")  # as vLLM 0.32 feeds its thinker: clips zero-padded to whole hops
     out["audio"] = []
     hf = AutoProcessor.from_pretrained(qwen3_omni_tiny)
+    image = hf(text=[QWEN3_TEXT["image"]], images=[random_image(*IMAGE)], return_tensors="pt")
+    video = hf(text=[QWEN3_TEXT["video"]], videos=[frames], return_tensors="pt")
+    out["image_grid"], out["video_grid"] = image["image_grid_thw"].tolist(), video["video_grid_thw"].tolist()
     model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(qwen3_omni_tiny, dtype=torch.float32).eval()
     with torch.no_grad():
         for (f, _, _), (samples, _) in zip(CLIPS, decoded):
@@ -103,7 +108,7 @@ def split_as_sglang(rows: torch.Tensor, model_dir: Path) -> tuple[torch.Tensor, 
     return Qwen3OmniMoeThinkerForConditionalGeneration.separate_deepstack_embeds(stand_in, rows)
 
 
-def check_outcome(outcome: Outcome, clips: list[int], reference: dict[str, list[torch.Tensor]],
+def check_outcome(outcome: Outcome, clips: list[int], reference: dict[str, list],
                   model_dir: Path) -> None:
     """The receiver holds, per item and in prompt order, transformers' rows at each modality's width (images and
     videos split as SGLang's model splits them); it handed SGLang's processor each clip's feature frames, and the
@@ -175,17 +180,31 @@ def test_scheduler_ranks_receive_clips_and_an_image_in_parts(stack, reference, q
         check_outcome(outcome, [0, 1], reference, qwen3_omni_tiny)
 
 
-def test_video_parts_lack_the_seconds_per_grid_sglangs_qwen3_omni_rope_needs(stack, qwen3_omni_tiny: Path) -> None:
-    """A video: Eric's part carries no second_per_grid_ts (its Qwen3-Omni items have none; SGLang's own encoder sends
-    temporal_patch_size / fps), and SGLang's get_rope_index_qwen3_omni indexes it, so the receiver fails the request
-    (the gap this test pins until Eric's route sends it)."""
+def test_a_video_reaches_the_receiver_with_its_grid_and_sglangs_seconds_per_grid(stack, reference,
+                                                                               qwen3_omni_tiny: Path) -> None:
+    """An image and a video: the video's part carries its processor grid (video_grid_thw) and the second_per_grid_ts
+    SGLang's own encoder sends for this family (temporal_patch_size / 2), which SGLang's get_rope_index_qwen3_omni
+    reads; the receiver holds transformers' rows for both, the grids transformers' processor gives, one run of video
+    tokens as long as its rows, and M-RoPE positions equal to transformers' own get_rope_index on the same prompt,
+    grids and seconds (SGLang's local path cannot decode a video here: neither decord nor torchcodec is installed)."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
     prefill, eric = stack
     result = prefill.job(kind="scheduler", model=str(qwen3_omni_tiny), backend="zmq_to_scheduler",
                          encoder_urls=[eric.url], images=[IMAGE_URL], videos=[VIDEO_URL], audios=[],
                          prompt=prompt_for(0, videos=1), tp=1, dtype="float32")
+    assert result.dispatch_error is None
     (outcome,) = result.outcomes
-    assert not outcome.ok
-    assert outcome.error_msg == "Failed to assemble multimodal inputs: 'NoneType' object is not subscriptable"
+    check_outcome(outcome, [], reference, qwen3_omni_tiny)
+    assert outcome.grid == {"img_grid_thw": reference["image_grid"], "video_grid_thw": reference["video_grid"]}
+    assert outcome.extra == {"second_per_grid_ts": [1.0]}  # the tiny checkpoint's temporal patch of 2, over 2 fps
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(qwen3_omni_tiny, dtype=torch.float32)
+    ids = torch.tensor([outcome.input_ids])
+    positions, _ = model.get_rope_index(ids, torch.tensor(reference["image_grid"]),
+                                        torch.tensor(reference["video_grid"]), torch.ones_like(ids),
+                                        second_per_grids=torch.tensor([1.0]))
+    assert outcome.mrope is not None
+    assert torch.equal(unpack(outcome.mrope).to(torch.int64), positions[:, 0].to(torch.int64))
 
 
 def test_eric_answers_vllm_hop_padded_clips_and_sglang_unpadded_ones(stack, reference) -> None:

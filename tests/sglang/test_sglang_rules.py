@@ -1,5 +1,6 @@
-"""The SGLang adapter's rules without servers: the wire dtype, SGLang mm_items as Eric media URLs, where Eric may
-push (the caller's address or allowed networks, every resolved address), landing devices and Mooncake protocol."""
+"""The SGLang adapter's rules without servers: the wire dtype, a video part's seconds per grid, SGLang mm_items as
+Eric media URLs, where Eric may push (the caller's address or allowed networks, every resolved address), landing
+devices and Mooncake protocol."""
 
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ def test_adapter_rules_without_servers() -> None:
     assert item_url("iVBORw0KGgo=", 0) == "data:application/octet-stream;base64,iVBORw0KGgo="
     with pytest.raises(SglangError, match="max_pixels"):
         item_url({"url": "https://x/a.png", "preprocess_kwargs": None, "max_pixels": 4096}, 3)
+
+
+def test_video_seconds_per_grid_only_for_qwen3_omni() -> None:
+    """The second_per_grid_ts Eric's route sends with a video part: SGLang's own encoder's temporal_patch_size / 2
+    for Qwen3-Omni (its receiver's M-RoPE indexes it), none for any other family (their headers are unchanged)."""
+    from eric_epd.eric.sglang.protocol import sglang_video_seconds
+
+    vision = {"vision_config": {"temporal_patch_size": 2}}
+    assert sglang_video_seconds({"model_type": "qwen3_omni_moe", "thinker_config": vision}) == 1.0
+    assert sglang_video_seconds({"model_type": "qwen3_omni_moe", "thinker_config": {
+        "vision_config": {"temporal_patch_size": 4}}}) == 2.0
+    for family in ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "llava_onevision"):
+        assert sglang_video_seconds({"model_type": family, "thinker_config": vision, **vision}) is None
 
 
 def test_peer_policy_rules_without_servers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ class SglangEncoder:
 
     def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangConfig,
                  width: Callable[[str], int], eric_dtype: str, wire: str,
-                 modalities: tuple[str, ...] = ("image", "video")) -> None:
+                 modalities: tuple[str, ...] = ("image", "video"), video_seconds: float | None = None) -> None:
         self.config = config
         self.modalities = modalities
         """What the checkpoint's encoder takes (Eric's modality names); other parts get SGLang's 400."""
@@ -62,7 +62,7 @@ class SglangEncoder:
             import torch  # noqa: F401  (parts are converted: load it now, not at the first request)
 
             logger.info("SGLang parts are sent as %s (Eric computes %s)", wire, eric_dtype)
-        self.rows = PartRows(hub, width, eric_dtype, wire)  # width: values per row of a modality's item
+        self.rows = PartRows(hub, width, eric_dtype, wire, video_seconds)  # width: values per row of a modality
         self.peers = PeerPolicy(settings.peer_networks)
         self.table = PartTable(hub, settings)
         self._zmq: ZmqSender | None = None

@@ -43,6 +43,23 @@ def wire_dtype(setting: str, model_cfg: dict[str, Any]) -> str:
     return declared if declared in ELEMENT_BYTES else "float16"
 
 
+SECONDS_PER_GRID_FAMILIES = frozenset({"qwen3_omni_moe"})
+"""The generic-path families whose videos SGLang's receivers need `second_per_grid_ts` for (its Qwen3-Omni M-RoPE
+indexes it); Eric's items of these carry none, so the route sends what SGLang's own encoder does."""
+SGLANG_VIDEO_FPS = 2.0
+"""The fps SGLang 0.5.23's encoder divides the temporal patch by (preprocessor.py: the server's
+`vision_config.video.fps`, unset by default, `or 2`), whatever rate the video's frames were taken at."""
+
+
+def sglang_video_seconds(model_cfg: dict[str, Any]) -> float | None:
+    """The `second_per_grid_ts` SGLang's own encoder sends with every video of this checkpoint's family
+    (temporal_patch_size / SGLANG_VIDEO_FPS), or None for a family outside SECONDS_PER_GRID_FAMILIES."""
+    if model_cfg.get("model_type") not in SECONDS_PER_GRID_FAMILIES:
+        return None
+    vision = (model_cfg.get("thinker_config") or model_cfg).get("vision_config") or {}
+    return float(vision.get("temporal_patch_size", 2)) / SGLANG_VIDEO_FPS
+
+
 class SglangError(ApiError):
     """An ApiError of the SGLang routes, answered there as SGLang's encoder answers (sglang_error_response)."""
 

@@ -17,7 +17,7 @@ from eric_epd.common.errors import ApiError, read_json_body
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.service import OutputSpec
 from eric_epd.eric.sglang.encoder import SglangEncoder
-from eric_epd.eric.sglang.protocol import sglang_error_response, wire_dtype
+from eric_epd.eric.sglang.protocol import sglang_error_response, sglang_video_seconds, wire_dtype
 from eric_epd.eric.sglang.registration import register, unregister
 from eric_epd.models.facts import ModelFacts
 from eric_epd.transfer.producer import TransferHub
@@ -37,7 +37,8 @@ def sglang_routes(config: EricConfig, facts: ModelFacts, spec: OutputSpec, hub: 
     if not settings.enabled:
         return APIRouter()
     wire = wire_dtype(settings.dtype, facts.config)
-    encoder = SglangEncoder(config, hub, state, settings, spec.width, spec.dtype, wire, facts.modalities)
+    encoder = SglangEncoder(config, hub, state, settings, spec.width, spec.dtype, wire, facts.modalities,
+                            sglang_video_seconds(facts.config))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -15,13 +15,16 @@ from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
 class PartRows:
     """A part's rows in the pool: staged in the prefill's dtype and read out as header, payload or ranges."""
-    def __init__(self, hub: TransferHub, width: Callable[[str], int], eric_dtype: str, wire_dtype: str) -> None:
+    def __init__(self, hub: TransferHub, width: Callable[[str], int], eric_dtype: str, wire_dtype: str,
+                 video_seconds: float | None = None) -> None:
         self.hub = hub
         self.width = width
         """Values per row of an item of a modality (Eric's names): Qwen3-Omni's image and audio rows differ."""
         self.eric_dtype = eric_dtype
         self.dtype = wire_dtype
         """What the part header announces and the rows are in (the prefill's model dtype)."""
+        self.video_seconds = video_seconds
+        """The second_per_grid_ts a video without its own gets (protocol.sglang_video_seconds), or None."""
 
     def dim(self, part: Part) -> int:
         """Values per row of the part (that of its modality)."""
@@ -86,9 +89,12 @@ class PartRows:
                 dtype=None, shape=None, error_msg=part.error[0], error_code=part.error[1]))
         answers = part.answers or []
         extra: dict[str, list[float] | list[list[float]]] = {}
+        tensors: dict[str, list[float]] = {}
         seconds = [a.prepared.item.second_per_grid_ts for a in answers]
         if modality == "VIDEO" and all(s is not None for s in seconds):  # Qwen2.5-VL's M-RoPE spaces frames by time
             extra["second_per_grid_ts"] = seconds
+        elif modality == "VIDEO" and self.video_seconds is not None:  # Qwen3-Omni's: SGLang's encoder's, a tensor
+            tensors["second_per_grid_ts"] = [self.video_seconds] * len(answers)
         stamps = [a.prepared.item.timestamps for a in answers]
         if modality == "VIDEO" and all(s is not None for s in stamps):  # Qwen3-VL writes them into the prompt
             extra["video_timestamps"] = [list(s) for s in stamps if s is not None]
@@ -97,7 +103,7 @@ class PartRows:
         return embedding_data_pickle(EmbeddingPart(
             req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=grid,
             dtype=self.dtype,
-            shape=[part.tokens, self.dim(part)], extra=extra))
+            shape=[part.tokens, self.dim(part)], extra=extra, float_tensors=tensors))
 
     def payload(self, part: Part) -> memoryview | bytes:
         """The part's rows, contiguous: a view of the pool for one entry, a copy for several."""

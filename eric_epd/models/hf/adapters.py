@@ -93,6 +93,10 @@ class FamilyLayout:
     """(image, image processor) -> the image as vLLM's processor would have it before transformers' runs."""
     check: Callable[[Any], None] | None = None
     """(image processor) -> None, or ValueError when the checkpoint's settings cannot give vLLM's rows."""
+    video_grid: bool = False
+    """A video item's grid_thw is the processor's `video_grid_thw` (SGLang's receiver lays out the family's video
+    tokens and M-RoPE from it), not (1, 1, rows); only Qwen3-Omni's so far, so other families' SGLang part headers
+    stay as they were (vLLM's processor lays out a generic-path placeholder from the media, needing no grid)."""
 
 
 LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
@@ -108,7 +112,8 @@ LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "smolvlm": FamilyLayout(),
     "kimi_k25": FamilyLayout(prepare=kimi_resized, check=kimi_settings_agree),
     "qwen2_5_omni": FamilyLayout(),  # the thinker's merged patches, one tensor per image (vLLM's qwen2_5_omni_thinker)
-    "qwen3_omni_moe": FamilyLayout(rows=deepstack_rows, video_rows=deepstack_rows),  # vLLM's qwen3_omni_moe_thinker
+    "qwen3_omni_moe": FamilyLayout(rows=deepstack_rows, video_rows=deepstack_rows,  # vLLM's qwen3_omni_moe_thinker
+                                   video_grid=True),  # SGLang's get_rope_index_qwen3_omni
 })
 """HF model_type -> layout, for the families whose vLLM model was read; any other takes the default, unverified."""
 

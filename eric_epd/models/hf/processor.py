@@ -60,6 +60,7 @@ class HFImageProcessor(BaseModalityProcessor):
         if layout.check is not None:
             layout.check(image_processor)
         self._prepare = layout.prepare
+        self._video_grid = layout.video_grid
         self._placeholder: str = getattr(self._processor, layout.placeholder, None) or ""
         self._token_id: int | None = getattr(thinker(config), "image_token_id", None)
         if not self._placeholder or self._token_id is None:
@@ -119,7 +120,9 @@ class HFImageProcessor(BaseModalityProcessor):
             raise ValueError("the processor gave this video no video tokens")
         tensors = {k: v for k, v in out.items() if k in video.names and isinstance(v, torch.Tensor)}
         specs, frame = pack_tensors(tensors)
-        return HFProcessedItem("video", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
+        grid = tensors.get("video_grid_thw") if self._video_grid else None
+        grid_thw = tuple(int(v) for v in grid.reshape(-1)[:3]) if grid is not None else (1, 1, rows)
+        return HFProcessedItem("video", frame, grid_thw, rows, tensors=specs,  # type: ignore[arg-type]
                                cost=cost_of(frame.size, self.values_per_cost))
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
