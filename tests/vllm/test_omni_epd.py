@@ -4,10 +4,12 @@ a clip and an image, and a video (without its audio) go to vLLM keeping their da
 placeholder), each part carrying Eric's content hash as its uuid and Eric's handles in `vllm_xargs`; the connector
 fills every placeholder with Eric's rows (vLLM's encoder stays idle) and the answer is token for token the one the same
 vLLM gives the same request with its own encoder (up to the first near tie). A video with its soundtrack
-(`use_audio_in_video`, Qwen2.5-Omni) goes the same way: Eric encodes both, the connector fills the video's and the
-soundtrack's interleaved placeholders. Then the gateway in front sends a mixed audio + image request, and a video with
-its soundtrack, down the EPD path, every item to Eric. Clips are at 16 kHz (vLLM here cannot resample), each
-at least a second (a shorter Qwen3-Omni clip's rows depend on its batch, in vLLM too) and off the 160-sample hop."""
+(`use_audio_in_video`, both families: a 2 s video, so a 2 s soundtrack) goes the same way: Eric encodes both, the
+connector fills the video's and the soundtrack's interleaved placeholders (vLLM lays them out per family:
+Qwen2.5-Omni's by chunks, Qwen3-Omni's by each token's time). Then the gateway in front sends a mixed audio + image
+request, and a video with its soundtrack, down the EPD path, every item to Eric. Clips are at 16 kHz (vLLM here
+cannot resample), each at least a second (a shorter Qwen3-Omni clip's rows depend on its batch, in vLLM too) and off
+the 160-sample hop."""
 
 from __future__ import annotations
 
@@ -111,13 +113,12 @@ def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"{family} {case}")
 
 
-@pytest.mark.parametrize("stack", ["qwen2_5_omni"], indirect=True)  # Qwen3-Omni's soundtracks: not yet proven
 def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple[EricServer, VllmServe, str]) -> None:
     """A video with an AAC soundtrack and `use_audio_in_video`: vLLM alone encodes the video and the audio it takes
     from it; then Eric encodes both (the video asked with its soundtrack), the request carries the video's hash as
     its uuid, both handles and the pair, and the connector loads both items: vLLM's encoder stays idle and the greedy
     answer is vLLM's own."""
-    eric, vllm, _ = stack
+    eric, vllm, family = stack
     data = video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=38)
     items, option = (("video", data),), {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
@@ -135,7 +136,7 @@ def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
-    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni video with its soundtrack")
+    assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack")
 
 
 def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[EricServer, VllmServe, str],
@@ -154,12 +155,11 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[Eri
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} audio + image through the gateway")
 
 
-@pytest.mark.parametrize("stack", ["qwen2_5_omni"], indirect=True)  # Qwen3-Omni's soundtracks: not yet proven
 def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: tuple[EricServer, VllmServe, str],
                                                                          tmp_path: Path) -> None:
     """A video with `use_audio_in_video` through the gateway (one item is enough here): the EPD path, the video and
     its soundtrack loaded from Eric, and vLLM's own answer."""
-    eric, vllm, _ = stack
+    eric, vllm, family = stack
     items = (("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=39)),)
     option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
@@ -172,4 +172,4 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: 
     assert path == "epd"
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
     assert _counter(vllm, "local_encoder_items") == local
-    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, "qwen2_5_omni video with its soundtrack through the gateway")
+    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack through the gateway")
