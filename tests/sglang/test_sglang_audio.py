@@ -28,8 +28,7 @@ from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes
 from eric_epd.testing.sglang_prefill import Outcome, Prefill, WireCheck, unpack
 from tests.support.audio_reference import transformers_audio_rows
-from tests.support.helpers_servers import start_in_threads
-from tests.support.helpers_sglang import eric_tensors, plugin_entry_point
+from tests.support.helpers_sglang import eric_tensors, prefill_beside_eric
 from tests.support.omni_reference import AUDIO_TEXT as OMNI_AUDIO
 from tests.support.omni_reference import IMAGE_TEXT, VIDEO_TEXT, omni_rows
 
@@ -50,19 +49,8 @@ def prompt_for(num_clips: int) -> str:
 @pytest.fixture(scope="module")
 def stack(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prefill, EricServer]]:
     """The prefill host and one Eric on Qwen2-Audio (float32 rows, NIXL sessions from 127.0.0.1), started together."""
-    tmp = tmp_path_factory.mktemp("sglang-audio")
-    eric = EricServer(qwen2_audio_tiny, log_path=tmp / "eric.log", extra_args=(
-        "--dtype", "float32", "--sglang-dtype", "float32", "--transfer-backends", "shm",
-        "--sglang-allowed-peer", "127.0.0.1/32"))
-    join = start_in_threads([eric])
-    prefill = Prefill(plugin_entry_point(tmp))
-    try:
-        prefill.wait_ready()
-        join()
-        yield prefill, eric
-    finally:
-        prefill.stop()
-        eric.stop()
+    with prefill_beside_eric(qwen2_audio_tiny, tmp_path_factory.mktemp("sglang-audio")) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,24 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
                 os.kill(eric.proc.pid, signal.SIGCONT)
             eric.stop()
         master.stop()
+
+
+@contextmanager
+def prefill_beside_eric(model: Path, tmp: Path) -> Iterator[tuple[Prefill, EricServer]]:
+    """The prefill host and one Eric on `model` (float32 rows, shm transfers, NIXL sessions from 127.0.0.1), the Eric
+    booting while the host imports SGLang; both stopped on exit."""
+    eric = EricServer(model, log_path=tmp / "eric.log", extra_args=(
+        "--dtype", "float32", "--sglang-dtype", "float32", "--transfer-backends", "shm",
+        "--sglang-allowed-peer", "127.0.0.1/32"))
+    join = start_in_threads([eric])
+    prefill = Prefill(plugin_entry_point(tmp))
+    try:
+        prefill.wait_ready()
+        join()
+        yield prefill, eric
+    finally:
+        prefill.stop()
+        eric.stop()
 
 
 @pytest.fixture(scope="module")
