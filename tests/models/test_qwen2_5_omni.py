@@ -28,7 +28,7 @@ from eric_epd.models.qwen2_5_omni import UNUSED_KEYS, Qwen2_5OmniTowerEncoder, c
 from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.testing.media import audio_samples, random_image, video_frames
-from tests.support.generic_batches import generic_runner, run_batch
+from tests.support.generic_batches import assert_alone_and_batched, generic_runner, relative_error, run_batch
 from tests.support.omni_reference import AUDIO_TEXT, omni_rows
 
 Served = tuple[GenericWorkload, GenericRunner]
@@ -44,10 +44,6 @@ CLIPS = ((3 * 16000 + 7, 16000), (12345, 16000), (17641, 44100), (301 * 8000 + 5
 """(samples, rate): odd lengths, a 44.1 kHz clip (resampled first), and one past the extractor's 300 s."""
 IMAGES = ((200, 150), (64, 64), (333, 97))
 """(width, height) of the images."""
-
-
-def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
 def _waves() -> list[tuple[np.ndarray, int]]:
@@ -81,25 +77,13 @@ def served(qwen2_5_omni_tiny: Path) -> Served:
     return workload, runner
 
 
-def _check(workload: GenericWorkload, runner: GenericRunner, items: list, refs: list[torch.Tensor]) -> None:
-    """Each item's rows alone, then all of them in one batch, equal the references."""
-    assert [it.num_tokens for it in items] == [r.shape[0] for r in refs]
-    for item, ref in zip(items, refs):
-        (alone,) = run_batch(workload, runner, [item])
-        assert alone.shape == ref.shape and alone.dtype == torch.float32
-        assert _relative_error(alone, ref) <= RTOL
-    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), refs)):
-        assert ours.shape == ref.shape, i
-        assert _relative_error(ours, ref) <= RTOL, i
-
-
 def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
                                                         references: Refs) -> None:
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     assert [it.num_tokens for it in items] == [75, 19, 10, 7500]  # the last cut at 300 s, as the extractor cuts it
     kinds = {work_item("k", it, 0, 0).kind for it in items}
     assert kinds == {"audio/input_features:128,audio_feature_lengths:"}  # clips of any length join one forward
-    _check(*served, items, references["audio"])
+    assert_alone_and_batched(*served, items, references["audio"], RTOL)
 
 
 def test_audio_items_hold_the_processors_valid_log_mels(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor) -> None:
@@ -121,7 +105,7 @@ def test_audio_items_hold_the_processors_valid_log_mels(qwen2_5_omni_tiny: Path,
 def test_image_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
                                                         references: Refs) -> None:
     items = [processor.process_image(image) for image in _images()]
-    _check(*served, items, references["image"])
+    assert_alone_and_batched(*served, items, references["image"], RTOL)
 
 
 def test_video_rows_equal_transformers(processor: HFOmniProcessor, served: Served, references: Refs) -> None:
@@ -129,7 +113,7 @@ def test_video_rows_equal_transformers(processor: HFOmniProcessor, served: Serve
     assert processor.frame_indices(8, 4.0) == [0, 2, 4, 6] and len(processor.frame_indices(301, 30.0)) == 20
     item = processor.process_video(_video())
     assert item.modality == "video" and item.num_tokens == 420
-    _check(*served, [item], references["video"])
+    assert_alone_and_batched(*served, [item], references["video"], RTOL)
 
 
 def test_bfloat16_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, references: Refs) -> None:
@@ -137,9 +121,9 @@ def test_bfloat16_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, refe
     audio = [processor.process_audio(wave, rate) for wave, rate in _waves()[:2]]
     for ours, ref in zip(run_batch(workload, runner, audio), references["audio"]):
         assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
-        assert _relative_error(ours, ref) <= BF16_RTOL
+        assert relative_error(ours, ref) <= BF16_RTOL
     (ours,) = run_batch(workload, runner, [processor.process_image(_images()[0])])
-    assert ours.dtype == torch.bfloat16 and _relative_error(ours, references["image"][0]) <= BF16_RTOL
+    assert ours.dtype == torch.bfloat16 and relative_error(ours, references["image"][0]) <= BF16_RTOL
 
 
 def test_transformers_classes_give_the_same_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor,
@@ -153,7 +137,7 @@ def test_transformers_classes_give_the_same_rows(qwen2_5_omni_tiny: Path, proces
                "video": [processor.process_video(_video())]}
     for modality, items in batches.items():
         for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references[modality])):
-            assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, (modality, i)
+            assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, (modality, i)
 
 
 def test_only_the_thinkers_towers_are_built_read_and_hashed(qwen2_5_omni_tiny: Path, served: Served,
@@ -260,7 +244,7 @@ def test_tp2_rows_equal_transformers_on_every_rank(references: Refs, tp2_results
     for result in tp2_results:
         for modality in ("audio", "image", "video"):
             for i, (ours, ref) in enumerate(zip(result[modality], references[modality], strict=True)):
-                assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, (modality, i)
+                assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, (modality, i)
     for modality in ("audio", "image", "video"):
         for a, b in zip(tp2_results[0][modality], tp2_results[1][modality]):
             assert torch.equal(a, b)  # replicated after the all-reduces

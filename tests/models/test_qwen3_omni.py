@@ -23,7 +23,7 @@ from eric_epd.models.hf.tensors import unpack_tensors
 from eric_epd.models.registry import load_processor
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.testing.media import audio_samples, random_image, video_frames
-from tests.support.generic_batches import generic_runner, run_batch
+from tests.support.generic_batches import assert_alone_and_batched, generic_runner
 from tests.support.omni_reference import qwen3_omni_rows
 
 Served = tuple[GenericWorkload, GenericRunner]
@@ -50,10 +50,6 @@ def _video() -> np.ndarray:
     return video_frames(4, 120, 90, seed=2)
 
 
-def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
 @pytest.fixture(scope="module")
 def processor(qwen3_omni_tiny: Path) -> HFOmniProcessor:
     processor = load_processor(qwen3_omni_tiny)
@@ -69,18 +65,6 @@ def references(qwen3_omni_tiny: Path) -> Refs:
 @pytest.fixture(scope="module")
 def served(qwen3_omni_tiny: Path) -> Served:
     return generic_runner(qwen3_omni_tiny)
-
-
-def _check(workload: GenericWorkload, runner: GenericRunner, items: list, refs: list[torch.Tensor]) -> None:
-    """Each item's rows alone, then all of them in one batch, equal the references."""
-    assert [it.num_tokens for it in items] == [r.shape[0] for r in refs]
-    for item, ref in zip(items, refs):
-        (alone,) = run_batch(workload, runner, [item])
-        assert alone.shape == ref.shape and alone.dtype == torch.float32
-        assert _relative_error(alone, ref) <= RTOL
-    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), refs)):
-        assert ours.shape == ref.shape, i
-        assert _relative_error(ours, ref) <= RTOL, i
 
 
 def test_checkpoint_loads_as_the_thinker_with_released_names(qwen3_omni_tiny: Path) -> None:
@@ -160,21 +144,21 @@ def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProces
     assert all(it.tensors is not None for it in items)
     ours = unpack_tensors(items[0].tensors, torch.from_numpy(items[0].pixel_values))
     assert ours["input_features"].shape == (203, 128)  # every frame of the hop-padded clip, none of padding
-    _check(*served, items, references["audio"])
+    assert_alone_and_batched(*served, items, references["audio"], RTOL)
     assert all(r.shape[1] == 64 for r in references["audio"])
 
 
 def test_image_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
                                                         references: Refs) -> None:
     items = [processor.process_image(image) for image in _images()]
-    _check(*served, items, references["image"])
+    assert_alone_and_batched(*served, items, references["image"], RTOL)
     assert all(r.shape[1] == 3 * 64 for r in references["image"])  # [merged | level 1 | level 2]
 
 
 def test_video_rows_equal_transformers(processor: HFOmniProcessor, served: Served, references: Refs) -> None:
     item = processor.process_video(_video())
     assert item.modality == "video"
-    _check(*served, [item], references["video"])
+    assert_alone_and_batched(*served, [item], references["video"], RTOL)
 
 
 def test_only_the_towers_are_built_and_tensor_parallel_refused(qwen3_omni_tiny: Path, served: Served) -> None:

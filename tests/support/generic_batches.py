@@ -1,4 +1,5 @@
-"""Eric's generic-path worker in process for model tests: a loaded runner, and a batch run as the engine hands it."""
+"""Eric's generic-path worker in process for model tests: a loaded runner, a batch run as the engine hands it, and
+the check that items alone and batched give reference rows."""
 
 from __future__ import annotations
 
@@ -30,3 +31,21 @@ def run_batch(workload: GenericWorkload, runner: GenericRunner, items: list) -> 
     inputs = torch.cat([torch.from_numpy(it.pixel_values) for it in items])
     with torch.inference_mode():
         return runner.run(work, inputs)
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def assert_alone_and_batched(workload: GenericWorkload, runner: GenericRunner, items: list,
+                             refs: list[torch.Tensor], rtol: float) -> None:
+    """Each item's rows alone (float32), then all of them in one batch, equal the references within `rtol`."""
+    assert [it.num_tokens for it in items] == [r.shape[0] for r in refs]
+    for item, ref in zip(items, refs):
+        (alone,) = run_batch(workload, runner, [item])
+        assert alone.shape == ref.shape and alone.dtype == torch.float32
+        assert relative_error(alone, ref) <= rtol
+    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), refs)):
+        assert ours.shape == ref.shape, i
+        assert relative_error(ours, ref) <= rtol, i
