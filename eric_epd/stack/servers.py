@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from eric_epd.common.cpus import available_cpus, format_cpus, split_cpus
-from eric_epd.models.facts import has_audio_tower
+from eric_epd.models.facts import generic_modalities, has_audio_tower
 from eric_epd.stack.process import ServerProcess, free_port, new_key
 
 
@@ -62,11 +62,24 @@ AUDIO_LIMIT = 2
 """Clips a prompt may carry to a model with an audio tower (its thinker's, in the Omni families)."""
 
 
+def read_config(model: Path) -> dict:
+    """`model`'s config.json, or {} where it has none."""
+    return json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else {}
+
+
+def soundtrack_flags(model: Path) -> tuple[str, ...]:
+    """`--trust-request-mm-kwargs` for a model whose videos may carry their soundtrack (the Omni thinkers:
+    `use_audio_in_video`, a per-request processor option vLLM refuses without it), else nothing. Only the gateway
+    holds the engine's key, and it passes exactly `{"use_audio_in_video": bool}` (router/epd_gateway/content.py)."""
+    modalities = generic_modalities(str(read_config(model).get("model_type", "")))
+    return ("--trust-request-mm-kwargs",) if {"video", "audio"} <= set(modalities) else ()
+
+
 def media_limits(model: Path) -> dict[str, int]:
     """vLLM's --limit-mm-per-prompt for `model`: 4 images and a video, or 5 of a model's single modality for both
     (vLLM turns Kimi-K2.5's image and video parts into "vision_chunk" items: `use_unified_vision_chunk`); and
     AUDIO_LIMIT clips where its config has an audio tower."""
-    config = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else {}
+    config = read_config(model)
     audio = {"audio": AUDIO_LIMIT} if has_audio_tower(config) else {}
     if config.get("use_unified_vision_chunk"):
         return {"vision_chunk": 5, **audio}
@@ -93,7 +106,7 @@ class VllmServe(ServerProcess):
                "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
                "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
                "--allowed-media-domains", NO_MEDIA_DOMAIN,
-               "--limit-mm-per-prompt", json.dumps(media_limits(model)), *extra]
+               "--limit-mm-per-prompt", json.dumps(media_limits(model)), *soundtrack_flags(model), *extra]
         if eric_urls or eric_dns:
             ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),

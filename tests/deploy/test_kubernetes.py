@@ -235,6 +235,9 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
             elif c["command"] == ["vllm"]:
                 assert "--middleware=eric_epd.plugins.vllm.auth.RequireEngineKey" in args
                 assert "--allowed-media-domains=media.eric-epd.invalid" in args
+                # chat engines take soundtracks (use_audio_in_video, the one option the gateway passes); Geri's
+                # pooling vLLM takes no chat
+                assert ("--trust-request-mm-kwargs" in args) == ("--runner=pooling" not in args)
                 assert {"name": "VLLM_MEDIA_URL_ALLOW_REDIRECTS", "value": "0"} in c["env"]
                 for x in args:
                     if x.startswith(("--ec-transfer-config=", "--kv-transfer-config=", "--limit-mm", "--pooler")):

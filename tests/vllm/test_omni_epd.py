@@ -58,8 +58,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     model = request.getfixturevalue(FAMILIES[family])
     logs = tmp_path_factory.mktemp(f"{family}-epd")
     eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
-    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
-                     extra=("--trust-request-mm-kwargs",))  # use_audio_in_video is a per-request processor option
+    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key)
     with running(eric, vllm):
         yield eric, vllm, family
 
