@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from eric_epd.testing.exactness import Greedy, greedy_of_openai
+from eric_epd.testing.lookahead import Cpus, Launched
 
 
 def user_turn(urls: list[str], text: str) -> dict:
@@ -68,19 +69,29 @@ def gateway_paths(gateway_url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
 
-@contextlib.contextmanager
-def colocated_epd_stack(model: Path, logs: Path, dtype: str = "float32") -> Iterator[dict[str, Any]]:
+def colocated_epd(model: Path, logs: Path, dtype: str = "float32", eric_cpus: Cpus | None = None,
+                  engine_cpus: Cpus | None = None) -> Launched:
     """One Eric, one `vllm serve` behind it (both in `dtype`) and the gateway in front (EPD, or colocated raw media),
-    keys wired (Eric and vLLM start together); yields {"eric", "vllm", "gateway"} and stops them all."""
-    from eric_epd.stack.process import running
+    keys wired, not yet launched; its value is {"eric", "vllm", "gateway"}. Eric and the gateway run on `eric_cpus`,
+    vLLM on `engine_cpus` (default: the halves of host_split())."""
     from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 
-    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype))
-    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype)
+    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype), cpus=eric_cpus)
+    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype,
+                     cpus=engine_cpus)
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key)
-    with running(eric, vllm), gateway:
-        yield {"eric": eric, "vllm": vllm, "gateway": gateway}
+                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, cpus=eric_cpus)
+    return Launched((eric, vllm, gateway), {"eric": eric, "vllm": vllm, "gateway": gateway})
+
+
+@contextlib.contextmanager
+def colocated_epd_stack(model: Path, logs: Path, dtype: str = "float32") -> Iterator[dict[str, Any]]:
+    """colocated_epd's servers started together; yields {"eric", "vllm", "gateway"} and stops them all."""
+    from eric_epd.stack.process import running
+
+    launched = colocated_epd(model, logs, dtype)
+    with running(*launched.servers):
+        yield launched.value
 
 
 def metric(url: str, name: str) -> float:

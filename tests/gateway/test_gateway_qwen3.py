@@ -6,22 +6,39 @@ same."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import image_data_url, video_data_url
-from eric_epd.testing.stack import ask_greedy, colocated_epd_stack, gateway_paths, image_messages
+from eric_epd.testing.stack import ask_greedy, colocated_epd, gateway_paths, image_messages
+
+
+@pytest.fixture(scope="module")
+def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           _checkpoint_cache: Path) -> Iterator[Lookahead]:
+    """Each family's Eric, vLLM and gateway, the next family's launched while this one's tests run. Qwen3.5 in
+    bfloat16: vLLM's only CPU path for its linear attention."""
+    from eric_epd.checkpoints.builtin import ensure_checkpoint
+
+    def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
+        dtype = "bfloat16" if family.startswith("qwen3_5") else "float32"
+        launched = colocated_epd(ensure_checkpoint(family, "tiny"), tmp_path_factory.mktemp(f"{family}-gateway"),
+                                 dtype, eric_cpus, engine_cpus)
+        launched.value["near_tie"] = NEAR_TIE_BFLOAT16 if dtype == "bfloat16" else NEAR_TIE_FLOAT32
+        return launched
+
+    yield from lookahead_fixture(request, "stack", build)
 
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Qwen3.5 in bfloat16: vLLM's only CPU path for its linear attention."""
-    model: Path = request.getfixturevalue(f"{request.param}_tiny")
-    dtype = "bfloat16" if request.param.startswith("qwen3_5") else "float32"
-    with colocated_epd_stack(model, tmp_path_factory.mktemp(f"{request.param}-gateway"), dtype) as servers:
-        yield {**servers, "near_tie": NEAR_TIE_BFLOAT16 if dtype == "bfloat16" else NEAR_TIE_FLOAT32}
+def stack(request: pytest.FixtureRequest, stacks: Lookahead) -> Iterator[dict]:
+    """One family's stack."""
+    yield stacks.take(request.param)
+    stacks.release(request.param)
 
 
 def _paths_delta(gw: str, before: dict[str, float]) -> dict[str, float]:

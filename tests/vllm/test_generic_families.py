@@ -17,8 +17,9 @@ import pytest
 from eric_epd.checkpoints.families import ensure_family_checkpoint
 from eric_epd.checkpoints.support import FAMILY_SUPPORT, GENERIC_VLLM, vllm_proven
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import data_url, image_bytes, random_image, video_data_url
-from eric_epd.testing.stack import ask_token_ids, colocated_epd_stack, image_messages, metric, wait_for
+from eric_epd.testing.stack import ask_token_ids, colocated_epd, image_messages, metric, wait_for
 
 pytestmark = pytest.mark.exactness
 
@@ -61,12 +62,26 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     server.server_close()
 
 
+@pytest.fixture(scope="module")
+def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           _checkpoint_cache: Path) -> Iterator[Lookahead]:
+    """Each family's Eric, `vllm serve` behind it and the gateway, the next family's launched while this one's tests
+    run (eric_epd/testing/lookahead.py)."""
+    def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
+        model = ensure_family_checkpoint(family)
+        launched = colocated_epd(model, tmp_path_factory.mktemp(f"{family}-epd"), eric_cpus=eric_cpus,
+                                 engine_cpus=engine_cpus)
+        launched.value["family"] = family
+        return launched
+
+    yield from lookahead_fixture(request, "stack", build)
+
+
 @pytest.fixture(scope="module", params=vllm_proven(GENERIC_VLLM))
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path):
-    """One family's Eric, `vllm serve` behind it and the gateway; stopped before the next family starts."""
-    model = ensure_family_checkpoint(request.param)
-    with colocated_epd_stack(model, tmp_path_factory.mktemp(f"{request.param}-epd")) as servers:
-        yield {**servers, "family": request.param}
+def stack(request: pytest.FixtureRequest, stacks: Lookahead) -> Iterator[dict]:
+    """One family's stack; stopped before the one after the next starts."""
+    yield stacks.take(request.param)
+    stacks.release(request.param)
 
 
 def _counter(url: str, name: str) -> float:

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eric_epd.stack.process import running
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes, video_with_audio_bytes
 from eric_epd.testing.stack import ask_token_ids, metric, wait_for
 from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
@@ -46,21 +46,32 @@ CASES = {
 MIME = {"audio": "audio/wav", "image": "image/png", "video": "video/mp4"}
 
 
-FAMILIES = {"qwen2_5_omni": "qwen2_5_omni_tiny", "qwen3_omni_moe": "qwen3_omni_tiny"}
-"""Family -> the fixture building its tiny checkpoint."""
+FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
+"""The Omni families (checkpoints/audio_families.py builds their tiny checkpoints)."""
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-          ) -> Iterator[tuple[EricServer, VllmServe, str]]:
-    """One Eric and one `vllm serve` with the connector behind it, started together, for each family."""
-    family = request.param
-    model = request.getfixturevalue(FAMILIES[family])
-    logs = tmp_path_factory.mktemp(f"{family}-epd")
-    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", "float32"))
-    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key)
-    with running(eric, vllm):
-        yield eric, vllm, family
+@pytest.fixture(scope="module")
+def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           _checkpoint_cache: Path) -> Iterator[Lookahead]:
+    """Each family's Eric and `vllm serve` with the connector behind it, the next family's launched while this
+    one's tests run."""
+    from eric_epd.checkpoints.audio_families import ensure_audio_checkpoint
+
+    def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
+        model, logs = ensure_audio_checkpoint(family), tmp_path_factory.mktemp(f"{family}-epd")
+        eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", "float32"), cpus=eric_cpus)
+        vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
+                         cpus=engine_cpus)
+        return Launched((eric, vllm), {"servers": (eric, vllm, family)})
+
+    yield from lookahead_fixture(request, "stack", build)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def stack(request: pytest.FixtureRequest, stacks: Lookahead) -> Iterator[tuple[EricServer, VllmServe, str]]:
+    """One family's Eric and vLLM."""
+    yield stacks.take(request.param)["servers"]
+    stacks.release(request.param)
 
 
 def _part(modality: str, data: bytes, uuid: str | None) -> dict:

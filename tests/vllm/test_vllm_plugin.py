@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -39,17 +40,30 @@ CHANGED = Case("changed", ((80, 80),), seed=9)
 
 
 @pytest.fixture(scope="module")
-def reference(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Greedy]:
-    """Monolithic vLLM (its own vision encoder, raw pixels), in a separate process: tokens and margins."""
+def reference_run(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory,
+                  ) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """Monolithic vLLM (its own vision encoder, raw pixels) in a separate process, launched before the Erics and the
+    connector's engine so their start-ups overlap its run; yields the process and the file it writes."""
     out = tmp_path_factory.mktemp("ref") / "tokens.json"
-    subprocess.run([sys.executable, "-m", "eric_epd.testing.vllm_cases", str(qwen2_vl_tiny), str(out)],
-                   check=True, timeout=600)
+    proc = subprocess.Popen([sys.executable, "-m", "eric_epd.testing.vllm_cases", str(qwen2_vl_tiny), str(out)])
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: tuple[subprocess.Popen, Path]) -> dict[str, Greedy]:
+    """The monolithic run's tokens and margins, once it has finished."""
+    proc, out = reference_run
+    assert proc.wait(timeout=600) == 0, "the monolithic reference run failed (its output is above)"
     return {name: Greedy.from_json(run) for name, run in json.loads(out.read_text()).items()}
 
 
 @pytest.fixture(scope="module")
-def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A TP-2 Eric serving the requests (over shm and NIXL), and a TP-1 Eric that a test kills."""
+def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory, reference_run):
+    """A TP-2 Eric serving the requests (over shm and NIXL), and a TP-1 Eric that a test kills; started once the
+    monolithic reference is under way (reference_run)."""
     logs = tmp_path_factory.mktemp("erics")
     key = new_key()  # one key for the Erics behind one engine
     main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key,
