@@ -3,6 +3,7 @@ SDPA otherwise) and the 2-D vision rotary embedding of Qwen2-VL / Qwen2.5-VL, ap
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -14,7 +15,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
-def _import_flash_varlen() -> Callable | None:
+@functools.cache
+def flash_varlen() -> Callable | None:
+    """flash-attn's varlen kernel (the optional `flash` extra), preferred on CUDA when installed; None otherwise.
+    Looked up on first use: importing it (or torch's) costs seconds that a CPU process never needs."""
     try:
         from flash_attn import flash_attn_varlen_func
     except Exception:  # not installed, or built for another torch/CUDA
@@ -22,7 +26,10 @@ def _import_flash_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def _import_torch_varlen() -> Callable | None:
+@functools.cache
+def torch_varlen() -> Callable | None:
+    """torch's own varlen flash kernel (CUDA, fp16/bf16), used when flash-attn is not installed; None before torch
+    2.9. Its module imports torch._dynamo (about 2 s), hence the lookup on first use."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except Exception:  # torch older than 2.9
@@ -30,15 +37,9 @@ def _import_torch_varlen() -> Callable | None:
     return varlen_attn
 
 
-FLASH_VARLEN: Callable | None = _import_flash_varlen()
-"""flash-attn's varlen kernel (the optional `flash` extra), preferred on CUDA when installed."""
-TORCH_VARLEN: Callable | None = _import_torch_varlen()
-"""torch's own varlen flash kernel (CUDA, fp16/bf16), used when flash-attn is not installed."""
-
-
 def cuda_varlen_kernel() -> str:
     """Which varlen kernel a CUDA fp16/bf16 forward uses: "flash_attn", "torch", or "sdpa" (length-grouped SDPA)."""
-    return "flash_attn" if FLASH_VARLEN is not None else "torch" if TORCH_VARLEN is not None else "sdpa"
+    return "flash_attn" if flash_varlen() is not None else "torch" if torch_varlen() is not None else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,12 @@ def varlen_attention(
         raise ValueError(f"attention got {n_tok} tokens but the plan covers {plan.total}")
     if n_tok == 0:
         return torch.empty_like(q)
-    on_cuda_half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    if on_cuda_half and FLASH_VARLEN is None and TORCH_VARLEN is not None:
-        return TORCH_VARLEN(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen, scale=scale)
-    if on_cuda_half and FLASH_VARLEN is not None:
-        return FLASH_VARLEN(
+    kernel = cuda_varlen_kernel() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    if kernel == "torch":
+        return torch_varlen()(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
+                              scale=scale)
+    if kernel == "flash_attn":
+        return flash_varlen()(
             q,
             k,
             v,
