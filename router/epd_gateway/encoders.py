@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import msgspec
 
-from epd_gateway.content import MediaRef, soundtracks
+from epd_gateway.content import MediaRef
+from epd_gateway.leases import release_leases
 from epd_gateway.loadcheck import Completions, believed_load
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.common.errors import ApiError
 from eric_epd.wire.eric import GRID, MEDIA, EncodeItem, Placement, decode_answer, decode_card, encode_body
-from eric_epd.wire.handles import LEASE_HEADER, AckBody, is_content_hash
 from eric_epd.wire.load import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -332,25 +332,9 @@ class EncoderPool:
         return resp
 
     async def release(self, items: list[dict[str, Any]]) -> None:
-        """Give back the leases an encode took on items that will never be fetched (the request went elsewhere),
-        so the Erics free them now instead of at their TTL. Best effort: a failure only leaves the TTL to act. An ack
-        goes only to an Eric this gateway knows (`knows`), never to a URL an answer names."""
-
-        async def ack(handle: dict[str, Any]) -> None:
-            producer = str(handle.get("producer", "")).rstrip("/")
-            if not self.knows(producer) or not is_content_hash(str(handle.get("hash", ""))):
-                logger.warning("not acknowledging an embedding at %r: not an Eric this gateway knows", producer[:200])
-                return
-            try:
-                await self._client.post(f"{producer}/v1/embeddings/{handle['hash']}/ack", timeout=2.0,
-                                        content=msgspec.json.encode(AckBody(handle["instance_id"])),
-                                        headers={LEASE_HEADER: handle["lease"]})
-            except (httpx.HTTPError, KeyError) as e:
-                logger.debug("releasing %s failed: %r", handle.get("hash"), e)
-
-        handles = {item["handle"]["lease"]: item["handle"] for item in [*items, *soundtracks(items)]
-                   if isinstance(item.get("handle"), dict)}
-        await asyncio.gather(*(ack(handle) for handle in handles.values()))
+        """Give back the leases an encode took on items that will never be fetched (leases.release_leases), acking
+        only Erics this pool knows."""
+        await release_leases(self._client, self.knows, items)
 
     def _record_failure(self, member: EncoderState) -> None:
         self._metrics.failures.labels(stage="encode").inc()

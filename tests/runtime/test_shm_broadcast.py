@@ -13,9 +13,8 @@ from eric_epd.runtime.executor.shm_broadcast import (
     BroadcastAborted,
     BroadcastHandle,
     ShmBroadcast,
-    buffer_to_tensor,
-    tensor_to_buffer,
 )
+from eric_epd.runtime.executor.tensor_views import buffer_to_tensor, tensor_to_buffer
 from tests.support import helpers_shm
 from tests.support.helpers_shm import CTX
 from tests.support.helpers_shm import any_dead as _any_dead

@@ -20,8 +20,8 @@ from eric_epd.runtime.executor.shm_broadcast import (
     BroadcastClosed,
     BroadcastHandle,
     ShmBroadcast,
-    buffer_to_tensor,
 )
+from eric_epd.runtime.executor.tensor_views import buffer_to_tensor
 from tests.support import helpers_shm
 from tests.support.helpers_shm import CTX
 from tests.support.helpers_shm import ROOT as _ROOT

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from multiprocessing.shared_memory import SharedMemory
@@ -25,6 +24,7 @@ import numpy as np
 from eric_epd.common.shm import Segment as _Shm
 from eric_epd.common.shm import attach_untracked as _attach_untracked
 from eric_epd.runtime.executor.shm_wake import WakeReceiver, WakeSender
+from eric_epd.runtime.executor.tensor_views import tensor_to_buffer
 
 if TYPE_CHECKING:
     import torch
@@ -375,26 +375,3 @@ class ShmBroadcastReader(ShmBroadcast):
             if self._wake is not None:
                 self._wake.close()
             self._unmap()
-
-
-def tensor_to_buffer(t: torch.Tensor) -> memoryview:
-    """Flat uint8 view of a CPU tensor's bytes (any dtype, bfloat16 too; copies only if non-contiguous)."""
-    import torch
-
-    t = t.detach().resolve_conj().resolve_neg().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def buffer_to_tensor(buf: memoryview | bytes | bytearray, dtype: str | torch.dtype,
-                     shape: Sequence[int]) -> torch.Tensor:
-    """Tensor of ``dtype`` (e.g. "bfloat16") and ``shape`` over ``buf``, zero-copy; it keeps ``buf`` mapped.
-
-    Over a dequeue() view its data is valid only until release() (clone() to keep it), and it is shared
-    with the other readers: treat it as read-only (PyTorch cannot enforce that)."""
-    import torch
-
-    tdtype = getattr(torch, str(dtype).removeprefix("torch."))  # "bfloat16", "torch.bfloat16" or a dtype
-    arr = np.frombuffer(buf, np.uint8)  # holds a buffer export, so the mapping outlives the tensor
-    with warnings.catch_warnings():  # read-only views: torch warns (once) but wraps them fine
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(arr).view(tdtype).reshape(tuple(shape))  # size mismatch: RuntimeError

@@ -30,8 +30,8 @@ from eric_epd.runtime.executor.shm_broadcast import (
     BroadcastHandle,
     ShmBroadcast,
     ShmBroadcastReader,
-    buffer_to_tensor,
 )
+from eric_epd.runtime.executor.tensor_views import buffer_to_tensor
 from eric_epd.runtime.workload import Runner, Workload
 
 logger = logging.getLogger(__name__)
