@@ -85,6 +85,34 @@ def qwen3_omni_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]] = (), i
     return out
 
 
+def qwen3_omni_audio_batches(model_dir: Path, clips: list[tuple[np.ndarray, int]],
+                             hop_padded: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per clip, Qwen3-Omni's thinker's `get_audio_features` rows with the clip alone, and with all `clips` in one
+    call (each clip's log-mels from the processor alone, padded together to the longest and masked: every chunk is
+    then padded to the batch's longest, which reaches a sub-second clip's rows, in transformers and vLLM alike).
+    Clips are resampled to 16 kHz and, if `hop_padded`, zero-padded to whole 160-sample hops as vLLM feeds them
+    (else left as SGLang feeds them)."""
+    from transformers import AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from eric_epd.media.resample import resample
+
+    hf = AutoProcessor.from_pretrained(model_dir)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    waves = [resample(samples, rate, 16000) for samples, rate in clips]
+    waves = [np.pad(wave, (0, -len(wave) % 160)) if hop_padded else wave for wave in waves]
+    inputs = [hf(text=[QWEN3_TEXT["audio"]], audio=[wave], return_tensors="pt") for wave in waves]
+    lengths = torch.cat([i["feature_attention_mask"].sum(-1) for i in inputs])
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    features = torch.zeros(len(waves), inputs[0]["input_features"].shape[1], mask.shape[1])
+    for row, (item, length) in enumerate(zip(inputs, lengths.tolist())):
+        features[row, :, :length] = item["input_features"][0, :, :length]
+    with torch.no_grad():
+        alone = [_checked(model.get_audio_features(i["input_features"], i["feature_attention_mask"])
+                          .last_hidden_state, i, model.config.audio_token_id) for i in inputs]
+        batched = model.get_audio_features(features, mask.to(torch.long)).last_hidden_state
+    return alone, list(batched.split([rows.shape[0] for rows in alone]))
+
+
 def _stacked(features) -> torch.Tensor:
     """One item's merged rows with its DeepStack levels beside them, as vLLM's Qwen3-Omni tower returns them."""
     (rows,) = features.pooler_output

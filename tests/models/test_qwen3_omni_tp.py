@@ -1,0 +1,214 @@
+"""Qwen3-Omni-MoE's thinker on Eric's own towers (models/qwen3_omni.py: the chunked Conv2d-stem audio tower and the
+Qwen3-VL vision tower), built from and reading only the thinker's tower tensors: rows for clips of odd lengths (a
+sub-second one among them, resampled ones, one past the 8 s attention window) in both featurizations Eric uses for
+this family (vLLM's hop-padded clips, SGLang's unpadded ones), images and a video equal transformers' thinker's
+`get_audio_features`, `get_image_features` and `get_video_features` (DeepStack levels beside the merged rows), alone
+and batched (a batch's sub-second clip as transformers computes it in that batch: its chunk padded to the longest),
+at TP 1 in process and TP 2 over gloo in spawned processes, each rank holding its own shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eric_epd.eric.generic import GenericRunner, GenericWorkload
+from eric_epd.eric.workload import encoder_workload
+from eric_epd.models.facts import ModelFacts, serves_tp
+from eric_epd.models.hf.omni import HFOmniProcessor
+from eric_epd.models.hf.tensors import join_items, unpack_tensors
+from eric_epd.models.layers.parallel import TPContext
+from eric_epd.models.qwen3_omni import Qwen3OmniTowerEncoder, Qwen3OmniTowers, checkpoint_key
+from eric_epd.models.registry import load_processor
+from eric_epd.runtime.config import RuntimeConfig
+from eric_epd.testing.media import audio_samples, random_image, video_frames
+from tests.support.generic_batches import assert_alone_and_batched, generic_runner, relative_error, run_batch
+from tests.support.omni_reference import qwen3_omni_audio_batches, qwen3_omni_rows
+
+Served = tuple[GenericWorkload, GenericRunner]
+AudioRefs = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+RTOL = 1e-5
+"""Worst relative error (max |ours - transformers'| / max |transformers'|) in float32: the same modules on the same
+inputs; a batch and the split over ranks change only the rounding of matmuls."""
+CLIPS = ((2 * 16000 + 345, 16000), (7001, 16000), (2 * 44100 + 17, 44100), (13 * 16000 + 99, 16000))
+"""(samples, rate): lengths off the 160-sample hop, a sub-second clip (its rows depend on its batch), one at
+44.1 kHz (resampled first), one past the 8 s attention window."""
+SHORT = 1
+"""The sub-second clip's index in CLIPS."""
+IMAGES = ((200, 150), (64, 64), (333, 97))
+
+
+def _waves() -> list[tuple[np.ndarray, int]]:
+    return [(audio_samples(n, rate, seed=20 + i)[:, 0], rate) for i, (n, rate) in enumerate(CLIPS)]
+
+
+def _images() -> list:
+    return [random_image(w, h, seed=30 + i) for i, (w, h) in enumerate(IMAGES)]
+
+
+def _video() -> np.ndarray:
+    return video_frames(4, 120, 90, seed=3)
+
+
+@pytest.fixture(scope="module")
+def processor(qwen3_omni_tiny: Path) -> HFOmniProcessor:
+    processor = load_processor(qwen3_omni_tiny)
+    assert isinstance(processor, HFOmniProcessor)
+    return processor
+
+
+@pytest.fixture(scope="module")
+def audio_refs(qwen3_omni_tiny: Path) -> dict[bool, AudioRefs]:
+    """Per featurization (hop-padded: vLLM's; not: SGLang's), (each clip alone, the clips in one batch)."""
+    return {padded: qwen3_omni_audio_batches(qwen3_omni_tiny, _waves(), padded) for padded in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def vision_refs(qwen3_omni_tiny: Path) -> dict[str, list[torch.Tensor]]:
+    return qwen3_omni_rows(qwen3_omni_tiny, [], _images(), [_video()])
+
+
+@pytest.fixture(scope="module")
+def served(qwen3_omni_tiny: Path) -> Served:
+    workload, runner = generic_runner(qwen3_omni_tiny)
+    assert isinstance(runner.encoder, Qwen3OmniTowerEncoder)  # Eric's own towers, at TP 1 too
+    return workload, runner
+
+
+def _clips(processor: HFOmniProcessor, hop_padded: bool) -> list:
+    return [processor.process_audio(wave, rate, hop_padded) for wave, rate in _waves()]
+
+
+@pytest.mark.parametrize("hop_padded", [True, False], ids=["vllm", "sglang"])
+def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
+                                                        audio_refs: dict[bool, AudioRefs], hop_padded: bool) -> None:
+    items = _clips(processor, hop_padded)
+    frames = [203, 44, 201, 1301] if hop_padded else [202, 43, 200, 1300]  # ceil or floor of samples / 160
+    assert [it.feature_frames for it in items] == frames
+    alone, batched = audio_refs[hop_padded]
+    assert relative_error(alone[SHORT], batched[SHORT]) > 1e-3  # the sub-second clip's rows depend on its batch
+    longer = [i for i in range(len(CLIPS)) if i != SHORT]
+    assert_alone_and_batched(*served, [items[i] for i in longer], [alone[i] for i in longer], RTOL)
+    (short,) = run_batch(*served, [items[SHORT]])
+    assert short.shape == alone[SHORT].shape and relative_error(short, alone[SHORT]) <= RTOL
+    for i, (ours, ref) in enumerate(zip(run_batch(*served, items), batched, strict=True)):
+        assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
+
+
+def test_only_the_thinkers_tower_tensors_are_read(qwen3_omni_tiny: Path, served: Served) -> None:
+    tower = served[1].encoder.tower  # type: ignore[attr-defined]
+    assert {name.split(".")[0] for name, _ in tower.named_parameters()} == {"audio_tower", "visual"}
+    tensors = load_file(qwen3_omni_tiny / "model.safetensors")
+    towers = {n: t for n, t in tensors.items() if n.startswith(("thinker.audio_tower.", "thinker.visual."))}
+    assert {checkpoint_key(n) for n in towers} == tower.expected_keys()  # every tower tensor read, nothing else
+    config = ModelFacts.from_checkpoint(qwen3_omni_tiny).config
+    with pytest.raises(KeyError, match=r"not a Qwen3-Omni audio or vision tower"):
+        Qwen3OmniTowers(config).load_weights([("thinker.model.norm.weight", torch.zeros(64))])
+    with pytest.raises(KeyError, match=r"missing.*visual\.deepstack_merger_list\.1\.ln_q\.weight"):
+        Qwen3OmniTowers(config).load_weights((n, t) for n, t in towers.items()
+                                             if n != "thinker.visual.merger_list.1.ln_q.weight")
+    with pytest.raises(KeyError, match=r"missing.*audio_tower\.layers\.0\.self_attn\.k_proj\.bias"):
+        Qwen3OmniTowers(config).load_weights((n, t) for n, t in towers.items()
+                                             if n != "thinker.audio_tower.layers.0.self_attn.k_proj.bias")
+    batch = {"input_features": torch.zeros(101, 128), "audio_feature_lengths": torch.tensor([101])}
+    with pytest.raises(RuntimeError, match=r"give \[14\] rows, their specs say \[13\]"):
+        served[1].encoder.encode(batch, [13], "audio")
+
+
+def test_tensor_parallel_is_served_where_the_towers_split(qwen3_omni_tiny: Path) -> None:
+    """--tp 2 splits the tiny towers' 2 heads each, the audio FFN and vision MLP of 128; --tp 3 is refused before any
+    process starts, naming what does not split."""
+    facts = ModelFacts.from_checkpoint(qwen3_omni_tiny)
+    assert serves_tp("qwen3_omni_moe", 2)
+    config = RuntimeConfig(model=qwen3_omni_tiny, device="cpu", tp_size=2)
+    assert isinstance(encoder_workload(config, facts), GenericWorkload)
+    with pytest.raises(ValueError, match="attention heads 2 is not divisible by tensor-parallel size 3"):
+        encoder_workload(RuntimeConfig(model=qwen3_omni_tiny, device="cpu", tp_size=3), facts)
+
+
+# ---- TP 2 over gloo (the spawning pattern of test_qwen2_5_omni.py) ----------------------------------------------
+
+
+def _tp_worker(rank: int, world: int, port: int, model_dir: str, jobs: dict[str, tuple[str, dict, list[int]]],
+               out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        encoder = Qwen3OmniTowerEncoder.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
+        tower = encoder.tower
+        out = {name: encoder.encode(inputs, rows, modality) for name, (modality, inputs, rows) in jobs.items()}
+        audio, vision = tower.audio_tower.layers[0], tower.visual.blocks[0]
+        out |= {"audio_qkv": audio.self_attn.qkv.weight, "audio_qkv_bias": audio.self_attn.qkv.bias,
+                "audio_fc2": audio.fc2.weight, "vision_qkv": vision.attn.qkv.weight,
+                "vision_fc1": vision.mlp.fc1.weight,
+                "deepstack_fc": tower.visual.deepstack_merger_list[1].mlp[0].weight}
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _job(modality: str, items: list) -> tuple[str, dict, list[int]]:
+    joined = join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in items])
+    return modality, joined, [it.num_tokens for it in items]
+
+
+@pytest.fixture(scope="module")
+def tp2_results(qwen3_omni_tiny: Path, processor: HFOmniProcessor,
+                tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from eric_epd.stack.process import free_port
+
+    clips = {padded: _clips(processor, padded) for padded in (True, False)}
+    images = [processor.process_image(image) for image in _images()]
+    jobs = {f"audio-{padded}": _job("audio", items) for padded, items in clips.items()}
+    jobs |= {f"audio-{padded}-{i}": _job("audio", [it])
+             for padded, items in clips.items() for i, it in enumerate(items)}
+    jobs |= {"image": _job("image", images), "video": _job("video", [processor.process_video(_video())])}
+    jobs |= {f"image-{i}": _job("image", [it]) for i, it in enumerate(images)}
+    out_dir = tmp_path_factory.mktemp("qwen3-omni-tp2")
+    mp.spawn(_tp_worker, args=(2, free_port(), str(qwen3_omni_tiny), jobs, str(out_dir)), nprocs=2, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+
+
+def test_tp2_rows_equal_transformers_on_every_rank(audio_refs: dict[bool, AudioRefs],
+                                                   vision_refs: dict[str, list[torch.Tensor]],
+                                                   tp2_results: list[dict]) -> None:
+    """Both featurizations' clips alone and in one batch, three images alone and in one batch, a video: every rank's
+    rows, replicated after the all-reduces."""
+    expected: dict[str, list[torch.Tensor]] = {"image": vision_refs["image"], "video": vision_refs["video"]}
+    expected |= {f"image-{i}": [ref] for i, ref in enumerate(vision_refs["image"])}
+    for padded, (alone, batched) in audio_refs.items():
+        expected[f"audio-{padded}"] = batched
+        expected |= {f"audio-{padded}-{i}": [ref] for i, ref in enumerate(alone)}
+    for result in tp2_results:
+        for name, refs in expected.items():
+            for i, (ours, ref) in enumerate(zip(result[name], refs, strict=True)):
+                assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, (name, i)
+    for name in expected:
+        for a, b in zip(tp2_results[0][name], tp2_results[1][name], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_tp2_ranks_hold_their_own_shards(qwen3_omni_tiny: Path, tp2_results: list[dict]) -> None:
+    """Each rank holds one of the two heads of the audio tower's separate q, k and v (biases, k's included) and of
+    the vision tower's fused qkv, half of the audio FFN, of the vision MLP and of a DeepStack merger's MLP."""
+    full = load_file(qwen3_omni_tiny / "model.safetensors")
+    audio, vision = "thinker.audio_tower.layers.0", "thinker.visual.blocks.0"
+    for rank, result in enumerate(tp2_results):
+        heads, half = slice(32 * rank, 32 * (rank + 1)), slice(64 * rank, 64 * (rank + 1))
+        for leaf in ("weight", "bias"):
+            shard = torch.cat([full[f"{audio}.self_attn.{p}_proj.{leaf}"][heads] for p in "qkv"])
+            assert torch.equal(result["audio_qkv" if leaf == "weight" else "audio_qkv_bias"], shard)
+        fused = full[f"{vision}.attn.qkv.weight"]
+        assert torch.equal(result["vision_qkv"], torch.cat([fused[64 * j:][heads] for j in range(3)]))
+        assert torch.equal(result["audio_fc2"], full[f"{audio}.fc2.weight"][:, half])
+        assert torch.equal(result["vision_fc1"], full[f"{vision}.mlp.linear_fc1.weight"][half])
+        merger = full["thinker.visual.merger_list.1.mlp.0.weight"]
+        assert torch.equal(result["deepstack_fc"], merger[128 * rank:128 * (rank + 1)])
