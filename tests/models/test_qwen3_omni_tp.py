@@ -19,14 +19,19 @@ from eric_epd.eric.generic import GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload
 from eric_epd.models.facts import ModelFacts, serves_tp
 from eric_epd.models.hf.omni import HFOmniProcessor
-from eric_epd.models.hf.tensors import join_items, unpack_tensors
-from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen3_omni import Qwen3OmniTowerEncoder, Qwen3OmniTowers, checkpoint_key
 from eric_epd.models.registry import load_processor
 from eric_epd.runtime.config import RuntimeConfig
-from eric_epd.testing.media import audio_samples, random_image, video_frames
-from tests.support.generic_batches import assert_alone_and_batched, generic_runner, relative_error, run_batch
-from tests.support.omni_reference import qwen3_omni_audio_batches, qwen3_omni_rows
+from eric_epd.testing.media import video_frames
+from tests.support.generic_batches import (
+    assert_alone_and_batched,
+    generic_runner,
+    joined_job,
+    relative_error,
+    run_batch,
+    tower_tp2,
+)
+from tests.support.omni_reference import qwen3_omni_audio_batches, qwen3_omni_rows, sample_clips, sample_images
 
 Served = tuple[GenericWorkload, GenericRunner]
 AudioRefs = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -43,11 +48,11 @@ IMAGES = ((200, 150), (64, 64), (333, 97))
 
 
 def _waves() -> list[tuple[np.ndarray, int]]:
-    return [(audio_samples(n, rate, seed=20 + i)[:, 0], rate) for i, (n, rate) in enumerate(CLIPS)]
+    return sample_clips(CLIPS, 20)
 
 
 def _images() -> list:
-    return [random_image(w, h, seed=30 + i) for i, (w, h) in enumerate(IMAGES)]
+    return sample_images(IMAGES, 30)
 
 
 def _video() -> np.ndarray:
@@ -130,51 +135,26 @@ def test_tensor_parallel_is_served_where_the_towers_split(qwen3_omni_tiny: Path)
         encoder_workload(RuntimeConfig(model=qwen3_omni_tiny, device="cpu", tp_size=3), facts)
 
 
-# ---- TP 2 over gloo (the spawning pattern of test_qwen2_5_omni.py) ----------------------------------------------
+# ---- TP 2 over gloo -------------------------------------------------------------------------------------------
 
-
-def _tp_worker(rank: int, world: int, port: int, model_dir: str, jobs: dict[str, tuple[str, dict, list[int]]],
-               out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        encoder = Qwen3OmniTowerEncoder.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
-        tower = encoder.tower
-        out = {name: encoder.encode(inputs, rows, modality) for name, (modality, inputs, rows) in jobs.items()}
-        audio, vision = tower.audio_tower.layers[0], tower.visual.blocks[0]
-        out |= {"audio_qkv": audio.self_attn.qkv.weight, "audio_qkv_bias": audio.self_attn.qkv.bias,
-                "audio_fc2": audio.fc2.weight, "vision_qkv": vision.attn.qkv.weight,
-                "vision_fc1": vision.mlp.fc1.weight,
-                "deepstack_fc": tower.visual.deepstack_merger_list[1].mlp[0].weight}
-        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _job(modality: str, items: list) -> tuple[str, dict, list[int]]:
-    joined = join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in items])
-    return modality, joined, [it.num_tokens for it in items]
+SHARDS = {"audio_qkv": "audio_tower.layers.0.self_attn.qkv.weight",
+          "audio_qkv_bias": "audio_tower.layers.0.self_attn.qkv.bias", "audio_fc2": "audio_tower.layers.0.fc2.weight",
+          "vision_qkv": "visual.blocks.0.attn.qkv.weight", "vision_fc1": "visual.blocks.0.mlp.fc1.weight",
+          "deepstack_fc": "visual.deepstack_merger_list.1.mlp.0.weight"}
+"""The tower parameters each rank hands back (its shard of each)."""
 
 
 @pytest.fixture(scope="module")
 def tp2_results(qwen3_omni_tiny: Path, processor: HFOmniProcessor,
                 tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    from eric_epd.stack.process import free_port
-
     clips = {padded: _clips(processor, padded) for padded in (True, False)}
     images = [processor.process_image(image) for image in _images()]
-    jobs = {f"audio-{padded}": _job("audio", items) for padded, items in clips.items()}
-    jobs |= {f"audio-{padded}-{i}": _job("audio", [it])
+    jobs = {f"audio-{padded}": joined_job("audio", items) for padded, items in clips.items()}
+    jobs |= {f"audio-{padded}-{i}": joined_job("audio", [it])
              for padded, items in clips.items() for i, it in enumerate(items)}
-    jobs |= {"image": _job("image", images), "video": _job("video", [processor.process_video(_video())])}
-    jobs |= {f"image-{i}": _job("image", [it]) for i, it in enumerate(images)}
-    out_dir = tmp_path_factory.mktemp("qwen3-omni-tp2")
-    mp.spawn(_tp_worker, args=(2, free_port(), str(qwen3_omni_tiny), jobs, str(out_dir)), nprocs=2, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    jobs |= {"image": joined_job("image", images), "video": joined_job("video", [processor.process_video(_video())])}
+    jobs |= {f"image-{i}": joined_job("image", [it]) for i, it in enumerate(images)}
+    return tower_tp2(Qwen3OmniTowerEncoder, qwen3_omni_tiny, jobs, SHARDS, tmp_path_factory.mktemp("qwen3-omni-tp2"))
 
 
 def test_tp2_rows_equal_transformers_on_every_rank(audio_refs: dict[bool, AudioRefs],

@@ -10,6 +10,21 @@ import numpy as np
 import torch
 from PIL import Image
 
+
+def sample_clips(clips: tuple[tuple[int, int], ...], seed: int) -> list[tuple[np.ndarray, int]]:
+    """Mono test clips, one per (samples, rate), seeded from `seed` up: (samples, rate) as the references take them."""
+    from eric_epd.testing.media import audio_samples
+
+    return [(audio_samples(n, rate, seed=seed + i)[:, 0], rate) for i, (n, rate) in enumerate(clips)]
+
+
+def sample_images(sizes: tuple[tuple[int, int], ...], seed: int) -> list[Image.Image]:
+    """Random test images, one per (width, height), seeded from `seed` up."""
+    from eric_epd.testing.media import random_image
+
+    return [random_image(w, h, seed=seed + i) for i, (w, h) in enumerate(sizes)]
+
+
 AUDIO_TEXT = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 IMAGE_TEXT = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 VIDEO_TEXT = "<|vision_bos|><|VIDEO|><|vision_eos|>"
