@@ -42,6 +42,9 @@ inputs; a batch and the split over ranks change only the rounding of matmuls."""
 CLIPS = ((2 * 16000 + 345, 16000), (7001, 16000), (2 * 44100 + 17, 44100), (13 * 16000 + 99, 16000))
 """(samples, rate): lengths off the 160-sample hop, a sub-second clip (its rows depend on its batch), one at
 44.1 kHz (resampled first), one past the 8 s attention window."""
+BF16_RTOL = 3e-2
+"""bfloat16 against float32: bfloat16 roundings (2^-8 each) through the convolutions, two layers and the
+projections."""
 SHORT = 1
 """The sub-second clip's index in CLIPS."""
 IMAGES = ((200, 150), (64, 64), (333, 97))
@@ -102,6 +105,17 @@ def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProces
     assert short.shape == alone[SHORT].shape and relative_error(short, alone[SHORT]) <= RTOL
     for i, (ours, ref) in enumerate(zip(run_batch(*served, items), batched, strict=True)):
         assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
+
+
+def test_bfloat16_rows(qwen3_omni_tiny: Path, processor: HFOmniProcessor, audio_refs: dict[bool, AudioRefs],
+                       vision_refs: dict[str, list[torch.Tensor]]) -> None:
+    workload, runner = generic_runner(qwen3_omni_tiny, "bfloat16")
+    items = [*_clips(processor, True), processor.process_image(_images()[0])]
+    refs = [*audio_refs[True][1], vision_refs["image"][0]]
+    outputs = [*run_batch(workload, runner, items[:-1]), *run_batch(workload, runner, items[-1:])]
+    for i, (ours, ref) in enumerate(zip(outputs, refs, strict=True)):
+        assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape, i
+        assert relative_error(ours, ref) <= BF16_RTOL, i
 
 
 def test_only_the_thinkers_tower_tensors_are_read(qwen3_omni_tiny: Path, served: Served) -> None:
