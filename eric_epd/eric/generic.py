@@ -31,7 +31,8 @@ TP_REFUSED = ("--tp {tp}: the generic path (model_type {model_type!r}, served by
 class ItemEncoder(Protocol):
     """What a generic runner's worker calls: HFVisionEncoder or HFAudioEncoder (transformers' classes) or a tower of
     Eric's own behind the same interface (models/crop_tower.CropTowerEncoder: models/gemma3.py's, models/internvl.py's;
-    models/qwen2_audio.Qwen2AudioTowerEncoder, models/qwen2_5_omni.Qwen2_5OmniTowerEncoder)."""
+    models/qwen2_audio.Qwen2AudioTowerEncoder, models/qwen2_5_omni.Qwen2_5OmniTowerEncoder,
+    models/qwen3_omni.Qwen3OmniTowerEncoder)."""
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch of one modality joined along dim 0."""

@@ -20,7 +20,8 @@ TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 the generic path (images)."""
 GENERIC_TOWERS: Mapping[str, str] = MappingProxyType(
     {"gemma3": "eric_epd.models.gemma3", "internvl": "eric_epd.models.internvl",
-     "qwen2_audio": "eric_epd.models.qwen2_audio", "qwen2_5_omni": "eric_epd.models.qwen2_5_omni"})
+     "qwen2_audio": "eric_epd.models.qwen2_audio", "qwen2_5_omni": "eric_epd.models.qwen2_5_omni",
+     "qwen3_omni_moe": "eric_epd.models.qwen3_omni"})
 """Generic-path families whose worker runs a tensor-parallel tower of Eric's own in place of transformers' classes,
 so --tp > 1 serves them, by the module holding it (its `ENCODER`, loaded by GenericWorkload, and its `check_tp`,
 called before any process starts; see generic_tower); their processing, batching, hashing and placement stay the
@@ -36,8 +37,8 @@ projector at TP 1 (models/hf/audio_encoder.py)."""
 GENERIC_OMNI_TYPES = frozenset({"qwen2_5_omni", "qwen3_omni_moe"})
 """Generic-path families whose Eric encodes audio, images and videos (models/hf/omni.py: the processor): the
 thinker's audio tower and vision tower (its language model, talker and token2wav never built), Eric's own where
-GENERIC_TOWERS has them (Qwen2.5-Omni's: models/qwen2_5_omni.py, any TP), else transformers' at TP 1
-(models/hf/omni.HFOmniEncoder: Qwen3-Omni's)."""
+GENERIC_TOWERS has them (Qwen2.5-Omni's: models/qwen2_5_omni.py; Qwen3-Omni's: models/qwen3_omni.py; any TP), else
+transformers' at TP 1 (models/hf/omni.HFOmniEncoder)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
      "float16": "float16", "fp16": "float16", "half": "float16"})

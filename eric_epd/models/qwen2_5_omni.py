@@ -25,7 +25,7 @@ from eric_epd.models.qwen2_audio import (
     whisper_output_lengths,
     without_key_bias,
 )
-from eric_epd.models.qwen2_vl import IGNORED_SUFFIXES, config_to_dict
+from eric_epd.models.qwen2_vl import IGNORED_SUFFIXES, Qwen2VLVisionEncoder, config_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,15 @@ def chunk_lengths(mel_lengths: list[int], n_window: int) -> list[int]:
     return chunks
 
 
+def fill_sinusoids(table: torch.Tensor, embedding: Any) -> None:
+    """`table` ((positions, dim), a buffer) filled with the sinusoids transformers' `embedding` class (a family's
+    SinusoidsPositionEmbedding) computes for that shape, in float32 on the CPU."""
+    length, dim = table.shape
+    with torch.device("cpu"):
+        values = embedding(length, dim).positional_embedding
+    table.copy_(values)
+
+
 class ChunkedWhisperEncoder(nn.Module):
     """Qwen2.5-Omni's audio tower (parameter names follow the checkpoint's `audio_tower.*`): each clip cut into chunks
     of 2 * n_window mel frames; per chunk the two GELU convolutions (the second of stride 2; conv1's output zero past
@@ -91,10 +100,7 @@ class ChunkedWhisperEncoder(nn.Module):
         """The positional table, as transformers' SinusoidsPositionEmbedding computes it (float32)."""
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import SinusoidsPositionEmbedding
 
-        length, dim = self.positional_embedding.shape
-        with torch.device("cpu"):
-            table = SinusoidsPositionEmbedding(length, dim).positional_embedding
-        self.positional_embedding.copy_(table)
+        fill_sinusoids(self.positional_embedding, SinusoidsPositionEmbedding)
 
     def embedded(self, features: torch.Tensor, chunks: list[int]) -> torch.Tensor:
         """(frames of every clip, mel bins) -> (chunks, positions, dim): each chunk convolved on its own (zero past
@@ -125,10 +131,52 @@ class ChunkedWhisperEncoder(nn.Module):
         return self.proj(self.ln_post(pooled_pairs(packed, positions, rows)))
 
 
-class Qwen2_5OmniTowers(ShardedTower):  # noqa: N801 - HF naming
-    """The thinker's audio tower (`audio_tower`) and vision tower (`visual`, Eric's Qwen2.5-VL tower), this rank's
-    shard of each. `audio` and `vision` give every item's rows, items in order, identical (replicated) on every
-    tensor-parallel rank."""
+class OmniTowers(ShardedTower):
+    """An Omni thinker's audio tower (`audio_tower`) and vision tower (`visual`), this rank's shard of each. `audio` and
+    `vision` give every item's rows, items in order, identical (replicated) on every tensor-parallel rank. A subclass
+    builds both towers (the audio one with `fill_positions`), sets `mel_bins` and says how many rows a clip gives
+    (`audio_rows`)."""
+
+    audio_tower: nn.Module
+    visual: Qwen2VLVisionEncoder
+    mel_bins: int
+    """Log-mel bins per frame the audio tower takes."""
+
+    def audio_rows(self, mel_lengths: torch.Tensor) -> list[int]:
+        """Rows each clip of `mel_lengths` valid log-mel frames gives (its audio tokens)."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """ShardedTower.load_weights, then the audio tower's positional table computed and the vision tower's
+        after-load rewrites run."""
+        loaded = super().load_weights(weights)
+        self.audio_tower.fill_positions()
+        for module in self.visual.modules():
+            if (after_load := getattr(module, "after_load", None)) is not None:
+                after_load()
+        return loaded
+
+    @torch.inference_mode()
+    def audio(self, input_features: torch.Tensor, mel_lengths: torch.Tensor) -> torch.Tensor:
+        """Every clip's rows from its valid log-mel frames ((frames of every clip, mel bins), clips one after
+        another), as `get_audio_features` gives them."""
+        if input_features.dim() != 2 or input_features.shape[1] != self.mel_bins:
+            raise ValueError(f"input_features of shape {list(input_features.shape)}; expected [frames, "
+                             f"{self.mel_bins}]")
+        if int(mel_lengths.sum()) != input_features.shape[0]:
+            raise ValueError(f"{input_features.shape[0]} mel frames for clips of {mel_lengths.tolist()}")
+        if input_features.shape[0] == 0:
+            return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
+        return self.audio_tower(input_features.to(device=self.device, dtype=self.dtype), mel_lengths)
+
+    def vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Every image's (video's) merged patches, items in order, as `get_image_features` (`get_video_features`)
+        gives them (Qwen3-Omni's: each with its DeepStack levels beside it)."""
+        return self.visual(pixels, grid_thw)
+
+
+class Qwen2_5OmniTowers(OmniTowers):  # noqa: N801 - HF naming
+    """Qwen2.5-Omni's thinker towers: the chunked Whisper-style audio tower and Eric's Qwen2.5-VL vision tower."""
 
     model_type: ClassVar[str] = "qwen2_5_omni"
     family: ClassVar[str] = "Qwen2.5-Omni"
@@ -160,34 +208,16 @@ class Qwen2_5OmniTowers(ShardedTower):  # noqa: N801 - HF naming
                 if not (key.startswith("audio_tower.") and key.endswith(".k_proj.bias"))}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """ShardedTower.load_weights, an audio k_proj bias refused; then k's part of each audio layer's fused bias
-        zeroed, the positional table computed and the vision tower's after-load rewrites run."""
+        """OmniTowers.load_weights, an audio k_proj bias refused; then k's part of each audio layer's fused bias
+        zeroed."""
         loaded = super().load_weights(without_key_bias(weights))
         for layer in self.audio_tower.layers:
             layer.self_attn.zero_key_bias()
-        self.audio_tower.fill_positions()
-        for module in self.visual.modules():
-            if (after_load := getattr(module, "after_load", None)) is not None:
-                after_load()
         return loaded
 
-    @torch.inference_mode()
-    def audio(self, input_features: torch.Tensor, mel_lengths: torch.Tensor) -> torch.Tensor:
-        """Every clip's rows from its valid log-mel frames ((frames of every clip, mel bins), clips one after
-        another), as `get_audio_features` gives them."""
-        if input_features.dim() != 2 or input_features.shape[1] != self.mel_bins:
-            raise ValueError(f"input_features of shape {list(input_features.shape)}; expected [frames, "
-                             f"{self.mel_bins}]")
-        if int(mel_lengths.sum()) != input_features.shape[0]:
-            raise ValueError(f"{input_features.shape[0]} mel frames for clips of {mel_lengths.tolist()}")
-        if input_features.shape[0] == 0:
-            return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
-        return self.audio_tower(input_features.to(device=self.device, dtype=self.dtype), mel_lengths)
-
-    def vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Every image's (video's) merged patches, items in order, as `get_image_features` (`get_video_features`)
-        gives them."""
-        return self.visual(pixels, grid_thw)
+    def audio_rows(self, mel_lengths: torch.Tensor) -> list[int]:
+        """Rows per clip: the 2-wide pool's over the stride-2 convolution's positions."""
+        return whisper_output_lengths(mel_lengths)[1].tolist()
 
 
 def check_tp(config: Mapping[str, Any], tp: int) -> None:
@@ -197,9 +227,9 @@ def check_tp(config: Mapping[str, Any], tp: int) -> None:
 
 
 class Qwen2_5OmniTowerEncoder(TowerEncoder):  # noqa: N801 - HF naming
-    """The towers behind the generic path's encoder interface: a batch of one modality's joined processor tensors in
-    (audio: `input_features` and `audio_feature_lengths`; images: `pixel_values` and `image_grid_thw`; videos:
-    `pixel_values_videos` and `video_grid_thw`), each item's rows out."""
+    """An Omni thinker's towers (OmniTowers: Qwen2.5-Omni's here) behind the generic path's encoder interface: a batch
+    of one modality's joined processor tensors in (audio: `input_features` and `audio_feature_lengths`; images:
+    `pixel_values` and `image_grid_thw`; videos: `pixel_values_videos` and `video_grid_thw`), each item's rows out."""
 
     tower_class = Qwen2_5OmniTowers
 
@@ -211,13 +241,13 @@ class Qwen2_5OmniTowerEncoder(TowerEncoder):  # noqa: N801 - HF naming
         elif modality in VISION_INPUTS:
             names = VISION_INPUTS[modality]
         else:
-            raise RuntimeError(f"the Qwen2.5-Omni towers encode audio, images and videos, not {modality}")
+            raise RuntimeError(f"the {self.tower.family} towers encode audio, images and videos, not {modality}")
         missing = set(names) - set(inputs)
         if missing:
             raise RuntimeError(f"a {modality} batch needs {sorted(missing)}; it has {sorted(inputs)}")
         if modality == "audio":
             lengths = inputs["audio_feature_lengths"].reshape(-1).long()
-            expected = whisper_output_lengths(lengths)[1].tolist()
+            expected = self.tower.audio_rows(lengths)
         else:
             expected = self.tower.visual.num_tokens(inputs[names[1]])
         if expected != list(rows):

@@ -1,8 +1,8 @@
 """Every Qwen3-generation family against transformers in float32, every DeepStack level included: through a served
 TP-2 Eric, images of odd sizes and a video (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; Qwen3-VL has its own tests); in
 process at TP 1, a video (all four). Gemma 3 and InternVL (the generic path's processor, Eric's own towers) through a
-served TP-2 Eric, images; Qwen2-Audio likewise, audio clips; Qwen2.5-Omni's thinker, audio clips, an image and a
-video."""
+served TP-2 Eric, images; Qwen2-Audio likewise, audio clips; Qwen2.5-Omni's and Qwen3-Omni's thinkers, audio clips,
+an image and a video."""
 
 from __future__ import annotations
 
@@ -216,3 +216,25 @@ def test_tp2_eric_qwen2_5_omni_equals_hf(qwen2_5_omni_tiny: Path, tmp_path: Path
         assert item["placement"] == "media" and item["num_tokens"] == mine.shape[0]
         assert mine.shape == ref.shape and mine.dtype == torch.float32
         assert float((mine - ref).abs().max() / ref.abs().max()) <= 1e-5, item["modality"]
+
+
+def test_tp2_eric_qwen3_omni_equals_hf(qwen3_omni_tiny: Path, tmp_path: Path) -> None:
+    """Qwen3-Omni's thinker at --tp 2 (Eric's own towers, models/qwen3_omni.py): two clips (wav at 16 kHz, stereo flac
+    at 44.1 kHz), an image and a video in one request (tests/support/omni_request.py) are answered, placed as media,
+    each at its modality's width (image and video rows with their two DeepStack levels beside them), with as many rows
+    as transformers' processor gives their tokens, equal to the thinker's get_audio_features / get_image_features /
+    get_video_features on the hop-padded samples vLLM's loader gives, the image and the frames Eric samples (float32,
+    worst relative error 1e-5), read over HTTP with each item's lease."""
+    from tests.support.helpers_servers import encode_items
+    from tests.support.omni_reference import qwen3_omni_rows
+    from tests.support.omni_request import assert_answered_with, references, request_items
+
+    with EricServer(qwen3_omni_tiny, tp=2, log_path=tmp_path / "eric.log",
+                    extra_args=("--dtype", "float32", "--max-audio-channels", "2")) as eric:
+        card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
+        assert card["tp_size"] == 2 and card["placement"] == "media"
+        assert card["modalities"] == ["image", "video", "audio"]
+        resp = encode_items(eric, request_items())
+        assert resp.status_code == 200, resp.text
+        assert_answered_with(eric, resp.json()["items"], references(qwen3_omni_tiny, qwen3_omni_rows),
+                             {"audio": 64, "image": 192, "video": 192})

@@ -22,13 +22,19 @@ from eric_epd.media.resample import resample
 from eric_epd.models.facts import ModelFacts, serves_tp
 from eric_epd.models.hf.loader import vision_tensor_names
 from eric_epd.models.hf.omni import HFOmniEncoder, HFOmniProcessor
-from eric_epd.models.hf.tensors import join_items, unpack_tensors
-from eric_epd.models.layers.parallel import TPContext
+from eric_epd.models.hf.tensors import unpack_tensors
 from eric_epd.models.qwen2_5_omni import UNUSED_KEYS, Qwen2_5OmniTowerEncoder, checkpoint_key
 from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.testing.media import audio_samples, random_image, video_frames
-from tests.support.generic_batches import assert_alone_and_batched, generic_runner, relative_error, run_batch
+from tests.support.generic_batches import (
+    assert_alone_and_batched,
+    generic_runner,
+    joined_job,
+    relative_error,
+    run_batch,
+    tower_tp2,
+)
 from tests.support.omni_reference import AUDIO_TEXT, omni_rows
 
 Served = tuple[GenericWorkload, GenericRunner]
@@ -199,44 +205,24 @@ def test_tensor_parallel_is_served_where_the_towers_split(qwen2_5_omni_tiny: Pat
         encoder_workload(RuntimeConfig(model=qwen2_5_omni_tiny, device="cpu", tp_size=3), facts)
 
 
-# ---- TP 2 over gloo (the spawning pattern of test_qwen2_audio.py) ----------------------------------------------
+# ---- TP 2 over gloo (generic_batches.tower_tp2) ---------------------------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, port: int, model_dir: str, batches: dict[str, tuple[dict, list[int]]],
-               out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        encoder = Qwen2_5OmniTowerEncoder.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
-        tower = encoder.tower
-        out = {modality: encoder.encode(inputs, rows, modality) for modality, (inputs, rows) in batches.items()}
-        out |= {"audio_qkv": tower.audio_tower.layers[0].self_attn.qkv.weight,
-                "audio_fc2": tower.audio_tower.layers[0].fc2.weight,
-                "vision_qkv": tower.visual.blocks[0].attn.qkv.weight,
-                "vision_qkv_bias": tower.visual.blocks[0].attn.qkv.bias,
-                "vision_up": tower.visual.blocks[0].mlp.up_proj.weight}
-        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+SHARDS = {"audio_qkv": "audio_tower.layers.0.self_attn.qkv.weight", "audio_fc2": "audio_tower.layers.0.fc2.weight",
+          "vision_qkv": "visual.blocks.0.attn.qkv.weight", "vision_qkv_bias": "visual.blocks.0.attn.qkv.bias",
+          "vision_up": "visual.blocks.0.mlp.up_proj.weight"}
+"""The tower parameters each rank hands back (its shard of each)."""
 
 
 @pytest.fixture(scope="module")
 def tp2_results(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor,
                 tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    from eric_epd.stack.process import free_port
-
     items = {"audio": [processor.process_audio(wave, rate) for wave, rate in _waves()],
              "image": [processor.process_image(image) for image in _images()],
              "video": [processor.process_video(_video())]}
-    batches = {modality: (join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in its]),
-                          [it.num_tokens for it in its]) for modality, its in items.items()}
-    out_dir = tmp_path_factory.mktemp("qwen2-5-omni-tp2")
-    mp.spawn(_tp_worker, args=(2, free_port(), str(qwen2_5_omni_tiny), batches, str(out_dir)), nprocs=2, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    jobs = {modality: joined_job(modality, its) for modality, its in items.items()}
+    return tower_tp2(Qwen2_5OmniTowerEncoder, qwen2_5_omni_tiny, jobs, SHARDS,
+                     tmp_path_factory.mktemp("qwen2-5-omni-tp2"))
 
 
 def test_tp2_rows_equal_transformers_on_every_rank(references: Refs, tp2_results: list[dict]) -> None:

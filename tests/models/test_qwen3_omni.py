@@ -1,9 +1,10 @@
 """Qwen3-Omni-MoE's thinker: the tiny offline checkpoint loads as a released one does (transformers' full model and its
 thinker alone read the same `thinker.*` tensors, per-expert MoE weights, no talker or code2wav), its processor expands
 the Qwen3 placeholders by the family's own token counts, its rows are per-modality wide, and on Eric's generic path
-(TP 1; only the towers built) its rows for clips of at least a second (lengths off the hop, resampled), images and a
-video equal transformers' thinker's `get_audio_features`, `get_image_features` and `get_video_features` (DeepStack
-levels beside the merged rows, as vLLM lays them out) on vLLM's inputs, alone and batched."""
+(Eric's own towers, models/qwen3_omni.py, at TP 1 here; only they are built) its rows for clips of at least a second
+(lengths off the hop, resampled), images and a video equal transformers' thinker's `get_audio_features`,
+`get_image_features` and `get_video_features` (DeepStack levels beside the merged rows, as vLLM lays them out) on
+vLLM's inputs, alone and batched."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eric_epd.eric.generic import TP_REFUSED, GenericRunner, GenericWorkload
-from eric_epd.eric.workload import encoder_workload
-from eric_epd.models.facts import ModelFacts, serves_tp
+from eric_epd.eric.generic import GenericRunner, GenericWorkload
+from eric_epd.models.facts import ModelFacts
 from eric_epd.models.hf.loader import vision_tensor_names
 from eric_epd.models.hf.omni import HFOmniProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
+from eric_epd.models.qwen3_omni import Qwen3OmniTowerEncoder
 from eric_epd.models.registry import load_processor
-from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.testing.media import audio_samples, random_image, video_frames
 from tests.support.generic_batches import assert_alone_and_batched, generic_runner
 from tests.support.omni_reference import qwen3_omni_rows
@@ -161,9 +161,10 @@ def test_video_rows_equal_transformers(processor: HFOmniProcessor, served: Serve
     assert_alone_and_batched(*served, [item], references["video"], RTOL)
 
 
-def test_only_the_towers_are_built_and_tensor_parallel_refused(qwen3_omni_tiny: Path, served: Served) -> None:
+def test_only_the_towers_are_built_and_read(qwen3_omni_tiny: Path, served: Served) -> None:
     _, runner = served
-    built = {name.split(".")[0] for name, _ in runner.encoder.model.named_parameters()}  # type: ignore[attr-defined]
+    assert isinstance(runner.encoder, Qwen3OmniTowerEncoder)  # Eric's own towers (test_qwen3_omni_tp.py: TP 1, 2)
+    built = {name.split(".")[0] for name, _ in runner.encoder.tower.named_parameters()}
     assert built == {"audio_tower", "visual"}
     with safe_open(str(qwen3_omni_tiny / "model.safetensors"), "pt") as f:
         names = list(f.keys())
@@ -172,7 +173,3 @@ def test_only_the_towers_are_built_and_tensor_parallel_refused(qwen3_omni_tiny: 
     facts = ModelFacts.from_checkpoint(qwen3_omni_tiny)
     assert facts.generic and facts.modalities == ("image", "video", "audio")
     assert facts.widths == {"image": 192, "video": 192, "audio": 64}
-    assert not serves_tp("qwen3_omni_moe", 2)
-    with pytest.raises(ValueError) as caught:
-        encoder_workload(RuntimeConfig(model=qwen3_omni_tiny, device="cpu", tp_size=2), facts)
-    assert str(caught.value) == TP_REFUSED.format(tp=2, model_type="qwen3_omni_moe")

@@ -1,9 +1,10 @@
-"""Eric's generic-path worker in process for model tests: a loaded runner, a batch run as the engine hands it, and
-the check that items alone and batched give reference rows."""
+"""Eric's generic-path worker in process for model tests: a loaded runner, a batch run as the engine hands it, the
+check that items alone and batched give reference rows, and a tower of Eric's own at TP 2 over gloo."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,3 +50,44 @@ def assert_alone_and_batched(workload: GenericWorkload, runner: GenericRunner, i
     for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), refs)):
         assert ours.shape == ref.shape, i
         assert relative_error(ours, ref) <= rtol, i
+
+
+Job = tuple[str, dict[str, torch.Tensor], list[int]]
+"""A batch for a tower encoder: its modality, its items' joined tensors, each item's rows."""
+
+
+def joined_job(modality: str, items: list) -> Job:
+    """Processed items of one modality as one batch (their tensors joined along dim 0, as the runner joins them)."""
+    from eric_epd.models.hf.tensors import join_items, unpack_tensors
+
+    joined = join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in items])
+    return modality, joined, [it.num_tokens for it in items]
+
+
+def tower_tp2(encoder_class: Any, model_dir: Path, jobs: dict[str, Job], shards: dict[str, str],
+              out_dir: Path) -> list[dict[str, Any]]:
+    """Per rank of two gloo ranks (spawned processes, each loading its own shard of `encoder_class`'s tower from
+    `model_dir` in float32): each job's rows under its name, and under each name of `shards` the tower parameter at
+    that path (the rank's shard of it)."""
+    import torch.multiprocessing as mp
+
+    from eric_epd.stack.process import free_port
+
+    mp.spawn(_tp_worker, args=(2, free_port(), encoder_class, str(model_dir), jobs, shards, str(out_dir)), nprocs=2,
+             join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+
+
+def _tp_worker(rank: int, world: int, port: int, encoder_class: Any, model_dir: str, jobs: dict[str, Job],
+               shards: dict[str, str], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        encoder = encoder_class.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
+        out = {name: encoder.encode(inputs, rows, modality) for name, (modality, inputs, rows) in jobs.items()}
+        out |= {name: encoder.tower.get_parameter(path) for name, path in shards.items()}
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
