@@ -124,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="SGLang: --language-only prefills using the Erics as --encoder-urls (EPD requests go there)")
     p.add_argument("--backend", choices=("vllm", "sglang"), default="vllm", help="the engines behind the gateway")
     p.add_argument("--epd-min-items", type=int, default=2,
-                   help="requests with at least this many media items take the encoder path")
+                   help="requests with at least this many media items take the encoder path (media the engine "
+                        "encoded itself on an earlier plain turn of the chat do not count)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--trusted-proxies", type=parse_trusted_proxies, default=(), help=TRUSTED_PROXIES_HELP)

@@ -32,6 +32,7 @@ from epd_gateway.image_store import ImageStore
 from epd_gateway.images import ImageGenerator
 from epd_gateway.inline import MediaInliner, RawBody
 from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.plain_media import PlainMedia
 from epd_gateway.upstream import Upstreams
 from eric_epd.common.errors import ApiError, parse_body, read_body
 from eric_epd.common.jsonbody import MAX_ID
@@ -70,6 +71,7 @@ class Gateway:
         self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key,
                                       config.geri_api_key, store) if config.geri_urls else None)
         self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
+        self.plain_media = PlainMedia()
 
     def check_serves_chat(self) -> None:
         """404 when this gateway has no chat upstreams (it serves image generation only)."""
@@ -101,8 +103,9 @@ class Gateway:
         plain = RawBody(self.inliner, body, raw, refs)  # what the engines' own path gets: never a URL
         if self.config.backend == "sglang":
             return await self._sglang_chat(plain, headers, refs)
-        if len(refs) < self.config.epd_min_items or not self.encoders.healthy():
-            path = "pd" if len(refs) < self.config.epd_min_items else "fallback"
+        fresh = self.plain_media.unseen(refs)  # media the engine encoded on an earlier plain turn do not count
+        if fresh < self.config.epd_min_items or not self.encoders.healthy():
+            path = "pd" if fresh < self.config.epd_min_items else "fallback"
             return path, await self._plain(plain, headers)
         if not await self.encoders.serve(modalities):
             logger.info("the encoders do not encode every modality of this request; the engine encodes it")
@@ -166,7 +169,10 @@ class Gateway:
         start = time.perf_counter()
         body, raw = await plain.get()
         self.metrics.stages.observe("inline", time.perf_counter() - start)
-        return await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=sglang_epd)
+        response = await self.upstreams.complete("/v1/chat/completions", body, headers, raw, sglang_epd=sglang_epd)
+        if response.status_code < 400 and not sglang_epd:
+            self.plain_media.remember(plain.refs)
+        return response
 
     async def _sglang_chat(self, plain: RawBody, headers: dict[str, str], refs: list[MediaRef]) -> tuple[str, Response]:
         """SGLang: a --language-only prefill has its media encoded by the Erics (its --encoder-urls) itself, so

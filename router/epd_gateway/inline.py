@@ -67,6 +67,11 @@ class RawBody:
         self._refs = refs
         self._inlined: tuple[dict[str, Any], bytes | None] | None = None
 
+    @property
+    def refs(self) -> list[MediaRef]:
+        """The request's media items."""
+        return self._refs
+
     async def get(self) -> tuple[dict[str, Any], bytes | None]:
         """(body, raw bytes to forward or None to re-encode the body)."""
         if self._inlined is None:

@@ -138,3 +138,30 @@ def test_resent_images_in_the_encoder_cache_cost_no_encode_and_no_transfer(stack
     msgs += [{"role": "assistant", "content": answer}, user_turn(images[2:], "And this one?")]
     _, work = epd_turn(stack, msgs, {"encoded": 1, "cached": 2, "batches": 1, "loaded": 1, "released": 2}, "turn 3")
     assert work["prefix_hits"] == 0
+
+
+def plain_turn(stack, msgs: list[dict], label: str) -> tuple[str, dict[str, float]]:
+    """One turn through the gateway that takes the plain path (vLLM encodes its media itself): Eric does no work and
+    vLLM loads nothing. Returns the answer's text and the work."""
+    before = counters(stack)
+    raw = ask(stack["gateway"].url, msgs, key=KEY, raw=True)
+    assert raw.headers["x-epd-path"] == "pd", label
+    expect = {"encoded": 0, "cached": 0, "batches": 0, "loaded": 0}
+    work = work_since(stack, before, expect)
+    assert {k: work[k] for k in expect} == expect, f"{label}: {work}"
+    return raw.parse().choices[0].message.content, work
+
+
+def test_a_chat_crossing_the_epd_threshold_keeps_what_vllm_encoded_itself(stack) -> None:
+    """Turn 1 sends one image (fewer than --epd-min-items: the plain path, vLLM encodes it under its own hash). Turn 2
+    resends it with one new image: only one is new to the engine, so the turn stays plain and vLLM's prefix cache
+    covers turn 1's image (no encode anywhere of it, no transfer). Turn 3 adds two new images: two are new, so it goes
+    EPD, Eric encoding all four once (the plain turns' images were never Eric's), and answers as vLLM does."""
+    images = [image_data_url(FILL_SIDE, FILL_SIDE, seed=7500 + i) for i in range(4)]
+    msgs = [user_turn(images[:1], LONG)]
+    answer, _ = plain_turn(stack, msgs, "turn 1")
+    msgs += [{"role": "assistant", "content": answer}, user_turn(images[1:2], "And this one?")]
+    answer, work = plain_turn(stack, msgs, "turn 2")
+    assert work["prefix_hits"] > 0  # turn 1's image and text came from vLLM's prefix cache
+    msgs += [{"role": "assistant", "content": answer}, user_turn(images[2:], "And these two, compared with both?")]
+    epd_turn(stack, msgs, {"encoded": 4, "cached": 0, "batches": 1, "loaded": 4, "released": 0}, "turn 3")

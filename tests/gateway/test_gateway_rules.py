@@ -1,5 +1,5 @@
-"""The gateway's request rewriting without servers: media counting, the embeds rewrite, and when vLLM can place
-Eric's embeddings of a video."""
+"""The gateway's request rewriting without servers: media counting, the embeds rewrite, when vLLM can place
+Eric's embeddings of a video, and which media count toward --epd-min-items."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from epd_gateway.boundary import STEERING_FIELDS, check_messages, check_request_fields
 from epd_gateway.content import collect_media, inlined_refs, vllm_can_place, with_embeddings
 from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
+from epd_gateway.plain_media import PlainMedia
 
 from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import UrlPolicy
@@ -192,3 +193,15 @@ def test_load_reports_are_bounded_and_checked_against_what_the_gateway_sees() ->
     assert believed_load(LoadReport(10**12, float("nan"), 50.0, 0.5, 30.0), 0, 100.0) == \
         LoadReport(MAX_QUEUE, 0.0, 50.0, 0.5, 30.0)
     assert believed_load(LoadReport(-3, 0.5, -1.0, 0.1, 30.0), 2, 5.0) == LoadReport(2, 0.5, 0.0, 0.1, 30.0)
+
+
+def test_media_the_plain_path_carried_do_not_count_and_the_memory_is_bounded() -> None:
+    refs = collect_media({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{'AB' * (n + 1)}"}} for n in range(4)]}]},
+        POLICY, 8)
+    seen = PlainMedia(capacity=3)
+    assert seen.unseen(refs) == 4
+    seen.remember(refs[:2])
+    assert seen.unseen(refs) == 2 and seen.unseen(refs[:2]) == 0
+    seen.remember(refs[2:])  # four keys into three: the least recently seen (refs[0]) goes
+    assert seen.unseen(refs) == 1 and seen.unseen(refs[:1]) == 1
