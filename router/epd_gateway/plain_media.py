@@ -25,18 +25,18 @@ class PlainMedia:
 
     def remember(self, refs: Iterable[MediaRef]) -> None:
         """These items went to the engine on the plain path and it answered."""
-        for ref in refs:
-            self._keys[ref.routing_key] = None
-            self._keys.move_to_end(ref.routing_key)
+        for key in (ref.routing_key for ref in refs):
+            self._keys[key] = None
+            self._keys.move_to_end(key)
         while len(self._keys) > self._capacity:
             self._keys.popitem(last=False)
 
     def unseen(self, refs: Iterable[MediaRef]) -> int:
         """How many of these items the plain path never carried (each one it did counts as recently seen)."""
         count = 0
-        for ref in refs:
-            if ref.routing_key in self._keys:
-                self._keys.move_to_end(ref.routing_key)
+        for key in (ref.routing_key for ref in refs):
+            if key in self._keys:
+                self._keys.move_to_end(key)
             else:
                 count += 1
         return count
