@@ -28,7 +28,7 @@ from eric_epd.models.registry import load_processor, vision_weights_digest
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.testing.media import audio_samples
 from tests.support.audio_reference import transformers_audio_rows
-from tests.support.generic_batches import generic_runner, run_batch
+from tests.support.generic_batches import assert_alone_and_batched, generic_runner, relative_error, run_batch
 
 RTOL = 1e-5
 """Worst relative error (max |ours - transformers'| / max |transformers'|) in float32: the same sums on the same
@@ -38,10 +38,6 @@ BF16_RTOL = 3e-2
 
 CLIPS = ((3 * 16000 + 7, 16000), (12345, 16000), (17641, 44100), (31 * 16000, 16000))
 """(samples, rate): odd lengths, a 44.1 kHz clip (resampled first), and one past the extractor's 30 s."""
-
-
-def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
 def _waves() -> list[tuple[np.ndarray, int]]:
@@ -75,18 +71,12 @@ def test_rows_equal_transformers_alone_and_batched(qwen2_audio_tiny: Path, proce
     assert [it.num_tokens for it in items] == [r.shape[0] for r in references] == [75, 19, 10, 750]
     kinds = {work_item("k", it, 0, 0).kind for it in items}
     assert kinds == {"audio/input_features:128x3000,feature_attention_mask:3000"}  # every clip joins one forward
-    for item, ref in zip(items, references):
-        (alone,) = run_batch(workload, runner, [item])
-        assert alone.shape == ref.shape and alone.dtype == torch.float32
-        assert _relative_error(alone, ref) <= RTOL
-    for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references)):
-        assert ours.shape == ref.shape, i
-        assert _relative_error(ours, ref) <= RTOL, i
+    assert_alone_and_batched(workload, runner, items, references, RTOL)
     # without the 31 s clip the tower runs over the first clip's 300 frames and two more (304), not 3000
     mel_lengths = torch.tensor([int(it.pixel_values[-3000:].sum()) for it in items[:3]])  # each mask, flat at the end
     assert whisper_frames_needed(mel_lengths, 3000) == 304
     for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items[:3]), references)):
-        assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, i
+        assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
 
 
 def test_bfloat16_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor, references: list[torch.Tensor]) -> None:
@@ -94,7 +84,7 @@ def test_bfloat16_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor, refe
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()[:2]]
     for ours, ref in zip(run_batch(workload, runner, items), references):
         assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
-        assert _relative_error(ours, ref) <= BF16_RTOL
+        assert relative_error(ours, ref) <= BF16_RTOL
 
 
 def test_transformers_classes_give_the_same_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
@@ -105,7 +95,7 @@ def test_transformers_classes_give_the_same_rows(qwen2_audio_tiny: Path, process
     runner = GenericRunner(HFAudioEncoder.load(qwen2_audio_tiny, torch.float32, "cpu"))
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references)):
-        assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, i
+        assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
 
 
 def test_only_the_audio_tower_and_projector_are_built_read_and_hashed(qwen2_audio_tiny: Path,
@@ -203,7 +193,7 @@ def tp2_results(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
 def test_tp2_rows_equal_transformers_on_every_rank(references: list[torch.Tensor], tp2_results: list[dict]) -> None:
     for result in tp2_results:
         for i, (ours, ref) in enumerate(zip(result["rows"], references, strict=True)):
-            assert ours.shape == ref.shape and _relative_error(ours, ref) <= RTOL, i
+            assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
     for a, b in zip(tp2_results[0]["rows"], tp2_results[1]["rows"]):
         assert torch.equal(a, b)  # replicated after the all-reduces
 
