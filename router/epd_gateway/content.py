@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, replace
@@ -43,9 +44,10 @@ class MediaRef:
         """The type of the content part this item is."""
         return self.kind or f"{self.modality}_url"
 
-    @property
+    @functools.cached_property
     def routing_key(self) -> bytes:
-        """Stable key for consistent hashing: the same image (same URL or bytes) lands on the same Eric."""
+        """Stable key for consistent hashing: the same image (same URL or bytes) lands on the same Eric. Computed once
+        per item (an inlined URL is the media's bytes), however many times placement and plain_media ask."""
         return hashlib.blake2b(self.url.encode(), digest_size=8).digest()
 
 
