@@ -61,6 +61,8 @@ class PoolEntry:
     """False while the workers have not written it yet."""
     leases: dict[str, str] = field(default_factory=dict)
     """Outstanding lease token -> the token of the lease it was added from (itself for a root lease)."""
+    lease_expiry: dict[str, float] = field(default_factory=dict)
+    """Outstanding lease token -> when it lapses unacknowledged (each lease has its own TTL)."""
     children: dict[str, int] = field(default_factory=dict)
     """Root token -> child leases added from it (bounded by MAX_CHILD_LEASES)."""
     expires_at: float = 0.0
@@ -216,7 +218,7 @@ class EmbeddingPool:
             self._acked_bytes -= span(entry.nbytes)
         token = new_token()
         entry.leases[token] = token
-        entry.expires_at = time.monotonic() + self.ttl_s
+        entry.expires_at = entry.lease_expiry[token] = time.monotonic() + self.ttl_s
         return entry, token
 
     def holder(self, key: str, token: str | None) -> PoolEntry:
@@ -242,6 +244,7 @@ class EmbeddingPool:
         tokens = [new_token() for _ in range(count)]
         entry.leases.update((t, root) for t in tokens)
         entry.expires_at = time.monotonic() + self.ttl_s
+        entry.lease_expiry.update((t, entry.expires_at) for t in tokens)
         return tokens
 
     def ack(self, key: str, token: str | None) -> bool:
@@ -251,6 +254,7 @@ class EmbeddingPool:
         if entry is None or not entry.holds(token):
             return False
         del entry.leases[token]  # type: ignore[arg-type]
+        entry.lease_expiry.pop(token, None)  # type: ignore[arg-type]
         self._ended[token] = key  # type: ignore[index]
         while len(self._ended) > MAX_ENDED_LEASES:
             self._ended.popitem(last=False)
@@ -333,12 +337,24 @@ class EmbeddingPool:
     def expire(self, now: float | None = None) -> list[str]:
         """Free ready entries whose TTL passed (their regions return once unfenced); return their hashes."""
         now = time.monotonic() if now is None else now
-        gone = [k for k, e in self._entries.items() if e.ready and e.expires_at <= now and k not in self._acked]
+        live = [e for k, e in self._entries.items() if e.ready and k not in self._acked]
+        gone = [e.hash for e in live if e.expires_at <= now]
+        for entry in live:
+            if entry.expires_at > now:  # others still read it: only the leases nobody acked in time lapse
+                self._lapse(entry, now)
         for key in gone:
             self.release(key)
         if gone:
             logger.info("expired %d pool entries", len(gone))
         return gone
+
+    @staticmethod
+    def _lapse(entry: PoolEntry, now: float) -> None:
+        """Drop the entry's leases whose own TTL passed (a consumer that never acked): a popular entry, leased anew
+        all the time, does not keep every abandoned lease forever."""
+        for token in [t for t, at in entry.lease_expiry.items() if at <= now]:
+            del entry.lease_expiry[token]
+            entry.leases.pop(token, None)
 
     def view(self, entry: PoolEntry) -> np.ndarray:
         """The entry's bytes: a view on the pool, not a copy."""

@@ -63,6 +63,28 @@ def test_pool_lease_ack_expire() -> None:
         pool.close()
 
 
+def test_a_lease_nobody_acks_lapses_though_others_keep_leasing_the_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lease has its own TTL: on an entry leased anew within every TTL, a lease whose consumer never acked still
+    lapses (its ack is then a 404), the live ones hold, and the entry goes with the last of them."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    pool = _pool(ttl_s=100)
+    try:
+        _held(pool, "h")
+        _, abandoned = pool.lease("h")  # lapses at 1100
+        clock[0] = 1060
+        _, a = pool.lease("h")
+        assert pool.expire() == [] and pool.get("h") is not None
+        clock[0] = 1120
+        _, b = pool.lease("h")
+        assert pool.expire() == []  # the entry stays for a and b ...
+        assert not pool.ack("h", abandoned)  # ... but the abandoned lease lapsed
+        assert pool.holder("h", a) and pool.ack("h", a) and pool.ack("h", b)
+        assert_pool_empty(pool)
+    finally:
+        pool.close()
+
+
 def test_pool_keeps_acked_entries_as_cache() -> None:
     pool = _pool(4 * ALIGN, keep_acked_bytes=2 * ALIGN)
     try:
