@@ -21,7 +21,7 @@ from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUn
 from eric_epd.runtime.work import ItemResult
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.pool import Hold, PoolEntry
-from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.producer import TransferHub, Want
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.handles import EmbeddingHandle
 
@@ -256,31 +256,26 @@ class EncodeService:
         task.add_done_callback(done)
 
     async def _reserve(self, mine: dict[str, PreparedItem]) -> list[PoolEntry]:
-        """Pool space for every item; on failure (or cancellation) what was reserved is freed: nothing was sent to
-        the engine yet, so nothing can write there."""
-        entries: list[PoolEntry] = []
+        """Pool space for every item, all or none; on failure (or cancellation) the waiters are woken: nothing was
+        sent to the engine yet, so nothing can write there."""
+        wants = [Want(key, self._output.nbytes(p.item.num_tokens, p.item.modality),
+                      (p.item.num_tokens, self._output.width(p.item.modality)), self._output.dtype)
+                 for key, p in mine.items()]
         try:
-            for key, p in mine.items():
-                modality = p.item.modality
-                entries.append(await self.hub.reserve(key, self._output.nbytes(p.item.num_tokens, modality),
-                                                      (p.item.num_tokens, self._output.width(modality)),
-                                                      self._output.dtype))
+            return await self.hub.reserve_all(wants)
         except BaseException as e:
-            for entry in entries:
-                self.hub.release(entry)
             self._finish(mine, e)
             raise
-        return entries
 
     async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
         """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
         cancellation of this request never frees pool space the engine may still write."""
-        items = [work_item(p.hash, p.item, e.offset, e.nbytes) for p, e in zip(mine.values(), entries)]
         try:
+            items = [work_item(p.hash, p.item, e.offset, e.nbytes) for p, e in zip(mine.values(), entries)]
             request = self._client.submit(items, [np.asarray(p.item.pixel_values) for p in mine.values()])
-        except EngineUnavailableError as e:
+        except BaseException as e:  # never sent: free the space and answer whoever waits for these hashes
             for entry in entries:
-                self.hub.release(entry)  # never sent
+                self.hub.release(entry)
             self._finish(mine, e)
             raise
         holds = [self.hub.pool.hold(e, "engine") for e in entries]  # the workers write there until the answer

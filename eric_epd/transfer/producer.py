@@ -6,15 +6,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from eric_epd.common.errors import ApiError
 from eric_epd.transfer.backends.base import ProducerBackend
 from eric_epd.transfer.config import TransferConfig
-from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
+from eric_epd.transfer.pool import EmbeddingPool, PoolEntry, span
 from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo
 
 logger = logging.getLogger(__name__)
+
+
+class Want(NamedTuple):
+    """One embedding a request needs pool space for."""
+
+    key: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
 
 
 class PoolFullError(ApiError):
@@ -67,17 +76,42 @@ class TransferHub:
         return next((b for b in self.backends if b.name == name), None)
 
     async def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry:
-        """Pool space for one embedding, waiting up to pool_wait_s for acks or expiry to free some."""
+        """Pool space for one embedding (reserve_all of one)."""
+        (entry,) = await self.reserve_all([Want(key, nbytes, shape, dtype)])
+        return entry
+
+    async def reserve_all(self, wants: list[Want]) -> list[PoolEntry]:
+        """Pool space for every embedding of a request, all or none, waiting up to pool_wait_s for acks or expiry to
+        free some. A request that needs more than the whole pool is refused at once (413: it could never fit); one
+        that must wait holds nothing meanwhile, so requests cannot starve each other holding parts of the pool."""
+        total = sum(span(w.nbytes) for w in wants)
+        if total > self.pool.nbytes:
+            raise ApiError(413, f"the request's embeddings need {total} bytes, more than this Eric's whole pool "
+                                f"({self.pool.nbytes} bytes, --pool-bytes): send fewer or smaller items at a time")
         deadline = time.monotonic() + self._transfer.pool_wait_s
-        while (entry := self.pool.reserve(key, nbytes, shape, dtype)) is None:
+        while True:
+            self._space_freed.clear()  # before trying: a free from now on wakes the wait below
+            entries = self._try_reserve(wants)
+            if entries is not None:
+                return entries
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or nbytes > self.pool.nbytes:
+            if remaining <= 0:
                 raise PoolFullError(f"embedding pool full ({self.pool.used_bytes} of {self.pool.nbytes} bytes held "
                                     f"by {len(self.pool)} unacknowledged entries); retry later")
-            self._space_freed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._space_freed.wait(), remaining)
-        return entry
+
+    def _try_reserve(self, wants: list[Want]) -> list[PoolEntry] | None:
+        """Every reservation now, or None with nothing reserved."""
+        entries: list[PoolEntry] = []
+        for want in wants:
+            entry = self.pool.reserve(want.key, want.nbytes, want.shape, want.dtype)
+            if entry is None:
+                for taken in entries:
+                    self.pool.release(taken.hash, taken.generation)  # never written: free at once
+                return None
+            entries.append(entry)
+        return entries
 
     def release(self, entry: PoolEntry) -> None:
         """Free exactly this reservation of the entry (never a newer one of the same hash)."""

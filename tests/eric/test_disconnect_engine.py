@@ -4,25 +4,18 @@ items and answers it once; EncodeService keeps what a live request waits for, fr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.config import BatchLimits, EricConfig
-from eric_epd.eric.launch import transfer_hub
-from eric_epd.eric.metrics import EricMetrics
-from eric_epd.eric.service import EncodeService, OutputSpec
+from eric_epd.eric.config import BatchLimits
 from eric_epd.runtime.engine.engine import ABORTED_STATUS, Engine
 from eric_epd.runtime.engine.messages import AbortRequestMsg
 from eric_epd.runtime.work import Batch
-from eric_epd.transfer.config import TransferConfig
 from tests.support.helpers_engine import WORKLOAD as _WORKLOAD
 from tests.support.helpers_engine import FakeEngine as _FakeEngine
-from tests.support.helpers_engine import FakeMedia as _FakeMedia
 from tests.support.helpers_engine import InstantExecutor
+from tests.support.helpers_engine import encode_service as _service
 from tests.support.helpers_engine import items as _items
 from tests.support.helpers_engine import settle as _settle
 from tests.support.helpers_engine import work_request as _request
@@ -71,16 +64,6 @@ def test_engine_abort_of_a_whole_queued_request() -> None:
 
 
 # ---------------------------------------------------------------- EncodeService (fake engine, real pool)
-
-
-@contextmanager
-def _service(engine: _FakeEngine) -> Iterator[EncodeService]:
-    config = EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=()))
-    hub = transfer_hub(config)
-    try:
-        yield EncodeService(_FakeMedia(), _FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"))
-    finally:
-        hub.close()
 
 
 def test_service_timeout_keeps_space_until_the_engine_answers() -> None:

@@ -1,18 +1,26 @@
 """Engine and EncodeService stand-ins shared by tests that run without processes: an executor that runs batches
-instantly, work requests for it, and a fake engine client and media source for EncodeService."""
+instantly, work requests for it, and a fake engine client and media source for EncodeService over a real pool."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
+from eric_epd.eric.config import EricConfig
+from eric_epd.eric.launch import transfer_hub
+from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem
+from eric_epd.eric.service import EncodeService, OutputSpec
 from eric_epd.eric.workload import EncoderWorkload, EncodeSpec
 from eric_epd.models.processor import ProcessedItem
 from eric_epd.runtime.engine.client import EngineRequest
 from eric_epd.runtime.engine.messages import WorkRequestMsg, WorkResultMsg
 from eric_epd.runtime.work import Batch, BatchOutput, ItemResult, WorkItem, pack_spec
+from eric_epd.transfer.config import TransferConfig
 from eric_epd.wire.eric import EncodeItem
 
 # ---------------------------------------------------------------- engine protocol
@@ -91,3 +99,14 @@ async def settle() -> None:
     """Let every ready task of the running loop take its next steps."""
     for _ in range(20):
         await asyncio.sleep(0)
+
+
+@contextmanager
+def encode_service(engine: FakeEngine, pool_bytes: int = 1 << 20) -> Iterator[EncodeService]:
+    """An EncodeService on `engine` and FakeMedia, over a real pool of `pool_bytes` (rows of 8 float32 values)."""
+    config = EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=pool_bytes, backends=()))
+    hub = transfer_hub(config)
+    try:
+        yield EncodeService(FakeMedia(), FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"))
+    finally:
+        hub.close()

@@ -96,7 +96,11 @@ class EngineClient:
         frames = encode_frames(Op.SUBMIT, WorkRequestMsg(request.request_id, list(items)),
                                [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in inputs])
         self._pending[request.request_id] = request
-        self._send(frames, request)
+        try:
+            self._send(frames, request)
+        except BaseException:  # not a ZMQ error (those fail the request's future): nothing was sent
+            self._pending.pop(request.request_id, None)
+            raise
         return request
 
     def abort(self, request: EngineRequest, items: Sequence[int] | None = None) -> None:
