@@ -88,7 +88,7 @@ class MediaFetcher:
         shown = display_url(url)
         try:
             return await asyncio.wait_for(self._fetch(url), self.limits.timeout_s)
-        except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+        except (TimeoutError, httpx.TimeoutException) as exc:
             raise MediaError(408, f"timed out fetching {shown} (limit {self.limits.timeout_s:g} s)") from exc
 
     async def aclose(self) -> None:

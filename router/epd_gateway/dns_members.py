@@ -30,7 +30,7 @@ class DnsMembers:
     async def _lookup(self, target: DnsTarget) -> None:
         try:
             urls = await asyncio.wait_for(resolve_urls(target), self._lookup_timeout_s)
-        except (OSError, ValueError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, ValueError) as e:
             logger.warning("cannot resolve %s (%r): keeping its %d members", target, e,
                            len(self._found.get(target, ())))
             return

@@ -73,7 +73,7 @@ class Upstreams:
         try:
             async with self._session.get(url + path, headers=headers) as resp:
                 return Reply(resp.status, await resp.read(), _headers(resp)).response()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise ApiError(503, f"upstream {url} unreachable: {e!r}") from e
 
     async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -143,7 +143,7 @@ class Upstreams:
             except _RETRY_ONCE as e:
                 logger.info("retrying %s on a fresh connection after %r", url, e)
                 resp = await self._session.post(url, data=content, headers=headers)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise self._failed(stage, url, "unreachable", e) from e
         self._metrics.upstreams.observe(self._kinds[stage], time.perf_counter() - start)
         return resp
@@ -152,7 +152,7 @@ class Upstreams:
         try:
             async with resp:
                 return Reply(resp.status, await resp.read(), _headers(resp))
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise self._failed(stage, url, "failed", e) from e
 
     def _failed(self, stage: str, url: str, what: str, e: BaseException) -> ApiError:
@@ -208,7 +208,7 @@ async def _relay(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     try:
         async for chunk in resp.content.iter_any():
             yield chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         logger.warning("upstream stream from %s broke: %r", resp.url, e)
     finally:
         resp.release()

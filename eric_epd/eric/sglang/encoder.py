@@ -167,7 +167,7 @@ class SglangEncoder:
         if part.mode is None:
             try:
                 await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.table.release(part)
                 raise SglangError(504, f"[{req.req_id}] embedding delivery failed: no prefill rank asked for the "
                                        f"part within {self.settings.send_timeout_s:g}s") from None
@@ -314,7 +314,7 @@ class SglangEncoder:
         part.set_mode("pull")
         try:
             await asyncio.wait_for(part.done.wait(), self.settings.req_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if part.request is None:
                 raise SglangError(404, f"no /encode for req_id={req_id} arrived within "
                                        f"{self.settings.req_timeout_s:g}s") from None

@@ -39,7 +39,7 @@ async def _resolve(host: str, what: str) -> list[str]:
     try:
         infos = await asyncio.wait_for(
             asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S)
-    except (OSError, UnicodeError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError, UnicodeError) as e:
         raise SglangError(400, f"{what}: cannot resolve host {host!r}: {type(e).__name__}: {e}") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     if not addresses:
