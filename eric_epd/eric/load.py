@@ -24,10 +24,18 @@ class LoadTracker:
     def observe_batch(self, seconds: float, items: int) -> None:
         """Count one finished batch: its wall time and how many items it held."""
         self._batches.append((time.monotonic(), seconds, items))
+        self._drop_old(self._batches)
 
     def observe_request(self, seconds: float) -> None:
         """Count one finished /v1/encode request's latency."""
         self._latencies.append((time.monotonic(), seconds))
+        self._drop_old(self._latencies)
+
+    def _drop_old(self, series: deque) -> None:
+        """Samples older than the window go as new ones come: the series stay bounded with nobody reading them."""
+        cutoff = time.monotonic() - self._window_s
+        while series and series[0][0] < cutoff:
+            series.popleft()
 
     def observe_queue(self, depth: int) -> None:
         """Record the engine's current queue depth (queued plus running items)."""
@@ -37,8 +45,7 @@ class LoadTracker:
         """The load over the window: old samples dropped, busy fraction, items per second and p99 latency."""
         now = time.monotonic()
         for series in (self._batches, self._latencies):
-            while series and series[0][0] < now - self._window_s:
-                series.popleft()
+            self._drop_old(series)
         window = max(1e-3, min(self._window_s, now - self._started))
         busy = sum(min(s, self._window_s) for _, s, _ in self._batches)
         latencies = [s for _, s in self._latencies]
