@@ -141,7 +141,10 @@ class ModelExecutor:
                                     timeout=self._config.worker_timeout_s,
                                     should_abort=lambda: self.check_workers() is not None)
         except Exception as e:
-            raise WorkersDeadError(self.check_workers() or f"broadcast to workers failed: {e!r}") from e
+            if self.check_workers() is None:  # they live, and may still write earlier batches: stop them first
+                self._dead_reason = f"broadcast to workers failed: {e!r}"
+                self._stop_workers()
+            raise WorkersDeadError(self.check_workers() or "workers stopped") from e
         self._submitted.add(batch.batch_id)
 
     def collect(self, batch: Batch) -> BatchOutput:
