@@ -19,12 +19,13 @@ from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.errors import ApiError, parse_body, read_body
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.common.jsonbody import MAX_ID, MAX_URL, clip
+from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.membership import GatewayMembership
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.openapi import eric_openapi
 from eric_epd.eric.processor import Processor, model_fingerprint
-from eric_epd.eric.service import EncodeService, ItemAnswer, OutputSpec, RequestClock
+from eric_epd.eric.service import EncodeService
 from eric_epd.eric.sglang.protocol import sglang_error_response
 from eric_epd.eric.sglang.routes import sglang_routes
 from eric_epd.media.fetch import MediaFetcher
@@ -123,7 +124,8 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
         try:
             async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
                 state["client"] = client
-                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared)
+                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared,
+                                                 config.batch.max_queued_items)
                 heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
 
                 async def leave_gateways() -> None:

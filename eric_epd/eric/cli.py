@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-patches", type=int, default=BatchLimits.max_patches,
                    help="most vision patches per batch (0: 4096 on CPU, 32768 on CUDA)")
     p.add_argument("--max-queued-items", type=int, default=BatchLimits.max_queued_items,
-                   help="most items waiting for the encoder; beyond it a request gets 503")
+                   help="most items accepted and not answered yet (fetching, preprocessing, queued or encoding); "
+                   "beyond it a request gets 503 before anything of it is fetched")
     p.add_argument("--batches-in-flight", type=int, choices=(0, 1, 2), default=BatchLimits.in_flight,
                    help="batches handed to the workers at once (2: the next is ready while one computes; "
                         "0: 2 on CUDA, 1 on CPU)")

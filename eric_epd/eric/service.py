@@ -6,12 +6,13 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
 from eric_epd.common.errors import ApiError
+from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, soundtrack_answer
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
 from eric_epd.eric.workload import work_item
@@ -27,46 +28,6 @@ from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class ItemAnswer:
-    """One encoded item's answer: the request item, what preprocessing made of it, and its leased handle (and a
-    video's soundtrack, asked with `use_audio_in_video`: an audio item's answer of its own)."""
-    request: EncodeItem
-    prepared: PreparedItem
-    handle: EmbeddingHandle
-    soundtrack: ItemAnswer | None = None
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """What the encoder emits per merged token: `dim` values, or a modality's own width where `widths` gives one
-    (Qwen3-Omni: DeepStack image and video rows, narrower audio rows)."""
-
-    dim: int
-    dtype: str
-    widths: Mapping[str, int] = field(default_factory=dict)
-
-    def width(self, modality: str) -> int:
-        """Values per row of a `modality` item."""
-        return self.widths.get(modality, self.dim)
-
-    def nbytes(self, num_tokens: int, modality: str = "image") -> int:
-        """Bytes of an output of `num_tokens` merged tokens of a `modality` item."""
-        return num_tokens * self.width(modality) * _DTYPE_BYTES[self.dtype]
-
-
-@dataclass
-class RequestClock:
-    """One encode request's timing: when it began, and the forward time of the batches its items rode in (items
-    another request was already encoding are waited for, and their forward is not counted here)."""
-
-    start: float = field(default_factory=time.perf_counter)
-    compute_seconds: float = 0.0
-
-
 @dataclass(frozen=True)
 class _Flight:
     """One engine request and each hash's item index in it (for aborting single items)."""
@@ -78,8 +39,11 @@ class _Flight:
 class EncodeService:
     """Serves /v1/encode: items fetched, preprocessed, deduplicated by content hash, encoded or found cached, leased."""
     def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
-                 metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None) -> None:
+                 metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None,
+                 max_items: int = 512) -> None:
         self._fetcher = fetcher
+        self._max_items = max_items
+        self._admitted = 0  # items of requests accepted and not answered yet (fetching, preparing, encoding)
         self._global = global_cache
         self._sharing: set[asyncio.Task[None]] = set()
         self._processor = processor
@@ -97,13 +61,30 @@ class EncodeService:
     async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None,
                      hop_padded: bool = True) -> list[ItemAnswer]:
         """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in;
-        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many)."""
-        start = time.perf_counter()
-        prepared = await self._prepare(items, hop_padded)
-        handles = await self._embed([p for pair in prepared for p in pair if p is not None], clock or RequestClock())
-        self._metrics.observe_request(time.perf_counter() - start)
-        return [ItemAnswer(r, p, handles[p.hash], _soundtrack_answer(r, track, handles))
+        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many). Refused at once (nothing fetched)
+        when the items accepted and not answered would pass `max_items`: 503 to retry, 413 if it never could fit."""
+        self._admit(len(items))
+        try:
+            start = time.perf_counter()
+            prepared = await self._prepare(items, hop_padded)
+            handles = await self._embed([p for pair in prepared for p in pair if p is not None],
+                                        clock or RequestClock())
+            self._metrics.observe_request(time.perf_counter() - start)
+        finally:
+            self._admitted -= len(items)
+        return [ItemAnswer(r, p, handles[p.hash], soundtrack_answer(r, track, handles))
                 for r, (p, track) in zip(items, prepared)]
+
+    def _admit(self, n: int) -> None:
+        """Count `n` more items as accepted, or refuse them: a bound on what fetching and preprocessing hold before
+        the engine's own queue sees any of it."""
+        if n > self._max_items:
+            raise ApiError(413, f"{n} items in one request; this Eric takes at most {self._max_items} at a time "
+                                "(--max-queued-items)")
+        if self._admitted + n > self._max_items:
+            raise ApiError(503, f"queue full: {self._admitted} items accepted and not answered yet "
+                                f"(--max-queued-items {self._max_items}); retry later", retry_after=1.0)
+        self._admitted += n
 
     async def _prepare(self, items: list[EncodeItem], hop_padded: bool = True,
                        ) -> list[tuple[PreparedItem, PreparedItem | None]]:
@@ -376,10 +357,3 @@ class EncodeService:
         if error is not None and not isinstance(error, quiet):
             logger.warning("encode of %d items failed: %r", len(mine), error)
 
-
-def _soundtrack_answer(request: EncodeItem, track: PreparedItem | None,
-                       handles: dict[str, EmbeddingHandle]) -> ItemAnswer | None:
-    """A video's soundtrack as an audio item's answer (same id), or None where none was asked."""
-    if track is None:
-        return None
-    return ItemAnswer(EncodeItem(request.id, "audio", request.url), track, handles[track.hash])

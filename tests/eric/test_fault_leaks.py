@@ -22,10 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from eric_epd.common.errors import ApiError
+from eric_epd.eric.answers import OutputSpec
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.launch import transfer_hub
 from eric_epd.eric.metrics import EricMetrics
-from eric_epd.eric.service import EncodeService, OutputSpec
+from eric_epd.eric.service import EncodeService
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, StoreMaster
 from eric_epd.testing.media import data_url, image_data_url, random_image

@@ -1,6 +1,7 @@
 """EncodeService's failures without processes (fake engine, real pool): a submit that fails for any reason frees its
 space and leaves the content encodable; a request that cannot fit the whole pool is a 413 at once; requests that
-must wait for space hold none of it meanwhile."""
+must wait for space hold none of it meanwhile; past --max-queued-items items accepted, a request is refused before
+anything of it is fetched."""
 
 from __future__ import annotations
 
@@ -94,5 +95,31 @@ def test_a_request_waiting_for_space_holds_none_of_it() -> None:
             assert [w.key for w in engine.requests[1][1]] == _names("b", 12)
             engine.answer(1, list(range(12)))
             assert [a.handle.hash for a in await asyncio.wait_for(second, 5)] == _names("b", 12)
+
+    asyncio.run(run())
+
+
+def test_items_past_the_limit_are_refused_before_anything_is_fetched() -> None:
+    async def run() -> None:
+        engine = FakeEngine()
+        with encode_service(engine, max_items=4) as service:
+            with pytest.raises(ApiError) as too_many:
+                await service.encode(items(*_names("a", 5)))
+            assert too_many.value.status == 413 and "--max-queued-items" in str(too_many.value)
+            first = asyncio.create_task(service.encode(items(*_names("b", 3))))
+            await settle()
+            with pytest.raises(ApiError) as busy:
+                await service.encode(items("c0", "c1"))
+            assert busy.value.status == 503 and "queue full" in str(busy.value) and busy.value.retry_after == 1.0
+            assert len(engine.requests) == 1 and service.hub.pool.get("c0") is None
+            fits = asyncio.create_task(service.encode(items("b0")))  # 4 items accepted: still within the limit
+            await settle()
+            engine.answer(0, [0, 1, 2])
+            await asyncio.wait_for(asyncio.gather(first, fits), 5)
+            second = asyncio.create_task(service.encode(items("c0", "c1")))  # answered: room again
+            await settle()
+            assert [w.key for w in engine.requests[1][1]] == ["c0", "c1"]
+            engine.answer(1, [0, 1])
+            assert [a.handle.hash for a in await asyncio.wait_for(second, 5)] == ["c0", "c1"]
 
     asyncio.run(run())

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from eric_epd.eric.answers import OutputSpec
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.launch import transfer_hub
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem
-from eric_epd.eric.service import EncodeService, OutputSpec
+from eric_epd.eric.service import EncodeService
 from eric_epd.eric.workload import EncoderWorkload, EncodeSpec
 from eric_epd.models.processor import ProcessedItem
 from eric_epd.runtime.engine.client import EngineRequest
@@ -102,11 +103,13 @@ async def settle() -> None:
 
 
 @contextmanager
-def encode_service(engine: FakeEngine, pool_bytes: int = 1 << 20) -> Iterator[EncodeService]:
-    """An EncodeService on `engine` and FakeMedia, over a real pool of `pool_bytes` (rows of 8 float32 values)."""
+def encode_service(engine: FakeEngine, pool_bytes: int = 1 << 20, max_items: int = 512) -> Iterator[EncodeService]:
+    """An EncodeService on `engine` and FakeMedia, over a real pool of `pool_bytes` (rows of 8 float32 values),
+    taking up to `max_items` items at a time."""
     config = EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=pool_bytes, backends=()))
     hub = transfer_hub(config)
     try:
-        yield EncodeService(FakeMedia(), FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"))
+        yield EncodeService(FakeMedia(), FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"),
+                            max_items=max_items)
     finally:
         hub.close()

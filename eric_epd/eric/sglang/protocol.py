@@ -12,7 +12,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.service import ItemAnswer
+from eric_epd.eric.answers import ItemAnswer
 from eric_epd.transfer.pool import PoolEntry
 from eric_epd.wire.sglang import EncodeRequest
 

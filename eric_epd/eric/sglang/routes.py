@@ -14,8 +14,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from eric_epd.common.errors import ApiError, read_json_body
+from eric_epd.eric.answers import OutputSpec
 from eric_epd.eric.config import EricConfig
-from eric_epd.eric.service import OutputSpec
 from eric_epd.eric.sglang.encoder import SglangEncoder
 from eric_epd.eric.sglang.protocol import sglang_error_response, sglang_video_seconds, wire_dtype
 from eric_epd.eric.sglang.registration import register, unregister
