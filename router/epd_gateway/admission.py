@@ -11,6 +11,7 @@ import logging
 import socket
 from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 from starlette.requests import Request
 
@@ -109,7 +110,8 @@ async def _read(request: Request) -> Registration:
     try:
         valid = url.startswith(("http://", "https://")) and len(url) <= MAX_URL and bool(urlsplit(url).hostname)
         urlsplit(url).port  # noqa: B018  # a port that is not a number raises here
-    except ValueError:
+        httpx.URL(url)  # what every later call to it parses: control characters and the like are refused here
+    except (ValueError, httpx.InvalidURL):
         valid = False
     if not valid:
         raise ApiError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")

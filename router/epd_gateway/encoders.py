@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -15,11 +13,11 @@ import msgspec
 
 from epd_gateway.content import MediaRef
 from epd_gateway.leases import release_leases
-from epd_gateway.loadcheck import Completions, believed_load
+from epd_gateway.members import CARD_RETRY_S, WAIT_SLACK_S, EncoderState, expected_wait, rendezvous_weight
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.common.errors import ApiError
-from eric_epd.wire.eric import GRID, MEDIA, EncodeItem, Placement, decode_answer, decode_card, encode_body
+from eric_epd.wire.eric import MEDIA, EncodeItem, decode_answer, decode_card, encode_body
 from eric_epd.wire.load import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -28,50 +26,12 @@ MAX_HOLDERS = 65536
 """Items whose Eric the gateway remembers (about 100 bytes each)."""
 MAX_DEPARTED = 1024
 """Erics that left by name (dns_members.py) whose leases the gateway may still give back."""
-WAIT_SLACK_S = 0.5
-"""A new item leaves its content's own Eric (rendezvous) only for one whose expected wait is this much shorter."""
 
 
-@dataclass
-class EncoderState:
-    """One Eric as the pool sees it: health, failures, work in flight, modalities and its last load report."""
-    url: str
-    healthy: bool = True
-    failures: int = 0
-    inflight: int = 0
-    modalities: frozenset[str] | None = None
-    """What it encodes (from its /v1/models card), learnt on first need; None until known, empty if unreadable."""
-    placement: Placement = GRID
-    """How the engine places its items (its card's `placement`; "grid" until known or if unreadable)."""
-    takes_audio: bool | None = None  # whether its model takes audio (its card's); None: unknown
-    load: LoadReport | None = None
-    """Its last /v1/load answer (read with each health probe); None until it answered one."""
-    inflight_items: int = 0
-    completed: Completions = field(default_factory=Completions)
-    """Items it answered this gateway recently: what its reported throughput is checked against."""
-    heartbeat: float | None = None
-    """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
 
-    def believed(self) -> LoadReport | None:
-        """Its load report bounded and checked against what this gateway observes (loadcheck.py); None if none."""
-        if self.load is None:
-            return None
-        return believed_load(self.load, self.inflight_items, self.completed.per_s())
-
-
-def rendezvous_weight(key: bytes, url: str) -> bytes:
-    """An encoder's weight for a routing key: the heaviest healthy encoder is the key's own Eric."""
-    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
-
-
-def _expected_wait(member: EncoderState) -> float:
-    """Seconds until an item sent now would start on this Eric: what is queued there (and in flight from here) at
-    its recent rate (at least one item a second, so a freshly started Eric is not taken for a stuck one), both as
-    the gateway believes them (loadcheck.py: bounded, never less queued than in flight from here, never faster than
-    a multiple of what it saw the Eric answer)."""
-    load = member.believed()
-    assert load is not None
-    return (load.queue_depth + member.inflight) / max(load.items_per_s, 1.0)
+CLIENT_ERRORS = (400, 415, 422)
+"""An Eric's answers about the client's media: passed on (any other 4xx, e.g. a wrong key or a limit of that Eric,
+fails over like a 5xx)."""
 
 
 class EncodersUnavailableError(Exception):
@@ -136,10 +96,14 @@ class EncoderPool:
         if url in self._static or self._members.pop(url, None) is None:
             return
         logger.info("encoder %s left (its name no longer lists it)", url)
+        self._depart(url)
+        self._refresh_gauge()
+
+    def _depart(self, url: str) -> None:
+        """Remember a removed Eric (bounded): the leases it gave out can still be given back to it."""
         self._departed[url] = None
         while len(self._departed) > MAX_DEPARTED:
             self._departed.popitem(last=False)
-        self._refresh_gauge()
 
     def knows(self, url: str) -> bool:
         """Whether leases may be given back to `url`: a member, listed by hand, or one its name listed."""
@@ -152,6 +116,7 @@ class EncoderPool:
         for url in silent:
             logger.warning("encoder %s dropped: no heartbeat for %.0f s", url, self._heartbeat_timeout_s)
             del self._members[url]
+            self._depart(url)
         if silent:
             self._refresh_gauge()
         return silent
@@ -159,6 +124,8 @@ class EncoderPool:
     def deregister(self, url: str) -> bool:
         """Remove the Eric at `url` (admin DELETE); whether it was a member."""
         found = self._members.pop(url.rstrip("/"), None) is not None
+        if found:
+            self._depart(url.rstrip("/"))
         self._refresh_gauge()
         return found
 
@@ -184,7 +151,7 @@ class EncoderPool:
         """The healthy encoders, each with its /v1/models card read (once: on first need)."""
         healthy = self.healthy()
         for member in healthy:
-            if member.modalities is None:
+            if member.modalities is None and time.monotonic() >= member.card_after:
                 await self._read_card(member)
         return healthy
 
@@ -193,9 +160,9 @@ class EncoderPool:
             resp = await self._client.get(f"{member.url}/v1/models", timeout=self._timeout)
             resp.raise_for_status()
             card = decode_card(resp.content)
-        except Exception as e:  # unknown: the encode call itself decides
+        except Exception as e:  # unknown for now (e.g. still starting): the encode call decides; read again later
             logger.warning("encoder %s: cannot read its model card: %r", member.url, e)
-            member.modalities = frozenset()
+            member.card_after = time.monotonic() + CARD_RETRY_S
             return
         member.modalities, member.placement, member.takes_audio = (frozenset(card.modalities), card.placement,
                                                                     card.takes_audio)
@@ -216,7 +183,7 @@ class EncoderPool:
                 self._holders.move_to_end(key)
                 return member
         if all(m.load is not None for m in fits):
-            waits = [_expected_wait(m) for m in fits]
+            waits = [expected_wait(m) for m in fits]
             if waits[0] > min(waits) + WAIT_SLACK_S:  # the content's own Eric is clearly the slower start
                 return fits[waits.index(min(waits))]
         return fits[0]
@@ -302,6 +269,10 @@ class EncoderPool:
             logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
             self._record_failure(member)
             return None
+        if resp.status_code not in (200, *CLIENT_ERRORS):  # not about the media: a key, a limit, a route
+            logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
+            self._record_failure(member)
+            return None
         if resp.status_code != 200:  # the client's media is bad: no other encoder will do better
             try:
                 message = resp.json()["error"]["message"]
@@ -348,9 +319,12 @@ class EncoderPool:
         """Every `interval_s`: probe each member, drop silent self-registered ones, update the recommended count."""
         while True:
             await asyncio.sleep(interval_s)
-            await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
-            self.drop_silent()
-            self._metrics.recommended_encoders.set(self.recommended())
+            try:
+                await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
+                self.drop_silent()
+                self._metrics.recommended_encoders.set(self.recommended())
+            except Exception:  # one bad member or report must not end the health checks of every Eric
+                logger.exception("encoder health round failed")
 
     def recommended(self) -> int:
         """How many Erics the load needs (scaling.py's formula over the healthy Erics' reports)."""
@@ -379,6 +353,7 @@ class EncoderPool:
         if ok and not member.healthy:
             logger.info("readmitting encoder %s", member.url)
             member.healthy, member.failures = True, 0
+            member.modalities, member.card_after = None, 0.0  # it may have restarted: read its card again
         elif not ok and member.healthy:
             self._record_failure(member)
         self._refresh_gauge()

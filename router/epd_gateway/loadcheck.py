@@ -39,16 +39,20 @@ class Completions:
         self._total = 0
 
     def add(self, items: int) -> None:
-        """Count `items` answered now."""
+        """Count `items` answered now (older counts leave the window here too: bounded with nobody reading)."""
         self._answered.append((time.monotonic(), items))
         self._total += items
+        self._drop_old(time.monotonic())
 
     def per_s(self) -> float:
         """Items per second over the window (or since this Eric was first seen, if later; at least 1 s)."""
         now = time.monotonic()
+        self._drop_old(now)
+        return self._total / max(1.0, min(self._window_s, now - self._since))
+
+    def _drop_old(self, now: float) -> None:
         while self._answered and self._answered[0][0] < now - self._window_s:
             self._total -= self._answered.popleft()[1]
-        return self._total / max(1.0, min(self._window_s, now - self._since))
 
 
 def believed_load(report: LoadReport, inflight_items: int, observed_per_s: float) -> LoadReport:

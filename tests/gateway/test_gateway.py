@@ -146,6 +146,8 @@ def test_encoder_registration_needs_admin_key(stack) -> None:
     assert httpx.post(url, json={"url": extra}, headers=admin).status_code == 403  # no proof: no Eric key for it
     assert extra in httpx.post(url, json=signed, headers=admin).json()["encoders"]
     assert httpx.post(url, json={"url": "ftp://x"}, headers=admin).status_code == 400
+    unparsable = msgspec.to_builtins(signed_registration("http://127.0.0.1:9/\x7f", stack["eric_key"]))
+    assert httpx.post(url, json=unparsable, headers=admin).status_code == 400  # no call to it could be made
     assert extra not in httpx.request("DELETE", url, json={"url": extra}, headers=admin).json()["encoders"]
     assert httpx.request("DELETE", url, json={"url": extra}, headers=admin).status_code == 404
 
@@ -180,6 +182,20 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
             assert httpx.get(gw.url + "/health", headers=KEYED).json()["encoders"][doomed.url] is False
     finally:
         doomed.start()  # the Erics are shared by the session's gateway tests
+
+
+def test_an_eric_refusing_the_gateways_key_is_its_failure_not_the_clients(stack, tmp_path) -> None:
+    """A gateway given the wrong Eric key: the Erics' 401s fail over like their 5xx (the client's key was right),
+    and with no Eric left the request takes the plain path and answers as vLLM does."""
+    images = [image_data_url(60 + 8 * k, 64, seed=1900 + k) for k in range(3)]
+    expected = ask_greedy(stack["vllm"].url, image_messages(images), key=stack["vllm"].api_key)
+    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in stack["erics"]),
+                       "--colocated-urls", stack["vllm"].url, "--api-key", API_KEY, "--health-interval", "3600",
+                       eric_api_key="not-the-eric-key", upstream_api_key=stack["vllm"].api_key) as gw:
+        before = gateway_paths(gw.url)
+        assert_greedy_agree(ask_greedy(gw.url, image_messages(images), key=API_KEY), expected, NEAR_TIE_FLOAT32)
+        assert gateway_paths(gw.url).get("fallback", 0) - before.get("fallback", 0) == 1
+        assert _failovers(gw) >= 1
 
 
 def _failovers(gateway: ServerProcess) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from epd_gateway.content import MediaRef
-from epd_gateway.encoders import rendezvous_weight
+from epd_gateway.members import rendezvous_weight
 
 
 def rendezvous_first(media_url: str, encoder_urls: Iterable[str]) -> str:

@@ -1,0 +1,115 @@
+"""The gateway's encoder pool against small in-process HTTP servers standing in for an Eric's card and health routes:
+a card that could not be read is read again, leases of a removed Eric can still be given back, one member httpx
+cannot even parse does not end the health checks of the others, and its bookkeeping stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from aiohttp import web
+from epd_gateway import encoders
+from epd_gateway.encoders import EncoderPool
+from epd_gateway.loadcheck import Completions
+from epd_gateway.members import CARD_RETRY_S
+from epd_gateway.metrics import GatewayMetrics
+
+CARD = {"object": "list", "data": [{"id": "m", "modalities": ["image", "video"], "placement": "media"}]}
+
+
+@asynccontextmanager
+async def _eric_standin(card_after: int) -> AsyncIterator[tuple[str, list[str]]]:
+    """An HTTP server answering /health, and /v1/models with 503 for its first `card_after` calls (an Eric still
+    starting), then with CARD; yields its URL and the paths asked."""
+    asked: list[str] = []
+
+    async def models(_: web.Request) -> web.Response:
+        asked.append("/v1/models")
+        if asked.count("/v1/models") <= card_after:
+            return web.json_response({"error": "starting"}, status=503)
+        return web.json_response(CARD)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", asked
+    finally:
+        await runner.cleanup()
+
+
+def _pool(*urls: str) -> EncoderPool:
+    return EncoderPool(urls, httpx.AsyncClient(), GatewayMetrics(), 2, 5.0)
+
+
+def test_a_card_that_could_not_be_read_is_read_again_later_and_on_readmission(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def run() -> None:
+        async with _eric_standin(card_after=1) as (url, asked):
+            pool = _pool(url)
+            assert await pool.serve({"audio"}) and not await pool.places_media()  # unread: taken to serve all
+            assert await pool.serve({"audio"}) and asked == ["/v1/models"]  # not read again at once ...
+            later = time.monotonic() + CARD_RETRY_S + 1  # the pool's clock only: the event loop keeps the real one
+            monkeypatch.setattr(encoders, "time", SimpleNamespace(monotonic=lambda: later))
+            assert not await pool.serve({"audio"}) and await pool.places_media()  # ... but once the delay passed
+            assert asked == ["/v1/models"] * 2
+            member = pool.healthy()[0]
+            member.healthy = False  # ejected, then readmitted by a probe: it may have restarted
+            await pool._probe(member)
+            assert member.healthy and member.modalities is None
+            assert await pool.places_media() and asked == ["/v1/models"] * 3
+
+    asyncio.run(run())
+
+
+def test_leases_of_an_eric_removed_any_way_can_still_be_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = _pool()
+    for url in ("http://10.0.0.1:1", "http://10.0.0.2:1"):
+        pool.register(url)
+    assert pool.deregister("http://10.0.0.1:1") and pool.knows("http://10.0.0.1:1")  # by the admin
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + 3600)
+    assert pool.drop_silent() == ["http://10.0.0.2:1"] and pool.knows("http://10.0.0.2:1")  # for its silence
+    assert pool.urls == [] and not pool.knows("http://10.0.0.3:1")
+
+
+def test_a_member_httpx_cannot_parse_does_not_end_the_health_checks() -> None:
+    async def run() -> None:
+        async with _eric_standin(card_after=0) as (url, _):
+            pool = _pool("http://10.0.0.5:8000/\x7f", url)
+            good = next(m for m in pool._members.values() if m.url == url)
+            good.healthy = False
+            loop = asyncio.create_task(pool.health_loop(0.01))
+            for _ in range(500):
+                if good.healthy:
+                    break
+                await asyncio.sleep(0.01)
+            assert not loop.done(), loop.exception() if loop.done() else None
+            assert good.healthy  # readmitted by a round that also probed the unparsable member
+            loop.cancel()
+
+    asyncio.run(run())
+
+
+def test_completions_stay_within_their_window_when_nobody_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    done = Completions(window_s=10.0)
+    for _ in range(10_000):
+        clock[0] += 1.0
+        done.add(3)
+    assert len(done._answered) <= 11
+    assert done.per_s() == pytest.approx(3.0, rel=0.11)
