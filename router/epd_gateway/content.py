@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from eric_epd.common.errors import ApiError
+from eric_epd.common.jsonbody import MAX_URL
 from eric_epd.media.url_policy import MediaError, UrlPolicy
 from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
@@ -103,7 +104,8 @@ def remote_hosts(refs: list[MediaRef]) -> set[tuple[str, int]]:
     """(host, port) of every http(s) media URL, for DNS-time policy checks."""
     hosts = set()
     for ref in refs:
-        parts = urlsplit(ref.url)
+        parts = urlsplit(ref.url[:MAX_URL + 1])  # scheme and host lie within a fetchable URL's bound: a 64 MiB
+        # data: URL is not parsed whole on the event loop
         if parts.scheme in ("http", "https") and parts.hostname:
             hosts.add((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
     return hosts

@@ -205,3 +205,13 @@ def test_media_the_plain_path_carried_do_not_count_and_the_memory_is_bounded() -
     assert seen.unseen(refs) == 2 and seen.unseen(refs[:2]) == 0
     seen.remember(refs[2:])  # four keys into three: the least recently seen (refs[0]) goes
     assert seen.unseen(refs) == 1 and seen.unseen(refs[:1]) == 1
+
+
+def test_the_hosts_to_check_are_read_from_each_urls_head() -> None:
+    """remote_hosts parses no more of a URL than a fetchable one may hold: a data: URL of megabytes names no host,
+    and an http(s) URL's host and port come out as urlsplit reads them (scheme in any case, blanks before it)."""
+    from epd_gateway.content import MediaRef, remote_hosts
+
+    refs = [MediaRef(0, 0, "image", "data:image/png;base64," + "A" * (8 << 20)),
+            MediaRef(0, 1, "image", " HTTP://Example.com:8080/x.png"), MediaRef(0, 2, "image", "https://b.test/y")]
+    assert remote_hosts(refs) == {("example.com", 8080), ("b.test", 443)}
