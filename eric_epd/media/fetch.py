@@ -69,6 +69,22 @@ class _PolicyTransport(httpx.AsyncHTTPTransport):
         )
 
 
+class ByteBudget:
+    """Bytes that several fetches (one request's) may bring in together: the one that passes it gets a 413 with
+    `message`, and so does every later chunk of the others, which stop there."""
+
+    def __init__(self, limit: int, message: str) -> None:
+        self.limit = limit
+        self.message = message
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        """Count `n` more bytes; 413 once the total is over the limit."""
+        self.used += n
+        if self.used > self.limit:
+            raise MediaError(413, self.message)
+
+
 class MediaFetcher:
     """Fetches media bytes for http(s), data and file URLs under a ``UrlPolicy`` and ``MediaLimits``."""
 
@@ -83,32 +99,36 @@ class MediaFetcher:
             headers={"User-Agent": "eric-epd-media/0.1"},
         )
 
-    async def fetch(self, url: str) -> bytes:
-        """The bytes behind ``url``; raises ``MediaError`` (4xx) naming the problem."""
+    async def fetch(self, url: str, budget: ByteBudget | None = None) -> bytes:
+        """The bytes behind ``url``, counted against ``budget`` as they come; raises ``MediaError`` (4xx) naming the
+        problem."""
         shown = display_url(url)
         try:
-            return await asyncio.wait_for(self._fetch(url), self.limits.timeout_s)
+            data = await asyncio.wait_for(self._fetch(url, budget), self.limits.timeout_s)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise MediaError(408, f"timed out fetching {shown} (limit {self.limits.timeout_s:g} s)") from exc
+        if budget is not None and url_scheme(url) not in ("http", "https"):
+            budget.take(len(data))  # read whole (at most the per-item limit); http(s) is counted chunk by chunk
+        return data
 
     async def aclose(self) -> None:
         """Close the pooled HTTP client."""
         await self._client.aclose()
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, budget: ByteBudget | None) -> bytes:
         self.policy.check(url)
         scheme = url_scheme(url)
         if scheme == "data":
             return _decode_data_url(url, self.limits.max_bytes)
         if scheme == "file":
             return await asyncio.to_thread(self._read_file, url)
-        return await self._fetch_http(url)
+        return await self._fetch_http(url, budget)
 
-    async def _fetch_http(self, url: str) -> bytes:
+    async def _fetch_http(self, url: str, budget: ByteBudget | None) -> bytes:
         for _hop in range(self.limits.max_redirects + 1):
             shown = display_url(url)
             try:
-                result = await self._get(url)
+                result = await self._get(url, budget)
             except (MediaError, httpx.TimeoutException):
                 raise
             except (httpx.HTTPError, httpx.InvalidURL) as exc:
@@ -124,7 +144,7 @@ class MediaFetcher:
                 raise MediaError(exc.status, f"redirect from {shown} refused: {exc.message}") from exc
         raise MediaError(400, f"too many redirects (more than {self.limits.max_redirects})")
 
-    async def _get(self, url: str) -> bytes | str:
+    async def _get(self, url: str, budget: ByteBudget | None) -> bytes | str:
         """One GET: the body, or the absolute redirect target."""
         shown, max_bytes = display_url(url), self.limits.max_bytes
         async with self._client.stream("GET", url) as resp:
@@ -138,11 +158,15 @@ class MediaFetcher:
             encoded = resp.headers.get("content-encoding", "identity") != "identity"
             if length.isdigit() and int(length) > max_bytes and not encoded:
                 raise MediaError(413, f"{shown} is {length} bytes, over the limit of {max_bytes}")
+            if budget is not None and length.isdigit() and not encoded and budget.used + int(length) > budget.limit:
+                raise MediaError(413, budget.message)
             body = bytearray()
             async for chunk in resp.aiter_bytes():
                 body += chunk
                 if len(body) > max_bytes:
                     raise MediaError(413, f"{shown} is over the size limit of {max_bytes} bytes")
+                if budget is not None:
+                    budget.take(len(chunk))
             return bytes(body)
 
     def _read_file(self, url: str) -> bytes:

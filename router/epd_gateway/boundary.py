@@ -18,6 +18,9 @@ STEERING_FIELDS = frozenset({
     # when --enable-custom-logit-processor is on), hidden states out
     "rid", "routed_dp_rank", "session_params", "input_ids", "lora_path", "custom_logit_processor", "custom_params",
     "return_hidden_states", "priority",
+    # SGLang's processor options (serving_chat.py hands them to its multimodal processor); a top-level
+    # use_audio_in_video would also skip the gateway's soundtrack handling, which reads mm_processor_kwargs only
+    "images_config", "video_config", "use_audio_in_video", "max_dynamic_patch", "min_dynamic_patch",
 })
 """Request fields that steer vLLM's or SGLang's internals (KV/EC transfer, processor and media settings, request
 identity and placement, sessions, adapters, server-side code): the gateway writes them itself where needed, a client

@@ -30,13 +30,12 @@ from epd_gateway.embeds import check_embeds_parts
 from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.image_store import ImageStore
 from epd_gateway.images import ImageGenerator
-from epd_gateway.inline import MediaInliner, RawBody
+from epd_gateway.inline import MediaInliner, RawBody, check_hosts
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.plain_media import PlainMedia
 from epd_gateway.upstream import Upstreams
 from eric_epd.common.errors import ApiError, parse_body, read_body
 from eric_epd.common.jsonbody import MAX_ID
-from eric_epd.media.url_policy import MediaError
 from eric_epd.wire.eric import MEDIA
 
 logger = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ class Gateway:
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
                                     config.encode_timeout_s, config.heartbeat_timeout_s)
         self.upstreams = Upstreams(config, session, metrics)
-        self.inliner = MediaInliner(config.url_policy, config.media_limits)
+        self.inliner = MediaInliner(config.url_policy, config.media_limits, config.max_inline_bytes)
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
         self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key,
                                       config.geri_api_key, store) if config.geri_urls else None)
@@ -94,7 +93,7 @@ class Gateway:
         if self.config.client_embeddings is not None:
             check_embeds_parts(body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items, audio_in_video(body))
-        await self._check_hosts(refs)
+        await check_hosts(self.config.url_policy, remote_hosts(refs), self.config.media_limits.timeout_s)
         modalities = {m for ref in refs for m in ref.modalities}
         if "audio" in modalities:
             await self._check_takes_audio(body)
@@ -203,14 +202,6 @@ class Gateway:
         if said == {False}:
             raise ApiError(400, f"the model {body.get('model') or 'served here'!r} does not take audio "
                                 "(its input_audio or audio_url parts)", param="messages")
-
-    async def _check_hosts(self, refs: list) -> None:
-        policy = self.config.url_policy
-        for host, port in remote_hosts(refs):
-            try:
-                await policy.resolve_host(host, port)
-            except MediaError as e:
-                raise ApiError(e.status if e.status < 500 else 400, e.message) from e
 
 
 def _embeddings_lost(response: Response) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import itertools
 import logging
+import re
 import time
 from typing import Annotated, Literal
 
@@ -15,6 +16,7 @@ import msgspec
 import numpy as np
 
 from epd_gateway.image_store import ImageStore
+from epd_gateway.redact import redact
 from eric_epd.common.errors import ApiError, parse_body
 from eric_epd.common.http import bearer
 from eric_epd.common.jsonbody import MAX_ID
@@ -30,6 +32,10 @@ them (prompt_template_encode_start_idx)."""
 TEMPLATE_TOKENS = 34
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 4
+UPSTREAM_AUTH = frozenset({401, 403})
+"""An upstream's refusal of the gateway's own key (--upstream-api-key): the operator's problem, not the client's."""
+SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+"""WIDTHxHEIGHT in ASCII digits (str.isdigit also takes "²", which int() refuses)."""
 
 
 class ImagesBody(msgspec.Struct):
@@ -52,10 +58,10 @@ def parse_images_body(raw: bytes, urls: bool) -> tuple[ImagesBody, int, int]:
     if body.response_format == "url" and not urls:
         raise ApiError(400, "response_format 'url' is not configured on this gateway (--image-urls); use "
                             "'b64_json'", param="response_format")
-    width, _, height = body.size.partition("x")
-    if not (width.isdigit() and height.isdigit()):
+    size = SIZE.fullmatch(body.size)
+    if size is None:
         raise ApiError(400, f"size must be WIDTHxHEIGHT such as 1024x1024, got {body.size!r}", param="size")
-    return body, int(width), int(height)
+    return body, int(size[1]), int(size[2])
 
 
 class ImageGenerator:
@@ -95,7 +101,11 @@ class ImageGenerator:
             response = await self._client.post(url + "/pooling", json=payload, headers=self._encoder_headers)
         except httpx.HTTPError as e:
             raise ApiError(503, f"text encoder {url} unreachable: {e!r}") from e
-        if response.status_code != 200:
+        if 400 <= response.status_code < 500 and response.status_code not in UPSTREAM_AUTH:  # about the prompt
+            # (e.g. longer than the text encoder's max_model_len): the client's to fix
+            raise ApiError(response.status_code, f"the text encoder refused the prompt: {redact(_message(response))}",
+                           param="prompt")
+        if response.status_code != 200:  # a 5xx, or the gateway's own key refused
             raise ApiError(502 if response.status_code < 500 else 503,
                            f"text encoder answered {response.status_code}: {response.text[:300]}")
         try:
@@ -114,12 +124,19 @@ class ImageGenerator:
             raise ApiError(503, f"image generator {url} unreachable: {e!r}") from e
         if response.status_code == 200:
             return response.content
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
+        message = _message(response)
         status = response.status_code if response.status_code in (400, 503, 504) else 502
         raise ApiError(status, f"image generation failed: {message}")
+
+
+def _message(response: httpx.Response) -> str:
+    """An error answer's message: OpenAI's {"error": {"message"}}, vLLM's older {"message"}, else its text."""
+    try:
+        answer = response.json()
+        message = answer["error"]["message"] if isinstance(answer.get("error"), dict) else answer["message"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = response.text
+    return str(message)[:300]
 
 
 async def _none() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from epd_gateway.content import MediaRef
 from eric_epd.common.errors import ApiError
-from eric_epd.media.fetch import MediaFetcher
+from eric_epd.media.fetch import ByteBudget, MediaFetcher
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
 
@@ -21,11 +21,34 @@ FETCHED_SCHEMES = frozenset({"http", "https", "file"})
 """What an engine would have to fetch (or read) itself; data: URLs already carry their bytes."""
 
 
+async def check_hosts(policy: UrlPolicy, hosts: set[tuple[str, int]], timeout_s: float) -> None:
+    """Every (host, port) resolved at once and checked against the policy, all within `timeout_s`: a refused or
+    unresolvable host is a 400, hosts still unresolved at the deadline a 408 naming them (as a fetch timeout is)."""
+    tasks = {asyncio.ensure_future(policy.resolve_host(host, port)): host for host, port in sorted(hosts)}
+    if not tasks:
+        return
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # a blackholed lookup stops holding the request (its executor thread ends on its own)
+    failures = [e for e in (task.exception() for task in tasks if task in done) if e is not None]  # host order
+    for e in failures:
+        if isinstance(e, MediaError):
+            raise ApiError(e.status if e.status < 500 else 400, e.message) from e
+    if failures:
+        raise failures[0]
+    if pending:
+        names = ", ".join(tasks[task] for task in tasks if task in pending)
+        raise ApiError(408, f"timed out resolving media host(s) {names} (limit {timeout_s:g} s)")
+
+
 class MediaInliner:
     """One per gateway process: an httpx client behind the URL policy, reused across requests."""
 
-    def __init__(self, policy: UrlPolicy, limits: MediaLimits) -> None:
+    def __init__(self, policy: UrlPolicy, limits: MediaLimits, max_request_bytes: int) -> None:
         self._fetcher = MediaFetcher(policy, limits)
+        self._max_request_bytes = max_request_bytes
 
     async def aclose(self) -> None:
         """Close the media fetcher's HTTP client."""
@@ -33,24 +56,47 @@ class MediaInliner:
 
     async def inline(self, body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any] | None:
         """A copy of the request whose remote media parts are data: URLs, or None when it has none (the client's
-        raw body can then go as it is). A fetch the policy refuses or that fails is the client's 4xx."""
+        raw body can then go as it is). A fetch the policy refuses or that fails is the client's 4xx; media over
+        the request's budget (--max-inline-bytes, every part counted, a URL named twice twice) a 413. Each distinct
+        URL is fetched once."""
         remote = [ref for ref in refs if url_scheme(ref.url) in FETCHED_SCHEMES]
         if not remote:
             return None
-        fetched = await asyncio.gather(*(self._fetch(ref) for ref in remote))
+        firsts: dict[str, MediaRef] = {}  # each URL's first part, which its errors name
+        for ref in remote:
+            firsts.setdefault(ref.url, ref)
+        fetched = dict(zip(firsts, await self._fetch_all(list(firsts.values())), strict=True))
+        total = sum(len(fetched[ref.url]) for ref in remote)
+        if total > self._max_request_bytes:
+            raise ApiError(413, f"{self._over_budget()} ({len(remote)} parts, {total} bytes)", param="messages")
+        inlined = {url: "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+                   for url, data in fetched.items()}
         out = dict(body)
         out["messages"] = copy.deepcopy(body["messages"])
-        for ref, data in zip(remote, fetched, strict=True):
+        for ref in remote:
             part = out["messages"][ref.message]["content"][ref.part]
             kind = ref.part_type  # an image_url, video_url or audio_url part (input_audio parts carry their data)
-            url = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
-            payload = part[kind]
+            payload, url = part[kind], inlined[ref.url]
             part[kind] = {**payload, "url": url} if isinstance(payload, dict) else {"url": url}
         return out
 
-    async def _fetch(self, ref: MediaRef) -> bytes:
+    def _over_budget(self) -> str:
+        return (f"the media this request names come to over {self._max_request_bytes} bytes, the most the gateway "
+                "inlines for one request (--max-inline-bytes)")
+
+    async def _fetch_all(self, refs: list[MediaRef]) -> list[bytes]:
+        """Every ref's bytes, fetched at once under one budget; the first failure stops the others."""
+        budget = ByteBudget(self._max_request_bytes, self._over_budget())
+        tasks = [asyncio.ensure_future(self._fetch(ref, budget)) for ref in refs]
         try:
-            return await self._fetcher.fetch(ref.url)
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _fetch(self, ref: MediaRef, budget: ByteBudget) -> bytes:
+        try:
+            return await self._fetcher.fetch(ref.url, budget)
         except MediaError as e:
             where = f"messages[{ref.message}].content[{ref.part}]"
             raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e

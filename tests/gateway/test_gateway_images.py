@@ -23,6 +23,9 @@ from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import GatewayServer, GeriServer, VllmServe
 from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 
+PROMPT_TOKENS = 256
+"""The text encoder's max_model_len: a long prompt within MAX_PROMPT_CHARS passes it (its 400 is the client's)."""
+
 
 @pytest.fixture(scope="module")
 def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
@@ -31,7 +34,8 @@ def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory)
     logs = tmp_path_factory.mktemp("images")
     vllm_key = new_key()
     pooling = ("--runner", "pooling", "--pooler-config", json.dumps({"task": "token_embed"}))
-    encoder = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key)
+    encoder = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key,
+                        max_model_len=PROMPT_TOKENS)
     geri = GeriServer(log_path=logs / "geri.log", env=other_isa_env())
     gateway = GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
                             "--image-urls", upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key)
@@ -112,6 +116,10 @@ def test_bad_image_requests_get_a_400_naming_the_problem(image_stack: GatewaySer
         r = httpx.post(image_stack.url + "/v1/images/generations", json=body, headers=headers, timeout=60)
         assert r.status_code == 400, (body, r.text)
         assert named in r.json()["error"]["message"], (named, r.text)
+    too_long = " ".join(f"w{i}" for i in range(600))  # within MAX_PROMPT_CHARS, over the encoder's PROMPT_TOKENS
+    r = httpx.post(image_stack.url + "/v1/images/generations", json={"prompt": too_long}, headers=headers, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "text encoder refused the prompt" in r.json()["error"]["message"] and "127.0.0.1" not in r.text
     assert httpx.post(image_stack.url + "/v1/images/generations", json={"prompt": "cat"}).status_code == 401
     chat = httpx.post(image_stack.url + "/v1/chat/completions", headers=headers,
                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})

@@ -30,7 +30,8 @@ VICTIM = [image_data_url(96, 64, seed=700), image_data_url(72, 88, seed=701)]
 ATTACKER = image_data_url(80, 80, seed=702)
 STEERING = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs",
             "bootstrap_host", "bootstrap_room", "request_id", "rid", "routed_dp_rank", "session_params", "input_ids",
-            "lora_path", "custom_logit_processor")
+            "lora_path", "custom_logit_processor", "images_config", "video_config", "use_audio_in_video",
+            "max_dynamic_patch", "min_dynamic_patch")
 
 
 @pytest.fixture(scope="module")
