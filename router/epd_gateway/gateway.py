@@ -128,7 +128,7 @@ class Gateway:
         self.metrics.fanout.observe(fanout)
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
-            await self.encoders.release(items)
+            await asyncio.shield(self.encoders.release(items))  # given back even if the client leaves meanwhile
             return "fallback", await self._plain(plain, headers)
         try:  # items placed by their media keep them: the inlined body (fetched before encoding, see _as_encoded)
             source = (await plain.get())[0] if any(i.get("placement") == MEDIA for i in items) else body
@@ -145,7 +145,7 @@ class Gateway:
             raise
         if response.status_code >= 400:
             # a failed request's embeddings (an engine that refused it never fetches them): back now, not at the TTL
-            await self.encoders.release(items)
+            await asyncio.shield(self.encoders.release(items))
         if _embeddings_lost(response):
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
             logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
