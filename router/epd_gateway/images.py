@@ -3,7 +3,6 @@ pooling model (`token_embed`, no normalisation), then Geri turns them into the i
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import itertools
 import logging
@@ -17,6 +16,7 @@ import numpy as np
 
 from epd_gateway.image_store import ImageStore
 from epd_gateway.redact import redact
+from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError, parse_body
 from eric_epd.common.http import bearer
 from eric_epd.common.jsonbody import MAX_ID
@@ -80,12 +80,12 @@ class ImageGenerator:
         """OpenAI's answer: each image as b64_json, or (response_format "url") as a URL under `base_url`."""
         body, width, height = parse_images_body(raw, self.store is not None)
         use_negative = body.negative_prompt is not None and body.true_cfg_scale > 1
-        prompt, negative = await asyncio.gather(
+        prompt, negative = await all_or_none(
             self.hidden_states(body.prompt),
             self.hidden_states(body.negative_prompt) if use_negative else _none())
         settings = {"height": height, "width": width, "steps": body.num_inference_steps,
                     "guidance_scale": body.true_cfg_scale}
-        images = await asyncio.gather(*(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings))
+        images = await all_or_none(*(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings))
                                         for i in range(body.n)))
         if body.response_format == "url" and self.store is not None:
             data = [{"url": f"{base_url}/v1/images/files/{self.store.put(png)}"} for png in images]

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from epd_gateway.content import MediaRef
+from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.media.fetch import ByteBudget, MediaFetcher
 from eric_epd.media.limits import MediaLimits
@@ -87,12 +88,7 @@ class MediaInliner:
     async def _fetch_all(self, refs: list[MediaRef]) -> list[bytes]:
         """Every ref's bytes, fetched at once under one budget; the first failure stops the others."""
         budget = ByteBudget(self._max_request_bytes, self._over_budget())
-        tasks = [asyncio.ensure_future(self._fetch(ref, budget)) for ref in refs]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
+        return await all_or_none(*(self._fetch(ref, budget) for ref in refs))
 
     async def _fetch(self, ref: MediaRef, budget: ByteBudget) -> bytes:
         try:
