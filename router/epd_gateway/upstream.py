@@ -146,7 +146,7 @@ class Upstreams:
             prefill.add_done_callback(_log_prefill)
         else:  # decode failed: its prefill sends KV to nobody
             prefill.cancel()
-        return await decode
+        return await decode  # a cancellation here cancels the awaited decode too (the prefill is done or answered)
 
     async def _open(self, stage: str, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         """POST and return the response with its headers read (the body is the caller's to read or relay); the
