@@ -45,12 +45,12 @@ def create_app(name: str, delay_s: float) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = orjson.loads(await request.body())
         seen.append(body)
-        await asyncio.sleep(delay_s)  # a decode waits for its KV
+        text = f"answer from {name}"
+        if body.get("stream") and not failing["on"]:  # as SGLang: a stream's headers at once, its tokens later
+            return StreamingResponse(_stream(text, delay_s), media_type="text/event-stream")
+        await asyncio.sleep(delay_s)  # a decode waits for its KV, a prefill computes it
         if failing["on"]:
             return JSONResponse({"object": "error", "message": f"{name} failing", "code": 500}, 500)
-        text = f"answer from {name}"
-        if body.get("stream"):
-            return StreamingResponse(_stream(text), media_type="text/event-stream")
         return JSONResponse({
             "id": "chatcmpl-standin", "object": "chat.completion", "created": int(time.time()), "model": "standin",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
@@ -59,7 +59,8 @@ def create_app(name: str, delay_s: float) -> FastAPI:
     return app
 
 
-async def _stream(text: str):  # -> AsyncIterator[bytes]
+async def _stream(text: str, delay_s: float):  # -> AsyncIterator[bytes]
+    await asyncio.sleep(delay_s)  # a decode waits for its KV
     for word in text.split(" "):
         chunk = {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": int(time.time()),
                  "model": "standin", "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
@@ -72,7 +73,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, required=True, help="HTTP port")
     p.add_argument("--name", required=True, help="the model name it answers with")
-    p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
+    p.add_argument("--delay", type=float, default=0.0,
+                   help="seconds before answering (a stream sends its headers at once, its tokens after the delay)")
     a = p.parse_args()
     uvicorn.run(create_app(a.name, a.delay), host="127.0.0.1", port=a.port, log_level="warning",
                 proxy_headers=False)  # the peer is the connecting address, whatever headers say

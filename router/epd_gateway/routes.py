@@ -107,13 +107,19 @@ class GatewayRoutes:
         gw = self.gateway()
         gw.check_api_key(request)
         gw.check_serves_chat()
-        reading = time.perf_counter()
-        raw, body = await read_json(request, self.config.max_body_bytes)
-        start = time.perf_counter()
-        check_request_fields(body)
-        self.metrics.stages.observe("body_read", start - reading)
-        self.metrics.stages.observe("validate", time.perf_counter() - start)
-        response = await gw.upstreams.complete("/v1/completions", body, self._upstream_headers, raw)
+        try:
+            reading = time.perf_counter()
+            raw, body = await read_json(request, self.config.max_body_bytes)
+            start = time.perf_counter()
+            check_request_fields(body)
+            self.metrics.stages.observe("body_read", start - reading)
+            self.metrics.stages.observe("validate", time.perf_counter() - start)
+            # as for chat: a client that leaves before the answer starts cancels the upstream calls
+            response = await until_disconnect(
+                request, gw.upstreams.complete("/v1/completions", body, self._upstream_headers, raw))
+        except (ClientDisconnectedError, ClientDisconnect):
+            logger.info("client left a completion before its answer started: its work was cancelled")
+            return Response(status_code=499)
         self._observe("pd", start)
         return response
 

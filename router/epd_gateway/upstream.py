@@ -93,13 +93,17 @@ class Upstreams:
     async def _vllm_pd(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
                        headers: dict[str, str]) -> Response:
         """vLLM disaggregated prefill: one prefill token with do_remote_decode, then decode with the returned
-        kv_transfer_params (remote block ids, host, port...)."""
+        kv_transfer_params (remote block ids, host, port...). One prompt per request: vLLM returns the params of the
+        first prompt only."""
+        if _prompt_count(body.get("prompt")) > 1:
+            raise ApiError(400, "one prompt per request on the prefill/decode path: send each prompt of the list "
+                                "as its own request", param="prompt")
         prefill_body = {**body, "max_tokens": 1, "stream": False,
                         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                                "remote_engine_id": None, "remote_block_ids": None,
                                                "remote_host": None, "remote_port": None}}
-        prefill_body.pop("max_completion_tokens", None)
-        prefill_body.pop("stream_options", None)
+        for conflicting in ("max_completion_tokens", "stream_options", "min_tokens"):  # refused with max_tokens 1
+            prefill_body.pop(conflicting, None)
         reply = await self._post("prefill", prefill_url, path, prefill_body, headers)
         if reply.status != 200:
             return reply.response()
@@ -116,21 +120,33 @@ class Upstreams:
     async def _sglang(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
                       headers: dict[str, str]) -> Response:
         """SGLang PD: the same request to prefill and decode with one bootstrap room; decode's answer returns,
-        unless prefill fails first (decode would only wait for KV that never comes): then a 502."""
+        unless prefill fails first (decode would only wait for KV that never comes): then a 502. A streamed decode
+        sends its headers at once, so its stream is handed out only once the prefill has sent the KV; a caller's
+        cancellation (its client left) cancels both calls."""
         room = random.getrandbits(63)
         host = urlsplit(prefill_url).hostname
         pd_body = {**body, "bootstrap_host": host, "bootstrap_port": self._config.sglang_bootstrap_port,
                    "bootstrap_room": room}
         prefill = asyncio.create_task(self._post("prefill", prefill_url, path, {**pd_body, "stream": False}, headers))
         decode = asyncio.create_task(self._forward("decode", decode_url, path, pd_body, headers))
-        await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done() and _streaming(decode):
+                await asyncio.wait({prefill})
+        except BaseException:
+            prefill.cancel()
+            await _discard(decode)
+            raise
         failure = _failure(prefill) if prefill.done() else None
         if failure is not None:
             await _discard(decode)
             self._metrics.failures.labels(stage="prefill").inc()
             raise ApiError(502, f"prefill at {prefill_url} failed: {failure}")
-        prefill.add_done_callback(_log_prefill)
-        return await decode
+        if _answered(decode):
+            prefill.add_done_callback(_log_prefill)
+        else:  # decode failed: its prefill sends KV to nobody
+            prefill.cancel()
+        return await decode  # a cancellation here cancels the awaited decode too (the prefill is done or answered)
 
     async def _open(self, stage: str, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         """POST and return the response with its headers read (the body is the caller's to read or relay); the
@@ -174,7 +190,15 @@ class Upstreams:
             self._metrics.failures.labels(stage=stage).inc()
         if not body.get("stream") or resp.status >= 500:  # an error is read whole, to be redacted
             return (await self._read(stage, url, resp)).response()
-        return StreamingResponse(_relay(resp), resp.status, headers=_headers(resp))
+        return StreamingResponse(_Relay(resp), resp.status, headers=_headers(resp))
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a /v1/completions `prompt` holds: a string or a list of token ids is one; a list of strings
+    or of token-id lists is one per item (absent, as in a chat request: one)."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 1
 
 
 def _failure(prefill: asyncio.Task[Reply]) -> str | None:
@@ -192,15 +216,47 @@ def _log_prefill(prefill: asyncio.Task[Reply]) -> None:
         logger.warning("SGLang prefill failed after decode answered: %s", failure)
 
 
+def _streaming(decode: asyncio.Task[Response]) -> bool:
+    """A decode call that returned a stream (its headers), which may still be waiting for its KV."""
+    return decode.done() and not decode.cancelled() and decode.exception() is None \
+        and isinstance(decode.result(), StreamingResponse)
+
+
+def _answered(decode: asyncio.Task[Response]) -> bool:
+    """A decode call that is still running or answered below 500 (an exception or a 5xx is a failure)."""
+    if not decode.done():
+        return True
+    return not decode.cancelled() and decode.exception() is None and decode.result().status_code < 500
+
+
 async def _discard(decode: asyncio.Task[Response]) -> None:
     """Cancel a decode call, closing its upstream stream if it had one."""
     decode.cancel()
     try:
         response = await decode
-    except (asyncio.CancelledError, ApiError):
+    except (asyncio.CancelledError, Exception):
         return
     if isinstance(response, StreamingResponse):
         await response.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _Relay:
+    """A StreamingResponse's body from an upstream stream; closing it releases the upstream response even when no
+    chunk was read (an async generator closed before its first step never runs its `finally`)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self._chunks = _relay(resp)
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        self._resp.close()
 
 
 async def _relay(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

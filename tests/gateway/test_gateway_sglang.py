@@ -50,8 +50,10 @@ class SglangServerStandIn(ServerProcess):
 @pytest.fixture(scope="module")
 def sglang(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("sglang-gw")
-    servers = {n: SglangServerStandIn(n, logs / f"{n}.log", delay_s=1.0 if n == "decode" else 0.0).start()
-               for n in ("lang_only", "prefill", "decode")}  # decode answers after prefill, as it waits for KV
+    # decode answers after prefill, as it waits for KV; a streamed decode sends its headers at once, before a
+    # prefill answers (or fails)
+    servers = {n: SglangServerStandIn(n, logs / f"{n}.log", delay_s=1.0 if n == "decode" else 0.3).start()
+               for n in ("lang_only", "prefill", "decode")}
     gateway = GatewayServer(logs / "gateway.log", "--backend", "sglang", "--epd-prefill-urls",
                             servers["lang_only"].url, "--prefill-urls", servers["prefill"].url,
                             "--decode-urls", servers["decode"].url, "--sglang-bootstrap-port", "8998").start()
