@@ -255,7 +255,9 @@ class EncoderPool:
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
         member.inflight_items += len(refs)
-        body = encode_body([EncodeItem(str(i), r.modality, r.url, r.with_audio) for i, r in enumerate(refs)])
+        # each item named by its place in the client's request, which Eric's errors about it then quote
+        body = encode_body([EncodeItem(f"messages[{r.message}].content[{r.part}]", r.modality, r.url, r.with_audio)
+                            for r in refs])
         try:
             resp = await self._post_encode(url, body)
         except httpx.HTTPError as e:

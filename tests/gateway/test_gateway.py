@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,10 @@ def test_bad_requests_shaped_like_vllm(stack) -> None:
     assert r.status_code == 400 and "unsupported content part type 'file'" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "m", "messages": image_messages(["http://10.0.0.1/a.png"])}, headers=auth)
     assert r.status_code == 400 and "private" in r.json()["error"]["message"]
+    not_an_image = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+    fresh = [image_data_url(64, 64 + 8 * k, seed=2500 + k) for k in range(2)]  # new: the request goes EPD
+    r = httpx.post(url, json={"model": "m", "messages": image_messages([*fresh, not_an_image])}, headers=auth)
+    assert r.status_code == 400 and "messages[0].content[2]" in r.json()["error"]["message"]  # the client's part
     with pytest.raises(openai.AuthenticationError):
         ask(stack["gateway"].url, image_messages(IMAGES[:2]), key="wrong")
     r = httpx.post(url, json={"model": "m", "messages": image_messages(IMAGES[:2])})
