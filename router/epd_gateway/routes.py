@@ -6,7 +6,8 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -26,6 +27,7 @@ from eric_epd.common.errors import ApiError, error_response, read_body
 from eric_epd.common.http import bearer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GatewayRoutes:
@@ -87,17 +89,11 @@ class GatewayRoutes:
         gw = self.gateway()
         gw.check_api_key(request)
         gw.check_serves_chat()
-        try:
-            reading = time.perf_counter()
-            raw, body = await read_json(request, self.config.max_body_bytes)
-            start = time.perf_counter()
-            self.metrics.stages.observe("body_read", start - reading)
-            # a client that leaves before the answer starts cancels the encode (closing the calls to the Erics, which
-            # drop the work; leases of items already returned are given back) or the upstream call
-            path, response = await until_disconnect(request, gw.chat(raw, body, self._upstream_headers))
-        except (ClientDisconnectedError, ClientDisconnect):  # after the body was read, or while it was
-            logger.info("client left a chat completion before its answer started: its work was cancelled")
+        ran = await self._until_answer(request, "chat completion",
+                                       lambda raw, body: gw.chat(raw, body, self._upstream_headers))
+        if ran is None:
             return Response(status_code=499)
+        (path, response), start = ran
         self._observe(path, start)
         response.headers["x-epd-path"] = path
         return response
@@ -107,21 +103,34 @@ class GatewayRoutes:
         gw = self.gateway()
         gw.check_api_key(request)
         gw.check_serves_chat()
+
+        async def complete(raw: bytes, body: dict[str, Any]) -> Response:
+            validating = time.perf_counter()
+            check_request_fields(body)
+            self.metrics.stages.observe("validate", time.perf_counter() - validating)
+            return await gw.upstreams.complete("/v1/completions", body, self._upstream_headers, raw)
+
+        ran = await self._until_answer(request, "completion", complete)
+        if ran is None:
+            return Response(status_code=499)
+        response, start = ran
+        self._observe("pd", start)
+        return response
+
+    async def _until_answer(self, request: Request, what: str,
+                            work: Callable[[bytes, dict[str, Any]], Awaitable[T]]) -> tuple[T, float] | None:
+        """The body read (bounded, timed), then `work(raw, body)` while the client stays: its result and when the
+        body was read; None if the client left first (while its body was read, or before the answer started: a
+        chat's encode or an upstream call is then cancelled, leases of items already returned given back)."""
         try:
             reading = time.perf_counter()
             raw, body = await read_json(request, self.config.max_body_bytes)
             start = time.perf_counter()
-            check_request_fields(body)
             self.metrics.stages.observe("body_read", start - reading)
-            self.metrics.stages.observe("validate", time.perf_counter() - start)
-            # as for chat: a client that leaves before the answer starts cancels the upstream calls
-            response = await until_disconnect(
-                request, gw.upstreams.complete("/v1/completions", body, self._upstream_headers, raw))
+            return await until_disconnect(request, work(raw, body)), start
         except (ClientDisconnectedError, ClientDisconnect):
-            logger.info("client left a completion before its answer started: its work was cancelled")
-            return Response(status_code=499)
-        self._observe("pd", start)
-        return response
+            logger.info("client left a %s before its answer started: its work was cancelled", what)
+            return None
 
     async def images(self, request: Request) -> Response:
         """POST /v1/images/generations: text encoder, then a Geri; 404 when not configured."""
