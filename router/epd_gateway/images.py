@@ -32,8 +32,9 @@ them (prompt_template_encode_start_idx)."""
 TEMPLATE_TOKENS = 34
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 4
-UPSTREAM_AUTH = frozenset({401, 403})
-"""An upstream's refusal of the gateway's own key (--upstream-api-key): the operator's problem, not the client's."""
+PROMPT_ERRORS = frozenset({400, 413, 422})
+"""A text encoder's answers about the prompt, passed on; any other 4xx (its key refused, a route missing) is the
+operator's problem, not the client's."""
 SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
 """WIDTHxHEIGHT in ASCII digits (str.isdigit also takes "²", which int() refuses)."""
 
@@ -86,7 +87,7 @@ class ImageGenerator:
         settings = {"height": height, "width": width, "steps": body.num_inference_steps,
                     "guidance_scale": body.true_cfg_scale}
         images = await all_or_none(*(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings))
-                                        for i in range(body.n)))
+                                     for i in range(body.n)))
         if body.response_format == "url" and self.store is not None:
             data = [{"url": f"{base_url}/v1/images/files/{self.store.put(png)}"} for png in images]
         else:
@@ -101,11 +102,11 @@ class ImageGenerator:
             response = await self._client.post(url + "/pooling", json=payload, headers=self._encoder_headers)
         except httpx.HTTPError as e:
             raise ApiError(503, f"text encoder {url} unreachable: {e!r}") from e
-        if 400 <= response.status_code < 500 and response.status_code not in UPSTREAM_AUTH:  # about the prompt
+        if response.status_code in PROMPT_ERRORS:  # about the prompt
             # (e.g. longer than the text encoder's max_model_len): the client's to fix
             raise ApiError(response.status_code, f"the text encoder refused the prompt: {redact(_message(response))}",
                            param="prompt")
-        if response.status_code != 200:  # a 5xx, or the gateway's own key refused
+        if response.status_code != 200:  # a 5xx, or another 4xx
             raise ApiError(502 if response.status_code < 500 else 503,
                            f"text encoder answered {response.status_code}: {response.text[:300]}")
         try:
