@@ -6,28 +6,40 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from urllib.parse import unquote_to_bytes, urljoin
 
 import httpcore
 import httpx
 
+from eric_epd.media.encoding import ACCEPT_ENCODING, check_layers, content_layers, inflate
 from eric_epd.media.limits import MediaLimits
+from eric_epd.media.resolver import MediaResolver
 from eric_epd.media.url_policy import MediaError, UrlPolicy, display_url, url_scheme
 
 logger = logging.getLogger(__name__)
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+MAX_CONNECTIONS = 256
+"""Connections the fetcher holds open at once, to every origin together (httpcore's default is 10)."""
+MAX_PER_HOST = 8
+"""Fetches from one host at once, across requests: ten slow URLs on one origin hold its slots, not everyone's."""
+MAX_PER_REQUEST = 8
+"""Fetches of one request (one ByteBudget) at once."""
+KEEPALIVE_EXPIRY_S = 5.0
+"""An idle pooled connection is closed after this long."""
 
 
 class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
     """Resolves each host itself and connects only to addresses the policy allows (no DNS rebinding)."""
 
-    def __init__(self, policy: UrlPolicy) -> None:
+    def __init__(self, policy: UrlPolicy, resolver: MediaResolver) -> None:
         self._policy = policy
+        self._resolver = resolver
         self._inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(
@@ -38,7 +50,7 @@ class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        addrs = await self._policy.resolve_host(host, port)
+        addrs = await self._policy.resolve_host(host, port, self._resolver.resolve)
         for i, addr in enumerate(addrs):
             try:
                 return await self._inner.connect_tcp(addr, port, timeout, local_address, socket_options)
@@ -60,23 +72,49 @@ class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
 
 
 class _PolicyTransport(httpx.AsyncHTTPTransport):
-    def __init__(self, policy: UrlPolicy) -> None:
+    def __init__(self, policy: UrlPolicy, resolver: MediaResolver) -> None:
         ssl_context = httpx.create_ssl_context(trust_env=False)
         super().__init__(verify=ssl_context, trust_env=False)
         # httpx has no DNS hook: swap in an httpcore pool whose backend vets every resolved address.
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl_context, network_backend=_PolicyNetworkBackend(policy)
+            ssl_context=ssl_context, network_backend=_PolicyNetworkBackend(policy, resolver),
+            max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS // 4,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
+
+
+class HostSlots:
+    """At most `per_host` fetches from one host at once; a host's entry lives only while someone holds or waits."""
+
+    def __init__(self, per_host: int) -> None:
+        self._per_host = per_host
+        self._hosts: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, host: str) -> AsyncIterator[None]:
+        """A slot for `host`, waited for while `per_host` others hold one."""
+        sem, users = self._hosts.setdefault(host, (asyncio.Semaphore(self._per_host), [0]))
+        users[0] += 1
+        try:
+            async with sem:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._hosts[host]
 
 
 class ByteBudget:
     """Bytes that several fetches (one request's) may bring in together: the one that passes it gets a 413 with
-    `message`, and so does every later chunk of the others, which stop there."""
+    `message`, and so does every later chunk of the others, which stop there. Also caps how many of them run at
+    once."""
 
-    def __init__(self, limit: int, message: str) -> None:
+    def __init__(self, limit: int, message: str, concurrency: int = MAX_PER_REQUEST) -> None:
         self.limit = limit
         self.message = message
         self.used = 0
+        self.slots = asyncio.Semaphore(concurrency)
+        """The request's fetches in flight at once."""
 
     def take(self, n: int) -> None:
         """Count `n` more bytes; 413 once the total is over the limit."""
@@ -91,20 +129,23 @@ class MediaFetcher:
     def __init__(self, policy: UrlPolicy, limits: MediaLimits):
         self.policy = policy
         self.limits = limits
+        self.resolver = MediaResolver()
         self._client = httpx.AsyncClient(
-            transport=_PolicyTransport(policy),
+            transport=_PolicyTransport(policy, self.resolver),
             follow_redirects=False,  # redirects are followed by hand so every hop is re-checked
             timeout=httpx.Timeout(limits.timeout_s),
             trust_env=False,
-            headers={"User-Agent": "eric-epd-media/0.1"},
+            headers={"User-Agent": "eric-epd-media/0.1", "Accept-Encoding": ACCEPT_ENCODING},
         )
+        self._hosts = HostSlots(MAX_PER_HOST)
 
     async def fetch(self, url: str, budget: ByteBudget | None = None) -> bytes:
         """The bytes behind ``url``, counted against ``budget`` as they come; raises ``MediaError`` (4xx) naming the
         problem."""
         shown = display_url(url)
         try:
-            data = await asyncio.wait_for(self._fetch(url, budget), self.limits.timeout_s)
+            async with budget.slots if budget is not None else contextlib.nullcontext():
+                data = await asyncio.wait_for(self._fetch(url, budget), self.limits.timeout_s)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise MediaError(408, f"timed out fetching {shown} (limit {self.limits.timeout_s:g} s)") from exc
         if budget is not None and url_scheme(url) not in ("http", "https"):
@@ -112,8 +153,13 @@ class MediaFetcher:
         return data
 
     async def aclose(self) -> None:
-        """Close the pooled HTTP client."""
+        """Close the pooled HTTP client and the resolver."""
         await self._client.aclose()
+        await self.resolver.aclose()
+
+    async def resolve_host(self, host: str, port: int) -> list[str]:
+        """`host`'s addresses, every one allowed by the policy (what a fetch from it would connect to); 400 if not."""
+        return await self.policy.resolve_host(host, port, self.resolver.resolve)
 
     async def _fetch(self, url: str, budget: ByteBudget | None) -> bytes:
         self.policy.check(url)
@@ -147,27 +193,33 @@ class MediaFetcher:
     async def _get(self, url: str, budget: ByteBudget | None) -> bytes | str:
         """One GET: the body, or the absolute redirect target."""
         shown, max_bytes = display_url(url), self.limits.max_bytes
-        async with self._client.stream("GET", url) as resp:
+        async with self._hosts.hold(httpx.URL(url).host), self._client.stream("GET", url) as resp:
             location = resp.headers.get("location")
             if resp.status_code in _REDIRECT_STATUSES and location:
                 return urljoin(str(resp.url), location)
             if not resp.is_success:
                 reason = f"{resp.status_code} {resp.reason_phrase}".strip()
                 raise MediaError(400, f"could not fetch {shown}: origin returned HTTP {reason}")
-            length = resp.headers.get("content-length", "")
-            encoded = resp.headers.get("content-encoding", "identity") != "identity"
-            if length.isdigit() and int(length) > max_bytes and not encoded:
+            layers = content_layers(resp.headers.get("content-encoding", ""))
+            check_layers(layers, shown)
+            length = resp.headers.get("content-length", "")  # of the bytes as sent (encoded or not)
+            if length.isdigit() and int(length) > max_bytes:
                 raise MediaError(413, f"{shown} is {length} bytes, over the limit of {max_bytes}")
-            if budget is not None and length.isdigit() and not encoded and budget.used + int(length) > budget.limit:
+            if budget is not None and length.isdigit() and budget.used + int(length) > budget.limit:
                 raise MediaError(413, budget.message)
             body = bytearray()
-            async for chunk in resp.aiter_bytes():
+            async for chunk in resp.aiter_raw():  # as sent: httpx never inflates (unbounded) on the event loop
                 body += chunk
                 if len(body) > max_bytes:
                     raise MediaError(413, f"{shown} is over the size limit of {max_bytes} bytes")
                 if budget is not None:
                     budget.take(len(chunk))
+        if not layers:
             return bytes(body)
+        data = await asyncio.to_thread(inflate, bytes(body), layers[0], max_bytes, shown)
+        if budget is not None:
+            budget.take(len(data) - len(body))
+        return data
 
     def _read_file(self, url: str) -> bytes:
         path = self.policy.resolve_file(url)

@@ -8,6 +8,7 @@ import base64
 import io
 import socket
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -90,6 +91,11 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A fetch refused mid-body resets its connection: expected here, not a traceback to print."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +202,13 @@ def test_private_hosts(base_url: str) -> None:
         "http://[fe80::1]/a",
         "http://100.64.0.1/a",
         "http://224.0.0.1/a",
+        "http://[64:ff9b:1::a00:1]/a",  # local-use NAT64 (RFC 8215)
+        "http://[64:ff9b:1::5db8:d822]/a",  # ... even around a public IPv4 address
+        "http://[::ffff:0:5db8:d822]/a",  # IPv4-translated (RFC 2765)
+        "http://[fec0::1]/a",  # deprecated site-local
+        "http://[::5db8:d822]/a",  # deprecated IPv4-compatible
+        "http://[2001:db8::1]/a",  # documentation, inside 2000::/3
+        "http://[100::1]/a",  # discard-only
     ],
 )
 def test_policy_refuses_non_public_ip_literals(url: str) -> None:
@@ -206,6 +219,17 @@ def test_policy_refuses_non_public_ip_literals(url: str) -> None:
 
 def test_policy_accepts_public_and_names() -> None:
     UrlPolicy().check("https://93.184.216.34/a.png")
+    UrlPolicy().check("https://[2606:2800:220:1:248:1893:25c8:1946]/a.png")  # global unicast
+    UrlPolicy().check("https://[64:ff9b::5db8:d822]/a.png")  # NAT64's well-known prefix around a public IPv4
+    UrlPolicy().check("https://[::ffff:93.184.216.34]/a.png")  # IPv4-mapped public
+
+
+def test_policy_checks_url_length_before_parsing() -> None:
+    long = "https://example.com/" + "a" * 60_000_000
+    err = _error(lambda: UrlPolicy().check(long))
+    assert err.status == 400 and "over the limit of 8192" in err.message
+    UrlPolicy().check("https://example.com/" + "a" * 8000)
+    UrlPolicy().check("data:image/png;base64," + "A" * 100_000)  # data: URLs are bounded by the body instead
     UrlPolicy().check("https://example.com/a.png")  # names are vetted at connect time
 
 
