@@ -5,30 +5,32 @@ Also home of ``MediaError``, the 4xx error raised for every bad media input.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import os
 import re
-import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from eric_epd.common.errors import ApiError
+from eric_epd.common.jsonbody import MAX_URL
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SCHEMES = frozenset({"http", "https", "data", "file"})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
-"""Deprecated IPv4-compatible IPv6 (::a.b.c.d): judged by the IPv4 address inside, as NAT64's are."""
+_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
+"""The only IPv6 space a media host may be in (unless it embeds an IPv4 address)."""
 _AUTHORITY = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?")
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _NUMERIC_LABEL = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
 _BAD_CHARS = frozenset('\\"<>^`{|}')
 _BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Lookup = Callable[[str, int], Awaitable[list[str]]]
+"""(name, port) -> its addresses, or MediaError 400 (media.resolver.MediaResolver.resolve)."""
 
 
 class MediaError(ApiError):
@@ -48,13 +50,16 @@ def display_url(url: str, limit: int = 120) -> str:
 
 
 def is_public_ip(ip: IPAddress) -> bool:
-    """True for globally routable unicast addresses; unwraps IPv4 embedded in IPv6 first."""
+    """True for globally routable unicast addresses. IPv6 by an allowlist: IPv4 inside it (mapped, 6to4, NAT64's
+    well-known prefix) is judged as IPv4; anything else must be global unicast (2000::/3) and not special-purpose."""
     if isinstance(ip, ipaddress.IPv6Address):
         embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and (ip in _NAT64 or ip in _IPV4_COMPATIBLE):
+        if embedded is None and ip in _NAT64:
             embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if embedded is not None:
             ip = embedded
+        elif ip not in _GLOBAL_UNICAST:
+            return False  # ::ffff:0:a.b.c.d, 64:ff9b:1::/48, fec0::/10, ::a.b.c.d and every other non-2000::/3 form
     return ip.is_global and not ip.is_multicast
 
 
@@ -94,6 +99,8 @@ class UrlPolicy:
         if scheme not in self.allowed_schemes or scheme not in SUPPORTED_SCHEMES:
             allowed = ", ".join(sorted(self.allowed_schemes & SUPPORTED_SCHEMES))
             raise MediaError(400, f"unsupported URL scheme {scheme!r} (allowed: {allowed})")
+        if scheme != "data" and len(url) > MAX_URL:  # before any parsing; data: URLs are bounded by the body limit
+            raise MediaError(400, f"the URL is {len(url)} characters long, over the limit of {MAX_URL}")
         if scheme == "data":
             if "," not in url:
                 raise MediaError(400, "malformed data URL: no ',' before the payload")
@@ -131,14 +138,10 @@ class UrlPolicy:
             raise MediaError(403, f"file path {path} is outside the allowed file roots")
         return real
 
-    async def resolve_host(self, host: str, port: int) -> list[str]:
-        """Resolve ``host`` and return the addresses to connect to; 400 if any is refused by policy."""
+    async def resolve_host(self, host: str, port: int, lookup: Lookup) -> list[str]:
+        """Resolve ``host`` with ``lookup`` and return the addresses to connect to; 400 if any is refused by policy."""
         name = host.strip("[]").lower()
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
-            raise MediaError(400, f"could not resolve host {name!r}") from exc
-        addrs = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        addrs = await lookup(name, port)
         if not addrs:
             raise MediaError(400, f"could not resolve host {name!r}")
         for addr in addrs:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from eric_epd.common.errors import ApiError
 from eric_epd.common.jsonbody import MAX_URL
-from eric_epd.media.url_policy import MediaError, UrlPolicy
+from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
 from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
 
@@ -61,6 +61,9 @@ def _part_url(part: dict[str, Any], kind: str, where: str) -> str:
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise ApiError(400, f"{where}: '{kind}' needs a non-empty 'url'", param=kind)
+    if len(url) > MAX_URL and url_scheme(url) != "data":  # before any parsing: a data: URL is bounded by the body
+        raise ApiError(400, f"{where}: the url is {len(url)} characters long, over the limit of {MAX_URL}",
+                       param=kind)
     return url
 
 

@@ -34,7 +34,7 @@ from epd_gateway.inline import MediaInliner, RawBody, check_hosts
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.plain_media import PlainMedia
 from epd_gateway.upstream import Upstreams
-from eric_epd.common.errors import ApiError, parse_body, read_body
+from eric_epd.common.errors import ApiError, parse_body_off_loop, read_body
 from eric_epd.common.jsonbody import MAX_ID
 from eric_epd.wire.eric import MEDIA
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
     """(raw body, parsed object): the raw bytes are forwarded as they are when nothing needs rewriting."""
     raw = await read_body(request, limit)
-    body = parse_body(raw)
+    body = await parse_body_off_loop(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -93,7 +93,7 @@ class Gateway:
         if self.config.client_embeddings is not None:
             check_embeds_parts(body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items, audio_in_video(body))
-        await check_hosts(self.config.url_policy, remote_hosts(refs), self.config.media_limits.timeout_s)
+        await check_hosts(self.inliner.resolve_host, remote_hosts(refs), self.config.media_limits.timeout_s)
         modalities = {m for ref in refs for m in ref.modalities}
         if "audio" in modalities:
             await self._check_takes_audio(body)

@@ -14,7 +14,8 @@ from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.media.fetch import ByteBudget, MediaFetcher
 from eric_epd.media.limits import MediaLimits
-from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
+from eric_epd.media.resolver import MAX_HOSTS_PER_REQUEST
+from eric_epd.media.url_policy import Lookup, MediaError, UrlPolicy, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +23,14 @@ FETCHED_SCHEMES = frozenset({"http", "https", "file"})
 """What an engine would have to fetch (or read) itself; data: URLs already carry their bytes."""
 
 
-async def check_hosts(policy: UrlPolicy, hosts: set[tuple[str, int]], timeout_s: float) -> None:
-    """Every (host, port) resolved at once and checked against the policy, all within `timeout_s`: a refused or
-    unresolvable host is a 400, hosts still unresolved at the deadline a 408 naming them (as a fetch timeout is)."""
-    tasks = {asyncio.ensure_future(policy.resolve_host(host, port)): host for host, port in sorted(hosts)}
+async def check_hosts(resolve: Lookup, hosts: set[tuple[str, int]], timeout_s: float) -> None:
+    """Every (host, port) resolved at once (`resolve`: the addresses the policy allows, else MediaError) and checked,
+    all within `timeout_s`: more than MAX_HOSTS_PER_REQUEST hosts, a refused or unresolvable host are a 400, hosts
+    still unresolved at the deadline a 408 naming them (as a fetch timeout is)."""
+    if len({host for host, _ in hosts}) > MAX_HOSTS_PER_REQUEST:
+        raise ApiError(400, f"the request's media name {len({h for h, _ in hosts})} hosts, over the limit of "
+                            f"{MAX_HOSTS_PER_REQUEST}", param="messages")
+    tasks = {asyncio.ensure_future(resolve(host, port)): host for host, port in sorted(hosts)}
     if not tasks:
         return
     try:
@@ -54,6 +59,10 @@ class MediaInliner:
     async def aclose(self) -> None:
         """Close the media fetcher's HTTP client."""
         await self._fetcher.aclose()
+
+    async def resolve_host(self, host: str, port: int) -> list[str]:
+        """`host`'s addresses as the fetcher would connect to them (its resolver, the URL policy); 400 if refused."""
+        return await self._fetcher.resolve_host(host, port)
 
     async def inline(self, body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any] | None:
         """A copy of the request whose remote media parts are data: URLs, or None when it has none (the client's

@@ -25,6 +25,7 @@ from epd_gateway.inline import MediaInliner, check_hosts
 from eric_epd.common.errors import ApiError
 from eric_epd.media.fetch import ByteBudget, MediaFetcher
 from eric_epd.media.limits import MediaLimits
+from eric_epd.media.resolver import MAX_HOSTS_PER_REQUEST
 from eric_epd.media.url_policy import MediaError, UrlPolicy
 
 LIMITS = MediaLimits(max_bytes=1 << 20, timeout_s=5.0)
@@ -143,20 +144,18 @@ def test_max_inline_bytes_flag() -> None:
         parse_args(["--colocated-urls", "http://e:1", "--max-inline-bytes", "0"])
 
 
-class _Resolver(UrlPolicy):
+async def _resolve(host: str, port: int) -> list[str]:
     """Hosts named "hang*" never answer (a blackholed nameserver), "bad*" are refused, the rest resolve."""
-
-    async def resolve_host(self, host: str, port: int) -> list[str]:
-        if host.startswith("hang"):
-            await asyncio.Event().wait()
-        if host.startswith("bad"):
-            raise MediaError(400, f"host {host} resolves to a private/loopback/reserved address; refused")
-        return ["203.0.113.7"]
+    if host.startswith("hang"):
+        await asyncio.Event().wait()
+    if host.startswith("bad"):
+        raise MediaError(400, f"host {host} resolves to a private/loopback/reserved address; refused")
+    return ["203.0.113.7"]
 
 
 def _check(*hosts: str, timeout_s: float = 0.2) -> ApiError | None:
     try:
-        asyncio.run(check_hosts(_Resolver(), {(host, 80) for host in hosts}, timeout_s))
+        asyncio.run(check_hosts(_resolve, {(host, 80) for host in hosts}, timeout_s))
     except ApiError as e:
         return e
     return None
@@ -170,6 +169,13 @@ def test_host_lookups_run_together_under_one_deadline() -> None:
         hung.message.replace("hang1.example", "").replace("hang2.example", "")
     refused = _check("hang.example", "bad.example", timeout_s=600.0)  # a refusal does not wait on the hung lookup
     assert refused is not None and refused.status == 400 and "bad.example" in refused.message
+
+
+def test_hosts_per_request_are_capped() -> None:
+    assert _check(*(f"h{i}.example" for i in range(MAX_HOSTS_PER_REQUEST))) is None
+    over = _check(*(f"h{i}.example" for i in range(MAX_HOSTS_PER_REQUEST + 1)))
+    assert over is not None and over.status == 400
+    assert f"{MAX_HOSTS_PER_REQUEST + 1} hosts, over the limit of {MAX_HOSTS_PER_REQUEST}" in over.message
 
 
 SGLANG_PROCESSOR_OPTIONS = {"images_config": {"max_pixels": 1}, "video_config": {"fps": 30},
