@@ -3,6 +3,7 @@ bounded JSON body reader that turns an oversized body into a 413 and a malformed
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -72,6 +73,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+OFF_LOOP_BYTES = 256 * 1024
+"""Bodies larger than this are parsed in a worker thread, so the event loop keeps answering other requests."""
+
+
 def parse_body(body: bytes, kind: type[T] | None = None) -> Any:
     """`body` parsed within jsonbody's bounds, decoded into the msgspec type `kind` when given; ApiError 400 naming
     the problem otherwise."""
@@ -81,6 +86,13 @@ def parse_body(body: bytes, kind: type[T] | None = None) -> Any:
         raise ApiError(400, str(e)) from e
 
 
+async def parse_body_off_loop(body: bytes, kind: type[T] | None = None) -> Any:
+    """parse_body, in a worker thread for a body over OFF_LOOP_BYTES."""
+    if len(body) <= OFF_LOOP_BYTES:
+        return parse_body(body, kind)
+    return await asyncio.to_thread(parse_body, body, kind)
+
+
 async def read_json_body(request: Request, limit: int, kind: type[T] | None = None) -> Any:
     """The request's JSON body (decoded into `kind` when given): 413 past `limit` bytes, 400 naming what is wrong."""
-    return parse_body(await read_body(request, limit), kind)
+    return await parse_body_off_loop(await read_body(request, limit), kind)

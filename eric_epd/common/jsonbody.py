@@ -1,8 +1,9 @@
-"""Client JSON bodies parsed within bounds (nesting depth, string lengths), each violation a JsonBodyError naming it;
-and `clip` for echoing a client's value in an error without echoing all of it."""
+"""Client JSON bodies parsed within bounds (values, nesting depth, string lengths), each violation a JsonBodyError
+naming it; and `clip` for echoing a client's value in an error without echoing all of it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import msgspec
@@ -15,15 +16,40 @@ MAX_ID = 256
 MAX_URL = 8192
 """Longest fetchable URL (http, https, file) accepted; data: URLs are bounded by the body limit instead."""
 
+MAX_TOKENS = 200_000
+"""Most JSON tokens (strings, and the brackets, braces, commas and colons outside them) in one body, counted on the
+bytes before any value is built: a chat body with dozens of messages and tool schemas holds a few thousand."""
+
 T = TypeVar("T")
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{,:]')
 
 
 class JsonBodyError(ValueError):
     """The body is not acceptable JSON (malformed, nested too deeply, of the wrong shape): answer 400."""
 
 
-def parse_json(body: bytes, max_depth: int = MAX_DEPTH) -> Any:
-    """The parsed body, refused if malformed or nested deeper than `max_depth` (orjson never recurses in Python)."""
+def count_tokens(body: bytes, limit: int) -> int:
+    """The JSON tokens in `body` (strings; brackets, braces, commas and colons outside them), or limit + 1 once they
+    are sure to be more than `limit`. In C (bytes.count, one regex scan stopped at the limit); nothing is parsed."""
+    upper = sum(body.count(c) for c in (b"[", b"{", b",", b":")) + body.count(b'"') // 2
+    if upper <= limit:
+        return upper
+    count = 0
+    for count, _ in enumerate(_TOKEN.finditer(body), 1):  # the count is what is wanted
+        if count > limit:
+            break
+    return count
+
+
+def _check_tokens(body: bytes, limit: int) -> None:
+    if count_tokens(body, limit) > limit:
+        raise JsonBodyError(f"JSON body holds more than {limit} tokens (strings, brackets, commas, colons), the limit")
+
+
+def parse_json(body: bytes, max_depth: int = MAX_DEPTH, max_tokens: int = MAX_TOKENS) -> Any:
+    """The parsed body, refused if malformed, holding more than `max_tokens` tokens (counted before parsing) or
+    nested deeper than `max_depth` (orjson never recurses in Python)."""
+    _check_tokens(body, max_tokens)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -49,6 +75,7 @@ def check_depth(data: Any, max_depth: int = MAX_DEPTH) -> None:
 
 def decode_struct(body: bytes, kind: type[T]) -> T:
     """`body` decoded into the msgspec type `kind` (whose Meta bounds the fields); its errors as JsonBodyError."""
+    _check_tokens(body, MAX_TOKENS)
     try:
         return msgspec.json.decode(body, type=kind)
     except RecursionError as e:

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
-from eric_epd.common.errors import ApiError, parse_body, read_body
+from eric_epd.common.errors import OFF_LOOP_BYTES, ApiError, parse_body, read_body
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.common.jsonbody import MAX_ID, MAX_URL, clip
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock
@@ -156,7 +156,8 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
         try:
             body = await read_body(request, config.max_body_bytes)
             metrics.stages.observe("body_read", time.perf_counter() - clock.start)
-            items = parse_encode_body(body, facts.modalities, config.max_items_per_request)
+            parse = (parse_encode_body, body, facts.modalities, config.max_items_per_request)
+            items = parse[0](*parse[1:]) if len(body) <= OFF_LOOP_BYTES else await asyncio.to_thread(*parse)
             # a client that leaves cancels its work: queued items are dropped, its leases given back
             answers = await until_disconnect(request, state["service"].encode(items, clock))
         except ApiError as e:
