@@ -110,7 +110,7 @@ class VllmServe(ServerProcess):
         if eric_urls or eric_dns:
             ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
-                    "--middleware", "eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata"]
+                    "--middleware", "eric_epd.plugins.vllm.middleware.RefuseUnkeyedMetadata"]
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
                "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
                "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),

@@ -245,7 +245,7 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
                         if x.startswith("--ec-"):
                             ec_dns = config["ec_connector_extra_config"]["eric_dns"]
                             assert config["ec_connector"] == "EricECConnector"
-                            assert "--middleware=eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata" in args
+                            assert "--middleware=eric_epd.plugins.vllm.middleware.RefuseUnkeyedMetadata" in args
     # the connector trusts the producers the headless name resolves to (not-ready pods too, so a draining Eric's
     # handles still land), and each Eric advertises the pod IP that name resolves to
     headless = one(objs, "Service", "eric-headless")

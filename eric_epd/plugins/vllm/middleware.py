@@ -1,17 +1,17 @@
-"""`vllm serve --middleware eric_epd.plugins.vllm.middleware.refuse_unkeyed_metadata`: a 400 for chat content parts
-that carry embedding metadata (e.g. only a grid) but neither the embedding nor a uuid; vLLM 0.32's engine dies on
-those, and without a uuid no Eric could serve them anyway."""
+"""`vllm serve --middleware eric_epd.plugins.vllm.middleware.RefuseUnkeyedMetadata`: the engine key first, then a 400
+for chat content parts that carry embedding metadata (e.g. only a grid) but neither the embedding nor a uuid; vLLM
+0.32's engine dies on those, and without a uuid no Eric could serve them anyway."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.datastructures import Headers
+from starlette.types import Message, Receive, Scope, Send
 
 from eric_epd.common.errors import error_response
+from eric_epd.plugins.vllm.auth import RequireEngineKey
 
 _EMBED_PARTS = ("image_embeds", "video_embeds", "audio_embeds")
 
@@ -36,14 +36,36 @@ def find_unkeyed_metadata(body: Any) -> str | None:
     return None
 
 
-async def refuse_unkeyed_metadata(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """vLLM middleware: 400 for a chat request whose embedding part has metadata but neither tensor nor uuid."""
-    if request.method == "POST" and request.url.path.endswith("/chat/completions"):
+class RefuseUnkeyedMetadata(RequireEngineKey):
+    """vLLM middleware: the engine key checked first (as RequireEngineKey), whatever order the middlewares are given
+    in; then a 400 for a chat request whose embedding part has metadata but neither tensor nor uuid. An unkeyed
+    caller's body is never read."""
+
+    def __call__(self, scope: Scope, receive: Receive, send: Send):  # -> Awaitable[None]
+        """ASGI entry: a keyed POST to a chat route is read, checked and replayed; anything else as RequireEngineKey."""
+        chat = scope["type"] == "http" and scope.get("method") == "POST" and scope["path"].endswith("/chat/completions")
+        if not chat or not self.verify_token(Headers(scope=scope)):
+            return super().__call__(scope, receive, send)
+        return self._check_chat(scope, receive, send)
+
+    async def _check_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        messages: list[Message] = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return await call_next(request)  # vLLM answers malformed JSON itself
-        problem = find_unkeyed_metadata(body)
+            problem = find_unkeyed_metadata(json.loads(body))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            problem = None  # vLLM answers malformed JSON itself
         if problem is not None:
-            return error_response(400, problem)
-    return await call_next(request)
+            await error_response(400, problem)(scope, receive, send)
+            return
+        replay = iter(messages)
+
+        async def replayed() -> Message:
+            return next(replay, None) or await receive()
+
+        await self.app(scope, replayed, send)
