@@ -130,21 +130,29 @@ def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls:
 
 class GatewayServer(ServerProcess):
     """The gateway; its keys and the Erics', the engines' and the Geris' reach it by environment (EPD_GATEWAY_API_KEY,
-    EPD_GATEWAY_ADMIN_KEY, ERIC_API_KEY, VLLM_API_KEY, GERI_API_KEY), never on its command line; `wrap` is put
+    EPD_GATEWAY_ADMIN_KEY, EPD_GATEWAY_METRICS_KEY (generated unless given), ERIC_API_KEY, VLLM_API_KEY,
+    GERI_API_KEY), never on its command line; `wrap` is put
     before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py)."""
 
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
                  upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
                  cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None,
-                 admin_key: str | None = None, wrap: tuple[str, ...] = ()) -> None:
+                 admin_key: str | None = None, wrap: tuple[str, ...] = (), metrics_key: str | None = None) -> None:
         port = port or free_port()
+        self.metrics_key = metrics_key or new_key()
         cmd = [*wrap, sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
                "--health-interval", "0.5", *args]
         env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
                                  ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key),
-                                 ("EPD_GATEWAY_ADMIN_KEY", admin_key)) if v}
+                                 ("EPD_GATEWAY_ADMIN_KEY", admin_key),
+                                 ("EPD_GATEWAY_METRICS_KEY", self.metrics_key)) if v}
         super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key,
                          cpus=cpus or host_split()[0])
+
+    @property
+    def metrics_headers(self) -> dict[str, str]:
+        """What a scraper sends to read /metrics."""
+        return {"Authorization": f"Bearer {self.metrics_key}"}
 
 
 class GeriServer(ServerProcess):

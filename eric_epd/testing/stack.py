@@ -7,10 +7,13 @@ import contextlib
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eric_epd.testing.exactness import Greedy, greedy_of_openai
 from eric_epd.testing.lookahead import Cpus, Launched
+
+if TYPE_CHECKING:
+    from eric_epd.stack.servers import GatewayServer
 
 
 def user_turn(urls: list[str], text: str) -> dict:
@@ -58,13 +61,15 @@ def ask_token_ids(base_url: str, msgs: list[dict], key: str = "unused", max_toke
     return greedy_of_openai(answer.parse().choices[0]), answer.headers.get("x-epd-path")
 
 
-def gateway_paths(gateway_url: str) -> dict[str, float]:
-    """gateway_requests_total by path (epd, pd, fallback)."""
+def gateway_paths(gateway: GatewayServer) -> dict[str, float]:
+    """gateway_requests_total by path (epd, pd, fallback), read with the gateway's metrics key."""
     import re
 
     import httpx
 
-    text = httpx.get(gateway_url + "/metrics").text
+    response = httpx.get(gateway.url + "/metrics", headers=gateway.metrics_headers, timeout=10)
+    response.raise_for_status()
+    text = response.text
     pattern = r'^gateway_requests_total\{path="(\w+)"\} (\S+)$'
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
@@ -94,11 +99,14 @@ def colocated_epd_stack(model: Path, logs: Path, dtype: str = "float32") -> Iter
         yield launched.value
 
 
-def metric(url: str, name: str) -> float:
-    """The sum of a server's Prometheus series `name` (with any labels, or those written in `name`) at `url`."""
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of a server's Prometheus series `name` (with any labels, or those written in `name`) at `url`, read
+    with `headers` (a gateway's metrics_headers)."""
     import httpx
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    response = httpx.get(url + "/metrics", headers=headers, timeout=10)
+    response.raise_for_status()
+    text = response.text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 

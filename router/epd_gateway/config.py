@@ -41,6 +41,8 @@ class GatewayConfig:
     """Clients' key. Never forwarded: upstreams get their own keys below."""
     admin_key: str | None = None
     """Key for /admin/encoders (--admin-key, or $EPD_GATEWAY_ADMIN_KEY)."""
+    metrics_key: str | None = None
+    """Key for /metrics (--metrics-key, or $EPD_GATEWAY_METRICS_KEY); the admin key also reads them."""
     register_from: tuple[Network, ...] = ()
     """--register-from: networks Erics may register from and at (none: registration is refused). Naming them is the
     operator's word that Erics there may be sent clients' media."""
@@ -137,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="clients must send 'Authorization: Bearer KEY' (default: $EPD_GATEWAY_API_KEY)")
     p.add_argument("--admin-key", default=None,
                    help="key for /admin/encoders (default: $EPD_GATEWAY_ADMIN_KEY; registration is off without it)")
+    p.add_argument("--metrics-key", default=None,
+                   help="key Prometheus sends to read /metrics (default: $EPD_GATEWAY_METRICS_KEY; the admin key "
+                        "reads them too; with neither, /metrics answers 401)")
     p.add_argument("--register-from", type=parse_network, action="append", default=[], metavar="CIDR",
                    help="network Erics may register from, and whose addresses a registered URL must resolve to "
                         "(repeatable; none: registration is refused). Naming a network says Erics there may be sent "
@@ -191,6 +196,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         epd_min_items=a.epd_min_items, host=a.host, port=a.port, trusted_proxies=a.trusted_proxies,
         api_key=a.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
         admin_key=a.admin_key or os.environ.get("EPD_GATEWAY_ADMIN_KEY") or None, register_from=tuple(a.register_from),
+        metrics_key=a.metrics_key or os.environ.get("EPD_GATEWAY_METRICS_KEY") or None,
         eric_api_key=a.eric_api_key or os.environ.get("ERIC_API_KEY") or None,
         upstream_api_key=a.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
         client_embeddings=EmbeddingShape.from_checkpoint(a.allow_client_embeddings) if a.allow_client_embeddings

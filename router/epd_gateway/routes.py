@@ -38,6 +38,7 @@ class GatewayRoutes:
         self.config, self.metrics, self.gateway = config, metrics, gateway
         self._upstream_headers = bearer(config.upstream_api_key)
         self._keys = [f"Bearer {k}".encode() for k in (config.api_key, config.admin_key) if k]
+        self._metrics_keys = [f"Bearer {k}".encode() for k in (config.metrics_key, config.admin_key) if k]
         self._schema = gateway_openapi(__version__)
         self._gate = RegistrationGate(config.admin_key, config.register_from, config.eric_api_key)
 
@@ -175,8 +176,12 @@ class GatewayRoutes:
         """The gateway's OpenAPI schema."""
         return JSONResponse(self._schema)
 
-    async def prometheus(self, _: Request) -> Response:
-        """The gateway's Prometheus metrics."""
+    async def prometheus(self, request: Request) -> Response:
+        """The gateway's Prometheus metrics, for a caller with the metrics or the admin key (they name the encoders
+        and tell their health)."""
+        given = request.headers.get("authorization", "").encode()
+        if not any(hmac.compare_digest(given, key) for key in self._metrics_keys):
+            raise ApiError(401, "/metrics needs the gateway's metrics key (--metrics-key) or its admin key")
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def register(self, request: Request) -> JSONResponse:

@@ -36,6 +36,7 @@ SECRET_VARS = {
                      ["eric_epd/plugins/vllm/auth.py", "router/epd_gateway/config.py"]),
     "EPD_GATEWAY_API_KEY": ("gateway-api-key", {"gateway"}, ["router/epd_gateway/config.py"]),
     "EPD_GATEWAY_ADMIN_KEY": ("gateway-admin-key", {"gateway"}, ["router/epd_gateway/config.py"]),
+    "EPD_GATEWAY_METRICS_KEY": ("gateway-metrics-key", {"gateway"}, ["router/epd_gateway/config.py"]),
     "GERI_API_KEY": ("geri-api-key", {"geri", "gateway"}, ["eric_epd/geri/cli.py", "router/epd_gateway/config.py"]),
 }
 
@@ -231,7 +232,7 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
                     eric = a
             elif c["command"] == ["epd-gateway"]:
                 gateway_args(args)
-                assert "--encoder-dns=eric:8100" in args
+                assert "--encoder-dns=eric.eric-epd.svc.cluster.local.:8100" in args  # absolute: no search domains
             elif c["command"] == ["vllm"]:
                 assert "--middleware=eric_epd.plugins.vllm.auth.RequireEngineKey" in args
                 assert "--allowed-media-domains=media.eric-epd.invalid" in args
@@ -250,7 +251,7 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
     # handles still land), and each Eric advertises the pod IP that name resolves to
     headless = one(objs, "Service", "eric-headless")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
-    assert ec_dns == [f"eric-headless.eric-epd.svc.cluster.local:{eric.port}"]
+    assert ec_dns == [f"eric-headless.eric-epd.svc.cluster.local.:{eric.port}"]  # absolute: no search domains
     assert eric.advertise_host == "10.1.2.3"  # the POD_IP stand-in: the address the names resolve to
     hpa = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
     assert all(h["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "eric"}

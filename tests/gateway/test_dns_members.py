@@ -230,8 +230,9 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
                 stop.set()
                 sender.join()
             results = [f.result(timeout=300) for f in futures]
-            assert metric(gw.url, "gateway_failovers_total") == 0  # no call to a leaving Eric failed
-            paths = gateway_paths(gw.url)
+            # no call to a leaving Eric failed
+            assert metric(gw.url, "gateway_failovers_total", gw.metrics_headers) == 0
+            paths = gateway_paths(gw)
             assert paths.get("epd") == len(results) and not paths.get("fallback"), paths
             assert _listed(gw) == {second.url}
             assert wait_for(lambda: _quiet(second), 60), "leases left on the Eric that stayed"

@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from eric_epd.common.registration import signed_registration
-from eric_epd.stack.process import ServerProcess
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import image_data_url
@@ -68,14 +67,14 @@ def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
 
 def test_paths_by_number_of_images(stack) -> None:
     gw = stack["gateway"]
-    before = gateway_paths(gw.url)
+    before = gateway_paths(gw)
     text_only = [{"role": "user", "content": "Hello there."}]
     assert ask(gw.url, text_only).choices[0].message.content
     assert ask(gw.url, image_messages(IMAGES[:1])).choices[0].message.content
     assert ask(gw.url, image_messages(IMAGES[1:])).choices[0].message.content
     # the image the plain path carried does not count again (vLLM holds it): with one new image, still plain
     assert ask(gw.url, image_messages(IMAGES[:2])).choices[0].message.content
-    after = gateway_paths(gw.url)
+    after = gateway_paths(gw)
     assert after.get("pd", 0) - before.get("pd", 0) == 3
     assert after.get("epd", 0) - before.get("epd", 0) == 1
 
@@ -90,13 +89,13 @@ def test_completions_equal_vllm_streamed_and_not(stack) -> None:
                                          max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}, **kw)
 
     gw = stack["gateway"].url
-    before = gateway_paths(gw)
+    before = gateway_paths(stack["gateway"])
     mono = complete(stack["vllm"].url, stack["vllm"].api_key)
     via = complete(gw, API_KEY)
     assert via.choices[0].text == mono.choices[0].text and via.usage.completion_tokens == 8
     streamed = "".join(c.choices[0].text for c in complete(gw, API_KEY, stream=True) if c.choices)
     assert streamed == mono.choices[0].text
-    assert gateway_paths(gw).get("pd", 0) - before.get("pd", 0) == 2
+    assert gateway_paths(stack["gateway"]).get("pd", 0) - before.get("pd", 0) == 2
     with pytest.raises(openai.AuthenticationError):
         complete(gw, "wrong")
 
@@ -197,14 +196,15 @@ def test_an_eric_refusing_the_gateways_key_is_its_failure_not_the_clients(stack,
     with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in stack["erics"]),
                        "--colocated-urls", stack["vllm"].url, "--api-key", API_KEY, "--health-interval", "3600",
                        eric_api_key="not-the-eric-key", upstream_api_key=stack["vllm"].api_key) as gw:
-        before = gateway_paths(gw.url)
+        before = gateway_paths(gw)
         assert_greedy_agree(ask_greedy(gw.url, image_messages(images), key=API_KEY), expected, NEAR_TIE_FLOAT32)
-        assert gateway_paths(gw.url).get("fallback", 0) - before.get("fallback", 0) == 1
+        assert gateway_paths(gw).get("fallback", 0) - before.get("fallback", 0) == 1
         assert _failovers(gw) >= 1
 
 
-def _failovers(gateway: ServerProcess) -> float:
-    m = re.search(r"^gateway_failovers_total (\S+)$", httpx.get(gateway.url + "/metrics").text, re.M)
+def _failovers(gateway: GatewayServer) -> float:
+    text = httpx.get(gateway.url + "/metrics", headers=gateway.metrics_headers).text
+    m = re.search(r"^gateway_failovers_total (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -223,4 +223,5 @@ def test_gateway_reads_each_erics_load_and_recommends_a_count(stack) -> None:
     assert set(loads) == {e.url for e in stack["erics"]} and all(loads.values()), health
     assert all(0 <= r["busy_fraction"] <= 1 and r["items_per_s"] >= 0 for r in loads.values())
     assert isinstance(health["recommended_encoders"], int) and health["recommended_encoders"] >= 1
-    assert re.search(r"^gateway_recommended_encoders \d", httpx.get(gw.url + "/metrics").text, re.M)
+    text = httpx.get(gw.url + "/metrics", headers=gw.metrics_headers).text
+    assert re.search(r"^gateway_recommended_encoders \d", text, re.M)

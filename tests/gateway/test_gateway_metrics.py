@@ -97,7 +97,7 @@ def _histogram(text: str, family: str, label: str) -> dict[str, tuple[float, flo
 
 
 def _scrape(gateway: GatewayServer) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(gateway.url + "/metrics", headers=gateway.metrics_headers).text
     return (_histogram(text, "gateway_stage_seconds", "stage"),
             _histogram(text, "gateway_upstream_seconds", "upstream"))
 

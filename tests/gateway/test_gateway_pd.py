@@ -44,13 +44,13 @@ THREE = image_messages([image_data_url(64 + 20 * i, 80, seed=50 + i) for i in ra
 
 def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
     gw = pd_stack["gateway"]
-    before = gateway_paths(gw.url)
+    before = gateway_paths(gw)
     # up to the first near tie: Eric's tower against vLLM's for THREE; for all, the prefill's prefix cache computes
     # a repeated prompt's tail alone, in other shapes than the whole prompt
     for msgs in (TEXT, ONE, THREE):
         assert_greedy_agree(ask_greedy(gw.url, msgs), ask_greedy(monolithic.url, msgs, key=monolithic.api_key),
                             NEAR_TIE_FLOAT32)
-    after = gateway_paths(gw.url)
+    after = gateway_paths(gw)
     assert after.get("pd", 0) - before.get("pd", 0) == 2  # text and one image: prefill -> decode
     assert after.get("epd", 0) - before.get("epd", 0) == 1  # three images: Eric -> prefill -> decode
 

@@ -46,15 +46,15 @@ def test_videos_take_epd_only_when_vllm_can_place_them(stack) -> None:
     assert _encode_video(eric, at_2fps)["second_per_grid_ts"] == 1.0
     assert _encode_video(eric, at_1fps)["second_per_grid_ts"] == 2.0
 
-    before = gateway_paths(gw)
+    before = gateway_paths(stack["gateway"])
     assert ask(gw, _messages(at_2fps)).choices[0].message.content
-    after = gateway_paths(gw)
+    after = gateway_paths(stack["gateway"])
     assert after.get("epd", 0) - before.get("epd", 0) == 1
 
     vllm = stack["vllm"]
     direct = ask_greedy(vllm.url, _messages(at_1fps), key=vllm.api_key)  # vLLM encodes it itself
     assert_greedy_agree(ask_greedy(gw, _messages(at_1fps)), direct, NEAR_TIE_FLOAT32)  # prefix cache: other shapes
-    assert gateway_paths(gw).get("fallback", 0) - after.get("fallback", 0) == 1
+    assert gateway_paths(stack["gateway"]).get("fallback", 0) - after.get("fallback", 0) == 1
     deadline = time.monotonic() + 30
     while httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] and \
             time.monotonic() < deadline:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import image_data_url, video_data_url
@@ -41,7 +42,7 @@ def stack(request: pytest.FixtureRequest, stacks: Lookahead) -> Iterator[dict]:
     stacks.release(request.param)
 
 
-def _paths_delta(gw: str, before: dict[str, float]) -> dict[str, float]:
+def _paths_delta(gw: GatewayServer, before: dict[str, float]) -> dict[str, float]:
     after = gateway_paths(gw)
     changed = {k for k in set(after) | set(before) if after.get(k, 0) != before.get(k, 0)}
     return {k: after.get(k, 0) - before.get(k, 0) for k in changed}
@@ -51,18 +52,18 @@ def test_several_images_go_epd_and_answer_like_vllm(stack) -> None:
     gw, vllm = stack["gateway"].url, stack["vllm"]
     msgs = image_messages([image_data_url(64 + 16 * i, 96 - 8 * i, seed=300 + i) for i in range(3)])
     direct = ask_greedy(vllm.url, msgs, key=vllm.api_key)
-    before = gateway_paths(gw)
+    before = gateway_paths(stack["gateway"])
     assert_greedy_agree(ask_greedy(gw, msgs), direct, stack["near_tie"])
-    assert _paths_delta(gw, before) == {"epd": 1}
+    assert _paths_delta(stack["gateway"], before) == {"epd": 1}
 
 
 def test_one_image_takes_the_plain_path(stack) -> None:
     gw, vllm = stack["gateway"].url, stack["vllm"]
     msgs = image_messages([image_data_url(120, 90, seed=310)])
     direct = ask_greedy(vllm.url, msgs, key=vllm.api_key)
-    before = gateway_paths(gw)
+    before = gateway_paths(stack["gateway"])
     assert_greedy_agree(ask_greedy(gw, msgs), direct, stack["near_tie"])  # vLLM's prefix cache: other shapes
-    assert "epd" not in _paths_delta(gw, before)
+    assert "epd" not in _paths_delta(stack["gateway"], before)
 
 
 def test_images_and_a_video_go_epd(stack) -> None:
@@ -70,6 +71,6 @@ def test_images_and_a_video_go_epd(stack) -> None:
     msgs = image_messages([image_data_url(64, 64, seed=320), image_data_url(96, 64, seed=321)])
     msgs[0]["content"].insert(2, {"type": "video_url", "video_url": {"url": video_data_url(8, 64, 64, fps=4, seed=3)}})
     direct = ask_greedy(vllm.url, msgs, key=vllm.api_key)
-    before = gateway_paths(gw)
+    before = gateway_paths(stack["gateway"])
     assert_greedy_agree(ask_greedy(gw, msgs), direct, stack["near_tie"])
-    assert _paths_delta(gw, before) == {"epd": 1}
+    assert _paths_delta(stack["gateway"], before) == {"epd": 1}

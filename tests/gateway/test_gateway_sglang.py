@@ -67,7 +67,7 @@ def _last(server: SglangServerStandIn) -> dict:
 
 
 def test_multi_image_requests_go_to_the_language_only_prefill(sglang) -> None:
-    before = gateway_paths(sglang["gateway"].url)
+    before = gateway_paths(sglang["gateway"])
     answer = ask(sglang["gateway"].url, image_messages(IMAGES))
     assert answer.choices[0].message.content == "answer from decode"
     sent, decoded = _last(sglang["lang_only"]), _last(sglang["decode"])
@@ -75,20 +75,20 @@ def test_multi_image_requests_go_to_the_language_only_prefill(sglang) -> None:
     assert sent["bootstrap_room"] == decoded["bootstrap_room"] and sent["bootstrap_port"] == 8998
     assert sent["bootstrap_host"] == "127.0.0.1" and sent["stream"] is False
     assert sglang["prefill"].requests() == []
-    assert gateway_paths(sglang["gateway"].url).get("epd", 0) - before.get("epd", 0) == 1
+    assert gateway_paths(sglang["gateway"]).get("epd", 0) - before.get("epd", 0) == 1
 
 
 def test_one_image_and_text_take_the_plain_prefill(sglang) -> None:
-    before = gateway_paths(sglang["gateway"].url)
+    before = gateway_paths(sglang["gateway"])
     for messages in (image_messages(IMAGES[:1]), [{"role": "user", "content": "Hi."}]):
         assert ask(sglang["gateway"].url, messages).choices[0].message.content == "answer from decode"
         assert _last(sglang["prefill"])["messages"] == messages
         assert _last(sglang["prefill"])["bootstrap_room"] == _last(sglang["decode"])["bootstrap_room"]
-    assert gateway_paths(sglang["gateway"].url).get("pd", 0) - before.get("pd", 0) == 2
+    assert gateway_paths(sglang["gateway"]).get("pd", 0) - before.get("pd", 0) == 2
 
 
 def test_failing_language_only_prefill_falls_back_to_plain_prefill(sglang) -> None:
-    before = gateway_paths(sglang["gateway"].url)
+    before = gateway_paths(sglang["gateway"])
     sglang["lang_only"].fail(True)
     try:
         stream = ask(sglang["gateway"].url, image_messages(IMAGES[:2]), stream=True)
@@ -96,9 +96,9 @@ def test_failing_language_only_prefill_falls_back_to_plain_prefill(sglang) -> No
     finally:
         sglang["lang_only"].fail(False)
     assert _last(sglang["prefill"])["messages"] == image_messages(IMAGES[:2])
-    after = gateway_paths(sglang["gateway"].url)
+    after = gateway_paths(sglang["gateway"])
     assert after.get("fallback", 0) - before.get("fallback", 0) == 1
-    metrics = httpx.get(sglang["gateway"].url + "/metrics").text
+    metrics = httpx.get(sglang["gateway"].url + "/metrics", headers=sglang["gateway"].metrics_headers).text
     assert "gateway_failovers_total" in metrics
 
 
@@ -116,7 +116,7 @@ def test_audio_parts_go_to_the_language_only_prefill_as_images_do(sglang) -> Non
     reaches the plain prefill. One clip alone (below --epd-min-items 2) goes to the plain prefill, as one image does."""
     gw = sglang["gateway"].url
     plain_before = len(sglang["prefill"].requests())
-    before = gateway_paths(gw)
+    before = gateway_paths(sglang["gateway"])
     image = {"type": "image_url", "image_url": {"url": IMAGES[0]}}
     for parts in ([input_audio(CLIPS[0]), audio_url(CLIPS[1])], [image, input_audio(CLIPS[1])]):
         messages = audio_messages(parts)
@@ -125,19 +125,19 @@ def test_audio_parts_go_to_the_language_only_prefill_as_images_do(sglang) -> Non
         assert sent["messages"] == messages
         assert sent["bootstrap_room"] == decoded["bootstrap_room"] and decoded["messages"] == messages
     assert len(sglang["prefill"].requests()) == plain_before
-    after = gateway_paths(gw)
+    after = gateway_paths(sglang["gateway"])
     assert after.get("epd", 0) - before.get("epd", 0) == 2
     one = audio_messages([audio_url(CLIPS[0])])
     assert ask(gw, one).choices[0].message.content == "answer from decode"
     assert _last(sglang["prefill"])["messages"] == one
-    assert gateway_paths(gw).get("pd", 0) - after.get("pd", 0) == 1
+    assert gateway_paths(sglang["gateway"]).get("pd", 0) - after.get("pd", 0) == 1
 
 
 def test_failing_language_only_prefill_sends_audio_and_image_whole_to_the_plain_prefill(sglang) -> None:
     """A clip and an image whose language-only prefill fails: both go, as the client sent them, to the plain
     prefill (SGLang's own encoder path), never split between the two."""
     gw = sglang["gateway"].url
-    before = gateway_paths(gw)
+    before = gateway_paths(sglang["gateway"])
     messages = audio_messages([input_audio(CLIPS[0]), {"type": "image_url", "image_url": {"url": IMAGES[1]}}])
     sglang["lang_only"].fail(True)
     try:
@@ -146,4 +146,4 @@ def test_failing_language_only_prefill_sends_audio_and_image_whole_to_the_plain_
         sglang["lang_only"].fail(False)
     assert _last(sglang["lang_only"])["messages"] == messages
     assert _last(sglang["prefill"])["messages"] == messages
-    assert gateway_paths(gw).get("fallback", 0) - before.get("fallback", 0) == 1
+    assert gateway_paths(sglang["gateway"]).get("fallback", 0) - before.get("fallback", 0) == 1
