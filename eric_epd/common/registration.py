@@ -1,10 +1,12 @@
 """The body an Eric registers with a gateway by (POST/DELETE /admin/encoders), defined once for both sides, with the
-proof that the registrant holds the Erics' key: an HMAC of its URL and the time, so the key itself never travels."""
+proof that the registrant holds the Erics' key: an HMAC of its URL and the time, so the key itself never travels; and
+the challenge an Eric found by name answers (GET /v1/member-proof) before the gateway sends it the key or media."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 
 import msgspec
@@ -46,3 +48,27 @@ def proves_key(registration: Registration, key: str, now: float | None = None) -
         return False
     expected = registration_proof(key, registration.url, registration.ts)
     return hmac.compare_digest(registration.proof.encode(), expected.encode())
+
+
+MEMBER_PROOF_PATH = "/v1/member-proof"
+"""Eric's unkeyed route answering a gateway's challenge: GET with ?nonce=HEX, answers MemberProof."""
+NONCE_HEX = re.compile(r"[0-9a-f]{32,128}")
+
+
+class MemberProof(msgspec.Struct, forbid_unknown_fields=True):
+    """Eric's answer to a membership challenge."""
+
+    proof: str
+    """Hex HMAC-SHA256 under the Erics' key of the nonce and the address the challenge reached (member_proof)."""
+
+
+def member_proof(key: str, nonce: str, address_url: str) -> str:
+    """Hex HMAC-SHA256 under `key` of the nonce and `address_url` (http://ADDR:PORT, common.dns.address_url): the
+    address is the one the Eric's own socket accepted the challenge on, so a stranger relaying a gateway's challenge to
+    a real Eric gets a proof for that Eric's address, not its own."""
+    return hmac.new(key.encode(), f"eric-epd member\n{nonce}\n{address_url}".encode(), hashlib.sha256).hexdigest()
+
+
+def proves_membership(answer: MemberProof, key: str, nonce: str, address_url: str) -> bool:
+    """Whether `answer` is the proof for this nonce at this address under `key`."""
+    return hmac.compare_digest(answer.proof.encode(), member_proof(key, nonce, address_url).encode())

@@ -16,9 +16,11 @@ from starlette.requests import ClientDisconnect
 
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
+from eric_epd.common.dns import address_url
 from eric_epd.common.errors import OFF_LOOP_BYTES, ApiError, parse_body, read_body
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.common.jsonbody import MAX_ID, MAX_URL, clip
+from eric_epd.common.registration import MEMBER_PROOF_PATH, NONCE_HEX, MemberProof, member_proof
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.membership import GatewayMembership
@@ -38,6 +40,19 @@ from eric_epd.transfer.routes import transfer_routes
 from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem, Placement
 
 logger = logging.getLogger(__name__)
+
+
+def member_proof_answer(key: str | None, request: Request) -> Response:
+    """The MemberProof for `request`'s nonce at the local address its connection reached; 404 without a key."""
+    if key is None:
+        raise ApiError(404, "this Eric has no key to prove")
+    nonce, server = request.query_params.get("nonce", ""), request.scope.get("server")
+    if not NONCE_HEX.fullmatch(nonce):
+        raise ApiError(400, "nonce must be 32 to 128 lowercase hex digits", param="nonce")
+    if not server or server[1] is None:
+        raise ApiError(400, "this connection has no local address to prove")
+    return Response(msgspec.json.encode(MemberProof(member_proof(key, nonce, address_url(server[0], server[1])))),
+                    media_type="application/json")
 
 
 def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[EncodeItem]:
@@ -186,12 +201,18 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
                            if request.url.path in sglang_paths else None)
     if config.api_key:
         # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
-        open_paths = frozenset({"/health", "/metrics", *(r.path for r in sglang.routes)})
+        open_paths = frozenset({"/health", "/metrics", MEMBER_PROOF_PATH, *(r.path for r in sglang.routes)})
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
     add_status_routes(app, state, is_engine_alive, {
         "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype,
         "placement": placement, "takes_audio": facts.takes_audio})
+
+    @app.get(MEMBER_PROOF_PATH)
+    async def prove_membership(request: Request) -> Response:
+        """A gateway's challenge (?nonce=HEX), answered with an HMAC under this Eric's key of the nonce and the
+        address this connection reached: proof that it holds the key, which a relay cannot reuse."""
+        return member_proof_answer(config.api_key, request)
 
     @app.get("/v1/load")
     async def load() -> Response:

@@ -47,6 +47,7 @@ class DnsMembers:
         for url in sorted(self._listed - current):
             self._pool.dismiss(url)
         self._listed = current
+        await self._pool.prove_new()
 
     async def run(self) -> None:
         """Refresh every interval, until cancelled (the first refresh is the caller's, before serving)."""

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -41,8 +42,12 @@ class EncodersUnavailableError(Exception):
 class EncoderPool:
     """The Erics: items placed by rendezvous hashing with a load bound, health-checked, ejected and readmitted."""
     def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, metrics: GatewayMetrics,
-                 eject_after: int, timeout_s: float, heartbeat_timeout_s: float = 10.0) -> None:
+                 eject_after: int, timeout_s: float, heartbeat_timeout_s: float = 10.0,
+                 prover: Callable[[str], Awaitable[bool]] | None = None) -> None:
+        """`prover(url)`: whether an Eric found by name proved it holds the key (proof.py); None: names are trusted
+        (the Erics have no key to keep)."""
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._prover = prover
         self._holders: OrderedDict[bytes, str] = OrderedDict()  # routing key -> the Eric that last answered it
         self._members = {u: EncoderState(u) for u in urls}
         self._static = frozenset(urls)
@@ -85,9 +90,16 @@ class EncoderPool:
         if member is not None:
             member.heartbeat = None  # listed by name now: never dropped for silence
             return
-        logger.info("encoder %s joined (its name lists it)", url)
-        self._members[url] = EncoderState(url)
+        logger.info("encoder %s joined (its name lists it)%s", url, "" if self._prover is None else
+                    ": no key or media until it proves it holds the key")
+        trusted = self._prover is None
+        self._members[url] = EncoderState(url, healthy=trusted, by_name=True, proven=trusted)
         self._refresh_gauge()
+
+    async def prove_new(self) -> None:
+        """Challenge every member found by name that has not proved itself yet, and probe those that did (so a
+        new name's members serve before the next health round)."""
+        await asyncio.gather(*(self._probe(m) for m in list(self._members.values()) if not m.proven))
 
     def dismiss(self, url: str) -> None:
         """Remove an Eric its name no longer lists (an --encoder-urls entry stays): no new work goes there, calls in
@@ -314,6 +326,7 @@ class EncoderPool:
         member.failures += 1
         if member.healthy and member.failures >= self._eject_after:
             member.healthy = False
+            member.proven = not (member.by_name and self._prover is not None)  # its address may change hands
             logger.warning("ejecting encoder %s after %d failures", member.url, member.failures)
             self._refresh_gauge()
 
@@ -322,11 +335,15 @@ class EncoderPool:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
+                await self.probe_all()
                 self.drop_silent()
                 self._metrics.recommended_encoders.set(self.recommended())
             except Exception:  # one bad member or report must not end the health checks of every Eric
                 logger.exception("encoder health round failed")
+
+    async def probe_all(self) -> None:
+        """One health round: every member probed (those found by name challenged first, until they prove)."""
+        await asyncio.gather(*(self._probe(m) for m in list(self._members.values())))
 
     def recommended(self) -> int:
         """How many Erics the load needs (scaling.py's formula over the healthy Erics' reports)."""
@@ -347,6 +364,11 @@ class EncoderPool:
             return None
 
     async def _probe(self, member: EncoderState) -> None:
+        if not member.proven:
+            if self._prover is None or not await self._prover(member.url):
+                return
+            logger.info("encoder %s proved it holds the key", member.url)
+            member.proven = True
         try:
             ok = (await self._client.get(f"{member.url}/health", timeout=2.0)).status_code == 200
         except httpx.HTTPError:

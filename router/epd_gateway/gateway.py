@@ -33,6 +33,7 @@ from epd_gateway.images import ImageGenerator
 from epd_gateway.inline import MediaInliner, RawBody, check_hosts
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.plain_media import PlainMedia
+from epd_gateway.proof import MembershipProver
 from epd_gateway.upstream import Upstreams
 from eric_epd.common.errors import ApiError, parse_body_off_loop, read_body
 from eric_epd.common.jsonbody import MAX_ID
@@ -62,8 +63,9 @@ class Gateway:
         encoders and Geris, each with its own key: every upstream gets exactly its own key."""
         self.config = config
         self.metrics = metrics
+        prover = MembershipProver(unkeyed, config.eric_api_key) if config.eric_api_key else None
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
-                                    config.encode_timeout_s, config.heartbeat_timeout_s)
+                                    config.encode_timeout_s, config.heartbeat_timeout_s, prover)
         self.upstreams = Upstreams(config, session, metrics)
         self.inliner = MediaInliner(config.url_policy, config.media_limits, config.max_inline_bytes)
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None

@@ -37,6 +37,11 @@ class EncoderState:
     """Items it answered this gateway recently: what its reported throughput is checked against."""
     heartbeat: float | None = None
     """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
+    by_name: bool = False
+    """Admitted because a name lists it (dns_members.py)."""
+    proven: bool = True
+    """Whether it may be sent the key and media: an Eric found by name is not until it answers a challenge
+    (proof.py), and not again once ejected (its address may be another pod's by then)."""
 
     def believed(self) -> LoadReport | None:
         """Its load report bounded and checked against what this gateway observes (loadcheck.py); None if none."""
