@@ -91,7 +91,7 @@ def _direct_sinc(x: np.ndarray, orig: int, target: int) -> np.ndarray:
     return kernel @ x
 
 
-@pytest.mark.parametrize("orig", [44100, 22050, 11025, 8000, 48000])
+@pytest.mark.parametrize("orig", [44100, 22050, 11025, 8000, 48000, 4001, 44101])
 def test_resampler_is_the_windowed_sinc(orig: int) -> None:
     x = audio_samples(orig // 10 + 7, orig)[:, 0]
     ours = resample(x, orig, 16000)
@@ -139,6 +139,13 @@ def test_an_item_too_short_for_any_token_is_refused(processor: Processor) -> Non
     with pytest.raises(MediaError) as caught:
         processor._prepare_sync("audio", audio_bytes(300, 16000))  # one mel frame: no audio token
     assert caught.value.status == 400 and "too short" in caught.value.message
+
+
+def test_a_rate_the_resampler_refuses_is_a_413_naming_its_limits(processor: Processor) -> None:
+    with pytest.raises(MediaError) as caught:  # decodes (no flag caps low rates), then the resampler refuses it
+        processor._prepare_sync("audio", audio_bytes(999, 999))
+    assert caught.value.status == 413 and "999 Hz" in caught.value.message
+    assert "MIN_SAMPLE_RATE" in caught.value.message, caught.value.message
 
 
 def _refused(data: bytes, limits: MediaLimits, named: str, stop: threading.Event | None = None) -> int:
