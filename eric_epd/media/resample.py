@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from eric_epd.media.limits import MAX_AUDIO_SAMPLE_RATE
 from eric_epd.media.url_policy import MediaError
 
 ZERO_CROSSINGS = 6
@@ -33,9 +34,10 @@ METHOD = f"sinc_interp_hann/{ZERO_CROSSINGS}/{ROLLOFF}"
 MIN_SAMPLE_RATE = 1_000
 """Lowest rate (Hz) resampled, from or to. Below any rate audio is recorded at (telephony's 8 kHz is the lowest in
 common use); it caps how many outputs one input sample makes (target / orig <= MAX / MIN = 192)."""
-MAX_SAMPLE_RATE = 192_000
-"""Highest rate (Hz) resampled, from or to: --max-audio-sample-rate's default, which decoding checks first. It caps
-the taps per output sample (about 12 * orig / target) and the weight table (under ~3M float32 values)."""
+MAX_SAMPLE_RATE = MAX_AUDIO_SAMPLE_RATE
+"""Highest rate (Hz) resampled, from or to (192 kHz): --max-audio-sample-rate's default and ceiling, which decoding
+checks first. It caps the taps per output sample (about 12 * orig / target) and the weight table (under 3M float32
+values)."""
 WORK_ELEMENTS = 1 << 18
 """Taps (outputs x taps per output) computed or applied at a time: bounds the temporaries to a few MB."""
 

@@ -170,3 +170,5 @@ def test_every_limit_is_a_4xx_naming_it() -> None:
     assert _refused(six_seconds, MediaLimits(), "cancelled", stop=gone) == 499
     with pytest.raises(ValueError, match="positive"):
         MediaLimits(max_audio_channels=0)
+    with pytest.raises(ValueError, match="at most 192000 Hz"):
+        MediaLimits(max_audio_sample_rate=192001)
