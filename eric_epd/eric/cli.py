@@ -101,7 +101,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-audio-seconds", type=float, default=MediaLimits.max_audio_seconds,
                    help="longest audio item accepted, from its header and again as decoded (413 otherwise)")
     p.add_argument("--max-audio-sample-rate", type=int, default=MediaLimits.max_audio_sample_rate,
-                   help="highest audio sample rate (Hz) accepted, read from the header before decoding (413 otherwise)")
+                   help="highest audio sample rate (Hz) accepted, read from the header before decoding (413 "
+                        "otherwise); at most the default, the highest rate the resampler takes")
     p.add_argument("--max-audio-channels", type=int, default=MediaLimits.max_audio_channels,
                    help="most audio channels accepted, read from the header before decoding (413 otherwise)")
     p.add_argument("--max-audio-decode-bytes", type=int, default=MediaLimits.max_audio_decode_bytes,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_AUDIO_SAMPLE_RATE = 192_000
+"""Highest audio sample rate (Hz) Eric takes: the resampler's ceiling, and so --max-audio-sample-rate's."""
+
 
 @dataclass(frozen=True)
 class MediaLimits:
@@ -20,7 +23,7 @@ class MediaLimits:
     max_video_seconds: float = 3600.0  # source duration
     max_video_decode_s: float = 30.0  # wall time to decode one video
     max_audio_seconds: float = 600.0  # one audio item's duration (vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S default)
-    max_audio_sample_rate: int = 192_000  # Hz, read from the header before decoding
+    max_audio_sample_rate: int = MAX_AUDIO_SAMPLE_RATE  # Hz, read from the header before decoding
     max_audio_channels: int = 8  # read from the header before decoding
     max_audio_decode_bytes: int = 256 * 2**20  # decoded float32 PCM (vLLM's VLLM_MAX_AUDIO_DECODE_BYTES default)
 
@@ -36,3 +39,6 @@ class MediaLimits:
         if min(self.max_audio_seconds, self.max_audio_sample_rate, self.max_audio_channels,
                self.max_audio_decode_bytes) <= 0:
             raise ValueError("MediaLimits audio seconds, sample rate, channels and decode bytes must be positive")
+        if self.max_audio_sample_rate > MAX_AUDIO_SAMPLE_RATE:  # else a clip decoded only for the resampler to refuse
+            raise ValueError(f"MediaLimits.max_audio_sample_rate must be at most {MAX_AUDIO_SAMPLE_RATE} Hz, the "
+                             "highest rate the resampler takes")

@@ -91,7 +91,7 @@ def _direct_sinc(x: np.ndarray, orig: int, target: int) -> np.ndarray:
     return kernel @ x
 
 
-@pytest.mark.parametrize("orig", [44100, 22050, 11025, 8000, 48000])
+@pytest.mark.parametrize("orig", [44100, 22050, 11025, 8000, 48000, 4001, 44101])
 def test_resampler_is_the_windowed_sinc(orig: int) -> None:
     x = audio_samples(orig // 10 + 7, orig)[:, 0]
     ours = resample(x, orig, 16000)
@@ -141,6 +141,13 @@ def test_an_item_too_short_for_any_token_is_refused(processor: Processor) -> Non
     assert caught.value.status == 400 and "too short" in caught.value.message
 
 
+def test_a_rate_the_resampler_refuses_is_a_413_naming_its_limits(processor: Processor) -> None:
+    with pytest.raises(MediaError) as caught:  # decodes (no flag caps low rates), then the resampler refuses it
+        processor._prepare_sync("audio", audio_bytes(999, 999))
+    assert caught.value.status == 413 and "999 Hz" in caught.value.message
+    assert "MIN_SAMPLE_RATE" in caught.value.message, caught.value.message
+
+
 def _refused(data: bytes, limits: MediaLimits, named: str, stop: threading.Event | None = None) -> int:
     with pytest.raises(MediaError) as caught:
         decode_audio(data, limits, stop)
@@ -163,3 +170,5 @@ def test_every_limit_is_a_4xx_naming_it() -> None:
     assert _refused(six_seconds, MediaLimits(), "cancelled", stop=gone) == 499
     with pytest.raises(ValueError, match="positive"):
         MediaLimits(max_audio_channels=0)
+    with pytest.raises(ValueError, match="at most 192000 Hz"):
+        MediaLimits(max_audio_sample_rate=192001)
