@@ -104,23 +104,56 @@ class HostSlots:
                 del self._hosts[host]
 
 
+class SharedBytes:
+    """Bytes held for every request in flight together (the gateway's inlined media): taking past the limit is a
+    503 with Retry-After; what a request took is given back when it ends."""
+
+    def __init__(self, limit: int, message: str) -> None:
+        self.limit = limit
+        self.message = message
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        """Hold `n` more bytes; 503 (nothing held) if that would pass the limit."""
+        if self.held + n > self.limit:
+            raise MediaError(503, self.message, retry_after=1.0)
+        self.held += n
+
+    def give(self, n: int) -> None:
+        """Give back `n` bytes taken before."""
+        self.held -= n
+
+
 class ByteBudget:
     """Bytes that several fetches (one request's) may bring in together: the one that passes it gets a 413 with
     `message`, and so does every later chunk of the others, which stop there. Also caps how many of them run at
-    once."""
+    once, and holds its bytes in `shared` (every request's) until `close`."""
 
-    def __init__(self, limit: int, message: str, concurrency: int = MAX_PER_REQUEST) -> None:
+    def __init__(self, limit: int, message: str, concurrency: int = MAX_PER_REQUEST,
+                 shared: SharedBytes | None = None) -> None:
         self.limit = limit
         self.message = message
         self.used = 0
         self.slots = asyncio.Semaphore(concurrency)
         """The request's fetches in flight at once."""
+        self._shared = shared
+        self._held = 0
+        """What this budget holds in `shared`."""
 
     def take(self, n: int) -> None:
-        """Count `n` more bytes; 413 once the total is over the limit."""
+        """Count `n` more bytes; 413 once the total is over the limit, 503 if every request's together would be."""
         self.used += n
         if self.used > self.limit:
             raise MediaError(413, self.message)
+        if self._shared is not None:
+            self._shared.take(n)
+            self._held += n
+
+    def close(self) -> None:
+        """Give back to `shared` what this budget held (once)."""
+        if self._shared is not None:
+            self._shared.give(self._held)
+            self._shared, self._held = None, 0
 
 
 class MediaFetcher:

@@ -60,6 +60,8 @@ class GatewayConfig:
     """Bounds on the media the gateway fetches itself for the engines' own path (bytes, time, redirects)."""
     max_inline_bytes: int = 64 * 2**20
     """Most bytes of media the gateway fetches and inlines for one request, every part counted (413 beyond)."""
+    max_inline_total_bytes: int = 256 * 2**20
+    """Most bytes of media the gateway holds inlined for all requests in flight together (503 beyond)."""
     health_interval_s: float = 2.0
     eject_after_failures: int = 2
     heartbeat_timeout_s: float = 10.0
@@ -93,8 +95,8 @@ class GatewayConfig:
             raise ValueError("--dns-interval must be > 0")
         if self.encoder_dns and self.backend != "vllm":
             raise ValueError("--encoder-dns is for --backend vllm (SGLang's prefills call their own --encoder-urls)")
-        if self.max_inline_bytes < 1:
-            raise ValueError("--max-inline-bytes must be >= 1")
+        if self.max_inline_bytes < 1 or self.max_inline_total_bytes < self.max_inline_bytes:
+            raise ValueError("--max-inline-bytes must be >= 1 and --max-inline-total-bytes at least as large")
         if self.epd_min_items < 1 or self.max_items < 1:
             raise ValueError("--epd-min-items and --max-items must be >= 1")
 
@@ -167,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="most bytes of media the gateway fetches and inlines for one request, all its parts together "
                         "(a URL named twice counts twice; fetched once); 413 beyond. Default: the --max-body-bytes "
                         "default, so an inlined request is about as large as a client could send itself")
+    p.add_argument("--max-inline-total-bytes", type=int, default=GatewayConfig.max_inline_total_bytes,
+                   help="most bytes of media the gateway holds inlined for every request in flight together; a "
+                        "request that would pass it is a 503 with Retry-After (the gateway's memory stays bounded)")
     p.add_argument("--media-fetch-timeout", type=float, default=MediaLimits.timeout_s,
                    help="seconds to fetch one media item, redirects included (and to resolve all of a request's "
                         "media hosts before fetching)")
@@ -204,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),
                              file_roots=tuple(r.resolve() for r in a.file_root)),
         media_limits=MediaLimits(max_bytes=a.max_media_bytes, timeout_s=a.media_fetch_timeout),
-        max_inline_bytes=a.max_inline_bytes,
+        max_inline_bytes=a.max_inline_bytes, max_inline_total_bytes=a.max_inline_total_bytes,
         health_interval_s=a.health_interval, eject_after_failures=a.eject_after_failures,
         heartbeat_timeout_s=a.heartbeat_timeout,
         sglang_bootstrap_port=a.sglang_bootstrap_port, text_encoder_urls=a.text_encoder_urls, geri_urls=a.geri_urls,

@@ -67,7 +67,8 @@ class Gateway:
         self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
                                     config.encode_timeout_s, config.heartbeat_timeout_s, prover)
         self.upstreams = Upstreams(config, session, metrics)
-        self.inliner = MediaInliner(config.url_policy, config.media_limits, config.max_inline_bytes)
+        self.inliner = MediaInliner(config.url_policy, config.media_limits, config.max_inline_bytes,
+                                    config.max_inline_total_bytes)
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
         self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key,
                                       config.geri_api_key, store) if config.geri_urls else None)
@@ -102,6 +103,15 @@ class Gateway:
         start = time.perf_counter()
         self.metrics.stages.observe("validate", start - checking)
         plain = RawBody(self.inliner, body, raw, refs)  # what the engines' own path gets: never a URL
+        try:
+            return await self._route(plain, body, headers, refs, modalities)
+        finally:
+            plain.close()
+
+    async def _route(self, plain: RawBody, body: dict[str, Any], headers: dict[str, str], refs: list[MediaRef],
+                     modalities: set[str]) -> tuple[str, Response]:
+        """EPD or the plain path for a checked request: the path taken and the answer."""
+        start = time.perf_counter()
         if self.config.backend == "sglang":
             return await self._sglang_chat(plain, headers, refs)
         fresh = self.plain_media.unseen(refs)  # media the engine encoded on an earlier plain turn do not count

@@ -12,7 +12,7 @@ from typing import Any
 from epd_gateway.content import MediaRef
 from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
-from eric_epd.media.fetch import ByteBudget, MediaFetcher
+from eric_epd.media.fetch import ByteBudget, MediaFetcher, SharedBytes
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.resolver import MAX_HOSTS_PER_REQUEST
 from eric_epd.media.url_policy import Lookup, MediaError, UrlPolicy, url_scheme
@@ -52,9 +52,18 @@ async def check_hosts(resolve: Lookup, hosts: set[tuple[str, int]], timeout_s: f
 class MediaInliner:
     """One per gateway process: an httpx client behind the URL policy, reused across requests."""
 
-    def __init__(self, policy: UrlPolicy, limits: MediaLimits, max_request_bytes: int) -> None:
+    def __init__(self, policy: UrlPolicy, limits: MediaLimits, max_request_bytes: int,
+                 max_total_bytes: int | None = None) -> None:
         self._fetcher = MediaFetcher(policy, limits)
         self._max_request_bytes = max_request_bytes
+        self.held = SharedBytes(max_total_bytes or 4 * max_request_bytes,
+                                "the gateway holds as much inlined media for other requests as it may "
+                                "(--max-inline-total-bytes); try again shortly")
+        """Media bytes inlined for every request in flight (each request's given back when it ends)."""
+
+    def budget(self) -> ByteBudget:
+        """A new request's budget: --max-inline-bytes of its own, held among every request's until closed."""
+        return ByteBudget(self._max_request_bytes, self._over_budget(), shared=self.held)
 
     async def aclose(self) -> None:
         """Close the media fetcher's HTTP client."""
@@ -64,18 +73,18 @@ class MediaInliner:
         """`host`'s addresses as the fetcher would connect to them (its resolver, the URL policy); 400 if refused."""
         return await self._fetcher.resolve_host(host, port)
 
-    async def inline(self, body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any] | None:
+    async def inline(self, body: dict[str, Any], refs: list[MediaRef], budget: ByteBudget) -> dict[str, Any] | None:
         """A copy of the request whose remote media parts are data: URLs, or None when it has none (the client's
         raw body can then go as it is). A fetch the policy refuses or that fails is the client's 4xx; media over
         the request's budget (--max-inline-bytes, every part counted, a URL named twice twice) a 413. Each distinct
-        URL is fetched once."""
+        URL is fetched once; every byte fetched is held in `budget` (close it when the request ends)."""
         remote = [ref for ref in refs if url_scheme(ref.url) in FETCHED_SCHEMES]
         if not remote:
             return None
         firsts: dict[str, MediaRef] = {}  # each URL's first part, which its errors name
         for ref in remote:
             firsts.setdefault(ref.url, ref)
-        fetched = dict(zip(firsts, await self._fetch_all(list(firsts.values())), strict=True))
+        fetched = dict(zip(firsts, await self._fetch_all(list(firsts.values()), budget), strict=True))
         total = sum(len(fetched[ref.url]) for ref in remote)
         if total > self._max_request_bytes:
             raise ApiError(413, f"{self._over_budget()} ({len(remote)} parts, {total} bytes)", param="messages")
@@ -94,9 +103,8 @@ class MediaInliner:
         return (f"the media this request names come to over {self._max_request_bytes} bytes, the most the gateway "
                 "inlines for one request (--max-inline-bytes)")
 
-    async def _fetch_all(self, refs: list[MediaRef]) -> list[bytes]:
+    async def _fetch_all(self, refs: list[MediaRef], budget: ByteBudget) -> list[bytes]:
         """Every ref's bytes, fetched at once under one budget; the first failure stops the others."""
-        budget = ByteBudget(self._max_request_bytes, self._over_budget())
         return await all_or_none(*(self._fetch(ref, budget) for ref in refs))
 
     async def _fetch(self, ref: MediaRef, budget: ByteBudget) -> bytes:
@@ -104,6 +112,8 @@ class MediaInliner:
             return await self._fetcher.fetch(ref.url, budget)
         except MediaError as e:
             where = f"messages[{ref.message}].content[{ref.part}]"
+            if e.status == 503:  # the gateway's own bound, not this item's fault
+                raise ApiError(503, e.message, retry_after=e.retry_after) from e
             raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
 
 
@@ -117,6 +127,7 @@ class RawBody:
         self._raw = raw
         self._refs = refs
         self._inlined: tuple[dict[str, Any], bytes | None] | None = None
+        self._budget = inliner.budget()
 
     @property
     def refs(self) -> list[MediaRef]:
@@ -126,6 +137,10 @@ class RawBody:
     async def get(self) -> tuple[dict[str, Any], bytes | None]:
         """(body, raw bytes to forward or None to re-encode the body)."""
         if self._inlined is None:
-            inlined = await self._inliner.inline(self._body, self._refs)
+            inlined = await self._inliner.inline(self._body, self._refs, self._budget)
             self._inlined = (self._body, self._raw) if inlined is None else (inlined, None)
         return self._inlined
+
+    def close(self) -> None:
+        """The request has ended: the media inlined for it no longer count against the gateway's total."""
+        self._budget.close()

@@ -78,7 +78,12 @@ def _inline(body: dict, budget: int, policy: UrlPolicy) -> dict | None:
     async def go() -> dict | None:
         inliner = MediaInliner(policy, LIMITS, budget)
         try:
-            return await inliner.inline(body, collect_media(body, policy, max_items=16))
+            budget_ = inliner.budget()
+            try:
+                return await inliner.inline(body, collect_media(body, policy, max_items=16), budget_)
+            finally:
+                budget_.close()
+                assert inliner.held.held == 0  # every byte given back when the request ends
         finally:
             await inliner.aclose()
 
@@ -110,6 +115,34 @@ def test_the_request_budget_stops_distinct_fetches_together(blobs: str) -> None:
     assert len(_inline(_images(*each), 4 * 300000, policy)["messages"][0]["content"]) == 4
     _over(_images(*each), 1000000, policy)  # announced lengths: refused before all are read
     _over(_images(*[f"{blobs}/stream/{i}/300000" for i in range(4)]), 1000000, policy)  # counted chunk by chunk
+
+
+def test_media_inlined_for_every_request_together_are_bounded(blobs: str) -> None:
+    """Two requests of 600 kB each under a 1 MB gateway-wide bound: the second is a 503 with Retry-After while the
+    first is in flight, and is served once the first has ended."""
+    policy = UrlPolicy(host_allowlist=frozenset({"127.0.0.1"}))
+    first, second = _images(*[f"{blobs}/g1/{i}/300000" for i in range(2)]), _images(f"{blobs}/g2/600000")
+
+    async def go() -> tuple[ApiError, int, int]:
+        inliner = MediaInliner(policy, LIMITS, 1 << 20, max_total_bytes=1_000_000)
+        try:
+            held = inliner.budget()
+            await inliner.inline(first, collect_media(first, policy, max_items=16), held)
+            with pytest.raises(ApiError) as busy:
+                await inliner.inline(second, collect_media(second, policy, max_items=16), other := inliner.budget())
+            other.close()
+            during = inliner.held.held
+            held.close()
+            later = inliner.budget()
+            await inliner.inline(second, collect_media(second, policy, max_items=16), later)
+            later.close()
+            return busy.value, during, inliner.held.held
+        finally:
+            await inliner.aclose()
+
+    busy, during, after = asyncio.run(go())
+    assert busy.status == 503 and busy.retry_after == 1.0 and "--max-inline-total-bytes" in busy.message
+    assert during == 600000 and after == 0
 
 
 def test_files_count_against_the_budget(tmp_path: Path) -> None:
