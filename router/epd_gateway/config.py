@@ -68,6 +68,8 @@ class GatewayConfig:
     """A self-registered Eric (eric-epd serve --register-with) not heard from for this long is dropped."""
     encode_timeout_s: float = 60.0
     upstream_timeout_s: float = 300.0
+    stream_write_timeout_s: float = 30.0
+    """A streaming client that takes no data for this long has its stream closed (and the engine's released)."""
     sglang_bootstrap_port: int = 8998
     text_encoder_urls: tuple[str, ...] = ()
     """vLLM instances serving an image model's text encoder as a pooling model (token_embed), for
@@ -91,8 +93,8 @@ class GatewayConfig:
                              "--text-encoder-urls and --geri-urls)")
         if self.epd_prefill_urls and (self.backend != "sglang" or not self.decode_urls):
             raise ValueError("--epd-prefill-urls is for --backend sglang, with --decode-urls")
-        if self.dns_interval_s <= 0:
-            raise ValueError("--dns-interval must be > 0")
+        if self.dns_interval_s <= 0 or self.stream_write_timeout_s <= 0:
+            raise ValueError("--dns-interval and --stream-write-timeout must be > 0")
         if self.encoder_dns and self.backend != "vllm":
             raise ValueError("--encoder-dns is for --backend vllm (SGLang's prefills call their own --encoder-urls)")
         if self.max_inline_bytes < 1 or self.max_inline_total_bytes < self.max_inline_bytes:
@@ -150,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         "clients' media (URLs and data: images); they get the --eric-api-key only with proof that "
                         "they hold it")
     p.add_argument("--eric-api-key", default=None, help="the Erics' --api-key (default: $ERIC_API_KEY)")
+    p.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s,
+                   help="seconds a streaming client may go without taking data before its stream is closed (the "
+                        "engine's stream is released with it)")
     p.add_argument("--upstream-api-key", default=None,
                    help="the engines' --api-key, sent instead of the client's (default: $VLLM_API_KEY)")
     p.add_argument("--allow-client-embeddings", type=Path, default=None, metavar="MODEL_DIR",
@@ -204,6 +209,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         metrics_key=a.metrics_key or os.environ.get("EPD_GATEWAY_METRICS_KEY") or None,
         eric_api_key=a.eric_api_key or os.environ.get("ERIC_API_KEY") or None,
         upstream_api_key=a.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
+        stream_write_timeout_s=a.stream_write_timeout,
         client_embeddings=EmbeddingShape.from_checkpoint(a.allow_client_embeddings) if a.allow_client_embeddings
         else None, max_body_bytes=a.max_body_bytes, max_items=a.max_items,
         url_policy=UrlPolicy(allow_private_hosts=a.allow_private_hosts, host_allowlist=frozenset(a.allowed_host),

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from epd_gateway.config import GatewayConfig
 from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.stream import TimedStream
 from epd_gateway.redact import for_client
 from eric_epd.common.errors import ApiError
 
@@ -190,7 +191,7 @@ class Upstreams:
             self._metrics.failures.labels(stage=stage).inc()
         if not body.get("stream") or resp.status >= 500:  # an error is read whole, to be redacted
             return (await self._read(stage, url, resp)).response()
-        return StreamingResponse(_Relay(resp), resp.status, headers=_headers(resp))
+        return TimedStream(_Relay(resp), resp.status, _headers(resp), self._config.stream_write_timeout_s)
 
 
 def _prompt_count(prompt: Any) -> int:
