@@ -20,8 +20,8 @@ from starlette.responses import Response, StreamingResponse
 
 from epd_gateway.config import GatewayConfig
 from epd_gateway.metrics import GatewayMetrics
-from epd_gateway.stream import TimedStream
 from epd_gateway.redact import for_client
+from epd_gateway.stream import TimedStream
 from eric_epd.common.errors import ApiError
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
 
 import uvicorn
 from epd_gateway.stream import TimedStream
