@@ -26,6 +26,27 @@ STEERING_FIELDS = frozenset({
 identity and placement, sessions, adapters, server-side code): the gateway writes them itself where needed, a client
 never does (but for one processor option on chat requests: `audio_in_video`)."""
 
+SAMPLING_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
+    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "logit_bias",
+    "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
+    "truncate_prompt_tokens", "response_format", "structured_outputs", "user", "echo", "add_special_tokens",
+    "return_token_ids", "return_tokens_as_token_ids", "cache_salt",
+    # SGLang's sampling and structured-output options
+    "regex", "ebnf", "json_schema", "no_stop_trim", "separate_reasoning", "stream_reasoning",
+})
+"""What both request kinds may carry: the model, sampling, output and structured-output options of the OpenAI API,
+vLLM and SGLang (each engine checks their values)."""
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
+    "include_reasoning", "thinking_token_budget", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "documents", "mm_processor_kwargs",  # the last: use_audio_in_video only
+}
+"""The fields a chat request may carry: an allowlist (a field a new engine version adds passes only once listed)."""
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "suffix"}
+"""The fields a /v1/completions request may carry."""
+
 PART_KEYS = {
     "text": {"type", "text"},
     "image_url": {"type", "image_url"},
@@ -47,13 +68,20 @@ AUDIO_IN_VIDEO = "use_audio_in_video"
 
 
 def check_request_fields(body: dict[str, Any], chat: bool = False) -> None:
-    """400 for a field only the gateway may write (a chat request may set `audio_in_video`'s one option)."""
-    for name in body:
+    """400 for a field outside the allowlist (CHAT_FIELDS, COMPLETION_FIELDS), naming it; one that only the
+    gateway may write (STEERING_FIELDS) says so (a chat request may set `audio_in_video`'s one option)."""
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:  # a steering field is named as such, whatever else the request carries
         if chat and name == "mm_processor_kwargs":
             audio_in_video(body)
         elif name in STEERING_FIELDS:
             raise ApiError(400, f"the request field '{name}' is not accepted: it steers the engine's internals "
                                 "and only the gateway sets it", param=name)
+    for name in body:
+        if name not in allowed:
+            shown = str(name)[:64]
+            raise ApiError(400, f"the request field '{shown}' is not accepted: the gateway passes on only the "
+                                "model, messages or prompt, sampling and output options", param=shown)
 
 
 def audio_in_video(body: dict[str, Any]) -> bool:

@@ -10,7 +10,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from epd_gateway.boundary import STEERING_FIELDS, check_messages, check_request_fields
+from epd_gateway.boundary import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    STEERING_FIELDS,
+    check_messages,
+    check_request_fields,
+)
 from epd_gateway.content import collect_media, inlined_refs, vllm_can_place, with_embeddings
 from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
 from epd_gateway.plain_media import PlainMedia
@@ -83,7 +89,7 @@ def test_vllm_places_videos_only_at_one_second_per_grid_step() -> None:
 
 def _refused(body: dict, match: str, allow_embeddings: bool = False) -> None:
     with pytest.raises(ApiError, match=match) as e:
-        check_request_fields(body)
+        check_request_fields(body, chat=True)
         check_messages(body, allow_embeddings)
     assert e.value.status == 400
 
@@ -103,8 +109,34 @@ def test_parts_carry_only_their_own_keys() -> None:
     _refused(_user({"type": "file", "file": {}}), "unsupported content part type 'file'")
     _refused({"messages": [{"role": "user", "content": "x", "image_url": url}]}, "unexpected field")
     _refused({"messages": [{"role": "user", "content": {"type": "text"}}]}, "string or a list")
-    for name in STEERING_FIELDS:
+    for name in STEERING_FIELDS:  # mm_processor_kwargs: chat requests may carry its one option
+        _refused({"messages": [{"role": "user", "content": "x"}], name: 1}, f"'{name}' (is not accepted|may only)")
+
+
+def test_request_fields_by_an_allowlist() -> None:
+    """Every field vLLM 0.32's chat and completion requests take is either allowed or refused; fields it does not
+    steer with pass; a field neither list names (say one a newer vLLM adds) is refused."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.0, "max_tokens": 4,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2, "stream": True,
+            "stream_options": {"include_usage": True}, "tools": [], "chat_template_kwargs": {"enable_thinking": False}}
+    check_request_fields(chat, chat=True)
+    check_request_fields({"model": "m", "prompt": "x", "max_tokens": 4, "echo": False, "suffix": "y"})
+    for name in ("mm_payload", "return_mm_kwargs", "session_id", "routed_experts_prompt_start", "stream_interval",
+                 "watermarking", "logits_processors", "a_field_from_the_future"):
         _refused({"messages": [{"role": "user", "content": "x"}], name: 1}, f"'{name}' is not accepted")
+    for kind, allowed in ((ChatCompletionRequest, CHAT_FIELDS), (CompletionRequest, COMPLETION_FIELDS)):
+        for name in kind.model_fields:
+            body = {"model": "m", name: None}
+            if name in allowed:
+                check_request_fields(body, chat=kind is ChatCompletionRequest)
+            elif name != "mm_processor_kwargs":
+                with pytest.raises(ApiError):
+                    check_request_fields(body, chat=kind is ChatCompletionRequest)
+    with pytest.raises(ApiError, match="'messages' is not accepted"):
+        check_request_fields({"model": "m", "messages": []})  # a chat field on /v1/completions
 
 
 def _b64(array: np.ndarray, as_torch: bool) -> str:
