@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import ipaddress
 import logging
-import socket
 from urllib.parse import urlsplit
 
 import httpx
@@ -81,21 +79,14 @@ class RegistrationGate:
         return url.rstrip("/")
 
     async def _check_host(self, url: str) -> None:
-        """The URL's host must be an address inside --register-from, or a name that resolves only into it (checked
-        once, here)."""
-        parts = urlsplit(url)
-        host = parts.hostname or ""
+        """The URL's host must be an address inside --register-from. A name is refused: every later call would
+        resolve it again, after this check (DNS rebinding), so what is checked must be what is called."""
+        host = urlsplit(url).hostname or ""
         literal = _address(host)
-        if literal is not None:
-            addresses = [literal]
-        else:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            try:
-                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except (OSError, ValueError) as e:
-                raise ApiError(403, f"encoder host {host!r} does not resolve: {e}", param="url") from e
-            addresses = [_address(str(info[4][0])) for info in infos]
-        if not addresses or not all(self._inside(a) for a in addresses):
+        if literal is None:
+            raise ApiError(400, f"encoder host {host[:80]!r} is a name: register the address it serves at "
+                                "(http://ADDR:PORT; eric-epd serve --advertise-host ADDR)", param="url")
+        if not self._inside(literal):
             raise ApiError(403, f"encoder host {host!r} is outside --register-from", param="url")
 
 

@@ -98,9 +98,11 @@ def test_caller_outside_register_from_is_refused(servers) -> None:
 
 def test_url_outside_register_from_or_through_a_proxy_is_refused(servers) -> None:
     gw, key, url = servers["open"], servers["key"], servers["erics"][0].url
-    for outside in ("http://10.1.2.3:8100", "http://no-such-host.invalid:8100"):
-        resp = _post(gw, _body(signed_registration(outside, key)))
-        assert resp.status_code == 403 and resp.json()["error"]["param"] == "url", resp.text
+    resp = _post(gw, _body(signed_registration("http://10.1.2.3:8100", key)))
+    assert resp.status_code == 403 and resp.json()["error"]["param"] == "url", resp.text
+    for name in ("http://no-such-host.invalid:8100", "http://localhost:8100"):  # even one resolving inside it
+        resp = _post(gw, _body(signed_registration(name, key)))  # would be resolved again at every call
+        assert resp.status_code == 400 and "is a name" in resp.json()["error"]["message"], resp.text
     resp = _post(gw, _body(signed_registration(url, key)), {"X-Forwarded-For": "127.0.0.1"})
     assert resp.status_code == 403 and "proxy" in resp.json()["error"]["message"], resp.text
     assert _listed(gw) == set()
