@@ -85,6 +85,8 @@ def identify(head: bytes) -> str | None:
     if skip:
         after = head[skip:]
         return "flac" if after.startswith(b"fLaC") else _frame_sync(after)
+    if head[4:8] in _ISO_BOXES:  # before the short magics: a box's size (offset 0) may look like ICO's or MPEG-PS's
+        return _iso_brand(head)
     for magic, name in _PREFIXES:
         if head.startswith(magic):
             return name
@@ -92,8 +94,6 @@ def identify(head: bytes) -> str | None:
         return _RIFF_FORMS.get(head[8:12])
     if head.startswith(b"FORM") and head[8:12] in _AIFF_FORMS:
         return "aiff"
-    if head[4:8] in _ISO_BOXES:
-        return _iso_brand(head)
     if head[:1] == b"P" and len(head) >= 2 and head[1] in b"0123456fy":
         return "PPM"
     if _is_transport_stream(head):
@@ -142,10 +142,11 @@ def describe(data: bytes, found: str | None) -> str:
 
 
 def demuxer_options(demuxer: str) -> dict[str, str]:
-    """Options for opening client bytes from memory with `demuxer` forced: no protocol (nothing else is opened) and
-    no other demuxer (for any nested open), and the mov demuxer's external data references (drefs) off."""
+    """`container_options` for opening client bytes from memory with `demuxer` forced: no protocol and no other
+    demuxer, which FFmpeg checks on every nested open too (concat, HLS and DASH copy both to what they open), and the
+    mov demuxer's external data references (drefs) off. PyAV 18 hands these to `avformat_open_input`: an option the
+    demuxer lacks is silently left unused, a bad value for one it has is refused (the tests check `enable_drefs`)."""
     options = {"protocol_whitelist": NO_PROTOCOL, "format_whitelist": demuxer}
     if demuxer == "mov":
         options["enable_drefs"] = "0"  # FFmpeg's default, said here so no build or default change turns them on
     return options
-

@@ -103,6 +103,7 @@ def test_the_sniff_names_each_allowlisted_container() -> None:
     id3 = b"ID3\x04\x00\x00\x00\x00\x01\x00" + bytes(128)
     assert identify(id3 + b"\xff\xfb\x90\x64") == "mp3" and identify(id3 + b"fLaC") == "flac"
     assert identify(id3 + CONCAT) is None  # FFmpeg's probe skips an ID3 tag: what follows must be audio too
+    assert identify(b"\x00\x00\x01\x00mdat") == "mov" and identify(b"\x00\x00\x01\x00\x01\x00") == "ICO"
     assert sniff(b"\x00\x00\x00\x1cftypavif" + bytes(16), "image") == "AVIF"
     with pytest.raises(MediaError, match="looks like a HEIF image"):
         sniff(b"\x00\x00\x00\x1cftypheic" + bytes(16), "video")
