@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 from collections.abc import Callable
 from urllib.parse import unquote_to_bytes
 
@@ -24,10 +23,8 @@ Reader = Callable[[int], bytes]
 
 PROBE_BYTES = 1 << 20
 """The most FFmpeg's format probing reads (PROBE_BUF_MAX)."""
-SDP_LINE = re.compile(rb"(?:^|\n\r?)c=in ip")
-"""A line SDP's probe takes (matched on lower-cased bytes: stricter than FFmpeg's case)."""
-SDP_END = re.compile(rb"^\x00|\n\r?\x00")
-"""Where SDP's probe stops reading lines: one starting with a NUL byte."""
+SDP_LINE = b"c=IN IP"
+"""What a line starts with that SDP's probe takes (case as FFmpeg's `av_strstart`)."""
 PROBE_TEXT = ((b"<mpd", "a DASH manifest"), (b"<compositionplaylist", "an IMF composition playlist"))
 """Text (lower-cased) by which FFmpeg's probes, reading up to the first NUL byte, take a buffer for a manifest."""
 PLAYLISTS = ((b"ffconcat", "an ffconcat playlist"), (b"#extm3u", "an HLS (m3u8) playlist"))
@@ -42,7 +39,7 @@ def check_for_engine(read: Reader, modality: str) -> str:
     name = sniff(read(skip + SNIFF_BYTES) if skip else head, modality)
     if modality != "image":  # images reach PIL only (vLLM passes its own format allowlist), never FFmpeg
         for start in sorted({0, skip}):
-            label = _probed_as(_probe_window(read, start).lower())
+            label = _probed_as(_probe_window(read, start))
             if label is not None:
                 raise MediaError(400, f"not a supported {modality}: a probing decoder would take it for {label}; "
                                       "send the medium itself")
@@ -50,11 +47,10 @@ def check_for_engine(read: Reader, modality: str) -> str:
 
 
 def _probed_as(window: bytes) -> str | None:
-    """What FFmpeg's text probes would take `window` (lower-cased) for, None if nothing."""
-    end = SDP_END.search(window)
-    if SDP_LINE.search(window, 0, end.start() if end else len(window)):
+    """What FFmpeg's text probes would take `window` for, None if nothing."""
+    if _has_sdp_line(window, _sdp_end(window)):
         return "an SDP session description (a line 'c=IN IP...')"
-    text = window.partition(b"\0")[0]
+    text = window.partition(b"\0")[0].lower()
     for needle, label in PLAYLISTS:
         if text.startswith(needle):
             return label
@@ -64,13 +60,32 @@ def _probed_as(window: bytes) -> str | None:
     return None
 
 
+def _sdp_end(window: bytes) -> int:
+    """Where SDP's probe stops reading lines: the first that starts with a NUL byte (after `\\n` or `\\n\\r`);
+    len(window) if none does."""
+    if window[:1] == b"\0":
+        return 0
+    ends = [at for at in (window.find(b"\n\0"), window.find(b"\n\r\0")) if at >= 0]
+    return min(ends) if ends else len(window)
+
+
+def _has_sdp_line(window: bytes, end: int) -> bool:
+    """Whether a line before `end` starts with SDP_LINE (at the start, after `\\n` or after `\\n\\r`)."""
+    at = window.find(SDP_LINE, 0, end)
+    while at >= 0:
+        if at == 0 or window[at - 1] == 0x0A or (at >= 2 and window[at - 2:at] == b"\n\r"):
+            return True
+        at = window.find(SDP_LINE, at + 1, end)
+    return False
+
+
 def _probe_window(read: Reader, start: int) -> bytes:
     """The bytes FFmpeg's text probes would read from `start`: read on until SDP's probe would stop (a line starting
     with a NUL byte), the data ends or PROBE_BYTES."""
     size = SNIFF_BYTES
     while True:
         window = read(start + size)[start:]
-        if SDP_END.search(window) or len(window) < size or size >= PROBE_BYTES:
+        if _sdp_end(window) < len(window) or len(window) < size or size >= PROBE_BYTES:
             return window[:PROBE_BYTES]
         size *= 4
 
