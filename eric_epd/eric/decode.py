@@ -13,13 +13,12 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from eric_epd.eric.video_limits import DecodeGuard, check_source, count_frames
+from eric_epd.media.containers import IMAGE_FORMATS, sniff
+from eric_epd.media.demux import open_input
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
 
 logger = logging.getLogger(__name__)
-
-# Formats PIL may try; excludes e.g. EPS (runs Ghostscript) and exotic plugins.
-_IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "PPM", "ICO", "AVIF")
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
@@ -32,7 +31,7 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
         raise MediaError(400, "image is empty (0 bytes)")
     try:
         Image.init()  # registers the plugins; a no-op after the first call
-        formats = [name for name in _IMAGE_FORMATS if name in Image.OPEN]  # AVIF is an optional build
+        formats = [name for name in IMAGE_FORMATS if name in Image.OPEN]  # AVIF is an optional build
         img = Image.open(io.BytesIO(data), formats=formats)
         width, height = img.size
         if width * height == 0:
@@ -94,12 +93,17 @@ def decode_video(data: bytes, limits: MediaLimits,
     a one-frame video yields that frame twice), unless ``sampler(total frames, source fps)`` names the frame
     indices (a model whose processor samples otherwise). 400 for undecodable input; 413 for oversize frames, for
     a source over the frame or duration limits (read from the container before decoding) and for a decode over its
-    wall-time limit; decoding stops once `stop` is set (the requester has gone).
+    wall-time limit; decoding stops once `stop` is set (the requester has gone). The container must be one of
+    `containers.VIDEO_DEMUXERS`, told from its leading bytes and forced on FFmpeg (400 otherwise: a playlist or a
+    still image is never probed).
     """
     if not data:
         raise MediaError(400, "video is empty (0 bytes)")
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        demuxer = sniff(data, "video")
+        container = open_input(data, demuxer)
+    except MediaError as exc:
+        raise MediaError(400, f"could not decode video: {exc.message}") from exc
     except av.FFmpegError as exc:
         raise MediaError(400, f"could not decode video: {exc}") from exc
     except Exception as exc:
@@ -107,9 +111,6 @@ def decode_video(data: bytes, limits: MediaLimits,
     with container:
         if not container.streams.video:
             raise MediaError(400, "could not decode video: no video stream")
-        fmt = container.format.name
-        if fmt.endswith("_pipe") or fmt == "image2":  # ffmpeg opens a lone still image as a one-frame "video"
-            raise MediaError(400, f"not a video: the data is a still image ({fmt}); send it as modality 'image'")
         stream = container.streams.video[0]
         _check_frame_size(stream.codec_context.width, stream.codec_context.height, limits)
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -117,7 +118,7 @@ def decode_video(data: bytes, limits: MediaLimits,
         if not (src_fps > 0 and math.isfinite(src_fps)):
             raise MediaError(400, "could not decode video: unknown frame rate")
         try:
-            total = stream.frames or count_frames(data, limits.max_video_source_frames)
+            total = stream.frames or count_frames(data, limits.max_video_source_frames, demuxer)
         except av.FFmpegError as exc:
             raise MediaError(400, f"could not decode video: {exc}") from exc
         if total <= 0:

@@ -3,19 +3,18 @@ decoded, the decode's wall time, and its requester's presence."""
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
-import av
-
+from eric_epd.media.demux import open_input
 from eric_epd.media.url_policy import MediaError
 
 
-def count_frames(data: bytes, limit: int) -> int:
-    """The video packets in `data` (a container without a frame count in its header), counted up to limit + 1."""
+def count_frames(data: bytes, limit: int, demuxer: str) -> int:
+    """The video packets in `data` (a container without a frame count in its header, opened with `demuxer`, the
+    sniff's), counted up to limit + 1."""
     count = 0
-    with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
+    with open_input(data, demuxer) as container:
         for packet in container.demux(video=0):
             count += 1 if packet.size else 0
             if count > limit:

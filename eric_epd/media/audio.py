@@ -1,6 +1,7 @@
 """Bounded audio decoding for Eric's preprocessing, giving the samples vLLM 0.32's audio loader gives for the same
 bytes (`vllm/multimodal/media/audio.py: load_audio`, native rate, mono): libsndfile through soundfile (wav, flac, ogg,
-mp3, ...), else FFmpeg through PyAV; channels averaged. Synchronous, meant for a thread pool."""
+mp3, ...), else FFmpeg through PyAV with the demuxer the container sniff chose (never probing); channels averaged.
+Synchronous, meant for a thread pool."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import av
 import numpy as np
 import soundfile
 
+from eric_epd.media.containers import sniff
+from eric_epd.media.demux import open_input
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
 
@@ -37,18 +40,23 @@ class DecodedAudio:
 
 
 def decode_audio(data: bytes, limits: MediaLimits, stop: threading.Event | None = None) -> DecodedAudio:
-    """Decode `data` as vLLM's loader does (soundfile, else PyAV). 400 for undecodable or empty audio; 413 for a
-    source over the sample-rate, channel, duration or decoded-size limits, checked from its header before decoding
-    and again on what was decoded; 499 once `stop` is set (the requester has gone)."""
+    """Decode `data` as vLLM's loader does (soundfile, else PyAV). 400 for undecodable or empty audio and for a
+    container outside `containers.AUDIO_DEMUXERS`; 413 for a source over the sample-rate, channel, duration or
+    decoded-size limits, checked from its header before decoding and again on what was decoded; 499 once `stop` is
+    set (the requester has gone)."""
     if not data:
         raise MediaError(400, "audio is empty (0 bytes)")
+    try:
+        demuxer = sniff(data, "audio")
+    except MediaError as exc:
+        raise MediaError(400, f"could not decode audio: {exc.message}") from exc
     _check_stop(stop)
     try:
         decoded = _decode_soundfile(data, limits)
     except soundfile.LibsndfileError as exc:
         if exc.code not in UNRECOGNISED:
             raise MediaError(400, f"could not decode audio: {exc.error_string}") from exc
-        decoded = _decode_pyav(data, limits, stop)
+        decoded = _decode_pyav(data, demuxer, limits, stop)
     except (RuntimeError, ValueError, TypeError) as exc:  # libsndfile giving up mid-stream, or a header it rejects
         raise MediaError(400, f"could not decode audio: {str(exc) or type(exc).__name__}") from exc
     if decoded.samples.size == 0:
@@ -97,11 +105,12 @@ def _decode_soundfile(data: bytes, limits: MediaLimits) -> DecodedAudio:
     return DecodedAudio(y, rate, channels)
 
 
-def _decode_pyav(data: bytes, limits: MediaLimits, stop: threading.Event | None) -> DecodedAudio:
+def _decode_pyav(data: bytes, demuxer: str, limits: MediaLimits, stop: threading.Event | None) -> DecodedAudio:
     """vLLM's `load_audio_pyav(sr=None)`: every frame of the first audio stream as it decodes, joined along time,
-    as float32, averaged over channels; formats whose raw frames are not float samples per channel are refused."""
+    as float32, averaged over channels; formats whose raw frames are not float samples per channel are refused.
+    `demuxer` is forced (vLLM's loader probes)."""
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = open_input(data, demuxer)
     except av.FFmpegError as exc:
         raise MediaError(400, f"could not decode audio: unrecognised or corrupt data ({exc})") from exc
     except Exception as exc:

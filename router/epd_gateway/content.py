@@ -1,4 +1,5 @@
-"""Reads and rewrites the media parts of OpenAI chat requests (counting, URL policy, embeds substitution)."""
+"""Reads and rewrites the media parts of OpenAI chat requests (counting, URL policy, the media an engine may be given,
+embeds substitution)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from urllib.parse import urlsplit
 
 from eric_epd.common.errors import ApiError
 from eric_epd.common.jsonbody import MAX_URL
+from eric_epd.media.engine_probe import Reader, check_for_engine, data_url_reader
 from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
 from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
@@ -80,8 +82,8 @@ def _input_audio_url(value: Any, where: str) -> str:
 def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int,
                   with_audio: bool = False) -> list[MediaRef]:
     """Every image/video/audio part of a chat request (whose parts boundary.check_messages already validated), each URL
-    through the URL policy, each video `with_audio` (its soundtrack too) as the request says; 400 for anything the
-    gateway cannot route."""
+    through the URL policy, each data: URL's bytes checked as an engine's media must be (`check_medium`), each video
+    `with_audio` (its soundtrack too) as the request says; 400 for anything the gateway cannot route."""
     refs: list[MediaRef] = []
     for m, message in enumerate(body["messages"]):
         content = message.get("content")
@@ -92,15 +94,27 @@ def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int,
             kind = part["type"]
             if kind in MEDIA_PARTS:
                 url = _part_url(part, kind, where)
+                modality = MEDIA_PARTS[kind]
                 try:
                     policy.check(url)
+                    if url_scheme(url) == "data":  # its bytes are here: checked now (fetched ones: inline.py)
+                        check_for_engine(data_url_reader(url), modality)
                 except MediaError as e:
                     raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
-                modality = MEDIA_PARTS[kind]
                 refs.append(MediaRef(m, p, modality, url, kind, with_audio and modality == "video"))
     if len(refs) > max_items:
         raise ApiError(400, f"too many media items: {len(refs)} > {max_items}", param="messages")
     return refs
+
+
+def check_medium(read: Reader, modality: str, where: str) -> None:
+    """400 naming the part (`where`) unless the medium `read` gives is one an engine may be given: a container of the
+    part's modality's allowlist, told from its leading bytes, with no text a probing FFmpeg would follow
+    (`engine_probe.check_for_engine`). vLLM's own loaders probe the media they are handed."""
+    try:
+        check_for_engine(read, modality)
+    except MediaError as e:
+        raise ApiError(e.status if e.status < 500 else 400, f"{where}: {e.message}") from e
 
 
 def remote_hosts(refs: list[MediaRef]) -> set[tuple[str, int]]:

@@ -9,9 +9,10 @@ import copy
 import logging
 from typing import Any
 
-from epd_gateway.content import MediaRef
+from epd_gateway.content import MediaRef, check_medium
 from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
+from eric_epd.media.engine_probe import bytes_reader
 from eric_epd.media.fetch import ByteBudget, MediaFetcher, SharedBytes
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.resolver import MAX_HOSTS_PER_REQUEST
@@ -76,8 +77,9 @@ class MediaInliner:
     async def inline(self, body: dict[str, Any], refs: list[MediaRef], budget: ByteBudget) -> dict[str, Any] | None:
         """A copy of the request whose remote media parts are data: URLs, or None when it has none (the client's
         raw body can then go as it is). A fetch the policy refuses or that fails is the client's 4xx; media over
-        the request's budget (--max-inline-bytes, every part counted, a URL named twice twice) a 413. Each distinct
-        URL is fetched once; every byte fetched is held in `budget` (close it when the request ends)."""
+        the request's budget (--max-inline-bytes, every part counted, a URL named twice twice) a 413; a part whose
+        bytes are no medium of its modality an engine may be given a 400 naming it (`content.check_medium`). Each
+        distinct URL is fetched once; every byte fetched is held in `budget` (close it when the request ends)."""
         remote = [ref for ref in refs if url_scheme(ref.url) in FETCHED_SCHEMES]
         if not remote:
             return None
@@ -88,6 +90,8 @@ class MediaInliner:
         total = sum(len(fetched[ref.url]) for ref in remote)
         if total > self._max_request_bytes:
             raise ApiError(413, f"{self._over_budget()} ({len(remote)} parts, {total} bytes)", param="messages")
+        for ref in remote:  # each part as its own modality (one URL may stand in parts of two)
+            check_medium(bytes_reader(fetched[ref.url]), ref.modality, f"messages[{ref.message}].content[{ref.part}]")
         inlined = {url: "data:application/octet-stream;base64," + base64.b64encode(data).decode()
                    for url, data in fetched.items()}
         out = dict(body)

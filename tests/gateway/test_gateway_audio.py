@@ -30,7 +30,7 @@ from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.models.facts import has_audio_tower
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
-from eric_epd.testing.media import audio_bytes, data_url, image_data_url
+from eric_epd.testing.media import audio_bytes, data_url, image_data_url, video_bytes
 from eric_epd.testing.stack import ask_token_ids, image_messages, metric, wait_for
 from eric_epd.wire.eric import GRID, MEDIA
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY, SOUNDTRACKS_KEY
@@ -58,8 +58,8 @@ def _clips(*specs: tuple[int, int]) -> list[dict]:
 
 def test_audio_parts_are_media_items_under_the_url_policy() -> None:
     wav = audio_bytes(RATE // 4, RATE, seed=1)
-    body = {"messages": _messages([_audio_part(wav), {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,"
-                                                                                          "AAAA"}}])}
+    body = {"messages": _messages([_audio_part(wav), {"type": "audio_url", "audio_url": {"url": data_url(wav,
+                                                                                                          "audio/wav")}}])}
     refs = collect_media(body, UrlPolicy(), max_items=4)
     assert [(r.part, r.modality, r.part_type) for r in refs] == [(0, "audio", "input_audio"), (1, "audio", "audio_url")]
     assert refs[0].url == "data:audio/wav;base64," + base64.b64encode(wav).decode()  # what vLLM makes of the part
@@ -153,7 +153,7 @@ def test_audio_to_a_model_without_audio_is_refused() -> None:
 
 def _talkie(option: object = True) -> dict:
     """A video and an image, and vLLM's option that gives the video's soundtrack to the model too."""
-    parts = [{"type": "video_url", "video_url": {"url": data_url(b"not decoded here", "video/mp4")}},
+    parts = [{"type": "video_url", "video_url": {"url": data_url(video_bytes(num_frames=2), "video/mp4")}},
              {"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=4)}}]
     return {"model": "omni", "messages": _messages(parts), "mm_processor_kwargs": {"use_audio_in_video": option}}
 

@@ -31,6 +31,11 @@ from eric_epd.media.url_policy import MediaError, UrlPolicy
 LIMITS = MediaLimits(max_bytes=1 << 20, timeout_s=5.0)
 
 
+def _blob(size: int) -> bytes:
+    """`size` bytes the gateway takes for a PNG (its signature, then filler): only their count matters here."""
+    return (b"\x89PNG\r\n\x1a\n" + b"x" * size)[:size]
+
+
 class _Blobs(BaseHTTPRequestHandler):
     """GET /<n>: n bytes; /stream/<n>: the same without a Content-Length (counted as they come). Hits counted."""
 
@@ -44,8 +49,9 @@ class _Blobs(BaseHTTPRequestHandler):
         if not self.path.startswith("/stream/"):
             self.send_header("Content-Length", str(size))
         self.end_headers()
+        blob = _blob(size)
         for start in range(0, size, 4096):
-            self.wfile.write(b"x" * min(4096, size - start))
+            self.wfile.write(blob[start:start + 4096])
 
     def log_message(self, *args: object) -> None:
         pass
@@ -104,7 +110,7 @@ def test_a_url_named_many_times_is_fetched_once_and_every_part_counts(blobs: str
     out = _inline(_images(*[url] * 16), 16 * 30000, policy)
     assert _Blobs.hits["/once/30000"] == 1
     sent = [part["image_url"]["url"] for part in out["messages"][0]["content"]]
-    assert sent == ["data:application/octet-stream;base64," + base64.b64encode(b"x" * 30000).decode()] * 16
+    assert sent == ["data:application/octet-stream;base64," + base64.b64encode(_blob(30000)).decode()] * 16
     _over(_images(*[f"{blobs}/twice/30000"] * 16), 16 * 30000 - 1, policy)  # one fetch, sixteen parts inlined
     assert _Blobs.hits["/twice/30000"] == 1
 
@@ -148,7 +154,7 @@ def test_media_inlined_for_every_request_together_are_bounded(blobs: str) -> Non
 def test_files_count_against_the_budget(tmp_path: Path) -> None:
     policy = UrlPolicy(file_roots=(tmp_path.resolve(),))
     for name in "abc":
-        (tmp_path / name).write_bytes(b"y" * 100)
+        (tmp_path / name).write_bytes(_blob(100))
     urls = [(tmp_path / name).resolve().as_uri() for name in "abc"]
     assert _inline(_images(*urls), 300, policy) is not None
     _over(_images(*urls), 299, policy)

@@ -23,16 +23,19 @@ from epd_gateway.plain_media import PlainMedia
 
 from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.testing.media import image_data_url
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 
 POLICY = UrlPolicy(host_allowlist=frozenset({"127.0.0.1"}))
+PNG_URL = image_data_url(4, 4)
+"""A data: URL the gateway takes for an image (it checks each data: URL's medium)."""
 
 
 def _body() -> dict:
     return {"model": "m", "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "image_url", "image_url": {"url": PNG_URL}},
             {"type": "text", "text": "and"},
             {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}},
         ]},
@@ -65,13 +68,13 @@ def test_items_placed_by_their_media_keep_the_inlined_part_with_the_hash_as_uuid
     inlined = json.loads(json.dumps(body))
     inlined["messages"][1]["content"][2]["video_url"]["url"] = "data:application/octet-stream;base64,BBBB"
     sent = inlined_refs(inlined, refs)
-    assert [r.url for r in sent] == ["data:image/png;base64,AAAA", "data:application/octet-stream;base64,BBBB"]
+    assert [r.url for r in sent] == [PNG_URL, "data:application/octet-stream;base64,BBBB"]
     assert [(r.message, r.part, r.modality) for r in sent] == [(r.message, r.part, r.modality) for r in refs]
     items = [{"hash": "a" * 64, "grid_thw": [1, 1, 4], "placement": "media", "handle": {"lease": "token-a"}},
              {"hash": "b" * 64, "grid_thw": [2, 4, 4], "handle": {"lease": "token-b"}}]
     out = with_embeddings(inlined, refs, items)
     assert out["messages"][1]["content"][0] == {
-        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, "uuid": "a" * 64}
+        "type": "image_url", "image_url": {"url": PNG_URL}, "uuid": "a" * 64}
     assert out["messages"][1]["content"][2] == {
         "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]}, "uuid": "b" * 64}
     assert [h["lease"] for h in json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])] == ["token-a", "token-b"]
@@ -229,7 +232,7 @@ def test_load_reports_are_bounded_and_checked_against_what_the_gateway_sees() ->
 
 def test_media_the_plain_path_carried_do_not_count_and_the_memory_is_bounded() -> None:
     refs = collect_media({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{'AB' * (n + 1)}"}} for n in range(4)]}]},
+        {"type": "image_url", "image_url": {"url": image_data_url(4, 4, seed=n)}} for n in range(4)]}]},
         POLICY, 8)
     seen = PlainMedia(capacity=3)
     assert seen.unseen(refs) == 4
