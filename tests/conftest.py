@@ -101,7 +101,8 @@ def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFact
 
     logs = tmp_path_factory.mktemp("epd-backend")
     key = new_key()
-    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key) for i in range(2)]
+    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key, media_hosts=("127.0.0.1",))
+             for i in range(2)]  # tests/security/test_url_tricks.py's media origin is on loopback
     vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics], eric_api_key=key)
     with running(vllm, *erics):  # their start-ups overlap
         yield {"erics": erics, "vllm": vllm, "eric_key": key}

@@ -29,15 +29,21 @@ class EricServer(ServerProcess):
     def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
                  log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None,
                  cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None,
-                 register_key: str | None = None) -> None:
+                 register_key: str | None = None, media_hosts: tuple[str, ...] = ()) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
         cpus = cpus or host_split()[0]
         cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
-               "--port", str(port), "--allowed-host", "127.0.0.1", "--cpus", format_cpus(cpus), *extra_args]
+               "--port", str(port), *allowed_hosts(media_hosts), "--cpus", format_cpus(cpus), *extra_args]
         keys = {"ERIC_API_KEY": api_key, **({"EPD_GATEWAY_ADMIN_KEY": register_key} if register_key else {})}
         super().__init__(cmd, port, log_path, startup_timeout_s, env={**(env or {}), **keys}, api_key=api_key,
                          cpus=cpus)
+
+
+def allowed_hosts(hosts: tuple[str, ...]) -> list[str]:
+    """`--allowed-host H` for each media host let past the URL policy. None by default: what users start (`eric-epd
+    up`) fetches media only from public addresses; a test serving media on loopback passes ("127.0.0.1",)."""
+    return [arg for host in hosts for arg in ("--allowed-host", host)]
 
 
 def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "",
@@ -137,10 +143,11 @@ class GatewayServer(ServerProcess):
     def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
                  upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
                  cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None,
-                 admin_key: str | None = None, wrap: tuple[str, ...] = (), metrics_key: str | None = None) -> None:
+                 admin_key: str | None = None, wrap: tuple[str, ...] = (), metrics_key: str | None = None,
+                 media_hosts: tuple[str, ...] = ()) -> None:
         port = port or free_port()
         self.metrics_key = metrics_key or new_key()
-        cmd = [*wrap, sys.executable, "-m", "epd_gateway", "--port", str(port), "--allowed-host", "127.0.0.1",
+        cmd = [*wrap, sys.executable, "-m", "epd_gateway", "--port", str(port), *allowed_hosts(media_hosts),
                "--health-interval", "0.5", *args]
         env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
                                  ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key),

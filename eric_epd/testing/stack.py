@@ -75,17 +75,20 @@ def gateway_paths(gateway: GatewayServer) -> dict[str, float]:
 
 
 def colocated_epd(model: Path, logs: Path, dtype: str = "float32", eric_cpus: Cpus | None = None,
-                  engine_cpus: Cpus | None = None) -> Launched:
+                  engine_cpus: Cpus | None = None, media_hosts: tuple[str, ...] = ()) -> Launched:
     """One Eric, one `vllm serve` behind it (both in `dtype`) and the gateway in front (EPD, or colocated raw media),
     keys wired, not yet launched; its value is {"eric", "vllm", "gateway"}. Eric and the gateway run on `eric_cpus`,
-    vLLM on `engine_cpus` (default: the halves of host_split())."""
+    vLLM on `engine_cpus` (default: the halves of host_split()); Eric and the gateway fetch media from `media_hosts`
+    besides public addresses."""
     from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 
-    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype), cpus=eric_cpus)
+    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype), cpus=eric_cpus,
+                      media_hosts=media_hosts)
     vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype,
                      cpus=engine_cpus)
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, cpus=eric_cpus)
+                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, cpus=eric_cpus,
+                            media_hosts=media_hosts)
     return Launched((eric, vllm, gateway), {"eric": eric, "vllm": vllm, "gateway": gateway})
 
 

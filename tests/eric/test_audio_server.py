@@ -40,7 +40,7 @@ def _audio_url(fmt: str, frames: int, rate: int, channels: int, seed: int = 0) -
 @pytest.fixture(scope="module")
 def eric(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
     root = tmp_path_factory.mktemp("audio-files")
-    with EricServer(qwen2_audio_tiny, log_path=root / "eric.log",
+    with EricServer(qwen2_audio_tiny, log_path=root / "eric.log", media_hosts=("127.0.0.1",),  # a loopback origin
                     extra_args=("--dtype", "float32", "--max-audio-seconds", "40", "--max-audio-channels", "2",
                                 "--file-root", str(root))) as server:
         server.root = root  # type: ignore[attr-defined]

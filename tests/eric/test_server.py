@@ -22,7 +22,7 @@ from eric_epd.wire.handles import LEASE_HEADER
 def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """TP 2 with two batches in flight (the CUDA default; CPU's is one): the next batch is broadcast while one runs."""
     log = tmp_path_factory.mktemp("eric") / "eric.log"
-    with EricServer(qwen2_vl_tiny, tp=2, log_path=log,
+    with EricServer(qwen2_vl_tiny, tp=2, log_path=log, media_hosts=("127.0.0.1",),  # reaches a closed port
                     extra_args=("--max-batch-items", "8", "--max-body-bytes", str(2**20),
                                 "--batches-in-flight", "2")) as server:
         yield server

@@ -69,6 +69,9 @@ class _Media(BaseHTTPRequestHandler):
         pass
 
 
+LOOPBACK = ("127.0.0.1",)
+"""The media origin's address, let past the gateways' URL policy (the tricks aim elsewhere on loopback)."""
+
 class MediaOrigin(ThreadingHTTPServer):
     def __init__(self, targets: list[str]) -> None:
         super().__init__(("127.0.0.1", 0), _Media)
@@ -119,11 +122,11 @@ def world(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     dead = f"http://127.0.0.1:{free_port()}"
     gateways = {
         "epd": GatewayServer(logs / "epd.log", "--encoder-urls", ",".join(e.url for e in erics),
-                             "--colocated-urls", vllm.url, **keys).start(),
+                             "--colocated-urls", vllm.url, media_hosts=LOOPBACK, **keys).start(),
         "fallback": GatewayServer(logs / "fallback.log", "--encoder-urls", dead, "--colocated-urls", vllm.url,
-                                  **keys).start(),
+                                  media_hosts=LOOPBACK, **keys).start(),
         "sglang": GatewayServer(logs / "sglang.log", "--backend", "sglang", "--prefill-urls", dead,
-                                "--decode-urls", dead, "--epd-prefill-urls", dead).start(),
+                                "--decode-urls", dead, "--epd-prefill-urls", dead, media_hosts=LOOPBACK).start(),
     }
     model = httpx.get(vllm.url + "/v1/models", headers=vllm.headers).json()["data"][0]["id"]
     yield {"v4": v4, "v6": v6, "origin": origin, "vllm": vllm, "model": model, **gateways}

@@ -1,5 +1,6 @@
 """`eric-epd up`: the whole local stack on disjoint CPUs answers a multi-image chat request through the openai
-client on the EPD path, and SIGTERM stops every process it started and removes their ipc directories."""
+client on the EPD path, refuses media that redirect into the host's loopback on both paths (no test allowance in what
+users run), and SIGTERM stops every process it started and removes their ipc directories."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from eric_epd.eric.config import EricConfig
 from eric_epd.stack.process import free_port
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
+from tests.support.netns import LoopbackListener, public_redirector
 
 
 def _wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 600) -> str:
@@ -51,6 +53,22 @@ def _eric_ipc_dirs(root: psutil.Process) -> set[Path]:
     return dirs
 
 
+def _no_loopback_by_redirect(client: openai.OpenAI, images: list[str]) -> None:
+    """A public origin (an address of a network namespace made here) answering 302 to a loopback port: refused with a
+    400 on the EPD path (Eric fetches it) and on the plain path (the gateway does), and the port is never reached."""
+    listener = LoopbackListener()
+    model = client.models.list().data[0].id
+    try:
+        with public_redirector(f"http://127.0.0.1:{listener.port}/secret.png") as origin:
+            for path, urls in (("epd", [*images[:2], f"{origin}/a.png"]), ("plain", [f"{origin}/b.png"])):
+                with pytest.raises(openai.BadRequestError) as e:
+                    client.chat.completions.create(model=model, messages=image_messages(urls), max_tokens=2)
+                assert "127.0.0.1" in str(e.value) and "refused" in str(e.value), (path, e.value)
+    finally:
+        listener.close()
+    assert listener.accepted == 0
+
+
 def test_a_config_alone_creates_no_directory() -> None:
     config = EricConfig(model=Path("."))
     assert config.run_dir.name.startswith("eric-") and not config.run_dir.exists()
@@ -76,6 +94,7 @@ def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: py
             extra_body={"ignore_eos": True})
         assert raw.headers["x-epd-path"] == "epd"
         assert raw.parse().usage.completion_tokens == 6
+        _no_loopback_by_redirect(client, images)
         roles = _cpus_by_role(psutil.Process(proc.pid))
         assert roles["eric"] and roles["vllm"]
         if psutil.cpu_count() > 1:

@@ -70,7 +70,7 @@ def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
         model = ensure_family_checkpoint(family)
         launched = colocated_epd(model, tmp_path_factory.mktemp(f"{family}-epd"), eric_cpus=eric_cpus,
-                                 engine_cpus=engine_cpus)
+                                 engine_cpus=engine_cpus, media_hosts=("127.0.0.1",))  # the image origin
         launched.value["family"] = family
         return launched
 
