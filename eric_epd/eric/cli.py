@@ -97,7 +97,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-video-seconds", type=float, default=MediaLimits.max_video_seconds,
                    help="longest video accepted, read from its container before decoding (413 otherwise)")
     p.add_argument("--max-video-decode-seconds", type=float, default=MediaLimits.max_video_decode_s,
-                   help="wall time one video may take to decode before it is refused with 413")
+                   help="wall time one request's videos may take to decode before they are refused with 413")
+    p.add_argument("--max-video-fps", type=float, default=MediaLimits.max_video_fps,
+                   help="highest frame rate a video may declare, read from its container before decoding (413)")
+    p.add_argument("--max-video-decode-pixels", type=int, default=MediaLimits.max_video_decode_pixels,
+                   help="most pixels one request's videos may decode (each: its frames up to the last sampled one x "
+                        "its frame size, read from the container before decoding; 413 beyond)")
     p.add_argument("--max-audio-seconds", type=float, default=MediaLimits.max_audio_seconds,
                    help="longest audio item accepted, from its header and again as decoded (413 otherwise)")
     p.add_argument("--max-audio-sample-rate", type=int, default=MediaLimits.max_audio_sample_rate,
@@ -176,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         media=MediaLimits(video_fps=args.video_fps, max_video_frames=args.max_video_frames,
                           max_video_source_frames=args.max_video_source_frames,
                           max_video_seconds=args.max_video_seconds, max_video_decode_s=args.max_video_decode_seconds,
+                          max_video_fps=args.max_video_fps, max_video_decode_pixels=args.max_video_decode_pixels,
                           max_audio_seconds=args.max_audio_seconds, max_audio_sample_rate=args.max_audio_sample_rate,
                           max_audio_channels=args.max_audio_channels,
                           max_audio_decode_bytes=args.max_audio_decode_bytes),

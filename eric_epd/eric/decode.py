@@ -12,7 +12,7 @@ import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from eric_epd.eric.video_limits import DecodeGuard, check_source, count_frames
+from eric_epd.eric.video_limits import VideoBudget, check_source, count_frames
 from eric_epd.media.containers import IMAGE_FORMATS, sniff
 from eric_epd.media.demux import open_input
 from eric_epd.media.limits import MediaLimits
@@ -83,7 +83,8 @@ def _check_frame_size(width: int, height: int, limits: MediaLimits) -> None:
 
 def decode_video(data: bytes, limits: MediaLimits,
                  sampler: Callable[[int, float], list[int] | None] | None = None,
-                 stop: threading.Event | None = None) -> tuple[np.ndarray, float, tuple[float, ...]]:
+                 stop: threading.Event | None = None,
+                 budget: VideoBudget | None = None) -> tuple[np.ndarray, float, tuple[float, ...]]:
     """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, sampled_fps, seconds): the
     source time of each frame taken.
 
@@ -93,7 +94,8 @@ def decode_video(data: bytes, limits: MediaLimits,
     a one-frame video yields that frame twice), unless ``sampler(total frames, source fps)`` names the frame
     indices (a model whose processor samples otherwise). 400 for undecodable input; 413 for oversize frames, for
     a source over the frame or duration limits (read from the container before decoding) and for a decode over its
-    wall-time limit; decoding stops once `stop` is set (the requester has gone). The container must be one of
+    wall-time limit; decoding stops once `stop` is set (the requester has gone). `budget`: the request's, shared by
+    its videos (pixels decoded, wall time; VideoBudget), else this video's own. The container must be one of
     `containers.VIDEO_DEMUXERS`, told from its leading bytes and forced on FFmpeg (400 otherwise: a playlist or a
     still image is never probed).
     """
@@ -123,8 +125,7 @@ def decode_video(data: bytes, limits: MediaLimits,
             raise MediaError(400, f"could not decode video: {exc}") from exc
         if total <= 0:
             raise MediaError(400, "could not decode video: no frames")
-        check_source(total, src_fps, limits.max_video_source_frames, limits.max_video_seconds)
-        guard = DecodeGuard(limits.max_video_decode_s, stop)
+        check_source(total, src_fps, limits)
         indices = (sampler(total, src_fps) if sampler is not None else None) or _frame_indices(total, src_fps, limits)
         if len(indices) > limits.max_video_frames:
             raise MediaError(413, f"the video is {total / src_fps:.1f} s long: this model samples {len(indices)} "
@@ -132,7 +133,10 @@ def decode_video(data: bytes, limits: MediaLimits,
         indices = [min(max(i, 0), total - 1) for i in indices] or [0]
         if len(indices) < 2:
             indices = indices * 2
-        wanted, last_wanted = set(indices), indices[-1]
+        wanted, last_wanted = set(indices), max(indices)
+        budget = budget or VideoBudget(limits, stop)
+        budget.reserve(last_wanted + 1, stream.codec_context.width, stream.codec_context.height)
+        guard = budget.guard()
         stream.codec_context.thread_type = "AUTO"
         picked: dict[int, np.ndarray] = {}
         size: tuple[int, int] | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eric_epd.eric.decode import decode_image, decode_video
+from eric_epd.eric.video_limits import VideoBudget
 from eric_epd.media.audio import decode_audio
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
@@ -66,6 +67,10 @@ class Processor:
         self._threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="eric-preprocess",
                                         initializer=_lower_thread_priority)
+        self._video_pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="eric-video",
+                                              initializer=_lower_thread_priority)
+        """Videos decode here, one item a task: however many a client sends, images and audio never queue behind
+        them."""
         self._salt = {m: self._hash_salt(m, model_id) for m in modality_processor.modalities}
 
     @property
@@ -82,35 +87,44 @@ class Processor:
 
     async def prepare_many(self, items: list[tuple[str, bytes]],
                            hop_padded: bool = True) -> list[PreparedItem | MediaError]:
-        """Every item prepared, in order, each its PreparedItem or its MediaError. Items go to the pool in one
-        contiguous chunk per thread: a hop to the pool and back costs about as much as preprocessing a small
-        image, so a request of small images pays it once per thread, not once per item. Cancelled (the client
+        """Every item prepared, in order, each its PreparedItem or its MediaError. Images and audio go to the pool in
+        one contiguous chunk per thread: a hop to the pool and back costs about as much as preprocessing a small
+        image, so a request of small images pays it once per thread, not once per item. Each video goes to the video
+        pool on its own, under the request's VideoBudget. Cancelled (the client
         left), the chunks stop before their next item. `hop_padded=False`: audio as SGLang reads it (no hop padding;
         other content hashes)."""
         loop, stop = asyncio.get_running_loop(), threading.Event()
-        runs = [loop.run_in_executor(self._pool, self._prepare_chunk, c, stop, hop_padded)
-                for c in _chunks(items, self._threads)]
+        budget = VideoBudget(self._limits, stop)
+        others = _chunks([i for i, (modality, _) in enumerate(items) if modality != "video"], self._threads)
+        videos = [[i] for i, (modality, _) in enumerate(items) if modality == "video"]
+        runs = [loop.run_in_executor(self._pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded)
+                for c in others]
+        runs += [loop.run_in_executor(self._video_pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded,
+                                      budget) for c in videos]
         try:
             done = await asyncio.gather(*runs)
         except BaseException:
             stop.set()
             raise
-        return [result for chunk in done for result in chunk]
+        results: dict[int, PreparedItem | MediaError] = {}
+        for chunk, prepared in zip(others + videos, done, strict=True):
+            results.update(zip(chunk, prepared, strict=True))
+        return [results[i] for i in range(len(items))]
 
-    def _prepare_chunk(self, items: list[tuple[str, bytes]], stop: threading.Event,
-                       hop_padded: bool = True) -> list[PreparedItem | MediaError]:
+    def _prepare_chunk(self, items: list[tuple[str, bytes]], stop: threading.Event, hop_padded: bool = True,
+                       budget: VideoBudget | None = None) -> list[PreparedItem | MediaError]:
         out: list[PreparedItem | MediaError] = []
         for modality, data in items:
             if stop.is_set():
                 break
             try:
-                out.append(self._prepare_sync(modality, data, stop, hop_padded))
+                out.append(self._prepare_sync(modality, data, stop, hop_padded, budget))
             except MediaError as e:
                 out.append(e)
         return out
 
     def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None,
-                      hop_padded: bool = True) -> PreparedItem:
+                      hop_padded: bool = True, budget: VideoBudget | None = None) -> PreparedItem:
         start = time.perf_counter()
         tag = ""
         try:
@@ -125,7 +139,7 @@ class Processor:
                 decoded = time.perf_counter()
                 item = self._mp.process_audio(audio.samples, audio.sample_rate, hop_padded)
             else:
-                pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop)
+                pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop, budget)
                 decoded = time.perf_counter()
                 item = self._mp.process_video(pixels, sampled_fps, seconds)
         except ValueError as e:  # the model's processor refuses this input (e.g. its aspect ratio)
@@ -145,6 +159,7 @@ class Processor:
     def close(self) -> None:
         """Stop the preprocessing threads, dropping work not yet started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._video_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _chunks(items: list, n: int) -> list[list]:

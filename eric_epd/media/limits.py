@@ -21,7 +21,9 @@ class MediaLimits:
     max_video_pixels: int = 8_000_000  # per frame
     max_video_source_frames: int = 36_000  # frames in the source (decoding runs up to the last sampled one)
     max_video_seconds: float = 3600.0  # source duration
-    max_video_decode_s: float = 30.0  # wall time to decode one video
+    max_video_decode_s: float = 30.0  # wall time to decode one request's videos
+    max_video_fps: float = 240.0  # declared source frame rate, read before decoding
+    max_video_decode_pixels: int = 16_000_000_000  # frames decoded (up to the last sampled) x frame size, per request
     max_audio_seconds: float = 600.0  # one audio item's duration (vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S default)
     max_audio_sample_rate: int = MAX_AUDIO_SAMPLE_RATE  # Hz, read from the header before decoding
     max_audio_channels: int = 8  # read from the header before decoding
@@ -34,8 +36,9 @@ class MediaLimits:
             raise ValueError("MediaLimits timeout_s and video_fps must be > 0, max_redirects >= 0")
         if self.max_video_frames < 2:
             raise ValueError("MediaLimits.max_video_frames must be >= 2")
-        if min(self.max_video_source_frames, self.max_video_seconds, self.max_video_decode_s) <= 0:
-            raise ValueError("MediaLimits video source frames, seconds and decode time must be positive")
+        if min(self.max_video_source_frames, self.max_video_seconds, self.max_video_decode_s, self.max_video_fps,
+               self.max_video_decode_pixels) <= 0:
+            raise ValueError("MediaLimits video source frames, seconds, rate, decode time and pixels must be positive")
         if min(self.max_audio_seconds, self.max_audio_sample_rate, self.max_audio_channels,
                self.max_audio_decode_bytes) <= 0:
             raise ValueError("MediaLimits audio seconds, sample rate, channels and decode bytes must be positive")
