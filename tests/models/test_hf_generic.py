@@ -1,6 +1,7 @@
 """Eric's generic path (models/hf) on every tiny family checkpoint: Eric's processor and runner give, per image, the
-rows transformers' full model gives (get_image_features on its own processor's output, in vLLM's layout), alone and
-batched; only vision tensors are read and hashed; a real Eric server answers them over HTTP."""
+rows transformers' full model gives (get_image_features on its own processor's output, in vLLM's layout; Kimi-K2.5's
+on vLLM's own processor's output), alone and batched; only vision tensors are read and hashed; a real Eric server
+answers them over HTTP."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from eric_epd.eric.generic import GenericRunner, GenericWorkload
 from eric_epd.eric.workload import encoder_workload, work_item
 from eric_epd.media.limits import MediaLimits
 from eric_epd.models.facts import GENERIC_VIDEO_TYPES, ModelFacts, generic_modalities
-from eric_epd.models.hf.adapters import layout_for
 from eric_epd.models.hf.loader import vision_shards, vision_tensor_names
 from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
@@ -34,6 +34,7 @@ from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem
 from eric_epd.testing.media import data_url, image_bytes, random_image, video_bytes
 from eric_epd.wire.handles import LEASE_HEADER
+from tests.support.kimi_reference import VllmKimi
 
 pytestmark = pytest.mark.exactness
 
@@ -90,11 +91,15 @@ def references(checkpoints: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
         token_id = AutoConfig.from_pretrained(ckpt).image_token_id
         model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
         text = processor.boi_token if family == "gemma3" else processor.image_token
-        prepare = layout_for(family).prepare  # Kimi-K2.5: scaled as vLLM's processor scales (test_kimi_processor.py)
+        vllm = VllmKimi(ckpt) if family == "kimi_k25" else None  # vLLM's own processor, not transformers'
         refs = []
         for image in _images():
-            image = prepare(image, processor.image_processor) if prepare is not None else image
-            inputs = processor(text=[text], images=[image], return_tensors="pt")
+            if vllm is None:
+                inputs = processor(text=[text], images=[image], return_tensors="pt")
+            else:  # tests/models/test_kimi_processor.py
+                ref = vllm.inputs(image)
+                inputs = {"pixel_values": ref.pixel_values, "image_grid_thw": ref.grid_thw,
+                          "input_ids": torch.full((1, ref.tokens), token_id)}
             kwargs = {k: inputs[k].float() if inputs[k].is_floating_point() else inputs[k] for k in HF_INPUTS[family]}
             with torch.no_grad():
                 features = model.get_image_features(**kwargs)
@@ -110,8 +115,9 @@ def references(checkpoints: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_processor_gives_hf_tensors_and_rows(checkpoints: dict[str, Path], references: dict, family: str) -> None:
-    """Eric's items hold transformers' processor tensors bit for bit, and as many rows as the text has image
-    tokens (the count transformers' forward checks its features against, and vLLM's placeholder holds)."""
+    """Eric's items hold transformers' processor tensors bit for bit (Kimi-K2.5's: vLLM's), and as many rows as the
+    text has image tokens (the count transformers' forward checks its features against, and vLLM's placeholder
+    holds)."""
     processor = load_processor(checkpoints[family])
     assert isinstance(processor, HFImageProcessor) and processor.modalities == generic_modalities(family)
     for image, ref in zip(_images(), references[family]):

@@ -15,7 +15,6 @@ import torch
 
 from eric_epd.checkpoints.families import ensure_family_checkpoint
 from eric_epd.checkpoints.kimi import KIMI_IMAGE
-from eric_epd.models.hf.adapters import kimi_resized
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url, random_image, video_data_url
 from eric_epd.testing.sglang_prefill import unpack
@@ -29,6 +28,7 @@ from tests.support.helpers_sglang import (  # noqa: F401  (bootstrap_port, setup
     prompt_for,
     setup,
 )
+from tests.support.kimi_reference import VllmKimi, transformers_rows
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
@@ -91,15 +91,10 @@ def kimi(_checkpoint_cache: Path) -> Path:
 
 
 def _transformers_rows(kimi: Path, specs: list) -> tuple[list[torch.Tensor], list]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(kimi)
-    model = AutoModelForImageTextToText.from_pretrained(kimi, dtype=torch.float32).eval()
-    images = [kimi_resized(random_image(w, h, s), processor.image_processor) for w, h, s in specs]
-    inputs = processor.image_processor(images=images, return_tensors="pt")
-    with torch.no_grad():
-        rows = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
-    return list(rows), inputs["image_grid_thw"].tolist()
+    """transformers' model on vLLM's own processor's tensors for each image (tests/support/kimi_reference.py)."""
+    vllm = VllmKimi(kimi)
+    inputs = [vllm.inputs(random_image(w, h, s)) for w, h, s in specs]
+    return transformers_rows(kimi, inputs), [i.grid_thw[0].tolist() for i in inputs]
 
 
 def test_kimi_parts_are_laid_out_by_sglangs_kimi_processor(setup, kimi: Path, tmp_path: Path) -> None:  # noqa: F811

@@ -13,6 +13,8 @@ import torch
 from PIL import Image
 from torch import nn
 
+from eric_epd.models.hf.kimi import kimi_settings_agree, kimi_tensors
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,43 +25,6 @@ def pooled_rows(model: nn.Module, out: Any) -> torch.Tensor:
     pooled = out.pooler_output
     parts = list(pooled) if isinstance(pooled, list | tuple) else [pooled]
     return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
-
-
-def kimi_resized(image: Image.Image, image_processor: Any) -> Image.Image:
-    """Kimi-K2.5: vLLM preprocesses with its own image processor, which scales an image down with PIL's bicubic
-    filter (transformers' with torchvision's, up to a level of 8-bit rounding apart); Eric scales it the same way
-    first, to the size transformers' processor then keeps (its `navit_resize` never scales up)."""
-    from transformers.models.kimi_k25.image_processing_kimi_k25 import navit_resize
-
-    (height, width), _ = navit_resize(image.height, image.width, image_processor.patch_size,
-                                      image_processor.merge_size, image_processor.max_patches,
-                                      image_processor.size["max_height"])
-    if (height, width) == (image.height, image.width):
-        return image
-    return image.resize((width, height), resample=Image.Resampling.BICUBIC)
-
-
-def kimi_settings_agree(image_processor: Any) -> None:
-    """A released Kimi-K2.5 checkpoint also carries `media_proc_cfg`, which vLLM's processor reads instead of
-    transformers' settings: ValueError unless the two give every image the same size and values."""
-    released = getattr(image_processor, "media_proc_cfg", None)
-    if released is None:
-        return
-    ours = {"in_patch_limit": image_processor.max_patches,
-            "patch_limit_on_one_side": image_processor.size["max_height"],
-            "patch_size": image_processor.patch_size, "merge_kernel_size": image_processor.merge_size,
-            "image_mean": list(image_processor.image_mean), "image_std": list(image_processor.image_std)}
-    differ = {k: (v, released.get(k)) for k, v in ours.items() if _scalar(released.get(k)) != _scalar(v)}
-    if differ:
-        raise ValueError("the checkpoint's transformers image-processor settings and its media_proc_cfg (what vLLM "
-                         f"reads) disagree, so Eric's rows would not be vLLM's: {differ}")
-
-
-def _scalar(value: Any) -> Any:
-    """[2, 2] and 2 alike (merge kernels are written both ways); lists as lists."""
-    if isinstance(value, list | tuple):
-        return value[0] if len(set(value)) == 1 and len(value) == 2 else list(value)
-    return value
 
 
 def projected_rows(model: nn.Module, out: Any) -> torch.Tensor:
@@ -89,8 +54,9 @@ class FamilyLayout:
     """The processor attribute holding the text that stands for one image (the processor expands it)."""
     verified: bool = True
     """Checked against vLLM's model for this family (rows, order, count)."""
-    prepare: Callable[[Image.Image, Any], Image.Image] | None = None
-    """(image, image processor) -> the image as vLLM's processor would have it before transformers' runs."""
+    preprocess: Callable[[Image.Image, Any], tuple[dict[str, torch.Tensor], int]] | None = None
+    """(RGB image, image processor) -> its named tensors and rows as vLLM's own processor computes them, in place of
+    the checkpoint processor's: a family whose vLLM processor is not transformers' (Kimi-K2.5: models/hf/kimi.py)."""
     check: Callable[[Any], None] | None = None
     """(image processor) -> None, or ValueError when the checkpoint's settings cannot give vLLM's rows."""
     video_grid: bool = False
@@ -110,7 +76,7 @@ LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "glm4v_moe": FamilyLayout(),
     "idefics3": FamilyLayout(),
     "smolvlm": FamilyLayout(),
-    "kimi_k25": FamilyLayout(prepare=kimi_resized, check=kimi_settings_agree),
+    "kimi_k25": FamilyLayout(preprocess=kimi_tensors, check=kimi_settings_agree),
     "qwen2_5_omni": FamilyLayout(),  # the thinker's merged patches, one tensor per image (vLLM's qwen2_5_omni_thinker)
     "qwen3_omni_moe": FamilyLayout(rows=deepstack_rows, video_rows=deepstack_rows,  # vLLM's qwen3_omni_moe_thinker
                                    video_grid=True),  # SGLang's get_rope_index_qwen3_omni

@@ -59,7 +59,7 @@ class HFImageProcessor(BaseModalityProcessor):
         layout = layout_for(config.model_type)
         if layout.check is not None:
             layout.check(image_processor)
-        self._prepare = layout.prepare
+        self._preprocess = layout.preprocess
         self._video_grid = layout.video_grid
         self._placeholder: str = getattr(self._processor, layout.placeholder, None) or ""
         self._token_id: int | None = getattr(thinker(config), "image_token_id", None)
@@ -76,30 +76,38 @@ class HFImageProcessor(BaseModalityProcessor):
                     str(model_dir), local_files_only=True, size=image_processor.size)
         self.values_per_cost = values_per_patch(config)
         self._local = threading.local()
-        self._fingerprint = processor_fingerprint(Path(model_dir), self._processor,
-                                                  self._processor.image_processor.to_dict())
+        settings = self._processor.image_processor.to_dict()
+        if self._preprocess is not None:  # Eric's own code makes the tensors: its name is part of what they are
+            settings["eric_preprocess"] = f"{self._preprocess.__module__}.{self._preprocess.__qualname__}"
+        self._fingerprint = processor_fingerprint(Path(model_dir), self._processor, settings)
 
     def _mine(self) -> Any:
         """This thread's copy of the processor."""
         return thread_copy(self._local, self._processor)
 
     def process_image(self, image: Image.Image) -> HFProcessedItem:
-        """One image through the checkpoint's own processor: its named tensors and the rows it will give."""
+        """One image through the checkpoint's own processor (or vLLM's computation where vLLM runs another:
+        FamilyLayout.preprocess): its named tensors and the rows it will give."""
         if image.mode != "RGB":
             image = image.convert("RGB")
         processor = self._mine()
-        if self._prepare is not None:
-            image = self._prepare(image, processor.image_processor)
-        out = processor(text=[self._placeholder], images=[image], return_tensors="pt")
-        rows = int((out["input_ids"] == self._token_id).sum())
-        if rows < 1:
-            raise ValueError("the processor gave this image no image tokens")
-        tensors = {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}
+        if self._preprocess is not None:  # vLLM's own processor is not the checkpoint's (Kimi-K2.5)
+            tensors, rows = self._preprocess(image, processor.image_processor)
+        else:
+            tensors, rows = self._processor_tensors(processor, image)
         specs, frame = pack_tensors(tensors)
         grid = tensors.get("image_grid_thw")
         grid_thw = tuple(int(v) for v in grid.reshape(-1)[:3]) if grid is not None else (1, 1, rows)
         return HFProcessedItem("image", frame, grid_thw, rows, tensors=specs,  # type: ignore[arg-type]
                                cost=cost_of(frame.size, self.values_per_cost))
+
+    def _processor_tensors(self, processor: Any, image: Image.Image) -> tuple[dict[str, torch.Tensor], int]:
+        """The checkpoint processor's named tensors for one image and its image tokens in the expanded text."""
+        out = processor(text=[self._placeholder], images=[image], return_tensors="pt")
+        rows = int((out["input_ids"] == self._token_id).sum())
+        if rows < 1:
+            raise ValueError("the processor gave this image no image tokens")
+        return {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}, rows
 
     def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
                       seconds: Sequence[float] | None = None) -> HFProcessedItem:
