@@ -46,8 +46,9 @@ blocks, 112-pixel windows, a 48x48 position grid, DeepStack after blocks 8, 16 a
 
 
 def saved_model(auto_class: Any, config: Any, out: Path, seed: int = 0) -> torch.nn.Module:
-    """A float32 transformers model of `config` (built by `auto_class`, an Auto class or the model's own; constants jittered), saved to `out` with
-    save_pretrained: config.json and safetensors as transformers writes them. Returns the model, in eval mode."""
+    """A float32 transformers model of `config` (built by `auto_class`, an Auto class or the model's own; constants
+    jittered), saved to `out` with save_pretrained: config.json and safetensors as transformers writes them. Returns
+    the model, in eval mode."""
     torch.manual_seed(seed)
     build = getattr(auto_class, "from_config", None) or auto_class._from_config  # an Auto class, or a model class
     model = build(config).to(torch.float32).eval()
