@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import Any
 
+from eric_epd.models.tower_defaults import vision_config
 from eric_epd.wire.eric import GRID, MEDIA, Placement
 
 TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -105,15 +106,16 @@ def embedding_width(config: Mapping[str, Any], modality: str = "image") -> int:
     DeepStack levels), laid out [merged | level 1 | ... | level k] as the engines' own encoders produce them: for a
     hand-written tower, and for an Omni thinker whose vision tower has DeepStack taps (Qwen3-Omni); otherwise, on
     the generic path, a row is the language model's hidden size, as is every audio row."""
+    model_type = str(config.get("model_type", ""))
     if is_generic(config):  # 0 for a config without one: registry.check_servable then says what is missing
         inner = config.get("thinker_config") or config  # an Omni checkpoint: its thinker's language model
         hidden = int((inner.get("text_config") or inner).get("hidden_size", 0))
-        vision = (inner.get("vision_config") or {}) if "thinker_config" in config else {}
+        vision = vision_config(model_type, inner.get("vision_config") or {}) if "thinker_config" in config else {}
         levels = len(vision.get("deepstack_visual_indexes") or ())
         if modality == "audio" or not levels:
             return hidden
         return int(vision.get("out_hidden_size") or hidden) * (1 + levels)
-    vision = config.get("vision_config") or {}
+    vision = vision_config(model_type, config.get("vision_config") or {})
     levels = len(vision.get("deepstack_visual_indexes") or ())
     return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)
 
@@ -161,11 +163,10 @@ class ModelFacts:
         model_type = str(config.get("model_type", ""))
         if "vision_config" not in config:
             raise ValueError(f"{model_dir}/config.json has no vision_config")
-        vision = config["vision_config"]
-        row = (vision.get("in_chans", vision.get("in_channels", 3)) * vision.get("temporal_patch_size", 2)
-               * vision.get("patch_size", 14) ** 2)
+        vision = vision_config(model_type, config["vision_config"])  # as the tower reads it
+        row = int(vision["in_channels"]) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
         return cls(model_dir, model_type, TOWER_TYPES[model_type], embedding_width(config),
-                   int(vision.get("spatial_merge_size", 2)), row, config=config)
+                   int(vision["spatial_merge_size"]), row, config=config)
 
     @property
     def placement(self) -> Placement:

@@ -30,6 +30,8 @@ INTERNVIT_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "layer_norm_eps": 1e-6, "image_size": 448, "patch_size": 14, "num_channels": 3,
     "use_absolute_position_embeddings": True, "use_mean_pooling": True})
 """transformers' InternVLVisionConfig defaults, for keys a checkpoint's vision_config leaves out."""
+TEXT_HIDDEN_DEFAULT = 4096
+"""InternVLConfig's language model width when its text_config leaves hidden_size out (transformers' Qwen2Config)."""
 QK_NORM_EPS = 1e-6
 """transformers builds the q and k norms with RMSNorm's default eps, not the config's layer_norm_eps."""
 PROJECTOR_EPS = 1e-5
@@ -194,7 +196,7 @@ class InternVLVisionTower(CropTower):
         cfg = {**INTERNVIT_DEFAULTS, **config_to_dict(full.get("vision_config") or {})}
         self.image_size, self.patch_size = square(cfg["image_size"], "image_size"), square(cfg["patch_size"], "patch")
         self.channels, side = int(cfg["num_channels"]), self.image_size // self.patch_size
-        self.width = int(config_to_dict(full.get("text_config") or {}).get("hidden_size", 896))
+        self.width = int(config_to_dict(full.get("text_config") or {}).get("hidden_size", TEXT_HIDDEN_DEFAULT))
         """Row width: the language model's hidden size."""
         strategy = full.get("vision_feature_select_strategy", "default")
         if strategy != "default":

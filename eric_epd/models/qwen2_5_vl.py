@@ -6,7 +6,8 @@ Builds on the Qwen2-VL encoder; only the norms, the MLP and the window layout di
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from eric_epd.models.layers.activations import get_activation
 from eric_epd.models.layers.attention import VarlenPlan
 from eric_epd.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
 from eric_epd.models.qwen2_vl import Grid, Qwen2VLVisionEncoder, frame_cu_seqlens
+from eric_epd.models.tower_defaults import QWEN2_5_VL
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +83,20 @@ class Qwen2_5_VLVisionEncoder(Qwen2VLVisionEncoder):  # noqa: N801 - HF naming
 
     def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, tp, dtype)
-        self.window_size = int(self.cfg.get("window_size", 112))
-        self.fullatt_block_indexes = frozenset(int(i) for i in self.cfg.get("fullatt_block_indexes", [7, 15, 23, 31]))
+        self.window_size = int(self.cfg["window_size"])
+        self.fullatt_block_indexes = frozenset(int(i) for i in self.cfg["fullatt_block_indexes"] or ())
+
+    defaults: ClassVar[Mapping[str, Any]] = QWEN2_5_VL
 
     def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
-        return int(cfg.get("hidden_size", 3584)), int(cfg.get("out_hidden_size", 3584))
+        return int(cfg["hidden_size"]), int(cfg["out_hidden_size"])
 
     def _make_norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, dtype=self.param_dtype)
 
     def _make_mlp(self) -> nn.Module:
-        hidden = int(self.cfg.get("intermediate_size", 3420))
-        return GatedMLP(self.width, hidden, self.cfg.get("hidden_act", "silu"), self.tp, self.param_dtype)
+        hidden = int(self.cfg["intermediate_size"])
+        return GatedMLP(self.width, hidden, self.cfg["hidden_act"], self.tp, self.param_dtype)
 
     def _layout(self, grid: Grid, device: torch.device) -> tuple[list[VarlenPlan], torch.Tensor | None]:
         order, cu_window = window_layout(grid, self.merge, self.window_size, self.patch_size)

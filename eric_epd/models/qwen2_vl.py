@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from eric_epd.models.layers.parallel import (
     default_weight_loader,
     read_full,
 )
+from eric_epd.models.tower_defaults import QWEN2_VL
 
 logger = logging.getLogger(__name__)
 
@@ -241,17 +242,17 @@ class Qwen2VLVisionEncoder(nn.Module):
 
     def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        cfg = config_to_dict(config)
+        cfg = {**self.defaults, **config_to_dict(config)}
         self.cfg = cfg
         self.tp = tp or TPContext()
         self.param_dtype = dtype
         self.width, self.out_dim = self._dims(cfg)
-        self.num_heads = int(cfg.get("num_heads", 16))
-        self.depth = int(cfg.get("depth", 32))
-        self.merge = int(cfg.get("spatial_merge_size", 2))
-        self.patch_size = int(cfg.get("patch_size", cfg.get("spatial_patch_size", 14)))
-        self.temporal_patch_size = int(cfg.get("temporal_patch_size", 2))
-        self.in_channels = int(cfg.get("in_channels", cfg.get("in_chans", 3)))
+        self.num_heads = int(cfg["num_heads"])
+        self.depth = int(cfg["depth"])
+        self.merge = int(cfg["spatial_merge_size"])
+        self.patch_size = int(cfg["patch_size"])
+        self.temporal_patch_size = int(cfg["temporal_patch_size"])
+        self.in_channels = int(cfg["in_channels"])
         self.rope_theta = rope_theta(cfg)
         if self.width % self.num_heads:
             raise ValueError(f"vision width {self.width} not divisible by {self.num_heads} heads")
@@ -261,15 +262,19 @@ class Qwen2VLVisionEncoder(nn.Module):
         self.merger = PatchMerger(self._make_norm(self.width), self.width, self.out_dim, self.merge, self.tp, dtype)
 
     # ---- per-family construction hooks -------------------------------------------------------------------
+    defaults: ClassVar[Mapping[str, Any]] = QWEN2_VL
+    """transformers' values for the keys a checkpoint's vision_config leaves out (models/tower_defaults.py); every
+    size, depth and index is read from the config, these filling only what it does not say."""
+
     def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
-        return int(cfg.get("embed_dim", 1280)), int(cfg.get("hidden_size", 3584))
+        return int(cfg["embed_dim"]), int(cfg["hidden_size"])
 
     def _make_norm(self, dim: int) -> nn.Module:
         return LayerNorm(dim, dtype=self.param_dtype)
 
     def _make_mlp(self) -> nn.Module:
-        hidden = int(self.width * float(self.cfg.get("mlp_ratio", 4)))
-        return VisionMLP(self.width, hidden, self.cfg.get("hidden_act", "quick_gelu"), self.tp, self.param_dtype)
+        hidden = int(self.width * float(self.cfg["mlp_ratio"]))
+        return VisionMLP(self.width, hidden, self.cfg["hidden_act"], self.tp, self.param_dtype)
 
     def _make_block(self, index: int) -> VisionBlock:
         attn = VisionAttention(self.width, self.num_heads, self.tp, self.param_dtype)

@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from eric_epd.models.layers.parallel import TPContext, copy_into, read_full
 from eric_epd.models.qwen2_vl import Grid, LayerNorm, PatchEmbed, PatchMerger, Qwen2VLVisionEncoder, VisionMLP
+from eric_epd.models.tower_defaults import QWEN3_5, QWEN3_VL
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,14 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
         cfg = self.cfg
         self.patch_embed = PatchEmbed(self.in_channels, self.temporal_patch_size, self.patch_size, self.width, dtype,
                                       bias=True)
-        num = int(cfg.get("num_position_embeddings", 2304))
-        self.side = math.isqrt(num)
-        if self.side * self.side != num:
-            raise ValueError(f"num_position_embeddings {num} is not a square")
+        num = int(cfg["num_position_embeddings"])
+        self.side = math.isqrt(num)  # transformers: int(num ** 0.5); a non-square table reads its first side**2 rows
+        if self.side < 1:
+            raise ValueError(f"num_position_embeddings {num}: no position grid")
         self.pos_embed = PositionTable(num, self.width, dtype)
         indexes = [int(i) for i in cfg.get("deepstack_visual_indexes") or ()]
+        if len(set(indexes)) != len(indexes) or not set(indexes) <= set(range(self.depth)):
+            raise ValueError(f"deepstack_visual_indexes {indexes}: each block of the {self.depth} once at most")
         self.tap_layers = frozenset(indexes)
         self._tap_level = {layer: level for level, layer in enumerate(indexes)}
         self.deepstack_merger_list = nn.ModuleList([
@@ -78,13 +82,14 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
         ])
         self.out_width = self.out_dim * (1 + len(indexes))
 
+    defaults: ClassVar[Mapping[str, Any]] = QWEN3_VL
+
     def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:
-        return int(cfg.get("hidden_size", 1152)), int(cfg.get("out_hidden_size", 3584))
+        return int(cfg["hidden_size"]), int(cfg["out_hidden_size"])
 
     def _make_mlp(self) -> nn.Module:
-        hidden = int(self.cfg.get("intermediate_size", 4304))
-        return VisionMLP(self.width, hidden, self.cfg.get("hidden_act", "gelu_pytorch_tanh"), self.tp,
-                         self.param_dtype)
+        hidden = int(self.cfg["intermediate_size"])
+        return VisionMLP(self.width, hidden, self.cfg["hidden_act"], self.tp, self.param_dtype)
 
     def _embed(self, pixels: torch.Tensor, grid: Grid) -> torch.Tensor:
         x = self.patch_embed(pixels)
@@ -105,3 +110,9 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
         for pattern, repl in _RENAMES:
             key = pattern.sub(repl, key)
         return key
+
+
+class Qwen3_5VisionEncoder(Qwen3VLVisionEncoder):  # noqa: N801 - HF naming
+    """Qwen3.5's (and Qwen3.5-MoE's) vision tower: Qwen3-VL's, whose config's defaults have no DeepStack levels."""
+
+    defaults: ClassVar[Mapping[str, Any]] = QWEN3_5

@@ -20,7 +20,7 @@ from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from eric_epd.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionEncoder
 from eric_epd.models.qwen2_vl_processor import Qwen2_5_VLModalityProcessor, Qwen2VLModalityProcessor
-from eric_epd.models.qwen3_vl import Qwen3VLVisionEncoder
+from eric_epd.models.qwen3_vl import Qwen3_5VisionEncoder, Qwen3VLVisionEncoder
 from eric_epd.models.qwen3_vl_processor import Qwen3VLModalityProcessor
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType(
             ModelSpec("qwen2_5_vl", Qwen2_5_VLVisionEncoder, Qwen2_5_VLModalityProcessor, VISION_PREFIXES),
             ModelSpec("qwen3_vl", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
             ModelSpec("qwen3_vl_moe", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
-            ModelSpec("qwen3_5", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),  # no DeepStack
-            ModelSpec("qwen3_5_moe", Qwen3VLVisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
+            ModelSpec("qwen3_5", Qwen3_5VisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),  # no DeepStack
+            ModelSpec("qwen3_5_moe", Qwen3_5VisionEncoder, Qwen3VLModalityProcessor, VISION_PREFIXES),
         )
     }
 )
