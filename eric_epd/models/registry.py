@@ -65,11 +65,6 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 
 
-def supported_model_types() -> tuple[str, ...]:
-    """The HF `model_type`s Eric can load."""
-    return tuple(MODEL_SPECS)
-
-
 assert set(MODEL_SPECS) == set(TOWER_TYPES), "widths.TOWER_TYPES must name exactly the hand-written towers"
 
 
