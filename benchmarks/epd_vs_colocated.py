@@ -41,7 +41,7 @@ from eric_epd.planning.planner import Layout, PlanConfig, predict
 from eric_epd.planning.profiler import ProfileConfig, profile
 from eric_epd.planning.profiles import Profile, Slo, Traffic, read_profile
 from eric_epd.planning.simulate import EngineModel, tokens_per_item
-from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe, host_split
+from eric_epd.stack.servers import EricServer, GatewayServer, LocalServers, VllmServe, host_split
 from eric_epd.stack.up import UpConfig
 from eric_epd.testing.media import image_bytes, random_image
 
@@ -245,7 +245,7 @@ def profile_shares(model: Path, traffic: Traffic, logs: Path, prompts: int) -> P
     shares = (eric_cpus, engine_cpus) if len(eric_cpus) != len(engine_cpus) else (eric_cpus,)
     return profile(ProfileConfig(model=model, out=logs / "profile.json", shares=(*shares, available_cpus()),
                                  traffic=traffic, requests_per_point=8, saturation_requests=prompts,
-                                 log_dir=logs / "profile"))
+                                 log_dir=logs / "profile"), LocalServers())
 
 
 def predictions(prof: Profile, traffic: Traffic, rates: list[float], prompts: int) -> dict[str, dict]:

@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                                      plan_from=args.plan_from,
                                      slo=args.slo)))
     elif args.command == "profile":
-        planning_cli.run_profile(args)
+        from eric_epd.stack.servers import LocalServers
+
+        planning_cli.run_profile(args, LocalServers())
     elif args.command == "plan":
         print(planning_cli.run_plan(args))
     else:

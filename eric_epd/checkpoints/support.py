@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from eric_epd.models.facts import TOWER_TYPES, generic_modalities, is_generic, serves_tp
+from eric_epd.common.widths import TOWER_TYPES, is_generic
+from eric_epd.models.facts import generic_modalities, serves_tp
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""What a process needs to know about a checkpoint, read from its config.json once (ModelFacts), and the one rule for
-the width of an embedding row (embedding_width). Importing this module imports no torch: the gateway and the vLLM
-connector reach embedding_width through wire/handoff."""
+"""What a process needs to know about a checkpoint, read from its config.json once (ModelFacts): its family, its
+modalities, its rows' widths (by common/widths.py's one rule) and its dtype. Importing this module imports no torch;
+the gateway and the vLLM connector never import it (they reach the width rule through wire/handoff)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,10 @@ from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import Any
 
-from eric_epd.models.tower_defaults import vision_config
+from eric_epd.common.tower_defaults import vision_config
+from eric_epd.common.widths import TOWER_TYPES, embedding_width, is_generic
 from eric_epd.wire.eric import GRID, MEDIA, Placement
 
-TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
-"""The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
-the generic path (images)."""
 GENERIC_TOWERS: Mapping[str, str] = MappingProxyType(
     {"gemma3": "eric_epd.models.gemma3", "internvl": "eric_epd.models.internvl",
      "qwen2_audio": "eric_epd.models.qwen2_audio", "qwen2_5_omni": "eric_epd.models.qwen2_5_omni",
@@ -64,11 +61,6 @@ def dtype_name(setting: str, config: Mapping[str, Any]) -> str:
     return DTYPE_NAMES[setting]
 
 
-def is_generic(config: Mapping[str, Any]) -> bool:
-    """No hand-written tower serves this checkpoint's model_type: Eric's generic path (models/hf) does, if it can."""
-    return config.get("model_type", "") not in TOWER_TYPES
-
-
 def serves_tp(model_type: str, tp: int) -> bool:
     """Whether Eric runs this model_type's tower at --tp `tp`: any for a tower of its own (hand-written or in
     GENERIC_TOWER_TYPES), 1 only for the rest of the generic path (transformers' classes)."""
@@ -98,32 +90,6 @@ def has_audio_tower(config: Mapping[str, Any]) -> bool:
     audio tower's `audio_config`, whether or not Eric encodes its audio."""
     thinker = config.get("thinker_config")
     return bool(config.get("audio_config") or (isinstance(thinker, Mapping) and thinker.get("audio_config")))
-
-
-def embedding_width(config: Mapping[str, Any], modality: str = "image") -> int:
-    """Width of one embedding row a checkpoint's tower hands its language model for a `modality` item, from its
-    config.json (or a transformers config's to_dict()). A vision row is the merged token's width times (1 +
-    DeepStack levels), laid out [merged | level 1 | ... | level k] as the engines' own encoders produce them: for a
-    hand-written tower, and for an Omni thinker whose vision tower has DeepStack taps (Qwen3-Omni); otherwise, on
-    the generic path, a row is the language model's hidden size, as is every audio row."""
-    model_type = str(config.get("model_type", ""))
-    if is_generic(config):  # 0 for a config without one: registry.check_servable then says what is missing
-        inner = config.get("thinker_config") or config  # an Omni checkpoint: its thinker's language model
-        hidden = int((inner.get("text_config") or inner).get("hidden_size", 0))
-        vision = vision_config(model_type, inner.get("vision_config") or {}) if "thinker_config" in config else {}
-        levels = len(vision.get("deepstack_visual_indexes") or ())
-        if modality == "audio" or not levels:
-            return hidden
-        return int(vision.get("out_hidden_size") or hidden) * (1 + levels)
-    vision = vision_config(model_type, config.get("vision_config") or {})
-    levels = len(vision.get("deepstack_visual_indexes") or ())
-    return int(vision.get("out_hidden_size") or vision["hidden_size"]) * (1 + levels)
-
-
-def embedding_widths(config: Mapping[str, Any]) -> dict[str, int]:
-    """embedding_width of every modality ("image", "video", "audio"): equal for every family but an Omni thinker with
-    DeepStack, whose vision rows are wider than its audio rows."""
-    return {modality: embedding_width(config, modality) for modality in ("image", "video", "audio")}
 
 
 @dataclass(frozen=True)

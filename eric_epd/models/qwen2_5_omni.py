@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eric_epd.common.widths import embedding_width
 from eric_epd.models.crop_tower import ShardedTower, TowerEncoder, check_tower_tp
-from eric_epd.models.facts import embedding_width
 from eric_epd.models.layers.attention import VarlenPlan
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from eric_epd.common.tower_defaults import QWEN2_5_VL
 from eric_epd.models.layers.activations import get_activation
 from eric_epd.models.layers.attention import VarlenPlan
 from eric_epd.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
 from eric_epd.models.qwen2_vl import Grid, Qwen2VLVisionEncoder, frame_cu_seqlens
-from eric_epd.models.tower_defaults import QWEN2_5_VL
 
 logger = logging.getLogger(__name__)
 

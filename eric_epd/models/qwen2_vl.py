@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eric_epd.common.tower_defaults import QWEN2_VL
 from eric_epd.models.layers.activations import QUICK_GELU_SCALE, get_activation, silu_inplace
 from eric_epd.models.layers.attention import (
     VarlenPlan,
@@ -30,7 +31,6 @@ from eric_epd.models.layers.parallel import (
     default_weight_loader,
     read_full,
 )
-from eric_epd.models.tower_defaults import QWEN2_VL
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class Qwen2VLVisionEncoder(nn.Module):
 
     # ---- per-family construction hooks -------------------------------------------------------------------
     defaults: ClassVar[Mapping[str, Any]] = QWEN2_VL
-    """transformers' values for the keys a checkpoint's vision_config leaves out (models/tower_defaults.py); every
+    """transformers' values for the keys a checkpoint's vision_config leaves out (common/tower_defaults.py); every
     size, depth and index is read from the config, these filling only what it does not say."""
 
     def _dims(self, cfg: dict[str, Any]) -> tuple[int, int]:

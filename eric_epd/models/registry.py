@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from eric_epd.models.facts import TOWER_TYPES, dtype_name, is_generic, read_config
+from eric_epd.common.widths import TOWER_TYPES, is_generic
+from eric_epd.models.facts import dtype_name, read_config
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.processor import BaseModalityProcessor
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
@@ -64,12 +65,7 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 
 
-def supported_model_types() -> tuple[str, ...]:
-    """The HF `model_type`s Eric can load."""
-    return tuple(MODEL_SPECS)
-
-
-assert set(MODEL_SPECS) == set(TOWER_TYPES), "facts.TOWER_TYPES must name exactly the hand-written towers"
+assert set(MODEL_SPECS) == set(TOWER_TYPES), "widths.TOWER_TYPES must name exactly the hand-written towers"
 
 
 def check_servable(model_dir: str | Path) -> None:

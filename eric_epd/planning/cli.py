@@ -10,6 +10,7 @@ import msgspec
 
 from eric_epd.common.cpus import parse_cpus
 from eric_epd.planning.profiles import Slo, Traffic
+from eric_epd.planning.servers import Servers
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _traffic_flags(q, rate=True)
 
 
-def run_profile(args: argparse.Namespace) -> None:
-    """`eric-epd profile`."""
+def run_profile(args: argparse.Namespace, servers: Servers) -> None:
+    """`eric-epd profile`, its servers started by `servers` (the caller's: eric_epd/cli.py passes the stack's)."""
     from eric_epd.planning.profiler import ProfileConfig, profile
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -78,7 +79,7 @@ def run_profile(args: argparse.Namespace) -> None:
                           device=args.device, dtype=args.dtype, concurrencies=args.concurrency,
                           batches=args.batches, requests_per_point=args.requests, max_model_len=args.max_model_len,
                           saturation_requests=args.saturation_requests,
-                          log_dir=args.log_dir))
+                          log_dir=args.log_dir), servers)
 
 
 def run_plan(args: argparse.Namespace) -> str:

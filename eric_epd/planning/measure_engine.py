@@ -22,7 +22,7 @@ import torch
 from eric_epd.common.prometheus import histogram_totals
 from eric_epd.media.synthetic import image_data_url
 from eric_epd.planning.profiles import DecodePoint, EngineSide, PrefillPoint, Traffic
-from eric_epd.stack.servers import VllmServe
+from eric_epd.planning.servers import Endpoint
 from eric_epd.wire.handoff import embedding_width
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def image_tokens(model: Path, side: int) -> int:
 class EngineProbe:
     """Requests to one `vllm serve` (prefix caching off, embeddings on) on the model `model`."""
 
-    def __init__(self, vllm: VllmServe, model: Path, seed: int = 0) -> None:
+    def __init__(self, vllm: Endpoint, model: Path, seed: int = 0) -> None:
         self.vllm, self.model = vllm, model
         self.width = embedding_width(json.loads((model / "config.json").read_text()), "image")
         self.seeds: Iterator[int] = count(seed * 1_000_003)
@@ -154,7 +154,7 @@ def _mix_prompt_tokens(prefill: list[PrefillPoint], traffic: Traffic) -> int:
     return round(sum(full) / len(full))
 
 
-def measure_engine(vllm: VllmServe, model: Path, traffic: Traffic, batches: tuple[int, ...],
+def measure_engine(vllm: Endpoint, model: Path, traffic: Traffic, batches: tuple[int, ...],
                    saturation_requests: int = 16, seed: int = 0) -> EngineSide:
     """Prefill points for 0, 1 and images_per_request images of each side as embeddings; the own encoder's engine
     seconds per image token (raw images minus embeddings, same prompt) and its preprocessing's (the rest of the

@@ -15,7 +15,7 @@ import numpy as np
 from eric_epd.common.prometheus import histogram_totals
 from eric_epd.media.synthetic import image_data_url
 from eric_epd.planning.profiles import EricPoint, Traffic
-from eric_epd.stack.servers import EricServer
+from eric_epd.planning.servers import Endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ async def post_all(url: str, headers: dict[str, str], bodies: list[dict],
         return latencies, time.perf_counter() - start
 
 
-def measure_eric(eric: EricServer, traffic: Traffic, concurrencies: tuple[int, ...], requests_per_point: int,
+def measure_eric(eric: Endpoint, traffic: Traffic, concurrencies: tuple[int, ...], requests_per_point: int,
                  seed: int = 0) -> list[EricPoint]:
     """One point per concurrency (after one warm-up request per side): items/s, latency p50/p99, items per batch."""
     seeds = count(seed * 1_000_003)

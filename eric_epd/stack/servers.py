@@ -1,5 +1,6 @@
 """Launchers of the local EPD stack's servers as subprocesses (Eric, vLLM serve behind Eric, the gateway, Geri), used by
-`eric-epd up`, the tests, the benchmarks and the demo; each waits until its server is healthy."""
+`eric-epd up`, `eric-epd profile` (LocalServers), the tests, the benchmarks and the demo; each waits until its server
+is healthy."""
 
 from __future__ import annotations
 
@@ -191,3 +192,19 @@ class StoreMaster(ServerProcess):
                "--enable_http_metadata_server=false", f"--metrics_port={metrics}"]
         super().__init__(cmd, metrics, log_path, 60, cpus=cpus or host_split()[0])
         self.address = f"127.0.0.1:{rpc}"
+
+
+class LocalServers:
+    """The profiler's Servers (planning/servers.py) as subprocesses on this host: EricServer and a VllmServe with no
+    Eric behind it, each on the share it is given."""
+
+    def eric(self, model: Path, *, tp: int, cpus: tuple[int, ...] | None, env: dict[str, str], log_path: Path,
+             extra_args: tuple[str, ...]) -> EricServer:
+        """An EricServer, started on entering its `with` block."""
+        return EricServer(model, tp=tp, cpus=cpus, env=env, log_path=log_path, extra_args=extra_args)
+
+    def engine(self, model: Path, *, cpus: tuple[int, ...] | None, env: dict[str, str], log_path: Path,
+               extra_args: tuple[str, ...], dtype: str, max_model_len: int) -> VllmServe:
+        """A VllmServe, started on entering its `with` block."""
+        return VllmServe(model, log_path, extra=extra_args, env=env, dtype=dtype, max_model_len=max_model_len,
+                         cpus=cpus)

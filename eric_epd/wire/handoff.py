@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from eric_epd.models.facts import embedding_width, embedding_widths
+from eric_epd.common.widths import embedding_width, embedding_widths
 from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
 
 __all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "SOUNDTRACKS_KEY", "HandleError", "check_handle", "embedding_width",

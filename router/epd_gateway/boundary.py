@@ -59,8 +59,6 @@ EMBED_PARTS = {"image_embeds": {"type", "image_embeds"}, "video_embeds": {"type"
 PAYLOAD_KEYS = {"image_url": {"url", "detail"}, "video_url": {"url"}, "audio_url": {"url"},
                 "input_audio": {"data", "format"}}
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"})
-MAX_STRING = 1 << 20
-"""Longest id/name-like string accepted anywhere (media data: URLs are bounded by the body limit instead)."""
 
 
 AUDIO_IN_VIDEO = "use_audio_in_video"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from eric_epd.models.facts import embedding_width
+from eric_epd.common.widths import embedding_width
 from eric_epd.models.registry import load_encoder, load_processor, read_model_config
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, assert_greedy_agree, other_isa_env

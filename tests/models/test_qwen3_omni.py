@@ -110,8 +110,9 @@ def test_processor_expands_the_qwen3_placeholders(qwen3_omni_tiny: Path) -> None
 def test_row_widths_by_modality(qwen3_omni_tiny: Path, qwen2_5_omni_tiny: Path) -> None:
     """Qwen3-Omni's image and video rows are DeepStack rows [main | level 1 | level 2], its audio rows the text
     width; Qwen2.5-Omni's are one width; Eric's output spec reserves each item at its modality's width."""
+    from eric_epd.common.widths import embedding_width, embedding_widths
     from eric_epd.eric.answers import OutputSpec
-    from eric_epd.models.facts import ModelFacts, embedding_width, embedding_widths, read_config
+    from eric_epd.models.facts import ModelFacts, read_config
     from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
 
     config = read_config(qwen3_omni_tiny)

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
-from eric_epd.models.facts import embedding_width
+from eric_epd.common.widths import embedding_width
 from eric_epd.models.registry import load_encoder, load_processor, read_model_config
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer

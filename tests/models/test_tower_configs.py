@@ -4,7 +4,7 @@ square or not; patch, temporal patch and merge sizes; depth; window size and ful
 built and saved by transformers, the tower the registry loads gives transformers' own `get_image_features` rows on
 the same patches (one batch: two images of one grid, the negative control, and a two-frame item), and ModelFacts
 agrees with it on the patch row, the merge size and the row width. A config that leaves keys out gets transformers'
-defaults of its family (models/tower_defaults.py, checked against transformers' classes here).
+defaults of its family (common/tower_defaults.py, checked against transformers' classes here).
 
 The Omni thinkers' towers: test_tower_configs_omni.py; Qwen2-Audio's, Gemma 3's and InternVL's:
 test_tower_configs_more.py."""
@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from eric_epd.models.facts import ModelFacts, embedding_width
+from eric_epd.common.tower_defaults import VISION_DEFAULTS
+from eric_epd.common.widths import embedding_width
+from eric_epd.models.facts import ModelFacts
 from eric_epd.models.registry import build_encoder, load_encoder
-from eric_epd.models.tower_defaults import VISION_DEFAULTS
 from tests.support.tower_cases import (
     INIT_STD,
     QWEN2_5_VL,

@@ -1,11 +1,15 @@
-"""The layers of the project, checked on its source (every import, lazy ones inside functions included): no import
-circle, no arrow from a lower layer up, the gateway on the shared wire only, no production code on the test kit; and
+"""The layers of the project, checked on its source (every import, lazy ones inside functions included, followed
+transitively: a module's rule holds for everything importing it runs): no import circle, no arrow from a lower layer
+up (nor up the ladder of layers), the gateway on the shared wire only, no production code on the test kit; and
 Eric's router reads the checkpoint's config.json once."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import subprocess
+import sys
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,11 @@ LOWER = ("common", "media", "wire", "models", "transfer", "runtime")
 """What every server and plugin stands on; none of it knows who stands on it."""
 UPPER = ("eric", "geri", "plugins", "stack", "testing", "checkpoints", "planning")
 GATEWAY_MAY_USE = ("common", "media", "wire")
+LADDER: tuple[tuple[str, ...], ...] = (
+    ("common",), ("media",), ("wire",), ("models", "transfer"), ("runtime",), ("checkpoints", "planning"),
+    ("eric", "geri", "plugins"), ("stack",), ("testing",), ("cli",), ("__main__",))
+"""eric_epd's layers bottom up: a module reaches its own layer and the rungs below it, never a layer beside it on
+its rung or above it (the package's own __init__, its __version__, is below them all)."""
 
 
 def _module_name(path: Path, base: Path) -> str:
@@ -52,6 +61,65 @@ GRAPH = _graph()
 
 def _layer(module: str) -> str:
     return module.split(".")[1] if module.startswith("eric_epd.") else ""
+
+
+def _reach(graph: dict[str, set[str]], module: str) -> dict[str, str]:
+    """Every module importing `module` runs, each by the module that first imports it (breadth first, so a path read
+    back is a shortest one): what `module` imports, directly or through others, lazily or not, and the packages
+    above each (importing a.b.c runs a's and a.b's __init__ first)."""
+    by: dict[str, str] = {module: ""}
+    queue = deque([module])
+    while queue:
+        node = queue.popleft()
+        parts = node.split(".")
+        packages = {".".join(parts[:i]) for i in range(1, len(parts))} & graph.keys()
+        for nxt in sorted(graph.get(node, set()) | packages):
+            if nxt not in by:
+                by[nxt] = node
+                queue.append(nxt)
+    return by
+
+
+def _path(by: dict[str, str], target: str) -> str:
+    steps = [target]
+    while by[steps[-1]]:
+        steps.append(by[steps[-1]])
+    return " -> ".join(reversed(steps))
+
+
+def _arrows(graph: dict[str, set[str]], source: Callable[[str], bool],
+            may_reach: Callable[[str, str], bool]) -> list[str]:
+    """For each `source` module, the path to every module it reaches (see _reach) and may not."""
+    return [_path(by, target) for module in sorted(filter(source, graph)) for by in [_reach(graph, module)]
+            for target in sorted(by) if target != module and not may_reach(module, target)]
+
+
+def _climbing_from_lower(graph: dict[str, set[str]]) -> list[str]:
+    return _arrows(graph, lambda m: _layer(m) in LOWER,
+                   lambda m, t: _layer(t) not in UPPER and not t.startswith("epd_gateway"))
+
+
+def _rung(layer: str) -> int:
+    return next((i for i, rung in enumerate(LADDER) if layer in rung), -1)
+
+
+def _up_the_ladder(graph: dict[str, set[str]]) -> list[str]:
+    def may_reach(module: str, target: str) -> bool:
+        if target == "eric_epd" or _layer(target) == _layer(module):
+            return True
+        return target.startswith("eric_epd.") and _rung(_layer(target)) < _rung(_layer(module))
+
+    return _arrows(graph, lambda m: m.startswith("eric_epd."), may_reach)
+
+
+def _gateway_beyond_the_wire(graph: dict[str, set[str]]) -> list[str]:
+    return _arrows(graph, lambda m: m.startswith("epd_gateway"),
+                   lambda m, t: t.startswith("epd_gateway") or t == "eric_epd" or _layer(t) in GATEWAY_MAY_USE)
+
+
+def _on_the_test_kit(graph: dict[str, set[str]]) -> list[str]:
+    return _arrows(graph, lambda m: m.startswith("eric_epd.") and _layer(m) != "testing",
+                   lambda m, t: _layer(t) != "testing")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -92,25 +160,79 @@ def test_no_import_circle() -> None:
 
 def test_lower_layers_import_nothing_above_them() -> None:
     """common, media, wire, models, transfer and runtime never reach up into a server, a plugin, the stack or the
-    test kit (models may be imported by eric/ and plugins/, not the other way round)."""
-    up = {f"{m} -> {t}" for m, targets in GRAPH.items() if _layer(m) in LOWER
-          for t in targets if _layer(t) in UPPER or t.startswith("epd_gateway")}
-    assert not up, f"arrows climbing up: {sorted(up)}"
+    test kit, not even through another module (models may be imported by eric/ and plugins/, not the other way
+    round)."""
+    up = _climbing_from_lower(GRAPH)
+    assert not up, f"arrows climbing up: {up}"
+
+
+def test_no_layer_reaches_up_the_ladder() -> None:
+    """Every layer of eric_epd is on LADDER, and each module reaches only its own layer and those below it (wire/
+    never models/, which reads wire/'s schemas; planning/ never stack/, which plans with planning/)."""
+    off = sorted({_layer(m) for m in GRAPH if m.startswith("eric_epd.") and _rung(_layer(m)) < 0})
+    assert not off, f"layers missing from LADDER: {off}"
+    up = _up_the_ladder(GRAPH)
+    assert not up, f"arrows up the ladder: {up}"
 
 
 def test_the_gateway_uses_only_the_shared_wire() -> None:
-    """The gateway (router/epd_gateway) imports eric_epd.common, media and wire, and the package itself (for its
-    __version__; `from eric_epd import <a module>` counts as that module)."""
-    allowed = tuple(f"eric_epd.{layer}." for layer in GATEWAY_MAY_USE)
-    bad = {f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith("epd_gateway")
-           for t in targets if t.startswith("eric_epd.") and not t.startswith(allowed)}
-    assert not bad, f"gateway imports beyond eric_epd.{{common,media,wire}}: {sorted(bad)}"
+    """The gateway (router/epd_gateway) reaches eric_epd.common, media and wire, and the package itself (for its
+    __version__; `from eric_epd import <a module>` counts as that module), and nothing else, even through them."""
+    bad = _gateway_beyond_the_wire(GRAPH)
+    assert not bad, f"gateway reaching beyond eric_epd.{{common,media,wire}}: {bad}"
+
+
+def test_the_gateway_starts_without_torch_or_the_models() -> None:
+    """What the static checks say, at run time: importing the gateway's app and command line loads no torch and no
+    eric_epd module beyond common, media and wire (torch.save embeddings a client sends import torch when checked)."""
+    probe = ("import sys, epd_gateway.app, epd_gateway.cli; "
+             "print(*sorted(m for m in sys.modules if m == 'torch' or m.startswith('eric_epd.')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'router'}", "PATH": ""}).stdout.split()
+    assert "torch" not in loaded
+    assert {_layer(m) for m in loaded} <= set(GATEWAY_MAY_USE), sorted(loaded)
 
 
 def test_production_code_never_imports_the_test_kit() -> None:
-    users = {f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith("eric_epd.") and _layer(m) != "testing"
-             for t in targets if _layer(t) == "testing"}
-    assert not users, f"production modules importing eric_epd.testing: {sorted(users)}"
+    users = _on_the_test_kit(GRAPH)
+    assert not users, f"production modules importing eric_epd.testing: {users}"
+
+
+OLD_SHAPES: dict[str, set[str]] = {
+    "eric_epd": set(),
+    "epd_gateway.content": {"eric_epd.wire.handoff"},
+    "eric_epd.wire.handoff": {"eric_epd.wire.handles", "eric_epd.models.facts"},
+    "eric_epd.wire.handles": set(),
+    "eric_epd.wire.eric": set(),
+    "eric_epd.models.facts": {"eric_epd.wire.eric"},
+    "eric_epd.stack.up": {"eric_epd.planning.profiler"},
+    "eric_epd.planning.profiler": {"eric_epd.planning.measure_eric"},
+    "eric_epd.planning.measure_eric": {"eric_epd.stack.servers"},
+    "eric_epd.stack.servers": set(),
+    "eric_epd.common.errors": {"eric_epd.common.http"},
+    "eric_epd.common.http": {"eric_epd.eric.app"},
+    "eric_epd.eric.app": set(),
+    "epd_gateway.routes": {"eric_epd.media.fetch"},
+    "eric_epd.media": {"eric_epd.runtime.work"},
+    "eric_epd.media.fetch": set(),
+    "eric_epd.runtime.work": set(),
+}
+"""The arrows this test once missed, in a synthetic graph: the gateway on models/ through wire/handoff, planning/ on
+stack/ through its own measuring module, a lower module on a server through another, and a package's __init__
+importing what the modules under it may not."""
+
+
+def test_old_shapes_are_caught_through_the_middle_module() -> None:
+    gateway = _gateway_beyond_the_wire(OLD_SHAPES)
+    assert "epd_gateway.content -> eric_epd.wire.handoff -> eric_epd.models.facts" in gateway
+    assert "epd_gateway.routes -> eric_epd.media.fetch -> eric_epd.media -> eric_epd.runtime.work" in gateway
+    assert all(_layer(t) in GATEWAY_MAY_USE for t in OLD_SHAPES["epd_gateway.content"])  # not seen directly
+    ladder = _up_the_ladder(OLD_SHAPES)
+    assert "eric_epd.wire.handoff -> eric_epd.models.facts" in ladder
+    assert "eric_epd.planning.profiler -> eric_epd.planning.measure_eric -> eric_epd.stack.servers" in ladder
+    assert "eric_epd.stack.up -> eric_epd.planning.profiler" not in ladder  # the stack may plan
+    assert "eric_epd.common.errors -> eric_epd.common.http -> eric_epd.eric.app" in _climbing_from_lower(OLD_SHAPES)
+    assert not _cycles(OLD_SHAPES)  # none of these is a circle of modules: only the layers see them
 
 
 def test_eric_router_reads_config_json_once(monkeypatch: pytest.MonkeyPatch, qwen2_vl_tiny: Path) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from eric_epd.models.facts import embedding_widths
+from eric_epd.common.widths import embedding_widths
 from eric_epd.models.hf.audio import HFAudioProcessor
 from eric_epd.models.hf.audio_encoder import HFAudioEncoder
 from eric_epd.models.hf.encoder import HFVisionEncoder

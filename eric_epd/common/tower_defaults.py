@@ -1,8 +1,8 @@
 """What a hand-written Qwen vision tower takes for a key its checkpoint's vision_config leaves out: the value
 transformers' own vision config class of that family gives it (transformers 5.19), never a released model's.
 
-tests/models/test_tower_configs.py checks every table here against transformers' classes. Imports nothing heavy: the
-router reads these through models/facts.py."""
+tests/models/test_tower_configs.py checks every table here against transformers' classes. Imports nothing: the
+gateway and the vLLM connector read these through common/widths.py, the towers in models/ directly."""
 
 from __future__ import annotations
 
