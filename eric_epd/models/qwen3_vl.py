@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import TPContext, copy_into, read_full
-from eric_epd.models.qwen2_vl import Grid, LayerNorm, PatchEmbed, PatchMerger, Qwen2VLVisionEncoder, VisionMLP
+from eric_epd.models.qwen2_vl import Grid, LayerNorm, PatchEmbed, PatchMerger, Qwen2VLVisionEncoder
 from eric_epd.models.tower_defaults import QWEN3_5, QWEN3_VL
 
 logger = logging.getLogger(__name__)
