@@ -9,18 +9,14 @@ which vLLM's CPU attention takes)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eric_epd.checkpoints.builtin import ensure_built
-from eric_epd.checkpoints.saving import save_random_checkpoint
+from eric_epd.checkpoints.saving import build_tiny_checkpoint, ensure_tiny_checkpoint
 from eric_epd.checkpoints.text_parts import Tokens, _text
-
-logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = 3  # bump when the output of build_audio_checkpoint changes
 
@@ -34,6 +30,10 @@ class AudioFamily:
     """(tokenizer, token ids, vocab size, init std) -> (model config, processor)."""
     released: dict[str, str]
     """Saved tensor-name prefixes renamed to those of the family's released checkpoints (what vLLM reads)."""
+    chat_template: str | None = None
+    """None: the one its `make` gives the processor."""
+    finish: Callable[[Path, Any], None] | None = None
+    """None: nothing done to what was saved."""
 
 
 QWEN2_AUDIO = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
@@ -197,15 +197,9 @@ def build_audio_checkpoint(out_dir: str | os.PathLike, family: str, seed: int = 
 
     if family not in AUDIO_FAMILIES:
         raise ValueError(f"unknown audio family {family!r}; families {sorted(AUDIO_FAMILIES)}")
-    spec = AUDIO_FAMILIES[family]
-    out = Path(out_dir)
-    model = save_random_checkpoint(out, spec.tokens, spec.make, AutoModelForMultimodalLM, spec.released, seed, init_std)
-    logger.info("built %s checkpoint at %s: %.2fM params", family, out,
-                sum(p.numel() for p in model.parameters()) / 1e6)
-    return out
+    return build_tiny_checkpoint(out_dir, family, AUDIO_FAMILIES[family], AutoModelForMultimodalLM, seed, init_std)
 
 
 def ensure_audio_checkpoint(family: str, seed: int = 0) -> Path:
     """The cached tiny checkpoint of the audio `family`, built atomically on first use."""
-    return ensure_built(f"{family}-tiny-s{seed}-a{BUILDER_VERSION}", "config.json",
-                        lambda out: build_audio_checkpoint(out, family, seed))
+    return ensure_tiny_checkpoint(family, seed, f"a{BUILDER_VERSION}", build_audio_checkpoint)

@@ -11,19 +11,15 @@ inside the vocabulary, processor settings that agree with the model config.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eric_epd.checkpoints.builtin import ensure_built
 from eric_epd.checkpoints.kimi import KIMI_IMAGE, KIMI_NAMED, KIMI_SPECIALS, finish_kimi_k25, make_kimi_k25
-from eric_epd.checkpoints.saving import save_random_checkpoint
+from eric_epd.checkpoints.saving import build_tiny_checkpoint, ensure_tiny_checkpoint
 from eric_epd.checkpoints.text_parts import Tokens, _template, _text
-
-logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = 6  # bump when the output of build_family_checkpoint changes
 
@@ -316,18 +312,9 @@ def build_family_checkpoint(out_dir: str | os.PathLike, family: str, seed: int =
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; families {sorted(FAMILIES)}")
-    spec = FAMILIES[family]
-    out = Path(out_dir)
-    model = save_random_checkpoint(out, spec.tokens, spec.make, AutoModelForImageTextToText, spec.released, seed,
-                                   init_std, spec.chat_template)
-    if spec.finish is not None:
-        spec.finish(out, model)
-    logger.info("built %s checkpoint at %s: %.2fM params", family, out,
-                sum(p.numel() for p in model.parameters()) / 1e6)
-    return out
+    return build_tiny_checkpoint(out_dir, family, FAMILIES[family], AutoModelForImageTextToText, seed, init_std)
 
 
 def ensure_family_checkpoint(family: str, seed: int = 0) -> Path:
     """The cached tiny checkpoint of `family`, built atomically on first use."""
-    return ensure_built(f"{family}-tiny-s{seed}-f{BUILDER_VERSION}", "config.json",
-                        lambda out: build_family_checkpoint(out, family, seed))
+    return ensure_tiny_checkpoint(family, seed, f"f{BUILDER_VERSION}", build_family_checkpoint)

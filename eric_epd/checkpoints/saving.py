@@ -1,17 +1,22 @@
 """Saving a tiny family checkpoint: the random model, tokenizer, processor and generation config written like a hub
 repo, constant parameters jittered, tensors renamed to the released checkpoints' names, the chat template also in
-tokenizer_config.json."""
+tokenizer_config.json; and the build-then-cache step every tiny family's builder takes."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from eric_epd.checkpoints.builtin import ensure_built
 from eric_epd.checkpoints.text_parts import Tokens, build_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def jitter_constants(model: torch.nn.Module, std: float) -> None:
@@ -72,3 +77,48 @@ def save_random_checkpoint(out: Path, tokens: Tokens,
     processor.save_pretrained(out)
     with_chat_template(out, processor.chat_template)
     return model
+
+
+class TinyFamily(Protocol):
+    """How to build one tiny family (checkpoints/families.Family, audio_families.AudioFamily)."""
+
+    @property
+    def tokens(self) -> Tokens:
+        """Its special tokens."""
+
+    @property
+    def make(self) -> Callable[[Any, dict[str, int], int, float], tuple[Any, Any]]:
+        """(tokenizer, token ids, vocab size, init std) -> (model config, processor)."""
+
+    @property
+    def released(self) -> dict[str, str]:
+        """Saved tensor-name prefixes renamed to those of the family's released checkpoints."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template saved with the processor (None: the processor's own)."""
+
+    @property
+    def finish(self) -> Callable[[Path, Any], None] | None:
+        """(checkpoint dir, model) -> None: the family's last touches to what was saved, if any."""
+
+
+def build_tiny_checkpoint(out_dir: str | os.PathLike, family: str, spec: TinyFamily, auto_class: Any, seed: int,
+                          init_std: float) -> Path:
+    """Write the random checkpoint `spec` describes (save_random_checkpoint with an `auto_class` model, then the
+    family's `finish`) to `out_dir`; returns it."""
+    out = Path(out_dir)
+    model = save_random_checkpoint(out, spec.tokens, spec.make, auto_class, spec.released, seed, init_std,
+                                   spec.chat_template)
+    if spec.finish is not None:
+        spec.finish(out, model)
+    logger.info("built %s checkpoint at %s: %.2fM params", family, out,
+                sum(p.numel() for p in model.parameters()) / 1e6)
+    return out
+
+
+def ensure_tiny_checkpoint(family: str, seed: int, version: str,
+                           build: Callable[[str | os.PathLike, str, int], Path]) -> Path:
+    """The cached tiny checkpoint of `family` (cache directory `<family>-tiny-s<seed>-<version>`), built atomically
+    by `build(out_dir, family, seed)` on first use."""
+    return ensure_built(f"{family}-tiny-s{seed}-{version}", "config.json", lambda out: build(out, family, seed))

@@ -13,8 +13,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from eric_epd.eric.video_limits import VideoBudget, check_source, count_frames
-from eric_epd.media.containers import IMAGE_FORMATS, sniff
-from eric_epd.media.demux import open_input
+from eric_epd.media.containers import IMAGE_FORMATS
+from eric_epd.media.demux import open_for_decoding, sniff_for_decoding
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
 
@@ -101,16 +101,8 @@ def decode_video(data: bytes, limits: MediaLimits,
     """
     if not data:
         raise MediaError(400, "video is empty (0 bytes)")
-    try:
-        demuxer = sniff(data, "video")
-        container = open_input(data, demuxer)
-    except MediaError as exc:
-        raise MediaError(400, f"could not decode video: {exc.message}") from exc
-    except av.FFmpegError as exc:
-        raise MediaError(400, f"could not decode video: {exc}") from exc
-    except Exception as exc:
-        raise MediaError(400, f"could not decode video: {str(exc) or type(exc).__name__}") from exc
-    with container:
+    demuxer = sniff_for_decoding(data, "video")
+    with open_for_decoding(data, demuxer, "video") as container:
         if not container.streams.video:
             raise MediaError(400, "could not decode video: no video stream")
         stream = container.streams.video[0]

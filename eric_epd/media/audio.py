@@ -14,8 +14,7 @@ import av
 import numpy as np
 import soundfile
 
-from eric_epd.media.containers import sniff
-from eric_epd.media.demux import open_input
+from eric_epd.media.demux import open_for_decoding, sniff_for_decoding
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
 
@@ -46,10 +45,7 @@ def decode_audio(data: bytes, limits: MediaLimits, stop: threading.Event | None 
     set (the requester has gone)."""
     if not data:
         raise MediaError(400, "audio is empty (0 bytes)")
-    try:
-        demuxer = sniff(data, "audio")
-    except MediaError as exc:
-        raise MediaError(400, f"could not decode audio: {exc.message}") from exc
+    demuxer = sniff_for_decoding(data, "audio")
     _check_stop(stop)
     try:
         decoded = _decode_soundfile(data, limits)
@@ -109,12 +105,7 @@ def _decode_pyav(data: bytes, demuxer: str, limits: MediaLimits, stop: threading
     """vLLM's `load_audio_pyav(sr=None)`: every frame of the first audio stream as it decodes, joined along time,
     as float32, averaged over channels; formats whose raw frames are not float samples per channel are refused.
     `demuxer` is forced (vLLM's loader probes)."""
-    try:
-        container = open_input(data, demuxer)
-    except av.FFmpegError as exc:
-        raise MediaError(400, f"could not decode audio: unrecognised or corrupt data ({exc})") from exc
-    except Exception as exc:
-        raise MediaError(400, f"could not decode audio: {str(exc) or type(exc).__name__}") from exc
+    container = open_for_decoding(data, demuxer, "audio")
     chunks: list[np.ndarray] = []
     with container:
         if not container.streams.audio:

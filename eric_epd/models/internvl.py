@@ -14,9 +14,10 @@ from torch import nn
 
 from eric_epd.models.crop_tower import CropTower, CropTowerEncoder, check_tower_tp
 from eric_epd.models.layers.activations import get_activation
+from eric_epd.models.layers.config import config_to_dict
+from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import QKVParallelLinear, RowParallelLinear, TPContext, copy_into, read_rows
 from eric_epd.models.qwen2_5_vl import RMSNorm
-from eric_epd.models.qwen2_vl import VisionMLP, config_to_dict
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from torch import nn
 from eric_epd.common.widths import embedding_width
 from eric_epd.models.crop_tower import ShardedTower, TowerEncoder, check_tower_tp
 from eric_epd.models.layers.attention import VarlenPlan
+from eric_epd.models.layers.config import IGNORED_SUFFIXES, config_to_dict
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from eric_epd.models.qwen2_audio import (
@@ -25,7 +26,7 @@ from eric_epd.models.qwen2_audio import (
     whisper_output_lengths,
     without_key_bias,
 )
-from eric_epd.models.qwen2_vl import IGNORED_SUFFIXES, Qwen2VLVisionEncoder, config_to_dict
+from eric_epd.models.qwen2_vl import Qwen2VLVisionEncoder
 
 logger = logging.getLogger(__name__)
 

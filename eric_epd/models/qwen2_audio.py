@@ -18,8 +18,8 @@ from eric_epd.models.crop_tower import ShardedTower, TowerEncoder, check_tower_t
 from eric_epd.models.hf.audio_encoder import whisper_frames_needed
 from eric_epd.models.layers.activations import get_activation
 from eric_epd.models.layers.attention import VarlenPlan, varlen_attention
+from eric_epd.models.layers.config import config_to_dict
 from eric_epd.models.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPContext
-from eric_epd.models.qwen2_vl import config_to_dict
 
 logger = logging.getLogger(__name__)
 

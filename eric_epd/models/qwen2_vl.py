@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from eric_epd.common.tower_defaults import QWEN2_VL
-from eric_epd.models.layers.activations import QUICK_GELU_SCALE, get_activation, silu_inplace
 from eric_epd.models.layers.attention import (
     VarlenPlan,
     apply_vision_rope,
     varlen_attention,
     vision_rotary_cos_sin,
 )
+from eric_epd.models.layers.config import IGNORED_SUFFIXES, config_to_dict
+from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -35,18 +36,8 @@ from eric_epd.models.layers.parallel import (
 logger = logging.getLogger(__name__)
 
 VISION_PREFIXES: tuple[str, ...] = ("model.visual.", "visual.")
-IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_pos_emb.inv_freq",)  # non-persistent buffers some exports contain
 
 Grid = list[tuple[int, int, int]]
-
-
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """A vision config as a plain dict (accepts a dict or a transformers config object)."""
-    if isinstance(config, dict):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return dict(vars(config))
 
 
 def rope_theta(cfg: dict[str, Any]) -> float:
@@ -149,33 +140,6 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         """Attention of this rank's heads within each segment of `plan`, rotary positions applied, then projected."""
         return self.proj(self.attend(*self.rotated_qkv(x, cos, sin), plan))
-
-
-class VisionMLP(nn.Module):
-    """fc1 (column) -> activation -> fc2 (row)."""
-
-    def __init__(self, dim: int, hidden: int, act: str, tp: TPContext, dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(dim, hidden, True, tp, dtype)
-        self.fc2 = RowParallelLinear(hidden, dim, True, tp, dtype)
-        self.act_name = act
-        self.act = get_activation(act)
-
-    def after_load(self) -> None:
-        """float32 quick_gelu: x*sigmoid(1.702x) = silu(1.702x)/1.702, so 1.702 goes into fc1 and 1/1.702 into
-        fc2's weight and the activation becomes one in-place pass (three passes and two allocations before).
-        Lower-precision weights are left as they are (scaling them would round them again)."""
-        if self.act_name != "quick_gelu" or self.fc1.weight.dtype not in (torch.float32, torch.float64):
-            return
-        with torch.no_grad():
-            self.fc1.weight.mul_(QUICK_GELU_SCALE)
-            self.fc1.bias.mul_(QUICK_GELU_SCALE)
-            self.fc2.weight.div_(QUICK_GELU_SCALE)
-        self.act_name, self.act = "silu_folded", silu_inplace
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fc2(act(fc1(x))) for this rank's hidden features, all-reduced by the row-parallel fc2."""
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):

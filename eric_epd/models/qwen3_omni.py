@@ -17,10 +17,10 @@ from eric_epd.common.widths import embedding_width
 from eric_epd.models.crop_tower import check_tower_tp
 from eric_epd.models.layers.activations import get_activation
 from eric_epd.models.layers.attention import VarlenPlan
+from eric_epd.models.layers.config import IGNORED_SUFFIXES, config_to_dict
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen2_5_omni import WEIGHT_PREFIXES, OmniTowers, Qwen2_5OmniTowerEncoder, fill_sinusoids
 from eric_epd.models.qwen2_audio import LAYER_NORM_EPS, WhisperEncoderLayer
-from eric_epd.models.qwen2_vl import IGNORED_SUFFIXES, config_to_dict
 from eric_epd.models.qwen3_vl import Qwen3VLVisionEncoder
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from eric_epd.common.tower_defaults import QWEN3_5, QWEN3_VL
+from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import TPContext, copy_into, read_full
-from eric_epd.models.qwen2_vl import Grid, LayerNorm, PatchEmbed, PatchMerger, Qwen2VLVisionEncoder, VisionMLP
+from eric_epd.models.qwen2_vl import Grid, LayerNorm, PatchEmbed, PatchMerger, Qwen2VLVisionEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The SGLang adapter's rules without servers: the wire dtype, a video part's seconds per grid, SGLang mm_items as
 Eric media URLs, where Eric may push (the caller's address or allowed networks, every resolved address), landing
-devices and Mooncake protocol."""
+devices and Mooncake protocol; what a delivery's errors answer."""
 
 from __future__ import annotations
 
@@ -23,6 +23,24 @@ def test_adapter_rules_without_servers() -> None:
     assert item_url("iVBORw0KGgo=", 0) == "data:application/octet-stream;base64,iVBORw0KGgo="
     with pytest.raises(SglangError, match="max_pixels"):
         item_url({"url": "https://x/a.png", "preprocess_kwargs": None, "max_pixels": 4096}, 3)
+
+
+def test_delivery_errors_answer_as_sglang_does() -> None:
+    """The ladder the direct delivery and /send share: an SglangError passes as it is, a push engine's error is a
+    500 with its own message, anything else a 500 naming what failed and the error's type."""
+    from eric_epd.eric.sglang.protocol import SglangError, as_sglang_error
+    from eric_epd.eric.sglang.push import PushError
+
+    own = SglangError(404, "no staged embedding")
+    for raised, status, message in ((own, 404, "no staged embedding"), (PushError("rc=-1"), 500, "rc=-1"),
+                                    (OSError("gone"), 500, "send of req_id=r to h:1 failed: OSError: gone")):
+        with pytest.raises(SglangError) as caught, as_sglang_error("send of req_id=r to h:1 failed"):
+            raise raised
+        assert (caught.value.status, caught.value.message) == (status, message)
+    assert caught.value.__cause__ is raised
+    with pytest.raises(SglangError) as caught, as_sglang_error("x"):
+        raise own
+    assert caught.value is own
 
 
 def test_video_seconds_per_grid_only_for_qwen3_omni() -> None:

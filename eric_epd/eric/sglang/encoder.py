@@ -18,8 +18,17 @@ from eric_epd.eric.config import EricConfig, SglangConfig
 from eric_epd.eric.service import EncodeService
 from eric_epd.eric.sglang.parts import PartTable
 from eric_epd.eric.sglang.peers import PeerPolicy
-from eric_epd.eric.sglang.protocol import MODALITIES, Part, SglangError, health_item, host_port, item_url, validate
-from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher, PushError
+from eric_epd.eric.sglang.protocol import (
+    MODALITIES,
+    Part,
+    SglangError,
+    as_sglang_error,
+    health_item,
+    host_port,
+    item_url,
+    validate,
+)
+from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher
 from eric_epd.eric.sglang.rows import PartRows
 from eric_epd.eric.sglang.zmq_push import ZmqSender
 from eric_epd.transfer.producer import TransferHub
@@ -209,14 +218,10 @@ class SglangEncoder:
             raise SglangError(400, "embedding_port given without prefill_host")
         part.active += 1
         try:
-            with self.rows.reading(part):
+            with as_sglang_error(f"[{part.req_id}] embedding delivery failed"), self.rows.reading(part):
                 frames = self._frames(part)
                 await asyncio.gather(*(self._send(host_port(req.prefill_host, int(p)), frames, cached=False)
                                        for p in ports))
-        except SglangError:
-            raise
-        except Exception as e:
-            raise SglangError(500, f"[{part.req_id}] embedding delivery failed: {type(e).__name__}: {e}") from e
         finally:
             part.active -= 1
             self.table.release(part)
@@ -341,7 +346,7 @@ class SglangEncoder:
             raise SglangError(400, f"embedding_size {req.embedding_size} != {part.wire_bytes} of req_id={req.req_id}")
         part.active += 1
         try:
-            with self.rows.reading(part):
+            with as_sglang_error(f"send of req_id={req.req_id} to {endpoint} failed"), self.rows.reading(part):
                 srcs, lens = self.rows.ranges(part)
                 dsts = list(np.cumsum([0, *lens[:-1]], dtype=np.int64) + req.buffer_address) if lens else []
                 timeout = self.settings.send_timeout_s
@@ -354,12 +359,6 @@ class SglangEncoder:
                     await to_the_end(asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens,
                                                        timeout))
                 await self._send(endpoint, [self.rows.header(part)], cached=False)
-        except PushError as e:
-            raise SglangError(500, str(e)) from e
-        except SglangError:
-            raise
-        except Exception as e:
-            raise SglangError(500, f"send of req_id={req.req_id} to {endpoint} failed: {type(e).__name__}: {e}") from e
         finally:
             part.active -= 1
         part.sent_to.add(endpoint)

@@ -4,8 +4,9 @@ one part, and the dtype the prefill reads its rows in."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.answers import ItemAnswer
+from eric_epd.eric.sglang.push import PushError
 from eric_epd.transfer.pool import PoolEntry
 from eric_epd.wire.sglang import EncodeRequest
 
@@ -62,6 +64,20 @@ def sglang_video_seconds(model_cfg: dict[str, Any]) -> float | None:
 
 class SglangError(ApiError):
     """An ApiError of the SGLang routes, answered there as SGLang's encoder answers (sglang_error_response)."""
+
+
+@contextlib.contextmanager
+def as_sglang_error(failure: str) -> Iterator[None]:
+    """An error inside as SGLang's encoder answers it: an SglangError as it is, a push engine's (PushError) as a 500
+    with its own message, any other as a 500 "<failure>: <type>: <message>"."""
+    try:
+        yield
+    except SglangError:
+        raise
+    except PushError as e:
+        raise SglangError(500, str(e)) from e
+    except Exception as e:
+        raise SglangError(500, f"{failure}: {type(e).__name__}: {e}") from e
 
 
 def sglang_error_response(status: int, message: str, req_id: str | None) -> JSONResponse:

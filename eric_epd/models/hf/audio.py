@@ -16,8 +16,15 @@ import torch
 from PIL import Image
 
 from eric_epd.media import resample as resampler
-from eric_epd.models.hf.loader import hf_config, thinker
-from eric_epd.models.hf.processor import HFProcessedItem, cost_of, processor_fingerprint, thread_copy
+from eric_epd.models.hf.loader import hf_config
+from eric_epd.models.hf.processor import (
+    HFProcessedItem,
+    checkpoint_processor,
+    cost_of,
+    placeholder_token,
+    processor_fingerprint,
+    thread_copy,
+)
 from eric_epd.models.hf.tensors import pack_tensors
 from eric_epd.models.processor import BaseModalityProcessor
 
@@ -58,21 +65,12 @@ class HFAudioProcessor(BaseModalityProcessor):
     modalities = ("audio",)
 
     def __init__(self, model_dir: Path, values_per_cost: int | None = None) -> None:
-        from transformers import AutoProcessor
-
         config = hf_config(model_dir)
-        self._processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        extractor = getattr(self._processor, "feature_extractor", None)
-        if extractor is None:
-            raise ValueError(f"{model_dir}: the checkpoint's processor ({type(self._processor).__name__}) has no "
-                             "feature extractor; Eric's audio path needs one")
+        self._processor, extractor = checkpoint_processor(model_dir, "feature_extractor", "Eric's audio path")
         self.sampling_rate = int(extractor.sampling_rate)
         """The rate the feature extractor takes: every item is resampled to it first."""
-        self._placeholder: str = getattr(self._processor, "audio_token", None) or ""
-        self._token_id: int | None = getattr(thinker(config), "audio_token_id", None)
-        if not self._placeholder or self._token_id is None:
-            raise ValueError(f"{model_dir}: cannot tell where audio goes in the text (processor.audio_token="
-                             f"{self._placeholder!r}, config audio_token_id={self._token_id})")
+        self._placeholder, self._token_id = placeholder_token(
+            model_dir, self._processor, "audio_token", config, "audio_token_id", "audio goes")
         text_names = set(self._processor.tokenizer.model_input_names)
         self._names = frozenset(n for n in self._processor.model_input_names if n not in text_names)
         self._tensors = AUDIO_TENSORS.get(config.model_type, self._processor_tensors)

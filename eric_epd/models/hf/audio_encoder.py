@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from types import MappingProxyType
 
 import torch
 from torch import nn
 
-from eric_epd.models.hf.loader import hf_config, load_vision_model
+from eric_epd.models.hf.base import HFEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -86,26 +85,15 @@ AUDIO_ROWS: Mapping[str, Callable[[nn.Module, dict[str, torch.Tensor]], torch.Te
 """HF model_type -> (model, a batch's feature tensors) -> the batch's rows, items in order."""
 
 
-class HFAudioEncoder:
+class HFAudioEncoder(HFEncoder):
     """The model's audio tower and projector on named feature tensors, its output laid out as vLLM's rows."""
 
     def __init__(self, model: nn.Module, model_type: str, width: int, dtype: torch.dtype) -> None:
         if model_type not in AUDIO_ROWS:
             raise ValueError(f"model_type {model_type!r} has no audio rows in Eric; those that do: "
                              f"{', '.join(sorted(AUDIO_ROWS))}")
-        self.model = model
+        super().__init__(model, model_type, width, dtype)
         self.rows = AUDIO_ROWS[model_type]
-        self.width = width
-        """Row width: the language model's hidden size."""
-        self.dtype = dtype
-        """The dtype the model was loaded in: features go in and rows come out in it."""
-
-    @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> HFAudioEncoder:
-        """The checkpoint's audio tower and projector, only their weights read."""
-        config = hf_config(model_dir)
-        return cls(load_vision_model(model_dir, dtype, device), config.model_type,
-                   int(config.get_text_config().hidden_size), dtype)
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "audio") -> list[torch.Tensor]:
         """Each item's [rows, width] output, for a batch of audio items whose tensors hold them one after another
@@ -115,7 +103,4 @@ class HFAudioEncoder:
         tensors = {name: t.to(self.dtype) if t.is_floating_point() else t for name, t in inputs.items()}
         with torch.no_grad():
             flat = self.rows(self.model, tensors)
-        if flat.dim() != 2 or flat.shape[0] != sum(rows) or flat.shape[1] != self.width:
-            raise RuntimeError(f"the model gave rows of shape {list(flat.shape)}, expected [{sum(rows)}, {self.width}] "
-                               f"for items of {rows} rows")
-        return list(flat.to(self.dtype).split(rows))
+        return self.split_rows(flat, rows)

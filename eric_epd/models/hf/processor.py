@@ -48,24 +48,15 @@ class HFImageProcessor(BaseModalityProcessor):
     stateful)."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoProcessor
-
         config = hf_config(model_dir)
-        self._processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        image_processor = getattr(self._processor, "image_processor", None)
-        if image_processor is None:
-            raise ValueError(f"{model_dir}: the checkpoint's processor ({type(self._processor).__name__}) has no "
-                             "image processor; the generic path needs one")
+        self._processor, image_processor = checkpoint_processor(model_dir, "image_processor", "the generic path")
         layout = layout_for(config.model_type)
         if layout.check is not None:
             layout.check(image_processor)
         self._preprocess = layout.preprocess
         self._video_grid = layout.video_grid
-        self._placeholder: str = getattr(self._processor, layout.placeholder, None) or ""
-        self._token_id: int | None = getattr(thinker(config), "image_token_id", None)
-        if not self._placeholder or self._token_id is None:
-            raise ValueError(f"{model_dir}: cannot tell where images go in the text (processor.{layout.placeholder}="
-                             f"{self._placeholder!r}, config image_token_id={self._token_id})")
+        self._placeholder, self._token_id = placeholder_token(
+            model_dir, self._processor, layout.placeholder, config, "image_token_id", "images go")
         self._names = frozenset(image_processor.model_input_names)
         self.modalities = generic_modalities(config.model_type)
         self._video: _VideoFacts | None = None
@@ -148,6 +139,32 @@ class HFImageProcessor(BaseModalityProcessor):
             plan = self._video.plan if self._video is not None else None
             return self._fingerprint + f"|video|{plan!r}|{settings}".encode()
         return self._fingerprint
+
+
+def checkpoint_processor(model_dir: Path, part: str, needed_by: str) -> tuple[Any, Any]:
+    """The checkpoint's own processor (transformers' AutoProcessor, nothing downloaded) and its `part` (e.g.
+    "image_processor", "feature_extractor"); ValueError, naming `needed_by`, where it has no such part."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    sub = getattr(processor, part, None)
+    if sub is None:
+        raise ValueError(f"{model_dir}: the checkpoint's processor ({type(processor).__name__}) has no "
+                         f"{part.replace('_', ' ')}; {needed_by} needs one")
+    return processor, sub
+
+
+def placeholder_token(model_dir: Path, processor: Any, attr: str, config: Any, token_key: str,
+                      what: str) -> tuple[str, int]:
+    """The text that stands for one item (the processor's `attr`) and the token id the expanded text holds its rows
+    in (the (thinker's) config's `token_key`); ValueError, saying where `what` (e.g. "images go"), if either is
+    missing."""
+    placeholder: str = getattr(processor, attr, None) or ""
+    token_id: int | None = getattr(thinker(config), token_key, None)
+    if not placeholder or token_id is None:
+        raise ValueError(f"{model_dir}: cannot tell where {what} in the text (processor.{attr}={placeholder!r}, "
+                         f"config {token_key}={token_id})")
+    return placeholder, token_id
 
 
 @dataclass(frozen=True)
