@@ -114,7 +114,7 @@ class EmbedsEngine(_ThreadServer):
                                            Route("/{path:path}", self._other, methods=["GET", "POST"])]))
 
     async def _chat(self, request: Request) -> Response:
-        from eric_epd.wire.handles import LEASE_HEADER
+        from eric_epd.wire.handles import LEASE_HEADER, ack_request
         from eric_epd.wire.handoff import EXTRA_ARGS_KEY
 
         body = orjson.loads(await request.body())
@@ -124,8 +124,9 @@ class EmbedsEngine(_ThreadServer):
                 self.handles.append(h)
                 lease = self._headers | {LEASE_HEADER: h["lease"]}
                 got = await client.get(h["http"], headers=lease)
-                ack = await client.post(f"{h['producer']}/v1/embeddings/{h['hash']}/ack", headers=lease,
-                                        json={"instance_id": h["instance_id"]})
+                request = ack_request(h["producer"], h["hash"], h["lease"], h["instance_id"])
+                ack = await client.post(request.url, headers=self._headers | request.headers,
+                                        content=request.content)
                 if got.status_code != 200 or ack.status_code != 200:
                     return error_response(500, f"embedding {h['hash'][:12]} unreadable")
                 self.read[h["hash"]] = got.content

@@ -23,7 +23,7 @@ import torch
 from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import ConsumerBackend, TransferError
 from eric_epd.transfer.regions import ProducerRegions
-from eric_epd.wire.handles import BACKENDS, LEASE_HEADER, AckBody, EmbeddingHandle
+from eric_epd.wire.handles import BACKENDS, EmbeddingHandle, ack_request
 
 logger = logging.getLogger(__name__)
 
@@ -229,14 +229,13 @@ class EmbeddingFetcher:
         acknowledged"), so a 404 always means the lease ended without our ack (it expired or was released first,
         maybe while the first attempt waited unread): the bytes read are not proven the producer's, a failure."""
         h = as_handle(handle)
-        url = f"{h.producer}/v1/embeddings/{h.hash}/ack"
         deadline = time.monotonic() + self._http_timeout_s
         unanswered = False
         while True:
             timeout = self._http_timeout_s if attempt_timeout_s is None else attempt_timeout_s
             try:
-                body = msgspec.json.encode(AckBody(h.instance_id, retry=unanswered))
-                resp = self._http.post(url, content=body, headers={LEASE_HEADER: h.lease},
+                ack = ack_request(h.producer, h.hash, h.lease, h.instance_id, retry=unanswered)
+                resp = self._http.post(ack.url, content=ack.content, headers=ack.headers,
                                        timeout=max(0.1, min(timeout, deadline - time.monotonic())))
             except httpx.ReadTimeout as e:
                 if attempt_timeout_s is None or time.monotonic() >= deadline:

@@ -88,6 +88,22 @@ class AckBody(msgspec.Struct, frozen=True, omit_defaults=True):
 LEASE_HEADER = "X-Eric-Lease"
 """HTTP header carrying a lease token on Eric's embedding routes."""
 
+
+class AckRequest(msgspec.Struct, frozen=True):
+    """The one way a lease is given back: POST `url` with `headers` and `content` (every client builds it here)."""
+
+    url: str
+    headers: dict[str, str]
+    content: bytes
+
+
+def ack_request(producer: str, content_hash: str, lease: str, instance_id: str | None,
+                retry: bool = False) -> AckRequest:
+    """The POST that ends the lease `lease` on `content_hash` at the Eric `producer` (instance `instance_id`);
+    `retry`: it repeats an attempt whose answer was lost."""
+    return AckRequest(f"{producer.rstrip('/')}/v1/embeddings/{content_hash}/ack", {LEASE_HEADER: lease},
+                      msgspec.json.encode(AckBody(instance_id, retry=retry)))
+
 BACKENDS = ("shm", "nixl", "mooncake", "http")
 """Consumer preference order: fastest first."""
 

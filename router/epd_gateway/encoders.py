@@ -13,7 +13,7 @@ import httpx
 import msgspec
 
 from epd_gateway.content import MediaRef
-from epd_gateway.leases import release_leases
+from epd_gateway.leases import Leases
 from epd_gateway.members import CARD_RETRY_S, WAIT_SLACK_S, EncoderState, expected_wait, rendezvous_weight
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
@@ -207,19 +207,22 @@ class EncoderPool:
         while len(self._holders) > MAX_HOLDERS:
             self._holders.popitem(last=False)
 
-    async def encode(self, refs: list[MediaRef]) -> tuple[list[dict[str, Any]], int]:
-        """Encode every item somewhere; returns (items in ref order, number of encoders used). If this fails or is
-        cancelled (the client left), the calls still running are cancelled (each Eric sees its caller disconnect
-        and drops the work) and the leases of items already returned are given back."""
+    def leases(self) -> Leases:
+        """A request's lease scope (leases.py): what its encodes return is held there and given back on leaving it,
+        unless handed to the engine; acks go only to Erics this pool knows."""
+        return Leases(self._client, self.knows)
+
+    async def encode(self, refs: list[MediaRef], leases: Leases) -> tuple[list[dict[str, Any]], int]:
+        """Encode every item somewhere; returns (items in ref order, number of encoders used). Every item's lease is
+        held in `leases` the moment its Eric answers. If this fails or is cancelled (the client left), the calls
+        still running are cancelled (each Eric sees its caller disconnect and drops the work); the leases already
+        held are the scope's to give back."""
         results: dict[int, dict[str, Any]] = {}
-        try:
-            used = await self._encode_into(refs, results)
-        except BaseException:
-            await asyncio.shield(self.release(list(results.values())))
-            raise
+        used = await self._encode_into(refs, results, leases)
         return [results[i] for i in range(len(refs))], len(used)
 
-    async def _encode_into(self, refs: list[MediaRef], results: dict[int, dict[str, Any]]) -> set[str]:
+    async def _encode_into(self, refs: list[MediaRef], results: dict[int, dict[str, Any]],
+                           leases: Leases) -> set[str]:
         """Fill `results` (ref index -> item), failing over between encoders; returns the encoders used."""
         tried: dict[int, set[str]] = defaultdict(set)
         pending = list(range(len(refs)))
@@ -232,7 +235,7 @@ class EncoderPool:
                     raise EncodersUnavailableError(f"no healthy encoder left for item {i} "
                                                    f"(tried {sorted(tried[i]) or 'none'})")
                 groups[member.url].append(i)
-            outcomes = await self._call_groups({url: [refs[i] for i in idx] for url, idx in groups.items()})
+            outcomes = await self._call_groups({url: [refs[i] for i in idx] for url, idx in groups.items()}, leases)
             pending = []
             for (url, idx), items in zip(groups.items(), outcomes):
                 if items is None:
@@ -247,19 +250,22 @@ class EncoderPool:
                         self.remember(refs[i].routing_key, url)
         return used
 
-    async def _call_groups(self, groups: dict[str, list[MediaRef]]) -> list[list[dict[str, Any]] | None]:
-        """Each encoder's answer for its group, called concurrently. If one call raises or this is cancelled, the
-        other calls are cancelled too and the items already returned in this round are given back."""
-        calls = [asyncio.create_task(self._call(url, group)) for url, group in groups.items()]
+    async def _call_groups(self, groups: dict[str, list[MediaRef]],
+                           leases: Leases) -> list[list[dict[str, Any]] | None]:
+        """Each encoder's answer for its group, called concurrently, its items held in `leases` as it answers. If one
+        call raises or this is cancelled, the other calls are cancelled too."""
+        async def call(url: str, group: list[MediaRef]) -> list[dict[str, Any]] | None:
+            items = await self._call(url, group)
+            leases.hold(items or [])
+            return items
+
+        calls = [asyncio.create_task(call(url, group)) for url, group in groups.items()]
         try:
-            return [await call for call in calls]
+            return [await task for task in calls]
         except BaseException:
-            for call in calls:
-                call.cancel()
+            for task in calls:
+                task.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
-            returned = [item for call in calls if not call.cancelled() and call.exception() is None
-                        for item in call.result() or []]
-            await asyncio.shield(self.release(returned))
             raise
 
     async def _call(self, url: str, refs: list[MediaRef]) -> list[dict[str, Any]] | None:
@@ -315,11 +321,6 @@ class EncoderPool:
         finally:
             await resp.aclose()
         return resp
-
-    async def release(self, items: list[dict[str, Any]]) -> None:
-        """Give back the leases an encode took on items that will never be fetched (leases.release_leases), acking
-        only Erics this pool knows."""
-        await release_leases(self._client, self.knows, items)
 
     def _record_failure(self, member: EncoderState) -> None:
         self._metrics.failures.labels(stage="encode").inc()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -31,6 +30,7 @@ from epd_gateway.encoders import EncoderPool, EncodersUnavailableError
 from epd_gateway.image_store import ImageStore
 from epd_gateway.images import ImageGenerator
 from epd_gateway.inline import MediaInliner, RawBody, check_hosts
+from epd_gateway.leases import Leases
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.plain_media import PlainMedia
 from epd_gateway.proof import MembershipProver
@@ -121,49 +121,42 @@ class Gateway:
         if not await self.encoders.serve(modalities):
             logger.info("the encoders do not encode every modality of this request; the engine encodes it")
             return "pd", await self._plain(plain, headers)
+        async with self.encoders.leases() as leases:  # every lease back on leaving, unless the engine took them
+            answer = await self._epd(plain, body, headers, refs, leases, start)
+        return ("epd", answer) if answer is not None else ("fallback", await self._plain(plain, headers))
+
+    async def _epd(self, plain: RawBody, body: dict[str, Any], headers: dict[str, str], refs: list[MediaRef],
+                   leases: Leases, start: float) -> Response | None:
+        """The EPD path: the engine's answer, or None where the engine must encode the raw media itself (encoders
+        unavailable, a video vLLM cannot place, embeddings lost upstream). Leases are `leases`' to give back."""
         try:
-            items, fanout = await self.encoders.encode(await self._as_encoded(plain, refs))
+            items, fanout = await self.encoders.encode(await self._as_encoded(plain, refs), leases)
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
-            return "fallback", await self._plain(plain, headers)
+            return None
         # the same content under two URLs: one lease used, the others back (a video's and its soundtrack's alike)
-        spare = one_lease_per_content(items) + one_lease_per_content(soundtracks(items))
-        if spare:
-            try:
-                await asyncio.shield(self.encoders.release(spare))
-            except BaseException:  # the client left meanwhile: the leases kept go back too
-                await asyncio.shield(self.encoders.release(items))
-                raise
+        await leases.give_back(one_lease_per_content(items) + one_lease_per_content(soundtracks(items)))
         encoded = time.perf_counter() - start
         self.metrics.encode_latency.observe(encoded)
         self.metrics.stages.observe("encode", encoded)
         self.metrics.fanout.observe(fanout)
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
-            await asyncio.shield(self.encoders.release(items))  # given back even if the client leaves meanwhile
-            return "fallback", await self._plain(plain, headers)
-        try:  # items placed by their media keep them: the inlined body (fetched before encoding, see _as_encoded)
-            source = (await plain.get())[0] if any(i.get("placement") == MEDIA for i in items) else body
-        except BaseException:
-            await asyncio.shield(self.encoders.release(items))
-            raise
+            return None
+        # items placed by their media keep them: the inlined body (fetched before encoding, see _as_encoded)
+        source = (await plain.get())[0] if any(i.get("placement") == MEDIA for i in items) else body
         start = time.perf_counter()
         rewritten = with_embeddings(source, refs, items)
         self.metrics.stages.observe("rewrite", time.perf_counter() - start)
-        try:
-            response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
-        except BaseException:
-            await asyncio.shield(self.encoders.release(items))  # the engine may never have fetched them
-            raise
-        if response.status_code >= 400:
-            # a failed request's embeddings (an engine that refused it never fetches them): back now, not at the TTL
-            await asyncio.shield(self.encoders.release(items))
+        response = await self.upstreams.complete("/v1/chat/completions", rewritten, headers)
         if _embeddings_lost(response):
             # an encoder died between encode and the engine's fetch: the engine encodes the raw media instead
             logger.warning("EPD request lost its embeddings upstream; retrying with raw media")
             self.metrics.failovers.inc()
-            return "fallback", await self._plain(plain, headers)
-        return "epd", response
+            return None
+        if response.status_code < 400:
+            leases.hand_over()  # the engine acknowledges what it fetched; a refused request's leases come back
+        return response
 
     async def _as_encoded(self, plain: RawBody, refs: list[MediaRef]) -> list[MediaRef]:
         """The refs to send the Erics: the client's URLs, or where the engine gets the media itself (placement

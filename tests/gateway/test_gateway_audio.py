@@ -92,7 +92,7 @@ def _chat(cards: list[EncoderState], body: dict, min_items: int = 2) -> tuple[st
     async def carded() -> list[EncoderState]:
         return cards
 
-    async def encode(refs: list[MediaRef]) -> tuple[list[dict], int]:
+    async def encode(refs: list[MediaRef], _leases: object) -> tuple[list[dict], int]:
         sent.extend(refs)
         return [{"hash": f"{i:064x}", "grid_thw": [1, 2, 2], "placement": MEDIA, "handle": {"lease": f"t{i}"},
                  **({"soundtrack": {"hash": f"{i + 100:064x}", "handle": {"lease": f"s{i}"}}} if r.with_audio else {})}

@@ -9,10 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import msgspec
 
 from eric_epd.common.http import bearer
-from eric_epd.wire.handles import LEASE_HEADER, AckBody, EmbeddingHandle
+from eric_epd.wire.handles import EmbeddingHandle, ack_request
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,8 @@ class LeaseClient:
     def _release(self, handles: list[EmbeddingHandle]) -> None:
         for h in handles:
             try:
-                resp = self._client.post(f"{h.producer}/v1/embeddings/{h.hash}/ack", headers={LEASE_HEADER: h.lease},
-                                         content=msgspec.json.encode(AckBody(h.instance_id)))
+                ack = ack_request(h.producer, h.hash, h.lease, h.instance_id)
+                resp = self._client.post(ack.url, headers=ack.headers, content=ack.content)
                 logger.debug("released unused lease on %s: %d", h.hash[:12], resp.status_code)
             except httpx.HTTPError as e:
                 logger.warning("could not release the lease on %s: %r", h.hash[:16], e)
