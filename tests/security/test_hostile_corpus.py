@@ -89,6 +89,7 @@ def _black_hole() -> socket.socket:
 @pytest.fixture(scope="module")
 def world(qwen2_audio_servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("hostile")
+    _bomb(), _double()  # built before any fetch waits on them (a 3 s fetch timeout is shorter than gzip -9 of 512 MiB)
     origin = _Quiet(("127.0.0.1", 0), _Origin)
     threading.Thread(target=origin.serve_forever, daemon=True).start()
     hole = _black_hole()
