@@ -33,7 +33,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint directory (default: the built-in tiny Qwen2-VL)")
     p.add_argument("--port", type=int, default=8000, help="the gateway's port")
     p.add_argument("--tp", type=int, default=1, help="Eric's tensor-parallel size")
-    p.add_argument("--api-key", default=None, help="clients' key for the gateway (default: $EPD_GATEWAY_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="clients' key for the gateway (default: $EPD_GATEWAY_API_KEY); the /metrics key is "
+                   "$EPD_GATEWAY_METRICS_KEY, else generated into LOG_DIR/metrics.key")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the gateway URL here once serving")
     p.add_argument("--eric-cpus", type=int, default=0,
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                                      api_key=args.api_key or os.environ.get("EPD_GATEWAY_API_KEY") or None,
                                      log_dir=args.log_dir, ready_file=args.ready_file, eric_cpus=args.eric_cpus,
                                      plan_from=args.plan_from,
-                                     slo=args.slo)))
+                                     slo=args.slo, metrics_key=os.environ.get("EPD_GATEWAY_METRICS_KEY") or None)))
     elif args.command == "profile":
         from eric_epd.stack.servers import LocalServers
 

@@ -4,6 +4,7 @@ with every key generated and wired; serves until Ctrl-C or SIGTERM, then stops e
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import tempfile
 import threading
@@ -39,6 +40,9 @@ class UpConfig:
     """A profile (`eric-epd profile`): Eric's CPU count is the planner's best split for `slo` on the profiled mix."""
     slo: tuple[float, float] = (8000.0, 400.0)
     """(TTFT, TPOT) in ms the plan optimizes goodput for."""
+    metrics_key: str | None = None
+    """The key a scraper sends for the gateway's /metrics; none: generated and written to `metrics.key` (mode 0600)
+    in the log directory."""
 
 
 def split_for(config: UpConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -57,6 +61,15 @@ def split_for(config: UpConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if not 0 < count < len(cpus):
         raise ValueError(f"Eric needs between 1 and {len(cpus) - 1} of this host's {len(cpus)} CPUs, not {count}")
     return cpus[:count], cpus[count:]
+
+
+def _write_secret(path: Path, secret: str) -> None:
+    """`secret` in a file only its owner may read (created so, never world-readable for an instant)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    logger.info("the gateway's /metrics key is in %s", path)
 
 
 def _watch(servers: list[ServerProcess], stop: threading.Event) -> str | None:
@@ -87,7 +100,9 @@ def up(config: UpConfig) -> int:
             gateway = stack.enter_context(GatewayServer(
                 logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
                 eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key=config.api_key, port=config.port,
-                cpus=eric_cpus))
+                cpus=eric_cpus, metrics_key=config.metrics_key))
+            if config.metrics_key is None:
+                _write_secret(logs / "metrics.key", gateway.metrics_key)
             logger.info("EPD stack serving: %s/v1 (gateway) -> Eric %s -> vLLM %s", gateway.url, eric.url, vllm.url)
             if config.ready_file is not None:
                 config.ready_file.write_text(gateway.url)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -69,6 +70,16 @@ def _no_loopback_by_redirect(client: openai.OpenAI, images: list[str]) -> None:
     assert listener.accepted == 0
 
 
+def _metrics_by_the_written_key(url: str, key_file: Path) -> None:
+    """`up` generated the gateway's /metrics key into a file only its owner reads; the key opens /metrics, no key
+    does not."""
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text()
+    assert httpx.get(url + "/metrics").status_code == 401
+    answer = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200 and "gateway_requests_total" in answer.text
+
+
 def test_a_config_alone_creates_no_directory() -> None:
     config = EricConfig(model=Path("."))
     assert config.run_dir.name.startswith("eric-") and not config.run_dir.exists()
@@ -95,6 +106,7 @@ def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: py
         assert raw.headers["x-epd-path"] == "epd"
         assert raw.parse().usage.completion_tokens == 6
         _no_loopback_by_redirect(client, images)
+        _metrics_by_the_written_key(url, tmp_path / "logs" / "metrics.key")
         roles = _cpus_by_role(psutil.Process(proc.pid))
         assert roles["eric"] and roles["vllm"]
         if psutil.cpu_count() > 1:
