@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,7 +33,7 @@ from eric_epd.eric.sglang.routes import sglang_routes
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.models.facts import ModelFacts
 from eric_epd.models.registry import load_processor
-from eric_epd.runtime.router import add_status_routes, connected_client, install_error_handlers
+from eric_epd.runtime.router import EngineWatch, add_status_routes, connected_client, install_error_handlers
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import transfer_routes
@@ -112,7 +112,7 @@ def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:
         soundtrack=encoded_item(answer.soundtrack, placement) if answer.soundtrack is not None else None)
 
 
-def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[[], bool], hub: TransferHub
+def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: TransferHub
                ) -> FastAPI:
     """The router app for the checkpoint `facts` describe (read once by the caller); its lifespan connects to an
     engine that is already running and serves `hub`'s pool."""
@@ -137,7 +137,7 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
         if shared is not None:
             shared.start()
         try:
-            async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
+            async with connected_client(config, engine.is_alive, metrics.observe_status) as client:
                 state["client"] = client
                 state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared,
                                                  config.batch.max_queued_items)
@@ -201,12 +201,12 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
                            if request.url.path in sglang_paths else None)
     if config.api_key:
         # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
-        open_paths = frozenset({"/health", "/metrics", MEMBER_PROOF_PATH, *(r.path for r in sglang.routes)})
+        open_paths = frozenset({"/health", "/ready", "/metrics", MEMBER_PROOF_PATH, *(r.path for r in sglang.routes)})
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
-    add_status_routes(app, state, is_engine_alive, {
+    add_status_routes(app, state, engine, config, {
         "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype,
-        "placement": placement, "takes_audio": facts.takes_audio})
+        "placement": placement, "takes_audio": facts.takes_audio}, lambda: state["service"].room())
 
     @app.get(MEMBER_PROOF_PATH)
     async def prove_membership(request: Request) -> Response:
@@ -218,13 +218,13 @@ def create_app(config: EricConfig, facts: ModelFacts, is_engine_alive: Callable[
     async def load() -> Response:
         """Queue depth, busy fraction, items/s and p99 encode latency over the last 30 s (for the gateway and an
         autoscaler)."""
-        if is_engine_alive():
+        if engine.is_alive():
             await state["client"].status(timeout_s=0.5)  # brings the batches run since the last status
         return Response(msgspec.json.encode(metrics.load.report()), media_type="application/json")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        if is_engine_alive():
+        if engine.is_alive():
             await state["client"].status(timeout_s=0.5)  # refreshes queue depth and batch counts
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -174,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
     return EricConfig(
         model=model_or_default(args.model, args.revision), tp_size=args.tp, dtype=args.dtype, device=args.device,
         host=args.host, port=args.port, cpus=args.cpus, preprocess_threads=args.preprocess_threads,
+        liveness_timeout_s=args.liveness_timeout,
         max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items,

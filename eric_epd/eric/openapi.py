@@ -45,7 +45,10 @@ def _encode_body(modalities: list[str], max_items: int) -> dict[str, Any]:
 
 ENCODED = {"type": "object", "required": ["model", "items"], "properties": {"model": {"type": "string"}, "items": {
     "type": "array", "items": {"type": "object", "required": ["id", "modality", "hash", "shape", "dtype", "handle"]}}}}
-HEALTH = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unhealthy"]}}}
+HEALTH = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "busy", "unhealthy"]},
+                                                                   "reason": {"type": "string"}}}
+READY = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ready", "not ready"]},
+                                                                  "reason": {"type": "string"}}}
 
 
 def _sglang_schemas() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -81,9 +84,14 @@ def eric_openapi(version: str, modalities: list[str], max_items: int) -> dict[st
         "/v1/transfer": {"get": {"summary": "Transfer pool statistics", "responses": _answers({"type": "object"})}},
         "/v1/transfer/nixl/metadata": {"get": {"summary": "This Eric's NIXL agent metadata",
                                                "responses": _answers({}, ok_type="application/octet-stream")}},
-        "/health": {"get": {"summary": "Healthy when the engine and every worker are", "responses": {
-            "200": {"description": "healthy", "content": {JSON: {"schema": HEALTH}}},
-            "503": {"description": "unhealthy, with the reason", "content": {JSON: {"schema": HEALTH}}}}}},
+        "/health": {"get": {"summary": "Liveness: the engine and every worker live (busy while a batch runs)",
+                            "responses": {
+            "200": {"description": "alive: ok, or busy", "content": {JSON: {"schema": HEALTH}}},
+            "503": {"description": "dead, with the reason", "content": {JSON: {"schema": HEALTH}}}}}},
+        "/ready": {"get": {"summary": "Readiness: alive, and admitting items now", "responses": {
+            "200": {"description": "ready", "content": {JSON: {"schema": READY}}},
+            "503": {"description": "not ready (dead, or its queue full), with the reason",
+                    "content": {JSON: {"schema": READY}}}}}},
         "/v1/models": {"get": {"summary": "The model served", "responses": _answers({"type": "object"})}},
         "/v1/load": {"get": {"summary": "Queue depth, busy fraction, items/s, p99 encode latency (last 30 s)",
                              "responses": _answers({"type": "object", "required": [

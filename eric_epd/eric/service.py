@@ -75,6 +75,12 @@ class EncodeService:
         return [ItemAnswer(r, p, handles[p.hash], soundtrack_answer(r, track, handles))
                 for r, (p, track) in zip(items, prepared)]
 
+    def room(self) -> str | None:
+        """Why this Eric would refuse a new item now (its admission is full), or None: its readiness."""
+        if self._admitted >= self._max_items:
+            return f"queue full: {self._admitted} items accepted and not answered yet (--max-queued-items)"
+        return None
+
     def _admit(self, n: int) -> None:
         """Count `n` more items as accepted, or refuse them: a bound on what fetching and preprocessing hold before
         the engine's own queue sees any of it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,7 +25,7 @@ from eric_epd.geri.handles import HandleReader, embeddings_of
 from eric_epd.geri.service import GenerateService
 from eric_epd.geri.workload import GeneratorWorkload
 from eric_epd.runtime.engine.messages import EngineStatusMsg
-from eric_epd.runtime.router import add_status_routes, connected_client, install_error_handlers
+from eric_epd.runtime.router import EngineWatch, add_status_routes, connected_client, install_error_handlers
 from eric_epd.transfer.pool import EmbeddingPool
 from eric_epd.wire.geri import GenerateBody
 
@@ -60,7 +60,7 @@ class GeriMetrics:
             self.batch_seconds.observe(batch.seconds)
 
 
-def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: EmbeddingPool,
+def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool,
                workload: GeneratorWorkload) -> FastAPI:
     """The router app; its lifespan connects to an engine that is already running."""
     metrics = GeriMetrics()
@@ -69,7 +69,7 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with connected_client(config, is_engine_alive, metrics.observe_status) as client:
+        async with connected_client(config, engine.is_alive, metrics.observe_status) as client:
             state["client"] = client
             state["service"] = GenerateService(client, pool, workload)
             state["handles"] = HandleReader(config.producer_urls, config.producer_api_key, config.transfer_backends,
@@ -102,15 +102,16 @@ def create_app(config: GeriConfig, is_engine_alive: Callable[[], bool], pool: Em
         return Response(png, media_type="image/png")
 
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health", "/metrics"}))
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
+                           open_paths=frozenset({"/health", "/ready", "/metrics"}))
 
-    add_status_routes(app, state, is_engine_alive, {
+    add_status_routes(app, state, engine, config, {
         "id": model_name, "tp_size": config.tp_size, "dtype": config.dtype, "hidden_size": workload.hidden,
         "size_factor": workload.size_factor, "max_side": config.limits.max_side, "max_steps": config.limits.max_steps})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        if is_engine_alive():
+        if engine.is_alive():
             await state["client"].status(timeout_s=0.5)  # brings the batches run since the last status
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 

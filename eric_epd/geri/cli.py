@@ -63,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> GeriConfig:
         model = args.model.resolve()
     return GeriConfig(
         model=model, tp_size=args.tp, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+        liveness_timeout_s=args.liveness_timeout,
         cpus=args.cpus, api_key=args.api_key or os.environ.get("GERI_API_KEY") or None,
         trusted_proxies=args.trusted_proxies,
         batch=BatchLimits(args.max_batch_items, args.max_batch_tokens, args.max_queued_items),

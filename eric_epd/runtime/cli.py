@@ -16,3 +16,6 @@ def add_server_flags(p: argparse.ArgumentParser, *, what: str, dtype_help: str, 
     p.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
     p.add_argument("--port", type=int, default=port, help="HTTP port")
+    p.add_argument("--liveness-timeout", type=float, default=30.0,
+                   help="seconds the engine's heartbeat may be silent before /health answers 503 (a batch in flight "
+                   "renews it: a long batch is busy, not dead)")

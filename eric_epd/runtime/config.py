@@ -62,6 +62,9 @@ class RuntimeConfig:
     """An accepted request that has no result after this long fails with 504."""
     worker_timeout_s: float = 120.0
     """A batch that takes longer than this marks the workers unhealthy."""
+    liveness_timeout_s: float = 30.0
+    """The engine renews its heartbeat every 0.1 s while its loop runs and its workers live, a batch in flight or
+    not; silent this long, /health calls the server dead (a long batch only makes it busy)."""
     api_key: str | None = None
     """Callers of the protected HTTP routes must send 'Authorization: Bearer KEY'."""
     trusted_proxies: tuple[str, ...] = ()

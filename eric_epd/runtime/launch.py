@@ -46,7 +46,7 @@ P = TypeVar("P", bound=Closable)
 
 
 def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: Callable[[], P],
-               make_app: Callable[[Callable[[], bool], P], object], drain_timeout_s: float = 5.0) -> None:
+               make_app: Callable[[EngineProcess, P], object], drain_timeout_s: float = 5.0) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers. The pool is
     made before the engine: the workers attach to it. On SIGINT/SIGTERM new connections are refused and requests
     in flight get `drain_timeout_s` to finish (after the app's `before_drain` hook, if it set one)."""
@@ -67,7 +67,7 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         pool.close()
         raise
     try:
-        app = make_app(engine.is_alive, pool)
+        app = make_app(engine, pool)
         logger.info("%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host,
                     config.port)
         server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

@@ -257,11 +257,20 @@ def test_eric_router_reads_config_json_once(monkeypatch: pytest.MonkeyPatch, qwe
         async with app.router.lifespan_context(app):
             served.append(app.title)
 
+    class NoEngine:  # a stand-in for the engine process: alive, never asked anything
+        pid = None
+
+        def is_alive(self) -> bool:
+            return True
+
+        def heartbeat_age(self) -> float:
+            return 0.0
+
     def run_server(name: str, config: EricConfig, workload: Any, make_pool: Callable[[], Any],
-                   make_app: Callable[[Callable[[], bool], Any], Any], drain_timeout_s: float) -> None:
+                   make_app: Callable[[Any, Any], Any], drain_timeout_s: float) -> None:
         hub = make_pool()
         try:
-            asyncio.run(through_lifespan(make_app(lambda: True, hub)))
+            asyncio.run(through_lifespan(make_app(NoEngine(), hub)))
         finally:
             hub.close()
 

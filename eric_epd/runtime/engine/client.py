@@ -69,6 +69,7 @@ class EngineClient:
         self._status_waiters: list[asyncio.Future[EngineStatusMsg]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_reason: str | None = None
+        self._last_status: EngineStatusMsg | None = None
 
     @property
     def num_inflight_items(self) -> int:
@@ -166,7 +167,13 @@ class EngineClient:
             elif op is Op.STATUS and isinstance(msg, EngineStatusMsg):
                 self._handle_status(msg)
 
+    @property
+    def last_status(self) -> EngineStatusMsg | None:
+        """The engine's latest status message (it sends one after every step that finished batches)."""
+        return self._last_status
+
     def _handle_status(self, msg: EngineStatusMsg) -> None:
+        self._last_status = msg
         if self._on_status is not None:
             self._on_status(msg)
         if not msg.healthy:

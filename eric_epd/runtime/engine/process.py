@@ -14,6 +14,7 @@ import zmq
 
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.engine.engine import Engine, Outgoing
+from eric_epd.runtime.engine.heartbeat import Heartbeat
 from eric_epd.runtime.engine.messages import (
     AbortRequestMsg,
     Op,
@@ -64,16 +65,18 @@ class Stragglers:
 class EngineProcess:
     """Parent-side handle: spawn() starts the engine (and through it the workers) and waits until it is ready."""
 
-    def __init__(self, proc: mp.process.BaseProcess, worker_pids: list[int]) -> None:
+    def __init__(self, proc: mp.process.BaseProcess, worker_pids: list[int], heartbeat: Heartbeat) -> None:
         self.proc = proc
         self._workers = Stragglers(worker_pids)
+        self._heartbeat = heartbeat
 
     @classmethod
     def spawn(cls, config: RuntimeConfig, workload: Workload, timeout_s: float = 900.0) -> EngineProcess:
         """Start the engine process and wait up to `timeout_s` for it to be ready; raise with its reason otherwise."""
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=main, args=(config, workload, child_end), name="engine", daemon=False)
+        heartbeat = Heartbeat(ctx)
+        proc = ctx.Process(target=main, args=(config, workload, child_end, heartbeat), name="engine", daemon=False)
         proc.start()
         child_end.close()
         if not parent_end.poll(timeout_s):
@@ -86,13 +89,22 @@ class EngineProcess:
         if not (isinstance(status, tuple) and status[0] == "ready"):
             proc.join(timeout=5)
             raise RuntimeError(status)
-        return cls(proc, list(status[1]))
+        return cls(proc, list(status[1]), heartbeat)
 
     def is_alive(self) -> bool:
         """True while the engine, or any worker it started, may still run and so write into the pool. Once the
         engine has died its workers are killed, and this turns False only when every one has exited: requests in
         flight fail (and their regions return) only then. Never blocks."""
         return self.proc.is_alive() or not self._workers.gone()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine last found its workers alive (its loop, or its wait for a batch); never blocks."""
+        return self._heartbeat.age()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid."""
+        return self.proc.pid
 
     def shutdown(self, timeout_s: float = 15.0) -> None:
         """Wait for the engine to exit after the client sent SHUTDOWN; kill it past the timeout, and any worker it
@@ -105,7 +117,7 @@ class EngineProcess:
             logger.error("engine workers still running after shutdown")
 
 
-def main(config: RuntimeConfig, workload: Workload, ready: Connection) -> None:
+def main(config: RuntimeConfig, workload: Workload, ready: Connection, heartbeat: Heartbeat) -> None:
     """Child-side entry point."""
     from eric_epd.runtime.executor.executor import ModelExecutor
 
@@ -113,7 +125,7 @@ def main(config: RuntimeConfig, workload: Workload, ready: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router owns Ctrl-C and asks us to stop
     executor = None
     try:
-        executor = ModelExecutor(config, workload)
+        executor = ModelExecutor(config, workload, heartbeat.beat)
         executor.wait_ready()
         executor.warm_up()
     except Exception as e:

@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import socket
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -51,8 +52,9 @@ def broadcast_geometry(max_batch_input_bytes: int) -> dict[str, int]:
 class ModelExecutor:
     """Owns the worker processes. execute_model blocks until rank 0 answers, a worker fails, or a timeout."""
 
-    def __init__(self, config: RuntimeConfig, workload: Workload) -> None:
+    def __init__(self, config: RuntimeConfig, workload: Workload, beat: Callable[[], None] = lambda: None) -> None:
         self._config = config
+        self._beat = beat  # renewed whenever the workers are found alive (every loop and every wait for them)
         self._workload = workload
         self._ctx = zmq.Context.instance()
         self._results = self._ctx.socket(zmq.PULL)
@@ -123,6 +125,8 @@ class ModelExecutor:
                     self._dead_reason = f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                     self._stop_workers()
                     break
+        if self._dead_reason is None:
+            self._beat()
         return self._dead_reason
 
     def execute_model(self, batch: Batch) -> BatchOutput:
