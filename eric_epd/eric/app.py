@@ -35,6 +35,7 @@ from eric_epd.models.facts import ModelFacts
 from eric_epd.models.registry import load_processor
 from eric_epd.runtime.router import EngineWatch, add_status_routes, connected_client, install_error_handlers
 from eric_epd.transfer.global_cache import GlobalCache
+from eric_epd.transfer.pool import EmbeddingPool
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import transfer_routes
 from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem, Placement
@@ -112,6 +113,19 @@ def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:
         soundtrack=encoded_item(answer.soundtrack, placement) if answer.soundtrack is not None else None)
 
 
+async def drain_leases(service: EncodeService, pool: EmbeddingPool, timeout_s: float) -> None:
+    """Wait until no encode is in progress and no lease handed out is left (each acknowledged, given back or
+    lapsed), or `timeout_s`: consumers read and acknowledge them meanwhile, as the listener stays open."""
+    logger.info("draining: %d pool entries held by consumers; waiting up to %gs", len(pool), timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not (service.idle and len(pool) == 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if service.idle and len(pool) == 0:
+        logger.info("drained: every lease handed out has ended")
+    else:
+        logger.warning("drain timed out: %d pool entries still held", len(pool))
+
+
 def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: TransferHub
                ) -> FastAPI:
     """The router app for the checkpoint `facts` describe (read once by the caller); its lifespan connects to an
@@ -149,7 +163,12 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
                         await asyncio.gather(heartbeat, return_exceptions=True)  # no registration after leaving
                         await membership.leave()
 
-                app.state.before_drain = leave_gateways  # the server calls it before it stops listening
+                async def drain() -> None:
+                    state["service"].stop_admitting()
+                    await leave_gateways()
+                    await drain_leases(state["service"], hub.pool, config.drain_timeout_s)
+
+                app.state.before_drain = drain  # the server calls it while it still listens, then stops listening
                 try:
                     yield
                 finally:  # already done unless the server skipped its hook

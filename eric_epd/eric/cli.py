@@ -87,7 +87,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat", type=float, default=EricConfig.heartbeat_s,
                    help="seconds between registrations (the gateway drops an Eric whose heartbeats stop)")
     p.add_argument("--drain-timeout", type=float, default=EricConfig.drain_timeout_s,
-                   help="on shutdown, seconds requests in flight may take to finish")
+                   help="on shutdown (SIGTERM), seconds the leases handed out may take to be read and acknowledged "
+                   "while new encodes are refused")
     p.add_argument("--video-fps", type=float, default=MediaLimits.video_fps,
                    help="frames sampled per second of video (models whose processor samples otherwise ignore it)")
     p.add_argument("--max-video-frames", type=int, default=MediaLimits.max_video_frames,

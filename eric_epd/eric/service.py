@@ -36,6 +36,9 @@ class _Flight:
     index: dict[str, int]
 
 
+DRAINING = "draining: this Eric is stopping and takes no new items"
+
+
 class EncodeService:
     """Serves /v1/encode: items fetched, preprocessed, deduplicated by content hash, encoded or found cached, leased."""
     def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
@@ -44,6 +47,7 @@ class EncodeService:
         self._fetcher = fetcher
         self._max_items = max_items
         self._admitted = 0  # items of requests accepted and not answered yet (fetching, preparing, encoding)
+        self._draining = False
         self._global = global_cache
         self._sharing: set[asyncio.Task[None]] = set()
         self._processor = processor
@@ -75,8 +79,20 @@ class EncodeService:
         return [ItemAnswer(r, p, handles[p.hash], soundtrack_answer(r, track, handles))
                 for r, (p, track) in zip(items, prepared)]
 
+    def stop_admitting(self) -> None:
+        """Draining: every later encode is refused (503, Retry-After: the caller goes to another Eric); the leases
+        already handed out are still read and acknowledged."""
+        self._draining = True
+
+    @property
+    def idle(self) -> bool:
+        """No request is being fetched, prepared or encoded."""
+        return self._admitted == 0
+
     def room(self) -> str | None:
-        """Why this Eric would refuse a new item now (its admission is full), or None: its readiness."""
+        """Why this Eric would refuse a new item now (draining, or its admission full), or None: its readiness."""
+        if self._draining:
+            return DRAINING
         if self._admitted >= self._max_items:
             return f"queue full: {self._admitted} items accepted and not answered yet (--max-queued-items)"
         return None
@@ -84,6 +100,8 @@ class EncodeService:
     def _admit(self, n: int) -> None:
         """Count `n` more items as accepted, or refuse them: a bound on what fetching and preprocessing hold before
         the engine's own queue sees any of it."""
+        if self._draining:
+            raise ApiError(503, f"{DRAINING}; send the items to another Eric", retry_after=1.0)
         if n > self._max_items:
             raise ApiError(413, f"{n} items in one request; this Eric takes at most {self._max_items} at a time "
                                 "(--max-queued-items)")

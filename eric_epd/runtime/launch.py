@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -73,9 +74,13 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=drain_timeout_s,
                                                   **uvicorn_proxy_settings(config.trusted_proxies)))
+        # uvicorn re-raises the signal it drained on once stopped, under the handler it found: SIGTERM then
+        # interrupts like SIGINT, so the engine, the pool and the ipc directory go below instead of the process
+        # dying on the spot with them left behind
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             server.run()
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on (uvicorn.run swallowed it too)
+        except KeyboardInterrupt:
             pass
         if not server.started:
             raise SystemExit(f"eric-epd {name}: could not serve on {config.host}:{config.port}")

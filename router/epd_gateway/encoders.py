@@ -287,7 +287,8 @@ class EncoderPool:
             member.inflight_items -= len(refs)
         if resp.status_code >= 500:
             logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
-            self._record_failure(member)
+            if not (resp.status_code == 503 and "retry-after" in resp.headers):  # busy or draining is not a failure
+                self._record_failure(member)
             return None
         if resp.status_code not in (200, *CLIENT_ERRORS):  # not about the media: a key, a limit, a route
             logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
