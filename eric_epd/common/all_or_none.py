@@ -11,10 +11,12 @@ T = TypeVar("T")
 
 
 async def all_or_none(*work: Awaitable[T]) -> list[T]:
-    """Every result, in order; on the first exception the rest are cancelled and that exception is raised."""
+    """Every result, in order; on the first exception the rest are cancelled, and once every one has ended (none
+    runs on, holding what its caller counts as released) that exception is raised."""
     tasks = [asyncio.ensure_future(w) for w in work]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, soundtrack_answer
 from eric_epd.eric.metrics import EricMetrics
@@ -114,7 +115,8 @@ class EncodeService:
                        ) -> list[tuple[PreparedItem, PreparedItem | None]]:
         """Every item fetched (concurrently), then decoded, preprocessed and hashed, each with its soundtrack where
         asked (an audio item decoded from the same bytes); the first failure is a 4xx naming its item."""
-        fetched = await asyncio.gather(*(self._fetch(i, item) for i, item in enumerate(items)))
+        # a failed fetch ends its siblings before the request's admission is given back
+        fetched = await all_or_none(*(self._fetch(i, item) for i, item in enumerate(items)))
         work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
         tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
         results = await self._processor.prepare_many(work + [("audio", work[n][1]) for n in tracks], hop_padded)

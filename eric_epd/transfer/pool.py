@@ -335,26 +335,31 @@ class EmbeddingPool:
         return "; ".join(problems) or None
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Free ready entries whose TTL passed (their regions return once unfenced); return their hashes."""
+        """Free ready entries whose TTL passed (their regions return once unfenced), and retire those whose last
+        lease lapsed; return their hashes."""
         now = time.monotonic() if now is None else now
         live = [e for k, e in self._entries.items() if e.ready and k not in self._acked]
         gone = [e.hash for e in live if e.expires_at <= now]
-        for entry in live:
-            if entry.expires_at > now:  # others still read it: only the leases nobody acked in time lapse
-                self._lapse(entry, now)
+        # others may still read the rest: only the leases nobody acked in time lapse, and an entry whose last
+        # lease lapsed so is retired now (freed, or kept as content cache), not at its newest lease's TTL
+        lapsed = [e for e in live if e.expires_at > now and self._lapse(e, now) and not e.leases]
         for key in gone:
             self.release(key)
-        if gone:
-            logger.info("expired %d pool entries", len(gone))
-        return gone
+        for entry in lapsed:
+            self._retire(entry)
+        if gone or lapsed:
+            logger.info("expired %d pool entries, retired %d whose last lease lapsed", len(gone), len(lapsed))
+        return gone + [e.hash for e in lapsed]
 
     @staticmethod
-    def _lapse(entry: PoolEntry, now: float) -> None:
+    def _lapse(entry: PoolEntry, now: float) -> bool:
         """Drop the entry's leases whose own TTL passed (a consumer that never acked): a popular entry, leased anew
-        all the time, does not keep every abandoned lease forever."""
-        for token in [t for t, at in entry.lease_expiry.items() if at <= now]:
+        all the time, does not keep every abandoned lease forever. Whether any lapsed."""
+        tokens = [t for t, at in entry.lease_expiry.items() if at <= now]
+        for token in tokens:
             del entry.lease_expiry[token]
             entry.leases.pop(token, None)
+        return bool(tokens)
 
     def view(self, entry: PoolEntry) -> np.ndarray:
         """The entry's bytes: a view on the pool, not a copy."""

@@ -85,6 +85,28 @@ def test_a_lease_nobody_acks_lapses_though_others_keep_leasing_the_entry(monkeyp
         pool.close()
 
 
+def test_an_entry_whose_last_lease_lapsed_is_retired_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newer lease acked, the older one abandoned: when the abandoned one lapses the entry leaves the held bytes
+    at once, into the content cache (a repeat is served from it), not at the acked lease's later TTL."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    pool = _pool(ttl_s=100, keep_acked_bytes=span(1000))
+    try:
+        _held(pool, "h")
+        pool.lease("h")  # abandoned: lapses at 1100
+        clock[0] = 1060
+        _, newer = pool.lease("h")  # lapses at 1160
+        assert pool.ack("h", newer) and pool.used_bytes > 0  # the first lease still holds it
+        clock[0] = 1101
+        assert pool.expire() == ["h"]
+        assert pool.used_bytes == 0 and pool.cached_bytes == span(1000)
+        assert pool.get("h") is not None  # cached: leased again without encoding
+        _, again = pool.lease("h")
+        assert pool.ack("h", again)
+    finally:
+        pool.close()
+
+
 def test_pool_keeps_acked_entries_as_cache() -> None:
     pool = _pool(4 * ALIGN, keep_acked_bytes=2 * ALIGN)
     try:
