@@ -12,7 +12,7 @@ import numpy as np
 from eric_epd.common.errors import ApiError
 from eric_epd.geri.body import GenerateRequest
 from eric_epd.geri.workload import GeneratorWorkload
-from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
+from eric_epd.runtime.engine.client import EngineClient, EngineRequest
 from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,8 @@ class GenerateService:
             raise ApiError(503, "image pool full; retry later", retry_after=1.0)
         try:
             engine_request = self._client.submit([self._workload.item(key, spec, entry.offset)], [request.embeddings])
-        except EngineUnavailableError:
-            self._pool.release(key, entry.generation)  # never sent: nothing writes there
+        except BaseException:  # refused (dead, queue full) or failed before sending: nothing writes there
+            self._pool.release(key, entry.generation)
             raise
         settling = asyncio.create_task(self._settle(engine_request, entry))
         self._settling.add(settling)
