@@ -12,13 +12,19 @@ from typing import Any
 import httpx
 import msgspec
 
+from epd_gateway.cards import CardReader
 from epd_gateway.content import MediaRef
 from epd_gateway.leases import Leases
-from epd_gateway.members import CARD_RETRY_S, WAIT_SLACK_S, EncoderState, expected_wait, rendezvous_weight
+from epd_gateway.members import (
+    WAIT_SLACK_S,
+    EncoderState,
+    expected_wait,
+    rendezvous_weight,
+)
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.common.errors import ApiError
-from eric_epd.wire.eric import MEDIA, EncodeItem, decode_answer, decode_card, encode_body
+from eric_epd.wire.eric import MEDIA, EncodeItem, decode_answer, encode_body
 from eric_epd.wire.load import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,7 @@ class EncoderPool:
         self._metrics = metrics
         self._eject_after = eject_after
         self._timeout = timeout_s
+        self._cards = CardReader(client)
         self._refresh_gauge()
 
     @property
@@ -160,24 +167,11 @@ class EncoderPool:
         return any(member.placement == MEDIA for member in await self.carded())
 
     async def carded(self) -> list[EncoderState]:
-        """The healthy encoders, each with its /v1/models card read (once: on first need)."""
+        """The healthy encoders, each with its /v1/models card read (the health loop reads it on admission; here
+        only one not read yet, all at once, one read per Eric however many requests wait for it)."""
         healthy = self.healthy()
-        for member in healthy:
-            if member.modalities is None and time.monotonic() >= member.card_after:
-                await self._read_card(member)
+        await asyncio.gather(*(self._cards.read_once(m) for m in healthy if self._cards.due(m)))
         return healthy
-
-    async def _read_card(self, member: EncoderState) -> None:
-        try:
-            resp = await self._client.get(f"{member.url}/v1/models", timeout=self._timeout)
-            resp.raise_for_status()
-            card = decode_card(resp.content)
-        except Exception as e:  # unknown for now (e.g. still starting): the encode call decides; read again later
-            logger.warning("encoder %s: cannot read its model card: %r", member.url, e)
-            member.card_after = time.monotonic() + CARD_RETRY_S
-            return
-        member.modalities, member.placement, member.takes_audio = (frozenset(card.modalities), card.placement,
-                                                                    card.takes_audio)
 
     def choose(self, key: bytes, exclude: set[str]) -> EncoderState | None:
         """Where to encode the item with this key: the Eric that last answered it (it holds the embedding in its
@@ -380,6 +374,8 @@ class EncoderPool:
             logger.info("readmitting encoder %s", member.url)
             member.healthy, member.failures = True, 0
             member.modalities, member.card_after = None, 0.0  # it may have restarted: read its card again
+        if ok and self._cards.due(member):  # off the requests' path: they find it read
+            await self._cards.read_once(member)
         elif not ok and member.healthy:
             self._record_failure(member)
         self._refresh_gauge()

@@ -12,6 +12,8 @@ from eric_epd.wire.load import LoadReport
 
 CARD_RETRY_S = 5.0
 """Seconds before a model card that could not be read is read again."""
+CARD_TIMEOUT_S = 2.0
+"""How long a read of an Eric's /v1/models card may take (a request may be waiting for it)."""
 WAIT_SLACK_S = 0.5
 """A new item leaves its content's own Eric (rendezvous) only for one whose expected wait is this much shorter."""
 

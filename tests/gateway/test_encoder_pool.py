@@ -13,23 +13,24 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from aiohttp import web
-from epd_gateway import encoders
+from epd_gateway import cards
 from epd_gateway.encoders import EncoderPool
 from epd_gateway.loadcheck import Completions
-from epd_gateway.members import CARD_RETRY_S
+from epd_gateway.members import CARD_RETRY_S, CARD_TIMEOUT_S
 from epd_gateway.metrics import GatewayMetrics
 
 CARD = {"object": "list", "data": [{"id": "m", "modalities": ["image", "video"], "placement": "media"}]}
 
 
 @asynccontextmanager
-async def _eric_standin(card_after: int) -> AsyncIterator[tuple[str, list[str]]]:
+async def _eric_standin(card_after: int, card_delay_s: float = 0.0) -> AsyncIterator[tuple[str, list[str]]]:
     """An HTTP server answering /health, and /v1/models with 503 for its first `card_after` calls (an Eric still
-    starting), then with CARD; yields its URL and the paths asked."""
+    starting), then with CARD, each after `card_delay_s`; yields its URL and the paths asked."""
     asked: list[str] = []
 
     async def models(_: web.Request) -> web.Response:
         asked.append("/v1/models")
+        await asyncio.sleep(card_delay_s)
         if asked.count("/v1/models") <= card_after:
             return web.json_response({"error": "starting"}, status=503)
         return web.json_response(CARD)
@@ -63,14 +64,35 @@ def test_a_card_that_could_not_be_read_is_read_again_later_and_on_readmission(
             assert await pool.serve({"audio"}) and not await pool.places_media()  # unread: taken to serve all
             assert await pool.serve({"audio"}) and asked == ["/v1/models"]  # not read again at once ...
             later = time.monotonic() + CARD_RETRY_S + 1  # the pool's clock only: the event loop keeps the real one
-            monkeypatch.setattr(encoders, "time", SimpleNamespace(monotonic=lambda: later))
+            monkeypatch.setattr(cards, "time", SimpleNamespace(monotonic=lambda: later))
             assert not await pool.serve({"audio"}) and await pool.places_media()  # ... but once the delay passed
             assert asked == ["/v1/models"] * 2
             member = pool.healthy()[0]
             member.healthy = False  # ejected, then readmitted by a probe: it may have restarted
-            await pool._probe(member)
-            assert member.healthy and member.modalities is None
+            await pool._probe(member)  # the probe that readmits it reads its card again, off the requests' path
+            assert member.healthy and member.modalities == {"image", "video"} and asked == ["/v1/models"] * 3
             assert await pool.places_media() and asked == ["/v1/models"] * 3
+
+    asyncio.run(run())
+
+
+def test_a_card_is_read_once_for_every_request_waiting_and_a_hung_read_is_bounded() -> None:
+    """Twenty requests needing the card of an Eric that answers slowly cause one read; one that hangs past
+    CARD_TIMEOUT_S leaves it unread (taken to serve all) within that bound, and a request that leaves does not end
+    the read the others wait for."""
+    async def run() -> None:
+        async with _eric_standin(card_after=0, card_delay_s=0.5) as (url, asked):
+            pool = _pool(url)
+            assert all(await asyncio.gather(*(pool.places_media() for _ in range(20))))
+            assert asked == ["/v1/models"]
+        async with _eric_standin(card_after=0, card_delay_s=CARD_TIMEOUT_S + 2) as (url, asked):
+            pool = _pool(url)
+            leaver = asyncio.ensure_future(pool.places_media())
+            await asyncio.sleep(0.1)
+            leaver.cancel()
+            started = time.monotonic()
+            assert not await pool.places_media() and await pool.serve({"audio"})  # unread
+            assert time.monotonic() - started < CARD_TIMEOUT_S + 1 and asked == ["/v1/models"]
 
     asyncio.run(run())
 
