@@ -250,6 +250,8 @@ class EncodeService:
         """Put a freshly encoded entry into the global cache in the background, holding a lease on it (so it stays
         under its hash) and the region's fence (so nothing reuses the region) until the store's copy has returned."""
         assert self._global is not None
+        if not self._global.accepting_puts:  # the store is down or slow: this one stays local (nothing is held)
+            return
         handle = self.hub.lease(entry.hash)
         hold = self.hub.pool.hold(entry, "store-put")
 

@@ -2,13 +2,16 @@
 
 An Eric that misses in its own pool reads the store into the region it reserved before encoding; one that encoded
 an item puts it (while a lease keeps the region). The store going down turns every call into a miss: logged and
-counted, never a failed request. Store calls block, so they run on the default thread pool."""
+counted, never a failed request. Store calls block, so they run on a small thread pool of the cache's own (a hung
+store never starves media DNS or decoding on the default one), skipped once queued if the store was found down."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,12 @@ READ_WAIT_S = 5.0
 after Mooncake's 30 s RPC timeout), then encodes the items itself (service.py detaches the regions still read into)."""
 NOT_FOUND = -704
 """Mooncake Store's return code for a key it does not hold."""
+SKIPPED = -1_000_001
+"""What a queued store call returns when the store was found down before it started (it never ran)."""
+STORE_THREADS = 4
+"""Threads of the cache's own pool: the most store calls blocked at once."""
+MAX_PUTS = 16
+"""Puts in flight at most (each holds a lease and a fence on its region); fresh embeddings past it are not shared."""
 
 
 def store_key(content_hash: str, dtype: str) -> str:
@@ -65,7 +74,22 @@ class GlobalCache:
         self._next_setup = 0.0
         self._setting_up: asyncio.Task[None] | None = None
         self._paused_until = 0.0
+        self._threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="global-cache")
+        self._puts = 0
         self.stats = CacheStats(capacity=segment_bytes)
+
+    @property
+    def accepting_puts(self) -> bool:
+        """Whether a fresh embedding may be shared now: the store not found down, fewer than MAX_PUTS in flight."""
+        return self._puts < MAX_PUTS and time.monotonic() >= self._paused_until
+
+    async def _call(self, call: Callable[..., int], *args: object) -> int:
+        """`call(*args)` on the cache's own threads; SKIPPED without calling if, once its thread is free, the store
+        has been found down meanwhile (calls queued behind a hung one do not each wait out its timeout)."""
+        def unless_paused() -> int:
+            return SKIPPED if time.monotonic() < self._paused_until else call(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self._threads, unless_paused)
 
     def start(self) -> None:
         """Join the store in the background (requests meanwhile miss, they do not wait for it)."""
@@ -78,7 +102,7 @@ class GlobalCache:
 
     async def _join(self) -> None:
         try:
-            self._store = await asyncio.to_thread(self._setup)
+            self._store = await asyncio.get_running_loop().run_in_executor(self._threads, self._setup)
             self.stats.up = self._store is not None
         finally:
             self._setting_up = None
@@ -118,7 +142,7 @@ class GlobalCache:
             self.stats.misses += 1
             return False
         try:
-            got = await asyncio.to_thread(store.get_into, self._key(key), region.ctypes.data, region.nbytes)
+            got = await self._call(store.get_into, self._key(key), region.ctypes.data, region.nbytes)
         except Exception as e:
             got = -1
             logger.warning("global cache read of %s failed: %r", key[:12], e)
@@ -127,27 +151,31 @@ class GlobalCache:
             self.stats.bytes_read += got
             return True
         self.stats.misses += 1
-        if got < 0 and got != NOT_FOUND:
+        if got < 0 and got not in (NOT_FOUND, SKIPPED):
             self._failed(f"get {key[:12]} rc={got}")
         return False
 
     async def write(self, key: str, region: np.ndarray) -> None:
         """Store the embedding of `key` from `region`; the caller keeps the region alive until this returns."""
-        store = await self._ready(wait=True)
-        if store is None:
-            return
-        copy = asyncio.ensure_future(asyncio.to_thread(store.put_from, self._key(key), region.ctypes.data,
-                                                       region.nbytes))
+        self._puts += 1
         try:
-            rc = await to_the_end(copy)
-        except Exception as e:
-            rc = -1
-            logger.warning("global cache write of %s failed: %r", key[:12], e)
-        if rc == 0:
-            self.stats.puts += 1
-            self.stats.bytes_written += region.nbytes
-        else:
-            self._failed(f"put {key[:12]} rc={rc}")
+            store = await self._ready(wait=True)
+            if store is None:
+                return
+            copy = asyncio.ensure_future(self._call(store.put_from, self._key(key), region.ctypes.data,
+                                                    region.nbytes))
+            try:
+                rc = await to_the_end(copy)
+            except Exception as e:
+                rc = -1
+                logger.warning("global cache write of %s failed: %r", key[:12], e)
+            if rc == 0:
+                self.stats.puts += 1
+                self.stats.bytes_written += region.nbytes
+            elif rc != SKIPPED:
+                self._failed(f"put {key[:12]} rc={rc}")
+        finally:
+            self._puts -= 1
 
     def timed_out(self, count: int) -> None:
         """Reads a request stopped waiting for (they go on in their threads): the store is taken as down for now."""
@@ -164,7 +192,8 @@ class GlobalCache:
         return store_key(key, self._namespace)
 
     def close(self) -> None:
-        """Close the store client, if one was set up (errors are logged, not raised)."""
+        """Close the store client, if one was set up (errors are logged, not raised); calls still queued never run."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
         if self._store is not None:
             try:
                 self._store.close()
