@@ -223,4 +223,4 @@ def test_every_geri_route_needs_the_key(geri: GeriServer) -> None:
     answers = unkeyed_answers(geri.url, geri.headers)
     assert ("POST", "/v1/generate") in answers
     opened = {route: status for route, status in answers.items() if status != 401}
-    assert {path for _, path in opened} <= {"/health", "/metrics"}, opened
+    assert {path for _, path in opened} <= {"/health", "/ready", "/metrics"}, opened
