@@ -51,7 +51,8 @@ def test_vllm_listens_on_loopback_only(vllm_behind_erics) -> None:
 
 
 def test_every_eric_route_needs_the_key(vllm_behind_erics) -> None:
-    """Eric's own open routes: health, readiness, metrics and SGLang's encoder protocol (bounded by its peer allowlist)."""
+    """Eric's own open routes: health, readiness, metrics and SGLang's encoder protocol (bounded by its peer
+    allowlist)."""
     eric = vllm_behind_erics["erics"][0]
     answers = unkeyed_answers(eric.url, eric.headers)
     opened = {route: status for route, status in answers.items() if status != 401}
