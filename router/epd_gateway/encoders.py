@@ -162,9 +162,10 @@ class EncoderPool:
         return all(not m.modalities or modalities <= m.modalities for m in await self.carded())
 
     async def places_media(self) -> bool:
-        """Whether a healthy encoder's items go to the engine as their media (placement "media", the generic path):
-        the gateway then inlines the media before encoding and sends the Eric the data: URLs the engine gets."""
-        return any(member.placement == MEDIA for member in await self.carded())
+        """Whether a healthy encoder's items may go to the engine as their media (placement "media", the generic
+        path): one says so, or its card could not be read. The gateway then inlines the media before encoding and
+        sends the Erics the data: URLs the engine gets, so Eric encodes the very bytes the engine is sent."""
+        return any(m.placement == MEDIA or m.modalities is None for m in await self.carded())
 
     async def carded(self) -> list[EncoderState]:
         """The healthy encoders, each with its /v1/models card read (the health loop reads it on admission; here

@@ -130,7 +130,8 @@ class Gateway:
         """The EPD path: the engine's answer, or None where the engine must encode the raw media itself (encoders
         unavailable, a video vLLM cannot place, embeddings lost upstream). Leases are `leases`' to give back."""
         try:
-            items, fanout = await self.encoders.encode(await self._as_encoded(plain, refs), leases)
+            sent, inlined = await self._as_encoded(plain, refs)
+            items, fanout = await self.encoders.encode(sent, leases)
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return None
@@ -140,6 +141,9 @@ class Gateway:
         self.metrics.encode_latency.observe(encoded)
         self.metrics.stages.observe("encode", encoded)
         self.metrics.fanout.observe(fanout)
+        if not inlined and any(i.get("placement") == MEDIA for i in items):  # Eric fetched what the engine won't
+            logger.warning("an Eric placed items by their media although its card said otherwise; raw media instead")
+            return None
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
             return None
@@ -158,15 +162,16 @@ class Gateway:
             leases.hand_over()  # the engine acknowledges what it fetched; a refused request's leases come back
         return response
 
-    async def _as_encoded(self, plain: RawBody, refs: list[MediaRef]) -> list[MediaRef]:
-        """The refs to send the Erics: the client's URLs, or where the engine gets the media itself (placement
-        "media", the generic path) the data: URLs it will get, inlined here once (the same bytes encoded and sent)."""
+    async def _as_encoded(self, plain: RawBody, refs: list[MediaRef]) -> tuple[list[MediaRef], bool]:
+        """The refs to send the Erics, and whether they are inlined: the client's URLs, or where the engine may get
+        the media itself (placement "media", the generic path, or an Eric whose card is unread) the data: URLs it
+        will get, inlined here once (the same bytes encoded and sent)."""
         if not await self.encoders.places_media():
-            return refs
+            return refs, False
         start = time.perf_counter()
         body, _ = await plain.get()
         self.metrics.stages.observe("inline", time.perf_counter() - start)
-        return inlined_refs(body, refs)
+        return inlined_refs(body, refs), True
 
     async def _plain(self, plain: RawBody, headers: dict[str, str], sglang_epd: bool = False) -> Response:
         """The engines' own path: the request with its remote media fetched here and inlined as data: URLs."""
