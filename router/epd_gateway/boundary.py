@@ -94,6 +94,17 @@ def audio_in_video(body: dict[str, Any]) -> bool:
     return kwargs[AUDIO_IN_VIDEO]
 
 
+def drop_inert_audio_in_video(body: dict[str, Any], has_video: bool) -> bool:
+    """Remove `mm_processor_kwargs` where it changes nothing the engine computes: `use_audio_in_video` false (vLLM's
+    default), or true in a request without a video. vLLM hashes a request's processor options into every item's
+    identifier, so forwarded it would rename items whose Eric handles are keyed by content. Whether it was removed."""
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None or (kwargs.get(AUDIO_IN_VIDEO) and has_video):
+        return False
+    del body["mm_processor_kwargs"]
+    return True
+
+
 def check_messages(body: dict[str, Any], allow_embeddings: bool) -> None:
     """Every message and content part carries only the keys its type allows (see PART_KEYS)."""
     messages = body.get("messages")

@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from epd_gateway.boundary import audio_in_video, check_messages, check_request_fields
+from epd_gateway.boundary import audio_in_video, check_messages, check_request_fields, drop_inert_audio_in_video
 from epd_gateway.config import GatewayConfig
 from epd_gateway.content import (
     MediaRef,
@@ -88,7 +88,7 @@ class Gateway:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
             raise ApiError(401, "Unauthorized")
 
-    async def chat(self, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
+    async def chat(self, raw: bytes | None, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, Response]:
         """A checked chat request, routed EPD (media encoded by the Erics) or plain: the path taken and the answer."""
         checking = time.perf_counter()
         check_request_fields(body, chat=True)
@@ -96,6 +96,8 @@ class Gateway:
         if self.config.client_embeddings is not None:
             check_embeds_parts(body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items, audio_in_video(body))
+        if drop_inert_audio_in_video(body, any("video" in ref.modalities for ref in refs)):
+            raw = None  # the body changed: forwarded re-encoded
         await check_hosts(self.inliner.resolve_host, remote_hosts(refs), self.config.media_limits.timeout_s)
         modalities = {m for ref in refs for m in ref.modalities}
         if "audio" in modalities:

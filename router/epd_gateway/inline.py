@@ -125,7 +125,8 @@ class RawBody:
     """The client's request as the engines' own path sends it, media inlined on first need and then reused (an EPD
     request that falls back does not fetch twice)."""
 
-    def __init__(self, inliner: MediaInliner, body: dict[str, Any], raw: bytes, refs: list[MediaRef]) -> None:
+    def __init__(self, inliner: MediaInliner, body: dict[str, Any], raw: bytes | None, refs: list[MediaRef]
+                 ) -> None:
         self._inliner = inliner
         self._body = body
         self._raw = raw

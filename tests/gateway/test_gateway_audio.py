@@ -174,6 +174,18 @@ def test_a_video_with_its_soundtrack_goes_epd_with_both_handles_and_the_pair() -
     assert orjson.loads(engine["vllm_xargs"][SOUNDTRACKS_KEY]) == {f"{0:064x}": f"{100:064x}"}
     path, sent, engine = _chat([OMNI_ERIC], _talkie(False))
     assert path == "epd" and not any(r.with_audio for r in sent) and SOUNDTRACKS_KEY not in engine["vllm_xargs"]
+    assert "mm_processor_kwargs" not in engine  # inert, and it would rename every item vLLM hashes
+
+
+def test_an_inert_processor_option_is_not_forwarded() -> None:
+    """vLLM hashes a request's processor options into every item's identifier: `use_audio_in_video` false, or true
+    with no video in the request, changes nothing the engine computes, so the engine never gets it (forwarded, no
+    Eric handle would match its items); true with a video reaches it (the connector keys handles for it)."""
+    for option, body in ((False, _mixed()), (True, _mixed())):
+        path, _, engine = _chat([OMNI_ERIC], {**body, "mm_processor_kwargs": {"use_audio_in_video": option}})
+        assert path == "epd" and "mm_processor_kwargs" not in engine, option
+    path, _, engine = _chat([OMNI_ERIC], _talkie(True))
+    assert engine["mm_processor_kwargs"] == {"use_audio_in_video": True}
 
 
 def test_a_soundtrack_the_erics_cannot_encode_takes_the_plain_path_or_a_400() -> None:

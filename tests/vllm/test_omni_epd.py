@@ -159,10 +159,17 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[Eri
     with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
                        eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
         answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS)
-    assert path == "epd"
-    assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
-    assert _counter(vllm, "local_encoder_items") == local
-    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} audio + image through the gateway")
+        assert path == "epd"
+        assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
+        assert _counter(vllm, "local_encoder_items") == local
+        assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} audio + image through the gateway")
+        for option in (False, True):  # inert here (no video): items still matched by their Eric handles
+            extra = {"mm_processor_kwargs": {"use_audio_in_video": option}}
+            again, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=extra)
+            assert path == "epd"
+            assert wait_for(lambda: _counter(vllm, "loaded_items") >= loaded + 2)
+            assert _counter(vllm, "local_encoder_items") == local, option  # vLLM encoded nothing itself
+            assert_greedy_agree(again, direct, NEAR_TIE_FLOAT32, f"{family} with use_audio_in_video={option}")
 
 
 def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: tuple[EricServer, VllmServe, str],
