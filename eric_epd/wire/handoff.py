@@ -60,6 +60,26 @@ def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str
     return {h.hash: h for h in handles}
 
 
+def returnable_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int | Collection[int],
+                       ) -> list[EmbeddingHandle]:
+    """The handles of a request whose handles were refused as a whole (HandleError) that may still be given back:
+    each one that passes check_handle alone (a trusted producer's, well formed). None of a body that is no list of
+    handles, nor beyond MAX_HANDLES."""
+    raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
+    try:
+        handles = msgspec.json.decode(raw if isinstance(raw, str | bytes) else b"", type=list[EmbeddingHandle])
+    except msgspec.DecodeError:
+        return []
+    fine = []
+    for h in handles[:MAX_HANDLES]:
+        try:
+            check_handle(h, eric_urls, width)
+        except HandleError:
+            continue
+        fine.append(h)
+    return fine
+
+
 def model_embedding_width(model_config: Any) -> int:
     """Width of the rows the model's own encoder hands its language model, from vLLM's model config (its
     transformers config as a dict): the one rule, embedding_width."""

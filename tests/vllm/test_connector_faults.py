@@ -344,3 +344,33 @@ def test_consumer_unmaps_the_pool_of_a_restarted_eric() -> None:
         for name in leaked:
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_valid_ones(producer) -> None:
+    """A handle none of the request's items names (an item vLLM renamed, or a stray) goes back as soon as the
+    connector reads the request, not at its lease's TTL; a request whose handles are refused as a whole (one names
+    a producer not configured) fails, and its valid handles go back too (the stranger is never contacted)."""
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    (used,) = _entry(producer, "offer-used", seed=1, leases=1, data=rows)
+    (stray,) = _entry(producer, "offer-stray", seed=2, leases=1, data=rows)
+    address = LandingAddress(f"offer{uuid.uuid4().hex[:8]}")
+    connector = _connector(producer, address)
+    try:
+        r1 = _request("r1", used)
+        r1.sampling_params.extra_args = handles_xargs([used, stray])
+        assert set(connector._offers_of(r1) or {}) == {used.hash}
+        assert wait_for(lambda: _entries(producer) == 1, 30)  # the stray's lease acked, the used one still held
+        connector.request_finished(r1)
+        assert wait_for(lambda: _entries(producer) == 0, 30)
+
+        (valid,) = _entry(producer, "offer-valid", seed=3, leases=1, data=rows)
+        stranger = msgspec.structs.replace(valid, hash="offer-stranger", producer="http://127.0.0.1:9",
+                                           http="http://127.0.0.1:9/v1/embeddings/offer-stranger")
+        r2 = _request("r2", valid)
+        r2.sampling_params.extra_args = handles_xargs([valid, stranger])
+        assert not connector._offers_of(r2)
+        assert "r2" in connector.take_unavailable_requests()
+        assert wait_for(lambda: _entries(producer) == 0, 30)  # the valid handle's lease came back at once
+        connector.request_finished(r2)
+    finally:
+        connector.shutdown()

@@ -47,6 +47,7 @@ from eric_epd.wire.handoff import (
     offered_handles,
     offered_producers,
     offered_soundtracks,
+    returnable_handles,
 )
 
 if TYPE_CHECKING:
@@ -154,19 +155,26 @@ class EricECConnector(ECConnectorBase):
         extra_args = getattr(getattr(request, "sampling_params", None), "extra_args", None)
         if live and self._trust.by_name and not self._trust.settled(offered_producers(extra_args)):
             return None
+        widths = set(self._widths.values())
         try:
-            offered = offered_handles(extra_args, self._trust, set(self._widths.values()))
+            offered = offered_handles(extra_args, self._trust, widths)
             soundtracks = offered_soundtracks(extra_args, offered)
             if soundtracks:  # a use_audio_in_video request: vLLM names its items after their uuids and the option
                 offered = audio_in_video_offers(offered, soundtracks, *self._hashing)
+            given = list(offered.values())
         except HandleError as e:
             if live:
                 self._fail(rid, f"refused Eric handles: {e}")
-            offered = {}
+            offered, given = {}, returnable_handles(extra_args, self._trust, widths)
         wanted = {f.identifier for f in request.mm_features}
         offers = self._offers[rid] = {k: h for k, h in offered.items() if k in wanted}
         for key, handle in offers.items():
             self._available.setdefault(key, {})[rid] = handle
+        kept = {h.lease for h in offers.values()}
+        stray = list({h.lease: h for h in given if h.lease not in kept}.values())
+        if stray:  # no item of this request will ever take them: back now, not at their TTL
+            self._leases.release(stray)
+            self._stats.record(released_items=len(stray))
         return offers
 
     def _fail(self, rid: str, why: str) -> bool:
@@ -288,7 +296,8 @@ class EricECConnector(ECConnectorBase):
             if holders is not None and holders.pop(rid, None) is not None and not holders:
                 del self._available[key]
         used = self._used.pop(rid, set())
-        unused = [h for key, h in offers.items() if key not in used]
+        spent = {offers[key].lease for key in used if key in offers}  # one lease may name two items (aliases)
+        unused = list({h.lease: h for key, h in offers.items() if h.lease not in spent}.values())
         if unused:
             self._leases.release(unused)
             self._stats.record(released_items=len(unused))
