@@ -135,19 +135,20 @@ def vllm_can_place(items: list[dict[str, Any]]) -> bool:
 
 
 def one_lease_per_content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same content under several URLs may come back from several Erics (or calls), each item with its own
-    lease, while the engine gets one handle per content hash. Every item of a hash is given the first one's handle
-    (in place); returns the items whose own leases nobody will use (with those handles), to give back now."""
+    """The same content under several URLs (or as an audio part and a video's soundtrack) may come back from
+    several Erics (or calls), each item with its own lease, while the engine gets one handle per content hash.
+    Every item of a hash is given the first one's handle (the item dicts themselves, so a video's soundtrack gets it
+    too); returns copies of the items whose own leases nobody will use (with those handles), to give back now."""
     first: dict[str, dict[str, Any]] = {}
     spare = []
-    for i, item in enumerate(items):
+    for item in items:
         handle = item.get("handle")
         if not isinstance(handle, dict):
             continue
         kept = first.setdefault(item["hash"], handle)
         if kept.get("lease") != handle.get("lease"):
-            spare.append(item)
-            items[i] = dict(item, handle=kept)
+            spare.append(dict(item))
+            item["handle"] = kept
     return spare
 
 

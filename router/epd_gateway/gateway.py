@@ -137,8 +137,8 @@ class Gateway:
         except EncodersUnavailableError as e:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return None
-        # the same content under two URLs: one lease used, the others back (a video's and its soundtrack's alike)
-        await leases.give_back(one_lease_per_content(items) + one_lease_per_content(soundtracks(items)))
+        # the same content under two URLs, or as an audio part and a soundtrack: one lease used, the others back
+        await leases.give_back(one_lease_per_content(items + soundtracks(items)))
         encoded = time.perf_counter() - start
         self.metrics.encode_latency.observe(encoded)
         self.metrics.stages.observe("encode", encoded)

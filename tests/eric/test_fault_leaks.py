@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from epd_gateway.content import MediaRef, one_lease_per_content, with_embeddings
+from epd_gateway.content import MediaRef, one_lease_per_content, soundtracks, with_embeddings
 from safetensors.numpy import load as load_safetensors
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -266,6 +266,19 @@ def test_one_lease_per_content_hands_the_engine_one_and_returns_the_others() -> 
     refs = [MediaRef(0, k, "image", f"u{k}") for k in range(4)]
     handed = orjson.loads(with_embeddings(body, refs, items)["vllm_xargs"][EXTRA_ARGS_KEY])
     assert [h["lease"] for h in handed] == ["1", "2"]
+
+
+def test_an_audio_part_and_a_soundtrack_of_one_content_share_one_lease() -> None:
+    """The same clip as an audio part and as a video's soundtrack: one content hash, two leases from Eric. The
+    soundtrack inside the video's answer gets the audio part's handle (the engine stages one lease), and the other
+    lease is returned to be given back (before, each list kept its own and the video's soundtrack a given-back one)."""
+    audio = {"hash": "s", "handle": {"hash": "s", "lease": "A"}}
+    video = {"hash": "v", "handle": {"hash": "v", "lease": "V"},
+             "soundtrack": {"hash": "s", "handle": {"hash": "s", "lease": "S"}}}
+    items = [audio, video]
+    spare = one_lease_per_content(items + soundtracks(items))
+    assert [i["handle"]["lease"] for i in spare] == ["S"]
+    assert video["soundtrack"]["handle"]["lease"] == "A" == audio["handle"]["lease"]
 
 
 def test_one_image_under_two_urls_gives_back_both_leases(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
