@@ -54,6 +54,8 @@ class _Store:
     """GlobalCache stand-in: the first `held` reads wait until the test lets them go (then write 0xEE, as a read
     finishing in its thread would); later reads hit at once with STORED bytes."""
 
+    accepting_puts = True
+
     def __init__(self, held: int, read_wait_s: float = 30.0) -> None:
         self.read_wait_s = read_wait_s
         self.gate = asyncio.Event()
