@@ -30,6 +30,7 @@ def _executor_with_live_workers(n: int) -> ModelExecutor:
     executor._config = SimpleNamespace(worker_timeout_s=5.0)
     executor._broadcast = _BrokenBroadcast()
     executor._dead_reason = None
+    executor._beat = lambda: None  # no engine heartbeat to renew
     executor._submitted = set()
     executor._procs = [mp.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True) for _ in range(n)]
     for p in executor._procs:
