@@ -87,7 +87,17 @@ class GlobalCache:
         """`call(*args)` on the cache's own threads; SKIPPED without calling if, once its thread is free, the store
         has been found down meanwhile (calls queued behind a hung one do not each wait out its timeout)."""
         def unless_paused() -> int:
-            return SKIPPED if time.monotonic() < self._paused_until else call(*args)
+            if time.monotonic() < self._paused_until:
+                return SKIPPED
+            try:
+                rc = call(*args)
+            except Exception:
+                rc = -1
+                raise
+            finally:  # paused here, in the thread, before it takes the next queued call
+                if rc < 0 and rc != NOT_FOUND:
+                    self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
+            return rc
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, unless_paused)
 
