@@ -82,6 +82,19 @@ def soundtrack_flags(model: Path) -> tuple[str, ...]:
     return ("--trust-request-mm-kwargs",) if {"video", "audio"} <= set(modalities) else ()
 
 
+def attention_flags(model: Path, dtype: str) -> tuple[str, ...]:
+    """`--attention-backend CPU_MLA` for a float32 model with multi-head latent attention (Kimi-K2.5's DeepSeek-V3
+    language model) on a host without CUDA: on a CPU with AMX, vLLM 0.32 otherwise picks its AMX MLA kernels, which
+    take 16-bit weights only and fail at load; else nothing."""
+    config = read_config(model)
+    text = config.get("text_config") or config
+    if dtype != "float32" or not text.get("kv_lora_rank"):
+        return ()
+    import torch
+
+    return () if torch.cuda.is_available() else ("--attention-backend", "CPU_MLA")
+
+
 def media_limits(model: Path) -> dict[str, int]:
     """vLLM's --limit-mm-per-prompt for `model`: 4 images and a video, or 5 of a model's single modality for both
     (vLLM turns Kimi-K2.5's image and video parts into "vision_chunk" items: `use_unified_vision_chunk`); and
@@ -113,7 +126,8 @@ class VllmServe(ServerProcess):
                "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
                "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
                "--allowed-media-domains", NO_MEDIA_DOMAIN,
-               "--limit-mm-per-prompt", json.dumps(media_limits(model)), *soundtrack_flags(model), *extra]
+               "--limit-mm-per-prompt", json.dumps(media_limits(model)), *soundtrack_flags(model),
+               *attention_flags(model, dtype), *extra]
         if eric_urls or eric_dns:
             ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
             cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
