@@ -49,8 +49,13 @@ def _stand_in() -> web.Application:
             answer["kv_transfer_params"] = {"remote_engine_id": "stand-in", "remote_block_ids": [0]}
         return web.json_response(answer)
 
+    async def card(_: web.Request) -> web.Response:  # an Eric whose engine places items by their grid
+        return web.json_response({"object": "list", "data": [{"id": "stand-in", "modalities": ["image"],
+                                                               "placement": "grid"}]})
+
     app = web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", card)
     app.router.add_post("/v1/encode", encode)
     app.router.add_post("/v1/chat/completions", chat)
     return app
