@@ -94,9 +94,11 @@ class EncodeService:
         """Why this Eric would refuse a new item now (draining, or its admission full), or None: its readiness."""
         if self._draining:
             return DRAINING
-        if self._admitted >= self._max_items:
-            return f"queue full: {self._admitted} items accepted and not answered yet (--max-queued-items)"
-        return None
+        return self._full() if self._admitted >= self._max_items else None
+
+    def _full(self) -> str:
+        return (f"queue full: {self._admitted} items accepted and not answered yet "
+                f"(--max-queued-items {self._max_items})")
 
     def _admit(self, n: int) -> None:
         """Count `n` more items as accepted, or refuse them: a bound on what fetching and preprocessing hold before
@@ -107,8 +109,7 @@ class EncodeService:
             raise ApiError(413, f"{n} items in one request; this Eric takes at most {self._max_items} at a time "
                                 "(--max-queued-items)")
         if self._admitted + n > self._max_items:
-            raise ApiError(503, f"queue full: {self._admitted} items accepted and not answered yet "
-                                f"(--max-queued-items {self._max_items}); retry later", retry_after=1.0)
+            raise ApiError(503, f"{self._full()}; retry later", retry_after=1.0)
         self._admitted += n
 
     async def _prepare(self, items: list[EncodeItem], hop_padded: bool = True,

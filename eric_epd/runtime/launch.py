@@ -49,8 +49,9 @@ P = TypeVar("P", bound=Closable)
 def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: Callable[[], P],
                make_app: Callable[[EngineProcess, P], object], drain_timeout_s: float = 5.0) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers. The pool is
-    made before the engine: the workers attach to it. On SIGINT/SIGTERM new connections are refused and requests
-    in flight get `drain_timeout_s` to finish (after the app's `before_drain` hook, if it set one)."""
+    made before the engine: the workers attach to it. On SIGINT/SIGTERM the app's `before_drain` hook runs first
+    while the server still listens (Eric's drain: new encodes refused, its leases still read and acked), then new
+    connections are refused and requests in flight get `drain_timeout_s` to finish."""
     if config.resolved_device() == "cuda":
         import torch
 

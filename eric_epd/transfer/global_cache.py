@@ -89,15 +89,13 @@ class GlobalCache:
         def unless_paused() -> int:
             if time.monotonic() < self._paused_until:
                 return SKIPPED
+            rc = -1  # what a call that raises counts as
             try:
                 rc = call(*args)
-            except Exception:
-                rc = -1
-                raise
+                return rc
             finally:  # paused here, in the thread, before it takes the next queued call
                 if rc < 0 and rc != NOT_FOUND:
                     self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
-            return rc
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, unless_paused)
 
