@@ -164,8 +164,9 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
                         await membership.leave()
 
                 async def drain() -> None:
-                    state["service"].stop_admitting()
+                    # leave first, still admitting: work a gateway sent before it heard is served, not refused
                     await leave_gateways()
+                    state["service"].stop_admitting()
                     await drain_leases(state["service"], hub.pool, config.drain_timeout_s)
 
                 app.state.before_drain = drain  # the server calls it while it still listens, then stops listening
