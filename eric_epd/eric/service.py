@@ -6,13 +6,14 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
+from eric_epd.eric.admission import Admission
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, soundtrack_answer
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
@@ -29,6 +30,17 @@ from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
+@dataclass
+class Staging:
+    """Pool space a caller needs beside a request's embeddings (SGLang's copy of a part's rows in its prefill's
+    dtype): `want` turns the prepared items into what to reserve; the service fills `entries`, all or none with the
+    items it encodes, so no request holds its embeddings while it waits for this space."""
+
+    want: Callable[[list[PreparedItem]], list[Want]]
+    wants: list[Want] = field(default_factory=list)
+    entries: list[PoolEntry] | None = None
+
+
 @dataclass(frozen=True)
 class _Flight:
     """One engine request and each hash's item index in it (for aborting single items)."""
@@ -37,18 +49,13 @@ class _Flight:
     index: dict[str, int]
 
 
-DRAINING = "draining: this Eric is stopping and takes no new items"
-
-
 class EncodeService:
     """Serves /v1/encode: items fetched, preprocessed, deduplicated by content hash, encoded or found cached, leased."""
     def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
                  metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None,
                  max_items: int = 512) -> None:
         self._fetcher = fetcher
-        self._max_items = max_items
-        self._admitted = 0  # items of requests accepted and not answered yet (fetching, preparing, encoding)
-        self._draining = False
+        self.admission = Admission(max_items)
         self._global = global_cache
         self._sharing: set[asyncio.Task[None]] = set()
         self._processor = processor
@@ -64,53 +71,44 @@ class EncodeService:
         self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
 
     async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None,
-                     hop_padded: bool = True) -> list[ItemAnswer]:
+                     hop_padded: bool = True, staging: Staging | None = None) -> list[ItemAnswer]:
         """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in;
-        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many). Refused at once (nothing fetched)
-        when the items accepted and not answered would pass `max_items`: 503 to retry, 413 if it never could fit."""
-        self._admit(len(items))
+        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many); `staging`: more pool space the
+        caller needs with the items, reserved all or none with them. Refused at once (nothing fetched) when the
+        items accepted and not answered would pass `max_items`: 503 to retry, 413 if it never could fit."""
+        self.admission.admit(len(items))
         try:
             start = time.perf_counter()
             prepared = await self._prepare(items, hop_padded)
+            if staging is not None:
+                staging.wants = staging.want([p for p, _ in prepared])
             handles = await self._embed([p for pair in prepared for p in pair if p is not None],
-                                        clock or RequestClock())
+                                        clock or RequestClock(), staging)
             self._metrics.observe_request(time.perf_counter() - start)
+        except BaseException:
+            if staging is not None:
+                for entry in staging.entries or ():
+                    self.hub.release(entry)
+                staging.entries = None
+            raise
         finally:
-            self._admitted -= len(items)
+            self.admission.done(len(items))
         return [ItemAnswer(r, p, handles[p.hash], soundtrack_answer(r, track, handles))
                 for r, (p, track) in zip(items, prepared)]
 
     def stop_admitting(self) -> None:
         """Draining: every later encode is refused (503, Retry-After: the caller goes to another Eric); the leases
         already handed out are still read and acknowledged."""
-        self._draining = True
+        self.admission.draining = True
 
     @property
     def idle(self) -> bool:
         """No request is being fetched, prepared or encoded."""
-        return self._admitted == 0
+        return self.admission.admitted == 0
 
     def room(self) -> str | None:
         """Why this Eric would refuse a new item now (draining, or its admission full), or None: its readiness."""
-        if self._draining:
-            return DRAINING
-        return self._full() if self._admitted >= self._max_items else None
-
-    def _full(self) -> str:
-        return (f"queue full: {self._admitted} items accepted and not answered yet "
-                f"(--max-queued-items {self._max_items})")
-
-    def _admit(self, n: int) -> None:
-        """Count `n` more items as accepted, or refuse them: a bound on what fetching and preprocessing hold before
-        the engine's own queue sees any of it."""
-        if self._draining:
-            raise ApiError(503, f"{DRAINING}; send the items to another Eric", retry_after=1.0)
-        if n > self._max_items:
-            raise ApiError(413, f"{n} items in one request; this Eric takes at most {self._max_items} at a time "
-                                "(--max-queued-items)")
-        if self._admitted + n > self._max_items:
-            raise ApiError(503, f"{self._full()}; retry later", retry_after=1.0)
-        self._admitted += n
+        return self.admission.room()
 
     async def _prepare(self, items: list[EncodeItem], hop_padded: bool = True,
                        ) -> list[tuple[PreparedItem, PreparedItem | None]]:
@@ -141,8 +139,10 @@ class EncodeService:
             raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
         return data, time.perf_counter() - start
 
-    async def _embed(self, prepared: list[PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
-        """One lease per distinct hash; every hash encoded at most once at a time, across requests too.
+    async def _embed(self, prepared: list[PreparedItem], clock: RequestClock,
+                     staging: Staging | None = None) -> dict[str, EmbeddingHandle]:
+        """One lease per distinct hash; every hash encoded at most once at a time, across requests too; `staging`'s
+        space reserved with the items this request encodes (alone, at the end, if it encodes none).
 
         Cancellation-safe: on any failure or cancellation (the client left) the leases taken are given back, and
         in-flight work that no other live request wants is aborted in the engine."""
@@ -168,8 +168,10 @@ class EncodeService:
                 self._unwant(waited)  # only now: the pass above leased what they were held for
                 waited = list(waiting)
                 if mine:
-                    handles.update(await self._submit(mine, clock))
+                    handles.update(await self._submit(mine, clock, staging))
                 if not waiting:
+                    if staging is not None and staging.entries is None:
+                        staging.entries = await self.hub.reserve_all(staging.wants)
                     return handles
                 await self._wait_for_others(waiting)
             raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
@@ -187,7 +189,8 @@ class EncodeService:
         except TimeoutError as e:
             raise ApiError(504, f"items another request is encoding were not ready after {timeout}s") from e
 
-    async def _submit(self, mine: dict[str, PreparedItem], clock: RequestClock) -> dict[str, EmbeddingHandle]:
+    async def _submit(self, mine: dict[str, PreparedItem], clock: RequestClock,
+                      staging: Staging | None = None) -> dict[str, EmbeddingHandle]:
         """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
         loop = asyncio.get_running_loop()
         for key in mine:
@@ -195,7 +198,7 @@ class EncodeService:
         self._want(mine)
         try:
             start = time.perf_counter()
-            entries = await self._reserve(mine)
+            entries = await self._reserve(mine, staging)
             self._metrics.stages.observe("pool_reserve", time.perf_counter() - start)
             stored, entries = await self._from_global(mine, entries)
             encode = {k: p for k, p in mine.items() if k not in stored}
@@ -265,17 +268,21 @@ class EncodeService:
         self._sharing.add(task)
         task.add_done_callback(done)
 
-    async def _reserve(self, mine: dict[str, PreparedItem]) -> list[PoolEntry]:
-        """Pool space for every item, all or none; on failure (or cancellation) the waiters are woken: nothing was
-        sent to the engine yet, so nothing can write there."""
+    async def _reserve(self, mine: dict[str, PreparedItem], staging: Staging | None = None) -> list[PoolEntry]:
+        """Pool space for every item and for `staging` (unless it has its space), all or none; on failure (or
+        cancellation) the waiters are woken: nothing was sent to the engine yet, so nothing can write there."""
         wants = [Want(key, self._output.nbytes(p.item.num_tokens, p.item.modality),
                       (p.item.num_tokens, self._output.width(p.item.modality)), self._output.dtype)
                  for key, p in mine.items()]
+        extra = staging.wants if staging is not None and staging.entries is None else []
         try:
-            return await self.hub.reserve_all(wants)
+            entries = await self.hub.reserve_all(wants + extra)
         except BaseException as e:
             self._finish(mine, e)
             raise
+        if staging is not None and staging.entries is None:
+            staging.entries = entries[len(wants):]
+        return entries[:len(wants)]
 
     async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
         """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a

@@ -1,6 +1,7 @@
 """SGLang parts never outlive their region: a zero-copy push to a receiver that takes nothing is dropped before its
 region can be reused (the receiver never gets the old header over the next owner's bytes), and a part whose encode
-outlasts the send timeout is not swept under it (its leases and dtype copy return when it ends)."""
+outlasts the send timeout is not swept under it (its leases and dtype copy return when it ends); parts whose dtype
+copies need pool space take turns instead of each holding rows while waiting for space only another can free."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,6 +28,12 @@ from eric_epd.testing.stack import wait_for
 
 MESSAGE_BYTES = 32 << 20
 """Far more than the kernel's socket buffers hold: a receiver that reads nothing leaves the send unfinished."""
+
+
+IMAGE_ROWS = 4 * 128 * 4
+"""A 64x64 image's float32 rows on tiny Qwen2-VL: 4 merged tokens of width 128 (2 KiB)."""
+POOL_BYTES = 4 * IMAGE_ROWS
+"""Two parts of two images hold the whole pool with their float32 rows; one part and its bfloat16 copy fit."""
 
 
 class SlowReceiver:
@@ -91,9 +99,11 @@ def test_a_push_that_cannot_go_is_dropped_before_its_region_is_reused() -> None:
 
 @pytest.fixture(scope="module")
 def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
-    """Short SGLang timeouts and parts sent as bfloat16 (Eric computes float32: each part has a dtype copy)."""
+    """Short SGLang timeouts and parts sent as bfloat16 (Eric computes float32: each part has a dtype copy), on a
+    POOL_BYTES pool that waits 10 s for space."""
     log = tmp_path_factory.mktemp("fences") / "eric.log"
-    args = ("--sglang-send-timeout", "2", "--sglang-req-timeout", "2", "--sglang-dtype", "bfloat16")
+    args = ("--sglang-send-timeout", "2", "--sglang-req-timeout", "2", "--sglang-dtype", "bfloat16",
+            "--pool-bytes", str(POOL_BYTES), "--pool-wait", "10")
     with EricServer(qwen2_vl_tiny, log_path=log, extra_args=args) as server:
         yield server
 
@@ -129,3 +139,39 @@ def test_an_encode_slower_than_the_send_timeout_is_not_swept_under_it(eric: Eric
     resp = httpx.post(eric.url + "/encode", json=again, timeout=60)
     assert resp.status_code == 504 and "no prefill rank" in resp.text  # encoded, then no rank came again
     assert wait_for(lambda: _held(eric) == 0, timeout_s=10)
+
+
+def test_parts_with_dtype_copies_take_turns_instead_of_starving_each_other(eric: EricServer) -> None:
+    """Four parts of two images each at once (zmq_to_tokenizer), while the engine is held for 1.5 s: each needs
+    2 x 2 KiB of float32 rows and a 2 KiB bfloat16 copy, the pool holds 8 KiB. Every part's copy is reserved with
+    its rows, all or none, so the parts take turns and each is delivered (before, two parts filled the pool with
+    their rows and waited for copy space only the other could free: every part a 503 after --pool-wait)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    bodies = [{"req_id": f"{uuid.uuid4().hex}_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
+               "mm_items": [image_data_url(64, 64, seed=300 + 2 * k), image_data_url(64, 64, seed=301 + 2 * k)],
+               "prefill_host": "127.0.0.1", "embedding_port": port} for k in range(4)]
+    children = psutil.Process(eric.proc.pid).children(recursive=True)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for child in children:  # the engine holds the first encodes: the parts' reservations all overlap
+                os.kill(child.pid, signal.SIGSTOP)
+            try:
+                futures = [pool.submit(httpx.post, eric.url + "/encode", json=b, timeout=60) for b in bodies]
+                time.sleep(1.5)
+            finally:
+                for child in children:
+                    os.kill(child.pid, signal.SIGCONT)
+            answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        payloads = []
+        for _ in bodies:
+            assert sock.poll(10_000), "a delivered part never arrived"
+            payloads.append(sock.recv_multipart()[1])
+        assert [len(p) for p in payloads] == [IMAGE_ROWS] * 4  # two images' rows in bfloat16: half of 2 x 2 KiB
+        assert len({bytes(p) for p in payloads}) == 4  # each part its own images' rows
+        assert wait_for(lambda: _held(eric) == 0, timeout_s=10), _held(eric)
+    finally:
+        sock.close(linger=0)
+        ctx.term()

@@ -149,8 +149,10 @@ class SglangEncoder:
         try:
             part.active += 1  # the sweep leaves it alone while it encodes (an encode may outlast the send timeout)
             try:
-                part.answers = await self.service.encode(items, hop_padded=False)  # SGLang pads no clip to hops
-                await self._stage(part)
+                staging = self.rows.staging(part)  # SGLang pads no clip to hops
+                part.answers = await self.service.encode(items, hop_padded=False, staging=staging)
+                part.staged = staging.entries[0] if staging is not None and staging.entries else None
+                self._stage(part)
             finally:
                 part.active -= 1
             if part.released:  # closed while it encoded: what the encode took goes back now
@@ -193,8 +195,8 @@ class SglangEncoder:
             logger.warning("SGLang part %s: dropped rank %s registered from an address other than %s",
                            part.req_id, endpoint, caller)
 
-    async def _stage(self, part: Part) -> None:
-        if await self.rows.stage(part):
+    def _stage(self, part: Part) -> None:
+        if self.rows.stage(part):
             self.table.ack(part)  # the converted copy is what is sent: Eric's own entries can go
 
     # ----------------------------------------------------------------------------------------------- delivery

@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from eric_epd.eric.processor import PreparedItem
+from eric_epd.eric.service import Staging
 from eric_epd.eric.sglang.protocol import ELEMENT_BYTES, MODALITIES, Part, SglangError
-from eric_epd.transfer.producer import TransferHub
+from eric_epd.transfer.producer import TransferHub, Want
 from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
 
@@ -31,20 +33,32 @@ class PartRows:
         assert part.request is not None
         return self.width(MODALITIES[part.request.modality.upper()])
 
-    async def stage(self, part: Part) -> bool:
-        """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (registered
-        with the push engines like every pool byte). True if a copy was made (Eric's own entries are then free)."""
+    def staging(self, part: Part) -> Staging | None:
+        """The pool space of the part's rows in the wire dtype, for the service to reserve with its items (all or
+        none: no part holds its embeddings while it waits for this space); None if Eric's dtype is the wire's."""
+        if self.dtype == self.eric_dtype:
+            return None
+        dim, key = self.dim(part), f"sglang-stage:{part.req_id}"
+
+        def want(prepared: list[PreparedItem]) -> list[Want]:
+            tokens = sum(p.item.num_tokens for p in prepared)
+            return [Want(key, tokens * dim * ELEMENT_BYTES[self.dtype], (tokens, dim), self.dtype)]
+        return Staging(want)
+
+    def stage(self, part: Part) -> bool:
+        """Rows in the wire dtype: Eric's pool entries as they are, or one converted copy in the pool (in the space
+        `staging` reserved, registered with the push engines like every pool byte). True if a copy was made (Eric's
+        own entries are then free)."""
         audio_grid(part)  # an audio part's header must be writable before anything is sent
         part.wire_bytes = part.tokens * self.dim(part) * ELEMENT_BYTES[self.dtype]
-        if self.dtype == self.eric_dtype:
+        if part.staged is None:
             return False
         import torch
 
-        key = f"sglang-stage:{part.req_id}"
-        entry = await self.hub.reserve(key, part.wire_bytes, (part.tokens, self.dim(part)), self.dtype)
-        part.staged = entry
+        if part.staged.nbytes != part.wire_bytes:
+            raise SglangError(500, f"[{part.req_id}] staged {part.staged.nbytes} bytes for {part.wire_bytes}")
         src_dtype, offset = getattr(torch, self.eric_dtype), 0
-        dst = torch.from_numpy(self.hub.pool.view(entry)).view(getattr(torch, self.dtype))
+        dst = torch.from_numpy(self.hub.pool.view(part.staged)).view(getattr(torch, self.dtype))
         for row in self.entries(part, staged=False):
             rows = torch.from_numpy(self.hub.pool.view(row)).view(src_dtype)
             dst[offset: offset + rows.numel()] = rows  # the same rounding as Tensor.to(dtype)
