@@ -46,11 +46,13 @@ class _ThreadServer:
 class ProxyEric(_ThreadServer):
     """Forwards every route to the Eric at `backend`, except GET /v1/load when `load` is given (answered as is).
     `hold`: /v1/encode calls wait until release(). `producer`: each answered handle names this producer instead.
-    `received` and `answered` count the items of the encode calls that arrived and that were answered."""
+    `card=False`: its model card (GET /v1/models) cannot be read (503). `received` and `answered` count the items of
+    the encode calls that arrived and that were answered; `asked` counts the calls by path."""
 
     def __init__(self, backend: str, load: dict[str, Any] | None = None, hold: bool = False,
-                 producer: str | None = None) -> None:
-        self._backend, self._load, self._producer = backend, load, producer
+                 producer: str | None = None, card: bool = True) -> None:
+        self._backend, self._load, self._producer, self._card = backend, load, producer, card
+        self.asked: Counter[str] = Counter()
         self._open = threading.Event()
         if not hold:
             self._open.set()
@@ -65,8 +67,11 @@ class ProxyEric(_ThreadServer):
 
     async def _forward(self, request: Request) -> Response:
         path = request.url.path
+        self.asked[path] += 1
         if path == "/v1/load" and self._load is not None:
             return JSONResponse(self._load)
+        if path == "/v1/models" and not self._card:
+            return error_response(503, "the card cannot be read (stand-in)")
         body = await request.body()
         items = len(orjson.loads(body)["items"]) if path == "/v1/encode" else 0
         self.received += items
