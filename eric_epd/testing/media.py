@@ -39,9 +39,10 @@ def video_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int
 
 
 def video_with_audio_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int = 4,
-                           rate: int = 16000, seed: int = 0) -> bytes:
+                           rate: int = 16000, seed: int = 0, audio_seed: int | None = None) -> bytes:
     """An MP4 of `video_bytes`' frames (mpeg4) with a mono AAC soundtrack of `audio_samples` as long as the video
-    (the encoder adds its priming and padding: compare decoded samples, not these)."""
+    (the encoder adds its priming and padding: compare decoded samples, not these); the soundtrack's samples from
+    `audio_seed` where given (two videos, one soundtrack), else from `seed`."""
     import av
 
     buf = io.BytesIO()
@@ -52,7 +53,7 @@ def video_with_audio_bytes(num_frames: int = 8, width: int = 64, height: int = 4
         for frame in video_frames(num_frames, width, height, seed):
             for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
-        samples = audio_samples(rate * num_frames // fps, rate, 1, seed).T
+        samples = audio_samples(rate * num_frames // fps, rate, 1, seed if audio_seed is None else audio_seed).T
         clip = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp", layout="mono")
         clip.sample_rate = rate
         for stream, frame in ((video, None), (audio, clip), (audio, None)):

@@ -190,3 +190,34 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: 
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
     assert _counter(vllm, "local_encoder_items") == local
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack through the gateway")
+
+
+def _held(eric: EricServer) -> int:
+    """Pool bytes Eric holds under leases (what its content cache keeps is evictable and not counted)."""
+    info = httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()
+    return info["used_bytes"] - info["cached_bytes"]
+
+
+def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(stack: tuple[EricServer, VllmServe, str],
+                                                                         tmp_path: Path) -> None:
+    """Two videos (other frames) with the same soundtrack and `use_audio_in_video`, through the gateway: the two
+    soundtracks are one content in Eric (one lease, under two vLLM identifiers: each video's); the connector loads
+    it for both and acknowledges the lease once, so the request answers as vLLM alone does, twice in a row, vLLM's
+    encoder stays idle, and Eric holds nothing after either."""
+    eric, vllm, family = stack
+    items = tuple(("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=seed,
+                                                   audio_seed=42)) for seed in (40, 41))
+    option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
+    before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
+    direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
+    assert wait_for(lambda: _counter(vllm, "local_encoder_items") > before["local_encoder_items"])
+    local = _counter(vllm, "local_encoder_items")
+    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
+                       eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
+        for attempt in range(2):
+            answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
+            assert path == "epd", attempt
+            assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} two videos, one soundtrack, {attempt}")
+            assert wait_for(lambda: _held(eric) == 0), _held(eric)  # the shared lease was acknowledged, not kept
+    assert _counter(vllm, "loaded_items") > before["loaded_items"]
+    assert _counter(vllm, "local_encoder_items") == local  # every row came from Eric

@@ -48,6 +48,9 @@ class Staged:
     """Landings some rank has not reported on yet (it may still write there): the space waits for them."""
     unacked: bool = True
     """No acknowledgement was tried: if the fetch fails, the lease is given back once no rank reads any more."""
+    names: set[str] = field(default_factory=set)
+    """Every vLLM identifier it is staged under: one lease may name two items (two videos' identical soundtracks,
+    aliases.py), and is fetched and acknowledged once for both."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class Prefetcher:
                 self._maybe_free(item)
                 item = None
             if item is None:
+                item = self._twin(handle)
+                if item is not None:
+                    self._items[key] = item
+                    item.names.add(key)
+            if item is None:
                 offset = self._free.allocate(handle.nbytes)
                 if offset is None:
                     since = self._no_room.setdefault(rid, time.monotonic())
@@ -111,12 +119,17 @@ class Prefetcher:
                         raise TransferError(f"no room for embedding {key[:16]} in the landing area for "
                                             f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)")
                     return None
-                item = self._items[key] = Staged(key, offset, handle)
+                item = self._items[key] = Staged(key, offset, handle, names={key})
                 self._running += 1
                 self._pool.submit(self._fetch, item)
             self._no_room.pop(rid, None)
             item.users.add(rid)
             return item
+
+    def _twin(self, handle: EmbeddingHandle) -> Staged | None:
+        """Holds the lock. The live item fetched (or being fetched) with this very lease, under another name."""
+        return next((i for i in self._items.values() if i.handle.lease == handle.lease
+                     and i.handle.hash == handle.hash and i.state is not State.FAILED), None)
 
     def get(self, key: str) -> Staged | None:
         """The staged item under this content hash, or None."""
@@ -161,7 +174,7 @@ class Prefetcher:
         """Request `rid` no longer wants the item (it finished, or failed)."""
         with self._lock:
             self._no_room.pop(rid, None)
-            held = [i for i in self._retired.values() if i.key == key]
+            held = [i for i in self._retired.values() if key in i.names]
             item = self._items.get(key)
             for staged in held if item is None else [item, *held]:
                 staged.users.discard(rid)
@@ -176,12 +189,14 @@ class Prefetcher:
         """Holds the lock. A running fetch keeps its space until it ends (it writes there); so does one some worker
         has not answered yet (it may write there still). The workers then drop their copies of the item."""
         if not item.users and item.in_steps <= 0 and item.state is not State.PENDING and item.late <= 0:
-            if self._items.get(item.key) is item:
-                del self._items[item.key]
-            elif self._retired.get(item.offset) is item:
-                del self._retired[item.offset]
-            else:
+            mapped = [name for name in item.names if self._items.get(name) is item]
+            retired = self._retired.get(item.offset) is item
+            if not mapped and not retired:
                 return  # freed already
+            for name in mapped:
+                del self._items[name]
+            if retired:
+                del self._retired[item.offset]
             self._free.free(item.offset, item.handle.nbytes)
             self._channel.release(item.offset)
 
