@@ -78,15 +78,20 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
 
-    def stop(self) -> None:
-        """SIGINT (graceful), then SIGKILL of the whole process group; idempotent."""
+    def kill(self) -> None:
+        """SIGKILL of the whole process group at once (a crash: nothing drains); idempotent."""
+        self.stop(graceful=False)
+
+    def stop(self, graceful: bool = True) -> None:
+        """SIGINT (graceful: an Eric drains), then SIGKILL of the whole process group; idempotent."""
         if self.proc is None:
             return
-        self.interrupt()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
+        if graceful:
+            self.interrupt()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

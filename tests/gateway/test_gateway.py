@@ -6,6 +6,7 @@ import base64
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -157,9 +158,10 @@ def test_encoder_registration_needs_admin_key(stack) -> None:
 
 
 def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> None:
-    """The killed Eric holds work by construction: every image set has an image the gateway places on it, and this
-    gateway never probes (only a failed call can tell it the Eric is gone), so the requests after the kill fail over
-    from it whatever the timing."""
+    """The killed Eric (SIGKILL: it cannot drain) holds work by construction: every image set has an image the
+    gateway places on it, and this gateway never probes (only a failed call can tell it the Eric is gone), so the
+    requests after the kill fail over from it whatever the timing. (An Eric stopped gracefully drains instead:
+    tests/gateway/test_drain.py.)"""
     doomed, erics = stack["erics"][0], stack["erics"]
     sets, seed = [], 1000
     while len(sets) < 4:
@@ -172,9 +174,12 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
                        "--colocated-urls", stack["vllm"].url, "--api-key", API_KEY, "--health-interval", "3600",
                        eric_api_key=stack["eric_key"], upstream_api_key=stack["vllm"].api_key)
 
+    segment = httpx.get(doomed.url + "/v1/transfer", headers=doomed.headers).json()["pool_name"]
+
     def one(i: int):
         if i == 40:
-            doomed.stop()  # killed while requests are in flight
+            doomed.kill()  # killed while requests are in flight
+            (Path("/dev/shm") / segment).unlink(missing_ok=True)  # what its clean exit would have removed
         return ask_greedy(gw.url, image_messages(sets[i % 4]), key=API_KEY)
 
     try:
