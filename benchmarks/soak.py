@@ -1,10 +1,12 @@
 """Soak: the full local stack (2 Erics, a vLLM prefill/decode pair over NIXL, the gateway) under open-loop chat load
 at a fraction of its measured capacity, while one component after another is killed and restarted, or stopped
-past the engines' fetch and landing timeouts (a stalled Eric, a slow encode).
+past the engines' fetch and landing timeouts (a stalled Eric, a slow encode, a hung global-cache store master), or
+held in a batch longer than every probe, or drained (soak_faults.py).
 
 Reports requests accepted, answered correctly, failed with a clean error (an HTTP error in the JSON error shape, or a
 refused connection while the gateway itself restarts), answered wrongly and lost (no answer within the client
-timeout; must be 0); each process's RSS growth after warm-up; and every Eric's pool bytes back to 0 at the end.
+timeout; must be 0); each process's RSS growth after warm-up; every Eric's pool bytes back to 0 at the end; and
+whether the gateway ejected an Eric that was only busy (must not).
 Writes benchmarks/results/soak.{json,png}.  Not run in CI.
 
 Usage: python benchmarks/soak.py [--minutes 15] [--fault-every 180] [--load 0.8]
@@ -16,9 +18,7 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,10 +27,11 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
+from soak_faults import FAULTS, Stack, inject  # a sibling script (benchmarks/ is on sys.path)
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.stack.process import ServerProcess, new_key
-from eric_epd.stack.servers import EricServer, GatewayServer, host_split, pd_vllm
+from eric_epd.stack.servers import EricServer, GatewayServer, StoreMaster, host_split, pd_vllm
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import image_messages
 
@@ -40,13 +41,6 @@ MAX_TOKENS = 8
 CLIENT_TIMEOUT_S = 300.0
 EMBEDDING_TTL_S = 60
 """Eric's lease TTL here: embeddings leased for a request the killed gateway never forwarded wait this long."""
-FAULTS = ("eric", "eric_stall", "eric_worker", "eric_slow", "eric_engine", "prefill", "gateway")
-"""Cycled in this order, one every --fault-every seconds: kills, and stops (SIGSTOP) that outlast the engines'
-fetch and landing timeouts, so a fetch times out, its landing is given up and the same image is fetched again with a
-fresh lease; a slow encode keeps its regions until its batch ends; a killed engine process fails its requests only
-once its workers are gone."""
-STALL_S = 40.0
-"""How long a stopped Eric stays stopped: past the connector's 30 s fetch timeout."""
 
 
 def prompts(n: int) -> list[list[dict]]:
@@ -58,33 +52,15 @@ def prompts(n: int) -> list[list[dict]]:
     return out
 
 
-@dataclass
-class Stack:
-    """The servers, started once and restarted in place (same ports and keys) after each fault."""
-
-    erics: list[EricServer]
-    prefill: ServerProcess
-    decode: ServerProcess
-    gateway: GatewayServer
-    started: dict[str, float] = field(default_factory=dict)
-
-    def components(self) -> dict[str, ServerProcess]:
-        """Each server of the stack by name."""
-        return {"eric_a": self.erics[0], "eric_b": self.erics[1], "prefill": self.prefill, "decode": self.decode,
-                "gateway": self.gateway}
-
-    def stop(self) -> None:
-        """Stop every server, the gateway first."""
-        for server in reversed(list(self.components().values())):
-            server.stop()
-
-
 def start_stack(model: Path, logs: Path) -> Stack:
-    """Start two Erics, a vLLM prefill/decode pair on the other core and the gateway in front."""
+    """Start a global-cache store master, two Erics sharing it, a vLLM prefill/decode pair on the other core and
+    the gateway in front."""
     eric_cpus = host_split()[0]
     eric_key, vllm_key = new_key(), new_key()
+    store = StoreMaster(logs / "store.log").start()
+    args = ("--embedding-ttl", str(EMBEDDING_TTL_S), "--global-cache", store.address)
     erics = [EricServer(model, log_path=logs / f"eric_{n}.log", api_key=eric_key, cpus=eric_cpus,
-                        extra_args=("--embedding-ttl", str(EMBEDDING_TTL_S))).start() for n in "ab"]
+                        extra_args=args).start() for n in "ab"]
     urls = [e.url for e in erics]
     # the engines on the other core: a vLLM busy-polls for a second after every step, and an Eric sharing its core
     # starves (measured here with the prefill on the Erics' core: fetches timed out before any fault)
@@ -93,71 +69,9 @@ def start_stack(model: Path, logs: Path) -> Stack:
     decode = pd_vllm(model, "kv_consumer", engine_core, logs / "decode.log", urls, eric_key, vllm_key).start()
     gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(urls), "--prefill-urls", prefill.url,
                             "--decode-urls", decode.url, eric_api_key=eric_key, upstream_api_key=vllm_key).start()
-    stack = Stack(erics, prefill, decode, gateway)
+    stack = Stack(erics, prefill, decode, gateway, store)
     stack.started = dict.fromkeys(stack.components(), time.monotonic())
     return stack
-
-
-def kill(server: ServerProcess) -> None:
-    """SIGKILL the server's whole process group (no graceful stop), then reap it."""
-    assert server.proc is not None
-    os.killpg(server.proc.pid, signal.SIGKILL)
-    server.stop()
-
-
-def restart(server: ServerProcess, attempts: int = 3) -> int:
-    """Start a killed server again in place (same port and key); the attempts it took. On 2 shared cores a start can
-    outlast the launcher's own timeout, so it is tried again rather than given up."""
-    server._timeout = max(server._timeout, 300.0)
-    for attempt in range(1, attempts + 1):
-        try:
-            server.start()
-            return attempt
-        except (TimeoutError, RuntimeError) as e:
-            logger.warning("restart attempt %d failed: %s", attempt, e)
-            server.stop()
-    raise RuntimeError(f"{server._cmd[2:4]} did not come back after {attempts} attempts")
-
-
-def stall(eric: EricServer, workers_only: bool) -> str:
-    """Stop an Eric's processes (all of them: a stalled Eric; its engine and workers only: a slow encode) for
-    STALL_S seconds, then let them go on."""
-    assert eric.proc is not None
-    router = psutil.Process(eric.proc.pid)
-    procs = router.children(recursive=True) if workers_only else [router, *router.children(recursive=True)]
-    for proc in procs:
-        proc.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(STALL_S)
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGCONT)
-    what = "engine and workers" if workers_only else "router, engine and workers"
-    return f"stopped Eric A's {what} for {STALL_S:g} s"
-
-
-def inject(stack: Stack, fault: str) -> str:
-    """Kill one component and restart it, or stop one for a while; returns what was done."""
-    if fault in ("eric_stall", "eric_slow"):
-        return stall(stack.erics[0], workers_only=fault == "eric_slow")
-    if fault in ("eric_worker", "eric_engine"):
-        eric = stack.erics[1]
-        pid = httpx.get(eric.url + "/health", headers=eric.headers, timeout=10).json()["worker_pids"][0]
-        what = "worker"
-        if fault == "eric_engine":
-            pid, what = psutil.Process(pid).ppid(), "engine"
-        os.kill(pid, signal.SIGKILL)
-        time.sleep(5)  # requests meanwhile get 503 from it, the gateway ejects it
-        kill(eric)
-        tries = restart(eric)
-        stack.started["eric_b"] = time.monotonic()
-        return f"killed Eric B's {what} {pid}, restarted Eric B ({tries} start(s))"
-    name, server = {"eric": ("eric_a", stack.erics[0]), "prefill": ("prefill", stack.prefill),
-                    "gateway": ("gateway", stack.gateway)}[fault]
-    kill(server)
-    tries = restart(server)
-    stack.started[name] = time.monotonic()
-    return f"killed and restarted {name} ({tries} start(s))"
 
 
 @dataclass
@@ -260,7 +174,7 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict:
         faults.append((fault_started - t0, time.monotonic() - t0, await fault_task))
     await asyncio.gather(*tasks)
     return {"capacity_rps": capacity, "rate_rps": rate, "minutes": args.minutes, "counts": dict(out.counts),
-            "faults": faults, "timeline": out.timeline, "rss": rss}
+            "faults": faults, "timeline": out.timeline, "rss": rss, "busy_ejected": stack.ejected}
 
 
 def rss_growth(samples: list[tuple[float, float, int]], warmup_s: float) -> float | None:
@@ -349,6 +263,7 @@ def main() -> None:
     for name, growth in result["rss_growth"].items():
         print(f"RSS growth {name:>8}: " + ("n/a" if growth is None else f"{100 * growth:+.1f}%"))
     print("pool bytes at the end:", result["pool_used_bytes_at_end"])
+    print("busy Erics ejected:", result["busy_ejected"] or "none")
 
 
 if __name__ == "__main__":
