@@ -3,6 +3,7 @@ router in this process; on the way out the engine, the pool and the ipc director
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import signal
@@ -24,15 +25,20 @@ logger = logging.getLogger(__name__)
 class _LeaveFirstServer(uvicorn.Server):
     """uvicorn's server, except that on the way out it first awaits the app's `before_drain` hook (set on
     `app.state` by its lifespan): an Eric leaves its gateways before it stops accepting connections, so no gateway
-    sends it work it would refuse."""
+    sends it work it would refuse. A second SIGINT (uvicorn's force exit) cuts the hook short."""
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         hook = getattr(getattr(self.config.app, "state", None), "before_drain", None)
         if hook is not None:
-            try:
-                await hook()
-            except Exception:  # leaving is best effort; the drain goes on regardless
-                logger.exception("before-drain hook failed")
+            drain = asyncio.ensure_future(hook())
+            while not drain.done() and not self.force_exit:
+                await asyncio.wait({drain}, timeout=0.1)
+            if not drain.done():
+                logger.warning("interrupted again: the drain is cut short")
+                drain.cancel()
+            for outcome in await asyncio.gather(drain, return_exceptions=True):
+                if isinstance(outcome, Exception):  # leaving is best effort; the shutdown goes on regardless
+                    logger.error("before-drain hook failed: %r", outcome)
         await super().shutdown(sockets)
 
 
@@ -86,6 +92,8 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         if not server.started:
             raise SystemExit(f"eric-epd {name}: could not serve on {config.host}:{config.port}")
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short (SIGKILL still is)
+            signal.signal(sig, signal.SIG_IGN)
         engine.shutdown()
         pool.close()
         shutil.rmtree(config.run_dir, ignore_errors=True)

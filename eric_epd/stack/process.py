@@ -29,6 +29,9 @@ class ServerProcess:
     """A server subprocess in its own process group, started and stopped around a `with` block."""
 
     health_path = "/health"
+    hurry_s: float | None = None
+    """At the end of a `with` block, how long it may drain before a second SIGINT cuts the drain short (None: as
+    long as it takes, up to the SIGKILL)."""
 
     def __init__(self, cmd: list[str], port: int, log_path: Path | None = None,
                  startup_timeout_s: float = 180.0, env: dict[str, str] | None = None,
@@ -82,13 +85,19 @@ class ServerProcess:
         """SIGKILL of the whole process group at once (a crash: nothing drains); idempotent."""
         self.stop(graceful=False)
 
-    def stop(self, graceful: bool = True) -> None:
-        """SIGINT (graceful: an Eric drains), then SIGKILL of the whole process group; idempotent."""
+    def stop(self, graceful: bool = True, hurry_s: float | None = None) -> None:
+        """SIGINT (graceful: an Eric drains; with `hurry_s`, SIGINT again after that long: the drain is cut short),
+        then SIGKILL of the whole process group; idempotent."""
         if self.proc is None:
             return
         if graceful:
             self.interrupt()
             try:
+                if hurry_s is not None:
+                    try:
+                        self.proc.wait(hurry_s)
+                    except subprocess.TimeoutExpired:
+                        self.interrupt()
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 pass
@@ -108,7 +117,7 @@ class ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.stop(hurry_s=self.hurry_s)
 
 
 S = TypeVar("S", bound=ServerProcess)

@@ -25,7 +25,10 @@ class EricServer(ServerProcess):
     """`with EricServer(model, tp=2) as eric: httpx.post(eric.url + "/v1/encode", headers=eric.headers, ...)`.
     Its API key is generated unless given (ERIC_API_KEY in its environment); `register_key` (the gateways' admin key,
     for --register-with) goes in EPD_GATEWAY_ADMIN_KEY; it runs on `cpus` (default: Eric's half of host_split())
-    with `env` added to its environment."""
+    with `env` added to its environment. At the end of a `with` block its drain is cut short after `hurry_s`
+    (a `stop()` lets it drain)."""
+
+    hurry_s = 2.0
 
     def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
                  log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None,
