@@ -233,6 +233,23 @@ def test_two_clips_go_epd_and_one_clip_the_plain_path_answering_like_vllm(stack)
         assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{len(clips)} clip(s) through the gateway")
 
 
+@pytest.mark.exactness
+@pytest.mark.parametrize("option", [False, True])
+def test_an_inert_processor_option_keeps_the_epd_path_and_vllms_answer(stack, option: bool) -> None:
+    """Two clips with `mm_processor_kwargs: {"use_audio_in_video": ...}` (inert for Qwen2-Audio, which takes no
+    video): the gateway does not forward it, so vLLM names the items by Eric's hashes; both clips' rows are loaded
+    from Eric and the answer is vLLM's own for the same clips without the option."""
+    gw, vllm = stack["gateway"].url, stack["vllm"]
+    msgs = _messages(_clips((RATE + 301 + option, 25 + 2 * option), (RATE + 7, 26 + 2 * option)))
+    direct, _ = ask_token_ids(vllm.url, msgs, key=vllm.api_key, max_tokens=MAX_TOKENS)
+    loaded = metric(vllm.url, "vllm:eric_ec_loaded_items_total")
+    answer, path = ask_token_ids(gw, msgs, max_tokens=MAX_TOKENS,
+                                 extra={"mm_processor_kwargs": {"use_audio_in_video": option}})
+    assert path == "epd"
+    assert wait_for(lambda: metric(vllm.url, "vllm:eric_ec_loaded_items_total") == loaded + 2)
+    assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"use_audio_in_video={option} through the gateway")
+
+
 def test_audio_urls_pass_the_url_policy(stack) -> None:
     gw = stack["gateway"].url
     for url, status, says in (("http://10.0.0.1/clip.wav", 400, "private/loopback/reserved address; refused"),
