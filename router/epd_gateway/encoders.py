@@ -20,6 +20,7 @@ from epd_gateway.members import (
     EncoderState,
     expected_wait,
     rendezvous_weight,
+    rest_s,
 )
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
@@ -152,9 +153,12 @@ class EncoderPool:
         self._metrics.encoders_healthy.set(len(self.healthy()))
 
     def preference(self, key: bytes, exclude: set[str]) -> list[EncoderState]:
-        """Healthy encoders by rendezvous weight for this key: the same content prefers the same Eric."""
+        """Healthy encoders by rendezvous weight for this key (the same content prefers the same Eric), without those
+        resting after a 503 with Retry-After unless all are."""
         members = [m for m in self.healthy() if m.url not in exclude]
-        return sorted(members, key=lambda m: rendezvous_weight(key, m.url), reverse=True)
+        now = time.monotonic()
+        awake = [m for m in members if m.resting_until <= now]
+        return sorted(awake or members, key=lambda m: rendezvous_weight(key, m.url), reverse=True)
 
     async def serve(self, modalities: set[str]) -> bool:
         """Whether every healthy encoder encodes all these modalities (a model's encoder may serve images but not
@@ -282,7 +286,9 @@ class EncoderPool:
             member.inflight_items -= len(refs)
         if resp.status_code >= 500:
             logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
-            if not (resp.status_code == 503 and "retry-after" in resp.headers):  # busy or draining is not a failure
+            if resp.status_code == 503 and "retry-after" in resp.headers:  # busy or draining is not a failure
+                member.resting_until = time.monotonic() + rest_s(resp.headers["retry-after"])
+            else:
                 self._record_failure(member)
             return None
         if resp.status_code not in (200, *CLIENT_ERRORS):  # not about the media: a key, a limit, a route

@@ -14,6 +14,8 @@ CARD_RETRY_S = 5.0
 """Seconds before a model card that could not be read is read again."""
 CARD_TIMEOUT_S = 2.0
 """How long a read of an Eric's /v1/models card may take (a request may be waiting for it)."""
+MAX_REST_S = 5.0
+"""The longest an Eric that answered 503 with Retry-After (busy, or draining) is passed over for new items."""
 WAIT_SLACK_S = 0.5
 """A new item leaves its content's own Eric (rendezvous) only for one whose expected wait is this much shorter."""
 
@@ -41,6 +43,9 @@ class EncoderState:
     """When it last registered itself (monotonic); None for an Eric listed by hand (never dropped for silence)."""
     by_name: bool = False
     """Admitted because a name lists it (dns_members.py)."""
+    resting_until: float = 0.0
+    """Passed over for new items until then (monotonic), while others are awake: it answered 503 with Retry-After
+    (its queue is full, or it drains). Not a failure: it is neither counted nor ejected for it."""
     proven: bool = True
     """Whether it may be sent the key and media: an Eric found by name is not until it answers a challenge
     (proof.py), and not again once ejected (its address may be another pod's by then)."""
@@ -65,3 +70,11 @@ def expected_wait(member: EncoderState) -> float:
     load = member.believed()
     assert load is not None
     return (load.queue_depth + member.inflight) / max(load.items_per_s, 1.0)
+
+
+def rest_s(retry_after: str) -> float:
+    """How long to pass over an Eric that answered 503 with this Retry-After (seconds; at most MAX_REST_S)."""
+    try:
+        return min(max(float(retry_after), 0.0), MAX_REST_S)
+    except ValueError:  # an HTTP date, or garbage: a second, as Eric's own
+        return 1.0

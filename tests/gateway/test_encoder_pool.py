@@ -135,3 +135,47 @@ def test_completions_stay_within_their_window_when_nobody_reads_them(monkeypatch
         done.add(3)
     assert len(done._answered) <= 11
     assert done.per_s() == pytest.approx(3.0, rel=0.11)
+
+
+@asynccontextmanager
+async def _busy_eric(retry_after: str) -> AsyncIterator[str]:
+    """An HTTP server answering /v1/encode 503 with this Retry-After, as a draining (or full) Eric does."""
+    async def encode(_: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "draining"}}, status=503, headers={"Retry-After": retry_after})
+
+    app = web.Application()
+    app.router.add_post("/v1/encode", encode)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+def test_an_eric_answering_503_with_retry_after_rests_and_is_not_ejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 503 with Retry-After (busy, or draining) is no failure: the Eric is not ejected however often it says so,
+    and new items pass it over while another is awake, for as long as it asked (at most MAX_REST_S), then take it
+    again; alone, it is still tried."""
+    from epd_gateway.content import MediaRef
+    from epd_gateway.members import MAX_REST_S, rest_s
+
+    assert (rest_s("2"), rest_s("3600"), rest_s("Wed, 21 Oct 2026 07:28:00 GMT")) == (2.0, MAX_REST_S, 1.0)
+
+    async def run() -> None:
+        async with _busy_eric("2") as busy:
+            pool = _pool(busy, "http://10.0.0.9:1")
+            member = pool._members[busy]
+            ref = MediaRef(0, 0, "image", "data:image/png;base64,AA==")
+            for _ in range(5):  # past --eject-after-failures (2 here)
+                assert await pool._call(busy, [ref]) is None
+            assert member.healthy and member.failures == 0
+            start = time.monotonic()
+            assert [m.url for m in pool.preference(b"k", set())] == ["http://10.0.0.9:1"]
+            assert [m.url for m in pool.preference(b"k", {"http://10.0.0.9:1"})] == [busy]  # alone: tried
+            monkeypatch.setattr(time, "monotonic", lambda: start + 2.1)
+            assert busy in [m.url for m in pool.preference(b"k", set())]  # its rest is over
+
+    asyncio.run(run())
