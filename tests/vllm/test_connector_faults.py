@@ -246,7 +246,7 @@ def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -
                 ec_connector_worker_meta=EricWorkerMetadata(copied={fresh.hash})))
             connector.request_finished(r2)
             assert not connector.take_unavailable_requests()
-            assert _idle(connector._prefetch, areas)
+            assert _idle(connector.scheduler._prefetch, areas)
         finally:
             connector.shutdown()
     assert wait_for(lambda: _entries(producer) == 0, 30)
@@ -266,7 +266,7 @@ def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(produc
     step = SimpleNamespace(scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1)
     with ranks(address, 1 << 20, torch.float32) as areas:
         connector = _connector(producer, address)
-        connector._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
+        connector.scheduler._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
 
         def scheduled(request: Request) -> int:
             """vLLM's pass for a request whose item its cache lacks: a load, allocated, sent to the workers; the
@@ -291,7 +291,7 @@ def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(produc
             assert scheduled(r1) == 1
             finished(r1)
             assert connector.ensure_cache_available(r2, 0)  # vLLM holds it: nothing fetched, ...
-            assert connector._prefetch.get(h1.hash) is None
+            assert connector.scheduler._prefetch.get(h1.hash) is None
             assert manager.can_allocate(SimpleNamespace(get_num_encoder_embeds=lambda i: n), 0, n, 0)  # ... evicted
             assert scheduled(r2) == 0  # in this pass: vLLM allocates it again, its rows stay on the workers
             finished(r2)
@@ -303,7 +303,7 @@ def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(produc
             assert not connector.take_unavailable_requests()
             assert connector.get_ec_connector_stats().data == {  # type: ignore[union-attr]
                 "loaded_items": 2, "loaded_bytes": 2 * ITEM, "via_http": 2, "external_items": 2, "released_items": 1}
-            assert _idle(connector._prefetch, areas)
+            assert _idle(connector.scheduler._prefetch, areas)
         finally:
             connector.shutdown()
     assert wait_for(lambda: _entries(producer) == 0, 30)
@@ -358,7 +358,7 @@ def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_val
     try:
         r1 = _request("r1", used)
         r1.sampling_params.extra_args = handles_xargs([used, stray])
-        assert set(connector._offers_of(r1) or {}) == {used.hash}
+        assert set(connector.scheduler._offers_of(r1) or {}) == {used.hash}
         assert wait_for(lambda: _entries(producer) == 1, 30)  # the stray's lease acked, the used one still held
         connector.request_finished(r1)
         assert wait_for(lambda: _entries(producer) == 0, 30)
@@ -368,7 +368,7 @@ def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_val
                                            http="http://127.0.0.1:9/v1/embeddings/offer-stranger")
         r2 = _request("r2", valid)
         r2.sampling_params.extra_args = handles_xargs([valid, stranger])
-        assert not connector._offers_of(r2)
+        assert not connector.scheduler._offers_of(r2)
         assert "r2" in connector.take_unavailable_requests()
         assert wait_for(lambda: _entries(producer) == 0, 30)  # the valid handle's lease came back at once
         connector.request_finished(r2)

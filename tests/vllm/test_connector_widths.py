@@ -57,19 +57,19 @@ def _request(rid: str, modality: str, rows: int, width: int) -> Request:
 
 
 def test_widths_by_modality(connector: EricECConnector) -> None:
-    assert connector._widths == {"image": 3 * HIDDEN, "video": 3 * HIDDEN, "audio": HIDDEN}
+    assert connector.scheduler._widths == {"image": 3 * HIDDEN, "video": 3 * HIDDEN, "audio": HIDDEN}
 
 
 @pytest.mark.parametrize(("modality", "width"), [("audio", 3 * HIDDEN), ("image", HIDDEN), ("video", HIDDEN)])
 def test_another_modalitys_width_fails_the_request(connector: EricECConnector, modality: str, width: int) -> None:
     request = _request("r1", modality, 4, width)
-    assert connector._offers_of(request)  # a width the model has: the handle passes the common checks
+    assert connector.scheduler._offers_of(request)  # a width the model has: the handle passes the common checks
     assert not connector.ensure_cache_available(request, 0)
     assert connector.take_unavailable_requests() == {"r1"}
-    assert connector._prefetch.get(request.mm_features[0].identifier) is None  # nothing was fetched
+    assert connector.scheduler._prefetch.get(request.mm_features[0].identifier) is None  # nothing was fetched
 
 
 def test_a_width_of_no_modality_is_refused(connector: EricECConnector) -> None:
     request = _request("r2", "image", 4, 2 * HIDDEN)
-    assert connector._offers_of(request) == {}
+    assert connector.scheduler._offers_of(request) == {}
     assert connector.take_unavailable_requests() == {"r2"}

@@ -8,10 +8,9 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
-
-from eric_epd.common.http import bearer
-from eric_epd.wire.handles import EmbeddingHandle, ack_request
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher
+from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +32,11 @@ def has_raw_media(feature: Any) -> bool:
 
 
 class LeaseClient:
-    """Lease calls to the Erics, with their API key, in a background thread (never on the scheduler's loop)."""
+    """Gives back, in a background thread (never on the scheduler's loop), the leases of items a request never
+    fetched, through the same fetcher that acknowledges the items it did fetch."""
 
-    def __init__(self, api_key: str | None, timeout_s: float) -> None:
-        self._client = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
+    def __init__(self, fetcher: EmbeddingFetcher) -> None:
+        self._fetcher = fetcher
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-release")
 
     def release(self, handles: Iterable[EmbeddingHandle]) -> None:
@@ -46,13 +46,11 @@ class LeaseClient:
     def _release(self, handles: list[EmbeddingHandle]) -> None:
         for h in handles:
             try:
-                ack = ack_request(h.producer, h.hash, h.lease, h.instance_id)
-                resp = self._client.post(ack.url, headers=ack.headers, content=ack.content)
-                logger.debug("released unused lease on %s: %d", h.hash[:12], resp.status_code)
-            except httpx.HTTPError as e:
-                logger.warning("could not release the lease on %s: %r", h.hash[:16], e)
+                self._fetcher.ack(h)
+                logger.debug("released unused lease on %s", h.hash[:12])
+            except TransferError as e:
+                logger.warning("could not release the lease on %s: %s", h.hash[:16], e)
 
     def close(self) -> None:
-        """Finish the releases already queued, then close the HTTP client."""
+        """Finish the releases already queued (the fetcher is its owner's to close)."""
         self._releaser.shutdown(wait=True, cancel_futures=False)
-        self._client.close()

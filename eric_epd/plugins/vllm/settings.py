@@ -20,7 +20,6 @@ class EricConnectorSettings:
 
     eric_urls: tuple[str, ...]
     backends: tuple[str, ...]
-    lookup_timeout_s: float
     api_key: str | None
     staging_bytes: int = 256 << 20
     """Size of each worker's landing area (device memory on GPUs); landed items awaiting their step are also held
@@ -44,8 +43,8 @@ class EricConnectorSettings:
         unknown = set(backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown Eric transfer backends {sorted(unknown)}; choose from {BACKENDS}")
-        settings = cls(tuple(u.rstrip("/") for u in urls), backends, float(extra.get("lookup_timeout_s", 2.0)),
-                       environ.get(API_KEY_ENV) or None, int(extra.get("staging_bytes", cls.staging_bytes)),
+        settings = cls(tuple(u.rstrip("/") for u in urls), backends, environ.get(API_KEY_ENV) or None,
+                       int(extra.get("staging_bytes", cls.staging_bytes)),
                        int(extra.get("prefetch_threads", cls.prefetch_threads)),
                        float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
                        MooncakeOptions(str(extra.get("mooncake_host", MooncakeOptions.host)),
