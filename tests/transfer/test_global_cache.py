@@ -173,3 +173,40 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
                     wait_pool_drained(eric.url, eric.headers)
     finally:
         start_all(*erics)  # the Erics are shared by the session's gateway tests
+
+
+def test_a_hung_store_master_starves_no_encode_and_holds_nothing_after(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
+    """The store's master stopped (SIGSTOP: every store call hangs until Mooncake's RPC timeout) under a real Eric
+    with a 64 KiB pool: 48 new 64x64 images (2 KiB of rows each), four at a time, each batch acknowledged, are all
+    answered, as the store calls run on the cache's own threads, a timed-out call pauses the store and the puts in
+    flight are capped (with neither pause nor cap, each hung put held its entry: the pool filled and the fifth batch
+    was a 503); once the master runs again nothing is held and the same images are answered again."""
+    import os
+    import signal
+
+    key = new_key()
+    with StoreMaster(tmp_path / "master.log") as master:
+        args = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20), "--pool-bytes",
+                str(64 << 10))
+        with EricServer(qwen2_vl_tiny, api_key=key, extra_args=args, log_path=tmp_path / "eric.log") as eric:
+            assert _bytes(eric, _encode(eric, image_data_url(64, 64, seed=6000)))  # the store works
+            assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= 1)
+            images = [image_data_url(64, 64, seed=6001 + i) for i in range(48)]
+            assert master.proc is not None
+            os.kill(master.proc.pid, signal.SIGSTOP)
+            try:
+                for start in range(0, len(images), 4):
+                    body = {"items": [{"modality": "image", "url": u} for u in images[start:start + 4]]}
+                    r = httpx.post(eric.url + "/v1/encode", json=body, headers=eric.headers, timeout=120)
+                    assert r.status_code == 200, (start, r.text)
+                    for item in r.json()["items"]:
+                        assert _bytes(eric, item)
+            finally:
+                os.kill(master.proc.pid, signal.SIGCONT)
+            wait_pool_drained(eric.url, eric.headers, timeout_s=90)  # the hung puts' holds ended with them
+            again = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
+                               json={"items": [{"modality": "image", "url": u} for u in images[:4]]})
+            assert again.status_code == 200, again.text
+            for item in again.json()["items"]:
+                assert _bytes(eric, item)
+            wait_pool_drained(eric.url, eric.headers)
