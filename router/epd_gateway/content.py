@@ -15,7 +15,8 @@ from eric_epd.common.errors import ApiError
 from eric_epd.common.jsonbody import MAX_URL
 from eric_epd.media.engine_probe import Reader, check_for_engine, data_url_reader
 from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
-from eric_epd.wire.eric import GRID, MEDIA
+from eric_epd.wire.eric import MEDIA, EncodedItem
+from eric_epd.wire.handles import EmbeddingHandle
 from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
@@ -128,28 +129,25 @@ def remote_hosts(refs: list[MediaRef]) -> set[tuple[str, int]]:
     return hosts
 
 
-def vllm_can_place(items: list[dict[str, Any]]) -> bool:
+def vllm_can_place(items: list[EncodedItem]) -> bool:
     """vLLM (0.32, 0.33) keeps only the grid of a metadata-only video and spaces its frames 1 s per temporal grid
     step (it drops second_per_grid_ts); a Qwen2.5-VL video sampled at another rate must go with its raw media."""
-    return all(abs(float(i.get("second_per_grid_ts", 1.0)) - 1.0) < 1e-6 for i in items)
+    return all(abs((i.second_per_grid_ts if i.second_per_grid_ts is not None else 1.0) - 1.0) < 1e-6 for i in items)
 
 
-def one_lease_per_content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same content under several URLs (or as an audio part and a video's soundtrack) may come back from
-    several Erics (or calls), each item with its own lease, while the engine gets one handle per content hash.
-    Every item of a hash is given the first one's handle (the item dicts themselves, so a video's soundtrack gets it
-    too); returns copies of the items whose own leases nobody will use (with those handles), to give back now."""
-    first: dict[str, dict[str, Any]] = {}
-    spare = []
-    for item in items:
-        handle = item.get("handle")
-        if not isinstance(handle, dict):
-            continue
-        kept = first.setdefault(item["hash"], handle)
-        if kept.get("lease") != handle.get("lease"):
-            spare.append(dict(item))
-            item["handle"] = kept
-    return spare
+def kept_handles(items: list[EncodedItem]) -> dict[str, EmbeddingHandle]:
+    """The one handle per content hash the engine gets: the same content under several URLs (or as an audio part and
+    a video's soundtrack) may come back from several Erics (or calls), each with its own lease; the first kept."""
+    first: dict[str, EmbeddingHandle] = {}
+    for item in [*items, *soundtracks(items)]:
+        first.setdefault(item.hash, item.handle)
+    return first
+
+
+def spare_handles(items: list[EncodedItem]) -> list[EmbeddingHandle]:
+    """The handles whose leases nobody will use (not kept_handles' choice for their content), to give back now."""
+    kept = kept_handles(items)
+    return [item.handle for item in [*items, *soundtracks(items)] if item.handle.lease != kept[item.hash].lease]
 
 
 def inlined_refs(body: dict[str, Any], refs: list[MediaRef]) -> list[MediaRef]:
@@ -159,7 +157,7 @@ def inlined_refs(body: dict[str, Any], refs: list[MediaRef]) -> list[MediaRef]:
                                        f"messages[{ref.message}].content[{ref.part}]")) for ref in refs]
 
 
-def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict[str, Any]]) -> dict[str, Any]:
+def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[EncodedItem]) -> dict[str, Any]:
     """A copy of the request whose media parts are keyed by Eric's content hash (the gateway mints every uuid, from
     content Eric encoded), with the handles and their lease tokens beside it. An item placed by its grid becomes a
     metadata-only embeds part; an item placed by its media (the generic path) keeps its part as it is in `body`,
@@ -169,23 +167,20 @@ def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[dict
     out["messages"] = copy.deepcopy(body["messages"])
     for ref, item in zip(refs, items, strict=True):
         content = out["messages"][ref.message]["content"]
-        if item.get("placement", GRID) == MEDIA:
-            content[ref.part] = {**content[ref.part], "uuid": item["hash"]}
+        if item.placement == MEDIA:
+            content[ref.part] = {**content[ref.part], "uuid": item.hash}
             continue
         kind = f"{ref.modality}_embeds"
-        fields: dict[str, Any] = {f"{ref.modality}_grid_thw": item["grid_thw"]}
-        if "timestamps" in item:  # Qwen3-VL videos: vLLM writes each temporal step's time into the prompt
-            fields["timestamps"] = item["timestamps"]
-        content[ref.part] = {"type": kind, kind: fields, "uuid": item["hash"]}
-    first: dict[str, Any] = {}
-    for item in [*items, *soundtracks(items)]:
-        first.setdefault(item["hash"], item["handle"])
-    pairs = {item["hash"]: item["soundtrack"]["hash"] for item in items if item.get("soundtrack")}
-    # one handle per content (one_lease_per_content's choice), and which is which video's soundtrack
-    out["vllm_xargs"] = handles_xargs(first.values()) | soundtracks_xargs(pairs)
+        fields: dict[str, Any] = {f"{ref.modality}_grid_thw": item.grid_thw}
+        if item.timestamps is not None:  # Qwen3-VL videos: vLLM writes each temporal step's time into the prompt
+            fields["timestamps"] = item.timestamps
+        content[ref.part] = {"type": kind, kind: fields, "uuid": item.hash}
+    pairs = {item.hash: item.soundtrack.hash for item in items if item.soundtrack is not None}
+    # one handle per content (the others' leases go back: spare_handles), and which is which video's soundtrack
+    out["vllm_xargs"] = handles_xargs(kept_handles(items).values()) | soundtracks_xargs(pairs)
     return out
 
 
-def soundtracks(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def soundtracks(items: list[EncodedItem]) -> list[EncodedItem]:
     """The soundtracks Eric answered for videos sent with `use_audio_in_video` (audio items of their own)."""
-    return [item["soundtrack"] for item in items if isinstance(item.get("soundtrack"), dict)]
+    return [item.soundtrack for item in items if item.soundtrack is not None]

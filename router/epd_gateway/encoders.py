@@ -25,7 +25,7 @@ from epd_gateway.members import (
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.common.errors import ApiError
-from eric_epd.wire.eric import MEDIA, EncodeItem, decode_answer, encode_body
+from eric_epd.wire.eric import MEDIA, EncodedItem, EncodeItem, decode_answer, encode_body
 from eric_epd.wire.load import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -211,16 +211,16 @@ class EncoderPool:
         unless handed to the engine; acks go only to Erics this pool knows."""
         return Leases(self._client, self.knows)
 
-    async def encode(self, refs: list[MediaRef], leases: Leases) -> tuple[list[dict[str, Any]], int]:
+    async def encode(self, refs: list[MediaRef], leases: Leases) -> tuple[list[EncodedItem], int]:
         """Encode every item somewhere; returns (items in ref order, number of encoders used). Every item's lease is
         held in `leases` the moment its Eric answers. If this fails or is cancelled (the client left), the calls
         still running are cancelled (each Eric sees its caller disconnect and drops the work); the leases already
         held are the scope's to give back."""
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, EncodedItem] = {}
         used = await self._encode_into(refs, results, leases)
         return [results[i] for i in range(len(refs))], len(used)
 
-    async def _encode_into(self, refs: list[MediaRef], results: dict[int, dict[str, Any]],
+    async def _encode_into(self, refs: list[MediaRef], results: dict[int, EncodedItem],
                            leases: Leases) -> set[str]:
         """Fill `results` (ref index -> item), failing over between encoders; returns the encoders used."""
         tried: dict[int, set[str]] = defaultdict(set)
@@ -250,10 +250,10 @@ class EncoderPool:
         return used
 
     async def _call_groups(self, groups: dict[str, list[MediaRef]],
-                           leases: Leases) -> list[list[dict[str, Any]] | None]:
+                           leases: Leases) -> list[list[EncodedItem] | None]:
         """Each encoder's answer for its group, called concurrently, its items held in `leases` as it answers. If one
         call raises or this is cancelled, the other calls are cancelled too."""
-        async def call(url: str, group: list[MediaRef]) -> list[dict[str, Any]] | None:
+        async def call(url: str, group: list[MediaRef]) -> list[EncodedItem] | None:
             items = await self._call(url, group)
             leases.hold(items or [])
             return items
@@ -267,7 +267,7 @@ class EncoderPool:
             await asyncio.gather(*calls, return_exceptions=True)
             raise
 
-    async def _call(self, url: str, refs: list[MediaRef]) -> list[dict[str, Any]] | None:
+    async def _call(self, url: str, refs: list[MediaRef]) -> list[EncodedItem] | None:
         """Items from one encoder, None if the encoder failed (5xx, timeout, unreachable)."""
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
@@ -302,7 +302,7 @@ class EncoderPool:
                 message = resp.text[:300]
             raise ApiError(resp.status_code, f"media rejected by encoder: {message}")
         try:
-            items = msgspec.to_builtins(decode_answer(resp.content).items)
+            items = list(decode_answer(resp.content).items)
         except msgspec.MsgspecError as e:
             logger.warning("encoder %s answered outside the schema: %s", url, e)
             self._record_failure(member)

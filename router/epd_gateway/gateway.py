@@ -19,9 +19,8 @@ from epd_gateway.content import (
     MediaRef,
     collect_media,
     inlined_refs,
-    one_lease_per_content,
     remote_hosts,
-    soundtracks,
+    spare_handles,
     vllm_can_place,
     with_embeddings,
 )
@@ -138,19 +137,19 @@ class Gateway:
             logger.warning("encoders unavailable, falling back to the PD path with raw media: %s", e)
             return None
         # the same content under two URLs, or as an audio part and a soundtrack: one lease used, the others back
-        await leases.give_back(one_lease_per_content(items + soundtracks(items)))
+        await leases.give_back(spare_handles(items))
         encoded = time.perf_counter() - start
         self.metrics.encode_latency.observe(encoded)
         self.metrics.stages.observe("encode", encoded)
         self.metrics.fanout.observe(fanout)
-        if not inlined and any(i.get("placement") == MEDIA for i in items):  # Eric fetched what the engine won't
+        if not inlined and any(i.placement == MEDIA for i in items):  # Eric fetched what the engine won't
             logger.warning("an Eric placed items by their media although its card said otherwise; raw media instead")
             return None
         if not vllm_can_place(items):
             logger.info("a video's time spacing is not vLLM's default for metadata-only items; raw media instead")
             return None
         # items placed by their media keep them: the inlined body (fetched before encoding, see _as_encoded)
-        source = (await plain.get())[0] if any(i.get("placement") == MEDIA for i in items) else body
+        source = (await plain.get())[0] if any(i.placement == MEDIA for i in items) else body
         start = time.perf_counter()
         rewritten = with_embeddings(source, refs, items)
         self.metrics.stages.observe("rewrite", time.perf_counter() - start)

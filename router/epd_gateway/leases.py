@@ -8,12 +8,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
 
 import httpx
 
 from epd_gateway.content import soundtracks
-from eric_epd.wire.handles import ack_request, is_content_hash
+from eric_epd.wire.eric import EncodedItem
+from eric_epd.wire.handles import EmbeddingHandle, ack_request, is_content_hash
 
 logger = logging.getLogger(__name__)
 
@@ -26,17 +26,18 @@ class Leases:
     def __init__(self, client: httpx.AsyncClient, knows: Callable[[str], bool]) -> None:
         self._client = client
         self._knows = knows
-        self._held: dict[str, dict[str, Any]] = {}  # lease token -> handle
+        self._held: dict[str, EmbeddingHandle] = {}  # lease token -> handle
         self._handed = False
 
-    def hold(self, items: list[dict[str, Any]]) -> None:
+    def hold(self, items: list[EncodedItem]) -> None:
         """These items' leases (their soundtracks' too) are this request's from now on."""
-        self._held.update(_handles(items))
+        for item in [*items, *soundtracks(items)]:
+            self._held[item.handle.lease] = item.handle
 
-    async def give_back(self, items: list[dict[str, Any]]) -> None:
-        """Give these items' leases back now (shielded: a client leaving meanwhile does not stop it)."""
-        handles = {lease: self._held.pop(lease) for lease in _handles(items) if lease in self._held}
-        await asyncio.shield(self._ack(list(handles.values())))
+    async def give_back(self, handles: list[EmbeddingHandle]) -> None:
+        """Give these leases back now (shielded: a client leaving meanwhile does not stop it)."""
+        back = {h.lease: self._held.pop(h.lease) for h in handles if h.lease in self._held}
+        await asyncio.shield(self._ack(list(back.values())))
 
     def hand_over(self) -> None:
         """The engine answered with these leases (2xx): it acknowledges them; nothing is given back here."""
@@ -51,29 +52,24 @@ class Leases:
             handles, self._held = list(self._held.values()), {}
             await asyncio.shield(self._ack(handles))
 
-    async def _ack(self, handles: list[dict[str, Any]]) -> None:
+    async def _ack(self, handles: list[EmbeddingHandle]) -> None:
         await release_leases(self._client, self._knows, handles)
 
 
-def _handles(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {item["handle"]["lease"]: item["handle"] for item in [*items, *soundtracks(items)]
-            if isinstance(item.get("handle"), dict) and "lease" in item["handle"]}
-
-
 async def release_leases(client: httpx.AsyncClient, knows: Callable[[str], bool],
-                         handles: list[dict[str, Any]]) -> None:
+                         handles: list[EmbeddingHandle]) -> None:
     """Ack every lease of `handles`. Best effort: a failure only leaves the TTL to act. An ack goes only to a producer
     `knows` accepts (an Eric the gateway knows), never to a URL an answer names."""
 
-    async def ack(handle: dict[str, Any]) -> None:
-        producer = str(handle.get("producer", "")).rstrip("/")
-        if not knows(producer) or not is_content_hash(str(handle.get("hash", ""))):
+    async def ack(handle: EmbeddingHandle) -> None:
+        producer = handle.producer.rstrip("/")
+        if not knows(producer) or not is_content_hash(handle.hash):
             logger.warning("not acknowledging an embedding at %r: not an Eric this gateway knows", producer[:200])
             return
         try:
-            request = ack_request(producer, handle["hash"], handle["lease"], handle.get("instance_id"))
+            request = ack_request(producer, handle.hash, handle.lease, handle.instance_id)
             await client.post(request.url, headers=request.headers, content=request.content, timeout=2.0)
-        except (httpx.HTTPError, KeyError) as e:
-            logger.debug("releasing %s failed: %r", handle.get("hash"), e)
+        except httpx.HTTPError as e:
+            logger.debug("releasing %s failed: %r", handle.hash, e)
 
     await asyncio.gather(*(ack(handle) for handle in handles))

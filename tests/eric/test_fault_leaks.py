@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from epd_gateway.content import MediaRef, one_lease_per_content, soundtracks, with_embeddings
+from epd_gateway.content import MediaRef, kept_handles, spare_handles, with_embeddings
 from safetensors.numpy import load as load_safetensors
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -37,6 +37,7 @@ from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 from eric_epd.transfer.config import TransferConfig
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
+from tests.support.encoded import encoded
 from tests.support.helpers_engine import FakeEngine as _FakeEngine
 from tests.support.helpers_engine import FakeMedia as _FakeMedia
 from tests.support.helpers_engine import items as _items
@@ -258,11 +259,9 @@ def test_an_ack_retried_after_a_lost_answer(second: tuple[int, str], proven: boo
 
 
 def test_one_lease_per_content_hands_the_engine_one_and_returns_the_others() -> None:
-    items = [{"hash": h, "grid_thw": [1, 2, 2], "handle": {"hash": h, "lease": lease}}
-             for h, lease in (("a", "1"), ("b", "2"), ("a", "3"), ("a", "1"))]
-    spare = one_lease_per_content(items)
-    assert [i["handle"]["lease"] for i in spare] == ["3"]  # the same lease twice (one Eric, one call) is no spare
-    assert [i["handle"]["lease"] for i in items] == ["1", "2", "1", "1"]
+    items = [encoded(h, lease=lease) for h, lease in (("a", "1"), ("b", "2"), ("a", "3"), ("a", "1"))]
+    spare = spare_handles(items)
+    assert [h.lease for h in spare] == ["3"]  # the same lease twice (one Eric, one call) is no spare
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"u{k}"}}
                                                       for k in range(4)]}]}
     refs = [MediaRef(0, k, "image", f"u{k}") for k in range(4)]
@@ -272,15 +271,12 @@ def test_one_lease_per_content_hands_the_engine_one_and_returns_the_others() -> 
 
 def test_an_audio_part_and_a_soundtrack_of_one_content_share_one_lease() -> None:
     """The same clip as an audio part and as a video's soundtrack: one content hash, two leases from Eric. The
-    soundtrack inside the video's answer gets the audio part's handle (the engine stages one lease), and the other
-    lease is returned to be given back (before, each list kept its own and the video's soundtrack a given-back one)."""
-    audio = {"hash": "s", "handle": {"hash": "s", "lease": "A"}}
-    video = {"hash": "v", "handle": {"hash": "v", "lease": "V"},
-             "soundtrack": {"hash": "s", "handle": {"hash": "s", "lease": "S"}}}
-    items = [audio, video]
-    spare = one_lease_per_content(items + soundtracks(items))
-    assert [i["handle"]["lease"] for i in spare] == ["S"]
-    assert video["soundtrack"]["handle"]["lease"] == "A" == audio["handle"]["lease"]
+    engine gets the audio part's handle for both (it stages one lease), and the soundtrack's own lease is the one
+    to give back (before, each list kept its own and the video's soundtrack a given-back one)."""
+    audio = encoded("c", lease="A")
+    video = encoded("d", lease="V", second_per_grid_ts=1.0, soundtrack=encoded("c", lease="S"))
+    assert [h.lease for h in spare_handles([audio, video])] == ["S"]
+    assert kept_handles([audio, video])["c" * 64].lease == "A"
 
 
 def test_one_image_under_two_urls_gives_back_both_leases(qwen2_vl_tiny: Path, tmp_path: Path) -> None:

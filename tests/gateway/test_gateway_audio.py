@@ -32,8 +32,9 @@ from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import audio_bytes, data_url, image_data_url, video_bytes
 from eric_epd.testing.stack import ask_token_ids, image_messages, metric, wait_for
-from eric_epd.wire.eric import GRID, MEDIA
+from eric_epd.wire.eric import GRID, MEDIA, EncodedItem
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY, SOUNDTRACKS_KEY
+from tests.support.encoded import encoded
 
 RATE = 16000
 """vLLM resamples with torchaudio, which this venv cannot load: every clip is at the model's 16 kHz."""
@@ -92,10 +93,10 @@ def _chat(cards: list[EncoderState], body: dict, min_items: int = 2) -> tuple[st
     async def carded() -> list[EncoderState]:
         return cards
 
-    async def encode(refs: list[MediaRef], _leases: object) -> tuple[list[dict], int]:
+    async def encode(refs: list[MediaRef], _leases: object) -> tuple[list[EncodedItem], int]:
         sent.extend(refs)
-        return [{"hash": f"{i:064x}", "grid_thw": [1, 2, 2], "placement": MEDIA, "handle": {"lease": f"t{i}"},
-                 **({"soundtrack": {"hash": f"{i + 100:064x}", "handle": {"lease": f"s{i}"}}} if r.with_audio else {})}
+        return [encoded(f"{i:064x}", placement=MEDIA, lease=f"t{i}",
+                        soundtrack=encoded(f"{i + 100:064x}", lease=f"s{i}") if r.with_audio else None)
                 for i, r in enumerate(refs)], 1
 
     async def complete(_path: str, out: dict, _headers: dict, _raw: bytes | None = None, **_: Any) -> Response:

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -25,6 +26,7 @@ from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.testing.media import image_data_url
 from eric_epd.wire.handoff import EXTRA_ARGS_KEY
+from tests.support.encoded import encoded
 
 POLICY = UrlPolicy(host_allowlist=frozenset({"127.0.0.1"}))
 PNG_URL = image_data_url(4, 4)
@@ -46,8 +48,7 @@ def test_media_parts_are_counted_and_rewritten_to_keyed_embeds() -> None:
     body = _body()
     refs = collect_media(body, POLICY, max_items=4)
     assert [(r.message, r.part, r.modality) for r in refs] == [(1, 0, "image"), (1, 2, "video")]
-    items = [{"hash": h * 64, "grid_thw": g, "handle": {"hash": h * 64, "lease": f"token-{h}"}}
-             for h, g in (("a", [1, 4, 6]), ("b", [2, 4, 4]))]
+    items = [encoded(h, g) for h, g in (("a", [1, 4, 6]), ("b", [2, 4, 4]))]
     out = with_embeddings(body, refs, items)
     handles = json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])  # beside the request, not inside the uuid
     assert [h["lease"] for h in handles] == ["token-a", "token-b"]
@@ -70,24 +71,23 @@ def test_items_placed_by_their_media_keep_the_inlined_part_with_the_hash_as_uuid
     sent = inlined_refs(inlined, refs)
     assert [r.url for r in sent] == [PNG_URL, "data:application/octet-stream;base64,BBBB"]
     assert [(r.message, r.part, r.modality) for r in sent] == [(r.message, r.part, r.modality) for r in refs]
-    items = [{"hash": "a" * 64, "grid_thw": [1, 1, 4], "placement": "media", "handle": {"lease": "token-a"}},
-             {"hash": "b" * 64, "grid_thw": [2, 4, 4], "handle": {"lease": "token-b"}}]
+    items = [encoded("a", [1, 1, 4], placement="media"), encoded("b", [2, 4, 4])]
     out = with_embeddings(inlined, refs, items)
     assert out["messages"][1]["content"][0] == {
         "type": "image_url", "image_url": {"url": PNG_URL}, "uuid": "a" * 64}
     assert out["messages"][1]["content"][2] == {
         "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]}, "uuid": "b" * 64}
     assert [h["lease"] for h in json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])] == ["token-a", "token-b"]
-    items[1]["placement"] = "media"
+    items[1] = msgspec.structs.replace(items[1], placement="media")
     kept = with_embeddings(inlined, refs, items)["messages"][1]["content"][2]
     assert kept == {"type": "video_url", "video_url": {"url": "data:application/octet-stream;base64,BBBB"},
                     "uuid": "b" * 64}
 
 
 def test_vllm_places_videos_only_at_one_second_per_grid_step() -> None:
-    assert vllm_can_place([{"hash": "a"}, {"hash": "b", "second_per_grid_ts": 1.0}])  # images, Qwen2-VL, 2 fps
-    assert not vllm_can_place([{"hash": "b", "second_per_grid_ts": 2.0}])  # a 1 fps source: raw media instead
-    assert not vllm_can_place([{"hash": "b", "second_per_grid_ts": 0.5}])
+    assert vllm_can_place([encoded("a"), encoded("b", second_per_grid_ts=1.0)])  # images, Qwen2-VL, 2 fps
+    assert not vllm_can_place([encoded("b", second_per_grid_ts=2.0)])  # a 1 fps source: raw media instead
+    assert not vllm_can_place([encoded("b", second_per_grid_ts=0.5)])
 
 
 def _refused(body: dict, match: str, allow_embeddings: bool = False) -> None:

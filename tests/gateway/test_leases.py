@@ -19,7 +19,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from eric_epd.stack.process import free_port
+from eric_epd.wire.eric import EncodedItem
 from eric_epd.wire.handles import LEASE_HEADER
+from tests.support.encoded import encoded
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,8 @@ def eric() -> Iterator[tuple[str, list[tuple[str, str]]]]:
     server.should_exit = True
 
 
-def _item(producer: str, n: int) -> dict:
-    return {"hash": f"{n:064x}", "handle": {"producer": producer, "hash": f"{n:064x}", "lease": f"lease-{n}",
-                                             "instance_id": "i"}}
+def _item(producer: str, n: int) -> EncodedItem:
+    return encoded(f"{n:064x}", producer=producer, lease=f"lease-{n}")
 
 
 def _run(eric: tuple[str, list], body) -> list[tuple[str, str]]:
@@ -94,7 +95,7 @@ def test_handed_over_none_and_given_back_early_not_again(eric) -> None:
     async def early(leases: Leases, url: str) -> None:
         async with leases:
             leases.hold([_item(url, 5), _item(url, 6)])
-            await leases.give_back([_item(url, 5)])
+            await leases.give_back([_item(url, 5).handle])
         # leaving without handing over: only the one still held goes back
 
     assert _run(eric, handed) == []
