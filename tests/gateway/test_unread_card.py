@@ -10,12 +10,13 @@ from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import image_data_url
-from eric_epd.testing.stack import ask_greedy, image_messages, metric
+from eric_epd.testing.stack import ask_greedy, image_messages, metric, wait_for
 from eric_epd.testing.standins import ProxyEric
 
 API_KEY = "sk-unread-card"
@@ -75,7 +76,8 @@ def world(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_an_unread_card_still_encodes_the_bytes_the_engine_sees(world) -> None:
     """Three images by URL go EPD although the card is never read: one fetch each (the gateway's), Eric encodes
     what the gateway fetched, and the answer is vLLM's own for those bytes (the first version of each image);
-    against the second versions, which Eric would have fetched had the gateway sent the URLs on, it fails."""
+    against the second versions, which Eric would have fetched had the gateway sent the URLs on, it fails. Asked
+    again, the same URLs give the second versions' answer, and nothing stays held."""
     gateway, proxy, origin, eric, vllm = (world[k] for k in ("gateway", "proxy", "origin", "eric", "vllm"))
     encoded = metric(eric.url, "eric_items_total", eric.headers)
     answer = ask_greedy(gateway.url, image_messages([f"{origin.url}/{n}.png" for n in range(IMAGES)]), key=API_KEY)
@@ -87,3 +89,13 @@ def test_an_unread_card_still_encodes_the_bytes_the_engine_sees(world) -> None:
     second = ask_greedy(vllm.url, image_messages([version(n, 1) for n in range(IMAGES)]), key=vllm.api_key)
     with pytest.raises(AssertionError):  # the negative control: other bytes give another answer
         assert_greedy_agree(answer, second, NEAR_TIE_FLOAT32, "against other bytes")
+    again = ask_greedy(gateway.url, image_messages([f"{origin.url}/{n}.png" for n in range(IMAGES)]), key=API_KEY)
+    assert origin.hits == Counter(dict.fromkeys(range(IMAGES), 2))  # fetched once more: now the second versions
+    assert_greedy_agree(again, second, NEAR_TIE_FLOAT32, "the same URLs again, the origin's new bytes")
+    assert wait_for(lambda: _held(eric) == 0), _held(eric)  # every lease of both requests ended
+
+
+def _held(eric) -> int:
+    """Pool bytes the Eric holds under leases (its content cache aside)."""
+    info = httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()
+    return info["used_bytes"] - info["cached_bytes"]
