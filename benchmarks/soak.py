@@ -157,7 +157,7 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict:
                 rss[name].append((now - t0, now - stack.started[name], rss_bytes(server)))
             next_sample = now + 5
         if fault_task is None and now >= next_fault:  # requests keep arriving while a component restarts
-            fault = FAULTS[len(faults) % len(FAULTS)]
+            fault = args.faults[len(faults) % len(args.faults)]
             fault_task = asyncio.create_task(asyncio.to_thread(inject, stack, fault))
             fault_started = now
         if fault_task is not None and fault_task.done():
@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=15.0, help="how long the soak runs")
     ap.add_argument("--fault-every", type=float, default=180.0, help="seconds between faults")
     ap.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity")
+    ap.add_argument("--faults", type=lambda v: tuple(v.split(",")), default=FAULTS,
+                    help=f"comma-separated faults to cycle through (default: all, {','.join(FAULTS)})")
     ap.add_argument("--capacity-seconds", type=float, default=45.0, help="seconds spent measuring capacity first")
     ap.add_argument("--warmup", type=float, default=60.0, help="seconds after a (re)start before RSS is counted")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the built-in tiny Qwen2-VL)")

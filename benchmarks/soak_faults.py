@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -14,6 +15,8 @@ import psutil
 
 from eric_epd.stack.process import ServerProcess
 from eric_epd.stack.servers import EricServer, GatewayServer, StoreMaster
+from eric_epd.testing.media import image_data_url
+from eric_epd.wire.handles import ack_request
 
 logger = logging.getLogger("soak")
 
@@ -94,11 +97,14 @@ def stall(eric: EricServer, workers_only: bool) -> str:
 
 
 def long_batch(stack: Stack) -> str:
-    """Stop Eric B's workers (not its engine) for LONG_BATCH_S: to every probe a batch that long is under way. The
-    gateway's health view is read meanwhile; an Eric it lists as unhealthy is recorded in `stack.ejected`."""
+    """Stop Eric B's workers (not its engine) for LONG_BATCH_S and send it an encode of fresh images meanwhile (the
+    soak's chats repeat theirs, which the store then serves): to every probe a batch that long is under way. The
+    gateway's health view is read meanwhile; an Eric it lists as unhealthy is recorded in `stack.ejected`. The
+    encode is answered once the workers go on, and its leases are given back."""
     eric = stack.erics[1]
     pids = httpx.get(eric.url + "/health", headers=eric.headers, timeout=10).json()["worker_pids"]
     statuses: set[str] = set()
+    images = [image_data_url(72, 64, seed=90_000 + int(time.time()) % 100_000 + k) for k in range(2)]
 
     def watch() -> None:
         listed = httpx.get(stack.gateway.url + "/health", headers=stack.gateway.headers, timeout=5).json()
@@ -106,8 +112,27 @@ def long_batch(stack: Stack) -> str:
             stack.ejected.append(eric.url)
         statuses.add(httpx.get(eric.url + "/health", headers=eric.headers, timeout=5).json().get("status", "?"))
 
-    pause([psutil.Process(p) for p in pids], LONG_BATCH_S, watch)
-    return f"held Eric B's workers for {LONG_BATCH_S:g} s (its /health said {sorted(statuses)})"
+    procs = [psutil.Process(p) for p in pids]
+    with ThreadPoolExecutor(1) as pool:
+        for proc in procs:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            answer = pool.submit(httpx.post, eric.url + "/v1/encode", headers=eric.headers, timeout=LONG_BATCH_S + 60,
+                                 json={"items": [{"modality": "image", "url": u} for u in images]})
+            end = time.monotonic() + LONG_BATCH_S
+            while time.monotonic() < end:
+                watch()
+                time.sleep(0.5)
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGCONT)
+        resp = answer.result()
+    for item in resp.json().get("items", []) if resp.status_code == 200 else []:
+        handle = item["handle"]
+        ack = ack_request(handle["producer"], handle["hash"], handle["lease"], handle["instance_id"])
+        httpx.post(ack.url, headers={**eric.headers, **ack.headers}, content=ack.content, timeout=10)
+    return (f"held Eric B's workers for {LONG_BATCH_S:g} s with an encode in flight (its /health said "
+            f"{sorted(statuses)}; the encode was answered {resp.status_code} after)")
 
 
 def drain(stack: Stack) -> str:
