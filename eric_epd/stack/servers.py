@@ -101,12 +101,13 @@ def attention_flags(model: Path, dtype: str) -> tuple[str, ...]:
 def media_limits(model: Path) -> dict[str, int]:
     """vLLM's --limit-mm-per-prompt for `model`: 4 images and a video, or 5 of a model's single modality for both
     (vLLM turns Kimi-K2.5's image and video parts into "vision_chunk" items: `use_unified_vision_chunk`); and
-    AUDIO_LIMIT clips where its config has an audio tower (and as many videos: each may bring its soundtrack)."""
+    AUDIO_LIMIT clips where its config has an audio tower (and as many videos where its videos bring their
+    soundtracks: soundtrack_flags)."""
     config = read_config(model)
     audio = {"audio": AUDIO_LIMIT} if has_audio_tower(config) else {}
     if config.get("use_unified_vision_chunk"):
         return {"vision_chunk": 5, **audio}
-    return {"image": 4, "video": AUDIO_LIMIT if audio else 1, **audio}
+    return {"image": 4, "video": AUDIO_LIMIT if soundtrack_flags(model) else 1, **audio}
 
 
 class VllmServe(ServerProcess):

@@ -1,5 +1,6 @@
 """vLLM's --limit-mm-per-prompt as the launcher builds it from a checkpoint's config.json: images and a video for
-every model (or vision chunks for Kimi-K2.5), and clips where the model (or its Omni thinker) has an audio tower; and
+every model (or vision chunks for Kimi-K2.5), and clips where the model (or its Omni thinker) has an audio tower (as
+many videos as clips where its videos bring their soundtracks); and
 --trust-request-mm-kwargs only for the models whose videos bring their soundtracks."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from eric_epd.stack.servers import AUDIO_LIMIT, media_limits, soundtrack_flags
     ({"model_type": "qwen2_vl", "vision_config": {}}, {"image": 4, "video": 1}),
     ({"model_type": "qwen2_audio", "audio_config": {"d_model": 64}}, {"image": 4, "video": 1, "audio": AUDIO_LIMIT}),
     ({"model_type": "qwen2_5_omni", "thinker_config": {"audio_config": {"d_model": 64}, "vision_config": {}}},
-     {"image": 4, "video": 1, "audio": AUDIO_LIMIT}),
+     {"image": 4, "video": AUDIO_LIMIT, "audio": AUDIO_LIMIT}),  # each video may bring its soundtrack
     ({"model_type": "gemma4", "audio_config": None, "vision_config": {}}, {"image": 4, "video": 1}),
     ({"model_type": "kimi_k25", "use_unified_vision_chunk": True}, {"vision_chunk": 5}),
 ])
