@@ -30,6 +30,12 @@ def transfer_stats(url: str, headers: dict[str, str] | None = None) -> dict[str,
     return resp.json()
 
 
+def held_bytes(url: str, headers: dict[str, str] | None = None) -> int:
+    """Pool bytes a producer holds under leases (what its content cache keeps is evictable and not counted)."""
+    stats = transfer_stats(url, headers)
+    return stats["used_bytes"] - stats["cached_bytes"]
+
+
 def wait_pool_drained(url: str, headers: dict[str, str] | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
     """Poll the producer at `url` until it holds nothing (used_bytes and entries exactly 0; its content cache aside)
     and return its stats; fails naming what is still held when `timeout_s` passes."""

@@ -10,12 +10,12 @@ from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 
 from eric_epd.stack.servers import GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.media import image_data_url
+from eric_epd.testing.pools import held_bytes
 from eric_epd.testing.stack import ask_greedy, image_messages, metric, wait_for
 from eric_epd.testing.standins import ProxyEric
 
@@ -92,10 +92,5 @@ def test_an_unread_card_still_encodes_the_bytes_the_engine_sees(world) -> None:
     again = ask_greedy(gateway.url, image_messages([f"{origin.url}/{n}.png" for n in range(IMAGES)]), key=API_KEY)
     assert origin.hits == Counter(dict.fromkeys(range(IMAGES), 2))  # fetched once more: now the second versions
     assert_greedy_agree(again, second, NEAR_TIE_FLOAT32, "the same URLs again, the origin's new bytes")
-    assert wait_for(lambda: _held(eric) == 0), _held(eric)  # every lease of both requests ended
-
-
-def _held(eric) -> int:
-    """Pool bytes the Eric holds under leases (its content cache aside)."""
-    info = httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()
-    return info["used_bytes"] - info["cached_bytes"]
+    held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
+    assert wait_for(lambda: held() == 0), held()  # every lease of both requests ended

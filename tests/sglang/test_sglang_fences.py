@@ -24,6 +24,7 @@ import zmq
 from eric_epd.eric.sglang.zmq_push import ZmqSender
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_data_url
+from eric_epd.testing.pools import held_bytes
 from eric_epd.testing.stack import wait_for
 
 MESSAGE_BYTES = 32 << 20
@@ -108,12 +109,6 @@ def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
 
 
-def _held(eric: EricServer) -> int:
-    """Pool bytes held by leases (what the content cache keeps is evictable and not counted)."""
-    info = httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()
-    return info["used_bytes"] - info["cached_bytes"]
-
-
 def test_an_encode_slower_than_the_send_timeout_is_not_swept_under_it(eric: EricServer) -> None:
     """Eric's engine and workers are stopped for twice the send timeout while a part encodes: the sweep leaves the
     part alone; when it ends (no rank came: 504), its leases and its bfloat16 copy are given back at once, and the
@@ -134,11 +129,12 @@ def test_an_encode_slower_than_the_send_timeout_is_not_swept_under_it(eric: Eric
             os.kill(child.pid, signal.SIGCONT)
     thread.join(60)
     assert answer["r"].status_code == 504 and "no prefill rank" in answer["r"].text, answer["r"].text
-    assert wait_for(lambda: _held(eric) == 0, timeout_s=10), _held(eric)
+    held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
+    assert wait_for(lambda: held() == 0, timeout_s=10), held()
     again = {**body, "req_id": f"{uuid.uuid4().hex}_local_part_0"}
     resp = httpx.post(eric.url + "/encode", json=again, timeout=60)
     assert resp.status_code == 504 and "no prefill rank" in resp.text  # encoded, then no rank came again
-    assert wait_for(lambda: _held(eric) == 0, timeout_s=10)
+    assert wait_for(lambda: held_bytes(eric.url, eric.headers) == 0, timeout_s=10)
 
 
 def test_parts_with_dtype_copies_take_turns_instead_of_starving_each_other(eric: EricServer) -> None:
@@ -171,7 +167,8 @@ def test_parts_with_dtype_copies_take_turns_instead_of_starving_each_other(eric:
             payloads.append(sock.recv_multipart()[1])
         assert [len(p) for p in payloads] == [IMAGE_ROWS] * 4  # two images' rows in bfloat16: half of 2 x 2 KiB
         assert len({bytes(p) for p in payloads}) == 4  # each part its own images' rows
-        assert wait_for(lambda: _held(eric) == 0, timeout_s=10), _held(eric)
+        held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
+        assert wait_for(lambda: held() == 0, timeout_s=10), held()
     finally:
         sock.close(linger=0)
         ctx.term()

@@ -24,6 +24,7 @@ from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
 from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes, video_with_audio_bytes
+from eric_epd.testing.pools import held_bytes
 from eric_epd.testing.stack import ask_token_ids, metric, wait_for
 from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
 
@@ -192,12 +193,6 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: 
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack through the gateway")
 
 
-def _held(eric: EricServer) -> int:
-    """Pool bytes Eric holds under leases (what its content cache keeps is evictable and not counted)."""
-    info = httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()
-    return info["used_bytes"] - info["cached_bytes"]
-
-
 def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(stack: tuple[EricServer, VllmServe, str],
                                                                          tmp_path: Path) -> None:
     """Two videos (other frames) with the same soundtrack and `use_audio_in_video`, through the gateway: the two
@@ -212,12 +207,13 @@ def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(stack:
     direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") > before["local_encoder_items"])
     local = _counter(vllm, "local_encoder_items")
+    held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
     with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
                        eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
         for attempt in range(2):
             answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
             assert path == "epd", attempt
             assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} two videos, one soundtrack, {attempt}")
-            assert wait_for(lambda: _held(eric) == 0), _held(eric)  # the shared lease was acknowledged, not kept
+            assert wait_for(lambda: held() == 0), held()  # the shared lease was acknowledged, not kept
     assert _counter(vllm, "loaded_items") > before["loaded_items"]
     assert _counter(vllm, "local_encoder_items") == local  # every row came from Eric
