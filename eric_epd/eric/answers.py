@@ -56,4 +56,4 @@ def soundtrack_answer(request: EncodeItem, track: PreparedItem | None,
     """A video's soundtrack as an audio item's answer (same id), or None where none was asked."""
     if track is None:
         return None
-    return ItemAnswer(EncodeItem(request.id, "audio", request.url), track, handles[track.hash])
+    return ItemAnswer(EncodeItem(id=request.id, modality="audio", url=request.url), track, handles[track.hash])

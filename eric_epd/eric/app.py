@@ -17,12 +17,12 @@ from starlette.requests import ClientDisconnect
 from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.dns import address_url
-from eric_epd.common.errors import OFF_LOOP_BYTES, ApiError, parse_body, read_body
+from eric_epd.common.errors import OFF_LOOP_BYTES, ApiError, read_body
 from eric_epd.common.http import ApiKeyMiddleware
-from eric_epd.common.jsonbody import MAX_ID, MAX_URL, clip
 from eric_epd.common.registration import MEMBER_PROOF_PATH, NONCE_HEX, MemberProof, member_proof
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock
 from eric_epd.eric.config import EricConfig
+from eric_epd.eric.encode_body import parse_encode_body
 from eric_epd.eric.membership import GatewayMembership
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.openapi import eric_openapi
@@ -38,7 +38,7 @@ from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.pool import EmbeddingPool
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.routes import transfer_routes
-from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem, Placement
+from eric_epd.wire.eric import EncodeAnswer, EncodedItem, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -54,51 +54,6 @@ def member_proof_answer(key: str | None, request: Request) -> Response:
         raise ApiError(400, "this connection has no local address to prove")
     return Response(msgspec.json.encode(MemberProof(member_proof(key, nonce, address_url(server[0], server[1])))),
                     media_type="application/json")
-
-
-def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[EncodeItem]:
-    """Validate {"items": [{id?, modality, url}, ...]}; every problem is a 400 that names it."""
-    data = parse_body(body)
-    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
-        raise ApiError(400, 'body must be an object with a list field "items"')
-    raw_items = data["items"]
-    if not raw_items:
-        raise ApiError(400, '"items" is empty: send at least one item')
-    if len(raw_items) > max_items:
-        raise ApiError(400, f"too many items: {len(raw_items)} > {max_items}")
-    return [_parse_item(i, raw, modalities) for i, raw in enumerate(raw_items)]
-
-
-def _parse_item(index: int, raw: Any, modalities: tuple[str, ...]) -> EncodeItem:
-    if not isinstance(raw, dict):
-        raise ApiError(400, f"item {index} must be an object")
-    modality, url = raw.get("modality"), raw.get("url")
-    if not isinstance(modality, str) or modality not in modalities:
-        raise ApiError(400, f"item {index}: unsupported modality {clip(modality)}; expected one of {list(modalities)}")
-    if not isinstance(url, str) or not url:
-        raise ApiError(400, f"item {index}: field 'url' must be a non-empty string")
-    if len(url) > MAX_URL and not url.startswith("data:"):
-        raise ApiError(400, f"item {index}: the url is {len(url)} characters long, over the limit of {MAX_URL}")
-    item_id = raw.get("id", str(index))
-    if not isinstance(item_id, str | int) or isinstance(item_id, bool):
-        raise ApiError(400, f"item {index}: field 'id' must be a string")
-    item_id = str(item_id)
-    if len(item_id) > MAX_ID:
-        raise ApiError(400, f"item {index}: the id is {len(item_id)} characters long, over the limit of {MAX_ID}")
-    return EncodeItem(item_id, modality, url, _soundtrack_asked(index, raw, modalities))
-
-
-def _soundtrack_asked(index: int, raw: dict, modalities: tuple[str, ...]) -> bool:
-    """An item's `use_audio_in_video`: a boolean, true only on a video for a model that takes audio too."""
-    asked = raw.get("use_audio_in_video", False)
-    if not isinstance(asked, bool):
-        raise ApiError(400, f"item {index}: field 'use_audio_in_video' must be a boolean")
-    if asked and raw.get("modality") != "video":
-        raise ApiError(400, f"item {index}: 'use_audio_in_video' is for a video, not {clip(raw.get('modality'))}")
-    if asked and "audio" not in modalities:
-        raise ApiError(400, f"item {index}: this model takes no audio, so not a video's soundtrack "
-                            "('use_audio_in_video')")
-    return asked
 
 
 def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:

@@ -36,7 +36,7 @@ SOUNDTRACK = {"type": "boolean", "description": "a video's soundtrack too, answe
 
 def _encode_body(modalities: list[str], max_items: int) -> dict[str, Any]:
     item = {"type": "object", "required": ["modality", "url"], "properties": {
-        "id": {"anyOf": [{"type": "string", "maxLength": MAX_ID}, {"type": "integer"}]},
+        "id": {"type": "string", "maxLength": MAX_ID},
         "modality": {"enum": modalities}, "url": {"type": "string", "minLength": 1},
         **({"use_audio_in_video": SOUNDTRACK} if "audio" in modalities else {})}}
     return {"type": "object", "required": ["items"], "properties": {

@@ -22,12 +22,13 @@ Modality = Literal["image", "video", "audio"]
 generic path's engine items carry this type (eric/generic.GenericSpec), so another one never decodes."""
 
 
-class EncodeItem(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One media item to encode: a caller-chosen id (echoed back), its modality and its URL (http(s), data, file)."""
+class EncodeItem(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One media item to encode: its modality, its URL (http(s), data, file) and a caller-chosen id, echoed back (Eric
+    numbers an item sent without one by its place in the body)."""
 
-    id: str
     modality: Modality
     url: str
+    id: str = ""
     use_audio_in_video: bool = False
     """A video only, for a model that takes audio: its soundtrack is encoded too, as vLLM's `use_audio_in_video`
     has it (the first audio stream of the same bytes, decoded as an audio item), and answered as its `soundtrack`."""

@@ -273,7 +273,8 @@ class EncoderPool:
         member.inflight += 1
         member.inflight_items += len(refs)
         # each item named by its place in the client's request, which Eric's errors about it then quote
-        body = encode_body([EncodeItem(f"messages[{r.message}].content[{r.part}]", r.modality, r.url, r.with_audio)
+        body = encode_body([EncodeItem(id=f"messages[{r.message}].content[{r.part}]", modality=r.modality, url=r.url,
+                                       use_audio_in_video=r.with_audio)
                             for r in refs])
         try:
             resp = await self._post_encode(url, body)

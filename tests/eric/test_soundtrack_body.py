@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.app import parse_encode_body
+from eric_epd.eric.encode_body import parse_encode_body
 from eric_epd.wire.eric import EncodeAnswer, EncodedItem, EncodeItem, decode_answer
 from eric_epd.wire.handles import EmbeddingHandle
 
@@ -22,7 +22,7 @@ def _body(**item: object) -> bytes:
 
 def test_a_video_may_ask_for_its_soundtrack_of_a_model_that_takes_audio() -> None:
     (item,) = parse_encode_body(_body(use_audio_in_video=True), OMNI, 8)
-    assert item == EncodeItem("0", "video", "data:video/mp4;base64,AA==", use_audio_in_video=True)
+    assert item == EncodeItem(id="0", modality="video", url="data:video/mp4;base64,AA==", use_audio_in_video=True)
     assert parse_encode_body(_body(), OMNI, 8)[0].use_audio_in_video is False
     assert b"use_audio_in_video" not in msgspec.json.encode(parse_encode_body(_body(), OMNI, 8)[0])
 

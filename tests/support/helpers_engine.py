@@ -93,7 +93,7 @@ class FakeMedia:
 
 def items(*names: str) -> list[EncodeItem]:
     """One image item per name; the name is its URL (and so its content)."""
-    return [EncodeItem(n, "image", n) for n in names]
+    return [EncodeItem(id=n, modality="image", url=n) for n in names]
 
 
 async def settle() -> None:

@@ -137,7 +137,8 @@ class SglangEncoder:
         validate(req, self.config.max_items_per_request, self.modalities)
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
-        items = [EncodeItem(str(i), MODALITIES[modality], item_url(it, i)) for i, it in enumerate(req.mm_items)]
+        items = [EncodeItem(id=str(i), modality=MODALITIES[modality], url=item_url(it, i))
+                 for i, it in enumerate(req.mm_items)]
         part = self.table.get(req.req_id)
         assert part is not None
         if part.request is not None:
@@ -385,8 +386,9 @@ class SglangEncoder:
 
     async def health_generate(self) -> bool:
         """A real encode of SGLang's own probe image (silence for an audio model), as its /health_generate does."""
+        modality, url = health_item(self.modalities)
         try:
-            answers = await asyncio.wait_for(self.service.encode([EncodeItem("health", *health_item(self.modalities))]),
+            answers = await asyncio.wait_for(self.service.encode([EncodeItem(id="health", modality=modality, url=url)]),
                                              30)
         except Exception as e:
             logger.error("SGLang health encode failed: %r", e)
