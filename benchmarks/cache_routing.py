@@ -82,8 +82,9 @@ async def load(url: str, key: str, model: str, chats: list[list[str]], concurren
         while queue:
             images = queue.pop(0)
             start = time.perf_counter()
-            stream = await client.chat.completions.create(model=model, messages=image_messages(images), max_tokens=8,
-                                                          temperature=0, stream=True)
+            stream = await client.chat.completions.create(
+                model=model, messages=image_messages(images), max_tokens=8, temperature=0, stream=True
+            )
             first = None
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -95,8 +96,16 @@ async def load(url: str, key: str, model: str, chats: list[list[str]], concurren
     return ttfts
 
 
-def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[int], chats: list[list[str]],
-               concurrency: int, logs: Path) -> dict:
+def run_config(
+    name: str,
+    model: Path,
+    vllm: VllmServe,
+    key: str,
+    ports: list[int],
+    chats: list[list[str]],
+    concurrency: int,
+    logs: Path,
+) -> dict:
     """One configuration's run on fresh Erics and gateway: TTFT, encoder compute and encodes per request."""
     eric_cpus = host_split()[0]
     with ExitStack() as stack:
@@ -106,14 +115,34 @@ def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[in
         if name == "global cache + routing":
             master = stack.enter_context(StoreMaster(logs / "master.log"))
             extra += ("--global-cache", master.address, "--global-cache-bytes", str(CACHE_BYTES))
-        erics = [stack.enter_context(EricServer(model, port=port, api_key=key, cpus=eric_cpus, extra_args=extra,
-                                                log_path=logs / f"{name[:6].strip()}-eric{i}.log"))
-                 for i, port in enumerate(ports)]
+        erics = [
+            stack.enter_context(
+                EricServer(
+                    model,
+                    port=port,
+                    api_key=key,
+                    cpus=eric_cpus,
+                    extra_args=extra,
+                    log_path=logs / f"{name[:6].strip()}-eric{i}.log",
+                )
+            )
+            for i, port in enumerate(ports)
+        ]
         routing = () if name == "global cache + routing" else ("--health-interval", "3600")  # no loads: rendezvous
-        gateway = stack.enter_context(GatewayServer(
-            logs / f"{name[:6].strip()}-gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-            "--colocated-urls", vllm.url, *routing, api_key="bench", eric_api_key=key,
-            upstream_api_key=vllm.api_key, cpus=eric_cpus))
+        gateway = stack.enter_context(
+            GatewayServer(
+                logs / f"{name[:6].strip()}-gateway.log",
+                "--encoder-urls",
+                ",".join(e.url for e in erics),
+                "--colocated-urls",
+                vllm.url,
+                *routing,
+                api_key="bench",
+                eric_api_key=key,
+                upstream_api_key=vllm.api_key,
+                cpus=eric_cpus,
+            )
+        )
         asyncio.run(load(gateway.url, "bench", str(model), [chats[0]], 1))  # warm-up outside the count
         before, items_before = sum(compute_seconds(e) for e in erics), total_items(erics)
         start = time.perf_counter()
@@ -121,9 +150,14 @@ def run_config(name: str, model: Path, vllm: VllmServe, key: str, ports: list[in
         wall = time.perf_counter() - start
         compute = sum(compute_seconds(e) for e in erics) - before
         items = {k: v - items_before.get(k, 0.0) for k, v in total_items(erics).items()}
-    return {"ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99)),
-            "encoder_s_per_request": compute / len(chats), "encoded_per_request": items.get("encoded", 0) / len(chats),
-            "items": items, "requests_per_s": len(chats) / wall}
+    return {
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p99_s": float(np.percentile(ttfts, 99)),
+        "encoder_s_per_request": compute / len(chats),
+        "encoded_per_request": items.get("encoded", 0) / len(chats),
+        "items": items,
+        "requests_per_s": len(chats) / wall,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -135,9 +169,11 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, metric, label in ((axes[0], "encoded_per_request", "items encoded per request"),
-                              (axes[1], "encoder_s_per_request", "encoder compute per request (s)"),
-                              (axes[2], "ttft_p50_s", "TTFT p50 (s)")):
+    for ax, metric, label in (
+        (axes[0], "encoded_per_request", "items encoded per request"),
+        (axes[1], "encoder_s_per_request", "encoder compute per request (s)"),
+        (axes[2], "ttft_p50_s", "TTFT p50 (s)"),
+    ):
         ax.bar(list(rows), [rows[n][metric] for n in rows], color=["gray", "tab:blue", "tab:green"])
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelrotation=10)
@@ -152,11 +188,16 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=300, help="distinct images in the workload")
     ap.add_argument("--requests", type=int, default=200, help="requests per run")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    ap.add_argument("--model", choices=("tiny", "small"), default="tiny",
-                    help="built-in checkpoint (small: a heavier vision tower, where the encoder weighs on TTFT)")
+    ap.add_argument(
+        "--model",
+        choices=("tiny", "small"),
+        default="tiny",
+        help="built-in checkpoint (small: a heavier vision tower, where the encoder weighs on TTFT)",
+    )
     ap.add_argument("--side", type=int, default=64, help="image side in pixels (about)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "cache_routing",
-                    help="output path stem (.json and .png written)")
+    ap.add_argument(
+        "--out", type=Path, default=RESULTS / "cache_routing", help="output path stem (.json and .png written)"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model = ensure_checkpoint("qwen2_vl", args.model)
@@ -166,22 +207,37 @@ def main() -> None:
     key = new_key()
     ports = [free_port(), free_port()]  # fixed for the run: vLLM trusts these two
     rows = {}
-    with VllmServe(model, logs / "vllm.log", eric_urls=[f"http://127.0.0.1:{p}" for p in ports], eric_api_key=key,
-                   extra=("--no-enable-prefix-caching", "--mm-processor-cache-gb", "0")) as vllm:
+    with VllmServe(
+        model,
+        logs / "vllm.log",
+        eric_urls=[f"http://127.0.0.1:{p}" for p in ports],
+        eric_api_key=key,
+        extra=("--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"),
+    ) as vllm:
         for name in CONFIGS:
             rows[name] = run_config(name, model, vllm, key, ports, chats, args.concurrency, logs)
             logger.info("%s: %s", name, rows[name])
     base = rows["no cache"]
-    print(f"{'':26} {'encodes/req':>11} {'ratio':>6} {'encoder s/req':>13} {'ratio':>6} {'TTFT p50':>9} "
-          f"{'ratio':>6} {'TTFT p99':>9}")
+    print(
+        f"{'':26} {'encodes/req':>11} {'ratio':>6} {'encoder s/req':>13} {'ratio':>6} {'TTFT p50':>9} "
+        f"{'ratio':>6} {'TTFT p99':>9}"
+    )
     for name, row in rows.items():
-        print(f"{name:26} {row['encoded_per_request']:11.3f} "
-              f"{row['encoded_per_request'] / max(base['encoded_per_request'], 1e-9):5.2f}x "
-              f"{row['encoder_s_per_request']:13.4f} "
-              f"{row['encoder_s_per_request'] / max(base['encoder_s_per_request'], 1e-9):5.2f}x "
-              f"{row['ttft_p50_s']:9.3f} {row['ttft_p50_s'] / base['ttft_p50_s']:5.2f}x {row['ttft_p99_s']:9.3f}")
-    result = {"images": args.images, "requests": args.requests, "concurrency": args.concurrency,
-              "model": args.model, "side": args.side, "rows": rows}
+        print(
+            f"{name:26} {row['encoded_per_request']:11.3f} "
+            f"{row['encoded_per_request'] / max(base['encoded_per_request'], 1e-9):5.2f}x "
+            f"{row['encoder_s_per_request']:13.4f} "
+            f"{row['encoder_s_per_request'] / max(base['encoder_s_per_request'], 1e-9):5.2f}x "
+            f"{row['ttft_p50_s']:9.3f} {row['ttft_p50_s'] / base['ttft_p50_s']:5.2f}x {row['ttft_p99_s']:9.3f}"
+        )
+    result = {
+        "images": args.images,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "model": args.model,
+        "side": args.side,
+        "rows": rows,
+    }
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
 

@@ -82,8 +82,14 @@ def make_workload(series: str, concurrency: int, num_requests: int, earlier: lis
 def warmup_workload(num_requests: int) -> Workload:
     """Distinct images of their own, sent once to each system before its runs."""
     rng = np.random.default_rng(7)
-    return Workload("warmup", 4, [[_fresh(rng, 7_000_000 + IMAGES_PER_REQUEST * i + j)
-                                for j in range(IMAGES_PER_REQUEST)] for i in range(num_requests)])
+    return Workload(
+        "warmup",
+        4,
+        [
+            [_fresh(rng, 7_000_000 + IMAGES_PER_REQUEST * i + j) for j in range(IMAGES_PER_REQUEST)]
+            for i in range(num_requests)
+        ],
+    )
 
 
 # ---- one request, one run -------------------------------------------------------------------------------------
@@ -92,6 +98,7 @@ def warmup_workload(num_requests: int) -> Workload:
 @dataclass
 class Sample:
     """One request's timings: TTFT, whole latency, Eric's encode call (EPD) and the prompt's token count."""
+
     ttft_s: float
     latency_s: float
     encode_s: float = 0.0  # EPD: the Eric /v1/encode call, part of ttft_s
@@ -114,8 +121,9 @@ class Client:
     def __post_init__(self) -> None:
         import openai
 
-        self.openai = openai.AsyncOpenAI(base_url=self.vllm_url + "/v1", api_key=self.vllm_api_key or "unused",
-                                         max_retries=0, timeout=600)
+        self.openai = openai.AsyncOpenAI(
+            base_url=self.vllm_url + "/v1", api_key=self.vllm_api_key or "unused", max_retries=0, timeout=600
+        )
 
     async def request(self, urls: list[str]) -> Sample:
         """Send one streamed chat of these images (EPD: encoded by Eric first) and time it."""
@@ -125,18 +133,28 @@ class Client:
         if self.eric_url is None:
             parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
         else:
-            resp = await self.http.post(self.eric_url + "/v1/encode", headers=self.eric_headers,
-                                        json={"items": [{"modality": "image", "url": u} for u in urls]})
+            resp = await self.http.post(
+                self.eric_url + "/v1/encode",
+                headers=self.eric_headers,
+                json={"items": [{"modality": "image", "url": u} for u in urls]},
+            )
             resp.raise_for_status()
             encode_s = time.perf_counter() - t0
             items = resp.json()["items"]
-            parts = [{"type": "image_embeds", "image_embeds": {"image_grid_thw": item["grid_thw"]},
-                      "uuid": item["hash"]} for item in items]
+            parts = [
+                {"type": "image_embeds", "image_embeds": {"image_grid_thw": item["grid_thw"]}, "uuid": item["hash"]}
+                for item in items
+            ]
             extra["vllm_xargs"] = handles_xargs({item["hash"]: item["handle"] for item in items}.values())
         stream = await self.openai.chat.completions.create(
-            model=self.model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}],
-            max_tokens=MAX_TOKENS, temperature=0.0, stream=True, stream_options={"include_usage": True},
-            extra_body=extra)
+            model=self.model,
+            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}],
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
         ttft, finish, usage = None, None, None
         async for chunk in stream:
             if chunk.choices and ttft is None:
@@ -172,12 +190,17 @@ class Client:
 def summary(samples: list[Sample], wall: float) -> dict:
     """A run's request rate and its TTFT, latency, encode and prompt-size statistics."""
     ttft = [s.ttft_s for s in samples]
-    return {"n": len(samples), "wall_s": wall, "requests_per_s": len(samples) / wall,
-            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "ttft_mean_s": float(np.mean(ttft)),
-            "latency_p50_s": float(np.percentile([s.latency_s for s in samples], 50)),
-            "encode_p50_s": float(np.percentile([s.encode_s for s in samples], 50)),
-            "prompt_tokens_mean": float(np.mean([s.prompt_tokens for s in samples]))}
+    return {
+        "n": len(samples),
+        "wall_s": wall,
+        "requests_per_s": len(samples) / wall,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "ttft_mean_s": float(np.mean(ttft)),
+        "latency_p50_s": float(np.percentile([s.latency_s for s in samples], 50)),
+        "encode_p50_s": float(np.percentile([s.encode_s for s in samples], 50)),
+        "prompt_tokens_mean": float(np.mean([s.prompt_tokens for s in samples])),
+    }
 
 
 def eric_counters(vllm_url: str) -> dict[str, float]:
@@ -203,14 +226,23 @@ def eric_stats(eric: EricServer) -> dict:
     return {"items": items, "pool": httpx.get(eric.url + "/v1/transfer", headers=eric.headers, timeout=30).json()}
 
 
-def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads: list[Workload],
-               warmup: Workload) -> dict:
+def run_system(
+    system: str, model_dir: Path, eric: EricServer | None, workloads: list[Workload], warmup: Workload
+) -> dict:
     """Start vLLM for one system, warm it up, run every workload one after the other, stop it."""
     eric_url = eric.url if eric is not None else None
     runs: dict = {}
     cpus = host_split()[1] if eric is not None else available_cpus()
-    with VllmServe(model_dir, RESULTS / f"e2e_vllm_{system}.log", [eric_url] if eric_url else None, VLLM_EXTRA,
-                   VLLM_ENV, DTYPE, eric_api_key=eric.api_key if eric is not None else None, cpus=cpus) as server:
+    with VllmServe(
+        model_dir,
+        RESULTS / f"e2e_vllm_{system}.log",
+        [eric_url] if eric_url else None,
+        VLLM_EXTRA,
+        VLLM_ENV,
+        DTYPE,
+        eric_api_key=eric.api_key if eric is not None else None,
+        cpus=cpus,
+    ) as server:
         client = Client(server.url, server.api_key, eric_url, eric.headers if eric is not None else {})
 
         async def all_runs() -> None:
@@ -219,8 +251,9 @@ def run_system(system: str, model_dir: Path, eric: EricServer | None, workloads:
                 logger.info("%s %s (%d requests)", system, workload.name, len(workload.requests))
                 samples, wall = await client.run(workload)
                 runs[workload.name] = summary(samples, wall) | {"loadavg_1m": os.getloadavg()[0]}
-                logger.info("%s %s: %s", system, workload.name,
-                            {k: round(v, 3) for k, v in runs[workload.name].items()})
+                logger.info(
+                    "%s %s: %s", system, workload.name, {k: round(v, 3) for k, v in runs[workload.name].items()}
+                )
             await client.close()
 
         before = eric_counters(server.url) if eric is not None else {}
@@ -240,9 +273,11 @@ def ratios(results: dict) -> dict:
     out = {}
     for name in results["repeats_per_run"]:
         mono, epd = results["runs"]["monolithic"][name], results["runs"]["epd"][name]
-        out[name] = {"ttft_p50": epd["ttft_p50_s"] / mono["ttft_p50_s"],
-                     "ttft_p99": epd["ttft_p99_s"] / mono["ttft_p99_s"],
-                     "requests_per_s": epd["requests_per_s"] / mono["requests_per_s"]}
+        out[name] = {
+            "ttft_p50": epd["ttft_p50_s"] / mono["ttft_p50_s"],
+            "ttft_p99": epd["ttft_p99_s"] / mono["ttft_p99_s"],
+            "requests_per_s": epd["requests_per_s"] / mono["requests_per_s"],
+        }
     return out
 
 
@@ -268,20 +303,26 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.set_title(f"{label}, EPD/monolithic above")
         ax.legend()
-    fig.suptitle(f"{IMAGES_PER_REQUEST} images/request ({SIDES[0]}-{SIDES[1]} px), qwen2_vl small, {DTYPE}, "
-                 f"{os.cpu_count()} CPU cores shared")
+    fig.suptitle(
+        f"{IMAGES_PER_REQUEST} images/request ({SIDES[0]}-{SIDES[1]} px), qwen2_vl small, {DTYPE}, "
+        f"{os.cpu_count()} CPU cores shared"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def _print_table(results: dict) -> None:
-    lines = [f"{'run':12} {'mono p50':>8} {'EPD p50':>8} {'mono p99':>8} {'EPD p99':>8} {'mono r/s':>8} "
-             f"{'EPD r/s':>8} | {'p50 x':>6} {'p99 x':>6} {'r/s x':>6}"]
+    lines = [
+        f"{'run':12} {'mono p50':>8} {'EPD p50':>8} {'mono p99':>8} {'EPD p99':>8} {'mono r/s':>8} "
+        f"{'EPD r/s':>8} | {'p50 x':>6} {'p99 x':>6} {'r/s x':>6}"
+    ]
     for name, r in results["ratios"].items():
         mono, epd = results["runs"]["monolithic"][name], results["runs"]["epd"][name]
-        lines.append(f"{name:12} {mono['ttft_p50_s']:8.3f} {epd['ttft_p50_s']:8.3f} {mono['ttft_p99_s']:8.3f} "
-                     f"{epd['ttft_p99_s']:8.3f} {mono['requests_per_s']:8.3f} {epd['requests_per_s']:8.3f} | "
-                     f"{r['ttft_p50']:6.2f} {r['ttft_p99']:6.2f} {r['requests_per_s']:6.2f}")
+        lines.append(
+            f"{name:12} {mono['ttft_p50_s']:8.3f} {epd['ttft_p50_s']:8.3f} {mono['ttft_p99_s']:8.3f} "
+            f"{epd['ttft_p99_s']:8.3f} {mono['requests_per_s']:8.3f} {epd['requests_per_s']:8.3f} | "
+            f"{r['ttft_p50']:6.2f} {r['ttft_p99']:6.2f} {r['requests_per_s']:6.2f}"
+        )
     lines.append("ratios are EPD/monolithic: TTFT below 1 and requests/s above 1 favour EPD")
     logger.info("results\n%s", "\n".join(lines))
 
@@ -289,12 +330,23 @@ def _print_table(results: dict) -> None:
 def main() -> None:
     """Run every workload on monolithic vLLM, then on vLLM + Eric, and write the results, plot and table."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run: ~2 minutes of requests "
-                    "plus two vLLM start-ups)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per run at concurrency 1 "
-                    "(twice as many at concurrency 4; default 6, --quick 2)")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="checkpoint directory of any registered family (default: the offline small Qwen2-VL)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer requests (smoke run: ~2 minutes of requests plus two vLLM start-ups)",
+    )
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per run at concurrency 1 (twice as many at concurrency 4; default 6, --quick 2)",
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory of any registered family (default: the offline small Qwen2-VL)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("httpx", "httpx2"):  # openai uses httpx2
@@ -306,14 +358,20 @@ def main() -> None:
     earlier = [u for r in warmup.requests for u in r]
     workloads = [make_workload(s, c, n1 if c == 1 else 2 * n1, earlier) for s in SERIES for c in (1, 4)]
     RESULTS.mkdir(exist_ok=True)
-    results: dict = {"checkpoint": str(args.model) if args.model else "qwen2_vl small (offline random)", "dtype": DTYPE,
-                     "images_per_request": IMAGES_PER_REQUEST, "image_sides_px": SIDES, "max_tokens": MAX_TOKENS,
-                     "cpu_cores": os.cpu_count(), "vllm_env": VLLM_ENV,
-                     "repeats_per_run": {w.name: w.num_repeats for w in workloads},
-                     "ttft": "from before the request (EPD: before Eric's /v1/encode) to vLLM's first streamed chunk",
-                     "layout": "one system at a time; monolithic vLLM on every core; EPD: Eric (TP 1) on the first "
-                               "half of the cores, vLLM on the other half",
-                     "runs": {}}
+    results: dict = {
+        "checkpoint": str(args.model) if args.model else "qwen2_vl small (offline random)",
+        "dtype": DTYPE,
+        "images_per_request": IMAGES_PER_REQUEST,
+        "image_sides_px": SIDES,
+        "max_tokens": MAX_TOKENS,
+        "cpu_cores": os.cpu_count(),
+        "vllm_env": VLLM_ENV,
+        "repeats_per_run": {w.name: w.num_repeats for w in workloads},
+        "ttft": "from before the request (EPD: before Eric's /v1/encode) to vLLM's first streamed chunk",
+        "layout": "one system at a time; monolithic vLLM on every core; EPD: Eric (TP 1) on the first "
+        "half of the cores, vLLM on the other half",
+        "runs": {},
+    }
     results["runs"]["monolithic"] = run_system("monolithic", model_dir, None, workloads, warmup)
     # keep acknowledged embeddings as a content cache so repeated images are not encoded again
     eric_args = ("--dtype", DTYPE, "--keep-acked-bytes", str(256 << 20))

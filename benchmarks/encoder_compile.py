@@ -33,8 +33,7 @@ def cpu_model() -> str:
     """This CPU's model name (/proc/cpuinfo), or the machine type."""
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-                platform.machine())
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
 
 
 def _seconds(encoder: torch.nn.Module, pixels: torch.Tensor, grid: list[tuple[int, int, int]]) -> float:
@@ -56,8 +55,14 @@ def measure_case(eager: torch.nn.Module, compiled: torch.nn.Module, images: int,
         for name, encoder in (("eager", eager), ("compiled", compiled)):
             times[name].append(_seconds(encoder, pixels, grid))
     eager_ips, compiled_ips = images / min(times["eager"]), images / min(times["compiled"])
-    return {"images": images, "side": side, "eager_img_s": eager_ips, "compiled_img_s": compiled_ips,
-            "gain": compiled_ips / eager_ips - 1, "rel_err": error}
+    return {
+        "images": images,
+        "side": side,
+        "eager_img_s": eager_ips,
+        "compiled_img_s": compiled_ips,
+        "gain": compiled_ips / eager_ips - 1,
+        "rel_err": error,
+    }
 
 
 def run_family(family: str, cases: list[tuple[int, int]], rounds: int) -> dict:
@@ -73,9 +78,17 @@ def run_family(family: str, cases: list[tuple[int, int]], rounds: int) -> dict:
         rows = []
         for images, side in cases:
             rows.append(measure_case(eager, compiled, images, side, rounds))
-            logger.info("%s %s %dx%d: eager %.2f img/s, compiled %.2f (%+.1f%%), rel err %.1e", family, name, images,
-                        side, rows[-1]["eager_img_s"], rows[-1]["compiled_img_s"], 100 * rows[-1]["gain"],
-                        rows[-1]["rel_err"])
+            logger.info(
+                "%s %s %dx%d: eager %.2f img/s, compiled %.2f (%+.1f%%), rel err %.1e",
+                family,
+                name,
+                images,
+                side,
+                rows[-1]["eager_img_s"],
+                rows[-1]["compiled_img_s"],
+                100 * rows[-1]["gain"],
+                rows[-1]["rel_err"],
+            )
         out[name] = {"compile_s": compile_s, "cases": rows}
     return out
 
@@ -88,18 +101,15 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     families = results["families"]
-    fig, axes = plt.subplots(len(families), len(DTYPES), figsize=(6 * len(DTYPES), 3.6 * len(families)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(families), len(DTYPES), figsize=(6 * len(DTYPES), 3.6 * len(families)), squeeze=False)
     for row, (family, runs) in zip(axes, families.items()):
         for ax, (dtype, run) in zip(row, runs.items()):
             cases = run["cases"]
             xs = range(len(cases))
             ax.bar([x - 0.2 for x in xs], [c["eager_img_s"] for c in cases], 0.4, label="eager", color="tab:gray")
-            ax.bar([x + 0.2 for x in xs], [c["compiled_img_s"] for c in cases], 0.4, label="inductor",
-                   color="tab:blue")
+            ax.bar([x + 0.2 for x in xs], [c["compiled_img_s"] for c in cases], 0.4, label="inductor", color="tab:blue")
             for x, c in zip(xs, cases):
-                ax.text(x + 0.2, c["compiled_img_s"], f"{100 * c['gain']:+.0f}%", ha="center", va="bottom",
-                        fontsize=8)
+                ax.text(x + 0.2, c["compiled_img_s"], f"{100 * c['gain']:+.0f}%", ha="center", va="bottom", fontsize=8)
             ax.set_xticks(list(xs), [f"{c['images']}x{c['side']}" for c in cases])
             ax.set_ylabel("images/s, 1 core")
             ax.set_title(f"{family} small, {dtype} (compile {run['compile_s']:.0f}s)")
@@ -115,9 +125,17 @@ def main(families: list[str], rounds: int, quick: bool) -> dict:
     cases = [(b, s) for s in SIDES for b in ((1, 4) if quick else BATCHES)]
     path = RESULTS / "encoder_compile.json"
     results = json.loads(path.read_text()) if path.exists() else {"families": {}}
-    results.update({"cpu": cpu_model(), "cpu_pinned": cpu, "torch_threads": 1,
-                    "torch": torch.__version__, "rounds": rounds, "quick": quick,
-                    "what": "Qwen tower forward, eager vs --compile inductor (models/layers/compiled.py)"})
+    results.update(
+        {
+            "cpu": cpu_model(),
+            "cpu_pinned": cpu,
+            "torch_threads": 1,
+            "torch": torch.__version__,
+            "rounds": rounds,
+            "quick": quick,
+            "what": "Qwen tower forward, eager vs --compile inductor (models/layers/compiled.py)",
+        }
+    )
     for family in families:
         results["families"][family] = run_family(family, cases, rounds)
     RESULTS.mkdir(exist_ok=True)
@@ -129,8 +147,13 @@ def main(families: list[str], rounds: int, quick: bool) -> dict:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", nargs="+", default=["qwen2_5_vl"], choices=["qwen2_vl", "qwen2_5_vl"],
-                        help="small checkpoints to measure")
+    parser.add_argument(
+        "--family",
+        nargs="+",
+        default=["qwen2_5_vl"],
+        choices=["qwen2_vl", "qwen2_5_vl"],
+        help="small checkpoints to measure",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed calls per tower and case (best counts)")
     parser.add_argument("--quick", action="store_true", help="batches of 1 and 4 only")
     args = parser.parse_args()

@@ -82,8 +82,15 @@ def gemm_shapes(cfg: dict, grid: tuple[int, int, int]) -> list[tuple[int, int, i
     n = grid[0] * grid[1] * grid[2]
     patch_in = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
     merged, merged_in = n // v["spatial_merge_size"] ** 2, d * v["spatial_merge_size"] ** 2
-    return [(n, patch_in, d, 1), (n, d, 3 * d, depth), (n, d, d, depth), (n, d, mlp, depth), (n, mlp, d, depth),
-            (merged, merged_in, merged_in, mergers), (merged, merged_in, out, mergers)]
+    return [
+        (n, patch_in, d, 1),
+        (n, d, 3 * d, depth),
+        (n, d, d, depth),
+        (n, d, mlp, depth),
+        (n, mlp, d, depth),
+        (merged, merged_in, merged_in, mergers),
+        (merged, merged_in, out, mergers),
+    ]
 
 
 def _linear_s(rows: int, k: int, out: int, dtype: torch.dtype) -> float:
@@ -158,11 +165,14 @@ def run_transformers(model_dir: Path, dtype: torch.dtype, images: list[bytes]) -
 async def _eric_load(eric: EricServer, images: list[bytes], concurrency: int) -> tuple[list[float], float]:
     import base64
 
-    bodies = [{"items": [{"modality": "image", "url": "data:image/png;base64," + base64.b64encode(d).decode()}]}
-              for d in images]
+    bodies = [
+        {"items": [{"modality": "image", "url": "data:image/png;base64," + base64.b64encode(d).decode()}]}
+        for d in images
+    ]
     latencies: list[float] = []
     queue = list(reversed(bodies))
     async with httpx.AsyncClient(timeout=600, headers=eric.headers) as client:
+
         async def worker() -> None:
             while queue:
                 body = queue.pop()
@@ -184,8 +194,13 @@ def run_eric(eric: EricServer, images: list[bytes], concurrency: int, warmup: li
 
 
 def _summary(latencies: list[float], wall: float, n: int) -> dict:
-    return {"images_per_s": n / wall, "p50_s": float(np.percentile(latencies, 50)),
-            "p99_s": float(np.percentile(latencies, 99)), "wall_s": wall, "n": n}
+    return {
+        "images_per_s": n / wall,
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p99_s": float(np.percentile(latencies, 99)),
+        "wall_s": wall,
+        "n": n,
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -215,13 +230,19 @@ def main() -> None:
     """Measure transformers and Eric per dtype and workload, and write the results, plot and table."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a quarter of the images (smoke run)")
-    ap.add_argument("--dtypes", default=None,
-                    help="comma-separated dtypes to measure (default float32,bfloat16; float32 for gemma3 and "
-                         "internvl)")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated dtypes to measure (default float32,bfloat16; float32 for gemma3 and internvl)",
+    )
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    ap.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen3_vl", "qwen3_5", *TOWER_BENCHES),
-                    help="which offline small checkpoint (results of other families get their own file); gemma3, "
-                         "internvl: Eric's own tower against the generic path and transformers, in process")
+    ap.add_argument(
+        "--family",
+        default="qwen2_vl",
+        choices=("qwen2_vl", "qwen3_vl", "qwen3_5", *TOWER_BENCHES),
+        help="which offline small checkpoint (results of other families get their own file); gemma3, "
+        "internvl: Eric's own tower against the generic path and transformers, in process",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="gemma3, internvl: timed batches of 8 crops per encoder")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -238,8 +259,14 @@ def main() -> None:
     cfg = json.loads((model_dir / "config.json").read_text())
     workloads = {name: make_images(name, scale) for name in WORKLOADS}
     cpus = host_split()[0]
-    results: dict = {"checkpoint": f"{args.family} small (offline random)", "concurrency": args.concurrency,
-                     "cpus": list(cpus), "torch_threads": len(cpus), "runs": {}, "matmul_flops": {}}
+    results: dict = {
+        "checkpoint": f"{args.family} small (offline random)",
+        "concurrency": args.concurrency,
+        "cpus": list(cpus),
+        "torch_threads": len(cpus),
+        "runs": {},
+        "matmul_flops": {},
+    }
     RESULTS.mkdir(exist_ok=True)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -251,8 +278,9 @@ def main() -> None:
                 runs[name] = {"transformers": run_transformers(model_dir, dtype, images)}
             ceilings = {name: gemm_ceiling_s(cfg, runs[name]["transformers"]["grids"], dtype) for name in workloads}
         results["matmul_flops"][dtype_name] = peak
-        with EricServer(model_dir, extra_args=("--dtype", dtype_name), log_path=RESULTS / "eric_bench.log",
-                        cpus=cpus) as eric:
+        with EricServer(
+            model_dir, extra_args=("--dtype", dtype_name), log_path=RESULTS / "eric_bench.log", cpus=cpus
+        ) as eric:
             for name, images in workloads.items():
                 logger.info("eric %s %s", dtype_name, name)
                 warmup = make_images(name, 0.2, seed=len(results["runs"]) + 1)
@@ -272,14 +300,18 @@ def main() -> None:
 
 
 def _print_table(results: dict) -> None:
-    lines = [f"{'dtype':9} {'workload':8} {'HF img/s':>9} {'Eric img/s':>10} {'ratio':>6} {'HF p50':>7} "
-             f"{'Eric p50':>8} {'Eric p99':>8} {'peak frac':>9} {'GEMM ceil':>9}"]
+    lines = [
+        f"{'dtype':9} {'workload':8} {'HF img/s':>9} {'Eric img/s':>10} {'ratio':>6} {'HF p50':>7} "
+        f"{'Eric p50':>8} {'Eric p99':>8} {'peak frac':>9} {'GEMM ceil':>9}"
+    ]
     for dtype, runs in results["runs"].items():
         for name, r in runs.items():
             hf, er = r["transformers"], r["eric"]
-            lines.append(f"{dtype:9} {name:8} {hf['images_per_s']:9.2f} {er['images_per_s']:10.2f} {r['ratio']:6.2f} "
-                         f"{hf['p50_s']:7.3f} {er['p50_s']:8.3f} {er['p99_s']:8.3f} "
-                         f"{er['fraction_of_matmul_peak']:9.2f} {er['fraction_of_gemm_ceiling']:9.2f}")
+            lines.append(
+                f"{dtype:9} {name:8} {hf['images_per_s']:9.2f} {er['images_per_s']:10.2f} {r['ratio']:6.2f} "
+                f"{hf['p50_s']:7.3f} {er['p50_s']:8.3f} {er['p99_s']:8.3f} "
+                f"{er['fraction_of_matmul_peak']:9.2f} {er['fraction_of_gemm_ceiling']:9.2f}"
+            )
     logger.info("results\n%s", "\n".join(lines))
 
 

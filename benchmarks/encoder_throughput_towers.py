@@ -107,8 +107,10 @@ def profile(fn: Encoder, px: torch.Tensor, top: int = 8) -> list[dict]:
         fn(px)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
-    return [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
-             "calls": e.count} for e in events]
+    return [
+        {"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total, "calls": e.count}
+        for e in events
+    ]
 
 
 def measure(bench: TowerBench, model_dir: Path, dtype: torch.dtype, rounds: int) -> dict:
@@ -129,8 +131,13 @@ def measure(bench: TowerBench, model_dir: Path, dtype: torch.dtype, rounds: int)
     out: dict = {"floor_s": bench.floor(dtype), "matmul_flops": matmul_flops(dtype), "encoders": {}}
     for name, ts in times.items():
         median = statistics.median(ts)
-        out["encoders"][name] = {"images_per_s": BATCH / median, "median_batch_s": median, "batch_s": ts,
-                                 "rel_err_vs_transformers": errors[name], "fraction_of_floor": out["floor_s"] / median}
+        out["encoders"][name] = {
+            "images_per_s": BATCH / median,
+            "median_batch_s": median,
+            "batch_s": ts,
+            "rel_err_vs_transformers": errors[name],
+            "fraction_of_floor": out["floor_s"] / median,
+        }
     generic = out["encoders"]["generic"]["images_per_s"]
     out["ratio_vs_generic"] = {name: e["images_per_s"] / generic for name, e in out["encoders"].items()}
     out["profile"] = {name: profile(fns[name], px) for name in ("tower", "generic")}
@@ -164,9 +171,15 @@ def main(bench: TowerBench, dtypes: list[str], rounds: int) -> dict:
     """Measure per dtype on Eric's half of the host, write the JSON and PNG, log the table."""
     model_dir = ensure_built(bench.checkpoint, "config.json", bench.build)
     cpus = host_split()[0]
-    results: dict = {"checkpoint": f"{bench.family} bench at {model_dir.relative_to(cache_root())} (offline random)",
-                     "scale": bench.scale, "batch": BATCH, "cpus": list(cpus), "torch_threads": len(cpus),
-                     "rounds": rounds, "runs": {}}
+    results: dict = {
+        "checkpoint": f"{bench.family} bench at {model_dir.relative_to(cache_root())} (offline random)",
+        "scale": bench.scale,
+        "batch": BATCH,
+        "cpus": list(cpus),
+        "torch_threads": len(cpus),
+        "rounds": rounds,
+        "runs": {},
+    }
     with on_cpus(cpus):
         for name in dtypes:
             logger.info("%s encoders, %s, %d rounds of %d crops", bench.family, name, rounds, BATCH)
@@ -174,13 +187,15 @@ def main(bench: TowerBench, dtypes: list[str], rounds: int) -> dict:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"encoder_throughput_{bench.family}.json").write_text(json.dumps(results, indent=2))
     plot(bench, results, RESULTS / f"encoder_throughput_{bench.family}.png")
-    lines = [f"{'dtype':9} {'encoder':13} {'img/s':>7} {'batch s':>8} {'vs generic':>10} {'of floor':>8} "
-             f"{'rel err':>8}"]
+    lines = [
+        f"{'dtype':9} {'encoder':13} {'img/s':>7} {'batch s':>8} {'vs generic':>10} {'of floor':>8} {'rel err':>8}"
+    ]
     for name, run in results["runs"].items():
         for enc, r in run["encoders"].items():
-            lines.append(f"{name:9} {enc:13} {r['images_per_s']:7.2f} {r['median_batch_s']:8.3f} "
-                         f"{run['ratio_vs_generic'][enc]:9.2f}x {r['fraction_of_floor']:8.2f} "
-                         f"{r['rel_err_vs_transformers']:8.1e}")
+            lines.append(
+                f"{name:9} {enc:13} {r['images_per_s']:7.2f} {r['median_batch_s']:8.3f} "
+                f"{run['ratio_vs_generic'][enc]:9.2f}x {r['fraction_of_floor']:8.2f} "
+                f"{r['rel_err_vs_transformers']:8.1e}"
+            )
     logger.info("results (%s)\n%s", bench.scale, "\n".join(lines))
     return results
-

@@ -6,11 +6,22 @@ from __future__ import annotations
 import os
 import statistics
 
-KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_throughput", "output_throughput",
-        "request_goodput", "completed")
+KEYS = (
+    "p50_ttft_ms",
+    "p99_ttft_ms",
+    "p50_tpot_ms",
+    "p99_tpot_ms",
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "completed",
+)
 RATIO_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "request_throughput", "request_goodput")
-PREDICTED = {"request_throughput": ("request_throughput",), "p50_ttft_ms": ("ttft_ms", "p50"),
-             "p99_tpot_ms": ("tpot_ms", "p99")}
+PREDICTED = {
+    "request_throughput": ("request_throughput",),
+    "p50_ttft_ms": ("ttft_ms", "p50"),
+    "p99_tpot_ms": ("tpot_ms", "p99"),
+}
 """Measured key -> where the planner's Prediction holds it."""
 
 
@@ -31,8 +42,10 @@ def ratios(series: dict) -> dict:
         col = series["colocated"]["points"].get(rate)
         if not col:
             continue
-        out[rate] = {k: epd[k]["median"] / col[k]["median"] if epd.get(k) and col.get(k) and col[k]["median"]
-                     else None for k in RATIO_KEYS}
+        out[rate] = {
+            k: epd[k]["median"] / col[k]["median"] if epd.get(k) and col.get(k) and col[k]["median"] else None
+            for k in RATIO_KEYS
+        }
     return out
 
 
@@ -78,8 +91,7 @@ def print_table(results: dict) -> None:
     lines = [f"{'series':10} {'rate':>6} | " + " ".join(f"{c:>18}" for c in cols)]
     for name, series in results["series"].items():
         for rate, r in series["ratios"].items():
-            lines.append(f"{name:10} {rate:>6} | " + " ".join(f"{r[c]:18.2f}" if r[c] else f"{'-':>18}"
-                                                               for c in cols))
+            lines.append(f"{name:10} {rate:>6} | " + " ".join(f"{r[c]:18.2f}" if r[c] else f"{'-':>18}" for c in cols))
     lines.append("EPD/colocated ratios of medians: below 1 is better for TTFT/TPOT, above 1 for throughput, goodput")
     for name, series in results["series"].items():
         if series.get("cost_check"):
@@ -87,13 +99,27 @@ def print_table(results: dict) -> None:
         eff = series.get("pipeline_efficiency")
         lines.append(f"{name}: pipeline efficiency {eff:.2f}" if eff else f"{name}: pipeline efficiency -")
         for side, by_rate in series.get("prediction_errors", {}).items():
-            errors = [(k, v, errs.get(k + "_in_spread")) for errs in by_rate.values() for k, v in errs.items()
-                      if not k.endswith("_in_spread")]
+            errors = [
+                (k, v, errs.get(k + "_in_spread"))
+                for errs in by_rate.values()
+                for k, v in errs.items()
+                if not k.endswith("_in_spread")
+            ]
             close = sum(abs(v) <= 0.15 or bool(inside) for _, v, inside in errors)
-            lines.append(f"  planner vs measured, {side}: {close} of {len(errors)} within 15% or inside the runs' "
-                         f"spread (" + "; ".join(f"{rate}: " + ", ".join(
-                             f"{k.split('_')[0] if 'ms' not in k else k} {v:+.0%}" for k, v in errs.items()
-                             if not k.endswith("_in_spread")) for rate, errs in by_rate.items()) + ")")
+            lines.append(
+                f"  planner vs measured, {side}: {close} of {len(errors)} within 15% or inside the runs' "
+                f"spread ("
+                + "; ".join(
+                    f"{rate}: "
+                    + ", ".join(
+                        f"{k.split('_')[0] if 'ms' not in k else k} {v:+.0%}"
+                        for k, v in errs.items()
+                        if not k.endswith("_in_spread")
+                    )
+                    for rate, errs in by_rate.items()
+                )
+                + ")"
+            )
     print("\n".join(lines))
 
 
@@ -108,8 +134,11 @@ def plot(results: dict, path) -> None:
     names = [n for n, series in results["series"].items() if series["epd"]["points"]]  # rate sweeps only
     if not names:
         return
-    panels = (("p50_ttft_ms", "TTFT p50 (ms)", ("ttft_ms", "p50")), ("p99_tpot_ms", "TPOT p99 (ms)",
-              ("tpot_ms", "p99")), ("request_goodput", "goodput (req/s)", ("request_goodput",)))
+    panels = (
+        ("p50_ttft_ms", "TTFT p50 (ms)", ("ttft_ms", "p50")),
+        ("p99_tpot_ms", "TPOT p99 (ms)", ("tpot_ms", "p99")),
+        ("request_goodput", "goodput (req/s)", ("request_goodput",)),
+    )
     fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         series = results["series"][name]
@@ -121,8 +150,10 @@ def plot(results: dict, path) -> None:
                 top = max((float(x) for x in rates if x != "inf"), default=1.0)
                 xs = [float(r) if r != "inf" else top * 1.5 for r in rates]
                 med = [points[r][key]["median"] if key in points[r] else 0 for r in rates]
-                err = [[m - points[r][key]["min"] if key in points[r] else 0 for m, r in zip(med, rates)],
-                       [points[r][key]["max"] - m if key in points[r] else 0 for m, r in zip(med, rates)]]
+                err = [
+                    [m - points[r][key]["min"] if key in points[r] else 0 for m, r in zip(med, rates)],
+                    [points[r][key]["max"] - m if key in points[r] else 0 for m, r in zip(med, rates)],
+                ]
                 ax.errorbar(xs, med, yerr=err, fmt="o-", color=colour, label=side, capsize=3)
                 predicted = series[side].get("predicted", {})
                 if predicted:
@@ -131,8 +162,10 @@ def plot(results: dict, path) -> None:
             ax.set_xlabel("request rate (req/s; rightmost: all at once)")
             ax.set_title(f"{name}: {label}")
             ax.legend(fontsize=7)
-    fig.suptitle(f"EPD vs colocated vLLM, {os.cpu_count()} CPU cores, medians of {results['runs']} runs "
-                 f"(bars: min-max), SLO TTFT {results['slo_ms']['ttft']:.0f} ms / TPOT "
-                 f"{results['slo_ms']['tpot']:.0f} ms")
+    fig.suptitle(
+        f"EPD vs colocated vLLM, {os.cpu_count()} CPU cores, medians of {results['runs']} runs "
+        f"(bars: min-max), SLO TTFT {results['slo_ms']['ttft']:.0f} ms / TPOT "
+        f"{results['slo_ms']['tpot']:.0f} ms"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -37,8 +37,10 @@ def repredict_series(series: dict, name: str, args: argparse.Namespace, prompts:
         series[side].setdefault("predicted_at_run", series[side].get("predicted", {}))
         series[side]["predicted"] = predicted[side]
     series["prediction_errors"] = prediction_errors(series)
-    series["repredicted"] = (f"profile taken again and every point predicted again on "
-                             f"{datetime.date.today().isoformat()}; the measured points are the run's")
+    series["repredicted"] = (
+        f"profile taken again and every point predicted again on "
+        f"{datetime.date.today().isoformat()}; the measured points are the run's"
+    )
 
 
 def main() -> None:
@@ -55,8 +57,7 @@ def main() -> None:
     results = json.loads(path.read_text())
     logs = RESULTS / f"epd_vs_colocated{args.tag}_logs"
     for name in args.series.split(","):
-        repredict_series(results["series"][name], name, args, results["prompts_per_point"],
-                         logs / name / "reprofile")
+        repredict_series(results["series"][name], name, args, results["prompts_per_point"], logs / name / "reprofile")
         path.write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"epd_vs_colocated{args.tag}.png")
     print_table(results)

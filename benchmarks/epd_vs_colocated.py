@@ -58,6 +58,7 @@ core, so queueing at saturation is what the bound separates."""
 @dataclass(frozen=True)
 class Series:
     """One traffic series: its checkpoint size, `vllm bench serve` dataset and most images per prompt."""
+
     name: str
     checkpoint: str
     """size of the offline qwen2_vl checkpoint"""
@@ -80,10 +81,22 @@ def _buckets(sides: tuple[int, ...]) -> str:
 
 
 def _random_mm(items: int, spread: float, sides: tuple[int, ...], limit: int) -> list[str]:
-    return ["--dataset-name", "random-mm", "--random-input-len", "64", "--random-output-len", str(OUTPUT_TOKENS),
-            "--random-mm-base-items-per-request", str(items), "--random-mm-num-mm-items-range-ratio", str(spread),
-            "--random-mm-limit-mm-per-prompt", json.dumps({"image": limit, "video": 0}),
-            "--random-mm-bucket-config", _buckets(sides)]
+    return [
+        "--dataset-name",
+        "random-mm",
+        "--random-input-len",
+        "64",
+        "--random-output-len",
+        str(OUTPUT_TOKENS),
+        "--random-mm-base-items-per-request",
+        str(items),
+        "--random-mm-num-mm-items-range-ratio",
+        str(spread),
+        "--random-mm-limit-mm-per-prompt",
+        json.dumps({"image": limit, "video": 0}),
+        "--random-mm-bucket-config",
+        _buckets(sides),
+    ]
 
 
 def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int, int], seed: int = 0) -> None:
@@ -108,7 +121,6 @@ def repeat_dataset(path: Path, prompts: int, per_request: int, sides: tuple[int,
             out.write(json.dumps({"prompt": "Describe these images.", "image_files": files}) + "\n")
 
 
-
 def make_series(quick: bool, tmp: Path, prompts: int, size: str) -> dict[str, Series]:
     """The traffic series by name: mix (the headline: 4 images of 224 or 448 px), heavy (encoder-heavy: 4-8 images
     up to 672 px), single, repeat (a dataset file written per run; half of each request's images repeat), tiny and
@@ -123,12 +135,29 @@ def make_series(quick: bool, tmp: Path, prompts: int, size: str) -> dict[str, Se
         "mix": Series("mix", size, _random_mm(4, 0.0, (224, 448), 4), 4),
         "heavy": Series("heavy", size, _random_mm(6, 0.34, heavy_sides, 8), 8),
         "single": Series("single", size, _random_mm(1, 0.0, (224, 448), 1), 8),
-        "repeat": Series("repeat", size, ["--dataset-name", "custom_image", "--dataset-path", str(repeat),
-                                          "--custom-output-len", str(OUTPUT_TOKENS),
-                                          "--custom-ensure-client-side-data"], 8, prepare_repeat),
+        "repeat": Series(
+            "repeat",
+            size,
+            [
+                "--dataset-name",
+                "custom_image",
+                "--dataset-path",
+                str(repeat),
+                "--custom-output-len",
+                str(OUTPUT_TOKENS),
+                "--custom-ensure-client-side-data",
+            ],
+            8,
+            prepare_repeat,
+        ),
         "tiny": Series("tiny", "tiny", _random_mm(3, 0.0, (56, 112, 224), 3), 4),
-        "multiturn": Series("multiturn", "small", [], 4, driver=driver(
-            Load(prompts, max(prompts // 2, 1), OUTPUT_TOKENS), Load(2, 2, OUTPUT_TOKENS))),
+        "multiturn": Series(
+            "multiturn",
+            "small",
+            [],
+            4,
+            driver=driver(Load(prompts, max(prompts // 2, 1), OUTPUT_TOKENS), Load(2, 2, OUTPUT_TOKENS)),
+        ),
     }
 
 
@@ -145,8 +174,15 @@ def traffic_of(series: Series) -> Traffic:
 
 def start_colocated(stack: ExitStack, model: Path, series: Series, logs: Path) -> tuple[str, str, dict[str, str]]:
     """One `vllm serve` on every core, its own encoder: (base URL, API key, base URLs of its metrics by role)."""
-    vllm = stack.enter_context(VllmServe(model, logs / "colocated_vllm.log", cpus=available_cpus(),
-                                         extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
+    vllm = stack.enter_context(
+        VllmServe(
+            model,
+            logs / "colocated_vllm.log",
+            cpus=available_cpus(),
+            extra=vllm_extra(series),
+            max_model_len=MAX_MODEL_LEN,
+        )
+    )
     return vllm.url, vllm.api_key, {"vllm": vllm.url}
 
 
@@ -154,21 +190,52 @@ def start_epd(stack: ExitStack, model: Path, series: Series, logs: Path) -> tupl
     """Eric + gateway on one half of the cores, vLLM behind Eric on the other: (gateway URL, key, base URLs of the
     servers' metrics by role)."""
     eric_cpus, engine_cpus = host_split()
-    eric = stack.enter_context(EricServer(model, cpus=eric_cpus, log_path=logs / "epd_eric.log",
-                                          extra_args=("--keep-acked-bytes", str(UpConfig.keep_acked_bytes))))
-    vllm = stack.enter_context(VllmServe(model, logs / "epd_vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
-                                         cpus=engine_cpus, extra=vllm_extra(series), max_model_len=MAX_MODEL_LEN))
-    gateway = stack.enter_context(GatewayServer(
-        logs / "epd_gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-        *series.gateway_args, eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key="bench",
-        cpus=eric_cpus))
+    eric = stack.enter_context(
+        EricServer(
+            model,
+            cpus=eric_cpus,
+            log_path=logs / "epd_eric.log",
+            extra_args=("--keep-acked-bytes", str(UpConfig.keep_acked_bytes)),
+        )
+    )
+    vllm = stack.enter_context(
+        VllmServe(
+            model,
+            logs / "epd_vllm.log",
+            eric_urls=[eric.url],
+            eric_api_key=eric.api_key,
+            cpus=engine_cpus,
+            extra=vllm_extra(series),
+            max_model_len=MAX_MODEL_LEN,
+        )
+    )
+    gateway = stack.enter_context(
+        GatewayServer(
+            logs / "epd_gateway.log",
+            "--encoder-urls",
+            eric.url,
+            "--colocated-urls",
+            vllm.url,
+            *series.gateway_args,
+            eric_api_key=eric.api_key,
+            upstream_api_key=vllm.api_key,
+            api_key="bench",
+            cpus=eric_cpus,
+        )
+    )
     return gateway.url, "bench", {"eric": eric.url, "gateway": gateway.url, "vllm": vllm.url}
 
 
 def vllm_extra(series: Series) -> tuple[str, ...]:
     """The vLLM flags every run of a series gets: 16 sequences, a seed, and the series' image limit."""
-    return ("--max-num-seqs", "16", "--seed", "0", "--limit-mm-per-prompt",
-            json.dumps(series.limits or {"image": series.max_images, "video": 0}))
+    return (
+        "--max-num-seqs",
+        "16",
+        "--seed",
+        "0",
+        "--limit-mm-per-prompt",
+        json.dumps(series.limits or {"image": series.max_images, "video": 0}),
+    )
 
 
 # ---- load -----------------------------------------------------------------------------------------------------
@@ -181,12 +248,42 @@ def bench(url: str, key: str, model: Path, series: Series, rate: float, prompts:
     if series.prepare is not None:
         series.prepare(seed)
     dataset = [a.replace("{seed}", str(seed)) for a in series.dataset]
-    cmd = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-           "--base-url", url, "--model", str(model), "--tokenizer", str(model), *dataset,
-           "--num-prompts", str(prompts), "--request-rate", "inf" if rate == float("inf") else str(rate),
-           "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-           "50,99", "--goodput", f"ttft:{SLO['ttft']}", f"tpot:{SLO['tpot']}", "--save-result",
-           "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
+    cmd = [
+        vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        url,
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(model),
+        *dataset,
+        "--num-prompts",
+        str(prompts),
+        "--request-rate",
+        "inf" if rate == float("inf") else str(rate),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--goodput",
+        f"ttft:{SLO['ttft']}",
+        f"tpot:{SLO['tpot']}",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+        "--disable-tqdm",
+    ]
     env = os.environ | {"OPENAI_API_KEY": key}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3600)
     return json.loads(out.read_text())
@@ -204,8 +301,9 @@ def stage_means(server_url: str, prefix: str) -> dict[str, float]:
     return {s: sums[s] / counts[s] for s in sums if counts.get(s)}
 
 
-def run_rates(url: str, key: str, model: Path, series: Series, rates: list[float], args: argparse.Namespace,
-              logs: Path, side: str) -> dict[str, list[dict]]:
+def run_rates(
+    url: str, key: str, model: Path, series: Series, rates: list[float], args: argparse.Namespace, logs: Path, side: str
+) -> dict[str, list[dict]]:
     """A warm-up, then `args.runs` rounds of `vllm bench serve` at each rate (each run and rate its own seed: its
     own random images): every run's results by rate."""
     bench(url, key, model, series, float("inf"), 4, logs / f"{side}_{series.name}_warmup.json", seed=1000)
@@ -219,8 +317,7 @@ def run_rates(url: str, key: str, model: Path, series: Series, rates: list[float
     return runs
 
 
-def run_side(side: str, series: Series, model: Path, rates: list[float], args: argparse.Namespace,
-             logs: Path) -> dict:
+def run_side(side: str, series: Series, model: Path, rates: list[float], args: argparse.Namespace, logs: Path) -> dict:
     """One side (colocated or EPD) of a series: the rate sweep (medians and spread under "points"), or the series'
     own driver once (its results under "turns"); and EPD's stage means."""
     with ExitStack() as stack:
@@ -233,8 +330,10 @@ def run_side(side: str, series: Series, model: Path, rates: list[float], args: a
             out = {"turns": series.driver(url, key, metrics, 0), "points": {}}
             logger.info("%s %s: %s", side, series.name, out["turns"])
         if "eric" in metrics:
-            out["stages_s"] = {"eric": stage_means(metrics["eric"], "eric_stage"),
-                               "gateway": stage_means(metrics["gateway"], "gateway_stage")}
+            out["stages_s"] = {
+                "eric": stage_means(metrics["eric"], "eric_stage"),
+                "gateway": stage_means(metrics["gateway"], "gateway_stage"),
+            }
     return out
 
 
@@ -243,22 +342,32 @@ def profile_shares(model: Path, traffic: Traffic, logs: Path, prompts: int) -> P
     from as many requests at once as a point of the benchmark sends."""
     eric_cpus, engine_cpus = host_split()
     shares = (eric_cpus, engine_cpus) if len(eric_cpus) != len(engine_cpus) else (eric_cpus,)
-    return profile(ProfileConfig(model=model, out=logs / "profile.json", shares=(*shares, available_cpus()),
-                                 traffic=traffic, requests_per_point=8, saturation_requests=prompts,
-                                 log_dir=logs / "profile"), LocalServers())
+    return profile(
+        ProfileConfig(
+            model=model,
+            out=logs / "profile.json",
+            shares=(*shares, available_cpus()),
+            traffic=traffic,
+            requests_per_point=8,
+            saturation_requests=prompts,
+            log_dir=logs / "profile",
+        ),
+        LocalServers(),
+    )
 
 
 def predictions(prof: Profile, traffic: Traffic, rates: list[float], prompts: int) -> dict[str, dict]:
     """The planner's prediction of each side at each rate (all at once for inf), over as many requests."""
     eric_cpus, engine_cpus = host_split()
-    layouts = {"epd": Layout(1, len(eric_cpus), 1, len(engine_cpus)),
-               "colocated": Layout(0, 0, 1, len(available_cpus()))}
+    layouts = {
+        "epd": Layout(1, len(eric_cpus), 1, len(engine_cpus)),
+        "colocated": Layout(0, 0, 1, len(available_cpus())),
+    }
     out: dict[str, dict] = {}
     for side, layout in layouts.items():
         for rate in rates:
             mix = msgspec.structs.replace(traffic, rate=0.0 if rate == float("inf") else rate)
-            config = PlanConfig(len(available_cpus()), mix, Slo(SLO["ttft"], SLO["tpot"]), requests=prompts,
-                                seeds=10)
+            config = PlanConfig(len(available_cpus()), mix, Slo(SLO["ttft"], SLO["tpot"]), requests=prompts, seeds=10)
             out.setdefault(side, {})[str(rate)] = msgspec.to_builtins(predict(prof, layout, config))
     return out
 
@@ -279,10 +388,12 @@ def cost_check(prof: Profile) -> dict[str, float]:
     eric_s_per_token = 1.0 / (max(p.items_per_s for p in share.eric) * tokens_per_item(prof))
     engine = EngineModel.from_side(share.engine, False, 2048, 16)
     decode = max(share.engine.decode, key=lambda d: (d.batch, d.context_tokens))
-    return {**{f"flops_{k}": v for k, v in prof.cost_ratios.items()},
-            "measured_prefill_over_eric": engine.slope_s / eric_s_per_token,
-            "measured_prefill_over_vllm_encoder": engine.slope_s / share.engine.own_encoder_s_per_image_token,
-            f"measured_decode_at_batch_{decode.batch}_over_eric": decode.tpot_s / decode.batch / eric_s_per_token}
+    return {
+        **{f"flops_{k}": v for k, v in prof.cost_ratios.items()},
+        "measured_prefill_over_eric": engine.slope_s / eric_s_per_token,
+        "measured_prefill_over_vllm_encoder": engine.slope_s / share.engine.own_encoder_s_per_image_token,
+        f"measured_decode_at_batch_{decode.batch}_over_eric": decode.tpot_s / decode.batch / eric_s_per_token,
+    }
 
 
 def run_series(series: Series, args: argparse.Namespace, logs: Path) -> dict:
@@ -292,8 +403,11 @@ def run_series(series: Series, args: argparse.Namespace, logs: Path) -> dict:
     rates = list(args.rate_list)
     if "--random-mm-bucket-config" in series.dataset and not args.no_profile:
         traffic = traffic_of(series)
-        prof = (read_profile(args.profile_from) if args.profile_from
-                else profile_shares(model, traffic, logs / series.name, args.prompts))
+        prof = (
+            read_profile(args.profile_from)
+            if args.profile_from
+            else profile_shares(model, traffic, logs / series.name, args.prompts)
+        )
         out["profile"] = msgspec.to_builtins(prof)
         out["cost_check"] = cost_check(prof)
         out["capacity_alone"] = capacity_alone(prof, traffic)
@@ -319,17 +433,29 @@ def main() -> None:
     """Run every series on both sides, write the results and plot, and print the ratios."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="8 prompts per point, one run, rates 0.5 and all at once")
-    ap.add_argument("--series", default="mix,heavy", help="comma-separated traffic series to run "
-                    "(mix, heavy, single, repeat, tiny)")
-    ap.add_argument("--size", default="shaped3b", help="checkpoint size: shaped3b, shaped7b (Qwen2.5-VL-3B/7B cost "
-                    "ratios), small or tiny")
-    ap.add_argument("--rates", default=None, help="comma-separated requests/s ('inf': all at once); default: 0.5, "
-                    "0.8, 1 and 1.25 x the slower side's profiled capacity, then all at once")
+    ap.add_argument(
+        "--series", default="mix,heavy", help="comma-separated traffic series to run (mix, heavy, single, repeat, tiny)"
+    )
+    ap.add_argument(
+        "--size",
+        default="shaped3b",
+        help="checkpoint size: shaped3b, shaped7b (Qwen2.5-VL-3B/7B cost ratios), small or tiny",
+    )
+    ap.add_argument(
+        "--rates",
+        default=None,
+        help="comma-separated requests/s ('inf': all at once); default: 0.5, "
+        "0.8, 1 and 1.25 x the slower side's profiled capacity, then all at once",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="prompts per point (default 48; --quick 8)")
     ap.add_argument("--runs", type=int, default=None, help="runs per point (default 3; --quick 1)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profile (no predictions, no efficiency)")
-    ap.add_argument("--profile-from", type=Path, default=None, help="use this profile (same model, mix and shares) "
-                    "instead of profiling")
+    ap.add_argument(
+        "--profile-from",
+        type=Path,
+        default=None,
+        help="use this profile (same model, mix and shares) instead of profiling",
+    )
     ap.add_argument("--tag", default="", help="suffix of the result files (epd_vs_colocated<tag>.json/.png)")
     ap.add_argument("--family", default="qwen2_5_vl", help="the offline checkpoints' family (shaped: qwen2_5_vl)")
     args = ap.parse_args()
@@ -345,11 +471,19 @@ def main() -> None:
     logs = RESULTS / f"epd_vs_colocated{args.tag}_logs"  # server logs and vllm bench results, kept for inspection
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
-    results: dict = {"slo_ms": SLO, "output_tokens": OUTPUT_TOKENS, "prompts_per_point": args.prompts,
-                     "runs": args.runs, "cpu_cores": os.cpu_count(), "dtype": "float32 (Eric and vLLM)",
-                     "layout": {"colocated": "vllm serve on every core",
-                                "epd": "Eric + gateway on one half of the cores, vLLM behind Eric on the other"},
-                     "series": {}}
+    results: dict = {
+        "slo_ms": SLO,
+        "output_tokens": OUTPUT_TOKENS,
+        "prompts_per_point": args.prompts,
+        "runs": args.runs,
+        "cpu_cores": os.cpu_count(),
+        "dtype": "float32 (Eric and vLLM)",
+        "layout": {
+            "colocated": "vllm serve on every core",
+            "epd": "Eric + gateway on one half of the cores, vLLM behind Eric on the other",
+        },
+        "series": {},
+    }
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         catalogue = make_series(args.quick, Path(tmp), args.prompts, args.size)
         for name in args.series.split(","):

@@ -32,13 +32,26 @@ from eric_epd.testing.media import audio_bytes
 
 logger = logging.getLogger("epd_vs_colocated_audio")
 RATE = 16000
-TEXT_7B = {"hidden_size": 1024, "intermediate_size": 5504, "num_hidden_layers": 7, "num_attention_heads": 16,
-           "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192}
+TEXT_7B = {
+    "hidden_size": 1024,
+    "intermediate_size": 5504,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
 """benchmarks' 7B-shaped language model (checkpoints/builtin.py's shaped7b)."""
 AUDIO = {"d_model": 512, "encoder_layers": 4, "encoder_attention_heads": 8, "encoder_ffn_dim": 1536}
 """The scaled tower: see `cost_ratios`."""
-RELEASED_TEXT = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "num_key_value_heads": 32, "head_dim": 128}
+RELEASED_TEXT = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+}
 RELEASED_AUDIO = {"d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120}
 """Qwen2-Audio-7B's config.json (Qwen-7B and Whisper-large-v3's encoder)."""
 POSITIONS = 1500
@@ -48,8 +61,10 @@ POSITIONS = 1500
 def prefill_flops_per_token(t: dict) -> float:
     """2 x the language model's per-layer weights (q, k, v, o and a gated MLP) x its depth."""
     kv = t["num_key_value_heads"] * t["head_dim"]
-    per_layer = t["hidden_size"] * (2 * t["num_attention_heads"] * t["head_dim"] + 2 * kv) \
+    per_layer = (
+        t["hidden_size"] * (2 * t["num_attention_heads"] * t["head_dim"] + 2 * kv)
         + 3 * t["hidden_size"] * t["intermediate_size"]
+    )
     return 2.0 * per_layer * t["num_hidden_layers"]
 
 
@@ -65,8 +80,11 @@ def cost_ratios() -> dict[str, float]:
     """Prefill per token over the tower per audio token, released and shaped, and shaped over released."""
     released = prefill_flops_per_token(RELEASED_TEXT) / encoder_flops_per_token(RELEASED_AUDIO)
     shaped = prefill_flops_per_token(TEXT_7B) / encoder_flops_per_token(AUDIO)
-    return {"released_prefill_over_encoder": released, "shaped_prefill_over_encoder": shaped,
-            "shaped_over_released": shaped / released}
+    return {
+        "released_prefill_over_encoder": released,
+        "shaped_prefill_over_encoder": shaped,
+        "shaped_over_released": shaped / released,
+    }
 
 
 def _shaped(tok, ids: dict[str, int], vocab: int, init_std: float):
@@ -84,8 +102,11 @@ def shaped_checkpoint() -> Path:
     from transformers import AutoModelForMultimodalLM
 
     released = AUDIO_FAMILIES["qwen2_audio"].released
-    return ensure_built("qwen2_audio-shaped7b-v1", "config.json", lambda out: save_random_checkpoint(
-        out, QWEN2_AUDIO, _shaped, AutoModelForMultimodalLM, released, 0, 0.02))
+    return ensure_built(
+        "qwen2_audio-shaped7b-v1",
+        "config.json",
+        lambda out: save_random_checkpoint(out, QWEN2_AUDIO, _shaped, AutoModelForMultimodalLM, released, 0, 0.02),
+    )
 
 
 def audio_series(tmp: Path, prompts: int) -> Series:
@@ -102,10 +123,16 @@ def audio_series(tmp: Path, prompts: int) -> Series:
                 f.write_bytes(audio_bytes(int(rng.uniform(3, 15) * RATE), RATE, seed=(seed + 1) * 10_007 + i))
                 out.write(json.dumps({"prompt": "What is said in this clip?", "audio": str(f)}) + "\n")
 
-    dataset = ["--dataset-name", "custom_audio", "--dataset-path", str(path), "--enable-multimodal-chat",
-               "--custom-output-len", str(OUTPUT_TOKENS)]
-    return Series("audio", "shaped7b", dataset, 1, prepare, limits={"audio": 1},
-                  gateway_args=("--epd-min-items", "1"))
+    dataset = [
+        "--dataset-name",
+        "custom_audio",
+        "--dataset-path",
+        str(path),
+        "--enable-multimodal-chat",
+        "--custom-output-len",
+        str(OUTPUT_TOKENS),
+    ]
+    return Series("audio", "shaped7b", dataset, 1, prepare, limits={"audio": 1}, gateway_args=("--epd-min-items", "1"))
 
 
 def main() -> None:
@@ -126,9 +153,16 @@ def main() -> None:
     logs.mkdir(parents=True)
     model = shaped_checkpoint()
     start = time.perf_counter()
-    results: dict = {"slo_ms": SLO, "output_tokens": OUTPUT_TOKENS, "prompts_per_point": args.prompts,
-                     "runs": args.runs, "cpu_cores": os.cpu_count(), "dtype": "float32 (Eric and vLLM)",
-                     "cost_ratios": cost_ratios(), "series": {}}
+    results: dict = {
+        "slo_ms": SLO,
+        "output_tokens": OUTPUT_TOKENS,
+        "prompts_per_point": args.prompts,
+        "runs": args.runs,
+        "cpu_cores": os.cpu_count(),
+        "dtype": "float32 (Eric and vLLM)",
+        "cost_ratios": cost_ratios(),
+        "series": {},
+    }
     with tempfile.TemporaryDirectory(prefix="epd-audio-") as tmp:
         series = audio_series(Path(tmp), args.prompts)
         out: dict = {"checkpoint": "qwen2_audio shaped7b", "dataset": series.dataset}

@@ -52,8 +52,11 @@ def shaped_checkpoint() -> Path:
     from transformers import AutoModelForMultimodalLM
 
     released = AUDIO_FAMILIES["qwen2_audio"].released
-    return ensure_built(f"qwen2_audio-shaped-l{LAYERS}-v1", "config.json", lambda out: save_random_checkpoint(
-        out, QWEN2_AUDIO, _shaped, AutoModelForMultimodalLM, released, 0, 0.02))
+    return ensure_built(
+        f"qwen2_audio-shaped-l{LAYERS}-v1",
+        "config.json",
+        lambda out: save_random_checkpoint(out, QWEN2_AUDIO, _shaped, AutoModelForMultimodalLM, released, 0, 0.02),
+    )
 
 
 class _StopError(Exception):
@@ -82,7 +85,7 @@ class Transformers:
 
         start = time.perf_counter()
         for i in range(0, len(clips), concurrency):
-            waves = [soundfile.read(_io(c), dtype="float32")[0] for c in clips[i:i + concurrency]]
+            waves = [soundfile.read(_io(c), dtype="float32")[0] for c in clips[i : i + concurrency]]
             text = ["<|audio_bos|><|AUDIO|><|audio_eos|>"] * len(waves)
             inputs = self.processor(text=text, audio=waves, sampling_rate=RATE, return_tensors="pt", padding=True)
             with torch.no_grad(), contextlib.suppress(_StopError):
@@ -107,10 +110,15 @@ def eric_body(urls: list[str]) -> dict:
 
 def chat_body(name: str):
     """An OpenAI chat request with the clips as input_audio parts and one output token."""
+
     def body(urls: list[str]) -> dict:
         parts = [{"type": "input_audio", "input_audio": {"data": u.split(",", 1)[1], "format": "wav"}} for u in urls]
-        return {"model": name, "max_tokens": 1,
-                "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Transcribe."}]}]}
+        return {
+            "model": name,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Transcribe."}]}],
+        }
+
     return body
 
 
@@ -130,10 +138,13 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, dict[int, list[float]
         store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         vllm = stack.enter_context(vllm_encoder_only(model, "float32", core, store, logs / "vllm.log"))
         name = httpx.get(vllm.url + "/v1/models", headers=vllm.headers, timeout=30).json()["data"][0]["id"]
-        eric = stack.enter_context(EricServer(model, extra_args=("--dtype", "float32"), cpus=(core,),
-                                              log_path=logs / "eric.log"))
-        served = [Target("vllm", vllm, "/v1/chat/completions", chat_body(name)),
-                  Target("eric", eric, "/v1/encode", eric_body)]
+        eric = stack.enter_context(
+            EricServer(model, extra_args=("--dtype", "float32"), cpus=(core,), log_path=logs / "eric.log")
+        )
+        served = [
+            Target("vllm", vllm, "/v1/chat/completions", chat_body(name)),
+            Target("eric", eric, "/v1/encode", eric_body),
+        ]
         pin_process((core,))
         torch.set_num_threads(1)
         hf = Transformers(model)
@@ -150,7 +161,8 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, dict[int, list[float]
                 pin_process((client,))
                 for target in served:
                     rates.setdefault(target.name, {}).setdefault(c, []).append(
-                        target.images_per_s([[_data_url(clip)] for clip in clips], c))
+                        target.images_per_s([[_data_url(clip)] for clip in clips], c)
+                    )
                 logger.info("run %d, concurrency %d: %s", r, c, {n: round(v[c][-1], 2) for n, v in rates.items()})
     return rates
 
@@ -167,21 +179,30 @@ def main() -> None:
     logs = RESULTS / "eric_audio_encoder_logs"
     logs.mkdir(parents=True, exist_ok=True)
     rates = run(args, logs)
-    vs_transformers = {name: {c: float(np.median(v[c]) / np.median(rates["transformers"][c])) for c in CONCURRENCIES}
-                       for name, v in rates.items()}
+    vs_transformers = {
+        name: {c: float(np.median(v[c]) / np.median(rates["transformers"][c])) for c in CONCURRENCIES}
+        for name, v in rates.items()
+    }
     summary = summarize(rates)
-    title = (f"Qwen2-Audio tower at released width, {LAYERS} layers, float32, one 3-15 s clip a request, "
-             f"one core each, {args.runs} runs")
-    result = {"what": title, "concurrencies": list(CONCURRENCIES), "paths": summary,
-              "vs_transformers": vs_transformers,
-              "transformers": "processor + forward to the language model, in process, batches of the concurrency",
-              "vllm": "vllm serve --mm-encoder-only (processor + tower; ECExampleConnector producer)",
-              "eric": "eric-epd serve (router, engine, worker on the same core)"}
+    title = (
+        f"Qwen2-Audio tower at released width, {LAYERS} layers, float32, one 3-15 s clip a request, "
+        f"one core each, {args.runs} runs"
+    )
+    result = {
+        "what": title,
+        "concurrencies": list(CONCURRENCIES),
+        "paths": summary,
+        "vs_transformers": vs_transformers,
+        "transformers": "processor + forward to the language model, in process, batches of the concurrency",
+        "vllm": "vllm serve --mm-encoder-only (processor + tower; ECExampleConnector producer)",
+        "eric": "eric-epd serve (router, engine, worker on the same core)",
+    }
     (RESULTS / "eric_audio_encoder.json").write_text(json.dumps(result, indent=2))
     plot(summary, RESULTS / "eric_audio_encoder.png", title, unit="clips")
     for name, cells in summary.items():
-        logger.info("%s: %s", name, {c: (round(v["median"], 2), round(v.get("vs_vllm", 1), 2))
-                                     for c, v in cells.items()})
+        logger.info(
+            "%s: %s", name, {c: (round(v["median"], 2), round(v.get("vs_vllm", 1), 2)) for c, v in cells.items()}
+        )
     logger.info("vs transformers: %s", vs_transformers)
 
 

@@ -39,8 +39,13 @@ STAGE_RE = re.compile(r'eric_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)')
 
 def jpeg_requests(n: int, seed: int) -> list[list[bytes]]:
     """n requests of distinct JPEG triples (Eric dedupes by content, so nothing repeats)."""
-    return [[image_bytes(random_image(SIDE, SIDE, seed + IMAGES_PER_REQUEST * i + k), "JPEG")
-             for k in range(IMAGES_PER_REQUEST)] for i in range(n)]
+    return [
+        [
+            image_bytes(random_image(SIDE, SIDE, seed + IMAGES_PER_REQUEST * i + k), "JPEG")
+            for k in range(IMAGES_PER_REQUEST)
+        ]
+        for i in range(n)
+    ]
 
 
 def tower_alone(model: Path, requests: list[list[bytes]], core: int) -> list[float]:
@@ -62,11 +67,14 @@ def tower_alone(model: Path, requests: list[list[bytes]], core: int) -> list[flo
 
 async def load(eric: EricServer, requests: list[list[bytes]], concurrency: int) -> tuple[list[float], float]:
     """Latency of each request and the wall time of all of them, `concurrency` at a time."""
-    bodies = iter([{"items": [{"modality": "image", "url": data_url(j, "image/jpeg")} for j in jpegs]}
-                   for jpegs in requests])
+    bodies = iter(
+        [{"items": [{"modality": "image", "url": data_url(j, "image/jpeg")} for j in jpegs]} for jpegs in requests]
+    )
     latencies: list[float] = []
-    async with httpx.AsyncClient(timeout=60, headers=eric.headers,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(
+        timeout=60, headers=eric.headers, limits=httpx.Limits(max_connections=concurrency)
+    ) as client:
+
         async def worker() -> None:
             for body in bodies:
                 start = time.perf_counter()
@@ -142,23 +150,42 @@ def main() -> None:
     images_per_s = float(np.median(eric["c8_images_per_s"]))
     tower_images_per_s = IMAGES_PER_REQUEST / float(np.median(tower))
     results = {
-        "tower_s": tower, "eric": eric, "tower_p50_ms": tower_p50, "eric_p50_ms": eric_p50,
+        "tower_s": tower,
+        "eric": eric,
+        "tower_p50_ms": tower_p50,
+        "eric_p50_ms": eric_p50,
         "eric_p99_ms": float(np.percentile(eric["c1_latency_s"], 99)) * 1e3,
-        "overhead_p50_ms": eric_p50 - tower_p50, "c8_images_per_s": images_per_s,
-        "tower_images_per_s": tower_images_per_s, "images_per_s_ratio": images_per_s / tower_images_per_s,
+        "overhead_p50_ms": eric_p50 - tower_p50,
+        "c8_images_per_s": images_per_s,
+        "tower_images_per_s": tower_images_per_s,
+        "images_per_s_ratio": images_per_s / tower_images_per_s,
         "targets": {"overhead_p50_ms": TARGET_OVERHEAD_MS, "c8_images_per_s": TARGET_IMAGES_PER_S},
     }
     (RESULTS / "eric_overhead.json").write_text(json.dumps(results, indent=2))
     plot(results, RESULTS / "eric_overhead.png")
     stages = ", ".join(f"{k} {np.median(v):.2f}" for k, v in sorted(eric["stages_ms_per_request"].items()))
-    logger.info("results\n%-28s %10s %10s %8s\n%-28s %10.2f %10.0f\n%-28s %10.2f %10.0f %8.2f\n"
-                "overhead p50 %.2f ms (target <= %g), p99 of Eric %.2f ms; img/s at concurrency 8: %.0f "
-                "(target >= %g)\nEric stages, ms per request: %s",
-                "", "p50 ms", "img/s", "ratio",
-                "tower alone (in-process)", tower_p50, tower_images_per_s,
-                "Eric (HTTP, c1 ms / c8 img/s)", eric_p50, images_per_s, results["images_per_s_ratio"],
-                results["overhead_p50_ms"], TARGET_OVERHEAD_MS, results["eric_p99_ms"], images_per_s,
-                TARGET_IMAGES_PER_S, stages)
+    logger.info(
+        "results\n%-28s %10s %10s %8s\n%-28s %10.2f %10.0f\n%-28s %10.2f %10.0f %8.2f\n"
+        "overhead p50 %.2f ms (target <= %g), p99 of Eric %.2f ms; img/s at concurrency 8: %.0f "
+        "(target >= %g)\nEric stages, ms per request: %s",
+        "",
+        "p50 ms",
+        "img/s",
+        "ratio",
+        "tower alone (in-process)",
+        tower_p50,
+        tower_images_per_s,
+        "Eric (HTTP, c1 ms / c8 img/s)",
+        eric_p50,
+        images_per_s,
+        results["images_per_s_ratio"],
+        results["overhead_p50_ms"],
+        TARGET_OVERHEAD_MS,
+        results["eric_p99_ms"],
+        images_per_s,
+        TARGET_IMAGES_PER_S,
+        stages,
+    )
 
 
 if __name__ == "__main__":

@@ -51,18 +51,27 @@ class Target:
 
 def vllm_encoder_only(model: Path, dtype: str, core: int, store: Path, log: Path) -> VllmServe:
     """vLLM as an encoder instance: processor and tower only, its outputs saved by vLLM's example EC producer."""
-    ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
-          "ec_connector_extra_config": {"shared_storage_path": str(store)}}
-    return VllmServe(model, log, extra=("--mm-encoder-only", "--ec-transfer-config", json.dumps(ec)), dtype=dtype,
-                     cpus=(core,))
+    ec = {
+        "ec_connector": "ECExampleConnector",
+        "ec_role": "ec_producer",
+        "ec_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    return VllmServe(
+        model, log, extra=("--mm-encoder-only", "--ec-transfer-config", json.dumps(ec)), dtype=dtype, cpus=(core,)
+    )
 
 
 def chat_body(name: str) -> Callable[[list[str]], dict]:
     """An OpenAI chat request with the images and one output token (an encoder-only instance stops at the prompt)."""
+
     def body(urls: list[str]) -> dict:
         parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-        return {"model": name, "max_tokens": 1,
-                "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}]}
+        return {
+            "model": name,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}],
+        }
+
     return body
 
 
@@ -86,10 +95,15 @@ def run(args: argparse.Namespace, logs: Path) -> dict:
         name = httpx.get(vllm.url + "/v1/models", headers=vllm.headers, timeout=30).json()["data"][0]["id"]
         targets = [Target("vllm", vllm, "/v1/chat/completions", chat_body(name))]
         for mode in ("none", "inductor"):
-            eric = stack.enter_context(EricServer(model, extra_args=("--dtype", args.dtype, "--compile", mode),
-                                                  cpus=(core,), log_path=logs / f"eric-{mode}.log"))
-            targets.append(Target(f"eric_{'eager' if mode == 'none' else 'compiled'}", eric, "/v1/encode",
-                                  encode_body))
+            eric = stack.enter_context(
+                EricServer(
+                    model,
+                    extra_args=("--dtype", args.dtype, "--compile", mode),
+                    cpus=(core,),
+                    log_path=logs / f"eric-{mode}.log",
+                )
+            )
+            targets.append(Target(f"eric_{'eager' if mode == 'none' else 'compiled'}", eric, "/v1/encode", encode_body))
         for target in targets:  # warm-up: every side once
             target.images_per_s([image_urls(traffic, seeds) for _ in range(2)], 1)
         for r in range(args.runs):
@@ -106,8 +120,9 @@ def summarize(rates: dict[str, dict[int, list[float]]]) -> dict:
     """Medians and spread per server and concurrency, and each Eric's median over vLLM's."""
     out = {}
     for name, by_c in rates.items():
-        out[name] = {str(c): {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
-                     for c, v in by_c.items()}
+        out[name] = {
+            str(c): {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v} for c, v in by_c.items()
+        }
     for name in out:
         if name != "vllm":
             for c, cell in out[name].items():
@@ -160,16 +175,23 @@ def main() -> None:
     logs = RESULTS / f"eric_vs_vllm_encoder{args.tag}_logs"
     logs.mkdir(parents=True, exist_ok=True)
     summary = summarize(run(args, logs))
-    title = (f"{args.family} {args.size}, {args.dtype}, {args.images} images of {args.sides} px a request, "
-             f"one core each, {args.runs} runs")
-    result = {"what": title, "concurrencies": list(CONCURRENCIES), "servers": summary,
-              "vllm": "vllm serve --mm-encoder-only (processor + tower; ECExampleConnector producer)",
-              "eric": "eric-epd serve, --compile none and inductor (router, engine, worker on the same core)"}
+    title = (
+        f"{args.family} {args.size}, {args.dtype}, {args.images} images of {args.sides} px a request, "
+        f"one core each, {args.runs} runs"
+    )
+    result = {
+        "what": title,
+        "concurrencies": list(CONCURRENCIES),
+        "servers": summary,
+        "vllm": "vllm serve --mm-encoder-only (processor + tower; ECExampleConnector producer)",
+        "eric": "eric-epd serve, --compile none and inductor (router, engine, worker on the same core)",
+    }
     (RESULTS / f"eric_vs_vllm_encoder{args.tag}.json").write_text(json.dumps(result, indent=2))
     plot(summary, RESULTS / f"eric_vs_vllm_encoder{args.tag}.png", title)
     for name, cells in summary.items():
-        logger.info("%s: %s", name, {c: (round(v["median"], 2), round(v.get("vs_vllm", 1), 2))
-                                     for c, v in cells.items()})
+        logger.info(
+            "%s: %s", name, {c: (round(v["median"], 2), round(v.get("vs_vllm", 1), 2)) for c, v in cells.items()}
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ async def latencies(urls: dict[str, tuple[str, dict[str, str]]], n: int) -> dict
 
 async def throughput(url: str, headers: dict[str, str], seconds: float, concurrency: int) -> float:
     """Requests/s of chat completions to `url` at `concurrency`, over `seconds`."""
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency),
-                                 headers=headers) as client:
+    async with httpx.AsyncClient(
+        timeout=60, limits=httpx.Limits(max_connections=concurrency), headers=headers
+    ) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         body = {**BODY, "model": model}
         done = 0
@@ -91,30 +92,48 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     RESULTS.mkdir(exist_ok=True)
     model = ensure_checkpoint("qwen2_vl", "tiny")
-    with VllmServe(model, RESULTS / "gateway_vllm.log") as vllm, \
-            GatewayServer(RESULTS / "gateway.log", "--colocated-urls", vllm.url,
-                          upstream_api_key=vllm.api_key) as gateway:
+    with (
+        VllmServe(model, RESULTS / "gateway_vllm.log") as vllm,
+        GatewayServer(RESULTS / "gateway.log", "--colocated-urls", vllm.url, upstream_api_key=vllm.api_key) as gateway,
+    ):
         targets = {"direct": (vllm.url, vllm.headers), "gateway": (gateway.url, gateway.headers)}
         lat = asyncio.run(latencies(targets, args.requests))
-        rps = {name: asyncio.run(throughput(url, headers, args.seconds, 16))
-               for name, (url, headers) in targets.items()}
+        rps = {
+            name: asyncio.run(throughput(url, headers, args.seconds, 16)) for name, (url, headers) in targets.items()
+        }
     pct = {name: {q: float(np.percentile(v, q)) * 1e3 for q in (50, 99)} for name, v in lat.items()}
     results = {
-        "latency_s": lat, "latency_ms": pct, "max_rps": rps,
+        "latency_s": lat,
+        "latency_ms": pct,
+        "max_rps": rps,
         "overhead_ms": {f"p{q}": pct["gateway"][q] - pct["direct"][q] for q in (50, 99)},
         "paired_median_overhead_ms": float(np.median(np.subtract(lat["gateway"], lat["direct"]))) * 1e3,
-        "rps_ratio": rps["gateway"] / rps["direct"], "target_p50_overhead_ms": 2.0,
+        "rps_ratio": rps["gateway"] / rps["direct"],
+        "target_p50_overhead_ms": 2.0,
     }
     (RESULTS / "gateway_overhead.json").write_text(json.dumps(results, indent=2))
     plot(results, RESULTS / "gateway_overhead.png")
-    logger.info("results\n%8s %9s %9s %9s\n%8s %9.2f %9.2f %9.1f\n%8s %9.2f %9.2f %9.1f\n"
-                "overhead p50 %.2f ms (target <= 2 ms), p99 %.2f ms, median of paired differences %.2f ms; "
-                "req/s ratio gateway/direct %.2f",
-                "", "p50 ms", "p99 ms", "req/s",
-                "direct", pct["direct"][50], pct["direct"][99], rps["direct"],
-                "gateway", pct["gateway"][50], pct["gateway"][99], rps["gateway"],
-                results["overhead_ms"]["p50"], results["overhead_ms"]["p99"], results["paired_median_overhead_ms"],
-                results["rps_ratio"])
+    logger.info(
+        "results\n%8s %9s %9s %9s\n%8s %9.2f %9.2f %9.1f\n%8s %9.2f %9.2f %9.1f\n"
+        "overhead p50 %.2f ms (target <= 2 ms), p99 %.2f ms, median of paired differences %.2f ms; "
+        "req/s ratio gateway/direct %.2f",
+        "",
+        "p50 ms",
+        "p99 ms",
+        "req/s",
+        "direct",
+        pct["direct"][50],
+        pct["direct"][99],
+        rps["direct"],
+        "gateway",
+        pct["gateway"][50],
+        pct["gateway"][99],
+        rps["gateway"],
+        results["overhead_ms"]["p50"],
+        results["overhead_ms"]["p99"],
+        results["paired_median_overhead_ms"],
+        results["rps_ratio"],
+    )
 
 
 if __name__ == "__main__":

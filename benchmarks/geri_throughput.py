@@ -47,15 +47,22 @@ def pipeline_alone(model: Path, embeds: list[np.ndarray], side: int, steps: int,
     out = []
     for i, e in enumerate(embeds):
         start = time.perf_counter()
-        pipe(prompt_embeds=torch.from_numpy(e)[None], prompt_embeds_mask=torch.ones(1, e.shape[0], dtype=torch.long),
-             height=side, width=side, num_inference_steps=steps, generator=torch.Generator().manual_seed(i),
-             output_type="np")
+        pipe(
+            prompt_embeds=torch.from_numpy(e)[None],
+            prompt_embeds_mask=torch.ones(1, e.shape[0], dtype=torch.long),
+            height=side,
+            width=side,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(i),
+            output_type="np",
+        )
         out.append(time.perf_counter() - start)
     return out
 
 
-async def geri_load(geri: GeriServer, embeds: list[np.ndarray], side: int, steps: int,
-                    concurrency: int) -> tuple[list[float], float]:
+async def geri_load(
+    geri: GeriServer, embeds: list[np.ndarray], side: int, steps: int, concurrency: int
+) -> tuple[list[float], float]:
     """(latency per request, wall seconds) of all requests at `concurrency`."""
     bodies = [generate_body(e, height=side, width=side, steps=steps, seed=i) for i, e in enumerate(embeds)]
     queue = list(enumerate(bodies))
@@ -77,8 +84,11 @@ async def geri_load(geri: GeriServer, embeds: list[np.ndarray], side: int, steps
 
 def summary(latencies: list[float], wall: float) -> dict[str, float]:
     """Images per second, and the latency p50 and p99."""
-    return {"images_per_s": len(latencies) / wall, "p50_s": float(np.percentile(latencies, 50)),
-            "p99_s": float(np.percentile(latencies, 99))}
+    return {
+        "images_per_s": len(latencies) / wall,
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p99_s": float(np.percentile(latencies, 99)),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -109,8 +119,9 @@ def main() -> None:
     ap.add_argument("--size", choices=tuple(SIZES), default="small", help="checkpoint size")
     ap.add_argument("--side", type=int, default=64, help="image width and height in pixels")
     ap.add_argument("--steps", type=int, default=4, help="denoising steps per image")
-    ap.add_argument("--out", type=Path, default=RESULTS / "geri_throughput",
-                    help="output path stem (.json and .png written)")
+    ap.add_argument(
+        "--out", type=Path, default=RESULTS / "geri_throughput", help="output path stem (.json and .png written)"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model = ensure_qwen_image_checkpoint(args.size)
@@ -124,13 +135,16 @@ def main() -> None:
     with GeriServer(model, cpus=(geri_core,), log_path=args.out.with_suffix(".log")) as geri:
         asyncio.run(geri_load(geri, embeds[:4], args.side, args.steps, 1))  # warm the server up
         for concurrency in (1, 8):
-            rows[f"Geri, concurrency {concurrency}"] = summary(*asyncio.run(
-                geri_load(geri, embeds, args.side, args.steps, concurrency)))
+            rows[f"Geri, concurrency {concurrency}"] = summary(
+                *asyncio.run(geri_load(geri, embeds, args.side, args.steps, concurrency))
+            )
     baseline = rows["pipeline, one at a time"]
     print(f"{'':28} {'images/s':>9} {'ratio':>6} {'p50 s':>7} {'p99 s':>7}")
     for name, row in rows.items():
-        print(f"{name:28} {row['images_per_s']:9.2f} {row['images_per_s'] / baseline['images_per_s']:6.2f}x "
-              f"{row['p50_s']:7.3f} {row['p99_s']:7.3f}")
+        print(
+            f"{name:28} {row['images_per_s']:9.2f} {row['images_per_s'] / baseline['images_per_s']:6.2f}x "
+            f"{row['p50_s']:7.3f} {row['p99_s']:7.3f}"
+        )
     result = {"size": args.size, "side": args.side, "steps": args.steps, "requests": args.requests, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))

@@ -45,19 +45,35 @@ def roofline_profile(name: str) -> Profile:
     per_item = sum(IMAGE_TOKENS.values()) / len(IMAGE_TOKENS)
     items_per_s = 1.0 / (per_item * tower_s + ERIC_FIXED_S / TRAFFIC.images_per_request)
     lone = ERIC_FIXED_S + TRAFFIC.images_per_request * per_item * tower_s
-    eric = [EricPoint(1, TRAFFIC.images_per_request / lone, lone, lone, TRAFFIC.images_per_request),
-            EricPoint(8, items_per_s, 8 * TRAFFIC.images_per_request / items_per_s, 0.0, 16.0)]
+    eric = [
+        EricPoint(1, TRAFFIC.images_per_request / lone, lone, lone, TRAFFIC.images_per_request),
+        EricPoint(8, items_per_s, 8 * TRAFFIC.images_per_request / items_per_s, 0.0, 16.0),
+    ]
 
     def step(batch: int) -> float:
-        return (STEP_S + weight_bytes(config) / (BANDWIDTH * BANDWIDTH_SHARE)
-                + batch * costs.decode_per_token / (PEAK_FLOPS * MFU["decode"]))
+        return (
+            STEP_S
+            + weight_bytes(config) / (BANDWIDTH * BANDWIDTH_SHARE)
+            + batch * costs.decode_per_token / (PEAK_FLOPS * MFU["decode"])
+        )
 
-    prefill = [PrefillPoint(n, ENGINE_OVERHEAD_S + step(1) + n * prefill_s, step(1) + n * prefill_s)
-               for n in (128, 1024, 4096)]
+    prefill = [
+        PrefillPoint(n, ENGINE_OVERHEAD_S + step(1) + n * prefill_s, step(1) + n * prefill_s) for n in (128, 1024, 4096)
+    ]
     decode = [DecodePoint(b, step(b)) for b in (1, 8, 32, 128, 256)]
     engine = EngineSide(prefill, decode, tower_s, ERIC_FIXED_S / (TRAFFIC.images_per_request * per_item))
-    return Profile(name, "cuda (roofline projection)", "bfloat16", TRAFFIC, IMAGE_TOKENS, costs.ratios(),
-                   [Share((0,), eric, engine)], token_factor=28, min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
+    return Profile(
+        name,
+        "cuda (roofline projection)",
+        "bfloat16",
+        TRAFFIC,
+        IMAGE_TOKENS,
+        costs.ratios(),
+        [Share((0,), eric, engine)],
+        token_factor=28,
+        min_pixels=56 * 56,
+        max_pixels=28 * 28 * 16384,
+    )
 
 
 def project(name: str, gpus: int, rates: list[float]) -> dict:
@@ -66,12 +82,15 @@ def project(name: str, gpus: int, rates: list[float]) -> dict:
     out = {}
     for rate in rates:
         traffic = msgspec.structs.replace(TRAFFIC, rate=rate)
-        result = plan(profile, PlanConfig(gpus, traffic, SLO, requests=400, seeds=3, max_batched_tokens=8192,
-                                          max_seqs=256))
+        result = plan(
+            profile, PlanConfig(gpus, traffic, SLO, requests=400, seeds=3, max_batched_tokens=8192, max_seqs=256)
+        )
         out[str(rate)] = msgspec.to_builtins(result)
         lay = result.epd.layout
-        print(f"{name} {rate:6.1f} req/s: EPD {lay.erics} Eric + {lay.engines} engines | "
-              + ", ".join(f"{k} {v:.2f}x" for k, v in result.ratios.items()))
+        print(
+            f"{name} {rate:6.1f} req/s: EPD {lay.erics} Eric + {lay.engines} engines | "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in result.ratios.items())
+        )
     return out
 
 
@@ -103,12 +122,24 @@ def main() -> None:
     ap.add_argument("--rates", default="40,60,80,100,120", help="comma-separated requests/s")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    results = {"projection": True, "gpus": args.gpus, "assumptions": {
-        "peak_bf16_flops": PEAK_FLOPS, "hbm_bytes_per_s": BANDWIDTH, "mfu": MFU, "bandwidth_share": BANDWIDTH_SHARE,
-        "decode_step_fixed_s": STEP_S, "eric_fixed_s": ERIC_FIXED_S, "engine_overhead_s": ENGINE_OVERHEAD_S,
-        "max_batched_tokens": 8192, "max_seqs": 256}, "traffic": msgspec.to_builtins(TRAFFIC),
+    results = {
+        "projection": True,
+        "gpus": args.gpus,
+        "assumptions": {
+            "peak_bf16_flops": PEAK_FLOPS,
+            "hbm_bytes_per_s": BANDWIDTH,
+            "mfu": MFU,
+            "bandwidth_share": BANDWIDTH_SHARE,
+            "decode_step_fixed_s": STEP_S,
+            "eric_fixed_s": ERIC_FIXED_S,
+            "engine_overhead_s": ENGINE_OVERHEAD_S,
+            "max_batched_tokens": 8192,
+            "max_seqs": 256,
+        },
+        "traffic": msgspec.to_builtins(TRAFFIC),
         "slo": msgspec.to_builtins(SLO),
-        "models": {name: project(name, args.gpus, rates) for name in REFERENCES}}
+        "models": {name: project(name, args.gpus, rates) for name in REFERENCES},
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gpu_projection.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / "gpu_projection.png")

@@ -59,16 +59,27 @@ def start_stack(model: Path, logs: Path) -> Stack:
     eric_key, vllm_key = new_key(), new_key()
     store = StoreMaster(logs / "store.log").start()
     args = ("--embedding-ttl", str(EMBEDDING_TTL_S), "--global-cache", store.address)
-    erics = [EricServer(model, log_path=logs / f"eric_{n}.log", api_key=eric_key, cpus=eric_cpus,
-                        extra_args=args).start() for n in "ab"]
+    erics = [
+        EricServer(model, log_path=logs / f"eric_{n}.log", api_key=eric_key, cpus=eric_cpus, extra_args=args).start()
+        for n in "ab"
+    ]
     urls = [e.url for e in erics]
     # the engines on the other core: a vLLM busy-polls for a second after every step, and an Eric sharing its core
     # starves (measured here with the prefill on the Erics' core: fetches timed out before any fault)
     engine_core = host_split()[1][0]
     prefill = pd_vllm(model, "kv_producer", engine_core, logs / "prefill.log", urls, eric_key, vllm_key).start()
     decode = pd_vllm(model, "kv_consumer", engine_core, logs / "decode.log", urls, eric_key, vllm_key).start()
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(urls), "--prefill-urls", prefill.url,
-                            "--decode-urls", decode.url, eric_api_key=eric_key, upstream_api_key=vllm_key).start()
+    gateway = GatewayServer(
+        logs / "gateway.log",
+        "--encoder-urls",
+        ",".join(urls),
+        "--prefill-urls",
+        prefill.url,
+        "--decode-urls",
+        decode.url,
+        eric_api_key=eric_key,
+        upstream_api_key=vllm_key,
+    ).start()
     stack = Stack(erics, prefill, decode, gateway, store)
     stack.started = dict.fromkeys(stack.components(), time.monotonic())
     return stack
@@ -77,17 +88,20 @@ def start_stack(model: Path, logs: Path) -> Stack:
 @dataclass
 class Outcomes:
     """Requests by outcome, and when each ended (seconds since the start, outcome)."""
+
     counts: Counter = field(default_factory=Counter)
     timeline: list[tuple[float, str]] = field(default_factory=list)
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, msgs: list[dict], expected: str, t0: float,
-                      out: Outcomes) -> None:
+async def one_request(
+    client: openai.AsyncOpenAI, model: str, msgs: list[dict], expected: str, t0: float, out: Outcomes
+) -> None:
     """Send one chat through the gateway and count how it ended: correct, wrong, lost or a clean or unshaped error."""
     out.counts["accepted"] += 1
     try:
-        reply = await client.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS,
-                                                     temperature=0.0, extra_body={"ignore_eos": True})
+        reply = await client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+        )
         kind = "correct" if reply.choices[0].message.content == expected else "wrong"
     except openai.APITimeoutError:
         kind = "lost"
@@ -100,8 +114,9 @@ async def one_request(client: openai.AsyncOpenAI, model: str, msgs: list[dict], 
     out.timeline.append((time.monotonic() - t0, kind))
 
 
-async def closed_loop_rate(client: openai.AsyncOpenAI, model: str, chats: list, seconds: float,
-                           concurrency: int = 4) -> float:
+async def closed_loop_rate(
+    client: openai.AsyncOpenAI, model: str, chats: list, seconds: float, concurrency: int = 4
+) -> float:
     """Requests/s the stack answers with `concurrency` clients back to back: its capacity."""
     done, deadline = 0, time.monotonic() + seconds
 
@@ -109,8 +124,13 @@ async def closed_loop_rate(client: openai.AsyncOpenAI, model: str, chats: list, 
         nonlocal done
         i = k
         while time.monotonic() < deadline:
-            await client.chat.completions.create(model=model, messages=chats[i % len(chats)], max_tokens=MAX_TOKENS,
-                                                 temperature=0.0, extra_body={"ignore_eos": True})
+            await client.chat.completions.create(
+                model=model,
+                messages=chats[i % len(chats)],
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
             done, i = done + 1, i + concurrency
 
     start = time.monotonic()
@@ -131,14 +151,16 @@ def rss_bytes(server: ServerProcess) -> int:
 
 async def soak(stack: Stack, args: argparse.Namespace) -> dict:
     """Measure capacity, then send open-loop load at `args.load` of it with a fault every `args.fault_every` s."""
-    client = openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key="unused", max_retries=0,
-                                timeout=CLIENT_TIMEOUT_S)
+    client = openai.AsyncOpenAI(
+        base_url=stack.gateway.url + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
     model = (await client.models.list()).data[0].id
     chats = prompts(16)
     expected = []
     for msgs in chats:  # the reference answers, from the stack before any fault
-        reply = await client.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS,
-                                                     temperature=0.0, extra_body={"ignore_eos": True})
+        reply = await client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+        )
         expected.append(reply.choices[0].message.content)
     capacity = await closed_loop_rate(client, model, chats, args.capacity_seconds)
     rate = args.load * capacity
@@ -164,8 +186,7 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict:
             faults.append((fault_started - t0, time.monotonic() - t0, fault_task.result()))
             logger.info("%.0f s: %s (%.0f s)", fault_started - t0, faults[-1][2], faults[-1][1] - faults[-1][0])
             fault_task, next_fault = None, time.monotonic() + args.fault_every
-        task = asyncio.create_task(one_request(client, model, chats[k % len(chats)], expected[k % len(chats)], t0,
-                                               out))
+        task = asyncio.create_task(one_request(client, model, chats[k % len(chats)], expected[k % len(chats)], t0, out))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         k += 1
@@ -173,8 +194,16 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict:
     if fault_task is not None:
         faults.append((fault_started - t0, time.monotonic() - t0, await fault_task))
     await asyncio.gather(*tasks)
-    return {"capacity_rps": capacity, "rate_rps": rate, "minutes": args.minutes, "counts": dict(out.counts),
-            "faults": faults, "timeline": out.timeline, "rss": rss, "busy_ejected": stack.ejected}
+    return {
+        "capacity_rps": capacity,
+        "rate_rps": rate,
+        "minutes": args.minutes,
+        "counts": dict(out.counts),
+        "faults": faults,
+        "timeline": out.timeline,
+        "rss": rss,
+        "busy_ejected": stack.ejected,
+    }
 
 
 def rss_growth(samples: list[tuple[float, float, int]], warmup_s: float) -> float | None:
@@ -192,8 +221,10 @@ def pool_bytes(stack: Stack, wait_s: float = EMBEDDING_TTL_S + 10) -> dict[str, 
     """Each Eric's pool bytes once idle (leases of requests a killed gateway never forwarded end at the TTL)."""
     deadline, used = time.monotonic() + wait_s, {}
     while True:
-        used = {e.url: httpx.get(e.url + "/v1/transfer", headers=e.headers, timeout=10).json()["used_bytes"]
-                for e in stack.erics}
+        used = {
+            e.url: httpx.get(e.url + "/v1/transfer", headers=e.headers, timeout=10).json()["used_bytes"]
+            for e in stack.erics
+        }
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         time.sleep(1)
@@ -208,14 +239,20 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     width = 10.0
-    for kind, color in (("correct", "tab:green"), ("clean_error", "tab:orange"), ("wrong", "tab:red"),
-                        ("lost", "black"), ("unshaped_error", "tab:purple")):
+    for kind, color in (
+        ("correct", "tab:green"),
+        ("clean_error", "tab:orange"),
+        ("wrong", "tab:red"),
+        ("lost", "black"),
+        ("unshaped_error", "tab:purple"),
+    ):
         times = [t for t, k in result["timeline"] if k == kind]
         if times:
             bins = int(max(times) // width) + 1
             counts = Counter(int(t // width) for t in times)
-            ax1.plot([b * width for b in range(bins)], [counts[b] / width for b in range(bins)], label=kind,
-                     color=color)
+            ax1.plot(
+                [b * width for b in range(bins)], [counts[b] / width for b in range(bins)], label=kind, color=color
+            )
     for start, _, what in result["faults"]:
         for ax in (ax1, ax2):
             ax.axvline(start, color="grey", ls="--", lw=0.8)
@@ -238,8 +275,12 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=15.0, help="how long the soak runs")
     ap.add_argument("--fault-every", type=float, default=180.0, help="seconds between faults")
     ap.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity")
-    ap.add_argument("--faults", type=lambda v: tuple(v.split(",")), default=FAULTS,
-                    help=f"comma-separated faults to cycle through (default: all, {','.join(FAULTS)})")
+    ap.add_argument(
+        "--faults",
+        type=lambda v: tuple(v.split(",")),
+        default=FAULTS,
+        help=f"comma-separated faults to cycle through (default: all, {','.join(FAULTS)})",
+    )
     ap.add_argument("--capacity-seconds", type=float, default=45.0, help="seconds spent measuring capacity first")
     ap.add_argument("--warmup", type=float, default=60.0, help="seconds after a (re)start before RSS is counted")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the built-in tiny Qwen2-VL)")
@@ -260,8 +301,10 @@ def main() -> None:
     c = result["counts"]
     print(f"capacity {result['capacity_rps']:.2f} req/s, soaked at {result['rate_rps']:.2f} req/s")
     print(f"{'accepted':>10} {'correct':>8} {'clean err':>9} {'wrong':>6} {'lost':>5}")
-    print(f"{c.get('accepted', 0):>10} {c.get('correct', 0):>8} {c.get('clean_error', 0):>9} {c.get('wrong', 0):>6} "
-          f"{c.get('lost', 0):>5}")
+    print(
+        f"{c.get('accepted', 0):>10} {c.get('correct', 0):>8} {c.get('clean_error', 0):>9} {c.get('wrong', 0):>6} "
+        f"{c.get('lost', 0):>5}"
+    )
     for name, growth in result["rss_growth"].items():
         print(f"RSS growth {name:>8}: " + ("n/a" if growth is None else f"{100 * growth:+.1f}%"))
     print("pool bytes at the end:", result["pool_used_bytes_at_end"])

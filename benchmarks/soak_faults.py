@@ -20,8 +20,18 @@ from eric_epd.wire.handles import ack_request
 
 logger = logging.getLogger("soak")
 
-FAULTS = ("eric", "eric_stall", "eric_worker", "store_hang", "eric_slow", "eric_long_batch", "eric_engine",
-          "eric_drain", "prefill", "gateway")
+FAULTS = (
+    "eric",
+    "eric_stall",
+    "eric_worker",
+    "store_hang",
+    "eric_slow",
+    "eric_long_batch",
+    "eric_engine",
+    "eric_drain",
+    "prefill",
+    "gateway",
+)
 """Cycled in this order, one every --fault-every seconds: kills, and stops (SIGSTOP) that outlast the engines'
 fetch and landing timeouts, so a fetch times out, its landing is given up and the same image is fetched again with a
 fresh lease; a slow encode keeps its regions until its batch ends; a hung store master (every store call blocks); a
@@ -48,8 +58,14 @@ class Stack:
 
     def components(self) -> dict[str, ServerProcess]:
         """Each server of the stack by name."""
-        return {"eric_a": self.erics[0], "eric_b": self.erics[1], "prefill": self.prefill, "decode": self.decode,
-                "gateway": self.gateway, "store": self.store}
+        return {
+            "eric_a": self.erics[0],
+            "eric_b": self.erics[1],
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "gateway": self.gateway,
+            "store": self.store,
+        }
 
     def stop(self) -> None:
         """Stop every server, the gateway first."""
@@ -117,8 +133,13 @@ def long_batch(stack: Stack) -> str:
         for proc in procs:
             proc.send_signal(signal.SIGSTOP)
         try:
-            answer = pool.submit(httpx.post, eric.url + "/v1/encode", headers=eric.headers, timeout=LONG_BATCH_S + 60,
-                                 json={"items": [{"modality": "image", "url": u} for u in images]})
+            answer = pool.submit(
+                httpx.post,
+                eric.url + "/v1/encode",
+                headers=eric.headers,
+                timeout=LONG_BATCH_S + 60,
+                json={"items": [{"modality": "image", "url": u} for u in images]},
+            )
             end = time.monotonic() + LONG_BATCH_S
             while time.monotonic() < end:
                 watch()
@@ -131,8 +152,10 @@ def long_batch(stack: Stack) -> str:
         handle = item["handle"]
         ack = ack_request(handle["producer"], handle["hash"], handle["lease"], handle["instance_id"])
         httpx.post(ack.url, headers={**eric.headers, **ack.headers}, content=ack.content, timeout=10)
-    return (f"held Eric B's workers for {LONG_BATCH_S:g} s with an encode in flight (its /health said "
-            f"{sorted(statuses)}; the encode was answered {resp.status_code} after)")
+    return (
+        f"held Eric B's workers for {LONG_BATCH_S:g} s with an encode in flight (its /health said "
+        f"{sorted(statuses)}; the encode was answered {resp.status_code} after)"
+    )
 
 
 def drain(stack: Stack) -> str:
@@ -178,8 +201,11 @@ def inject(stack: Stack, fault: str) -> str:
         tries = restart(eric)
         stack.started["eric_b"] = time.monotonic()
         return f"killed Eric B's {what} {pid}, restarted Eric B ({tries} start(s))"
-    name, server = {"eric": ("eric_a", stack.erics[0]), "prefill": ("prefill", stack.prefill),
-                    "gateway": ("gateway", stack.gateway)}[fault]
+    name, server = {
+        "eric": ("eric_a", stack.erics[0]),
+        "prefill": ("prefill", stack.prefill),
+        "gateway": ("gateway", stack.gateway),
+    }[fault]
     kill(server)
     tries = restart(server)
     stack.started[name] = time.monotonic()

@@ -76,8 +76,11 @@ def main() -> None:
         for mib in sizes:
             nbytes = mib << 20
             results["gbps"]["memcpy"][str(mib)] = memcpy_gbps(nbytes, repeats)
-            resp = httpx.post(producer.url + "/v1/testing/entries",
-                              json={"hash": f"bench-{mib}", "nbytes": nbytes, "seed": mib}, timeout=120)
+            resp = httpx.post(
+                producer.url + "/v1/testing/entries",
+                json={"hash": f"bench-{mib}", "nbytes": nbytes, "seed": mib},
+                timeout=120,
+            )
             resp.raise_for_status()
             handle = as_handle(resp.json())
             expected = seeded_bytes(nbytes, mib)
@@ -95,8 +98,9 @@ def main() -> None:
     lines = [f"{'MiB':>5} " + " ".join(f"{n:>9}" for n in ["memcpy", *BACKENDS]) + "   (GB/s; ratio to memcpy)"]
     for mib in sizes:
         mc = results["gbps"]["memcpy"][str(mib)]
-        cells = [f"{mc:9.2f}"] + [f"{results['gbps'][n][str(mib)]:5.2f}/{results['gbps'][n][str(mib)] / mc:.2f}"
-                                  for n in BACKENDS]
+        cells = [f"{mc:9.2f}"] + [
+            f"{results['gbps'][n][str(mib)]:5.2f}/{results['gbps'][n][str(mib)] / mc:.2f}" for n in BACKENDS
+        ]
         lines.append(f"{mib:5d} " + " ".join(f"{c:>9}" for c in cells))
     lines.append(f"shm at 64 MiB reaches {half:.2f} of memcpy (target >= 0.5)")
     logger.info("results\n%s", "\n".join(lines))

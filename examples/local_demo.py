@@ -38,8 +38,11 @@ def ask(gateway: str) -> None:
     content.append({"type": "video_url", "video_url": {"url": video_data_url(8, 64, 48)}})
     content.append({"type": "text", "text": "What do these pictures and the clip have in common?"})
     raw = client.chat.completions.with_raw_response.create(
-        model=client.models.list().data[0].id, messages=[{"role": "user", "content": content}],
-        max_tokens=24, temperature=0.0)
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=24,
+        temperature=0.0,
+    )
     answer = raw.parse()
     log.info("path taken: %s (3 images + 1 video -> encoder, then prefill/decode)", raw.headers["x-epd-path"])
     log.info("answer (random tiny model, so words without meaning): %r", answer.choices[0].message.content)
@@ -51,8 +54,20 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "gateway-url"
-        up = subprocess.Popen([sys.executable, "-m", "eric_epd", "up", "--port", "8000",
-                               "--log-dir", str(Path(tmp) / "logs"), "--ready-file", str(ready)])
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eric_epd",
+                "up",
+                "--port",
+                "8000",
+                "--log-dir",
+                str(Path(tmp) / "logs"),
+                "--ready-file",
+                str(ready),
+            ]
+        )
         try:
             ask(wait_for_url(ready, up))
         finally:

@@ -23,8 +23,11 @@ NO_TESTS = 5
 
 def folders() -> list[Path]:
     """The test folders, in the order a single `pytest tests` would run them."""
-    return sorted(p for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "support"
-                  and not p.name.startswith((".", "_")))
+    return sorted(
+        p
+        for p in (ROOT / "tests").iterdir()
+        if p.is_dir() and p.name != "support" and not p.name.startswith((".", "_"))
+    )
 
 
 def main(args: list[str]) -> int:
@@ -34,16 +37,19 @@ def main(args: list[str]) -> int:
         results: list[tuple[str, int, float]] = []
         for folder in folders():
             start = time.monotonic()
-            code = subprocess.call([sys.executable, "-m", "pytest", str(folder.relative_to(ROOT)), *args],
-                                   cwd=ROOT, env=env)
+            code = subprocess.call(
+                [sys.executable, "-m", "pytest", str(folder.relative_to(ROOT)), *args], cwd=ROOT, env=env
+            )
             results.append((folder.name, code, time.monotonic() - start))
     failed = [name for name, code, _ in results if code not in (0, NO_TESTS)]
     sys.stdout.write("\nfolder        status   minutes\n")
     for name, code, seconds in results:
         status = "ok" if code in (0, NO_TESTS) else f"exit {code}"
         sys.stdout.write(f"{name:<13} {status:<8} {seconds / 60:7.1f}\n")
-    sys.stdout.write(f"total {sum(s for *_, s in results) / 60:.1f} min; "
-                     f"{'failed: ' + ', '.join(failed) if failed else 'every folder passed'}\n")
+    sys.stdout.write(
+        f"total {sum(s for *_, s in results) / 60:.1f} min; "
+        f"{'failed: ' + ', '.join(failed) if failed else 'every folder passed'}\n"
+    )
     return 1 if failed else 0
 
 

@@ -101,8 +101,10 @@ def vllm_behind_erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFact
 
     logs = tmp_path_factory.mktemp("epd-backend")
     key = new_key()
-    erics = [EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key, media_hosts=("127.0.0.1",))
-             for i in range(2)]  # tests/security/test_url_tricks.py's media origin is on loopback
+    erics = [
+        EricServer(qwen2_vl_tiny, log_path=logs / f"eric{i}.log", api_key=key, media_hosts=("127.0.0.1",))
+        for i in range(2)
+    ]  # tests/security/test_url_tricks.py's media origin is on loopback
     vllm = VllmServe(qwen2_vl_tiny, logs / "vllm.log", eric_urls=[e.url for e in erics], eric_api_key=key)
     with running(vllm, *erics):  # their start-ups overlap
         yield {"erics": erics, "vllm": vllm, "eric_key": key}
@@ -126,11 +128,29 @@ def qwen2_audio_servers(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPat
 # batch shapes or two instruction sets: `scripts/test_other_isa.sh` runs them (-m exactness) on another instruction set
 # than the host's best, so a comparison exact only by one CPU's luck fails here rather than on a user's machine.
 EXACTNESS_MODULES = {
-    "test_connector_stall", "test_families_tp2", "test_gateway", "test_gateway_images", "test_gateway_pd",
-    "test_gateway_multiturn", "test_gateway_qwen3", "test_geri_model", "test_geri_server", "test_models",
-    "test_processor", "test_qwen3_5", "test_qwen3_vl", "test_vllm_plugin", "test_vllm_plugin_qwen25",
-    "test_gemma3_tower", "test_audio", "test_qwen2_audio", "test_audio_server",
-    "test_qwen2_5_omni", "test_omni_server", "test_qwen3_omni", "test_qwen3_omni_server",
+    "test_connector_stall",
+    "test_families_tp2",
+    "test_gateway",
+    "test_gateway_images",
+    "test_gateway_pd",
+    "test_gateway_multiturn",
+    "test_gateway_qwen3",
+    "test_geri_model",
+    "test_geri_server",
+    "test_models",
+    "test_processor",
+    "test_qwen3_5",
+    "test_qwen3_vl",
+    "test_vllm_plugin",
+    "test_vllm_plugin_qwen25",
+    "test_gemma3_tower",
+    "test_audio",
+    "test_qwen2_audio",
+    "test_audio_server",
+    "test_qwen2_5_omni",
+    "test_omni_server",
+    "test_qwen3_omni",
+    "test_qwen3_omni_server",
 }
 
 

@@ -36,8 +36,9 @@ class AudioFamily:
     """None: nothing done to what was saved."""
 
 
-QWEN2_AUDIO = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
-                     eos="<|im_end|>")
+QWEN2_AUDIO = Tokens(
+    ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"), eos="<|im_end|>"
+)
 """Qwen2-Audio's special tokens; its processor finds the audio ones by their default names."""
 
 
@@ -48,23 +49,58 @@ def _qwen2_audio(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> 
     from transformers import Qwen2AudioConfig, Qwen2AudioProcessor, WhisperFeatureExtractor
 
     cfg = Qwen2AudioConfig(
-        audio_config={"d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 128,
-                      "num_mel_bins": 128, "max_source_positions": 1500, "initializer_range": init_std},
+        audio_config={
+            "d_model": 64,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "num_mel_bins": 128,
+            "max_source_positions": 1500,
+            "initializer_range": init_std,
+        },
         text_config={"model_type": "qwen2", **_text(vocab, ids, QWEN2_AUDIO, init_std)},
-        audio_token_index=ids["<|AUDIO|>"])
+        audio_token_index=ids["<|AUDIO|>"],
+    )
     cfg.architectures = ["Qwen2AudioForConditionalGeneration"]
-    extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30,
-                                        n_fft=400, padding_value=0.0, return_attention_mask=True)
+    extractor = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
     processor = Qwen2AudioProcessor(extractor, tok)
     processor.chat_template = processor.default_chat_template
     return cfg, processor
 
 
-QWEN2_5_OMNI = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
-                       "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>"),
-                      {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
-                       "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
-                       "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}, eos="<|im_end|>")
+QWEN2_5_OMNI = Tokens(
+    (
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|AUDIO|>",
+        "<|audio_bos|>",
+        "<|audio_eos|>",
+        "<|vision_bos|>",
+        "<|vision_eos|>",
+        "<|vision_pad|>",
+        "<|IMAGE|>",
+        "<|VIDEO|>",
+    ),
+    {
+        "image_token": "<|IMAGE|>",
+        "audio_token": "<|AUDIO|>",
+        "video_token": "<|VIDEO|>",
+        "vision_bos_token": "<|vision_bos|>",
+        "vision_eos_token": "<|vision_eos|>",
+        "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>",
+    },
+    eos="<|im_end|>",
+)
 """Qwen2.5-Omni's special tokens, those its processor reads by name (`tokenizer.image_token`, ...) named."""
 QWEN2_5_OMNI_TEMPLATE = (
     "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
@@ -103,35 +139,91 @@ def _qwen2_5_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) ->
 
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}  # halves of 32-wide heads
     thinker = dict(
-        audio_config={"d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 128,
-                      "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 100, "output_dim": 64,
-                      "initializer_range": init_std},
-        vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-                       "fullatt_block_indexes": [1], "hidden_act": "silu", "initializer_range": init_std},
+        audio_config={
+            "d_model": 64,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "num_mel_bins": 128,
+            "max_source_positions": 1500,
+            "n_window": 100,
+            "output_dim": 64,
+            "initializer_range": init_std,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+            "hidden_act": "silu",
+            "initializer_range": init_std,
+        },
         text_config=_text(vocab, ids, QWEN2_5_OMNI, init_std, rope_parameters=rope),
-        audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"], video_token_index=ids["<|VIDEO|>"],
-        audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
-        initializer_range=init_std)
+        audio_token_index=ids["<|AUDIO|>"],
+        image_token_index=ids["<|IMAGE|>"],
+        video_token_index=ids["<|VIDEO|>"],
+        audio_start_token_id=ids["<|audio_bos|>"],
+        audio_end_token_id=ids["<|audio_eos|>"],
+        initializer_range=init_std,
+    )
     cfg = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)  # saved as its model class, which
     # vLLM 0.32 maps to its thinker as it maps the released `Qwen2_5OmniModel`
-    extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300,
-                                        n_fft=400, padding_value=0.0, return_attention_mask=True, dither=0.0)
-    processor = Qwen2_5OmniProcessor(Qwen2VLImageProcessor(), Qwen2VLVideoProcessor(), extractor, tok,
-                                     chat_template=QWEN2_5_OMNI_TEMPLATE)
+    extractor = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=300,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+        dither=0.0,
+    )
+    processor = Qwen2_5OmniProcessor(
+        Qwen2VLImageProcessor(), Qwen2VLVideoProcessor(), extractor, tok, chat_template=QWEN2_5_OMNI_TEMPLATE
+    )
     return cfg, processor
 
 
-QWEN3_OMNI = Tokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>",
-                     "<|audio_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-                    {"image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
-                     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-                     "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}, eos="<|im_end|>")
+QWEN3_OMNI = Tokens(
+    (
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|audio_start|>",
+        "<|audio_end|>",
+        "<|audio_pad|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ),
+    {
+        "image_token": "<|image_pad|>",
+        "audio_token": "<|audio_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_bos_token": "<|vision_start|>",
+        "vision_eos_token": "<|vision_end|>",
+        "audio_bos_token": "<|audio_start|>",
+        "audio_eos_token": "<|audio_end|>",
+    },
+    eos="<|im_end|>",
+)
 """Qwen3-Omni's special tokens (Qwen3's placeholder names), those its processor reads by name named."""
-QWEN3_OMNI_TEMPLATE = (QWEN2_5_OMNI_TEMPLATE.replace("<|vision_bos|>", "<|vision_start|>")
-                       .replace("<|vision_eos|>", "<|vision_end|>").replace("<|IMAGE|>", "<|image_pad|>")
-                       .replace("<|VIDEO|>", "<|video_pad|>").replace("<|audio_bos|>", "<|audio_start|>")
-                       .replace("<|audio_eos|>", "<|audio_end|>").replace("<|AUDIO|>", "<|audio_pad|>"))
+QWEN3_OMNI_TEMPLATE = (
+    QWEN2_5_OMNI_TEMPLATE.replace("<|vision_bos|>", "<|vision_start|>")
+    .replace("<|vision_eos|>", "<|vision_end|>")
+    .replace("<|IMAGE|>", "<|image_pad|>")
+    .replace("<|VIDEO|>", "<|video_pad|>")
+    .replace("<|audio_bos|>", "<|audio_start|>")
+    .replace("<|audio_eos|>", "<|audio_end|>")
+    .replace("<|AUDIO|>", "<|audio_pad|>")
+)
 """Qwen2.5-Omni's template shape with Qwen3-Omni's placeholders (the released Qwen3 template, with its tool and
 thinking branches, is not available offline; the placeholders are the ones vLLM's Qwen3-Omni thinker emits)."""
 
@@ -151,33 +243,92 @@ def _qwen3_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> t
         WhisperFeatureExtractor,
     )
 
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True,
-            "interleaved": True}  # halves of 32-wide heads, Qwen3-VL's interleaved split
-    text = _text(vocab, ids, QWEN3_OMNI, init_std, rope_parameters=rope, num_experts=4, num_experts_per_tok=2,
-                 moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1)
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+        "interleaved": True,
+    }  # halves of 32-wide heads, Qwen3-VL's interleaved split
+    text = _text(
+        vocab,
+        ids,
+        QWEN3_OMNI,
+        init_std,
+        rope_parameters=rope,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    )
     thinker = dict(
-        audio_config={"d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 128,
-                      "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 50, "n_window_infer": 800,
-                      "downsample_hidden_size": 8, "output_dim": 64, "initializer_range": init_std},
-        vision_config={"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "num_position_embeddings": 64, "deepstack_visual_indexes": [1, 2],
-                       "image_size": 128, "apply_vit_abs_pos_embed": True,  # vLLM reads these: 8x8 positions
-                       "hidden_act": "gelu_pytorch_tanh", "initializer_range": init_std},
-        text_config=text, audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
-        audio_end_token_id=ids["<|audio_end|>"], vision_start_token_id=ids["<|vision_start|>"],
+        audio_config={
+            "d_model": 64,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "num_mel_bins": 128,
+            "max_source_positions": 1500,
+            "n_window": 50,
+            "n_window_infer": 800,
+            "downsample_hidden_size": 8,
+            "output_dim": 64,
+            "initializer_range": init_std,
+        },
+        vision_config={
+            "depth": 4,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [1, 2],
+            "image_size": 128,
+            "apply_vit_abs_pos_embed": True,  # vLLM reads these: 8x8 positions
+            "hidden_act": "gelu_pytorch_tanh",
+            "initializer_range": init_std,
+        },
+        text_config=text,
+        audio_token_id=ids["<|audio_pad|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        audio_start_token_id=ids["<|audio_start|>"],
+        audio_end_token_id=ids["<|audio_end|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],  # SGLang's Qwen-VL processor reads it (the released config's)
-        initializer_range=init_std)
-    cfg = Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False,
-                             im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"])
+        initializer_range=init_std,
+    )
+    cfg = Qwen3OmniMoeConfig(
+        thinker_config=thinker,
+        enable_audio_output=False,
+        im_start_token_id=ids["<|im_start|>"],
+        im_end_token_id=ids["<|im_end|>"],
+    )
     cfg.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
-    extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300,
-                                        n_fft=400, padding_value=0.0, return_attention_mask=True, dither=0.0)
-    norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "patch_size": 16, "temporal_patch_size": 2,
-            "merge_size": 2}
-    processor = Qwen3OmniMoeProcessor(Qwen2VLImageProcessor(**norm), Qwen2VLVideoProcessor(**norm), extractor, tok,
-                                      chat_template=QWEN3_OMNI_TEMPLATE)
+    extractor = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=300,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+        dither=0.0,
+    )
+    norm = {
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    processor = Qwen3OmniMoeProcessor(
+        Qwen2VLImageProcessor(**norm), Qwen2VLVideoProcessor(**norm), extractor, tok, chat_template=QWEN3_OMNI_TEMPLATE
+    )
     return cfg, processor
 
 

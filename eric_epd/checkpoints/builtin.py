@@ -26,9 +26,14 @@ SHAPED = ("shaped3b", "shaped7b")
 BUILDER_VERSION = 3  # bump when the output of build_checkpoint changes
 
 SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 
 CHAT_TEMPLATE = (
@@ -79,14 +84,29 @@ class CheckpointSpec:
 def spec_for(family: str, size: str) -> CheckpointSpec:
     """The fixed sizes of a (family, size) pair."""
     if family not in FAMILIES or size not in SIZES or (size in SHAPED and family != "qwen2_5_vl"):
-        raise ValueError(f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES} (shaped sizes: "
-                         "qwen2_5_vl only)")
+        raise ValueError(
+            f"unknown checkpoint {family}/{size}; families {FAMILIES}, sizes {SIZES} (shaped sizes: qwen2_5_vl only)"
+        )
     if size in SHAPED:  # one tower (6 blocks of 384, 2 of them full attention); the 7B shape has a deeper LM
-        return CheckpointSpec(family, size, 1024, 3 if size == "shaped3b" else 7, 16, 2, 6, 384, 6, 1024,
-                              56 * 56, 14 * 14 * 4 * 1280, text_mlp=5504)
+        return CheckpointSpec(
+            family,
+            size,
+            1024,
+            3 if size == "shaped3b" else 7,
+            16,
+            2,
+            6,
+            384,
+            6,
+            1024,
+            56 * 56,
+            14 * 14 * 4 * 1280,
+            text_mlp=5504,
+        )
     if size == "tiny":  # Qwen3-VL: 4 blocks, so two DeepStack taps sit before the last block
-        return CheckpointSpec(family, size, 128, 2, 2, 1, 4 if family.startswith("qwen3") else 2, 64, 2, 128,
-                              56 * 56, 224 * 224)
+        return CheckpointSpec(
+            family, size, 128, 2, 2, 1, 4 if family.startswith("qwen3") else 2, 64, 2, 128, 56 * 56, 224 * 224
+        )
     # small: real patch/merge sizes and pixel budget, 8 blocks of width 512 (31 M vision params)
     return CheckpointSpec(family, size, 512, 2, 8, 2, 8, 512, 8, 2048, 56 * 56, 14 * 14 * 4 * 1280)
 
@@ -128,20 +148,40 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
 
     head_dim = spec.text_hidden // spec.text_heads
     hw = (head_dim // 2) * 5 // 16  # Qwen3-VL's interleaved split: [24, 20, 20] for head_dim 128
-    text_config = {**text_config, "head_dim": head_dim, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [head_dim // 2 - 2 * hw, hw, hw],
-        "mrope_interleaved": True}}
+    text_config = {
+        **text_config,
+        "head_dim": head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [head_dim // 2 - 2 * hw, hw, hw],
+            "mrope_interleaved": True,
+        },
+    }
     vision = dict(
-        depth=spec.vision_depth, hidden_size=spec.vision_width, intermediate_size=spec.vision_mlp,
-        out_hidden_size=spec.text_hidden, num_heads=spec.vision_heads, in_channels=3, patch_size=16,
-        spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_width,
+        intermediate_size=spec.vision_mlp,
+        out_hidden_size=spec.text_hidden,
+        num_heads=spec.vision_heads,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        hidden_act="gelu_pytorch_tanh",
         num_position_embeddings=64 if spec.size == "tiny" else 2304,
-        deepstack_visual_indexes=_deepstack_layers(spec.vision_depth), initializer_range=init_std,
+        deepstack_visual_indexes=_deepstack_layers(spec.vision_depth),
+        initializer_range=init_std,
     )
     if spec.family == "qwen3_vl_moe":
-        text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 2,
-                       "moe_intermediate_size": spec.text_hidden * 3 // 8, "tie_word_embeddings": False,
-                       "norm_topk_prob": True}
+        text_config = {
+            **text_config,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": spec.text_hidden * 3 // 8,
+            "tie_word_embeddings": False,
+            "norm_topk_prob": True,
+        }
         cfg = Qwen3VLMoeConfig(text_config=text_config, vision_config=vision, **common)
         cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
         return cfg
@@ -159,21 +199,45 @@ def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_
 
     head_dim = spec.text_hidden // spec.text_heads
     half = head_dim // 8  # partial_rotary_factor 0.25, as the released models: [11, 11, 10] for head_dim 256
-    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-            "mrope_section": [-(-half // 3), -(-half // 3), half - 2 * -(-half // 3)], "mrope_interleaved": True}
-    text_config = {**text_config, "head_dim": head_dim, "rope_parameters": rope,
-                   "layer_types": ["linear_attention", "full_attention"],
-                   "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
-                   "linear_num_value_heads": 2}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [-(-half // 3), -(-half // 3), half - 2 * -(-half // 3)],
+        "mrope_interleaved": True,
+    }
+    text_config = {
+        **text_config,
+        "head_dim": head_dim,
+        "rope_parameters": rope,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+    }
     vision = dict(
-        depth=spec.vision_depth, hidden_size=spec.vision_width, intermediate_size=spec.vision_mlp,
-        out_hidden_size=spec.text_hidden, num_heads=spec.vision_heads, in_channels=3, patch_size=16,
-        spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
-        num_position_embeddings=64 if spec.size == "tiny" else 2304, initializer_range=init_std,
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_width,
+        intermediate_size=spec.vision_mlp,
+        out_hidden_size=spec.text_hidden,
+        num_heads=spec.vision_heads,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=64 if spec.size == "tiny" else 2304,
+        initializer_range=init_std,
     )
     if spec.family == "qwen3_5_moe":
-        text_config = {**text_config, "num_experts": 4, "num_experts_per_tok": 4,
-                       "moe_intermediate_size": spec.text_hidden, "shared_expert_intermediate_size": spec.text_hidden}
+        text_config = {
+            **text_config,
+            "num_experts": 4,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": spec.text_hidden,
+            "shared_expert_intermediate_size": spec.text_hidden,
+        }
         cfg = Qwen3_5MoeConfig(text_config=text_config, vision_config=vision, **common)
         cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
         return cfg
@@ -188,19 +252,33 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
     head_dim = spec.text_hidden // spec.text_heads
     hw = 3 * head_dim // 16  # Qwen's split of the rotary half-dim over (t, h, w): 16/24/24 for head_dim 128
     text_config = dict(
-        vocab_size=vocab, hidden_size=spec.text_hidden, intermediate_size=spec.text_mlp or 2 * spec.text_hidden,
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                         "mrope_section": [head_dim // 2 - 2 * hw, hw, hw]},
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        tie_word_embeddings=False, initializer_range=init_std,
+        vocab_size=vocab,
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_mlp or 2 * spec.text_hidden,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [head_dim // 2 - 2 * hw, hw, hw],
+        },
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        tie_word_embeddings=False,
+        initializer_range=init_std,
     )
     common = dict(
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        tie_word_embeddings=False, initializer_range=init_std,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        tie_word_embeddings=False,
+        initializer_range=init_std,
     )
     if spec.family in ("qwen3_vl", "qwen3_vl_moe"):
         return _qwen3_vl_config(spec, text_config, common, init_std)
@@ -208,9 +286,16 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
         return _qwen3_5_config(spec, text_config, common, init_std)
     if spec.family == "qwen2_vl":
         vision = dict(
-            depth=spec.vision_depth, embed_dim=spec.vision_width, hidden_size=spec.text_hidden,
-            num_heads=spec.vision_heads, mlp_ratio=spec.vision_mlp // spec.vision_width, in_channels=3,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std,
+            depth=spec.vision_depth,
+            embed_dim=spec.vision_width,
+            hidden_size=spec.text_hidden,
+            num_heads=spec.vision_heads,
+            mlp_ratio=spec.vision_mlp // spec.vision_width,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=init_std,
         )
         cfg = Qwen2VLConfig(text_config=text_config, vision_config=vision, **common)
         cfg.architectures = ["Qwen2VLForConditionalGeneration"]
@@ -218,10 +303,19 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
         depth = spec.vision_depth  # keep windowed blocks in every size: tiny has one of each kind
         full = [depth - 1] if depth < 4 else [depth // 2 - 1, depth - 1]
         vision = dict(
-            depth=spec.vision_depth, hidden_size=spec.vision_width, intermediate_size=spec.vision_mlp,
-            out_hidden_size=spec.text_hidden, num_heads=spec.vision_heads, in_channels=3,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-            fullatt_block_indexes=full, hidden_act="silu", initializer_range=init_std,
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_width,
+            intermediate_size=spec.vision_mlp,
+            out_hidden_size=spec.text_hidden,
+            num_heads=spec.vision_heads,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=full,
+            hidden_act="silu",
+            initializer_range=init_std,
         )
         cfg = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision, **common)
         cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
@@ -231,9 +325,14 @@ def _model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_st
 def _save_processor(out: Path, spec: CheckpointSpec) -> None:
     from transformers import Qwen2VLImageProcessorPil
 
-    processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                       "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
-                       "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}[spec.family]
+    processor_class = {
+        "qwen2_vl": "Qwen2VLProcessor",
+        "qwen2_5_vl": "Qwen2_5_VLProcessor",
+        "qwen3_vl": "Qwen3VLProcessor",
+        "qwen3_vl_moe": "Qwen3VLProcessor",
+        "qwen3_5": "Qwen3VLProcessor",
+        "qwen3_5_moe": "Qwen3VLProcessor",
+    }[spec.family]
     qwen3 = spec.family.startswith("qwen3")
     patch = 16 if qwen3 else 14
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
@@ -242,24 +341,41 @@ def _save_processor(out: Path, spec: CheckpointSpec) -> None:
     improc.save_pretrained(out)
     pp = out / "preprocessor_config.json"
     d = json.loads(pp.read_text())
-    d.update(processor_class=processor_class, image_processor_type="Qwen2VLImageProcessor",
-             min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    d.update(
+        processor_class=processor_class,
+        image_processor_type="Qwen2VLImageProcessor",
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.max_pixels,
+    )
     pp.write_text(json.dumps(d, indent=2))
     video = {
         "video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
         "processor_class": processor_class,
-        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-        "rescale_factor": 1 / 255, "image_mean": d["image_mean"], "image_std": d["image_std"],
-        "size": size, "min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels,
-        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
-        "do_sample_frames": False, "fps": 2.0, "min_frames": 4, "max_frames": 768,
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": d["image_mean"],
+        "image_std": d["image_std"],
+        "size": size,
+        "min_pixels": spec.min_pixels,
+        "max_pixels": spec.max_pixels,
+        "patch_size": patch,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "do_sample_frames": False,
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 768,
     }
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
-def build_checkpoint(out_dir: str | os.PathLike, family: str = "qwen2_vl", size: str = "tiny",
-                     seed: int = 0, init_std: float = 0.1) -> Path:
+def build_checkpoint(
+    out_dir: str | os.PathLike, family: str = "qwen2_vl", size: str = "tiny", seed: int = 0, init_std: float = 0.1
+) -> Path:
     """Write a complete random checkpoint (config, safetensors, tokenizer, processor configs) to out_dir."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -275,8 +391,12 @@ def build_checkpoint(out_dir: str | os.PathLike, family: str = "qwen2_vl", size:
     model.save_pretrained(out, safe_serialization=True)
     if family == "qwen3_vl_moe":
         _experts_to_hub_layout(out)
-    GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                     pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out)
     tok.save_pretrained(out)
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
@@ -309,8 +429,11 @@ def cache_root() -> Path:
 
 def ensure_checkpoint(family: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> Path:
     """Return the cached checkpoint for (family, size, seed), building it atomically on first use."""
-    return ensure_built(f"{family}-{size}-s{seed}-v{BUILDER_VERSION}", "config.json",
-                        lambda out: build_checkpoint(out, family, size, seed))
+    return ensure_built(
+        f"{family}-{size}-s{seed}-v{BUILDER_VERSION}",
+        "config.json",
+        lambda out: build_checkpoint(out, family, size, seed),
+    )
 
 
 def ensure_built(name: str, marker: str, build: Callable[[Path], object]) -> Path:

@@ -37,7 +37,7 @@ def rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
 
     def renamed(name: str) -> str:
         old = next((p for p in prefixes if name.startswith(p)), None)
-        return name if old is None else prefixes[old] + name[len(old):]
+        return name if old is None else prefixes[old] + name[len(old) :]
 
     save_file({renamed(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
 
@@ -50,10 +50,16 @@ def with_chat_template(out: Path, template: str) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def save_random_checkpoint(out: Path, tokens: Tokens,
-                           make: Callable[[Any, dict[str, int], int, float], tuple[Any, Any]], auto_class: Any,
-                           released: dict[str, str], seed: int, init_std: float,
-                           chat_template: str | None = None) -> torch.nn.Module:
+def save_random_checkpoint(
+    out: Path,
+    tokens: Tokens,
+    make: Callable[[Any, dict[str, int], int, float], tuple[Any, Any]],
+    auto_class: Any,
+    released: dict[str, str],
+    seed: int,
+    init_std: float,
+    chat_template: str | None = None,
+) -> torch.nn.Module:
     """Write a random checkpoint to `out`: a tokenizer trained on `tokens`, the config and processor `make` gives
     (tokenizer, token ids, vocab size, init std), an `auto_class` model of that config (float32, constants jittered,
     tensors renamed by `released`), its generation config, and the processor with `chat_template` (default: the
@@ -103,22 +109,26 @@ class TinyFamily(Protocol):
         """(checkpoint dir, model) -> None: the family's last touches to what was saved, if any."""
 
 
-def build_tiny_checkpoint(out_dir: str | os.PathLike, family: str, spec: TinyFamily, auto_class: Any, seed: int,
-                          init_std: float) -> Path:
+def build_tiny_checkpoint(
+    out_dir: str | os.PathLike, family: str, spec: TinyFamily, auto_class: Any, seed: int, init_std: float
+) -> Path:
     """Write the random checkpoint `spec` describes (save_random_checkpoint with an `auto_class` model, then the
     family's `finish`) to `out_dir`; returns it."""
     out = Path(out_dir)
-    model = save_random_checkpoint(out, spec.tokens, spec.make, auto_class, spec.released, seed, init_std,
-                                   spec.chat_template)
+    model = save_random_checkpoint(
+        out, spec.tokens, spec.make, auto_class, spec.released, seed, init_std, spec.chat_template
+    )
     if spec.finish is not None:
         spec.finish(out, model)
-    logger.info("built %s checkpoint at %s: %.2fM params", family, out,
-                sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info(
+        "built %s checkpoint at %s: %.2fM params", family, out, sum(p.numel() for p in model.parameters()) / 1e6
+    )
     return out
 
 
-def ensure_tiny_checkpoint(family: str, seed: int, version: str,
-                           build: Callable[[str | os.PathLike, str, int], Path]) -> Path:
+def ensure_tiny_checkpoint(
+    family: str, seed: int, version: str, build: Callable[[str | os.PathLike, str, int], Path]
+) -> Path:
     """The cached tiny checkpoint of `family` (cache directory `<family>-tiny-s<seed>-<version>`), built atomically
     by `build(out_dir, family, seed)` on first use."""
     return ensure_built(f"{family}-tiny-s{seed}-{version}", "config.json", lambda out: build(out, family, seed))

@@ -38,23 +38,28 @@ class FamilySupport:
         return generic_modalities(self.model_type) if self.generic else TOWER_TYPES[self.model_type]
 
 
-NO_SGLANG_GENERIC = ("not tested (SGLang 0.5.23 rebuilds an encoder-disaggregated prompt from the encoder's grids "
-                     "in the Qwen-VL, Kimi, MiMo, InternS1-Pro and MiniMax processors only; this family's falls back "
-                     "to the generic rebuild, which no test runs against Eric)")
+NO_SGLANG_GENERIC = (
+    "not tested (SGLang 0.5.23 rebuilds an encoder-disaggregated prompt from the encoder's grids "
+    "in the Qwen-VL, Kimi, MiMo, InternS1-Pro and MiniMax processors only; this family's falls back "
+    "to the generic rebuild, which no test runs against Eric)"
+)
 GENERIC_VLLM = "tests/vllm/test_generic_families.py"
 
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
-    FamilySupport("Qwen2-VL", "qwen2_vl", "tests/vllm/test_vllm_plugin.py",
-                  "tests/sglang/test_sglang_adapter.py"),
-    FamilySupport("Qwen2.5-VL", "qwen2_5_vl", "tests/vllm/test_vllm_plugin_qwen25.py",
-                  "tests/sglang/test_sglang_adapter.py"),
-    FamilySupport("Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_families.py"),
-    FamilySupport("Qwen3-VL-MoE", "qwen3_vl_moe", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_families.py"),
+    FamilySupport("Qwen2-VL", "qwen2_vl", "tests/vllm/test_vllm_plugin.py", "tests/sglang/test_sglang_adapter.py"),
+    FamilySupport(
+        "Qwen2.5-VL", "qwen2_5_vl", "tests/vllm/test_vllm_plugin_qwen25.py", "tests/sglang/test_sglang_adapter.py"
+    ),
+    FamilySupport(
+        "Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"
+    ),
+    FamilySupport(
+        "Qwen3-VL-MoE", "qwen3_vl_moe", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"
+    ),
     FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"),
-    FamilySupport("Qwen3.5-MoE", "qwen3_5_moe", "tests/gateway/test_gateway_qwen3.py",
-                  "tests/sglang/test_sglang_families.py"),
+    FamilySupport(
+        "Qwen3.5-MoE", "qwen3_5_moe", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"
+    ),
     FamilySupport("Gemma 3", "gemma3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Gemma 4", "gemma4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("InternVL 3 (transformers layout)", "internvl", GENERIC_VLLM, NO_SGLANG_GENERIC),
@@ -67,17 +72,27 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Llama 4", "llama4", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Kimi-K2.5", "kimi_k25", GENERIC_VLLM, "tests/sglang/test_sglang_families.py"),
     FamilySupport("Qwen2-Audio", "qwen2_audio", "tests/vllm/test_audio_epd.py", "tests/sglang/test_sglang_audio.py"),
-    FamilySupport("Qwen2.5-Omni (thinker)", "qwen2_5_omni", "tests/vllm/test_omni_epd.py",
-                  "not supported by SGLang 0.5.23 (`tests/sglang/test_sglang_audio.py`: Eric's audio, image and "
-                  "video rows reach its receiver, but it has no Qwen2.5-Omni model or processor: with --model-impl "
-                  "auto its receiver finds no processor, with transformers the fallback's get_mm_data fails)"),
-    FamilySupport("Qwen3-Omni-MoE (thinker)", "qwen3_omni_moe", "tests/vllm/test_omni_epd.py",
-                  "tests/sglang/test_sglang_qwen3_omni.py"),
+    FamilySupport(
+        "Qwen2.5-Omni (thinker)",
+        "qwen2_5_omni",
+        "tests/vllm/test_omni_epd.py",
+        "not supported by SGLang 0.5.23 (`tests/sglang/test_sglang_audio.py`: Eric's audio, image and "
+        "video rows reach its receiver, but it has no Qwen2.5-Omni model or processor: with --model-impl "
+        "auto its receiver finds no processor, with transformers the fallback's get_mm_data fails)",
+    ),
+    FamilySupport(
+        "Qwen3-Omni-MoE (thinker)",
+        "qwen3_omni_moe",
+        "tests/vllm/test_omni_epd.py",
+        "tests/sglang/test_sglang_qwen3_omni.py",
+    ),
 )
 """Every family, hand-written towers first."""
 
-TABLE_HEADER = ("| family | model_type | image | video | audio | Eric TP | EPD through vLLM | EPD through SGLang |\n"
-                "|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = (
+    "| family | model_type | image | video | audio | Eric TP | EPD through vLLM | EPD through SGLang |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
 
 
 def is_proof(cell: str) -> bool:
@@ -91,10 +106,12 @@ def _cell(text: str) -> str:
 
 def family_table() -> str:
     """The README's family table, in Markdown."""
-    rows = [f"| {f.name} | `{f.model_type}` | "
-            + "".join(f"{'yes' if m in f.modalities else 'no'} | " for m in ("image", "video", "audio"))
-            + f"{f.tp} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
-            for f in FAMILY_SUPPORT]
+    rows = [
+        f"| {f.name} | `{f.model_type}` | "
+        + "".join(f"{'yes' if m in f.modalities else 'no'} | " for m in ("image", "video", "audio"))
+        + f"{f.tp} | {_cell(f.vllm)} | {_cell(f.sglang)} |"
+        for f in FAMILY_SUPPORT
+    ]
     return "\n".join([TABLE_HEADER, *rows])
 
 

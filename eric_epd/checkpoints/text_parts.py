@@ -8,8 +8,16 @@ from typing import Any
 
 from eric_epd.checkpoints.builtin import _CORPUS
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6)
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
 """The tiny language model every family shares: heads of 32 (vLLM's CPU attention takes 32 and up)."""
 
 
@@ -50,12 +58,20 @@ def build_tokenizer(tokens: Tokens, vocab_size: int = 512):  # -> PreTrainedToke
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(tokens.specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     named = set(tokens.named.values()) | {tokens.eos, tokens.pad, tokens.bos}
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=tokens.bos, eos_token=tokens.eos, pad_token=tokens.pad, unk_token=None,
+        tokenizer_object=tok,
+        bos_token=tokens.bos,
+        eos_token=tokens.eos,
+        pad_token=tokens.pad,
+        unk_token=None,
         extra_special_tokens=dict(tokens.named),
         additional_special_tokens=[t for t in tokens.specials if t not in named],
     )
@@ -64,5 +80,12 @@ def build_tokenizer(tokens: Tokens, vocab_size: int = 512):  # -> PreTrainedToke
 
 
 def _text(vocab: int, ids: dict[str, int], tokens: Tokens, init_std: float, **extra: Any) -> dict[str, Any]:
-    return {**TEXT, "vocab_size": vocab, "initializer_range": init_std, "eos_token_id": ids[tokens.eos],
-            "pad_token_id": ids[tokens.pad], **({"bos_token_id": ids[tokens.bos]} if tokens.bos else {}), **extra}
+    return {
+        **TEXT,
+        "vocab_size": vocab,
+        "initializer_range": init_std,
+        "eos_token_id": ids[tokens.eos],
+        "pad_token_id": ids[tokens.pad],
+        **({"bos_token_id": ids[tokens.bos]} if tokens.bos else {}),
+        **extra,
+    }

@@ -13,11 +13,23 @@ from eric_epd.common.jsonbody import JsonBodyError, decode_struct, parse_json
 
 T = TypeVar("T")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError", 409: "ConflictError",
-               413: "BadRequestError", 422: "UnprocessableEntityError", 429: "RateLimitError",
-               499: "ClientClosedRequestError", 500: "InternalServerError", 502: "BadGatewayError",
-               503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    409: "ConflictError",
+    413: "BadRequestError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    499: "ClientClosedRequestError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
 """The `type` of an error body by status, as vLLM's OpenAI server and OpenAI's client name them."""
 
 
@@ -25,8 +37,9 @@ class ApiError(Exception):
     """An error answered to the client as {"error": {...}} with this HTTP status; `param` names the request field at
     fault, `retry_after` (seconds) becomes a Retry-After header."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -52,8 +65,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   retry_after: float | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, *, param: str | None = None, retry_after: float | None = None
+) -> JSONResponse:
     """The error body answered with `status`, with Retry-After (whole seconds, at least 1) when given."""
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
     return JSONResponse(error_body(status, message, param), status, headers=headers)

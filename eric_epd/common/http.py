@@ -37,8 +37,11 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: answer 401 to an HTTP request outside `open_paths` without the key, else pass it on."""
-        if (scope["type"] == "http" and scope["path"] not in self.open_paths
-                and not key_matches(Headers(scope=scope), self.api_key)):
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in self.open_paths
+            and not key_matches(Headers(scope=scope), self.api_key)
+        ):
             await unauthorized()(scope, receive, send)
             return
         await self.app(scope, receive, send)

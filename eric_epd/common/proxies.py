@@ -6,8 +6,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-TRUSTED_PROXIES_HELP = ("comma-separated IPs or CIDRs of reverse proxies whose X-Forwarded-For/-Proto headers are "
-                        "believed (default: none; the headers are ignored and the peer is the connecting address)")
+TRUSTED_PROXIES_HELP = (
+    "comma-separated IPs or CIDRs of reverse proxies whose X-Forwarded-For/-Proto headers are "
+    "believed (default: none; the headers are ignored and the peer is the connecting address)"
+)
 
 
 def parse_trusted_proxies(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

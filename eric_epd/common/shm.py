@@ -11,6 +11,7 @@ from typing import Any
 
 _tracker_lock = threading.Lock()  # guards the brief process-wide patch in attach_untracked
 
+
 class Segment(SharedMemory):
     """SharedMemory without a lingering fd whose close() leaves the mapping to any live export (tensor)."""
 

@@ -14,8 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                 10.0)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """0.1 ms .. 10 s: sub-millisecond stages (hashing, pool reservation, answers) up to whole video batches."""
 
 
@@ -23,8 +22,15 @@ class StageHistogram(Collector):
     """One histogram family with one label whose values are fixed up front (every series is exported from the
     start, at zero). `observe(value, seconds)` from a single thread."""
 
-    def __init__(self, name: str, documentation: str, label: str, values: Iterable[str],
-                 buckets: tuple[float, ...] = STAGE_BUCKETS, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        label: str,
+        values: Iterable[str],
+        buckets: tuple[float, ...] = STAGE_BUCKETS,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self._name, self._doc, self._label = name, documentation, label
         self._bounds = tuple(buckets)
         self._counts = {v: [0] * (len(self._bounds) + 1) for v in values}  # last slot: above every bound (+Inf)

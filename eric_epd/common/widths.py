@@ -11,7 +11,8 @@ from typing import Any
 from eric_epd.common.tower_defaults import vision_config
 
 TOWER_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
+    {t: ("image", "video") for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")}
+)
 """The model_types a hand-written tower serves (models/registry.py), with their modalities; every other type takes
 the generic path (images)."""
 

@@ -11,6 +11,7 @@ class Admission:
     """Counts the items of requests accepted and not answered yet (fetching, preparing, encoding) and refuses more
     than `max_items`, or any at all once draining: a bound on what fetching and preprocessing hold before the
     engine's own queue sees any of it."""
+
     def __init__(self, max_items: int) -> None:
         self.max_items = max_items
         self.admitted = 0
@@ -22,8 +23,10 @@ class Admission:
         if self.draining:
             raise ApiError(503, f"{DRAINING}; send the items to another Eric", retry_after=1.0)
         if n > self.max_items:
-            raise ApiError(413, f"{n} items in one request; this Eric takes at most {self.max_items} at a time "
-                                "(--max-queued-items)")
+            raise ApiError(
+                413,
+                f"{n} items in one request; this Eric takes at most {self.max_items} at a time (--max-queued-items)",
+            )
         if self.admitted + n > self.max_items:
             raise ApiError(503, f"{self._full()}; retry later", retry_after=1.0)
         self.admitted += n
@@ -39,5 +42,4 @@ class Admission:
         return self._full() if self.admitted >= self.max_items else None
 
     def _full(self) -> str:
-        return (f"queue full: {self.admitted} items accepted and not answered yet "
-                f"(--max-queued-items {self.max_items})")
+        return f"queue full: {self.admitted} items accepted and not answered yet (--max-queued-items {self.max_items})"

@@ -18,6 +18,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class ItemAnswer:
     """One encoded item's answer: the request item, what preprocessing made of it, and its leased handle (and a
     video's soundtrack, asked with `use_audio_in_video`: an audio item's answer of its own)."""
+
     request: EncodeItem
     prepared: PreparedItem
     handle: EmbeddingHandle
@@ -51,8 +52,9 @@ class RequestClock:
     compute_seconds: float = 0.0
 
 
-def soundtrack_answer(request: EncodeItem, track: PreparedItem | None,
-                      handles: dict[str, EmbeddingHandle]) -> ItemAnswer | None:
+def soundtrack_answer(
+    request: EncodeItem, track: PreparedItem | None, handles: dict[str, EmbeddingHandle]
+) -> ItemAnswer | None:
     """A video's soundtrack as an audio item's answer (same id), or None where none was asked."""
     if track is None:
         return None

@@ -52,8 +52,10 @@ def member_proof_answer(key: str | None, request: Request) -> Response:
         raise ApiError(400, "nonce must be 32 to 128 lowercase hex digits", param="nonce")
     if not server or server[1] is None:
         raise ApiError(400, "this connection has no local address to prove")
-    return Response(msgspec.json.encode(MemberProof(member_proof(key, nonce, address_url(server[0], server[1])))),
-                    media_type="application/json")
+    return Response(
+        msgspec.json.encode(MemberProof(member_proof(key, nonce, address_url(server[0], server[1])))),
+        media_type="application/json",
+    )
 
 
 def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:
@@ -61,11 +63,19 @@ def encoded_item(answer: ItemAnswer, placement: Placement) -> EncodedItem:
     (ModelFacts.placement)."""
     handle, item = answer.handle, answer.prepared.item
     return EncodedItem(
-        id=answer.request.id, modality=answer.request.modality, hash=handle.hash, shape=list(handle.shape),
-        dtype=handle.dtype, num_tokens=item.num_tokens, grid_thw=list(item.grid_thw), handle=handle,
+        id=answer.request.id,
+        modality=answer.request.modality,
+        hash=handle.hash,
+        shape=list(handle.shape),
+        dtype=handle.dtype,
+        num_tokens=item.num_tokens,
+        grid_thw=list(item.grid_thw),
+        handle=handle,
         second_per_grid_ts=item.second_per_grid_ts,
-        timestamps=list(item.timestamps) if item.timestamps is not None else None, placement=placement,
-        soundtrack=encoded_item(answer.soundtrack, placement) if answer.soundtrack is not None else None)
+        timestamps=list(item.timestamps) if item.timestamps is not None else None,
+        placement=placement,
+        soundtrack=encoded_item(answer.soundtrack, placement) if answer.soundtrack is not None else None,
+    )
 
 
 async def drain_leases(service: EncodeService, pool: EmbeddingPool, timeout_s: float) -> None:
@@ -81,8 +91,7 @@ async def drain_leases(service: EncodeService, pool: EmbeddingPool, timeout_s: f
         logger.warning("drain timed out: %d pool entries still held", len(pool))
 
 
-def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: TransferHub
-               ) -> FastAPI:
+def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: TransferHub) -> FastAPI:
     """The router app for the checkpoint `facts` describe (read once by the caller); its lifespan connects to an
     engine that is already running and serves `hub`'s pool."""
     metrics = EricMetrics()
@@ -98,18 +107,29 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
         fetcher = MediaFetcher(config.url_policy, config.media)
         processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(facts))
         expiry = asyncio.create_task(hub.expiry_loop())
-        membership = GatewayMembership(config.register_with, config.register_key, config.public_url,
-                                       config.heartbeat_s, config.api_key)
-        shared = (GlobalCache(config.global_cache, config.transfer.advertise_host, config.global_cache_bytes,
-                              hub.pool.array, spec.dtype) if config.global_cache else None)
+        membership = GatewayMembership(
+            config.register_with, config.register_key, config.public_url, config.heartbeat_s, config.api_key
+        )
+        shared = (
+            GlobalCache(
+                config.global_cache,
+                config.transfer.advertise_host,
+                config.global_cache_bytes,
+                hub.pool.array,
+                spec.dtype,
+            )
+            if config.global_cache
+            else None
+        )
         metrics.global_cache, metrics.pool = shared, hub.pool
         if shared is not None:
             shared.start()
         try:
             async with connected_client(config, engine.is_alive, metrics.observe_status) as client:
                 state["client"] = client
-                state["service"] = EncodeService(fetcher, processor, client, hub, metrics, spec, shared,
-                                                 config.batch.max_queued_items)
+                state["service"] = EncodeService(
+                    fetcher, processor, client, hub, metrics, spec, shared, config.batch.max_queued_items
+                )
                 heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
 
                 async def leave_gateways() -> None:
@@ -172,16 +192,32 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
     sglang_paths = frozenset(r.path for r in sglang.routes)
     metrics.sglang_state = getattr(getattr(sglang, "encoder", None), "state", None)
 
-    install_error_handlers(app, lambda request, message: sglang_error_response(500, message, None)
-                           if request.url.path in sglang_paths else None)
+    install_error_handlers(
+        app,
+        lambda request, message: (
+            sglang_error_response(500, message, None) if request.url.path in sglang_paths else None
+        ),
+    )
     if config.api_key:
         # SGLang's receivers send no headers: its routes are bounded by the caller's address and the peer allowlist
         open_paths = frozenset({"/health", "/ready", "/metrics", MEMBER_PROOF_PATH, *(r.path for r in sglang.routes)})
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
 
-    add_status_routes(app, state, engine, config, {
-        "id": model_name, "modalities": list(facts.modalities), "tp_size": config.tp_size, "dtype": config.dtype,
-        "placement": placement, "takes_audio": facts.takes_audio}, lambda: state["service"].room())
+    add_status_routes(
+        app,
+        state,
+        engine,
+        config,
+        {
+            "id": model_name,
+            "modalities": list(facts.modalities),
+            "tp_size": config.tp_size,
+            "dtype": config.dtype,
+            "placement": placement,
+            "takes_audio": facts.takes_audio,
+        },
+        lambda: state["service"].room(),
+    )
 
     @app.get(MEMBER_PROOF_PATH)
     async def prove_membership(request: Request) -> Response:

@@ -57,7 +57,8 @@ class SglangConfig:
     """CIDRs (e.g. 10.0.0.0/24) Eric may push parts to besides the address a request came from; SGLang's receivers
     send no key, so where Eric connects is bounded by this and by the caller's own address."""
     peer_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
-        init=False, repr=False, compare=False)
+        init=False, repr=False, compare=False
+    )
     """allowed_peers parsed (set by __post_init__; a bad CIDR fails at start)."""
 
     def __post_init__(self) -> None:

@@ -38,9 +38,7 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
             raise MediaError(400, f"image is empty ({width}x{height} pixels)")
         if width * height > limits.max_image_pixels:
             raise MediaError(
-                413,
-                f"image is {width}x{height} = {width * height} pixels, "
-                f"over the limit of {limits.max_image_pixels}",
+                413, f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_image_pixels}"
             )
         img.load()
     except MediaError:
@@ -76,15 +74,17 @@ def _check_frame_size(width: int, height: int, limits: MediaLimits) -> None:
     if width * height > limits.max_video_pixels:
         raise MediaError(
             413,
-            f"video frames are {width}x{height} = {width * height} pixels, "
-            f"over the limit of {limits.max_video_pixels}",
+            f"video frames are {width}x{height} = {width * height} pixels, over the limit of {limits.max_video_pixels}",
         )
 
 
-def decode_video(data: bytes, limits: MediaLimits,
-                 sampler: Callable[[int, float], list[int] | None] | None = None,
-                 stop: threading.Event | None = None,
-                 budget: VideoBudget | None = None) -> tuple[np.ndarray, float, tuple[float, ...]]:
+def decode_video(
+    data: bytes,
+    limits: MediaLimits,
+    sampler: Callable[[int, float], list[int] | None] | None = None,
+    stop: threading.Event | None = None,
+    budget: VideoBudget | None = None,
+) -> tuple[np.ndarray, float, tuple[float, ...]]:
     """Decode and sample ``data`` to RGB frames (T, H, W, 3) uint8; returns (frames, sampled_fps, seconds): the
     source time of each frame taken.
 
@@ -120,8 +120,11 @@ def decode_video(data: bytes, limits: MediaLimits,
         check_source(total, src_fps, limits)
         indices = (sampler(total, src_fps) if sampler is not None else None) or _frame_indices(total, src_fps, limits)
         if len(indices) > limits.max_video_frames:
-            raise MediaError(413, f"the video is {total / src_fps:.1f} s long: this model samples {len(indices)} "
-                                  f"frames from it, over the limit of {limits.max_video_frames} (--max-video-frames)")
+            raise MediaError(
+                413,
+                f"the video is {total / src_fps:.1f} s long: this model samples {len(indices)} "
+                f"frames from it, over the limit of {limits.max_video_frames} (--max-video-frames)",
+            )
         indices = [min(max(i, 0), total - 1) for i in indices] or [0]
         if len(indices) < 2:
             indices = indices * 2

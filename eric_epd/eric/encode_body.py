@@ -44,8 +44,7 @@ def _worded(error: str, modalities: tuple[str, ...]) -> str:
     if field == "modality":
         value = _ENUM.search(error)
         named = value[1] if value else "None" if missing else "(not a string)"
-        return (f"item {index}: unsupported modality {named}; "
-                f"expected one of {list(modalities)}")
+        return f"item {index}: unsupported modality {named}; expected one of {list(modalities)}"
     if field in _FIELD_MUST:
         return f"item {index}: field '{field}' must be {_FIELD_MUST[field]}"
     return f"item {index} must be an object"
@@ -54,8 +53,9 @@ def _worded(error: str, modalities: tuple[str, ...]) -> str:
 def _checked(index: int, item: EncodeItem, modalities: tuple[str, ...]) -> EncodeItem:
     """`item` checked against the model and the limits, its id defaulting to its index."""
     if item.modality not in modalities:
-        raise ApiError(400, f"item {index}: unsupported modality {clip(item.modality)}; "
-                            f"expected one of {list(modalities)}")
+        raise ApiError(
+            400, f"item {index}: unsupported modality {clip(item.modality)}; expected one of {list(modalities)}"
+        )
     if not item.url:
         raise ApiError(400, f"item {index}: field 'url' must be a non-empty string")
     if len(item.url) > MAX_URL and not item.url.startswith("data:"):
@@ -65,6 +65,7 @@ def _checked(index: int, item: EncodeItem, modalities: tuple[str, ...]) -> Encod
     if item.use_audio_in_video and item.modality != "video":
         raise ApiError(400, f"item {index}: 'use_audio_in_video' is for a video, not {clip(item.modality)}")
     if item.use_audio_in_video and "audio" not in modalities:
-        raise ApiError(400, f"item {index}: this model takes no audio, so not a video's soundtrack "
-                            "('use_audio_in_video')")
+        raise ApiError(
+            400, f"item {index}: this model takes no audio, so not a video's soundtrack ('use_audio_in_video')"
+        )
     return item if item.id else msgspec.structs.replace(item, id=str(index))

@@ -24,8 +24,10 @@ from eric_epd.wire.eric import Modality
 
 logger = logging.getLogger(__name__)
 
-TP_REFUSED = ("--tp {tp}: the generic path (model_type {model_type!r}, served by transformers' own classes) runs at "
-              "--tp 1 only; scale it out with more Erics, or serve a family with a tower of Eric's own at --tp > 1")
+TP_REFUSED = (
+    "--tp {tp}: the generic path (model_type {model_type!r}, served by transformers' own classes) runs at "
+    "--tp 1 only; scale it out with more Erics, or serve a family with a tower of Eric's own at --tp > 1"
+)
 
 
 class ItemEncoder(Protocol):

@@ -12,8 +12,9 @@ from eric_epd.transfer.producer import TransferHub
 
 def transfer_hub(config: EricConfig) -> TransferHub:
     """The embedding pool and producer backends of the Eric `config` describes."""
-    return TransferHub(config.transfer, pool_name=config.pool_name, instance_id=config.instance_id,
-                       public_url=config.public_url)
+    return TransferHub(
+        config.transfer, pool_name=config.pool_name, instance_id=config.instance_id, public_url=config.public_url
+    )
 
 
 def serve(config: EricConfig) -> None:
@@ -25,5 +26,11 @@ def serve(config: EricConfig) -> None:
         workload = encoder_workload(config, facts, config.compile)
     except ValueError as e:
         raise SystemExit(f"eric-epd serve: --model {config.model}: {e}") from None
-    run_server("Eric", config, workload, lambda: transfer_hub(config),
-               lambda is_alive, hub: create_app(config, facts, is_alive, hub), config.drain_timeout_s)
+    run_server(
+        "Eric",
+        config,
+        workload,
+        lambda: transfer_hub(config),
+        lambda is_alive, hub: create_app(config, facts, is_alive, hub),
+        config.drain_timeout_s,
+    )

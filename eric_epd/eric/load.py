@@ -49,6 +49,10 @@ class LoadTracker:
         window = max(1e-3, min(self._window_s, now - self._started))
         busy = sum(min(s, self._window_s) for _, s, _ in self._batches)
         latencies = [s for _, s in self._latencies]
-        return LoadReport(self._queue_depth, min(1.0, busy / window),
-                          sum(n for _, _, n in self._batches) / window,
-                          float(np.percentile(latencies, 99)) if latencies else 0.0, window)
+        return LoadReport(
+            self._queue_depth,
+            min(1.0, busy / window),
+            sum(n for _, _, n in self._batches) / window,
+            float(np.percentile(latencies, 99)) if latencies else 0.0,
+            window,
+        )

@@ -20,8 +20,10 @@ LEAVE_GRACE_S = 0.5
 
 class GatewayMembership:
     """Joins this Eric to its gateways: registers at start and on every heartbeat, deregisters at shutdown."""
-    def __init__(self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float,
-                 api_key: str | None = None) -> None:
+
+    def __init__(
+        self, gateways: tuple[str, ...], admin_key: str | None, url: str, heartbeat_s: float, api_key: str | None = None
+    ) -> None:
         """`api_key`: this Eric's own key, which the registration proves it holds (the gateway sends its Eric key
         only to an Eric that proved it)."""
         self._gateways = gateways
@@ -44,8 +46,9 @@ class GatewayMembership:
 
     async def _register(self, client: httpx.AsyncClient, gateway: str) -> None:
         try:
-            resp = await client.post(gateway + "/admin/encoders", content=self._body(),
-                                     headers={"content-type": "application/json"})
+            resp = await client.post(
+                gateway + "/admin/encoders", content=self._body(), headers={"content-type": "application/json"}
+            )
         except httpx.HTTPError as e:
             logger.warning("cannot reach gateway %s to register: %r", gateway, e)
             return
@@ -63,8 +66,12 @@ class GatewayMembership:
         async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
             for gateway in sorted(self._joined):
                 try:
-                    await client.request("DELETE", gateway + "/admin/encoders", content=self._body(),
-                                         headers={"content-type": "application/json"})
+                    await client.request(
+                        "DELETE",
+                        gateway + "/admin/encoders",
+                        content=self._body(),
+                        headers={"content-type": "application/json"},
+                    )
                     logger.info("left gateway %s", gateway)
                 except httpx.HTTPError as e:
                     logger.warning("cannot tell gateway %s that we leave: %r", gateway, e)

@@ -27,6 +27,7 @@ from eric_epd.models.processor import BaseModalityProcessor, ProcessedItem
 
 logger = logging.getLogger(__name__)
 
+
 def _lower_thread_priority() -> None:
     """Preprocessing yields the CPU to the encoder workers: on a host where they share cores, a preprocessing
     thread that preempts one OpenMP thread of a matmul stalls the whole parallel region. Linux sets nice per
@@ -51,8 +52,11 @@ def model_fingerprint(facts: ModelFacts) -> bytes:
     from eric_epd.models.registry import vision_weights_digest
 
     start = time.perf_counter()
-    vision = {"model_type": facts.model_type, "vision_config": facts.config.get("vision_config"),
-              "vision_weights": vision_weights_digest(facts.model_dir, facts.config)}
+    vision = {
+        "model_type": facts.model_type,
+        "vision_config": facts.config.get("vision_config"),
+        "vision_weights": vision_weights_digest(facts.model_dir, facts.config),
+    }
     logger.info("vision weights digest %s in %.2fs", vision["vision_weights"], time.perf_counter() - start)
     return json.dumps(vision, sort_keys=True, default=str).encode()
 
@@ -60,15 +64,18 @@ def model_fingerprint(facts: ModelFacts) -> bytes:
 class Processor:
     """Turns fetched bytes into PreparedItems off the event loop."""
 
-    def __init__(self, modality_processor: BaseModalityProcessor, limits: MediaLimits, threads: int,
-                 model_id: bytes) -> None:
+    def __init__(
+        self, modality_processor: BaseModalityProcessor, limits: MediaLimits, threads: int, model_id: bytes
+    ) -> None:
         self._mp = modality_processor
         self._limits = limits
         self._threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="eric-preprocess",
-                                        initializer=_lower_thread_priority)
-        self._video_pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="eric-video",
-                                              initializer=_lower_thread_priority)
+        self._pool = ThreadPoolExecutor(
+            max_workers=self._threads, thread_name_prefix="eric-preprocess", initializer=_lower_thread_priority
+        )
+        self._video_pool = ThreadPoolExecutor(
+            max_workers=self._threads, thread_name_prefix="eric-video", initializer=_lower_thread_priority
+        )
         """Videos decode here, one item a task: however many a client sends, images and audio never queue behind
         them."""
         self._salt = {m: self._hash_salt(m, model_id) for m in modality_processor.modalities}
@@ -82,11 +89,13 @@ class Processor:
         sampling = b""
         if modality == "video":
             sampling = f"fps={self._limits.video_fps};max={self._limits.max_video_frames}".encode()
-        return hashlib.sha256(model_id + b"\0" + modality.encode() + b"\0" + self._mp.fingerprint(modality)
-                              + b"\0" + sampling).digest()
+        return hashlib.sha256(
+            model_id + b"\0" + modality.encode() + b"\0" + self._mp.fingerprint(modality) + b"\0" + sampling
+        ).digest()
 
-    async def prepare_many(self, items: list[tuple[str, bytes]],
-                           hop_padded: bool = True) -> list[PreparedItem | MediaError]:
+    async def prepare_many(
+        self, items: list[tuple[str, bytes]], hop_padded: bool = True
+    ) -> list[PreparedItem | MediaError]:
         """Every item prepared, in order, each its PreparedItem or its MediaError. Images and audio go to the pool in
         one contiguous chunk per thread: a hop to the pool and back costs about as much as preprocessing a small
         image, so a request of small images pays it once per thread, not once per item. Each video goes to the video
@@ -97,10 +106,14 @@ class Processor:
         budget = VideoBudget(self._limits, stop)
         others = _chunks([i for i, (modality, _) in enumerate(items) if modality != "video"], self._threads)
         videos = [[i] for i, (modality, _) in enumerate(items) if modality == "video"]
-        runs = [loop.run_in_executor(self._pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded)
-                for c in others]
-        runs += [loop.run_in_executor(self._video_pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded,
-                                      budget) for c in videos]
+        runs = [
+            loop.run_in_executor(self._pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded)
+            for c in others
+        ]
+        runs += [
+            loop.run_in_executor(self._video_pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded, budget)
+            for c in videos
+        ]
         try:
             done = await asyncio.gather(*runs)
         except BaseException:
@@ -111,8 +124,13 @@ class Processor:
             results.update(zip(chunk, prepared, strict=True))
         return [results[i] for i in range(len(items))]
 
-    def _prepare_chunk(self, items: list[tuple[str, bytes]], stop: threading.Event, hop_padded: bool = True,
-                       budget: VideoBudget | None = None) -> list[PreparedItem | MediaError]:
+    def _prepare_chunk(
+        self,
+        items: list[tuple[str, bytes]],
+        stop: threading.Event,
+        hop_padded: bool = True,
+        budget: VideoBudget | None = None,
+    ) -> list[PreparedItem | MediaError]:
         out: list[PreparedItem | MediaError] = []
         for modality, data in items:
             if stop.is_set():
@@ -123,8 +141,14 @@ class Processor:
                 out.append(e)
         return out
 
-    def _prepare_sync(self, modality: str, data: bytes, stop: threading.Event | None = None,
-                      hop_padded: bool = True, budget: VideoBudget | None = None) -> PreparedItem:
+    def _prepare_sync(
+        self,
+        modality: str,
+        data: bytes,
+        stop: threading.Event | None = None,
+        hop_padded: bool = True,
+        budget: VideoBudget | None = None,
+    ) -> PreparedItem:
         start = time.perf_counter()
         tag = ""
         try:

@@ -30,6 +30,7 @@ from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class Staging:
     """Pool space a caller needs beside a request's embeddings (SGLang's copy of a part's rows in its prefill's
@@ -51,9 +52,18 @@ class _Flight:
 
 class EncodeService:
     """Serves /v1/encode: items fetched, preprocessed, deduplicated by content hash, encoded or found cached, leased."""
-    def __init__(self, fetcher: MediaFetcher, processor: Processor, client: EngineClient, hub: TransferHub,
-                 metrics: EricMetrics, output: OutputSpec, global_cache: GlobalCache | None = None,
-                 max_items: int = 512) -> None:
+
+    def __init__(
+        self,
+        fetcher: MediaFetcher,
+        processor: Processor,
+        client: EngineClient,
+        hub: TransferHub,
+        metrics: EricMetrics,
+        output: OutputSpec,
+        global_cache: GlobalCache | None = None,
+        max_items: int = 512,
+    ) -> None:
         self._fetcher = fetcher
         self.admission = Admission(max_items)
         self._global = global_cache
@@ -70,8 +80,13 @@ class EncodeService:
         self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
         self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
 
-    async def encode(self, items: list[EncodeItem], clock: RequestClock | None = None,
-                     hop_padded: bool = True, staging: Staging | None = None) -> list[ItemAnswer]:
+    async def encode(
+        self,
+        items: list[EncodeItem],
+        clock: RequestClock | None = None,
+        hop_padded: bool = True,
+        staging: Staging | None = None,
+    ) -> list[ItemAnswer]:
         """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in;
         `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many); `staging`: more pool space the
         caller needs with the items, reserved all or none with them. Refused at once (nothing fetched) when the
@@ -82,8 +97,9 @@ class EncodeService:
             prepared = await self._prepare(items, hop_padded)
             if staging is not None:
                 staging.wants = staging.want([p for p, _ in prepared])
-            handles = await self._embed([p for pair in prepared for p in pair if p is not None],
-                                        clock or RequestClock(), staging)
+            handles = await self._embed(
+                [p for pair in prepared for p in pair if p is not None], clock or RequestClock(), staging
+            )
             self._metrics.observe_request(time.perf_counter() - start)
         except BaseException:
             if staging is not None:
@@ -93,8 +109,10 @@ class EncodeService:
             raise
         finally:
             self.admission.done(len(items))
-        return [ItemAnswer(r, p, handles[p.hash], soundtrack_answer(r, track, handles))
-                for r, (p, track) in zip(items, prepared)]
+        return [
+            ItemAnswer(r, p, handles[p.hash], soundtrack_answer(r, track, handles))
+            for r, (p, track) in zip(items, prepared)
+        ]
 
     def stop_admitting(self) -> None:
         """Draining: every later encode is refused (503, Retry-After: the caller goes to another Eric); the leases
@@ -110,8 +128,9 @@ class EncodeService:
         """Why this Eric would refuse a new item now (draining, or its admission full), or None: its readiness."""
         return self.admission.room()
 
-    async def _prepare(self, items: list[EncodeItem], hop_padded: bool = True,
-                       ) -> list[tuple[PreparedItem, PreparedItem | None]]:
+    async def _prepare(
+        self, items: list[EncodeItem], hop_padded: bool = True
+    ) -> list[tuple[PreparedItem, PreparedItem | None]]:
         """Every item fetched (concurrently), then decoded, preprocessed and hashed, each with its soundtrack where
         asked (an audio item decoded from the same bytes); the first failure is a 4xx naming its item."""
         # a failed fetch ends its siblings before the request's admission is given back
@@ -119,7 +138,7 @@ class EncodeService:
         work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
         tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
         results = await self._processor.prepare_many(work + [("audio", work[n][1]) for n in tracks], hop_padded)
-        soundtrack: dict[int, PreparedItem | MediaError] = dict(zip(tracks, results[len(items):]))
+        soundtrack: dict[int, PreparedItem | MediaError] = dict(zip(tracks, results[len(items) :]))
         prepared: list[tuple[PreparedItem, PreparedItem | None]] = []
         for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
             track = soundtrack.get(index)
@@ -139,8 +158,9 @@ class EncodeService:
             raise ApiError(e.status, f"item {index} ({item.id}): {e.message}") from e
         return data, time.perf_counter() - start
 
-    async def _embed(self, prepared: list[PreparedItem], clock: RequestClock,
-                     staging: Staging | None = None) -> dict[str, EmbeddingHandle]:
+    async def _embed(
+        self, prepared: list[PreparedItem], clock: RequestClock, staging: Staging | None = None
+    ) -> dict[str, EmbeddingHandle]:
         """One lease per distinct hash; every hash encoded at most once at a time, across requests too; `staging`'s
         space reserved with the items this request encodes (alone, at the end, if it encodes none).
 
@@ -189,8 +209,9 @@ class EncodeService:
         except TimeoutError as e:
             raise ApiError(504, f"items another request is encoding were not ready after {timeout}s") from e
 
-    async def _submit(self, mine: dict[str, PreparedItem], clock: RequestClock,
-                      staging: Staging | None = None) -> dict[str, EmbeddingHandle]:
+    async def _submit(
+        self, mine: dict[str, PreparedItem], clock: RequestClock, staging: Staging | None = None
+    ) -> dict[str, EmbeddingHandle]:
         """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
         loop = asyncio.get_running_loop()
         for key in mine:
@@ -217,8 +238,9 @@ class EncodeService:
         self._unwant(mine)
         return handles
 
-    async def _from_global(self, mine: dict[str, PreparedItem],
-                           entries: list[PoolEntry]) -> tuple[set[str], list[PoolEntry]]:
+    async def _from_global(
+        self, mine: dict[str, PreparedItem], entries: list[PoolEntry]
+    ) -> tuple[set[str], list[PoolEntry]]:
         """Items another Eric encoded, read from the global cache into their reserved regions and committed (as an
         encode would have); the others are left to encode, in the entries returned with them.
 
@@ -230,8 +252,9 @@ class EncodeService:
             return set(), entries
         cache = self._global
         holds = [self.hub.pool.hold(e, "store-read") for e in entries]  # the reads write there until they return
-        reads = asyncio.ensure_future(asyncio.gather(*(cache.read_into(e.hash, self.hub.pool.view(e))
-                                                       for e in entries)))
+        reads = asyncio.ensure_future(
+            asyncio.gather(*(cache.read_into(e.hash, self.hub.pool.view(e)) for e in entries))
+        )
         reads.add_done_callback(lambda _: [h.end() for h in holds])
         try:
             found = await asyncio.wait_for(asyncio.shield(reads), cache.read_wait_s)
@@ -271,9 +294,15 @@ class EncodeService:
     async def _reserve(self, mine: dict[str, PreparedItem], staging: Staging | None = None) -> list[PoolEntry]:
         """Pool space for every item and for `staging` (unless it has its space), all or none; on failure (or
         cancellation) the waiters are woken: nothing was sent to the engine yet, so nothing can write there."""
-        wants = [Want(key, self._output.nbytes(p.item.num_tokens, p.item.modality),
-                      (p.item.num_tokens, self._output.width(p.item.modality)), self._output.dtype)
-                 for key, p in mine.items()]
+        wants = [
+            Want(
+                key,
+                self._output.nbytes(p.item.num_tokens, p.item.modality),
+                (p.item.num_tokens, self._output.width(p.item.modality)),
+                self._output.dtype,
+            )
+            for key, p in mine.items()
+        ]
         extra = staging.wants if staging is not None and staging.entries is None else []
         try:
             entries = await self.hub.reserve_all(wants + extra)
@@ -281,8 +310,8 @@ class EncodeService:
             self._finish(mine, e)
             raise
         if staging is not None and staging.entries is None:
-            staging.entries = entries[len(wants):]
-        return entries[:len(wants)]
+            staging.entries = entries[len(wants) :]
+        return entries[: len(wants)]
 
     async def _run(self, mine: dict[str, PreparedItem], entries: list[PoolEntry], clock: RequestClock) -> None:
         """Submit to the engine and wait for the settled result. The settling runs on its own task: a timeout or a
@@ -311,8 +340,9 @@ class EncodeService:
         if error is not None:
             raise error
 
-    async def _settle(self, flight: _Flight, mine: dict[str, PreparedItem], entries: list[PoolEntry],
-                      holds: list[Hold]) -> tuple[ApiError | None, float]:
+    async def _settle(
+        self, flight: _Flight, mine: dict[str, PreparedItem], entries: list[PoolEntry], holds: list[Hold]
+    ) -> tuple[ApiError | None, float]:
         """After the engine's final answer (or its death): commit what was written, free the rest, wake waiters.
         Each written entry keeps one bridge lease until no live request waits for it any more. Returns the error,
         if any, and the forward time of the batches the items rode in."""
@@ -338,8 +368,9 @@ class EncodeService:
                 self._bridges[entry.hash] = self.hub.lease(entry.hash)
                 continue
             if result is not None:
-                error = ApiError(500, f"encoder produced {result.shape} {result.dtype}, "
-                                      f"expected {entry.shape} {entry.dtype}")
+                error = ApiError(
+                    500, f"encoder produced {result.shape} {result.dtype}, expected {entry.shape} {entry.dtype}"
+                )
             error = error or ApiError(500, f"the engine's answer lacks item {entry.hash}")
             self.hub.release(entry)  # the engine has answered: nothing writes there any more
         self._finish(mine, error)
@@ -392,4 +423,3 @@ class EncodeService:
         quiet = ApiError | asyncio.CancelledError  # the engine's and the pool's errors included; a client that left
         if error is not None and not isinstance(error, quiet):
             logger.warning("encode of %d items failed: %r", len(mine), error)
-

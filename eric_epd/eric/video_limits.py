@@ -27,14 +27,23 @@ def check_source(total: int, src_fps: float, limits: MediaLimits) -> None:
     """413 naming the flag when the source declares a higher frame rate, or holds more frames or seconds, than the
     limits allow."""
     if src_fps > limits.max_video_fps:
-        raise MediaError(413, f"the video declares {src_fps:g} frames per second, over the limit of "
-                              f"{limits.max_video_fps:g} (--max-video-fps)")
+        raise MediaError(
+            413,
+            f"the video declares {src_fps:g} frames per second, over the limit of "
+            f"{limits.max_video_fps:g} (--max-video-fps)",
+        )
     if total > limits.max_video_source_frames:
-        raise MediaError(413, f"the video holds {total} frames, over the limit of {limits.max_video_source_frames} "
-                              "(--max-video-source-frames)")
+        raise MediaError(
+            413,
+            f"the video holds {total} frames, over the limit of {limits.max_video_source_frames} "
+            "(--max-video-source-frames)",
+        )
     if total / src_fps > limits.max_video_seconds:
-        raise MediaError(413, f"the video is {total / src_fps:.0f} s long, over the limit of "
-                              f"{limits.max_video_seconds:.0f} s (--max-video-seconds)")
+        raise MediaError(
+            413,
+            f"the video is {total / src_fps:.0f} s long, over the limit of "
+            f"{limits.max_video_seconds:.0f} s (--max-video-seconds)",
+        )
 
 
 class VideoBudget:
@@ -55,9 +64,12 @@ class VideoBudget:
         wanted = frames * width * height
         with self._lock:
             if self._used + wanted > self._max_pixels:
-                raise MediaError(413, f"decoding the request's videos takes {self._used + wanted} pixels ({frames} "
-                                      f"frames of {width}x{height} for this one, up to its last sampled frame), over "
-                                      f"the limit of {self._max_pixels} (--max-video-decode-pixels)")
+                raise MediaError(
+                    413,
+                    f"decoding the request's videos takes {self._used + wanted} pixels ({frames} "
+                    f"frames of {width}x{height} for this one, up to its last sampled frame), over "
+                    f"the limit of {self._max_pixels} (--max-video-decode-pixels)",
+                )
             self._used += wanted
 
     def guard(self) -> DecodeGuard:
@@ -80,5 +92,6 @@ class DecodeGuard:
         if self._stop is not None and self._stop.is_set():
             raise MediaError(499, "the request was cancelled while its video was decoding")
         if time.monotonic() > self._deadline:
-            raise MediaError(413, f"decoding the request's videos took over {self._max_s:g} s "
-                                  "(--max-video-decode-seconds)")
+            raise MediaError(
+                413, f"decoding the request's videos took over {self._max_s:g} s (--max-video-decode-seconds)"
+            )

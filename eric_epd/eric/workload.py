@@ -35,8 +35,9 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
 
         return generic_work_item(key, item, out_offset, out_nbytes)
     rows, patch_dim = item.pixel_values.shape
-    return WorkItem(key, item.modality, rows, out_offset, out_nbytes,
-                    pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim)))
+    return WorkItem(
+        key, item.modality, rows, out_offset, out_nbytes, pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim))
+    )
 
 
 def encoder_workload(config: RuntimeConfig, facts: ModelFacts, compile: str = "none") -> Workload:
@@ -50,8 +51,10 @@ def encoder_workload(config: RuntimeConfig, facts: ModelFacts, compile: str = "n
     if not facts.generic:
         return EncoderWorkload.from_facts(facts, compile)
     if compile != "none":
-        raise ValueError(f"--compile {compile} compiles the Qwen families' towers; {facts.model_type} takes the "
-                         "generic path, which runs eagerly (leave out --compile)")
+        raise ValueError(
+            f"--compile {compile} compiles the Qwen families' towers; {facts.model_type} takes the "
+            "generic path, which runs eagerly (leave out --compile)"
+        )
     check_servable(config.model)
     if not serves_tp(facts.model_type, config.tp_size):
         raise ValueError(TP_REFUSED.format(tp=config.tp_size, model_type=facts.model_type))
@@ -100,8 +103,9 @@ class EncoderWorkload:
         """`Workload` hook: a blank image of two merge windows per side, run by every rank before ready."""
         side = 2 * math.isqrt(self.merge_unit)  # two merge windows per side
         spec = EncodeSpec("image", (1, side, side), self.pixel_row)
-        return WorkItem("warm-up", "image", side * side, 0, 0, pack_spec(spec)), np.zeros((side * side, self.pixel_row),
-                                                                               np.float32)
+        return WorkItem("warm-up", "image", side * side, 0, 0, pack_spec(spec)), np.zeros(
+            (side * side, self.pixel_row), np.float32
+        )
 
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> EncoderRunner:
         """`Workload` hook: this rank's vision encoder, loaded from the checkpoint in the configured dtype."""
@@ -129,8 +133,11 @@ class EncoderRunner:
         if any(s is None for s in specs):
             raise RuntimeError("a batch item is not an encode item")
         patch_dim = specs[0].patch_dim  # type: ignore[union-attr]
-        grid = torch.tensor([list(s.grid_thw) for s in specs], dtype=torch.int64,  # type: ignore[union-attr]
-                            device=inputs.device)
+        grid = torch.tensor(
+            [list(s.grid_thw) for s in specs],
+            dtype=torch.int64,  # type: ignore[union-attr]
+            device=inputs.device,
+        )
         out = self.encoder(inputs.view(-1, patch_dim), grid)
         counts = [i.cost // self.merge_unit for i in items]
         if out.dim() != 2 or out.shape[0] != sum(counts):

@@ -43,15 +43,25 @@ def png_bytes(image: np.ndarray) -> bytes:
 
 class GeriMetrics:
     """The Geri's Prometheus series (requests, latency, batches), in its own `registry`."""
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("geri_requests", "/v1/generate requests by HTTP status", ["status"], registry=r)
-        self.seconds = Histogram("geri_request_seconds", "/v1/generate wall time of answered requests", registry=r,
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.batch_items = Histogram("geri_batch_items", "Images generated per batch", registry=r,
-                                     buckets=(1, 2, 4, 8, 16, 32))
-        self.batch_seconds = Histogram("geri_batch_seconds", "Wall time per batch", registry=r,
-                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.seconds = Histogram(
+            "geri_request_seconds",
+            "/v1/generate wall time of answered requests",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.batch_items = Histogram(
+            "geri_batch_items", "Images generated per batch", registry=r, buckets=(1, 2, 4, 8, 16, 32)
+        )
+        self.batch_seconds = Histogram(
+            "geri_batch_seconds",
+            "Wall time per batch",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
 
     def observe_status(self, status: EngineStatusMsg) -> None:
         """Fold an engine status message's finished batches into the batch histograms."""
@@ -60,8 +70,7 @@ class GeriMetrics:
             self.batch_seconds.observe(batch.seconds)
 
 
-def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool,
-               workload: GeneratorWorkload) -> FastAPI:
+def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool, workload: GeneratorWorkload) -> FastAPI:
     """The router app; its lifespan connects to an engine that is already running."""
     metrics = GeriMetrics()
     model_name = str(config.model)
@@ -72,8 +81,9 @@ def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool,
         async with connected_client(config, engine.is_alive, metrics.observe_status) as client:
             state["client"] = client
             state["service"] = GenerateService(client, pool, workload)
-            state["handles"] = HandleReader(config.producer_urls, config.producer_api_key, config.transfer_backends,
-                                            workload.hidden)
+            state["handles"] = HandleReader(
+                config.producer_urls, config.producer_api_key, config.transfer_backends, workload.hidden
+            )
             try:
                 yield
             finally:
@@ -88,8 +98,9 @@ def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool,
         try:
             raw = checked_sources(await read_json_body(request, config.max_body_bytes, GenerateBody))
             prompt, negative = await embeddings_of(raw, state["handles"])
-            image = await until_disconnect(request, state["service"].generate(
-                checked_request(raw, prompt, negative, workload)))
+            image = await until_disconnect(
+                request, state["service"].generate(checked_request(raw, prompt, negative, workload))
+            )
         except ApiError as e:
             metrics.requests.labels(status=str(e.status)).inc()
             raise
@@ -102,12 +113,25 @@ def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool,
         return Response(png, media_type="image/png")
 
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
-                           open_paths=frozenset({"/health", "/ready", "/metrics"}))
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health", "/ready", "/metrics"})
+        )
 
-    add_status_routes(app, state, engine, config, {
-        "id": model_name, "tp_size": config.tp_size, "dtype": config.dtype, "hidden_size": workload.hidden,
-        "size_factor": workload.size_factor, "max_side": config.limits.max_side, "max_steps": config.limits.max_steps})
+    add_status_routes(
+        app,
+        state,
+        engine,
+        config,
+        {
+            "id": model_name,
+            "tp_size": config.tp_size,
+            "dtype": config.dtype,
+            "hidden_size": workload.hidden,
+            "size_factor": workload.size_factor,
+            "max_side": config.limits.max_side,
+            "max_steps": config.limits.max_steps,
+        },
+    )
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -32,14 +32,25 @@ def checked_sources(raw: GenerateBody) -> GenerateBody:
     return raw
 
 
-def checked_request(raw: GenerateBody, prompt: np.ndarray, negative: np.ndarray | None,
-                    workload: GeneratorWorkload) -> GenerateRequest:
+def checked_request(
+    raw: GenerateBody, prompt: np.ndarray, negative: np.ndarray | None, workload: GeneratorWorkload
+) -> GenerateRequest:
     """The request once its embeddings are at hand: sizes, steps and token counts checked (400 naming them)."""
     if negative is not None and negative.shape[1] != prompt.shape[1]:
-        raise ApiError(400, f"{NEGATIVE} is [{negative.shape[0]}, {negative.shape[1]}], but {PROMPT} has hidden "
-                            f"size {prompt.shape[1]}")
-    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, prompt.shape[0],
-                        negative.shape[0] if negative is not None else 0, prompt.shape[1])
+        raise ApiError(
+            400,
+            f"{NEGATIVE} is [{negative.shape[0]}, {negative.shape[1]}], but {PROMPT} has hidden size {prompt.shape[1]}",
+        )
+    spec = GenerateSpec(
+        raw.height,
+        raw.width,
+        raw.steps,
+        raw.seed,
+        raw.guidance_scale,
+        prompt.shape[0],
+        negative.shape[0] if negative is not None else 0,
+        prompt.shape[1],
+    )
     if (problem := workload.check(spec)) is not None:
         raise ApiError(400, problem)
     rows = [prompt] if negative is None else [prompt, negative]
@@ -69,8 +80,9 @@ def float_rows(name: str, tensor: object) -> np.ndarray:
 
     assert isinstance(tensor, torch.Tensor)
     if tensor.dim() != 2 or not tensor.is_floating_point():
-        raise ApiError(400, f"{name} must be a floating-point [tokens, hidden] tensor, got {tensor.dtype} "
-                            f"{list(tensor.shape)}")
+        raise ApiError(
+            400, f"{name} must be a floating-point [tokens, hidden] tensor, got {tensor.dtype} {list(tensor.shape)}"
+        )
     array = tensor.to(torch.float32).numpy()
     if not np.isfinite(array).all():
         raise ApiError(400, f"{name} holds non-finite values")

@@ -18,6 +18,7 @@ from eric_epd.models.layers.parallel import TPContext
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class ImageRequest:
     """One image to generate: a prompt's embeddings ([tokens, hidden]) and the sampling settings."""
@@ -43,17 +44,29 @@ class ImageRequest:
     def spec(self) -> GenerateSpec:
         """The request's sizes and settings as they cross processes."""
         negative = self.negative_embeds
-        return GenerateSpec(self.height, self.width, self.steps, self.seed, self.true_cfg_scale,
-                            self.prompt_embeds.shape[0] if self.prompt_embeds.dim() == 2 else 0,
-                            negative.shape[0] if negative is not None and negative.dim() == 2 else 0,
-                            self.prompt_embeds.shape[-1])
+        return GenerateSpec(
+            self.height,
+            self.width,
+            self.steps,
+            self.seed,
+            self.true_cfg_scale,
+            self.prompt_embeds.shape[0] if self.prompt_embeds.dim() == 2 else 0,
+            negative.shape[0] if negative is not None and negative.dim() == 2 else 0,
+            self.prompt_embeds.shape[-1],
+        )
 
 
 class QwenImageGenerator:
     """The three modules of a Qwen-Image checkpoint, on one device in one dtype."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 limits: GeriLimits | None = None, tp: TPContext | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        limits: GeriLimits | None = None,
+        tp: TPContext | None = None,
+    ) -> None:
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
         from diffusers.image_processor import VaeImageProcessor
 
@@ -114,8 +127,13 @@ class QwenImageGenerator:
 
         scheduler = copy.deepcopy(self.scheduler)
         cfg = scheduler.config
-        mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        mu = calculate_shift(
+            image_tokens,
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=self.device, mu=mu)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
@@ -147,11 +165,24 @@ class QwenImageGenerator:
             latents = scheduler.step(pred, t, latents, return_dict=False)[0]
         return self._decode(latents, first.height, first.width)
 
-    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
-                 mask: torch.Tensor | None, shapes: list) -> torch.Tensor:
-        return self.transformer(hidden_states=latents, timestep=timestep, guidance=None,
-                                encoder_hidden_states_mask=mask, encoder_hidden_states=embeds, img_shapes=shapes,
-                                attention_kwargs={}, return_dict=False)[0]
+    def _predict(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        shapes: list,
+    ) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timestep,
+            guidance=None,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=shapes,
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[np.ndarray]:
         """Unpack, de-normalise and decode the latents into float images in [0, 1]."""

@@ -18,8 +18,7 @@ from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
 class HandleReader:
     """One per router; without producers every handle is refused (400)."""
 
-    def __init__(self, producers: tuple[str, ...], api_key: str | None, backends: tuple[str, ...],
-                 hidden: int) -> None:
+    def __init__(self, producers: tuple[str, ...], api_key: str | None, backends: tuple[str, ...], hidden: int) -> None:
         self._producers = producers
         self._hidden = hidden
         self._fetcher = EmbeddingFetcher(backends, api_key=api_key) if producers else None
@@ -56,7 +55,9 @@ async def embeddings_of(raw: GenerateBody, reader: HandleReader) -> tuple[np.nda
     negative = raw.negative_handle
     prompt, negative_rows = await asyncio.gather(
         reader.read("prompt_handle", raw.prompt_handle),
-        reader.read("negative_handle", negative) if negative is not None else _none(), return_exceptions=True)
+        reader.read("negative_handle", negative) if negative is not None else _none(),
+        return_exceptions=True,
+    )
     for outcome in (prompt, negative_rows):  # both reads end first; the error named is the first field's, always
         if isinstance(outcome, BaseException):
             raise outcome

@@ -12,6 +12,10 @@ from eric_epd.transfer.pool import EmbeddingPool
 def serve(config: GeriConfig) -> None:
     """Run until interrupted."""
     workload = GeneratorWorkload.from_checkpoint(config.model, config.limits)
-    run_server("Geri", config, workload,
-               lambda: EmbeddingPool(config.pool_name, config.pool_bytes, ttl_s=config.request_timeout_s),
-               lambda is_alive, pool: create_app(config, is_alive, pool, workload))
+    run_server(
+        "Geri",
+        config,
+        workload,
+        lambda: EmbeddingPool(config.pool_name, config.pool_bytes, ttl_s=config.request_timeout_s),
+        lambda is_alive, pool: create_app(config, is_alive, pool, workload),
+    )

@@ -29,6 +29,7 @@ MAX_PROMPT_TOKENS = 512
 @dataclass(frozen=True)
 class GeriLimits:
     """The bounds on one image request: side in pixels, denoising steps, prompt tokens and guidance scale."""
+
     max_side: int = 1024
     max_steps: int = 100
     max_prompt_tokens: int = 4096

@@ -12,8 +12,7 @@ from eric_epd.models.layers.parallel import ColumnParallelLinear, RowParallelLin
 _COLUMNS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 
 
-def _split(linear: nn.Linear, kind: type[ColumnParallelLinear] | type[RowParallelLinear],
-           tp: TPContext) -> nn.Module:
+def _split(linear: nn.Linear, kind: type[ColumnParallelLinear] | type[RowParallelLinear], tp: TPContext) -> nn.Module:
     """This rank's shard of `linear` as a parallel layer of `kind`, weights copied from the full layer."""
     part = kind(linear.in_features, linear.out_features, linear.bias is not None, tp, linear.weight.dtype)
     part.to(linear.weight.device)
@@ -30,8 +29,10 @@ def shard_qwen_image_transformer(transformer: nn.Module, tp: TPContext) -> None:
         return
     heads = transformer.config.num_attention_heads
     if heads % tp.world_size:
-        raise ValueError(f"Qwen-Image's {heads} attention heads do not split over tensor-parallel size "
-                         f"{tp.world_size}; choose a --tp that divides {heads}")
+        raise ValueError(
+            f"Qwen-Image's {heads} attention heads do not split over tensor-parallel size "
+            f"{tp.world_size}; choose a --tp that divides {heads}"
+        )
     for block in transformer.transformer_blocks:
         attn = block.attn
         for name in _COLUMNS:

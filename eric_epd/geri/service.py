@@ -17,6 +17,7 @@ from eric_epd.transfer.pool import EmbeddingPool, PoolEntry
 
 logger = logging.getLogger(__name__)
 
+
 class GenerateService:
     """One image per request; requests of one size and step count batch in the engine."""
 
@@ -64,4 +65,3 @@ class GenerateService:
             return self._pool.view(entry).copy().reshape(entry.shape)
         finally:
             self._pool.release(entry.hash, entry.generation)
-

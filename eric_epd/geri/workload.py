@@ -37,8 +37,14 @@ class GeneratorWorkload:
 
     def item(self, key: str, spec: GenerateSpec, out_offset: int = 0) -> WorkItem:
         """The work item of one request whose image goes to `out_offset` of the pool."""
-        return WorkItem(key, batch_kind(spec), image_tokens(spec, self.size_factor), out_offset,
-                        spec.height * spec.width * 3, pack_spec(spec))
+        return WorkItem(
+            key,
+            batch_kind(spec),
+            image_tokens(spec, self.size_factor),
+            out_offset,
+            spec.height * spec.width * 3,
+            pack_spec(spec),
+        )
 
     def check(self, spec: GenerateSpec) -> str | None:
         """Why a generate request is unacceptable to this model and these limits, or None."""
@@ -76,7 +82,7 @@ class GeneratorWorkload:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA (the released weights' dtype), float32 on CPU; otherwise the named dtype."""
+    """ "auto": bfloat16 on CUDA (the released weights' dtype), float32 on CPU; otherwise the named dtype."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
@@ -99,10 +105,19 @@ class GeneratorRunner:
         for item in items:
             spec = unpack_spec(item, GenerateSpec)
             assert spec is not None
-            prompt = inputs[offset: offset + spec.tokens * spec.hidden].view(spec.tokens, spec.hidden)
+            prompt = inputs[offset : offset + spec.tokens * spec.hidden].view(spec.tokens, spec.hidden)
             offset += spec.tokens * spec.hidden
-            negative = inputs[offset: offset + spec.negative_tokens * spec.hidden].view(-1, spec.hidden)
+            negative = inputs[offset : offset + spec.negative_tokens * spec.hidden].view(-1, spec.hidden)
             offset += spec.negative_tokens * spec.hidden
-            requests.append(ImageRequest(prompt, spec.height, spec.width, spec.steps, spec.seed, spec.guidance_scale,
-                                         negative if spec.negative_tokens else None))
+            requests.append(
+                ImageRequest(
+                    prompt,
+                    spec.height,
+                    spec.width,
+                    spec.steps,
+                    spec.seed,
+                    spec.guidance_scale,
+                    negative if spec.negative_tokens else None,
+                )
+            )
         return [torch.from_numpy(image) for image in self.generator.generate(requests)]

@@ -71,21 +71,32 @@ def _check_header(sample_rate: int, channels: int, limits: MediaLimits) -> None:
     if sample_rate <= 0 or channels <= 0:
         raise MediaError(400, f"could not decode audio: its header says {sample_rate} Hz, {channels} channels")
     if sample_rate > limits.max_audio_sample_rate:
-        raise MediaError(413, f"the audio is sampled at {sample_rate} Hz, over the limit of "
-                              f"{limits.max_audio_sample_rate} Hz (--max-audio-sample-rate)")
+        raise MediaError(
+            413,
+            f"the audio is sampled at {sample_rate} Hz, over the limit of "
+            f"{limits.max_audio_sample_rate} Hz (--max-audio-sample-rate)",
+        )
     if channels > limits.max_audio_channels:
-        raise MediaError(413, f"the audio has {channels} channels, over the limit of {limits.max_audio_channels} "
-                              "(--max-audio-channels)")
+        raise MediaError(
+            413,
+            f"the audio has {channels} channels, over the limit of {limits.max_audio_channels} (--max-audio-channels)",
+        )
 
 
 def _check_length(frames: int, sample_rate: int, channels: int, limits: MediaLimits) -> None:
     """413 naming the flag when `frames` samples per channel run over the duration or decoded-size limit."""
     if frames / sample_rate > limits.max_audio_seconds:
-        raise MediaError(413, f"the audio is {frames / sample_rate:.1f} s long, over the limit of "
-                              f"{limits.max_audio_seconds:g} s (--max-audio-seconds)")
+        raise MediaError(
+            413,
+            f"the audio is {frames / sample_rate:.1f} s long, over the limit of "
+            f"{limits.max_audio_seconds:g} s (--max-audio-seconds)",
+        )
     if frames * channels * 4 > limits.max_audio_decode_bytes:
-        raise MediaError(413, f"the audio decodes to {frames * channels * 4} bytes of float32 samples, over the "
-                              f"limit of {limits.max_audio_decode_bytes} (--max-audio-decode-bytes)")
+        raise MediaError(
+            413,
+            f"the audio decodes to {frames * channels * 4} bytes of float32 samples, over the "
+            f"limit of {limits.max_audio_decode_bytes} (--max-audio-decode-bytes)",
+        )
 
 
 def _decode_soundfile(data: bytes, limits: MediaLimits) -> DecodedAudio:
@@ -116,9 +127,12 @@ def _decode_pyav(data: bytes, demuxer: str, limits: MediaLimits, stop: threading
         _check_header(rate, channels, limits)
         fmt = stream.codec_context.format
         if fmt is None or fmt.name not in FLOAT_FORMATS or (channels > 1 and not fmt.is_planar):
-            raise MediaError(400, f"unsupported audio encoding ({stream.codec_context.name}, "
-                                  f"{fmt.name if fmt else 'unknown'} samples): vLLM 0.32 does not read it as audio; "
-                                  "send wav, flac, ogg or mp3")
+            raise MediaError(
+                400,
+                f"unsupported audio encoding ({stream.codec_context.name}, "
+                f"{fmt.name if fmt else 'unknown'} samples): vLLM 0.32 does not read it as audio; "
+                "send wav, flac, ogg or mp3",
+            )
         if stream.duration and stream.time_base:
             _check_length(int(stream.duration * stream.time_base * rate), rate, channels, limits)
         frames = 0

@@ -20,9 +20,11 @@ AUDIO_DEMUXERS = ("wav", "w64", "aiff", "caf", "au", "flac", "mp3", "aac", *VIDE
 """FFmpeg demuxers an audio item may be opened with: the audio containers and the video ones (an m4a or a webm is
 audio in a video container, and a video's soundtrack is decoded from the video)."""
 ALLOWED = {"image": IMAGE_FORMATS, "video": VIDEO_DEMUXERS, "audio": AUDIO_DEMUXERS}
-SEND = {"image": "png, jpeg, gif, webp, bmp, tiff, ppm, ico or avif",
-        "video": "mp4, mov, webm, mkv, avi, mpeg-ts, mpeg-ps, flv or ogg",
-        "audio": "wav, flac, mp3, aac, m4a, ogg, webm, aiff, caf or au"}
+SEND = {
+    "image": "png, jpeg, gif, webp, bmp, tiff, ppm, ico or avif",
+    "video": "mp4, mov, webm, mkv, avi, mpeg-ts, mpeg-ps, flv or ogg",
+    "audio": "wav, flac, mp3, aac, m4a, ogg, webm, aiff, caf or au",
+}
 """What a refusal tells the client to send instead, by modality."""
 
 NO_PROTOCOL = "none"
@@ -30,10 +32,23 @@ NO_PROTOCOL = "none"
 nested open (a playlist's entry, a reference) fails."""
 
 _PREFIXES = (
-    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
-    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"II+\x00", "TIFF"), (b"MM\x00+", "TIFF"), (b"BM", "BMP"),
-    (b"\x00\x00\x01\x00", "ICO"), (b"\x1a\x45\xdf\xa3", "matroska"), (b"FLV\x01", "flv"), (b"OggS", "ogg"),
-    (b"\x00\x00\x01\xba", "mpeg"), (b"fLaC", "flac"), (b"caff", "caf"), (b".snd", "au"),
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"II+\x00", "TIFF"),
+    (b"MM\x00+", "TIFF"),
+    (b"BM", "BMP"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"\x1a\x45\xdf\xa3", "matroska"),
+    (b"FLV\x01", "flv"),
+    (b"OggS", "ogg"),
+    (b"\x00\x00\x01\xba", "mpeg"),
+    (b"fLaC", "flac"),
+    (b"caff", "caf"),
+    (b".snd", "au"),
     (b"riff\x2e\x91\xcf\x11\xa5\xd6\x28\xdb\x04\xc1\x00\x00", "w64"),
 )
 """(magic at offset 0, name): FFmpeg demuxers in lower case, PIL formats in upper case."""
@@ -46,15 +61,31 @@ _AVIF_BRANDS = (b"avif", b"avis", b"mif1", b"msf1")
 _HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs")
 
 LABELS = {
-    "mov": "an MP4/MOV file", "matroska": "a Matroska/WebM file", "avi": "an AVI file", "mpegts": "an MPEG-TS stream",
-    "mpeg": "an MPEG-PS stream", "flv": "an FLV file", "ogg": "an Ogg file", "wav": "a WAV file",
-    "w64": "a Wave64 file", "aiff": "an AIFF file", "caf": "a CAF file", "au": "an AU file", "flac": "a FLAC file",
-    "mp3": "an MP3 stream", "aac": "an ADTS AAC stream", "HEIF": "a HEIF image",
+    "mov": "an MP4/MOV file",
+    "matroska": "a Matroska/WebM file",
+    "avi": "an AVI file",
+    "mpegts": "an MPEG-TS stream",
+    "mpeg": "an MPEG-PS stream",
+    "flv": "an FLV file",
+    "ogg": "an Ogg file",
+    "wav": "a WAV file",
+    "w64": "a Wave64 file",
+    "aiff": "an AIFF file",
+    "caf": "a CAF file",
+    "au": "an AU file",
+    "flac": "a FLAC file",
+    "mp3": "an MP3 stream",
+    "aac": "an ADTS AAC stream",
+    "HEIF": "a HEIF image",
     **{name: f"a {name} image" for name in IMAGE_FORMATS},
 }
 _LOOKALIKES = (
-    (b"ffconcat", "an ffconcat playlist"), (b"#EXTM3U", "an HLS (m3u8) playlist"), (b"<MPD", "a DASH manifest"),
-    (b"<?xml", "an XML document"), (b"v=0", "an SDP session description"), (b"%!PS", "PostScript"),
+    (b"ffconcat", "an ffconcat playlist"),
+    (b"#EXTM3U", "an HLS (m3u8) playlist"),
+    (b"<MPD", "a DASH manifest"),
+    (b"<?xml", "an XML document"),
+    (b"v=0", "an SDP session description"),
+    (b"%!PS", "PostScript"),
     (b"#!", "a script"),
 )
 """Text the refusal names: playlists and descriptions FFmpeg would follow, and other things sent for media."""
@@ -63,12 +94,13 @@ _LOOKALIKES = (
 def sniff(data: bytes, modality: str) -> str:
     """The name to open `data` with: the FFmpeg demuxer to force (audio, video) or the PIL format (image). 400 naming
     what it looks like when its leading bytes are no container `modality` allows."""
-    found = identify(data[:id3_length(data) + SNIFF_BYTES])
+    found = identify(data[: id3_length(data) + SNIFF_BYTES])
     if found in ALLOWED[modality]:
         return found
     kind = "format" if modality == "image" else "container"
-    raise MediaError(400, f"not a supported {modality} {kind} (it looks like {describe(data, found)}); "
-                          f"send {SEND[modality]}")
+    raise MediaError(
+        400, f"not a supported {modality} {kind} (it looks like {describe(data, found)}); send {SEND[modality]}"
+    )
 
 
 def id3_length(head: bytes) -> int:
@@ -112,8 +144,9 @@ def _iso_brand(head: bytes) -> str:
 
 def _is_transport_stream(head: bytes) -> bool:
     """MPEG-TS: the 0x47 sync byte starting two packets running (188 bytes each; M2TS: 192, a 4-byte time first)."""
-    return any(len(head) > start + size and head[start] == head[start + size] == 0x47
-               for start, size in ((0, 188), (4, 192)))
+    return any(
+        len(head) > start + size and head[start] == head[start + size] == 0x47 for start, size in ((0, 188), (4, 192))
+    )
 
 
 def _frame_sync(head: bytes) -> str | None:

@@ -20,8 +20,9 @@ OPEN_FAILURES: Mapping[str, str] = MappingProxyType({"video": "{exc}", "audio": 
 
 def open_input(data: bytes, demuxer: str) -> InputContainer:
     """`data` opened for reading with `demuxer` forced (one `containers.sniff` returned for it)."""
-    return av.open(io.BytesIO(data), mode="r", format=demuxer, container_options=demuxer_options(demuxer),
-                   metadata_errors="ignore")
+    return av.open(
+        io.BytesIO(data), mode="r", format=demuxer, container_options=demuxer_options(demuxer), metadata_errors="ignore"
+    )
 
 
 def sniff_for_decoding(data: bytes, modality: str) -> str:

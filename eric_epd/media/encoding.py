@@ -21,11 +21,13 @@ def content_layers(header: str) -> list[str]:
 def check_layers(layers: list[str], shown: str) -> None:
     """400 unless the response carries at most one coding, and that one inflatable."""
     if len(layers) > 1:
-        raise MediaError(400, f"{shown} is sent with {len(layers)} content encodings ({', '.join(layers)}); "
-                              "at most one is accepted")
+        raise MediaError(
+            400, f"{shown} is sent with {len(layers)} content encodings ({', '.join(layers)}); at most one is accepted"
+        )
     if layers and layers[0] not in INFLATABLE:
-        raise MediaError(400, f"{shown} is sent with content encoding {layers[0]!r}; only gzip or deflate (or "
-                              "none) is accepted")
+        raise MediaError(
+            400, f"{shown} is sent with content encoding {layers[0]!r}; only gzip or deflate (or none) is accepted"
+        )
 
 
 def inflate(data: bytes, coding: str, max_bytes: int, shown: str) -> bytes:

@@ -41,8 +41,10 @@ def check_for_engine(read: Reader, modality: str) -> str:
         for start in sorted({0, skip}):
             label = _probed_as(_probe_window(read, start))
             if label is not None:
-                raise MediaError(400, f"not a supported {modality}: a probing decoder would take it for {label}; "
-                                      "send the medium itself")
+                raise MediaError(
+                    400,
+                    f"not a supported {modality}: a probing decoder would take it for {label}; send the medium itself",
+                )
     return name
 
 
@@ -73,7 +75,7 @@ def _has_sdp_line(window: bytes, end: int) -> bool:
     """Whether a line before `end` starts with SDP_LINE (at the start, after `\\n` or after `\\n\\r`)."""
     at = window.find(SDP_LINE, 0, end)
     while at >= 0:
-        if at == 0 or window[at - 1] == 0x0A or (at >= 2 and window[at - 2:at] == b"\n\r"):
+        if at == 0 or window[at - 1] == 0x0A or (at >= 2 and window[at - 2 : at] == b"\n\r"):
             return True
         at = window.find(SDP_LINE, at + 1, end)
     return False
@@ -103,7 +105,7 @@ def data_url_reader(url: str) -> Reader:
         raise MediaError(400, "malformed data URL: no ',' before the payload")
     start = comma + 1
     if not url[:comma].lower().endswith(";base64"):
-        return lambda size: unquote_to_bytes(url[start:start + 3 * size])[:size]  # 1 to 3 characters a byte
+        return lambda size: unquote_to_bytes(url[start : start + 3 * size])[:size]  # 1 to 3 characters a byte
     return lambda size: _base64_head(url, start, size)
 
 
@@ -114,7 +116,7 @@ def _base64_head(url: str, start: int, size: int) -> bytes:
     text = "".join(url[start:end].split())
     while len(text) < want and end < len(url):  # whitespace took room: read on until `want` characters or the end
         more = want - len(text)
-        text += "".join(url[end:end + more].split())
+        text += "".join(url[end : end + more].split())
         end += more
     text += "=" * (-len(text) % 4)
     try:

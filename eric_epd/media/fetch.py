@@ -60,10 +60,7 @@ class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
         raise AssertionError("unreachable")  # resolve_host never returns an empty list
 
     async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+        self, path: str, timeout: float | None = None, socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
     ) -> httpcore.AsyncNetworkStream:
         raise MediaError(400, "unix sockets are not allowed for media URLs")
 
@@ -77,8 +74,10 @@ class _PolicyTransport(httpx.AsyncHTTPTransport):
         super().__init__(verify=ssl_context, trust_env=False)
         # httpx has no DNS hook: swap in an httpcore pool whose backend vets every resolved address.
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl_context, network_backend=_PolicyNetworkBackend(policy, resolver),
-            max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS // 4,
+            ssl_context=ssl_context,
+            network_backend=_PolicyNetworkBackend(policy, resolver),
+            max_connections=MAX_CONNECTIONS,
+            max_keepalive_connections=MAX_CONNECTIONS // 4,
             keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
 
@@ -129,8 +128,9 @@ class ByteBudget:
     `message`, and so does every later chunk of the others, which stop there. Also caps how many of them run at
     once, and holds its bytes in `shared` (every request's) until `close`."""
 
-    def __init__(self, limit: int, message: str, concurrency: int = MAX_PER_REQUEST,
-                 shared: SharedBytes | None = None) -> None:
+    def __init__(
+        self, limit: int, message: str, concurrency: int = MAX_PER_REQUEST, shared: SharedBytes | None = None
+    ) -> None:
         self.limit = limit
         self.message = message
         self.used = 0

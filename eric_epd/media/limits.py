@@ -36,12 +36,26 @@ class MediaLimits:
             raise ValueError("MediaLimits timeout_s and video_fps must be > 0, max_redirects >= 0")
         if self.max_video_frames < 2:
             raise ValueError("MediaLimits.max_video_frames must be >= 2")
-        if min(self.max_video_source_frames, self.max_video_seconds, self.max_video_decode_s, self.max_video_fps,
-               self.max_video_decode_pixels) <= 0:
+        if (
+            min(
+                self.max_video_source_frames,
+                self.max_video_seconds,
+                self.max_video_decode_s,
+                self.max_video_fps,
+                self.max_video_decode_pixels,
+            )
+            <= 0
+        ):
             raise ValueError("MediaLimits video source frames, seconds, rate, decode time and pixels must be positive")
-        if min(self.max_audio_seconds, self.max_audio_sample_rate, self.max_audio_channels,
-               self.max_audio_decode_bytes) <= 0:
+        if (
+            min(
+                self.max_audio_seconds, self.max_audio_sample_rate, self.max_audio_channels, self.max_audio_decode_bytes
+            )
+            <= 0
+        ):
             raise ValueError("MediaLimits audio seconds, sample rate, channels and decode bytes must be positive")
         if self.max_audio_sample_rate > MAX_AUDIO_SAMPLE_RATE:  # else a clip decoded only for the resampler to refuse
-            raise ValueError(f"MediaLimits.max_audio_sample_rate must be at most {MAX_AUDIO_SAMPLE_RATE} Hz, the "
-                             "highest rate the resampler takes")
+            raise ValueError(
+                f"MediaLimits.max_audio_sample_rate must be at most {MAX_AUDIO_SAMPLE_RATE} Hz, the "
+                "highest rate the resampler takes"
+            )

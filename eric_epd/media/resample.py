@@ -45,9 +45,12 @@ WORK_ELEMENTS = 1 << 18
 def check_rate(rate: int, role: str) -> None:
     """Refuse (413) a rate the resampler does not take, naming its limits; `role` says which rate it is."""
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        raise MediaError(413, f"the audio's {role} sample rate is {rate} Hz, outside the resampler's limits of "
-                              f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz (MIN_SAMPLE_RATE, MAX_SAMPLE_RATE in "
-                              "eric_epd/media/resample.py)")
+        raise MediaError(
+            413,
+            f"the audio's {role} sample rate is {rate} Hz, outside the resampler's limits of "
+            f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz (MIN_SAMPLE_RATE, MAX_SAMPLE_RATE in "
+            "eric_epd/media/resample.py)",
+        )
 
 
 def kernel_radius(down: int, up: int) -> int:
@@ -67,7 +70,7 @@ def phase_weights(phases: np.ndarray, down: int, up: int) -> np.ndarray:
     out = np.empty((len(phases), len(taps)), dtype=np.float32)
     rows = max(1, WORK_ELEMENTS // len(taps))
     for lo in range(0, len(phases), rows):
-        p = phases[lo:lo + rows].astype(np.int64)
+        p = phases[lo : lo + rows].astype(np.int64)
         phase = (np.float32(-1) * p.astype(np.float32)) / np.float32(up)  # -p / up rounded to float32
         offsets = ((p * down) // up)[:, None] + taps[None, :]  # input index - block start, as torchaudio's idx
         t = (phase.astype(np.float64)[:, None] + offsets / down) * cutoff
@@ -76,7 +79,7 @@ def phase_weights(phases: np.ndarray, down: int, up: int) -> np.ndarray:
         t *= math.pi
         sinc = np.ones_like(t)
         np.divide(np.sin(t), t, out=sinc, where=t != 0)
-        out[lo:lo + rows] = sinc * (window * (cutoff / down))
+        out[lo : lo + rows] = sinc * (window * (cutoff / down))
     return out
 
 
@@ -103,5 +106,5 @@ def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     for lo in range(0, n_out, block):
         j = np.arange(lo, min(lo + block, n_out), dtype=np.int64)
         taps = windows[(j * down) // up]
-        out[lo:lo + len(j)] = np.einsum("ij,ij->i", weights[j % up], taps)
+        out[lo : lo + len(j)] = np.einsum("ij,ij->i", weights[j % up], taps)
     return out

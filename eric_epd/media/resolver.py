@@ -26,8 +26,13 @@ MAX_HOSTS_PER_REQUEST = 16
 class MediaResolver:
     """One per process (per fetcher): a c-ares channel made on first use in the running loop."""
 
-    def __init__(self, timeout_s: float = QUERY_TIMEOUT_S, tries: int = QUERY_TRIES,
-                 max_lookups: int = MAX_LOOKUPS, nameservers: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float = QUERY_TIMEOUT_S,
+        tries: int = QUERY_TRIES,
+        max_lookups: int = MAX_LOOKUPS,
+        nameservers: list[str] | None = None,
+    ) -> None:
         """`nameservers` ("ADDR" or "ADDR:PORT"): the system's (/etc/resolv.conf) when None."""
         self._timeout_s = timeout_s
         self._tries = tries
@@ -47,7 +52,8 @@ class MediaResolver:
         try:
             async with self._slots:
                 result = await asyncio.wait_for(
-                    channel.getaddrinfo(name, port=port, type=socket.SOCK_STREAM), self.deadline_s)
+                    channel.getaddrinfo(name, port=port, type=socket.SOCK_STREAM), self.deadline_s
+                )
         except TimeoutError as exc:
             raise MediaError(400, f"could not resolve host {name!r}: no answer within {self.deadline_s:g} s") from exc
         except (aiodns.error.DNSError, UnicodeError, ValueError) as exc:
@@ -63,8 +69,7 @@ class MediaResolver:
 
     def _channel_for(self, loop: asyncio.AbstractEventLoop) -> aiodns.DNSResolver:
         if self._channel is None or self._channel.loop is not loop:
-            self._channel = aiodns.DNSResolver(self._nameservers, loop=loop, timeout=self._timeout_s,
-                                               tries=self._tries)
+            self._channel = aiodns.DNSResolver(self._nameservers, loop=loop, timeout=self._timeout_s, tries=self._tries)
         return self._channel
 
 

@@ -198,8 +198,9 @@ def _check_host(host: str) -> None:
         try:
             ipaddress.IPv4Address(host)
         except ValueError as exc:
-            raise MediaError(400, f"URL host {host!r} is a numeric address in a form parsers read "
-                                  "differently; write it as a.b.c.d") from exc
+            raise MediaError(
+                400, f"URL host {host!r} is a numeric address in a form parsers read differently; write it as a.b.c.d"
+            ) from exc
 
 
 def _split(url: str) -> SplitResult:

@@ -44,8 +44,12 @@ class ShardedTower(nn.Module):
 
     @classmethod
     def from_checkpoint(
-        cls: type[TowerT], model_dir: str | Path, tp: TPContext | None = None, dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu", config: Mapping[str, Any] | None = None,
+        cls: type[TowerT],
+        model_dir: str | Path,
+        tp: TPContext | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        config: Mapping[str, Any] | None = None,
     ) -> TowerT:
         """The tower of a checkpoint on `device` in `dtype`, this rank's shard of each tower and projector tensor
         read from its safetensors (the language model's never); `config`: its config.json if already read."""
@@ -61,8 +65,17 @@ class ShardedTower(nn.Module):
         tower = tower.to_empty(device=torch.device(device)).eval()
         loaded = tower.load_weights(iter_vision_tensors(model_dir, cls.weight_prefixes))
         n_params = sum(p.numel() for p in tower.parameters())
-        logger.info("loaded %s tower from %s: %d tensors, %.1fM params/rank, %s on %s, tp %d/%d",
-                    cls.model_type, model_dir, len(loaded), n_params / 1e6, dtype, device, tp.rank, tp.world_size)
+        logger.info(
+            "loaded %s tower from %s: %d tensors, %.1fM params/rank, %s on %s, tp %d/%d",
+            cls.model_type,
+            model_dir,
+            len(loaded),
+            n_params / 1e6,
+            dtype,
+            device,
+            tp.rank,
+            tp.world_size,
+        )
         return tower
 
     @property
@@ -123,10 +136,12 @@ class ShardedTower(nn.Module):
             loaded.add(key)
         missing = sorted(self.expected_keys() - loaded)
         if missing:
-            raise KeyError(f"{len(missing)} {self.family} tower weights missing from the checkpoint, e.g. "
-                           f"{missing[:5]}")
-        logger.debug("loaded %d %s tower tensors (tp rank %d/%d)", len(loaded), self.model_type, self.tp.rank,
-                     self.tp.world_size)
+            raise KeyError(
+                f"{len(missing)} {self.family} tower weights missing from the checkpoint, e.g. {missing[:5]}"
+            )
+        logger.debug(
+            "loaded %d %s tower tensors (tp rank %d/%d)", len(loaded), self.model_type, self.tp.rank, self.tp.world_size
+        )
         return loaded
 
 
@@ -176,7 +191,11 @@ class TowerEncoder:
 
     @classmethod
     def load(
-        cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPContext | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> Self:
         """This rank's shard of the checkpoint's tower (see ShardedTower.from_checkpoint)."""

@@ -17,9 +17,14 @@ from eric_epd.common.widths import TOWER_TYPES, embedding_width, is_generic
 from eric_epd.wire.eric import GRID, MEDIA, Placement
 
 GENERIC_TOWERS: Mapping[str, str] = MappingProxyType(
-    {"gemma3": "eric_epd.models.gemma3", "internvl": "eric_epd.models.internvl",
-     "qwen2_audio": "eric_epd.models.qwen2_audio", "qwen2_5_omni": "eric_epd.models.qwen2_5_omni",
-     "qwen3_omni_moe": "eric_epd.models.qwen3_omni"})
+    {
+        "gemma3": "eric_epd.models.gemma3",
+        "internvl": "eric_epd.models.internvl",
+        "qwen2_audio": "eric_epd.models.qwen2_audio",
+        "qwen2_5_omni": "eric_epd.models.qwen2_5_omni",
+        "qwen3_omni_moe": "eric_epd.models.qwen3_omni",
+    }
+)
 """Generic-path families whose worker runs a tensor-parallel tower of Eric's own in place of transformers' classes,
 so --tp > 1 serves them, by the module holding it (its `ENCODER`, loaded by GenericWorkload, and its `check_tp`,
 called before any process starts; see generic_tower); their processing, batching, hashing and placement stay the
@@ -38,8 +43,17 @@ thinker's audio tower and vision tower (its language model, talker and token2wav
 GENERIC_TOWERS has them (Qwen2.5-Omni's: models/qwen2_5_omni.py; Qwen3-Omni's: models/qwen3_omni.py; any TP), else
 transformers' at TP 1 (models/hf/omni.HFOmniEncoder)."""
 DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
-    {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-     "float16": "float16", "fp16": "float16", "half": "float16"})
+    {
+        "float32": "float32",
+        "fp32": "float32",
+        "float": "float32",
+        "bfloat16": "bfloat16",
+        "bf16": "bfloat16",
+        "float16": "float16",
+        "fp16": "float16",
+        "half": "float16",
+    }
+)
 """The --dtype spellings accepted, by the dtype each names."""
 
 
@@ -70,8 +84,9 @@ def serves_tp(model_type: str, tp: int) -> bool:
 def generic_tower(model_type: str) -> ModuleType:
     """The module of the tower of Eric's own serving a GENERIC_TOWERS family (imported here: it imports torch)."""
     if model_type not in GENERIC_TOWERS:
-        raise ValueError(f"model_type {model_type!r} has no tower of Eric's own; those that do: "
-                         f"{', '.join(sorted(GENERIC_TOWERS))}")
+        raise ValueError(
+            f"model_type {model_type!r} has no tower of Eric's own; those that do: {', '.join(sorted(GENERIC_TOWERS))}"
+        )
     return importlib.import_module(GENERIC_TOWERS[model_type])
 
 
@@ -124,15 +139,30 @@ class ModelFacts:
         ValueError for a hand-written family's config without a vision tower."""
         if is_generic(config):  # whether the generic path can serve it is checked by registry.check_servable
             model_type = str(config.get("model_type", ""))
-            return cls(model_dir, model_type, generic_modalities(model_type), embedding_width(config), 1, 0,
-                       generic=True, config=config)
+            return cls(
+                model_dir,
+                model_type,
+                generic_modalities(model_type),
+                embedding_width(config),
+                1,
+                0,
+                generic=True,
+                config=config,
+            )
         model_type = str(config.get("model_type", ""))
         if "vision_config" not in config:
             raise ValueError(f"{model_dir}/config.json has no vision_config")
         vision = vision_config(model_type, config["vision_config"])  # as the tower reads it
         row = int(vision["in_channels"]) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
-        return cls(model_dir, model_type, TOWER_TYPES[model_type], embedding_width(config),
-                   int(vision["spatial_merge_size"]), row, config=config)
+        return cls(
+            model_dir,
+            model_type,
+            TOWER_TYPES[model_type],
+            embedding_width(config),
+            int(vision["spatial_merge_size"]),
+            row,
+            config=config,
+        )
 
     @property
     def placement(self) -> Placement:

@@ -21,13 +21,26 @@ from eric_epd.models.qwen2_5_vl import RMSNorm
 logger = logging.getLogger(__name__)
 
 WEIGHT_PREFIXES: tuple[str, ...] = (
-    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 """Checkpoint names of the tower and projector: released (`vision_tower.vision_model.*`), transformers 5's
 (`model.vision_tower.*`, no `vision_model` level) and the mixes; the language model's are never read."""
-SIGLIP_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-    "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
-    "layer_norm_eps": 1e-6})
+SIGLIP_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_channels": 3,
+        "image_size": 224,
+        "patch_size": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_norm_eps": 1e-6,
+    }
+)
 """transformers' SiglipVisionConfig defaults, for keys a checkpoint's vision_config leaves out."""
 
 
@@ -36,7 +49,7 @@ def checkpoint_key(name: str) -> str:
     name = name.removeprefix("model.")
     for prefix in ("vision_tower.vision_model.", "vision_tower."):
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     if name.startswith("multi_modal_projector."):
         return name
     raise KeyError(f"{name!r} is not a Gemma 3 vision tower or projector weight")
@@ -122,8 +135,10 @@ class Gemma3Projector(nn.Module):
         super().__init__()
         self.tokens_per_side = int(tokens**0.5)
         if self.tokens_per_side**2 != tokens or patches_per_side % self.tokens_per_side:
-            raise ValueError(f"mm_tokens_per_image {tokens} is not a square pooling of a "
-                             f"{patches_per_side}x{patches_per_side} patch grid")
+            raise ValueError(
+                f"mm_tokens_per_image {tokens} is not a square pooling of a "
+                f"{patches_per_side}x{patches_per_side} patch grid"
+            )
         self.patches_per_side = patches_per_side
         self.kernel = patches_per_side // self.tokens_per_side
         self.mm_input_projection_weight = nn.Parameter(torch.empty(dim, text_dim, dtype=dtype), requires_grad=False)
@@ -161,8 +176,9 @@ class Gemma3VisionTower(CropTower):
         self.embeddings = SiglipEmbeddings(self.channels, dim, self.patch_size, side * side, dtype)
         self.encoder = SiglipEncoder(cfg, self.tp, dtype)
         self.post_layernorm = nn.LayerNorm(dim, eps=float(cfg["layer_norm_eps"]), dtype=dtype)
-        self.multi_modal_projector = Gemma3Projector(dim, self.width, side, self.tokens_per_image,
-                                                     float(cfg["layer_norm_eps"]), dtype)
+        self.multi_modal_projector = Gemma3Projector(
+            dim, self.width, side, self.tokens_per_image, float(cfg["layer_norm_eps"]), dtype
+        )
 
     def rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """(crops, 3, S, S) -> (crops, mm_tokens_per_image, width): SigLIP, post-layernorm, the pooling projector."""

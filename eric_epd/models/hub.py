@@ -10,9 +10,19 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SMALL_FILES = ["config.json", "*preprocessor_config.json", "processor_config.json", "chat_template*",
-               "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-               "generation_config.json", "*.safetensors.index.json"]
+SMALL_FILES = [
+    "config.json",
+    "*preprocessor_config.json",
+    "processor_config.json",
+    "chat_template*",
+    "tokenizer*",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "*.safetensors.index.json",
+]
 """What Eric reads besides weights: configs, the processor's files and the shard index."""
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

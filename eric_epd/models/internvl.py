@@ -22,14 +22,31 @@ from eric_epd.models.qwen2_5_vl import RMSNorm
 logger = logging.getLogger(__name__)
 
 WEIGHT_PREFIXES: tuple[str, ...] = (
-    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 """Checkpoint names of the tower and projector: released `-hf` checkpoints' (`vision_tower.*`) and transformers 5's
 (`model.vision_tower.*`); the language model's are never read."""
-INTERNVIT_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "attention_bias": False,
-    "use_qk_norm": False, "intermediate_size": 4096, "hidden_act": "gelu", "norm_type": "layer_norm",
-    "layer_norm_eps": 1e-6, "image_size": 448, "patch_size": 14, "num_channels": 3,
-    "use_absolute_position_embeddings": True, "use_mean_pooling": True})
+INTERNVIT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "attention_bias": False,
+        "use_qk_norm": False,
+        "intermediate_size": 4096,
+        "hidden_act": "gelu",
+        "norm_type": "layer_norm",
+        "layer_norm_eps": 1e-6,
+        "image_size": 448,
+        "patch_size": 14,
+        "num_channels": 3,
+        "use_absolute_position_embeddings": True,
+        "use_mean_pooling": True,
+    }
+)
 """transformers' InternVLVisionConfig defaults, for keys a checkpoint's vision_config leaves out."""
 TEXT_HIDDEN_DEFAULT = 4096
 """InternVLConfig's language model width when its text_config leaves hidden_size out (transformers' Qwen2Config)."""
@@ -94,9 +111,11 @@ class InternVisionEmbeddings(nn.Module):
         dim = int(cfg["hidden_size"])
         self.cls_token = nn.Parameter(torch.empty(1, 1, dim, dtype=dtype), requires_grad=False)
         self.patch_embeddings = nn.ModuleDict({"projection": nn.Conv2d(channels, dim, patch, patch, dtype=dtype)})
-        self.position_embeddings = (nn.Parameter(torch.empty(1, side * side + 1, dim, dtype=dtype),
-                                                 requires_grad=False)
-                                    if cfg["use_absolute_position_embeddings"] else None)
+        self.position_embeddings = (
+            nn.Parameter(torch.empty(1, side * side + 1, dim, dtype=dtype), requires_grad=False)
+            if cfg["use_absolute_position_embeddings"]
+            else None
+        )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) crops -> (B, 1 + patches, dim): the cls token, then the patches row-major."""
@@ -201,8 +220,10 @@ class InternVLVisionTower(CropTower):
         """Row width: the language model's hidden size."""
         strategy = full.get("vision_feature_select_strategy", "default")
         if strategy != "default":
-            raise ValueError(f"vision_feature_select_strategy {strategy!r}: only 'default' (cls token dropped) gives "
-                             "the square patch grid transformers' InternVL pixel-shuffles")
+            raise ValueError(
+                f"vision_feature_select_strategy {strategy!r}: only 'default' (cls token dropped) gives "
+                "the square patch grid transformers' InternVL pixel-shuffles"
+            )
         ratio = float(full.get("downsample_ratio", 0.5))
         self.scale = round(1 / ratio)
         if abs(self.scale * ratio - 1) > 1e-9 or side % self.scale:
@@ -217,8 +238,9 @@ class InternVLVisionTower(CropTower):
         self.encoder.layer = nn.ModuleList(InternVisionLayer(cfg, self.tp, dtype) for _ in range(depth))
         final_norm = layer == -1 and not cfg["use_mean_pooling"]  # transformers' last_hidden_state is normed
         self.layernorm = nn.LayerNorm(dim, eps=float(cfg["layer_norm_eps"]), dtype=dtype) if final_norm else None
-        self.multi_modal_projector = InternVLProjector(dim * self.scale**2, self.width,
-                                                       str(full.get("projector_hidden_act", "gelu")), dtype)
+        self.multi_modal_projector = InternVLProjector(
+            dim * self.scale**2, self.width, str(full.get("projector_hidden_act", "gelu")), dtype
+        )
 
     def rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """(crops, 3, S, S) -> (crops, tokens, width): InternViT to the feature layer, the cls token dropped, pixel

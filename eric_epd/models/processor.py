@@ -47,8 +47,9 @@ class BaseModalityProcessor(ABC):
         """One PIL image (any mode; converted to RGB)."""
 
     @abstractmethod
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> ProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> ProcessedItem:
         """Already-sampled frames, uint8 (T, H, W, 3) RGB, taken at `sampled_fps` frames per second (2.0, HF's
         default for a video without metadata); `seconds`: each frame's time in the source, when known."""
 
@@ -177,11 +178,7 @@ def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int, backend: R
 
 
 def normalize_lut(
-    do_rescale: bool,
-    rescale_factor: float,
-    do_normalize: bool,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
+    do_rescale: bool, rescale_factor: float, do_normalize: bool, mean: tuple[float, ...], std: tuple[float, ...]
 ) -> np.ndarray:
     """(C, 256) float32 table of the processed value of each uint8 level per channel, with HF torchvision's
     float32 arithmetic: fused (v - mean/rf) / (std/rf) when both rescaling and normalizing."""

@@ -33,16 +33,26 @@ logger = logging.getLogger(__name__)
 WEIGHT_PREFIXES: tuple[str, ...] = ("thinker.audio_tower.", "thinker.visual.")
 """Checkpoint names of the thinker's two towers (released names); the language model, talker and token2wav are never
 read."""
-AUDIO_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
-    "d_model": 1280, "activation_function": "gelu", "max_source_positions": 1500, "n_window": 100,
-    "output_dim": 3584})
+AUDIO_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "num_mel_bins": 128,
+        "encoder_layers": 32,
+        "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120,
+        "d_model": 1280,
+        "activation_function": "gelu",
+        "max_source_positions": 1500,
+        "n_window": 100,
+        "output_dim": 3584,
+    }
+)
 """transformers' Qwen2_5OmniAudioEncoderConfig defaults, for keys a checkpoint's audio_config leaves out (the vision
 tower's equal Qwen2.5-VL's, which Qwen2_5_VLVisionEncoder keeps)."""
 UNUSED_KEYS = frozenset({"audio_tower.audio_bos_eos_token.weight"})
 """Tower tensors no feature depends on (the thinker's forward never reads them)."""
-VISION_INPUTS: Mapping[str, tuple[str, str]] = MappingProxyType({
-    "image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")})
+VISION_INPUTS: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+)
 """Per vision modality, the processor's (patches, grid) tensors."""
 
 
@@ -91,8 +101,9 @@ class ChunkedWhisperEncoder(nn.Module):
         self.n_window = int(cfg["n_window"])
         self.conv1 = nn.Conv1d(int(cfg["num_mel_bins"]), dim, kernel_size=3, padding=1, dtype=dtype)
         self.conv2 = nn.Conv1d(dim, dim, kernel_size=3, stride=2, padding=1, dtype=dtype)
-        self.register_buffer("positional_embedding", torch.empty(int(cfg["max_source_positions"]), dim),
-                             persistent=False)  # computed, not read: fill_positions
+        self.register_buffer(
+            "positional_embedding", torch.empty(int(cfg["max_source_positions"]), dim), persistent=False
+        )  # computed, not read: fill_positions
         self.layers = nn.ModuleList(WhisperEncoderLayer(cfg, tp, dtype) for _ in range(int(cfg["encoder_layers"])))
         self.ln_post = nn.LayerNorm(dim, eps=LAYER_NORM_EPS, dtype=dtype)
         self.proj = nn.Linear(dim, int(cfg["output_dim"]), dtype=dtype)
@@ -111,8 +122,10 @@ class ChunkedWhisperEncoder(nn.Module):
         inside = (torch.arange(padded.shape[2], device=features.device)[None, :] < lengths[:, None])[:, None, :]
         hidden = F.gelu(self.conv2(F.gelu(self.conv1(padded)) * inside)).transpose(1, 2)
         if hidden.shape[1] > self.positional_embedding.shape[0]:
-            raise ValueError(f"chunks of {max(chunks)} mel frames give {hidden.shape[1]} positions; the tower has "
-                             f"{self.positional_embedding.shape[0]}")
+            raise ValueError(
+                f"chunks of {max(chunks)} mel frames give {hidden.shape[1]} positions; the tower has "
+                f"{self.positional_embedding.shape[0]}"
+            )
         return hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.dtype)
 
     def forward(self, features: torch.Tensor, mel_lengths: torch.Tensor) -> torch.Tensor:
@@ -162,8 +175,9 @@ class OmniTowers(ShardedTower):
         """Every clip's rows from its valid log-mel frames ((frames of every clip, mel bins), clips one after
         another), as `get_audio_features` gives them."""
         if input_features.dim() != 2 or input_features.shape[1] != self.mel_bins:
-            raise ValueError(f"input_features of shape {list(input_features.shape)}; expected [frames, "
-                             f"{self.mel_bins}]")
+            raise ValueError(
+                f"input_features of shape {list(input_features.shape)}; expected [frames, {self.mel_bins}]"
+            )
         if int(mel_lengths.sum()) != input_features.shape[0]:
             raise ValueError(f"{input_features.shape[0]} mel frames for clips of {mel_lengths.tolist()}")
         if input_features.shape[0] == 0:
@@ -205,8 +219,11 @@ class Qwen2_5OmniTowers(OmniTowers):  # noqa: N801 - HF naming
     def expected_keys(self) -> set[str]:
         """Every tensor the checkpoint must provide: no audio k_proj bias (Whisper has none); the positional table is
         a buffer, computed."""
-        return {key for key in super().expected_keys()
-                if not (key.startswith("audio_tower.") and key.endswith(".k_proj.bias"))}
+        return {
+            key
+            for key in super().expected_keys()
+            if not (key.startswith("audio_tower.") and key.endswith(".k_proj.bias"))
+        }
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """OmniTowers.load_weights, an audio k_proj bias refused; then k's part of each audio layer's fused bias

@@ -24,12 +24,24 @@ from eric_epd.models.layers.parallel import ColumnParallelLinear, QKVParallelLin
 logger = logging.getLogger(__name__)
 
 WEIGHT_PREFIXES: tuple[str, ...] = (
-    "audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
+    "audio_tower.",
+    "multi_modal_projector.",
+    "model.audio_tower.",
+    "model.multi_modal_projector.",
+)
 """Checkpoint names of the tower and projector: released (`audio_tower.*`) and with transformers 5's `model.` level;
 the language model's are never read."""
-ENCODER_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
-    "d_model": 1280, "activation_function": "gelu", "max_source_positions": 1500})
+ENCODER_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "num_mel_bins": 128,
+        "encoder_layers": 32,
+        "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120,
+        "d_model": 1280,
+        "activation_function": "gelu",
+        "max_source_positions": 1500,
+    }
+)
 """transformers' Qwen2AudioEncoderConfig defaults, for keys a checkpoint's audio_config leaves out."""
 LAYER_NORM_EPS = 1e-5
 """Whisper's layer norms keep torch's default epsilon."""
@@ -122,8 +134,10 @@ class WhisperEncoder(nn.Module):
         """(B, mel bins, frames) -> (B, positions, dim): the convolutions and the positional table."""
         hidden = F.gelu(self.conv2(F.gelu(self.conv1(features)))).transpose(1, 2)
         if hidden.shape[1] > self.embed_positions.num_embeddings:
-            raise ValueError(f"{features.shape[-1]} mel frames give {hidden.shape[1]} positions; the tower has "
-                             f"{self.embed_positions.num_embeddings}")
+            raise ValueError(
+                f"{features.shape[-1]} mel frames give {hidden.shape[1]} positions; the tower has "
+                f"{self.embed_positions.num_embeddings}"
+            )
         return hidden + self.embed_positions.weight[: hidden.shape[1]]
 
     def forward(self, features: torch.Tensor, mel_lengths: torch.Tensor) -> torch.Tensor:
@@ -187,8 +201,9 @@ class Qwen2AudioTower(ShardedTower):
         """Every item's rows, items in order: the first `whisper_output_lengths` rows of each item's projected
         features, as Qwen2-Audio's forward scatters them into its audio tokens."""
         if input_features.dim() != 3 or input_features.shape[1] != self.mel_bins:
-            raise ValueError(f"input_features of shape {list(input_features.shape)}; expected [items, "
-                             f"{self.mel_bins}, frames]")
+            raise ValueError(
+                f"input_features of shape {list(input_features.shape)}; expected [items, {self.mel_bins}, frames]"
+            )
         if input_features.shape[0] == 0:
             return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
         frames = whisper_frames_needed(mel_lengths, input_features.shape[-1])

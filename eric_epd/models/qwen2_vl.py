@@ -15,12 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eric_epd.common.tower_defaults import QWEN2_VL
-from eric_epd.models.layers.attention import (
-    VarlenPlan,
-    apply_vision_rope,
-    varlen_attention,
-    vision_rotary_cos_sin,
-)
+from eric_epd.models.layers.attention import VarlenPlan, apply_vision_rope, varlen_attention, vision_rotary_cos_sin
 from eric_epd.models.layers.config import IGNORED_SUFFIXES, config_to_dict
 from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import (

@@ -156,8 +156,7 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         self.resize_backend: ResizeBackend = resize_backend
         self._fingerprints = {
             m: json.dumps(
-                {"processor": self.name, "version": FINGERPRINT_VERSION, "modality": m, **asdict(s)},
-                sort_keys=True,
+                {"processor": self.name, "version": FINGERPRINT_VERSION, "modality": m, **asdict(s)}, sort_keys=True
             ).encode()
             for m, s in self.settings.items()
         }
@@ -192,8 +191,9 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         """One image resized, normalized and patchified with the image settings."""
         return self._process("image", image_to_rgb_array(image))
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> ProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> ProcessedItem:
         """Sampled frames resized, normalized and patchified with the video settings (timing is not used)."""
         return self._process("video", frames_to_rgb_array(frames))
 
@@ -201,8 +201,9 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
 class Qwen2_5_VLModalityProcessor(Qwen2VLModalityProcessor):  # noqa: N801  (HF naming)
     """Qwen2.5-VL: the same pixels; videos also carry second_per_grid_ts, which its M-RoPE uses."""
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> ProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> ProcessedItem:
         """Qwen2-VL's video item, plus the seconds each temporal patch spans (`second_per_grid_ts`)."""
         item = super().process_video(frames, sampled_fps, seconds)
         seconds = self.settings["video"].temporal_patch_size / sampled_fps

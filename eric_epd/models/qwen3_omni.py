@@ -80,8 +80,9 @@ class Qwen3OmniAudioEncoder(nn.Module):
         self.conv2d2 = nn.Conv2d(width, width, 3, 2, padding=1, dtype=dtype)
         self.conv2d3 = nn.Conv2d(width, width, 3, 2, padding=1, dtype=dtype)
         self.conv_out = nn.Linear(width * ((((mels + 1) // 2 + 1) // 2 + 1) // 2), dim, bias=False, dtype=dtype)
-        self.register_buffer("positional_embedding", torch.empty(int(cfg["max_source_positions"]), dim),
-                             persistent=False)  # computed, not read: fill_positions
+        self.register_buffer(
+            "positional_embedding", torch.empty(int(cfg["max_source_positions"]), dim), persistent=False
+        )  # computed, not read: fill_positions
         self.layers = nn.ModuleList(WhisperEncoderLayer(cfg, tp, dtype) for _ in range(int(cfg["encoder_layers"])))
         self.ln_post = nn.LayerNorm(dim, eps=LAYER_NORM_EPS, dtype=dtype)
         self.proj1 = nn.Linear(dim, dim, dtype=dtype)
@@ -104,8 +105,10 @@ class Qwen3OmniAudioEncoder(nn.Module):
         hidden = torch.cat(parts)
         chunks, channels, mels, positions = hidden.shape
         if positions > self.positional_embedding.shape[0]:
-            raise ValueError(f"chunks of {padded.shape[-1]} mel frames give {positions} positions; the tower has "
-                             f"{self.positional_embedding.shape[0]}")
+            raise ValueError(
+                f"chunks of {padded.shape[-1]} mel frames give {positions} positions; the tower has "
+                f"{self.positional_embedding.shape[0]}"
+            )
         hidden = self.conv_out(hidden.permute(0, 3, 1, 2).reshape(chunks, positions, channels * mels))
         return hidden + self.positional_embedding[:positions].to(hidden.dtype)
 
@@ -149,8 +152,9 @@ class Qwen3OmniTowers(OmniTowers):
         if any(w != self.width for w in widths.values()):
             raise ValueError(f"the towers' widths {widths} differ from the language model's {self.width}")
         if self.visual.out_width != embedding_width(full, "image"):
-            raise ValueError(f"vision rows of {self.visual.out_width} values; the checkpoint's are "
-                             f"{embedding_width(full, 'image')}")
+            raise ValueError(
+                f"vision rows of {self.visual.out_width} values; the checkpoint's are {embedding_width(full, 'image')}"
+            )
 
     def skipped(self, key: str) -> bool:
         """Non-persistent buffers some exports hold."""

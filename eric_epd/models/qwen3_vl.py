@@ -51,8 +51,14 @@ def _bilinear_taps(h: int, w: int, side: int, merge: int) -> tuple[torch.Tensor,
     h0, w0 = hs.long(), ws.long()
     h1, w1 = (h0 + 1).clamp(max=side - 1), (w0 + 1).clamp(max=side - 1)
     dh, dw = (hs - h0)[:, None], (ws - w0)[None, :]
-    index = torch.stack([h0[:, None] * side + w0[None, :], h0[:, None] * side + w1[None, :],
-                         h1[:, None] * side + w0[None, :], h1[:, None] * side + w1[None, :]])
+    index = torch.stack(
+        [
+            h0[:, None] * side + w0[None, :],
+            h0[:, None] * side + w1[None, :],
+            h1[:, None] * side + w0[None, :],
+            h1[:, None] * side + w1[None, :],
+        ]
+    )
     weight = torch.stack([(1 - dh) * (1 - dw), (1 - dh) * dw, dh * (1 - dw), dh * dw])
     order = torch.arange(h * w).view(h // merge, merge, w // merge, merge).permute(0, 2, 1, 3).reshape(-1)
     return index.reshape(4, -1)[:, order].contiguous(), weight.reshape(4, -1)[:, order].contiguous()
@@ -64,8 +70,9 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
     def __init__(self, config: Any, tp: TPContext | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, tp, dtype)
         cfg = self.cfg
-        self.patch_embed = PatchEmbed(self.in_channels, self.temporal_patch_size, self.patch_size, self.width, dtype,
-                                      bias=True)
+        self.patch_embed = PatchEmbed(
+            self.in_channels, self.temporal_patch_size, self.patch_size, self.width, dtype, bias=True
+        )
         num = int(cfg["num_position_embeddings"])
         self.side = math.isqrt(num)  # transformers: int(num ** 0.5); a non-square table reads its first side**2 rows
         if self.side < 1:
@@ -76,11 +83,20 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
             raise ValueError(f"deepstack_visual_indexes {indexes}: each block of the {self.depth} once at most")
         self.tap_layers = frozenset(indexes)
         self._tap_level = {layer: level for level, layer in enumerate(indexes)}
-        self.deepstack_merger_list = nn.ModuleList([
-            PatchMerger(LayerNorm(self.width * self.merge**2, dtype=dtype), self.width, self.out_dim, self.merge,
-                        self.tp, dtype, postshuffle=True)
-            for _ in indexes
-        ])
+        self.deepstack_merger_list = nn.ModuleList(
+            [
+                PatchMerger(
+                    LayerNorm(self.width * self.merge**2, dtype=dtype),
+                    self.width,
+                    self.out_dim,
+                    self.merge,
+                    self.tp,
+                    dtype,
+                    postshuffle=True,
+                )
+                for _ in indexes
+            ]
+        )
         self.out_width = self.out_dim * (1 + len(indexes))
 
     defaults: ClassVar[Mapping[str, Any]] = QWEN3_VL

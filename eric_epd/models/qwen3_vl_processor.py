@@ -15,8 +15,9 @@ from eric_epd.models.processor import ProcessedItem, ResizeBackend
 from eric_epd.models.qwen2_vl_processor import Qwen2VLModalityProcessor
 
 
-def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize_video(
+    num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """Target (h, w) of every frame: multiples of `factor`, the whole clip's area (frames rounded to the temporal
     patch) within [min_pixels, max_pixels], aspect ratio kept (as transformers' Qwen3-VL video smart_resize)."""
     if num_frames < temporal_factor:
@@ -72,11 +73,11 @@ class Qwen3VLModalityProcessor(Qwen2VLModalityProcessor):
             return super().target_size(modality, height, width, num_frames)
         max_pixels = s.max_pixels
         if s.cap_pixels_per_frame:
-            per_frame = max(min(s.max_video_tokens * s.factor * s.factor, s.max_pixels // num_frames),
-                            int(s.min_pixels * 1.05))
+            per_frame = max(
+                min(s.max_video_tokens * s.factor * s.factor, s.max_pixels // num_frames), int(s.min_pixels * 1.05)
+            )
             max_pixels = per_frame * num_frames
-        return smart_resize_video(num_frames, height, width, s.temporal_patch_size, s.factor, s.min_pixels,
-                                  max_pixels)
+        return smart_resize_video(num_frames, height, width, s.temporal_patch_size, s.factor, s.min_pixels, max_pixels)
 
     def __init__(self, model_dir: str | Path, resize_backend: ResizeBackend = "torch") -> None:
         super().__init__(model_dir, resize_backend)
@@ -89,8 +90,9 @@ class Qwen3VLModalityProcessor(Qwen2VLModalityProcessor):
         """The source frames the checkpoint's video processor samples (its fps, min and max frames)."""
         return sampled_frames(total, src_fps, *self.sampling)
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> ProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> ProcessedItem:
         """Qwen2-VL's video item, plus each temporal patch's timestamp from the frames' times in the source."""
         item = super().process_video(frames, sampled_fps, seconds)
         if seconds is None:  # frames taken evenly at sampled_fps from the start

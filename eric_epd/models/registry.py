@@ -146,7 +146,10 @@ def vision_weights_digest(model_dir: str | Path, config: Mapping[str, Any] | Non
 
 
 def build_encoder(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPContext | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """The vision encoder of a checkpoint, parameters allocated (uninitialised) on `device`; no weights."""
@@ -160,7 +163,10 @@ def build_encoder(
 
 
 def load_encoder(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None = None,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPContext | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Build the vision tower of `model_dir` on `device` in `dtype` and load this rank's shard of its weights.

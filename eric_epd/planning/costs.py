@@ -7,18 +7,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-QWEN25_VL_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "patch_size": 14,
-                    "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112, "in_chans": 3,
-                    "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"}
+QWEN25_VL_VISION = {
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+    "in_chans": 3,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "hidden_act": "silu",
+}
 REFERENCES: dict[str, dict[str, Any]] = {
     "Qwen2.5-VL-3B-Instruct": {
-        "model_type": "qwen2_5_vl", "vision_config": {**QWEN25_VL_VISION, "out_hidden_size": 2048},
-        "text_config": {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
-                        "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936}},
+        "model_type": "qwen2_5_vl",
+        "vision_config": {**QWEN25_VL_VISION, "out_hidden_size": 2048},
+        "text_config": {
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+        },
+    },
     "Qwen2.5-VL-7B-Instruct": {
-        "model_type": "qwen2_5_vl", "vision_config": {**QWEN25_VL_VISION, "out_hidden_size": 3584},
-        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064}},
+        "model_type": "qwen2_5_vl",
+        "vision_config": {**QWEN25_VL_VISION, "out_hidden_size": 3584},
+        "text_config": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+        },
+    },
 }
 """The released configs' sizes (the Hugging Face repos' config.json, the fields the cost reads)."""
 
@@ -38,8 +64,10 @@ class StageCosts:
 
     def ratios(self) -> dict[str, float]:
         """Prefill and decode work per token over the tower's work per image token."""
-        return {"prefill_over_encoder": self.prefill_per_token / self.encoder_per_image_token,
-                "decode_over_encoder": self.decode_per_token / self.encoder_per_image_token}
+        return {
+            "prefill_over_encoder": self.prefill_per_token / self.encoder_per_image_token,
+            "decode_over_encoder": self.decode_per_token / self.encoder_per_image_token,
+        }
 
 
 def _vision(config: dict[str, Any]) -> dict[str, Any]:
@@ -100,5 +128,6 @@ def decode_flops_per_token(config: dict[str, Any], context: int = CONTEXT) -> fl
 
 def stage_costs(config: dict[str, Any]) -> StageCosts:
     """The three per-token costs of a checkpoint's config.json (as a dict)."""
-    return StageCosts(encoder_flops_per_image_token(config), prefill_flops_per_token(config),
-                      decode_flops_per_token(config))
+    return StageCosts(
+        encoder_flops_per_image_token(config), prefill_flops_per_token(config), decode_flops_per_token(config)
+    )

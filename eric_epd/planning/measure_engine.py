@@ -62,8 +62,13 @@ class EngineProbe:
         tensor = torch.randn(image_tokens(self.model, side), self.width, generator=generator) * 0.02
         buffer = io.BytesIO()
         torch.save(tensor, buffer)
-        return {"type": "image_embeds", "image_embeds": {"image_embeds": base64.b64encode(buffer.getvalue()).decode(),
-                                                         "image_grid_thw": list(image_grid(self.model, side))}}
+        return {
+            "type": "image_embeds",
+            "image_embeds": {
+                "image_embeds": base64.b64encode(buffer.getvalue()).decode(),
+                "image_grid_thw": list(image_grid(self.model, side)),
+            },
+        }
 
     def image_part(self, side: int) -> dict:
         """A raw image part (a new random PNG as a data URL)."""
@@ -72,8 +77,14 @@ class EngineProbe:
     def body(self, parts: list[dict], max_tokens: int, stream: bool = False, words: int = 16) -> dict:
         """A chat request: the parts, then `words` words of text; greedy, `max_tokens` tokens, EOS ignored."""
         text = {"type": "text", "text": "Describe these images. " + "word " * words}
-        return {"model": self.name, "messages": [{"role": "user", "content": [*parts, text]}],
-                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+        return {
+            "model": self.name,
+            "messages": [{"role": "user", "content": [*parts, text]}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
 
     def _prefill_totals(self) -> tuple[float, float]:
         """(sum, count) of vLLM's request_prefill_time: engine time from scheduling to first token."""
@@ -107,8 +118,9 @@ class EngineProbe:
         """The median TPOT of `batch` requests started together, over the tokens after the last of them began to
         decode (before that, steps also hold the others' prefill)."""
         async with httpx.AsyncClient(timeout=600, headers=self.vllm.headers) as client:
-            streams = await asyncio.gather(*(self._stream_stamps(client, self.body([], output_tokens, True, words))
-                                             for _ in range(batch)))
+            streams = await asyncio.gather(
+                *(self._stream_stamps(client, self.body([], output_tokens, True, words)) for _ in range(batch))
+            )
         start = max(s[0] for s in streams)
         windows = [w for w in ([t for t in s if t >= start] for s in streams) if len(w) > 2]
         return statistics.median((w[-1] - w[0]) / (len(w) - 1) for w in windows)
@@ -116,8 +128,9 @@ class EngineProbe:
     async def _all_at_once(self, bodies: list[dict]) -> float:
         async with httpx.AsyncClient(timeout=1800, headers=self.vllm.headers) as client:
             start = time.perf_counter()
-            for r in await asyncio.gather(*(client.post(self.vllm.url + "/v1/chat/completions", json=b)
-                                            for b in bodies)):
+            for r in await asyncio.gather(
+                *(client.post(self.vllm.url + "/v1/chat/completions", json=b) for b in bodies)
+            ):
                 r.raise_for_status()
             return time.perf_counter() - start
 
@@ -150,12 +163,18 @@ class EngineProbe:
 
 def _mix_prompt_tokens(prefill: list[PrefillPoint], traffic: Traffic) -> int:
     """Mean prompt tokens of the mix's requests: the measured points with all its images, over its sides."""
-    full = [p.tokens for p in prefill[len(prefill) // len(traffic.sides) - 1::len(prefill) // len(traffic.sides)]]
+    full = [p.tokens for p in prefill[len(prefill) // len(traffic.sides) - 1 :: len(prefill) // len(traffic.sides)]]
     return round(sum(full) / len(full))
 
 
-def measure_engine(vllm: Endpoint, model: Path, traffic: Traffic, batches: tuple[int, ...],
-                   saturation_requests: int = 16, seed: int = 0) -> EngineSide:
+def measure_engine(
+    vllm: Endpoint,
+    model: Path,
+    traffic: Traffic,
+    batches: tuple[int, ...],
+    saturation_requests: int = 16,
+    seed: int = 0,
+) -> EngineSide:
     """Prefill points for 0, 1 and images_per_request images of each side as embeddings; the own encoder's engine
     seconds per image token (raw images minus embeddings, same prompt) and its preprocessing's (the rest of the
     client's wait); a decode point per batch size after a short prompt and after one as long as the mix's;
@@ -167,22 +186,32 @@ def measure_engine(vllm: Endpoint, model: Path, traffic: Traffic, batches: tuple
     preprocess: list[float] = []
     for side in traffic.sides:
         for n in sorted({0, 1, max(traffic.images_per_request, 1)}):
-            embeds = [probe.timed(probe.body([probe.embeds_part(side) for _ in range(n)], 1))
-                      for _ in range(REPEATS)]
-            point = PrefillPoint(tokens=embeds[0][2], seconds=statistics.median(e[0] for e in embeds),
-                                 engine_seconds=statistics.median(e[1] for e in embeds))
+            embeds = [probe.timed(probe.body([probe.embeds_part(side) for _ in range(n)], 1)) for _ in range(REPEATS)]
+            point = PrefillPoint(
+                tokens=embeds[0][2],
+                seconds=statistics.median(e[0] for e in embeds),
+                engine_seconds=statistics.median(e[1] for e in embeds),
+            )
             prefill.append(point)
             if n:
                 raw = [probe.timed(probe.body([probe.image_part(side) for _ in range(n)], 1)) for _ in range(REPEATS)]
                 tokens = n * image_tokens(model, side)
                 own.append((statistics.median(r[1] for r in raw) - point.engine_seconds) / tokens)
-                preprocess.append((statistics.median(r[0] - r[1] for r in raw)
-                                   - (point.seconds - point.engine_seconds)) / tokens)
+                preprocess.append(
+                    (statistics.median(r[0] - r[1] for r in raw) - (point.seconds - point.engine_seconds)) / tokens
+                )
     mix_tokens = _mix_prompt_tokens(prefill, traffic)
-    decode = [probe.decode_point(b, max(traffic.output_tokens, 8), words)
-              for words in (16, probe.words_for(mix_tokens)) for b in batches]
-    side = EngineSide(prefill=prefill, decode=decode, own_encoder_s_per_image_token=max(statistics.median(own), 0.0),
-                      own_preprocess_s_per_image_token=max(statistics.median(preprocess), 0.0),
-                      saturated_requests_per_s=probe.saturated(traffic, saturation_requests, mix_tokens))
+    decode = [
+        probe.decode_point(b, max(traffic.output_tokens, 8), words)
+        for words in (16, probe.words_for(mix_tokens))
+        for b in batches
+    ]
+    side = EngineSide(
+        prefill=prefill,
+        decode=decode,
+        own_encoder_s_per_image_token=max(statistics.median(own), 0.0),
+        own_preprocess_s_per_image_token=max(statistics.median(preprocess), 0.0),
+        saturated_requests_per_s=probe.saturated(traffic, saturation_requests, mix_tokens),
+    )
     logger.info("engine: %s", side)
     return side

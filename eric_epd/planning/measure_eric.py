@@ -22,16 +22,20 @@ logger = logging.getLogger(__name__)
 
 def image_urls(traffic: Traffic, seeds: Iterator[int]) -> list[str]:
     """One request's images: the mix's sides in turn, each a new random image."""
-    return [image_data_url(side, side, next(seeds))
-            for side in (traffic.sides[i % len(traffic.sides)] for i in range(traffic.images_per_request))]
+    return [
+        image_data_url(side, side, next(seeds))
+        for side in (traffic.sides[i % len(traffic.sides)] for i in range(traffic.images_per_request))
+    ]
 
 
-async def post_all(url: str, headers: dict[str, str], bodies: list[dict],
-                   concurrency: int) -> tuple[list[float], float]:
+async def post_all(
+    url: str, headers: dict[str, str], bodies: list[dict], concurrency: int
+) -> tuple[list[float], float]:
     """POST `bodies` to `url` in order with `concurrency` clients, each failure raised; (latencies, wall seconds)."""
     queue = list(reversed(bodies))
     latencies: list[float] = []
     async with httpx.AsyncClient(timeout=600, headers=headers) as client:
+
         async def worker() -> None:
             while queue:
                 body = queue.pop()
@@ -44,12 +48,14 @@ async def post_all(url: str, headers: dict[str, str], bodies: list[dict],
         return latencies, time.perf_counter() - start
 
 
-def measure_eric(eric: Endpoint, traffic: Traffic, concurrencies: tuple[int, ...], requests_per_point: int,
-                 seed: int = 0) -> list[EricPoint]:
+def measure_eric(
+    eric: Endpoint, traffic: Traffic, concurrencies: tuple[int, ...], requests_per_point: int, seed: int = 0
+) -> list[EricPoint]:
     """One point per concurrency (after one warm-up request per side): items/s, latency p50/p99, items per batch."""
     seeds = count(seed * 1_000_003)
-    warm = [{"items": [{"modality": "image", "url": u}]} for u in
-            (image_data_url(s, s, next(seeds)) for s in traffic.sides)]
+    warm = [
+        {"items": [{"modality": "image", "url": u}]} for u in (image_data_url(s, s, next(seeds)) for s in traffic.sides)
+    ]
     asyncio.run(post_all(eric.url + "/v1/encode", eric.headers, warm, 1))
     points = []
     for c in concurrencies:
@@ -59,10 +65,13 @@ def measure_eric(eric: Endpoint, traffic: Traffic, concurrencies: tuple[int, ...
         latencies, wall = asyncio.run(post_all(eric.url + "/v1/encode", eric.headers, bodies, c))
         after = histogram_totals(eric.url, "eric_batch_items")
         batches = max(after[1] - before[1], 1.0)
-        point = EricPoint(concurrency=c, items_per_s=n * traffic.images_per_request / wall,
-                          latency_p50_s=float(np.percentile(latencies, 50)),
-                          latency_p99_s=float(np.percentile(latencies, 99)),
-                          batch_items=(after[0] - before[0]) / batches)
+        point = EricPoint(
+            concurrency=c,
+            items_per_s=n * traffic.images_per_request / wall,
+            latency_p50_s=float(np.percentile(latencies, 50)),
+            latency_p99_s=float(np.percentile(latencies, 99)),
+            batch_items=(after[0] - before[0]) / batches,
+        )
         logger.info("Eric at concurrency %d: %s", c, point)
         points.append(point)
     return points

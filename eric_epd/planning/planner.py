@@ -78,8 +78,12 @@ def predict(profile: Profile, layout: Layout, config: PlanConfig) -> Prediction:
     engine_side = profile.share(layout.engine_devices).engine
     budget = layout.max_batched_tokens or config.max_batched_tokens
     engine = EngineModel.from_side(engine_side, layout.erics == 0, budget, config.max_seqs)
-    erics = [EricModel.from_points(profile.share(layout.eric_devices).eric, per_item,
-                                   profile.traffic.images_per_request)] * layout.erics if layout.erics else []
+    erics = (
+        [EricModel.from_points(profile.share(layout.eric_devices).eric, per_item, profile.traffic.images_per_request)]
+        * layout.erics
+        if layout.erics
+        else []
+    )
     runs: list[Outcome] = []
     for seed in range(config.seeds):
         requests = make_requests(config.traffic, profile.image_tokens_for(config.traffic), config.requests, seed)
@@ -89,13 +93,16 @@ def predict(profile: Profile, layout: Layout, config: PlanConfig) -> Prediction:
             for r in requests:
                 r.ready = r.arrival + engine_side.own_preprocess_s_per_image_token * r.image_tokens
         for e in range(layout.engines):  # round robin over the engines
-            run_engine(requests[e::layout.engines], engine)
+            run_engine(requests[e :: layout.engines], engine)
         runs.append(outcome(requests, config.slo.ttft_ms, config.slo.tpot_ms))
     return Prediction(
-        layout, {k: statistics.median(r.ttft_ms[k] for r in runs) for k in runs[0].ttft_ms},
+        layout,
+        {k: statistics.median(r.ttft_ms[k] for r in runs) for k in runs[0].ttft_ms},
         {k: statistics.median(r.tpot_ms[k] for r in runs) for k in runs[0].tpot_ms},
-        statistics.median(r.request_throughput for r in runs), statistics.median(r.output_throughput for r in runs),
-        statistics.median(r.request_goodput for r in runs))
+        statistics.median(r.request_throughput for r in runs),
+        statistics.median(r.output_throughput for r in runs),
+        statistics.median(r.request_goodput for r in runs),
+    )
 
 
 def epd_layouts(profile: Profile, devices: int) -> list[Layout]:
@@ -129,8 +136,10 @@ def eric_share_for_host(profile: Profile, cpus: int, traffic: Traffic, slo: Slo)
     sizes = {len(s.devices) for s in profile.shares}
     layouts = [Layout(1, e, 1, cpus - e) for e in range(1, cpus) if e in sizes and cpus - e in sizes]
     if not layouts:
-        raise ValueError(f"the profile covers no split of {cpus} CPUs into one Eric and one engine (profiled share "
-                         f"sizes: {sorted(sizes)}); profile shares of sizes e and {cpus} - e")
+        raise ValueError(
+            f"the profile covers no split of {cpus} CPUs into one Eric and one engine (profiled share "
+            f"sizes: {sorted(sizes)}); profile shares of sizes e and {cpus} - e"
+        )
     return max((predict(profile, lay, config) for lay in layouts), key=_goodness).layout.eric_devices
 
 
@@ -142,34 +151,47 @@ def plan(profile: Profile, config: PlanConfig) -> Plan:
     """The best EPD layout by goodput (then throughput), the best colocated one, and EPD over colocated; each tried
     at every token budget of the config."""
     budgets = sorted({config.max_batched_tokens, *config.batched_token_choices}, reverse=True)
-    candidates = [predict(profile, msgspec.structs.replace(layout, max_batched_tokens=b), config)
-                  for layout in epd_layouts(profile, config.devices) for b in budgets]
+    candidates = [
+        predict(profile, msgspec.structs.replace(layout, max_batched_tokens=b), config)
+        for layout in epd_layouts(profile, config.devices)
+        for b in budgets
+    ]
     best = max(candidates, key=_goodness)
     colocated = colocated_layout(profile, config.devices)
-    col = max((predict(profile, msgspec.structs.replace(colocated, max_batched_tokens=b), config) for b in budgets),
-              key=_goodness)
-    ratios = {"throughput": best.request_throughput / col.request_throughput,
-              "ttft_p50": best.ttft_ms["p50"] / col.ttft_ms["p50"],
-              "tpot_p99": best.tpot_ms["p99"] / col.tpot_ms["p99"],
-              "goodput": best.request_goodput / col.request_goodput if col.request_goodput else float("inf")}
+    col = max(
+        (predict(profile, msgspec.structs.replace(colocated, max_batched_tokens=b), config) for b in budgets),
+        key=_goodness,
+    )
+    ratios = {
+        "throughput": best.request_throughput / col.request_throughput,
+        "ttft_p50": best.ttft_ms["p50"] / col.ttft_ms["p50"],
+        "tpot_p99": best.tpot_ms["p99"] / col.tpot_ms["p99"],
+        "goodput": best.request_goodput / col.request_goodput if col.request_goodput else float("inf"),
+    }
     return Plan(config.traffic, config.slo, config.devices, best, col, candidates, ratios)
 
 
 def render_plan(p: Plan) -> str:
     """The plan as a table: the best EPD layout and colocated serving, then EPD over colocated."""
     t = p.traffic
-    lines = [f"traffic: {t.images_per_request} images of {'/'.join(map(str, t.sides))} px, prompt "
-             f"{t.prompt_tokens}, output {t.output_tokens} tokens, rate {t.rate or 'all at once'} req/s; "
-             f"SLO TTFT {p.slo.ttft_ms:.0f} ms, TPOT {p.slo.tpot_ms:.0f} ms; {p.devices} devices",
-             f"{'layout':52} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'req/s':>7} "
-             f"{'goodput':>8}"]
+    lines = [
+        f"traffic: {t.images_per_request} images of {'/'.join(map(str, t.sides))} px, prompt "
+        f"{t.prompt_tokens}, output {t.output_tokens} tokens, rate {t.rate or 'all at once'} req/s; "
+        f"SLO TTFT {p.slo.ttft_ms:.0f} ms, TPOT {p.slo.tpot_ms:.0f} ms; {p.devices} devices",
+        f"{'layout':52} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'req/s':>7} {'goodput':>8}",
+    ]
     for name, pred in (("EPD (best)", p.epd), ("colocated", p.colocated)):
         lay = pred.layout
-        where = (f"{lay.erics} Eric x{lay.eric_devices} + {lay.engines} engine x{lay.engine_devices}"
-                 if lay.erics else f"{lay.engines} engine x{lay.engine_devices}")
+        where = (
+            f"{lay.erics} Eric x{lay.eric_devices} + {lay.engines} engine x{lay.engine_devices}"
+            if lay.erics
+            else f"{lay.engines} engine x{lay.engine_devices}"
+        )
         where += f", {lay.max_batched_tokens} tok/step"
-        lines.append(f"{name + ': ' + where:52} {pred.ttft_ms['p50']:9.0f} {pred.ttft_ms['p99']:9.0f} "
-                     f"{pred.tpot_ms['p50']:9.1f} {pred.tpot_ms['p99']:9.1f} {pred.request_throughput:7.3f} "
-                     f"{pred.request_goodput:8.3f}")
+        lines.append(
+            f"{name + ': ' + where:52} {pred.ttft_ms['p50']:9.0f} {pred.ttft_ms['p99']:9.0f} "
+            f"{pred.tpot_ms['p50']:9.1f} {pred.tpot_ms['p99']:9.1f} {pred.request_throughput:7.3f} "
+            f"{pred.request_goodput:8.3f}"
+        )
     lines.append("EPD / colocated: " + ", ".join(f"{k} {v:.2f}x" for k, v in p.ratios.items()))
     return "\n".join(lines)

@@ -51,15 +51,36 @@ def profile_share(config: ProfileConfig, share: tuple[int, ...], logs: Path, ser
     cpus, env = _placement(config, share)
     tag = "-".join(map(str, share))
     tp = len(share) if config.device == "cuda" else 1  # on CPU, one worker on all the share's cores
-    with servers.eric(config.model, tp=tp, cpus=cpus, env=env, log_path=logs / f"eric_{tag}.log",
-                      extra_args=("--dtype", config.dtype, "--device", config.device)) as eric:
+    with servers.eric(
+        config.model,
+        tp=tp,
+        cpus=cpus,
+        env=env,
+        log_path=logs / f"eric_{tag}.log",
+        extra_args=("--dtype", config.dtype, "--device", config.device),
+    ) as eric:
         eric_points = measure_eric(eric, config.traffic, config.concurrencies, config.requests_per_point)
     limits = {"image": max(config.traffic.images_per_request, 1), "video": 0}
-    vllm_args = ("--enable-mm-embeds", "--no-enable-prefix-caching", "--max-num-seqs", str(max(config.batches)),
-                 "--limit-mm-per-prompt", json.dumps(limits), "--seed", "0",
-                 *(("--tensor-parallel-size", str(len(share))) if config.device == "cuda" else ()))
-    with servers.engine(config.model, cpus=cpus, env=env, log_path=logs / f"vllm_{tag}.log", extra_args=vllm_args,
-                        dtype=config.dtype, max_model_len=config.max_model_len) as vllm:
+    vllm_args = (
+        "--enable-mm-embeds",
+        "--no-enable-prefix-caching",
+        "--max-num-seqs",
+        str(max(config.batches)),
+        "--limit-mm-per-prompt",
+        json.dumps(limits),
+        "--seed",
+        "0",
+        *(("--tensor-parallel-size", str(len(share))) if config.device == "cuda" else ()),
+    )
+    with servers.engine(
+        config.model,
+        cpus=cpus,
+        env=env,
+        log_path=logs / f"vllm_{tag}.log",
+        extra_args=vllm_args,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+    ) as vllm:
         engine = measure_engine(vllm, config.model, config.traffic, config.batches, config.saturation_requests)
     return Share(devices=share, eric=eric_points, engine=engine)
 
@@ -68,8 +89,11 @@ def _resize_facts(model: Path) -> dict[str, int]:
     """The checkpoint's pixels per image token along a side and its pixel budget (Profile's fields)."""
     vision = json.loads((model / "config.json").read_text())["vision_config"]
     pre = json.loads((model / "preprocessor_config.json").read_text())
-    return {"token_factor": vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2),
-            "min_pixels": pre["min_pixels"], "max_pixels": pre["max_pixels"]}
+    return {
+        "token_factor": vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2),
+        "min_pixels": pre["min_pixels"],
+        "max_pixels": pre["max_pixels"],
+    }
 
 
 def profile(config: ProfileConfig, servers: Servers) -> Profile:
@@ -82,9 +106,16 @@ def profile(config: ProfileConfig, servers: Servers) -> Profile:
     for share in config.shares:
         logger.info("profiling %s on %s %s (logs in %s)", config.model.name, config.device, share, logs)
         shares.append(profile_share(config, share, logs, servers))
-    result = Profile(model=str(config.model), device=config.device, dtype=config.dtype, traffic=config.traffic,
-                     image_tokens={s: image_tokens(config.model, s) for s in config.traffic.sides},
-                     cost_ratios=stage_costs(model_config).ratios(), shares=shares, **_resize_facts(config.model))
+    result = Profile(
+        model=str(config.model),
+        device=config.device,
+        dtype=config.dtype,
+        traffic=config.traffic,
+        image_tokens={s: image_tokens(config.model, s) for s in config.traffic.sides},
+        cost_ratios=stage_costs(model_config).ratios(),
+        shares=shares,
+        **_resize_facts(config.model),
+    )
     write_profile(result, config.out)
     logger.info("wrote %s", config.out)
     return result

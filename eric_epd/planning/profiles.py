@@ -116,8 +116,10 @@ class Profile(msgspec.Struct, frozen=True):
         for s in self.shares:
             if len(s.devices) == size:
                 return s
-        raise KeyError(f"no share of {size} devices in the profile of {self.model} (profiled: "
-                       f"{sorted(len(s.devices) for s in self.shares)})")
+        raise KeyError(
+            f"no share of {size} devices in the profile of {self.model} (profiled: "
+            f"{sorted(len(s.devices) for s in self.shares)})"
+        )
 
 
 def write_profile(profile: Profile, path: Path) -> None:

@@ -28,12 +28,29 @@ class Servers(Protocol):
     """Starts the two servers a profile measures, each alone on one device share: healthy on entering the `with`
     block, stopped on leaving it."""
 
-    def eric(self, model: Path, *, tp: int, cpus: tuple[int, ...] | None, env: dict[str, str], log_path: Path,
-             extra_args: tuple[str, ...]) -> AbstractContextManager[Endpoint]:
+    def eric(
+        self,
+        model: Path,
+        *,
+        tp: int,
+        cpus: tuple[int, ...] | None,
+        env: dict[str, str],
+        log_path: Path,
+        extra_args: tuple[str, ...],
+    ) -> AbstractContextManager[Endpoint]:
         """Eric serving `model` at `tp` ranks, pinned to `cpus` (None: any), `env` added, with `extra_args`."""
         ...
 
-    def engine(self, model: Path, *, cpus: tuple[int, ...] | None, env: dict[str, str], log_path: Path,
-               extra_args: tuple[str, ...], dtype: str, max_model_len: int) -> AbstractContextManager[Endpoint]:
+    def engine(
+        self,
+        model: Path,
+        *,
+        cpus: tuple[int, ...] | None,
+        env: dict[str, str],
+        log_path: Path,
+        extra_args: tuple[str, ...],
+        dtype: str,
+        max_model_len: int,
+    ) -> AbstractContextManager[Endpoint]:
         """`vllm serve` on `model` alone (no Eric behind it), with `extra_args`."""
         ...

@@ -54,9 +54,14 @@ class DecodeCurve:
 def decode_curves(points: list[DecodePoint]) -> tuple[DecodeCurve, ...]:
     """One curve per profiled context length, shortest first."""
     contexts = sorted({p.context_tokens for p in points})
-    return tuple(DecodeCurve(c, tuple(p.batch for p in sorted(points, key=lambda p: p.batch) if p.context_tokens == c),
-                             tuple(p.tpot_s for p in sorted(points, key=lambda p: p.batch) if p.context_tokens == c))
-                 for c in contexts)
+    return tuple(
+        DecodeCurve(
+            c,
+            tuple(p.batch for p in sorted(points, key=lambda p: p.batch) if p.context_tokens == c),
+            tuple(p.tpot_s for p in sorted(points, key=lambda p: p.batch) if p.context_tokens == c),
+        )
+        for c in contexts
+    )
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,14 @@ class EngineModel:
             overhead = float(np.median([p.seconds - p.engine_seconds for p in side.prefill]))
         else:
             overhead = max(float(intercept) - curves[0].tpots[0], 0.0)
-        return cls(overhead, max(float(slope), 0.0), curves,
-                   side.own_encoder_s_per_image_token if colocated else 0.0, max_batched_tokens, max_seqs)
+        return cls(
+            overhead,
+            max(float(slope), 0.0),
+            curves,
+            side.own_encoder_s_per_image_token if colocated else 0.0,
+            max_batched_tokens,
+            max_seqs,
+        )
 
     def decode_step_s(self, batch: int, context: float = 0.0) -> float:
         """TPOT at `batch` for requests at a mean `context` tokens: linear in context between the shortest and the
@@ -203,9 +214,13 @@ def outcome(requests: list[Request], ttft_slo_ms: float, tpot_slo_ms: float) -> 
     span = max(r.finish for r in requests) - min(r.arrival for r in requests)
     good = int(np.sum((ttft <= ttft_slo_ms) & (tpot <= tpot_slo_ms)))
     pct = {"p50": 50, "p99": 99}
-    return Outcome({k: float(np.percentile(ttft, q)) for k, q in pct.items()},
-                   {k: float(np.percentile(tpot, q)) for k, q in pct.items()},
-                   len(requests) / span, sum(r.output_tokens for r in requests) / span, good / span)
+    return Outcome(
+        {k: float(np.percentile(ttft, q)) for k, q in pct.items()},
+        {k: float(np.percentile(tpot, q)) for k, q in pct.items()},
+        len(requests) / span,
+        sum(r.output_tokens for r in requests) / span,
+        good / span,
+    )
 
 
 def tokens_per_item(profile: Profile) -> float:

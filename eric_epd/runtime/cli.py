@@ -11,11 +11,22 @@ def add_server_flags(p: argparse.ArgumentParser, *, what: str, dtype_help: str, 
     """--tp, --dtype, --device, --host and --port; `what` names the model in help texts ("encoder", "generator")."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one worker process per rank)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help=dtype_help)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help=f"where the {what} runs (auto: CUDA if present, else CPU)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface to listen on (loopback by default; a private interface in a cluster, never all)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help=f"where the {what} runs (auto: CUDA if present, else CPU)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to listen on (loopback by default; a private interface in a cluster, never all)",
+    )
     p.add_argument("--port", type=int, default=port, help="HTTP port")
-    p.add_argument("--liveness-timeout", type=float, default=30.0,
-                   help="seconds the engine's heartbeat may be silent before /health answers 503 (a batch in flight "
-                   "renews it: a long batch is busy, not dead)")
+    p.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the engine's heartbeat may be silent before /health answers 503 (a batch in flight "
+        "renews it: a long batch is busy, not dead)",
+    )

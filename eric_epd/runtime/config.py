@@ -126,8 +126,10 @@ class RuntimeConfig:
         if self.resolved_device() != "cuda":
             return "cpu"
         if device_count < self.tp_size:
-            raise ValueError(f"--tp {self.tp_size} needs {self.tp_size} CUDA devices, {device_count} visible "
-                             "(CUDA_VISIBLE_DEVICES); lower --tp or expose more devices")
+            raise ValueError(
+                f"--tp {self.tp_size} needs {self.tp_size} CUDA devices, {device_count} visible "
+                "(CUDA_VISIBLE_DEVICES); lower --tp or expose more devices"
+            )
         return f"cuda:{rank}"
 
     def batch_limits(self) -> BatchLimits:

@@ -52,8 +52,14 @@ class Closable(Protocol):
 P = TypeVar("P", bound=Closable)
 
 
-def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: Callable[[], P],
-               make_app: Callable[[EngineProcess, P], object], drain_timeout_s: float = 5.0) -> None:
+def run_server(
+    name: str,
+    config: RuntimeConfig,
+    workload: Workload,
+    make_pool: Callable[[], P],
+    make_app: Callable[[EngineProcess, P], object],
+    drain_timeout_s: float = 5.0,
+) -> None:
     """Run until interrupted; the router's shutdown stops the engine, the engine stops its workers. The pool is
     made before the engine: the workers attach to it. On SIGINT/SIGTERM the app's `before_drain` hook runs first
     while the server still listens (Eric's drain: new encodes refused, its leases still read and acked), then new
@@ -76,11 +82,19 @@ def run_server(name: str, config: RuntimeConfig, workload: Workload, make_pool: 
         raise
     try:
         app = make_app(engine, pool)
-        logger.info("%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host,
-                    config.port)
-        server = _LeaveFirstServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                                  timeout_graceful_shutdown=drain_timeout_s,
-                                                  **uvicorn_proxy_settings(config.trusted_proxies)))
+        logger.info(
+            "%s serving %s (tp=%d) on http://%s:%d", name, config.model, config.tp_size, config.host, config.port
+        )
+        server = _LeaveFirstServer(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                timeout_graceful_shutdown=drain_timeout_s,
+                **uvicorn_proxy_settings(config.trusted_proxies),
+            )
+        )
         # uvicorn re-raises the signal it drained on once stopped, under the handler it found: SIGTERM then
         # interrupts like SIGINT, so the engine, the pool and the ipc directory go below instead of the process
         # dying on the spot with them left behind

@@ -85,18 +85,27 @@ async def engine_health(client: EngineClient, engine: EngineWatch, timeout_s: fl
         problem = status.reason if unhealthy else liveness_problem(client, engine, timeout_s)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, 503)
-    body: dict[str, Any] = {"status": "ok" if status is not None else "busy", "engine_pid": engine.pid,
-                            "heartbeat_age_s": round(engine.heartbeat_age(), 3)}
+    body: dict[str, Any] = {
+        "status": "ok" if status is not None else "busy",
+        "engine_pid": engine.pid,
+        "heartbeat_age_s": round(engine.heartbeat_age(), 3),
+    }
     last = status or client.last_status
     if last is not None:
-        body.update({"queued_items": last.queued_items, "running_items": last.running_items,
-                     "worker_pids": [w.pid for w in last.workers],
-                     "workers": [{"pid": w.pid, "cpus": w.cpus, "threads": w.threads} for w in last.workers]})
+        body.update(
+            {
+                "queued_items": last.queued_items,
+                "running_items": last.running_items,
+                "worker_pids": [w.pid for w in last.workers],
+                "workers": [{"pid": w.pid, "cpus": w.cpus, "threads": w.threads} for w in last.workers],
+            }
+        )
     return JSONResponse(body)
 
 
-def engine_readiness(client: EngineClient, engine: EngineWatch, timeout_s: float, room: Callable[[], str | None]
-                     ) -> JSONResponse:
+def engine_readiness(
+    client: EngineClient, engine: EngineWatch, timeout_s: float, room: Callable[[], str | None]
+) -> JSONResponse:
     """Readiness: 200 while the server lives and would admit work now (`room` says why not, e.g. its queue is
     full or it is draining); 503 naming the reason otherwise. Never waits for the engine."""
     problem = liveness_problem(client, engine, timeout_s) or room()
@@ -106,8 +115,11 @@ def engine_readiness(client: EngineClient, engine: EngineWatch, timeout_s: float
 
 
 @asynccontextmanager
-async def connected_client(config: RuntimeConfig, is_engine_alive: Callable[[], bool],
-                           on_status: Callable[[EngineStatusMsg], None] | None = None) -> AsyncIterator[EngineClient]:
+async def connected_client(
+    config: RuntimeConfig,
+    is_engine_alive: Callable[[], bool],
+    on_status: Callable[[EngineStatusMsg], None] | None = None,
+) -> AsyncIterator[EngineClient]:
     """The router's EngineClient to an engine that is already running, for a lifespan; closed (and the engine told
     to stop) on the way out."""
     client = EngineClient(config, is_engine_alive, on_status=on_status)
@@ -118,8 +130,14 @@ async def connected_client(config: RuntimeConfig, is_engine_alive: Callable[[], 
         await client.close()
 
 
-def add_status_routes(app: FastAPI, state: dict[str, Any], engine: EngineWatch, config: RuntimeConfig,
-                      model_card: dict[str, Any], room: Callable[[], str | None] = lambda: None) -> None:
+def add_status_routes(
+    app: FastAPI,
+    state: dict[str, Any],
+    engine: EngineWatch,
+    config: RuntimeConfig,
+    model_card: dict[str, Any],
+    room: Callable[[], str | None] = lambda: None,
+) -> None:
     """GET /health (liveness: the engine and its workers live, busy or not), GET /ready (readiness: alive and
     `room` has none to object) and GET /v1/models (one card: `model_card`)."""
 

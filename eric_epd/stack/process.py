@@ -33,9 +33,16 @@ class ServerProcess:
     """At the end of a `with` block, how long it may drain before a second SIGINT cuts the drain short (None: as
     long as it takes, up to the SIGKILL)."""
 
-    def __init__(self, cmd: list[str], port: int, log_path: Path | None = None,
-                 startup_timeout_s: float = 180.0, env: dict[str, str] | None = None,
-                 api_key: str | None = None, cpus: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        port: int,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -56,8 +63,14 @@ class ServerProcess:
         """Start the process without waiting for it (`wait_ready` does; `start_all` overlaps start-ups)."""
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         pin = functools.partial(os.sched_setaffinity, 0, self.cpus) if self.cpus else None
-        self.proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **self._env}, preexec_fn=pin)
+        self.proc = subprocess.Popen(
+            self._cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self._env},
+            preexec_fn=pin,
+        )
         return self
 
     def wait_ready(self):
@@ -157,5 +170,3 @@ def running(*servers: S) -> Iterator[tuple[S, ...]]:
 def new_key() -> str:
     """A fresh API key, for launchers given none."""
     return secrets.token_urlsafe(24)
-
-

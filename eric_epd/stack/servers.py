@@ -30,18 +30,43 @@ class EricServer(ServerProcess):
 
     hurry_s = 2.0
 
-    def __init__(self, model: Path, tp: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 log_path: Path | None = None, startup_timeout_s: float = 180.0, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None,
-                 register_key: str | None = None, media_hosts: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: Path,
+        tp: int = 1,
+        extra_args: tuple[str, ...] = (),
+        port: int | None = None,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 180.0,
+        api_key: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+        env: dict[str, str] | None = None,
+        register_key: str | None = None,
+        media_hosts: tuple[str, ...] = (),
+    ) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
         cpus = cpus or host_split()[0]
-        cmd = [sys.executable, "-m", "eric_epd", "serve", "--model", str(model), "--tp", str(tp),
-               "--port", str(port), *allowed_hosts(media_hosts), "--cpus", format_cpus(cpus), *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "eric_epd",
+            "serve",
+            "--model",
+            str(model),
+            "--tp",
+            str(tp),
+            "--port",
+            str(port),
+            *allowed_hosts(media_hosts),
+            "--cpus",
+            format_cpus(cpus),
+            *extra_args,
+        ]
         keys = {"ERIC_API_KEY": api_key, **({"EPD_GATEWAY_ADMIN_KEY": register_key} if register_key else {})}
-        super().__init__(cmd, port, log_path, startup_timeout_s, env={**(env or {}), **keys}, api_key=api_key,
-                         cpus=cpus)
+        super().__init__(
+            cmd, port, log_path, startup_timeout_s, env={**(env or {}), **keys}, api_key=api_key, cpus=cpus
+        )
 
 
 def allowed_hosts(hosts: tuple[str, ...]) -> list[str]:
@@ -50,8 +75,12 @@ def allowed_hosts(hosts: tuple[str, ...]) -> list[str]:
     return [arg for host in hosts for arg in ("--allowed-host", host)]
 
 
-def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "http"), global_cache: str = "",
-                   eric_dns: list[str] | None = None) -> dict:
+def eric_ec_config(
+    eric_urls: list[str],
+    backends: tuple[str, ...] = ("shm", "http"),
+    global_cache: str = "",
+    eric_dns: list[str] | None = None,
+) -> dict:
     """The --ec-transfer-config that puts vLLM behind Eric (reading the Erics' global cache at that store master);
     `eric_dns` ("NAME:PORT") adds the Erics found by name."""
     extra: dict = {"eric_urls": eric_urls, "backends": list(backends)}
@@ -59,8 +88,12 @@ def eric_ec_config(eric_urls: list[str], backends: tuple[str, ...] = ("shm", "ht
         extra["eric_dns"] = eric_dns
     if global_cache:
         extra["global_cache"] = global_cache
-    return {"ec_connector": "EricECConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu",
-            "ec_connector_extra_config": extra}
+    return {
+        "ec_connector": "EricECConnector",
+        "ec_role": "ec_consumer",
+        "ec_buffer_device": "cpu",
+        "ec_connector_extra_config": extra,
+    }
 
 
 NO_MEDIA_DOMAIN = "media.eric-epd.invalid"
@@ -117,40 +150,96 @@ class VllmServe(ServerProcess):
     RequireEngineKey). It runs on `cpus` (default: the engine's half of host_split()), its OpenMP threads bound to
     them; `wrap` is put before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py)."""
 
-    def __init__(self, model: Path, log_path: Path | None = None, eric_urls: list[str] | None = None,
-                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None, dtype: str = "float32",
-                 max_model_len: int = 4096, eric_api_key: str | None = None, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None, port: int | None = None, global_cache: str = "",
-                 eric_dns: list[str] | None = None, wrap: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path | None = None,
+        eric_urls: list[str] | None = None,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        eric_api_key: str | None = None,
+        api_key: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+        port: int | None = None,
+        global_cache: str = "",
+        eric_dns: list[str] | None = None,
+        wrap: tuple[str, ...] = (),
+    ) -> None:
         port = port or free_port()
         cpus = cpus or host_split()[1]
         api_key = api_key or new_key()
         vllm = str(Path(sys.executable).parent / "vllm")
-        cmd = [*wrap, vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.15", "--enforce-eager",
-               "--middleware", "eric_epd.plugins.vllm.auth.RequireEngineKey",
-               "--allowed-media-domains", NO_MEDIA_DOMAIN,
-               "--limit-mm-per-prompt", json.dumps(media_limits(model)), *soundtrack_flags(model),
-               *attention_flags(model, dtype), *extra]
+        cmd = [
+            *wrap,
+            vllm,
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(max_model_len),
+            "--gpu-memory-utilization",
+            "0.15",
+            "--enforce-eager",
+            "--middleware",
+            "eric_epd.plugins.vllm.auth.RequireEngineKey",
+            "--allowed-media-domains",
+            NO_MEDIA_DOMAIN,
+            "--limit-mm-per-prompt",
+            json.dumps(media_limits(model)),
+            *soundtrack_flags(model),
+            *attention_flags(model, dtype),
+            *extra,
+        ]
         if eric_urls or eric_dns:
             ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
-            cmd += ["--enable-mm-embeds", "--ec-transfer-config", json.dumps(ec),
-                    "--middleware", "eric_epd.plugins.vllm.middleware.RefuseUnkeyedMetadata"]
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "VLLM_API_KEY": api_key,
-               "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
-               "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
-               **({"ERIC_API_KEY": eric_api_key} if eric_api_key else {}), **(env or {})}
+            cmd += [
+                "--enable-mm-embeds",
+                "--ec-transfer-config",
+                json.dumps(ec),
+                "--middleware",
+                "eric_epd.plugins.vllm.middleware.RefuseUnkeyedMetadata",
+            ]
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_API_KEY": api_key,
+            "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
+            **({"ERIC_API_KEY": eric_api_key} if eric_api_key else {}),
+            **(env or {}),
+        }
         super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, api_key=api_key, cpus=cpus)
 
 
-def pd_vllm(model: Path, role: str, core: int, log_path: Path | None, eric_urls: list[str],
-            eric_api_key: str | None = None, api_key: str | None = None) -> VllmServe:
+def pd_vllm(
+    model: Path,
+    role: str,
+    core: int,
+    log_path: Path | None,
+    eric_urls: list[str],
+    eric_api_key: str | None = None,
+    api_key: str | None = None,
+) -> VllmServe:
     """One half of a vLLM prefill/decode pair over NIXL with CPU buffers, pinned to its own core (unpinned, both
     bind the same cores and NIXL's 5 s handshake times out). Give both halves the same api_key."""
     kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-    return VllmServe(model, log_path, eric_urls, extra=("--kv-transfer-config", json.dumps(kv)), env=env,
-                     eric_api_key=eric_api_key, api_key=api_key, cpus=(core,))
+    return VllmServe(
+        model,
+        log_path,
+        eric_urls,
+        extra=("--kv-transfer-config", json.dumps(kv)),
+        env=env,
+        eric_api_key=eric_api_key,
+        api_key=api_key,
+        cpus=(core,),
+    )
 
 
 class GatewayServer(ServerProcess):
@@ -159,21 +248,50 @@ class GatewayServer(ServerProcess):
     GERI_API_KEY), never on its command line; `wrap` is put
     before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py)."""
 
-    def __init__(self, log_path: Path | None, *args: str, eric_api_key: str | None = None,
-                 upstream_api_key: str | None = None, api_key: str | None = None, port: int | None = None,
-                 cpus: tuple[int, ...] | None = None, geri_api_key: str | None = None,
-                 admin_key: str | None = None, wrap: tuple[str, ...] = (), metrics_key: str | None = None,
-                 media_hosts: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        log_path: Path | None,
+        *args: str,
+        eric_api_key: str | None = None,
+        upstream_api_key: str | None = None,
+        api_key: str | None = None,
+        port: int | None = None,
+        cpus: tuple[int, ...] | None = None,
+        geri_api_key: str | None = None,
+        admin_key: str | None = None,
+        wrap: tuple[str, ...] = (),
+        metrics_key: str | None = None,
+        media_hosts: tuple[str, ...] = (),
+    ) -> None:
         port = port or free_port()
         self.metrics_key = metrics_key or new_key()
-        cmd = [*wrap, sys.executable, "-m", "epd_gateway", "--port", str(port), *allowed_hosts(media_hosts),
-               "--health-interval", "0.5", *args]
-        env = {k: v for k, v in (("ERIC_API_KEY", eric_api_key), ("VLLM_API_KEY", upstream_api_key),
-                                 ("EPD_GATEWAY_API_KEY", api_key), ("GERI_API_KEY", geri_api_key),
-                                 ("EPD_GATEWAY_ADMIN_KEY", admin_key),
-                                 ("EPD_GATEWAY_METRICS_KEY", self.metrics_key)) if v}
-        super().__init__(cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key,
-                         cpus=cpus or host_split()[0])
+        cmd = [
+            *wrap,
+            sys.executable,
+            "-m",
+            "epd_gateway",
+            "--port",
+            str(port),
+            *allowed_hosts(media_hosts),
+            "--health-interval",
+            "0.5",
+            *args,
+        ]
+        env = {
+            k: v
+            for k, v in (
+                ("ERIC_API_KEY", eric_api_key),
+                ("VLLM_API_KEY", upstream_api_key),
+                ("EPD_GATEWAY_API_KEY", api_key),
+                ("GERI_API_KEY", geri_api_key),
+                ("EPD_GATEWAY_ADMIN_KEY", admin_key),
+                ("EPD_GATEWAY_METRICS_KEY", self.metrics_key),
+            )
+            if v
+        }
+        super().__init__(
+            cmd, port, log_path, startup_timeout_s=60, env=env, api_key=api_key, cpus=cpus or host_split()[0]
+        )
 
     @property
     def metrics_headers(self) -> dict[str, str]:
@@ -186,16 +304,37 @@ class GeriServer(ServerProcess):
     built-in tiny Qwen-Image unless `model` is given. Its API key is generated unless given (GERI_API_KEY); `env` is
     added to its environment."""
 
-    def __init__(self, model: Path | None = None, tp: int = 1, extra_args: tuple[str, ...] = (),
-                 port: int | None = None, log_path: Path | None = None, api_key: str | None = None,
-                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: Path | None = None,
+        tp: int = 1,
+        extra_args: tuple[str, ...] = (),
+        port: int | None = None,
+        log_path: Path | None = None,
+        api_key: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         port = port or free_port()
         api_key = api_key or new_key()
         cpus = cpus or host_split()[0]
-        cmd = [sys.executable, "-m", "eric_epd", "geri", "--tp", str(tp), "--port", str(port),
-               "--cpus", format_cpus(cpus), *(("--model", str(model)) if model else ()), *extra_args]
-        super().__init__(cmd, port, log_path, 180, env={**(env or {}), "GERI_API_KEY": api_key}, api_key=api_key,
-                         cpus=cpus)
+        cmd = [
+            sys.executable,
+            "-m",
+            "eric_epd",
+            "geri",
+            "--tp",
+            str(tp),
+            "--port",
+            str(port),
+            "--cpus",
+            format_cpus(cpus),
+            *(("--model", str(model)) if model else ()),
+            *extra_args,
+        ]
+        super().__init__(
+            cmd, port, log_path, 180, env={**(env or {}), "GERI_API_KEY": api_key}, api_key=api_key, cpus=cpus
+        )
 
 
 class StoreMaster(ServerProcess):
@@ -206,8 +345,12 @@ class StoreMaster(ServerProcess):
 
     def __init__(self, log_path: Path | None = None, cpus: tuple[int, ...] | None = None) -> None:
         rpc, metrics = free_port(), free_port()
-        cmd = [str(Path(sys.executable).parent / "mooncake_master"), f"--rpc_port={rpc}",
-               "--enable_http_metadata_server=false", f"--metrics_port={metrics}"]
+        cmd = [
+            str(Path(sys.executable).parent / "mooncake_master"),
+            f"--rpc_port={rpc}",
+            "--enable_http_metadata_server=false",
+            f"--metrics_port={metrics}",
+        ]
         super().__init__(cmd, metrics, log_path, 60, cpus=cpus or host_split()[0])
         self.address = f"127.0.0.1:{rpc}"
 
@@ -216,13 +359,31 @@ class LocalServers:
     """The profiler's Servers (planning/servers.py) as subprocesses on this host: EricServer and a VllmServe with no
     Eric behind it, each on the share it is given."""
 
-    def eric(self, model: Path, *, tp: int, cpus: tuple[int, ...] | None, env: dict[str, str], log_path: Path,
-             extra_args: tuple[str, ...]) -> EricServer:
+    def eric(
+        self,
+        model: Path,
+        *,
+        tp: int,
+        cpus: tuple[int, ...] | None,
+        env: dict[str, str],
+        log_path: Path,
+        extra_args: tuple[str, ...],
+    ) -> EricServer:
         """An EricServer, started on entering its `with` block."""
         return EricServer(model, tp=tp, cpus=cpus, env=env, log_path=log_path, extra_args=extra_args)
 
-    def engine(self, model: Path, *, cpus: tuple[int, ...] | None, env: dict[str, str], log_path: Path,
-               extra_args: tuple[str, ...], dtype: str, max_model_len: int) -> VllmServe:
+    def engine(
+        self,
+        model: Path,
+        *,
+        cpus: tuple[int, ...] | None,
+        env: dict[str, str],
+        log_path: Path,
+        extra_args: tuple[str, ...],
+        dtype: str,
+        max_model_len: int,
+    ) -> VllmServe:
         """A VllmServe, started on entering its `with` block."""
-        return VllmServe(model, log_path, extra=extra_args, env=env, dtype=dtype, max_model_len=max_model_len,
-                         cpus=cpus)
+        return VllmServe(
+            model, log_path, extra=extra_args, env=env, dtype=dtype, max_model_len=max_model_len, cpus=cpus
+        )

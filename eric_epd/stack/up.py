@@ -90,17 +90,38 @@ def up(config: UpConfig) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with ExitStack() as stack:
-            logger.info("Eric on CPUs %s, vLLM on CPUs %s; logs in %s", format_cpus(eric_cpus),
-                        format_cpus(engine_cpus), logs)
-            eric = stack.enter_context(EricServer(config.model, tp=config.tp, cpus=eric_cpus,
-                                                  extra_args=("--keep-acked-bytes", str(config.keep_acked_bytes)),
-                                                  log_path=logs / "eric.log"))
-            vllm = stack.enter_context(VllmServe(config.model, logs / "vllm.log", eric_urls=[eric.url],
-                                                 eric_api_key=eric.api_key, cpus=engine_cpus))
-            gateway = stack.enter_context(GatewayServer(
-                logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, api_key=config.api_key, port=config.port,
-                cpus=eric_cpus, metrics_key=config.metrics_key))
+            logger.info(
+                "Eric on CPUs %s, vLLM on CPUs %s; logs in %s", format_cpus(eric_cpus), format_cpus(engine_cpus), logs
+            )
+            eric = stack.enter_context(
+                EricServer(
+                    config.model,
+                    tp=config.tp,
+                    cpus=eric_cpus,
+                    extra_args=("--keep-acked-bytes", str(config.keep_acked_bytes)),
+                    log_path=logs / "eric.log",
+                )
+            )
+            vllm = stack.enter_context(
+                VllmServe(
+                    config.model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, cpus=engine_cpus
+                )
+            )
+            gateway = stack.enter_context(
+                GatewayServer(
+                    logs / "gateway.log",
+                    "--encoder-urls",
+                    eric.url,
+                    "--colocated-urls",
+                    vllm.url,
+                    eric_api_key=eric.api_key,
+                    upstream_api_key=vllm.api_key,
+                    api_key=config.api_key,
+                    port=config.port,
+                    cpus=eric_cpus,
+                    metrics_key=config.metrics_key,
+                )
+            )
             if config.metrics_key is None:
                 _write_secret(logs / "metrics.key", gateway.metrics_key)
             logger.info("EPD stack serving: %s/v1 (gateway) -> Eric %s -> vLLM %s", gateway.url, eric.url, vllm.url)

@@ -53,8 +53,9 @@ class Greedy:
     def of_steps(cls, tokens: list[int | str], steps: list[Sequence[float]]) -> Greedy:
         """From each step's candidate logprobs (the two best, in any order)."""
         ranked = [sorted(candidates, reverse=True) for candidates in steps]
-        return cls(tokens, [float(r[0]) for r in ranked],
-                   [float(r[0] - r[1]) if len(r) > 1 else float("inf") for r in ranked])
+        return cls(
+            tokens, [float(r[0]) for r in ranked], [float(r[0] - r[1]) if len(r) > 1 else float("inf") for r in ranked]
+        )
 
 
 def greedy_of_vllm(completion: Any) -> Greedy:
@@ -90,15 +91,25 @@ def assert_greedy_agree(ours: Greedy, reference: Greedy, near_tie: float, label:
     assert len(ours.tokens) == len(reference.tokens), f"{label}: {len(ours.tokens)} vs {len(reference.tokens)} steps"
     steps = agreeing_steps(ours, reference, near_tie)
     shared = min(steps + 1, len(ours.tokens))
-    drift = max(abs(a - b) for pair in ((ours.best, reference.best), (ours.margins, reference.margins))
-                for a, b in zip(pair[0][:shared], pair[1][:shared]))
-    logger.info("%s: %d of %d greedy steps before a near tie (< %g); logprobs drift by %.3g at most", label, steps,
-                len(ours.tokens), near_tie, drift)
+    drift = max(
+        abs(a - b)
+        for pair in ((ours.best, reference.best), (ours.margins, reference.margins))
+        for a, b in zip(pair[0][:shared], pair[1][:shared])
+    )
+    logger.info(
+        "%s: %d of %d greedy steps before a near tie (< %g); logprobs drift by %.3g at most",
+        label,
+        steps,
+        len(ours.tokens),
+        near_tie,
+        drift,
+    )
     assert drift <= near_tie, f"{label}: logprobs drift by {drift:.3g} > {near_tie} over the shared steps"
     assert ours.tokens[:steps] == reference.tokens[:steps], (
         f"{label}: greedy tokens differ before any near tie (margin < {near_tie}): {ours.tokens} vs "
         f"{reference.tokens}, margins {[round(m, 4) for m in ours.margins]} vs "
-        f"{[round(m, 4) for m in reference.margins]}")
+        f"{[round(m, 4) for m in reference.margins]}"
+    )
     return steps
 
 
@@ -115,7 +126,8 @@ def assert_rounds_from(image: np.ndarray, reference: np.ndarray, bound: float = 
     levels = np.abs(image.astype(np.float64) - reference.astype(np.float64) * 255)
     worst = np.unravel_index(int(levels.argmax()), levels.shape)
     assert levels.max() <= 0.5 + 255 * bound, (
-        f"pixel {worst}: {image[worst]} is not a rounding of {reference[worst] * 255:.6f} +- {255 * bound:.2g}")
+        f"pixel {worst}: {image[worst]} is not a rounding of {reference[worst] * 255:.6f} +- {255 * bound:.2g}"
+    )
 
 
 def assert_floats_close(ours: np.ndarray, reference: np.ndarray, bound: float = IMAGE_FLOAT_BOUND) -> None:

@@ -9,11 +9,26 @@ import numpy as np
 
 from eric_epd.media.synthetic import data_url, image_bytes, image_data_url, random_image
 
-__all__ = ["AUDIO_FORMATS", "audio_bytes", "audio_samples", "data_url", "image_bytes", "image_data_url",
-           "random_image", "video_bytes", "video_data_url", "video_frames", "video_with_audio_bytes"]
+__all__ = [
+    "AUDIO_FORMATS",
+    "audio_bytes",
+    "audio_samples",
+    "data_url",
+    "image_bytes",
+    "image_data_url",
+    "random_image",
+    "video_bytes",
+    "video_data_url",
+    "video_frames",
+    "video_with_audio_bytes",
+]
 
-AUDIO_FORMATS = {"wav": ("WAV", "PCM_16", "audio/wav"), "flac": ("FLAC", "PCM_24", "audio/flac"),
-                 "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"), "ogg": ("OGG", "VORBIS", "audio/ogg")}
+AUDIO_FORMATS = {
+    "wav": ("WAV", "PCM_16", "audio/wav"),
+    "flac": ("FLAC", "PCM_24", "audio/flac"),
+    "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"),
+    "ogg": ("OGG", "VORBIS", "audio/ogg"),
+}
 """Name -> (libsndfile container, encoding, MIME type) of the audio formats the tests write."""
 
 
@@ -38,8 +53,15 @@ def video_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int
     return buf.getvalue()
 
 
-def video_with_audio_bytes(num_frames: int = 8, width: int = 64, height: int = 48, fps: int = 4,
-                           rate: int = 16000, seed: int = 0, audio_seed: int | None = None) -> bytes:
+def video_with_audio_bytes(
+    num_frames: int = 8,
+    width: int = 64,
+    height: int = 48,
+    fps: int = 4,
+    rate: int = 16000,
+    seed: int = 0,
+    audio_seed: int | None = None,
+) -> bytes:
     """An MP4 of `video_bytes`' frames (mpeg4) with a mono AAC soundtrack of `audio_samples` as long as the video
     (the encoder adds its priming and padding: compare decoded samples, not these); the soundtrack's samples from
     `audio_seed` where given (two videos, one soundtrack), else from `seed`."""

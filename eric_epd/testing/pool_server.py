@@ -46,8 +46,9 @@ def create_pool_app(hub: TransferHub) -> FastAPI:
         nbytes = len(data) if data is not None else int(body["nbytes"])
         shape, dtype = tuple(body.get("shape", (nbytes,))), body.get("dtype", "uint8")
         entry = await hub.reserve(key, nbytes, shape, dtype)
-        hub.pool.view(entry)[:] = (np.frombuffer(data, np.uint8) if data is not None
-                                   else seeded_bytes(nbytes, int(body.get("seed", 0))))
+        hub.pool.view(entry)[:] = (
+            np.frombuffer(data, np.uint8) if data is not None else seeded_bytes(nbytes, int(body.get("seed", 0)))
+        )
         hub.pool.commit(key)
         handles = [hub.lease(key) for _ in range(int(body.get("leases", 1)))]
         return JSONResponse(msgspec.to_builtins(handles[0]) | {"leases": [h.lease for h in handles]})
@@ -64,13 +65,16 @@ def main() -> None:
     ap.add_argument("--ttl", type=float, default=300.0, help="seconds a lease lives unacknowledged")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
-    config = EricConfig(model=Path("."), port=args.port,
-                        transfer=TransferConfig(pool_bytes=args.pool_bytes, ttl_s=args.ttl,
-                                                backends=tuple(args.backends.split(","))))
+    config = EricConfig(
+        model=Path("."),
+        port=args.port,
+        transfer=TransferConfig(pool_bytes=args.pool_bytes, ttl_s=args.ttl, backends=tuple(args.backends.split(","))),
+    )
     hub = transfer_hub(config)
     try:
-        uvicorn.run(create_pool_app(hub), host="127.0.0.1", port=args.port, log_level="warning",
-                    proxy_headers=False)  # the peer is the connecting address, whatever headers say
+        uvicorn.run(
+            create_pool_app(hub), host="127.0.0.1", port=args.port, log_level="warning", proxy_headers=False
+        )  # the peer is the connecting address, whatever headers say
     finally:
         hub.close()
 

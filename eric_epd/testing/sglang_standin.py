@@ -51,10 +51,16 @@ def create_app(name: str, delay_s: float) -> FastAPI:
         await asyncio.sleep(delay_s)  # a decode waits for its KV, a prefill computes it
         if failing["on"]:
             return JSONResponse({"object": "error", "message": f"{name} failing", "code": 500}, 500)
-        return JSONResponse({
-            "id": "chatcmpl-standin", "object": "chat.completion", "created": int(time.time()), "model": "standin",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        return JSONResponse(
+            {
+                "id": "chatcmpl-standin",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": "standin",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
 
     return app
 
@@ -62,8 +68,13 @@ def create_app(name: str, delay_s: float) -> FastAPI:
 async def _stream(text: str, delay_s: float):  # -> AsyncIterator[bytes]
     await asyncio.sleep(delay_s)  # a decode waits for its KV
     for word in text.split(" "):
-        chunk = {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": int(time.time()),
-                 "model": "standin", "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
+        chunk = {
+            "id": "chatcmpl-standin",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": "standin",
+            "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}],
+        }
         yield b"data: " + orjson.dumps(chunk) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
@@ -73,11 +84,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, required=True, help="HTTP port")
     p.add_argument("--name", required=True, help="the model name it answers with")
-    p.add_argument("--delay", type=float, default=0.0,
-                   help="seconds before answering (a stream sends its headers at once, its tokens after the delay)")
+    p.add_argument(
+        "--delay",
+        type=float,
+        default=0.0,
+        help="seconds before answering (a stream sends its headers at once, its tokens after the delay)",
+    )
     a = p.parse_args()
-    uvicorn.run(create_app(a.name, a.delay), host="127.0.0.1", port=a.port, log_level="warning",
-                proxy_headers=False)  # the peer is the connecting address, whatever headers say
+    uvicorn.run(
+        create_app(a.name, a.delay), host="127.0.0.1", port=a.port, log_level="warning", proxy_headers=False
+    )  # the peer is the connecting address, whatever headers say
 
 
 if __name__ == "__main__":

@@ -27,8 +27,15 @@ def image_messages(urls: list[str], text: str = "Describe what you see.") -> lis
     return [user_turn(urls, text)]
 
 
-def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, raw: bool = False,
-        extra: dict | None = None, **kw):  # -> ChatCompletion, or its raw response (headers and all) with `raw`
+def ask(
+    base_url: str,
+    msgs: list[dict],
+    key: str = "unused",
+    max_tokens: int = 10,
+    raw: bool = False,
+    extra: dict | None = None,
+    **kw,
+):  # -> ChatCompletion, or its raw response (headers and all) with `raw`
     """A greedy chat completion through the official openai client (EOS ignored: fixed length); `extra` adds
     fields of vLLM's own to the body."""
     import openai
@@ -36,28 +43,48 @@ def ask(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
     model = client.models.list().data[0].id
     completions = client.chat.completions.with_raw_response if raw else client.chat.completions
-    return completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0.0,
-                              extra_body={"ignore_eos": True, **(extra or {})}, **kw)
+    return completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, **(extra or {})},
+        **kw,
+    )
 
 
-def ask_greedy(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10,
-               stream: bool = False) -> Greedy:
+def ask_greedy(
+    base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, stream: bool = False
+) -> Greedy:
     """ask() with each step's two best logprobs (streamed: gathered from the chunks): a run to compare with
     exactness.assert_greedy_agree."""
     answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, logprobs=True, top_logprobs=2, stream=stream)
     if not stream:
         return greedy_of_openai(answer.choices[0])
-    steps = [step for chunk in answer if chunk.choices and chunk.choices[0].logprobs
-             for step in chunk.choices[0].logprobs.content or []]
+    steps = [
+        step
+        for chunk in answer
+        if chunk.choices and chunk.choices[0].logprobs
+        for step in chunk.choices[0].logprobs.content or []
+    ]
     return Greedy.of_steps([s.token for s in steps], [[c.logprob for c in s.top_logprobs] for s in steps])
 
 
-def ask_token_ids(base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10,
-                  extra: dict | None = None) -> tuple[Greedy, str | None]:
+def ask_token_ids(
+    base_url: str, msgs: list[dict], key: str = "unused", max_tokens: int = 10, extra: dict | None = None
+) -> tuple[Greedy, str | None]:
     """ask_greedy by token ids (vLLM's `return_token_ids`), and the path the gateway took (its `x-epd-path`
     header; None from an engine asked directly); `extra` adds fields of vLLM's own (e.g. `vllm_xargs`)."""
-    answer = ask(base_url, msgs, key=key, max_tokens=max_tokens, raw=True,
-                 extra={"return_token_ids": True, **(extra or {})}, logprobs=True, top_logprobs=2)
+    answer = ask(
+        base_url,
+        msgs,
+        key=key,
+        max_tokens=max_tokens,
+        raw=True,
+        extra={"return_token_ids": True, **(extra or {})},
+        logprobs=True,
+        top_logprobs=2,
+    )
     return greedy_of_openai(answer.parse().choices[0]), answer.headers.get("x-epd-path")
 
 
@@ -74,21 +101,37 @@ def gateway_paths(gateway: GatewayServer) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
 
-def colocated_epd(model: Path, logs: Path, dtype: str = "float32", eric_cpus: Cpus | None = None,
-                  engine_cpus: Cpus | None = None, media_hosts: tuple[str, ...] = ()) -> Launched:
+def colocated_epd(
+    model: Path,
+    logs: Path,
+    dtype: str = "float32",
+    eric_cpus: Cpus | None = None,
+    engine_cpus: Cpus | None = None,
+    media_hosts: tuple[str, ...] = (),
+) -> Launched:
     """One Eric, one `vllm serve` behind it (both in `dtype`) and the gateway in front (EPD, or colocated raw media),
     keys wired, not yet launched; its value is {"eric", "vllm", "gateway"}. Eric and the gateway run on `eric_cpus`,
     vLLM on `engine_cpus` (default: the halves of host_split()); Eric and the gateway fetch media from `media_hosts`
     besides public addresses."""
     from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 
-    eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", dtype), cpus=eric_cpus,
-                      media_hosts=media_hosts)
-    vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype,
-                     cpus=engine_cpus)
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                            eric_api_key=eric.api_key, upstream_api_key=vllm.api_key, cpus=eric_cpus,
-                            media_hosts=media_hosts)
+    eric = EricServer(
+        model, log_path=logs / "eric.log", extra_args=("--dtype", dtype), cpus=eric_cpus, media_hosts=media_hosts
+    )
+    vllm = VllmServe(
+        model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, dtype=dtype, cpus=engine_cpus
+    )
+    gateway = GatewayServer(
+        logs / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+        cpus=eric_cpus,
+        media_hosts=media_hosts,
+    )
     return Launched((eric, vllm, gateway), {"eric": eric, "vllm": vllm, "gateway": gateway})
 
 
@@ -140,4 +183,3 @@ def unkeyed_answers(url: str, headers: dict[str, str]) -> dict[tuple[str, str], 
                 resp = httpx.request(method.upper(), url + concrete, json={}, timeout=30)
                 answers[(method.upper(), path)] = resp.status_code
     return answers
-

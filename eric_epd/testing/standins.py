@@ -28,8 +28,9 @@ class _ThreadServer:
     def __init__(self, app: Starlette) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                     proxy_headers=False))
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", proxy_headers=False)
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self):
@@ -49,8 +50,14 @@ class ProxyEric(_ThreadServer):
     `card=False`: its model card (GET /v1/models) cannot be read (503). `received` and `answered` count the items of
     the encode calls that arrived and that were answered; `asked` counts the calls by path."""
 
-    def __init__(self, backend: str, load: dict[str, Any] | None = None, hold: bool = False,
-                 producer: str | None = None, card: bool = True) -> None:
+    def __init__(
+        self,
+        backend: str,
+        load: dict[str, Any] | None = None,
+        hold: bool = False,
+        producer: str | None = None,
+        card: bool = True,
+    ) -> None:
         self._backend, self._load, self._producer, self._card = backend, load, producer, card
         self.asked: Counter[str] = Counter()
         self._open = threading.Event()
@@ -58,8 +65,9 @@ class ProxyEric(_ThreadServer):
             self._open.set()
         self.received = 0
         self.answered = 0
-        super().__init__(Starlette(routes=[Route("/{path:path}", self._forward,
-                                                 methods=["GET", "POST", "DELETE", "PUT"])]))
+        super().__init__(
+            Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST", "DELETE", "PUT"])])
+        )
 
     def release(self) -> None:
         """Let the held encode calls (and later ones) go on."""
@@ -79,8 +87,9 @@ class ProxyEric(_ThreadServer):
             await asyncio.to_thread(self._open.wait)
         headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type", "x-eric-lease")}
         async with httpx.AsyncClient(timeout=120) as client:
-            resp = await client.request(request.method, self._backend + path, params=request.query_params,
-                                        content=body, headers=headers)
+            resp = await client.request(
+                request.method, self._backend + path, params=request.query_params, content=body, headers=headers
+            )
         content = resp.content
         if items and resp.status_code == 200:
             self.answered += items
@@ -89,8 +98,9 @@ class ProxyEric(_ThreadServer):
                 for item in answer["items"]:
                     item["handle"]["producer"] = self._producer
                 content = orjson.dumps(answer)
-        return Response(content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
+        return Response(
+            content, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json")
+        )
 
 
 class CountingListener(_ThreadServer):
@@ -98,8 +108,9 @@ class CountingListener(_ThreadServer):
 
     def __init__(self) -> None:
         self.requests: Counter[str] = Counter()
-        super().__init__(Starlette(routes=[Route("/{path:path}", self._answer,
-                                                 methods=["GET", "POST", "DELETE", "PUT"])]))
+        super().__init__(
+            Starlette(routes=[Route("/{path:path}", self._answer, methods=["GET", "POST", "DELETE", "PUT"])])
+        )
 
     async def _answer(self, request: Request) -> Response:
         self.requests[request.url.path] += 1
@@ -115,8 +126,14 @@ class EmbedsEngine(_ThreadServer):
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self.handles: list[dict[str, Any]] = []
         self.read: dict[str, bytes] = {}
-        super().__init__(Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                                           Route("/{path:path}", self._other, methods=["GET", "POST"])]))
+        super().__init__(
+            Starlette(
+                routes=[
+                    Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                    Route("/{path:path}", self._other, methods=["GET", "POST"]),
+                ]
+            )
+        )
 
     async def _chat(self, request: Request) -> Response:
         from eric_epd.wire.handles import LEASE_HEADER, ack_request
@@ -130,14 +147,18 @@ class EmbedsEngine(_ThreadServer):
                 lease = self._headers | {LEASE_HEADER: h["lease"]}
                 got = await client.get(h["http"], headers=lease)
                 request = ack_request(h["producer"], h["hash"], h["lease"], h["instance_id"])
-                ack = await client.post(request.url, headers=self._headers | request.headers,
-                                        content=request.content)
+                ack = await client.post(request.url, headers=self._headers | request.headers, content=request.content)
                 if got.status_code != 200 or ack.status_code != 200:
                     return error_response(500, f"embedding {h['hash'][:12]} unreadable")
                 self.read[h["hash"]] = got.content
-        return JSONResponse({"id": "chatcmpl-stand-in", "object": "chat.completion", "model": body.get("model"),
-                             "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": "ok"}}]})
+        return JSONResponse(
+            {
+                "id": "chatcmpl-stand-in",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+            }
+        )
 
     async def _other(self, request: Request) -> Response:
         return JSONResponse({})

@@ -28,6 +28,7 @@ MAX_TOKENS = 12
 @dataclass(frozen=True)
 class Case:
     """One prompt's media: random images of the given sizes and an optional video, seeded."""
+
     name: str
     image_sizes: tuple[tuple[int, int], ...] = ()
     video_frames: int = 0
@@ -76,11 +77,22 @@ def decoded_video_with_metadata(data: bytes, model: Path | None = None) -> tuple
     frames, sampled_fps, seconds = decode_video(data, MediaLimits(), sampler)
     n = len(frames)
     if model is not None and sampler is not None and sampler(2, 1.0) is not None:
-        return frames, {"fps": 1000.0, "duration": seconds[-1], "total_num_frames": round(seconds[-1] * 1000) + 1,
-                        "frames_indices": [round(s * 1000) for s in seconds], "video_backend": "eric",
-                        "do_sample_frames": False}
-    return frames, {"fps": sampled_fps, "duration": n / sampled_fps, "total_num_frames": n,
-                    "frames_indices": list(range(n)), "video_backend": "eric", "do_sample_frames": False}
+        return frames, {
+            "fps": 1000.0,
+            "duration": seconds[-1],
+            "total_num_frames": round(seconds[-1] * 1000) + 1,
+            "frames_indices": [round(s * 1000) for s in seconds],
+            "video_backend": "eric",
+            "do_sample_frames": False,
+        }
+    return frames, {
+        "fps": sampled_fps,
+        "duration": n / sampled_fps,
+        "total_num_frames": n,
+        "frames_indices": list(range(n)),
+        "video_backend": "eric",
+        "do_sample_frames": False,
+    }
 
 
 def raw_prompt(case: Case, video_metadata: bool = False, model: Path | None = None) -> dict[str, Any]:
@@ -166,7 +178,8 @@ def eric_key_in_env(api_key: str | None, ranks: int = 1) -> Iterator[None]:
     share = max(1, len(engine_cpus) // ranks)
     os.environ["ERIC_API_KEY"] = api_key or ""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        format_cpus(engine_cpus[r * share: (r + 1) * share]) for r in range(ranks))
+        format_cpus(engine_cpus[r * share : (r + 1) * share]) for r in range(ranks)
+    )
     os.sched_setaffinity(0, engine_cpus)
     try:
         yield
@@ -204,9 +217,16 @@ def yielding_new_children() -> Iterator[None]:
 
 def llm_kwargs(model: Path) -> dict[str, Any]:
     """The `LLM` arguments every vLLM test uses: float32, eager, seeded, small KV cache."""
-    return dict(model=str(model), dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
-                gpu_memory_utilization=0.15,
-                limit_mm_per_prompt={"image": 4, "video": 1})
+    return dict(
+        model=str(model),
+        dtype="float32",
+        max_model_len=4096,
+        max_num_seqs=8,
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=0.15,
+        limit_mm_per_prompt={"image": 4, "video": 1},
+    )
 
 
 def main() -> None:

@@ -101,8 +101,13 @@ class EmbeddingFetcher:
     """Thread-safe; one per consumer process. `backends` lists what this consumer may use, best first; `api_key` is
     the producers' (their control routes need it)."""
 
-    def __init__(self, backends: Sequence[str] = BACKENDS, http_timeout_s: float = 30.0,
-                 api_key: str | None = None, mooncake: MooncakeOptions | None = None) -> None:
+    def __init__(
+        self,
+        backends: Sequence[str] = BACKENDS,
+        http_timeout_s: float = 30.0,
+        api_key: str | None = None,
+        mooncake: MooncakeOptions | None = None,
+    ) -> None:
         for name in backends:
             if name not in BACKENDS:
                 raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
@@ -124,8 +129,9 @@ class EmbeddingFetcher:
                 self._backends[name] = _make_backend(name, self._http_timeout_s, self._api_key, self._mooncake)
             return self._backends[name]
 
-    def fetch(self, handle: EmbeddingHandle | dict[str, Any], out: torch.Tensor | None = None,
-              ack: bool = True) -> torch.Tensor:
+    def fetch(
+        self, handle: EmbeddingHandle | dict[str, Any], out: torch.Tensor | None = None, ack: bool = True
+    ) -> torch.Tensor:
         """The embedding as a tensor (written into `out` when given: contiguous, handle.nbytes bytes, any device)."""
         h = as_handle(handle)
         dst = torch.empty(h.shape, dtype=getattr(torch, h.dtype)) if out is None else out
@@ -139,8 +145,9 @@ class EmbeddingFetcher:
         """Whether the global cache (Mooncake Store) is one of this fetcher's backends."""
         return "store" in self._order
 
-    def confirm(self, h: EmbeddingHandle, backend: str, reread: Callable[[], str],
-                attempt_timeout_s: float | None = None) -> str:
+    def confirm(
+        self, h: EmbeddingHandle, backend: str, reread: Callable[[], str], attempt_timeout_s: float | None = None
+    ) -> str:
         """Acknowledge a read; returns the backend whose bytes stand. Bytes from the producer are its only while
         the lease holds, so a failed ack fails them; then the global cache (when configured) is the second chance
         and `reread` reads them again from there. Bytes from the store are content-addressed: no ack is due (it is
@@ -203,8 +210,10 @@ class EmbeddingFetcher:
                 continue
             self.last_backend = name
             return name
-        raise TransferError(f"could not fetch embedding {h.hash} from {h.producer}: "
-                            + ("; ".join(errors) or f"no usable backend among {self._order}"))
+        raise TransferError(
+            f"could not fetch embedding {h.hash} from {h.producer}: "
+            + ("; ".join(errors) or f"no usable backend among {self._order}")
+        )
 
     def _note_unusable(self, reason: str) -> None:
         """A transport the handle offers that this consumer cannot use: said once in the log, always counted."""
@@ -235,8 +244,12 @@ class EmbeddingFetcher:
             timeout = self._http_timeout_s if attempt_timeout_s is None else attempt_timeout_s
             try:
                 ack = ack_request(h.producer, h.hash, h.lease, h.instance_id, retry=unanswered)
-                resp = self._http.post(ack.url, content=ack.content, headers=ack.headers,
-                                       timeout=max(0.1, min(timeout, deadline - time.monotonic())))
+                resp = self._http.post(
+                    ack.url,
+                    content=ack.content,
+                    headers=ack.headers,
+                    timeout=max(0.1, min(timeout, deadline - time.monotonic())),
+                )
             except httpx.ReadTimeout as e:
                 if attempt_timeout_s is None or time.monotonic() >= deadline:
                     raise TransferError(f"producer {h.producer} did not answer the ack of {h.hash}: {e!r}") from e
@@ -252,8 +265,12 @@ class EmbeddingFetcher:
             except Exception:
                 message = resp.text[:200]
             if unanswered:
-                logger.warning("ack of %s sent again after an unanswered attempt: the producer no longer holds the "
-                               "lease (%d), so it ended without our ack", h.hash[:12], resp.status_code)
+                logger.warning(
+                    "ack of %s sent again after an unanswered attempt: the producer no longer holds the "
+                    "lease (%d), so it ended without our ack",
+                    h.hash[:12],
+                    resp.status_code,
+                )
             raise TransferError(f"embedding {h.hash} from {h.producer} is no longer valid: {message}")
 
     def close(self) -> None:

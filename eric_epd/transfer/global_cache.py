@@ -47,6 +47,7 @@ def store_key(content_hash: str, dtype: str) -> str:
 @dataclass
 class CacheStats:
     """Counters of the global cache since start, exported by Eric's metrics."""
+
     hits: int = 0
     misses: int = 0
     puts: int = 0
@@ -61,8 +62,16 @@ class CacheStats:
 class GlobalCache:
     """One store client per Eric router; `pool` is the embedding pool's memory (registered once with the store)."""
 
-    def __init__(self, master: str, local_hostname: str, segment_bytes: int, pool: np.ndarray, namespace: str,
-                 protocol: str = "tcp", read_wait_s: float = READ_WAIT_S) -> None:
+    def __init__(
+        self,
+        master: str,
+        local_hostname: str,
+        segment_bytes: int,
+        pool: np.ndarray,
+        namespace: str,
+        protocol: str = "tcp",
+        read_wait_s: float = READ_WAIT_S,
+    ) -> None:
         self._master = master
         self.read_wait_s = read_wait_s
         self._namespace = namespace
@@ -86,6 +95,7 @@ class GlobalCache:
     async def _call(self, call: Callable[..., int], *args: object) -> int:
         """`call(*args)` on the cache's own threads; SKIPPED without calling if, once its thread is free, the store
         has been found down meanwhile (calls queued behind a hung one do not each wait out its timeout)."""
+
         def unless_paused() -> int:
             if time.monotonic() < self._paused_until:
                 return SKIPPED
@@ -130,8 +140,9 @@ class GlobalCache:
             from mooncake.store import MooncakeDistributedStore
 
             store = MooncakeDistributedStore()
-            rc = store.setup(self._hostname, "P2PHANDSHAKE", self._segment_bytes, 16 << 20, self._protocol, "",
-                             self._master)
+            rc = store.setup(
+                self._hostname, "P2PHANDSHAKE", self._segment_bytes, 16 << 20, self._protocol, "", self._master
+            )
             if rc != 0:
                 raise RuntimeError(f"setup rc={rc}")
             rc = store.register_buffer(self._pool.ctypes.data, self._pool.nbytes)
@@ -170,8 +181,7 @@ class GlobalCache:
             store = await self._ready(wait=True)
             if store is None:
                 return
-            copy = asyncio.ensure_future(self._call(store.put_from, self._key(key), region.ctypes.data,
-                                                    region.nbytes))
+            copy = asyncio.ensure_future(self._call(store.put_from, self._key(key), region.ctypes.data, region.nbytes))
             try:
                 rc = await to_the_end(copy)
             except Exception as e:
@@ -193,8 +203,12 @@ class GlobalCache:
         self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
         self.stats.errors += 1
         if self.stats.errors in (1, 10, 100) or self.stats.errors % 1000 == 0:
-            logger.warning("global cache: %s (%d errors so far); the local pool alone serves for the next %g s",
-                           what, self.stats.errors, PAUSE_AFTER_ERROR_S)
+            logger.warning(
+                "global cache: %s (%d errors so far); the local pool alone serves for the next %g s",
+                what,
+                self.stats.errors,
+                PAUSE_AFTER_ERROR_S,
+            )
 
     def _key(self, key: str) -> str:
         return store_key(key, self._namespace)
@@ -208,5 +222,3 @@ class GlobalCache:
             except Exception as e:
                 logger.warning("global cache close: %r", e)
             self._store = None
-
-

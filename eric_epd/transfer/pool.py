@@ -50,6 +50,7 @@ def new_token() -> str:
 @dataclass
 class PoolEntry:
     """One embedding's region of the pool: where and what it is, whether it is written, and its leases."""
+
     hash: str
     offset: int
     nbytes: int
@@ -143,8 +144,9 @@ class FreeList:
 class EmbeddingPool:
     """Owned by the router process (single-threaded asyncio use; not thread-safe by design)."""
 
-    def __init__(self, name: str, nbytes: int, ttl_s: float, keep_acked_bytes: int = 0,
-                 on_free: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, name: str, nbytes: int, ttl_s: float, keep_acked_bytes: int = 0, on_free: Callable[[], None] | None = None
+    ) -> None:
         self._shm: Segment | None = Segment(name=name, create=True, size=nbytes)
         self.name = name
         self.nbytes = nbytes
@@ -202,8 +204,15 @@ class EmbeddingPool:
             offset = self._free.allocate(nbytes)
         if offset is None:
             return None
-        entry = PoolEntry(key, offset, nbytes, shape, dtype, generation=next(self._generations),
-                          expires_at=time.monotonic() + self.ttl_s)
+        entry = PoolEntry(
+            key,
+            offset,
+            nbytes,
+            shape,
+            dtype,
+            generation=next(self._generations),
+            expires_at=time.monotonic() + self.ttl_s,
+        )
         self._entries[key] = entry
         return entry
 
@@ -226,8 +235,11 @@ class EmbeddingPool:
         stranger learns nothing about what is held)."""
         entry = self._entries.get(key)
         if entry is None or not entry.holds(token):
-            raise LeaseError(404, f"no lease with this token on embedding {key} (never encoded here, already "
-                                  "acknowledged, expired, or a wrong token)")
+            raise LeaseError(
+                404,
+                f"no lease with this token on embedding {key} (never encoded here, already "
+                "acknowledged, expired, or a wrong token)",
+            )
         return entry
 
     def add_leases(self, key: str, token: str | None, count: int) -> list[str]:
@@ -238,8 +250,9 @@ class EmbeddingPool:
         root = entry.leases[token]
         added = entry.children.get(root, 0)
         if count < 1 or added + count > MAX_CHILD_LEASES:
-            raise LeaseError(400, f"a lease may add 1 to {MAX_CHILD_LEASES} child leases in all; "
-                                  f"{added} added, {count} more asked")
+            raise LeaseError(
+                400, f"a lease may add 1 to {MAX_CHILD_LEASES} child leases in all; {added} added, {count} more asked"
+            )
         entry.children[root] = added + count
         tokens = [new_token() for _ in range(count)]
         entry.leases.update((t, root) for t in tokens)
@@ -285,8 +298,9 @@ class EmbeddingPool:
         entry = self._entries.get(key)
         if entry is None or (generation is not None and entry.generation != generation):
             if entry is not None:
-                logger.debug("release of %s generation %d skipped: generation %d holds it now", key, generation,
-                             entry.generation)
+                logger.debug(
+                    "release of %s generation %d skipped: generation %d holds it now", key, generation, entry.generation
+                )
             return
         del self._entries[key]
         if self._acked.pop(key, None) is not None:
@@ -323,8 +337,11 @@ class EmbeddingPool:
         held = [*self._entries.values(), *self._detached.values()]
         spans = sum(span(e.nbytes) for e in held)
         problems = []
-        if any(a + n >= b for (a, n), (b, _) in itertools.pairwise(ranges)) or any(n <= 0 for _, n in ranges) or \
-                (ranges and ranges[-1][0] + ranges[-1][1] > self.nbytes):
+        if (
+            any(a + n >= b for (a, n), (b, _) in itertools.pairwise(ranges))
+            or any(n <= 0 for _, n in ranges)
+            or (ranges and ranges[-1][0] + ranges[-1][1] > self.nbytes)
+        ):
             problems.append(f"free ranges overlap, touch or leave the pool: {ranges[:8]}")
         if self.nbytes - self._free.free_bytes != spans:
             problems.append(f"{self.nbytes - self._free.free_bytes} bytes allocated, entries span {spans}")
@@ -363,7 +380,7 @@ class EmbeddingPool:
 
     def view(self, entry: PoolEntry) -> np.ndarray:
         """The entry's bytes: a view on the pool, not a copy."""
-        return self.array[entry.offset: entry.offset + entry.nbytes]
+        return self.array[entry.offset : entry.offset + entry.nbytes]
 
     def close(self) -> None:
         """Unmap and unlink the segment; idempotent."""

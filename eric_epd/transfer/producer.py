@@ -48,8 +48,9 @@ def create_backends(tc: TransferConfig, pool_name: str, instance_id: str, public
         elif name == "nixl":
             from eric_epd.transfer.backends.nixl import NixlProducer
 
-            backends.append(NixlProducer(f"eric-{instance_id}", f"{public_url}/v1/transfer/nixl/metadata",
-                                         tc.advertise_host))
+            backends.append(
+                NixlProducer(f"eric-{instance_id}", f"{public_url}/v1/transfer/nixl/metadata", tc.advertise_host)
+            )
     return backends
 
 
@@ -60,8 +61,9 @@ class TransferHub:
     def __init__(self, transfer: TransferConfig, *, pool_name: str, instance_id: str, public_url: str) -> None:
         self._transfer, self._instance_id, self._public_url = transfer, instance_id, public_url
         self._space_freed = asyncio.Event()
-        self.pool = EmbeddingPool(pool_name, transfer.pool_bytes, transfer.ttl_s, transfer.keep_acked_bytes,
-                                  on_free=self._space_freed.set)
+        self.pool = EmbeddingPool(
+            pool_name, transfer.pool_bytes, transfer.ttl_s, transfer.keep_acked_bytes, on_free=self._space_freed.set
+        )
         self.backends = create_backends(transfer, pool_name, instance_id, public_url)
         for backend in self.backends:
             backend.register(self.pool.base_addr, self.pool.nbytes)
@@ -86,8 +88,11 @@ class TransferHub:
         that must wait holds nothing meanwhile, so requests cannot starve each other holding parts of the pool."""
         total = sum(span(w.nbytes) for w in wants)
         if total > self.pool.nbytes:
-            raise ApiError(413, f"the request's embeddings need {total} bytes, more than this Eric's whole pool "
-                                f"({self.pool.nbytes} bytes, --pool-bytes): send fewer or smaller items at a time")
+            raise ApiError(
+                413,
+                f"the request's embeddings need {total} bytes, more than this Eric's whole pool "
+                f"({self.pool.nbytes} bytes, --pool-bytes): send fewer or smaller items at a time",
+            )
         deadline = time.monotonic() + self._transfer.pool_wait_s
         while True:
             self._space_freed.clear()  # before trying: a free from now on wakes the wait below
@@ -96,8 +101,10 @@ class TransferHub:
                 return entries
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PoolFullError(f"embedding pool full ({self.pool.used_bytes} of {self.pool.nbytes} bytes held "
-                                    f"by {len(self.pool)} unacknowledged entries); retry later")
+                raise PoolFullError(
+                    f"embedding pool full ({self.pool.used_bytes} of {self.pool.nbytes} bytes held "
+                    f"by {len(self.pool)} unacknowledged entries); retry later"
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._space_freed.wait(), remaining)
 
@@ -118,8 +125,7 @@ class TransferHub:
         self.pool.release(entry.hash, entry.generation)
         self._space_freed.set()
 
-    def ack(self, key: str, token: str | None, instance_id: str | None = None,
-            retry: bool = False) -> tuple[int, str]:
+    def ack(self, key: str, token: str | None, instance_id: str | None = None, retry: bool = False) -> tuple[int, str]:
         """(HTTP status, message) for the acknowledgement of the lease `token` names. A `retry` (the consumer's
         earlier attempt went unanswered) of an ack that already took effect is a 200 "already acknowledged" that
         changes nothing, so the consumer can tell "my first attempt ended it" from "it expired first" (a 404: the
@@ -130,8 +136,10 @@ class TransferHub:
         if not self.pool.ack(key, token):
             if retry and self.pool.acked_before(key, token):
                 return 200, "already acknowledged"
-            return 404, (f"no lease with this token on embedding {key} (never encoded here, already acknowledged, "
-                         "expired, or a wrong token)")
+            return 404, (
+                f"no lease with this token on embedding {key} (never encoded here, already acknowledged, "
+                "expired, or a wrong token)"
+            )
         self._space_freed.set()
         return 200, "ok"
 
@@ -144,9 +152,18 @@ class TransferHub:
         """The handle a consumer reads `entry` by under lease `token`: every backend's location and the HTTP URL."""
         url = self._public_url
         locations: dict[str, Any] = {b.name: b.location(entry.offset) for b in self.backends}
-        return EmbeddingHandle(hash=entry.hash, shape=entry.shape, dtype=entry.dtype, nbytes=entry.nbytes,
-                               producer=url, instance_id=self.instance_id, generation=entry.generation,
-                               http=f"{url}/v1/embeddings/{entry.hash}", lease=token, **locations)
+        return EmbeddingHandle(
+            hash=entry.hash,
+            shape=entry.shape,
+            dtype=entry.dtype,
+            nbytes=entry.nbytes,
+            producer=url,
+            instance_id=self.instance_id,
+            generation=entry.generation,
+            http=f"{url}/v1/embeddings/{entry.hash}",
+            lease=token,
+            **locations,
+        )
 
     async def expiry_loop(self, period_s: float = 1.0) -> None:
         """Every `period_s`, free the entries whose leases expired, and wake reservations waiting for space."""
@@ -159,10 +176,16 @@ class TransferHub:
         """What GET /v1/transfer answers: the pool's statistics and this producer's own locations of offset 0
         (consumers check handles against them)."""
         locations: dict[str, Any] = {b.name: b.location(0) for b in self.backends}
-        return ProducerInfo(instance_id=self.instance_id, pool_name=self.pool.name, pool_bytes=self.pool.nbytes,
-                            used_bytes=self.pool.used_bytes, entries=len(self.pool),
-                            cached_bytes=self.pool.cached_bytes, backends=["http", *(b.name for b in self.backends)],
-                            **locations)
+        return ProducerInfo(
+            instance_id=self.instance_id,
+            pool_name=self.pool.name,
+            pool_bytes=self.pool.nbytes,
+            used_bytes=self.pool.used_bytes,
+            entries=len(self.pool),
+            cached_bytes=self.pool.cached_bytes,
+            backends=["http", *(b.name for b in self.backends)],
+            **locations,
+        )
 
     def close(self) -> None:
         """Close every backend (errors are logged) and then the pool."""

@@ -43,9 +43,15 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
     async def embedding(content_hash: str, request: Request) -> Response:
         entry, _ = _leased(hub, content_hash, request)
         body = safetensors_bytes(hub.pool.view(entry), entry.shape, entry.dtype)
-        return Response(body, media_type="application/octet-stream",
-                        headers={"X-Eric-Shape": ",".join(map(str, entry.shape)), "X-Eric-Dtype": entry.dtype,
-                                 "X-Eric-Instance": hub.instance_id})
+        return Response(
+            body,
+            media_type="application/octet-stream",
+            headers={
+                "X-Eric-Shape": ",".join(map(str, entry.shape)),
+                "X-Eric-Dtype": entry.dtype,
+                "X-Eric-Instance": hub.instance_id,
+            },
+        )
 
     @router.post("/v1/embeddings/{content_hash}/ack")
     async def ack(content_hash: str, request: Request) -> JSONResponse:

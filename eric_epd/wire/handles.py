@@ -97,12 +97,17 @@ class AckRequest(msgspec.Struct, frozen=True):
     content: bytes
 
 
-def ack_request(producer: str, content_hash: str, lease: str, instance_id: str | None,
-                retry: bool = False) -> AckRequest:
+def ack_request(
+    producer: str, content_hash: str, lease: str, instance_id: str | None, retry: bool = False
+) -> AckRequest:
     """The POST that ends the lease `lease` on `content_hash` at the Eric `producer` (instance `instance_id`);
     `retry`: it repeats an attempt whose answer was lost."""
-    return AckRequest(f"{producer.rstrip('/')}/v1/embeddings/{content_hash}/ack", {LEASE_HEADER: lease},
-                      msgspec.json.encode(AckBody(instance_id, retry=retry)))
+    return AckRequest(
+        f"{producer.rstrip('/')}/v1/embeddings/{content_hash}/ack",
+        {LEASE_HEADER: lease},
+        msgspec.json.encode(AckBody(instance_id, retry=retry)),
+    )
+
 
 BACKENDS = ("shm", "nixl", "mooncake", "http")
 """Consumer preference order: fastest first."""
@@ -126,15 +131,19 @@ def check_handle(h: EmbeddingHandle, eric_urls: Collection[str], width: int | Co
     `width` may be the set of the model's widths (Qwen3-Omni's vision and audio rows differ): the consumer then
     checks each item's width against its modality's."""
     if h.producer not in eric_urls:
-        raise HandleError(f"embedding {h.hash[:16]} is held by {h.producer!r}, which is not one of the "
-                          f"configured producers {list(eric_urls)}")
+        raise HandleError(
+            f"embedding {h.hash[:16]} is held by {h.producer!r}, which is not one of the "
+            f"configured producers {list(eric_urls)}"
+        )
     if not h.lease:
         raise HandleError(f"embedding {h.hash[:16]} has no lease token")
     widths = {width} if isinstance(width, int) else set(width)
     if h.dtype not in DTYPE_BYTES or len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] not in widths:
         wanted = " or ".join(str(w) for w in sorted(widths))
-        raise HandleError(f"embedding {h.hash[:16]} is {list(h.shape)} {h.dtype}; this model takes [rows, {wanted}] "
-                          f"in one of {sorted(DTYPE_BYTES)}")
+        raise HandleError(
+            f"embedding {h.hash[:16]} is {list(h.shape)} {h.dtype}; this model takes [rows, {wanted}] "
+            f"in one of {sorted(DTYPE_BYTES)}"
+        )
     if h.nbytes != math.prod(h.shape) * DTYPE_BYTES[h.dtype]:
         raise HandleError(f"embedding {h.hash[:16]}: {h.nbytes} bytes do not fit {list(h.shape)} {h.dtype}")
     offsets = [h.shm.offset if h.shm is not None else 0, *(loc.addr for loc in (h.mooncake, h.nixl) if loc)]
@@ -146,14 +155,17 @@ def check_handle(h: EmbeddingHandle, eric_urls: Collection[str], width: int | Co
     if h.nixl is not None and not h.nixl.metadata_url.startswith(f"{h.producer}/"):
         raise HandleError(f"embedding {h.hash[:16]}: NIXL metadata {h.nixl.metadata_url!r} is not its producer's")
     if h.mooncake is not None and h.mooncake.session_id.rsplit(":", 1)[0] != host:
-        raise HandleError(f"embedding {h.hash[:16]}: Mooncake session {h.mooncake.session_id!r} is not on "
-                          f"its producer's host {host}")
+        raise HandleError(
+            f"embedding {h.hash[:16]}: Mooncake session {h.mooncake.session_id!r} is not on its producer's host {host}"
+        )
 
 
 def _within(what: str, h: EmbeddingHandle, start: int, base: int, size: int) -> None:
     if start < base or start + h.nbytes > base + size:
-        raise HandleError(f"embedding {h.hash[:16]}: {what} range [{start}, {start + h.nbytes}) is outside the "
-                          f"producer's pool [{base}, {base + size})")
+        raise HandleError(
+            f"embedding {h.hash[:16]}: {what} range [{start}, {start + h.nbytes}) is outside the "
+            f"producer's pool [{base}, {base + size})"
+        )
 
 
 def check_locations(h: EmbeddingHandle, own: ProducerInfo) -> None:
@@ -161,8 +173,9 @@ def check_locations(h: EmbeddingHandle, own: ProducerInfo) -> None:
     segment and host, Mooncake session (host and port) and NIXL agent, and a byte range inside the pool. HandleError
     names the first that is not; nothing is read then."""
     if h.instance_id != own.instance_id:
-        raise HandleError(f"embedding {h.hash[:16]}: instance {h.instance_id!r} is not {h.producer}'s "
-                          f"({own.instance_id!r})")
+        raise HandleError(
+            f"embedding {h.hash[:16]}: instance {h.instance_id!r} is not {h.producer}'s ({own.instance_id!r})"
+        )
     if h.nbytes < 0:
         raise HandleError(f"embedding {h.hash[:16]}: negative length {h.nbytes}")
     for name in ("shm", "mooncake", "nixl"):
@@ -173,16 +186,20 @@ def check_locations(h: EmbeddingHandle, own: ProducerInfo) -> None:
             raise HandleError(f"embedding {h.hash[:16]}: {h.producer} serves no {name} location")
         if isinstance(loc, ShmLocation):
             if (loc.name, loc.host_id) != (mine.name, mine.host_id):
-                raise HandleError(f"embedding {h.hash[:16]}: shm segment {loc.name!r} is not {h.producer}'s "
-                                  f"pool {mine.name!r}")
+                raise HandleError(
+                    f"embedding {h.hash[:16]}: shm segment {loc.name!r} is not {h.producer}'s pool {mine.name!r}"
+                )
             _within("shm", h, loc.offset, 0, own.pool_bytes)
         elif isinstance(loc, MooncakeLocation):
             if (loc.session_id, loc.protocol) != (mine.session_id, mine.protocol):
-                raise HandleError(f"embedding {h.hash[:16]}: Mooncake session {loc.session_id!r} is not "
-                                  f"{h.producer}'s {mine.session_id!r}")
+                raise HandleError(
+                    f"embedding {h.hash[:16]}: Mooncake session {loc.session_id!r} is not "
+                    f"{h.producer}'s {mine.session_id!r}"
+                )
             _within("Mooncake", h, loc.addr, mine.addr, own.pool_bytes)
         else:
             if (loc.agent, loc.metadata_url) != (mine.agent, mine.metadata_url):
-                raise HandleError(f"embedding {h.hash[:16]}: NIXL agent {loc.agent!r} is not {h.producer}'s "
-                                  f"{mine.agent!r}")
+                raise HandleError(
+                    f"embedding {h.hash[:16]}: NIXL agent {loc.agent!r} is not {h.producer}'s {mine.agent!r}"
+                )
             _within("NIXL", h, loc.addr, mine.addr, own.pool_bytes)

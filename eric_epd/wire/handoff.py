@@ -11,9 +11,21 @@ import msgspec
 from eric_epd.common.widths import embedding_width, embedding_widths
 from eric_epd.wire.handles import DTYPE_BYTES, EmbeddingHandle, HandleError, check_handle
 
-__all__ = ["DTYPE_BYTES", "EXTRA_ARGS_KEY", "SOUNDTRACKS_KEY", "HandleError", "check_handle", "embedding_width",
-           "handles_xargs", "model_embedding_width", "model_embedding_widths", "offered_handles", "offered_producers",
-           "offered_soundtracks", "soundtracks_xargs"]
+__all__ = [
+    "DTYPE_BYTES",
+    "EXTRA_ARGS_KEY",
+    "SOUNDTRACKS_KEY",
+    "HandleError",
+    "check_handle",
+    "embedding_width",
+    "handles_xargs",
+    "model_embedding_width",
+    "model_embedding_widths",
+    "offered_handles",
+    "offered_producers",
+    "offered_soundtracks",
+    "soundtracks_xargs",
+]
 
 EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
@@ -21,6 +33,8 @@ MAX_HANDLES = 256
 SOUNDTRACKS_KEY = "eric_soundtracks"
 """Key in vllm_xargs: a JSON object, video hash -> its soundtrack's hash, for videos sent with vLLM's
 `use_audio_in_video` (vLLM names the soundtrack after the video's uuid; both handles are in EXTRA_ARGS_KEY's list)."""
+
+
 def handles_xargs(handles: Iterable[dict[str, Any] | EmbeddingHandle]) -> dict[str, str]:
     """The vllm_xargs (or SamplingParams.extra_args) entry that hands `handles` to the connector."""
     return {EXTRA_ARGS_KEY: msgspec.json.encode(list(handles)).decode()}
@@ -41,8 +55,9 @@ def offered_producers(extra_args: dict[str, Any] | None) -> set[str]:
         return set()
 
 
-def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int | Collection[int],
-                    ) -> dict[str, EmbeddingHandle]:
+def offered_handles(
+    extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int | Collection[int]
+) -> dict[str, EmbeddingHandle]:
     """hash -> handle from a request's extra_args, each checked (HandleError names the first problem); `eric_urls`
     is any collection of the trusted producers (a tuple, or the connector's TrustedProducers); `width` one width or
     the model's set of widths (see check_handle)."""
@@ -60,8 +75,9 @@ def offered_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str
     return {h.hash: h for h in handles}
 
 
-def returnable_handles(extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int | Collection[int],
-                       ) -> list[EmbeddingHandle]:
+def returnable_handles(
+    extra_args: dict[str, Any] | None, eric_urls: Collection[str], width: int | Collection[int]
+) -> list[EmbeddingHandle]:
     """The handles of a request whose handles were refused as a whole (HandleError) that may still be given back:
     each one that passes check_handle alone (a trusted producer's, well formed). None of a body that is no list of
     handles, nor beyond MAX_HANDLES."""

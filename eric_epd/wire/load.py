@@ -9,6 +9,7 @@ WINDOW_S = 30.0
 
 class LoadReport(msgspec.Struct, frozen=True):
     """One Eric's load over its recent window: what GET /v1/load answers."""
+
     queue_depth: int
     """Items accepted and not finished (queued or running)."""
     busy_fraction: float

@@ -35,9 +35,9 @@ ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
 Modality = Annotated[str, msgspec.Meta(max_length=16)]
 Host = Annotated[str, msgspec.Meta(max_length=255)]
 Url = Annotated[str, msgspec.Meta(max_length=MAX_URL)]
-Count = Annotated[int, msgspec.Meta(ge=-(2 ** 31), le=2 ** 31)]
+Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-Address = Annotated[int, msgspec.Meta(ge=0, le=2 ** 63 - 1)]
+Address = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(max_length=1 << 16)]
 
 
@@ -115,7 +115,7 @@ def decode_nixl_session(session_id: str) -> NixlSession | None:
     """The NIXL session in a /send body, None when it is a Mooncake session id (host:port)."""
     if not session_id.startswith(NIXL_SESSION_PREFIX):
         return None
-    raw = base64.urlsafe_b64decode(session_id[len(NIXL_SESSION_PREFIX):].encode())
+    raw = base64.urlsafe_b64decode(session_id[len(NIXL_SESSION_PREFIX) :].encode())
     return msgspec.msgpack.decode(raw, type=NixlSession)
 
 
@@ -243,8 +243,9 @@ def embedding_data_pickle(part: EmbeddingPart) -> bytes:
         "req_id": part.req_id,
         "num_parts": part.num_parts,
         "part_idx": part.part_idx,
-        "grid_dim": _Reduce(_Global("torch", "LongTensor"), (part.grid,)) if part.modality == "AUDIO"
-        and part.grid is not None else part.grid,
+        "grid_dim": _Reduce(_Global("torch", "LongTensor"), (part.grid,))
+        if part.modality == "AUDIO" and part.grid is not None
+        else part.grid,
         "modality": _Reduce(_Global(*_MODALITY), (MODALITY_VALUES[part.modality],)),
         "embedding": None,
         "send_time": None,
@@ -257,6 +258,9 @@ def embedding_data_pickle(part: EmbeddingPart) -> bytes:
     for key, values in [*part.extra.items(), *part.float_tensors.items()]:
         if key in state or key.startswith("_"):
             raise ValueError(f"extra attribute {key!r} would shadow an EmbeddingData field")
-        state[key] = (_Reduce(_Global("torch", "FloatTensor"), ([float(v) for v in values],))
-                      if key in part.float_tensors else values)
+        state[key] = (
+            _Reduce(_Global("torch", "FloatTensor"), ([float(v) for v in values],))
+            if key in part.float_tensors
+            else values
+        )
     return _PickleWriter().new_object(_Global(*_EMBEDDING_DATA), state)

@@ -62,8 +62,11 @@ class RegistrationGate:
         if key is None or not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "Unauthorized")
         if not self._networks:
-            raise ApiError(403, "registration is off: start the gateway with --register-from CIDR (the networks "
-                                "Erics may register from)")
+            raise ApiError(
+                403,
+                "registration is off: start the gateway with --register-from CIDR (the networks "
+                "Erics may register from)",
+            )
         if any(h in request.headers for h in FORWARDING_HEADERS):
             raise ApiError(403, "registration is taken directly from an Eric, not through a proxy")
         peer = request.client.host if request.client else ""
@@ -74,8 +77,12 @@ class RegistrationGate:
         await self._check_host(url)
         if joining and self._eric_key is not None and not proves_key(registration, self._eric_key):
             logger.warning("refused registration of %s from %s: no valid proof of the Eric key", url, peer)
-            raise ApiError(403, "registration needs a proof of the Erics' key (proof = hex HMAC-SHA256 of "
-                                "\"URL\\nTS\" under it, ts = Unix seconds within 60 s)", param="proof")
+            raise ApiError(
+                403,
+                "registration needs a proof of the Erics' key (proof = hex HMAC-SHA256 of "
+                '"URL\\nTS" under it, ts = Unix seconds within 60 s)',
+                param="proof",
+            )
         return url.rstrip("/")
 
     async def _check_host(self, url: str) -> None:
@@ -84,8 +91,12 @@ class RegistrationGate:
         host = urlsplit(url).hostname or ""
         literal = _address(host)
         if literal is None:
-            raise ApiError(400, f"encoder host {host[:80]!r} is a name: register the address it serves at "
-                                "(http://ADDR:PORT; eric-epd serve --advertise-host ADDR)", param="url")
+            raise ApiError(
+                400,
+                f"encoder host {host[:80]!r} is a name: register the address it serves at "
+                "(http://ADDR:PORT; eric-epd serve --advertise-host ADDR)",
+                param="url",
+            )
         if not self._inside(literal):
             raise ApiError(403, f"encoder host {host!r} is outside --register-from", param="url")
 
@@ -95,8 +106,9 @@ async def _read(request: Request) -> Registration:
     try:
         registration = msgspec.json.decode(raw, type=Registration)
     except msgspec.DecodeError as e:
-        raise ApiError(400, f"body must be {{\"url\": \"http(s)://host:port\", \"proof\": ..., \"ts\": ...}}: "
-                            f"{e}", param="url") from e
+        raise ApiError(
+            400, f'body must be {{"url": "http(s)://host:port", "proof": ..., "ts": ...}}: {e}', param="url"
+        ) from e
     url = registration.url
     try:
         valid = url.startswith(("http://", "https://")) and len(url) <= MAX_URL and bool(urlsplit(url).hostname)
@@ -105,5 +117,5 @@ async def _read(request: Request) -> Registration:
     except (ValueError, httpx.InvalidURL):
         valid = False
     if not valid:
-        raise ApiError(400, "body must be {\"url\": \"http(s)://host:port\"}", param="url")
+        raise ApiError(400, 'body must be {"url": "http(s)://host:port"}', param="url")
     return registration

@@ -31,10 +31,13 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         # idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
-        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s,
-                                     headers=bearer(config.eric_api_key)) as client, \
-                httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as unkeyed, \
-                new_session(config) as session:
+        async with (
+            httpx.AsyncClient(
+                limits=limits, timeout=config.upstream_timeout_s, headers=bearer(config.eric_api_key)
+            ) as client,
+            httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as unkeyed,
+            new_session(config) as session,
+        ):
             state["gw"] = Gateway(config, client, session, metrics, unkeyed)
             tasks = [asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))]
             if config.encoder_dns:

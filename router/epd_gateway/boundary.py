@@ -10,38 +10,110 @@ from typing import Any
 
 from eric_epd.common.errors import ApiError
 
-STEERING_FIELDS = frozenset({
-    "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs",
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "data_parallel_rank",
-    "request_id", "multi_modal_uuids", "prompt_embeds", "chat_template",
-    # SGLang's: request identity and placement, sessions, raw token ids, adapters, server-side code (dill-unpickled
-    # when --enable-custom-logit-processor is on), hidden states out
-    "rid", "routed_dp_rank", "session_params", "input_ids", "lora_path", "custom_logit_processor", "custom_params",
-    "return_hidden_states", "priority",
-    # SGLang's processor options (serving_chat.py hands them to its multimodal processor); a top-level
-    # use_audio_in_video would also skip the gateway's soundtrack handling, which reads mm_processor_kwargs only
-    "images_config", "video_config", "use_audio_in_video", "max_dynamic_patch", "min_dynamic_patch",
-})
+STEERING_FIELDS = frozenset(
+    {
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "vllm_xargs",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "data_parallel_rank",
+        "request_id",
+        "multi_modal_uuids",
+        "prompt_embeds",
+        "chat_template",
+        # SGLang's: request identity and placement, sessions, raw token ids, adapters, server-side code (dill-unpickled
+        # when --enable-custom-logit-processor is on), hidden states out
+        "rid",
+        "routed_dp_rank",
+        "session_params",
+        "input_ids",
+        "lora_path",
+        "custom_logit_processor",
+        "custom_params",
+        "return_hidden_states",
+        "priority",
+        # SGLang's processor options (serving_chat.py hands them to its multimodal processor); a top-level
+        # use_audio_in_video would also skip the gateway's soundtrack handling, which reads mm_processor_kwargs only
+        "images_config",
+        "video_config",
+        "use_audio_in_video",
+        "max_dynamic_patch",
+        "min_dynamic_patch",
+    }
+)
 """Request fields that steer vLLM's or SGLang's internals (KV/EC transfer, processor and media settings, request
 identity and placement, sessions, adapters, server-side code): the gateway writes them itself where needed, a client
 never does (but for one processor option on chat requests: `audio_in_video`)."""
 
-SAMPLING_FIELDS = frozenset({
-    "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
-    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "logit_bias",
-    "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
-    "truncate_prompt_tokens", "response_format", "structured_outputs", "user", "echo", "add_special_tokens",
-    "return_token_ids", "return_tokens_as_token_ids", "cache_salt",
-    # SGLang's sampling and structured-output options
-    "regex", "ebnf", "json_schema", "no_stop_trim", "separate_reasoning", "stream_reasoning",
-})
+SAMPLING_FIELDS = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "min_tokens",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "use_beam_search",
+        "truncate_prompt_tokens",
+        "response_format",
+        "structured_outputs",
+        "user",
+        "echo",
+        "add_special_tokens",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+        "cache_salt",
+        # SGLang's sampling and structured-output options
+        "regex",
+        "ebnf",
+        "json_schema",
+        "no_stop_trim",
+        "separate_reasoning",
+        "stream_reasoning",
+    }
+)
 """What both request kinds may carry: the model, sampling, output and structured-output options of the OpenAI API,
 vLLM and SGLang (each engine checks their values)."""
 CHAT_FIELDS = SAMPLING_FIELDS | {
-    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
-    "include_reasoning", "thinking_token_budget", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "documents", "mm_processor_kwargs",  # the last: use_audio_in_video only
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "include_reasoning",
+    "thinking_token_budget",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "documents",
+    "mm_processor_kwargs",  # the last: use_audio_in_video only
 }
 """The fields a chat request may carry: an allowlist (a field a new engine version adds passes only once listed)."""
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "suffix"}
@@ -56,8 +128,12 @@ PART_KEYS = {
 }
 """Content part types vLLM's chat API accepts for media, and the only keys each may carry."""
 EMBED_PARTS = {"image_embeds": {"type", "image_embeds"}, "video_embeds": {"type", "video_embeds"}}
-PAYLOAD_KEYS = {"image_url": {"url", "detail"}, "video_url": {"url"}, "audio_url": {"url"},
-                "input_audio": {"data", "format"}}
+PAYLOAD_KEYS = {
+    "image_url": {"url", "detail"},
+    "video_url": {"url"},
+    "audio_url": {"url"},
+    "input_audio": {"data", "format"},
+}
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"})
 
 
@@ -73,13 +149,21 @@ def check_request_fields(body: dict[str, Any], chat: bool = False) -> None:
         if chat and name == "mm_processor_kwargs":
             audio_in_video(body)
         elif name in STEERING_FIELDS:
-            raise ApiError(400, f"the request field '{name}' is not accepted: it steers the engine's internals "
-                                "and only the gateway sets it", param=name)
+            raise ApiError(
+                400,
+                f"the request field '{name}' is not accepted: it steers the engine's internals "
+                "and only the gateway sets it",
+                param=name,
+            )
     for name in body:
         if name not in allowed:
             shown = str(name)[:64]
-            raise ApiError(400, f"the request field '{shown}' is not accepted: the gateway passes on only the "
-                                "model, messages or prompt, sampling and output options", param=shown)
+            raise ApiError(
+                400,
+                f"the request field '{shown}' is not accepted: the gateway passes on only the "
+                "model, messages or prompt, sampling and output options",
+                param=shown,
+            )
 
 
 def audio_in_video(body: dict[str, Any]) -> bool:
@@ -89,8 +173,12 @@ def audio_in_video(body: dict[str, Any]) -> bool:
     if kwargs is None:
         return False
     if not isinstance(kwargs, dict) or set(kwargs) != {AUDIO_IN_VIDEO} or not isinstance(kwargs[AUDIO_IN_VIDEO], bool):
-        raise ApiError(400, f"the request field 'mm_processor_kwargs' may only be {{\"{AUDIO_IN_VIDEO}\": true}}: "
-                            "other processor options steer the engine's internals", param="mm_processor_kwargs")
+        raise ApiError(
+            400,
+            f"the request field 'mm_processor_kwargs' may only be {{\"{AUDIO_IN_VIDEO}\": true}}: "
+            "other processor options steer the engine's internals",
+            param="mm_processor_kwargs",
+        )
     return kwargs[AUDIO_IN_VIDEO]
 
 
@@ -127,11 +215,18 @@ def _check_part(part: Any, allowed: dict[str, set[str]], where: str) -> None:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind not in allowed:
         hint = " (client embeddings are off on this gateway)" if kind in EMBED_PARTS else ""
-        raise ApiError(400, f"{where}: unsupported content part type {kind!r}{hint}; supported: "
-                            f"{sorted(allowed)}", param="messages")
+        raise ApiError(
+            400,
+            f"{where}: unsupported content part type {kind!r}{hint}; supported: {sorted(allowed)}",
+            param="messages",
+        )
     if "uuid" in part:
-        raise ApiError(400, f"{where}: 'uuid' is not accepted: multimodal identifiers are minted by the gateway "
-                            "from the content it sees", param="uuid")
+        raise ApiError(
+            400,
+            f"{where}: 'uuid' is not accepted: multimodal identifiers are minted by the gateway "
+            "from the content it sees",
+            param="uuid",
+        )
     _only(part, allowed[kind], where)
     payload = part.get(kind)
     if kind in PAYLOAD_KEYS and isinstance(payload, dict):

@@ -45,5 +45,8 @@ class CardReader:
             logger.warning("encoder %s: cannot read its model card: %r", member.url, e)
             member.card_after = time.monotonic() + CARD_RETRY_S
             return
-        member.modalities, member.placement, member.takes_audio = (frozenset(card.modalities), card.placement,
-                                                                    card.takes_audio)
+        member.modalities, member.placement, member.takes_audio = (
+            frozenset(card.modalities),
+            card.placement,
+            card.takes_audio,
+        )

@@ -15,8 +15,16 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the flags and serve the gateway with uvicorn."""
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False,
-                loop="uvloop", http="httptools", **uvicorn_proxy_settings(config.trusted_proxies))
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        **uvicorn_proxy_settings(config.trusted_proxies),
+    )
 
 
 if __name__ == "__main__":

@@ -65,8 +65,7 @@ def _part_url(part: dict[str, Any], kind: str, where: str) -> str:
     if not isinstance(url, str) or not url:
         raise ApiError(400, f"{where}: '{kind}' needs a non-empty 'url'", param=kind)
     if len(url) > MAX_URL and url_scheme(url) != "data":  # before any parsing: a data: URL is bounded by the body
-        raise ApiError(400, f"{where}: the url is {len(url)} characters long, over the limit of {MAX_URL}",
-                       param=kind)
+        raise ApiError(400, f"{where}: the url is {len(url)} characters long, over the limit of {MAX_URL}", param=kind)
     return url
 
 
@@ -80,8 +79,7 @@ def _input_audio_url(value: Any, where: str) -> str:
     return f"data:audio/{fmt};base64,{data}"
 
 
-def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int,
-                  with_audio: bool = False) -> list[MediaRef]:
+def collect_media(body: dict[str, Any], policy: UrlPolicy, max_items: int, with_audio: bool = False) -> list[MediaRef]:
     """Every image/video/audio part of a chat request (whose parts boundary.check_messages already validated), each URL
     through the URL policy, each data: URL's bytes checked as an engine's media must be (`check_medium`), each video
     `with_audio` (its soundtrack too) as the request says; 400 for anything the gateway cannot route."""
@@ -122,7 +120,7 @@ def remote_hosts(refs: list[MediaRef]) -> set[tuple[str, int]]:
     """(host, port) of every http(s) media URL, for DNS-time policy checks."""
     hosts = set()
     for ref in refs:
-        parts = urlsplit(ref.url[:MAX_URL + 1])  # scheme and host lie within a fetchable URL's bound: a 64 MiB
+        parts = urlsplit(ref.url[: MAX_URL + 1])  # scheme and host lie within a fetchable URL's bound: a 64 MiB
         # data: URL is not parsed whole on the event loop
         if parts.scheme in ("http", "https") and parts.hostname:
             hosts.add((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
@@ -153,8 +151,17 @@ def spare_handles(items: list[EncodedItem]) -> list[EmbeddingHandle]:
 def inlined_refs(body: dict[str, Any], refs: list[MediaRef]) -> list[MediaRef]:
     """`refs` as they stand in `body`, the request with its media inlined (inline.RawBody): each URL the data: URL
     the engine will get, so an Eric encodes those very bytes and nobody fetches the client's URL twice."""
-    return [replace(ref, url=_part_url(body["messages"][ref.message]["content"][ref.part], ref.part_type,
-                                       f"messages[{ref.message}].content[{ref.part}]")) for ref in refs]
+    return [
+        replace(
+            ref,
+            url=_part_url(
+                body["messages"][ref.message]["content"][ref.part],
+                ref.part_type,
+                f"messages[{ref.message}].content[{ref.part}]",
+            ),
+        )
+        for ref in refs
+    ]
 
 
 def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[EncodedItem]) -> dict[str, Any]:

@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 class DnsMembers:
     """Keeps the pool's name-listed members equal to what the names resolve to."""
 
-    def __init__(self, targets: tuple[DnsTarget, ...], pool: EncoderPool, interval_s: float,
-                 lookup_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, targets: tuple[DnsTarget, ...], pool: EncoderPool, interval_s: float, lookup_timeout_s: float = 5.0
+    ) -> None:
         self._targets = targets
         self._pool = pool
         self._interval_s = interval_s
@@ -31,8 +32,9 @@ class DnsMembers:
         try:
             urls = await asyncio.wait_for(resolve_urls(target), self._lookup_timeout_s)
         except (TimeoutError, OSError, ValueError) as e:
-            logger.warning("cannot resolve %s (%r): keeping its %d members", target, e,
-                           len(self._found.get(target, ())))
+            logger.warning(
+                "cannot resolve %s (%r): keeping its %d members", target, e, len(self._found.get(target, ()))
+            )
             return
         if urls != self._found.get(target):
             logger.info("%s resolves to %s", target, sorted(urls) or "nothing")

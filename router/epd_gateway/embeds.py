@@ -51,20 +51,20 @@ def check_embeds_parts(body: dict[str, Any], shape: EmbeddingShape) -> None:
 def _check_part(payload: Any, kind: str, shape: EmbeddingShape, where: str) -> None:
     grid_key = kind.replace("_embeds", "_grid_thw")
     if not isinstance(payload, dict) or set(payload) != {kind, grid_key}:
-        raise ApiError(400, f"{where}: '{kind}' must be {{'{kind}': <base64 tensor>, '{grid_key}': [t, h, w]}}",
-                       param=kind)
+        raise ApiError(
+            400, f"{where}: '{kind}' must be {{'{kind}': <base64 tensor>, '{grid_key}': [t, h, w]}}", param=kind
+        )
     grid = payload[grid_key]
-    if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(v, int) and 0 < v <= MAX_GRID
-                                                               for v in grid)):
+    if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(v, int) and 0 < v <= MAX_GRID for v in grid)):
         raise ApiError(400, f"{where}: '{grid_key}' must be three positive integers", param=grid_key)
     if any(v % shape.merge for v in grid[1:]):
-        raise ApiError(400, f"{where}: '{grid_key}' {grid} is not a multiple of the merge size {shape.merge}",
-                       param=grid_key)
+        raise ApiError(
+            400, f"{where}: '{grid_key}' {grid} is not a multiple of the merge size {shape.merge}", param=grid_key
+        )
     dims = _tensor_shape(payload[kind], where, kind)
     want = [shape.rows(grid), shape.width]
     if dims != want:
-        raise ApiError(400, f"{where}: '{kind}' is {dims}; its grid {grid} and this model need {want}",
-                       param=kind)
+        raise ApiError(400, f"{where}: '{kind}' is {dims}; its grid {grid} and this model need {want}", param=kind)
 
 
 def _tensor_shape(data: Any, where: str, kind: str) -> list[int]:
@@ -88,5 +88,6 @@ def _tensor_shape(data: Any, where: str, kind: str) -> list[int]:
             return []
         return list(tensor.shape)
     except Exception as e:  # any undecodable payload is the client's error, never the gateway's
-        raise ApiError(400, f"{where}: '{kind}' is not a float tensor (.npy or torch.save): "
-                            f"{type(e).__name__}", param=kind) from e
+        raise ApiError(
+            400, f"{where}: '{kind}' is not a float tensor (.npy or torch.save): {type(e).__name__}", param=kind
+        ) from e

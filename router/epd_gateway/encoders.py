@@ -15,13 +15,7 @@ import msgspec
 from epd_gateway.cards import CardReader
 from epd_gateway.content import MediaRef
 from epd_gateway.leases import Leases
-from epd_gateway.members import (
-    WAIT_SLACK_S,
-    EncoderState,
-    expected_wait,
-    rendezvous_weight,
-    rest_s,
-)
+from epd_gateway.members import WAIT_SLACK_S, EncoderState, expected_wait, rendezvous_weight, rest_s
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
 from eric_epd.common.errors import ApiError
@@ -36,7 +30,6 @@ MAX_DEPARTED = 1024
 """Erics that left by name (dns_members.py) whose leases the gateway may still give back."""
 
 
-
 CLIENT_ERRORS = (400, 415, 422)
 """An Eric's answers about the client's media: passed on (any other 4xx, e.g. a wrong key or a limit of that Eric,
 fails over like a 5xx)."""
@@ -48,9 +41,17 @@ class EncodersUnavailableError(Exception):
 
 class EncoderPool:
     """The Erics: items placed by rendezvous hashing with a load bound, health-checked, ejected and readmitted."""
-    def __init__(self, urls: tuple[str, ...], client: httpx.AsyncClient, metrics: GatewayMetrics,
-                 eject_after: int, timeout_s: float, heartbeat_timeout_s: float = 10.0,
-                 prover: Callable[[str], Awaitable[bool]] | None = None) -> None:
+
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        client: httpx.AsyncClient,
+        metrics: GatewayMetrics,
+        eject_after: int,
+        timeout_s: float,
+        heartbeat_timeout_s: float = 10.0,
+        prover: Callable[[str], Awaitable[bool]] | None = None,
+    ) -> None:
         """`prover(url)`: whether an Eric found by name proved it holds the key (proof.py); None: names are trusted
         (the Erics have no key to keep)."""
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -98,8 +99,11 @@ class EncoderPool:
         if member is not None:
             member.heartbeat = None  # listed by name now: never dropped for silence
             return
-        logger.info("encoder %s joined (its name lists it)%s", url, "" if self._prover is None else
-                    ": no key or media until it proves it holds the key")
+        logger.info(
+            "encoder %s joined (its name lists it)%s",
+            url,
+            "" if self._prover is None else ": no key or media until it proves it holds the key",
+        )
         trusted = self._prover is None
         self._members[url] = EncoderState(url, healthy=trusted, by_name=True, proven=trusted)
         self._refresh_gauge()
@@ -220,8 +224,7 @@ class EncoderPool:
         used = await self._encode_into(refs, results, leases)
         return [results[i] for i in range(len(refs))], len(used)
 
-    async def _encode_into(self, refs: list[MediaRef], results: dict[int, EncodedItem],
-                           leases: Leases) -> set[str]:
+    async def _encode_into(self, refs: list[MediaRef], results: dict[int, EncodedItem], leases: Leases) -> set[str]:
         """Fill `results` (ref index -> item), failing over between encoders; returns the encoders used."""
         tried: dict[int, set[str]] = defaultdict(set)
         pending = list(range(len(refs)))
@@ -231,8 +234,9 @@ class EncoderPool:
             for i in pending:
                 member = self.choose(refs[i].routing_key, tried[i])
                 if member is None:
-                    raise EncodersUnavailableError(f"no healthy encoder left for item {i} "
-                                                   f"(tried {sorted(tried[i]) or 'none'})")
+                    raise EncodersUnavailableError(
+                        f"no healthy encoder left for item {i} (tried {sorted(tried[i]) or 'none'})"
+                    )
                 groups[member.url].append(i)
             outcomes = await self._call_groups({url: [refs[i] for i in idx] for url, idx in groups.items()}, leases)
             pending = []
@@ -249,10 +253,10 @@ class EncoderPool:
                         self.remember(refs[i].routing_key, url)
         return used
 
-    async def _call_groups(self, groups: dict[str, list[MediaRef]],
-                           leases: Leases) -> list[list[EncodedItem] | None]:
+    async def _call_groups(self, groups: dict[str, list[MediaRef]], leases: Leases) -> list[list[EncodedItem] | None]:
         """Each encoder's answer for its group, called concurrently, its items held in `leases` as it answers. If one
         call raises or this is cancelled, the other calls are cancelled too."""
+
         async def call(url: str, group: list[MediaRef]) -> list[EncodedItem] | None:
             items = await self._call(url, group)
             leases.hold(items or [])
@@ -273,9 +277,17 @@ class EncoderPool:
         member.inflight += 1
         member.inflight_items += len(refs)
         # each item named by its place in the client's request, which Eric's errors about it then quote
-        body = encode_body([EncodeItem(id=f"messages[{r.message}].content[{r.part}]", modality=r.modality, url=r.url,
-                                       use_audio_in_video=r.with_audio)
-                            for r in refs])
+        body = encode_body(
+            [
+                EncodeItem(
+                    id=f"messages[{r.message}].content[{r.part}]",
+                    modality=r.modality,
+                    url=r.url,
+                    use_audio_in_video=r.with_audio,
+                )
+                for r in refs
+            ]
+        )
         try:
             resp = await self._post_encode(url, body)
         except httpx.HTTPError as e:
@@ -314,8 +326,13 @@ class EncoderPool:
 
     async def _post_encode(self, url: str, body: bytes) -> httpx.Response:
         """POST /v1/encode and read the answer; the time to its headers is gateway_upstream_seconds{encoder}."""
-        request = self._client.build_request("POST", f"{url}/v1/encode", content=body, timeout=self._timeout,
-                                             headers={"content-type": "application/json"})
+        request = self._client.build_request(
+            "POST",
+            f"{url}/v1/encode",
+            content=body,
+            timeout=self._timeout,
+            headers={"content-type": "application/json"},
+        )
         start = time.perf_counter()
         resp = await self._client.send(request, stream=True)
         self._metrics.upstreams.observe("encoder", time.perf_counter() - start)
@@ -356,8 +373,9 @@ class EncoderPool:
 
     def loads(self) -> dict[str, dict[str, Any] | None]:
         """Each Eric's load as the gateway believes it (loadcheck.py); None before its first report."""
-        return {m.url: msgspec.to_builtins(r) if (r := m.believed()) is not None else None
-                for m in self._members.values()}
+        return {
+            m.url: msgspec.to_builtins(r) if (r := m.believed()) is not None else None for m in self._members.values()
+        }
 
     async def _load(self, member: EncoderState) -> LoadReport | None:
         """Its load report; None if it does not serve one (an older Eric) or answers nonsense."""

@@ -56,21 +56,40 @@ async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]
 class Gateway:
     """Routing decisions; the routes (routes.py) are thin."""
 
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, unkeyed: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        unkeyed: httpx.AsyncClient,
+    ) -> None:
         """`client` carries the Erics' key and calls only the Erics; `unkeyed` (no default headers) calls the text
         encoders and Geris, each with its own key: every upstream gets exactly its own key."""
         self.config = config
         self.metrics = metrics
         prover = MembershipProver(unkeyed, config.eric_api_key) if config.eric_api_key else None
-        self.encoders = EncoderPool(config.encoder_urls, client, metrics, config.eject_after_failures,
-                                    config.encode_timeout_s, config.heartbeat_timeout_s, prover)
+        self.encoders = EncoderPool(
+            config.encoder_urls,
+            client,
+            metrics,
+            config.eject_after_failures,
+            config.encode_timeout_s,
+            config.heartbeat_timeout_s,
+            prover,
+        )
         self.upstreams = Upstreams(config, session, metrics)
-        self.inliner = MediaInliner(config.url_policy, config.media_limits, config.max_inline_bytes,
-                                    config.max_inline_total_bytes)
+        self.inliner = MediaInliner(
+            config.url_policy, config.media_limits, config.max_inline_bytes, config.max_inline_total_bytes
+        )
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
-        self.images = (ImageGenerator(config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key,
-                                      config.geri_api_key, store) if config.geri_urls else None)
+        self.images = (
+            ImageGenerator(
+                config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key, config.geri_api_key, store
+            )
+            if config.geri_urls
+            else None
+        )
         self.serves_chat = bool(config.colocated_urls or (config.prefill_urls and config.decode_urls))
         self.plain_media = PlainMedia()
 
@@ -109,8 +128,9 @@ class Gateway:
         finally:
             plain.close()
 
-    async def _route(self, plain: RawBody, body: dict[str, Any], headers: dict[str, str], refs: list[MediaRef],
-                     modalities: set[str]) -> tuple[str, Response]:
+    async def _route(
+        self, plain: RawBody, body: dict[str, Any], headers: dict[str, str], refs: list[MediaRef], modalities: set[str]
+    ) -> tuple[str, Response]:
         """EPD or the plain path for a checked request: the path taken and the answer."""
         start = time.perf_counter()
         if self.config.backend == "sglang":
@@ -126,8 +146,15 @@ class Gateway:
             answer = await self._epd(plain, body, headers, refs, leases, start)
         return ("epd", answer) if answer is not None else ("fallback", await self._plain(plain, headers))
 
-    async def _epd(self, plain: RawBody, body: dict[str, Any], headers: dict[str, str], refs: list[MediaRef],
-                   leases: Leases, start: float) -> Response | None:
+    async def _epd(
+        self,
+        plain: RawBody,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        refs: list[MediaRef],
+        leases: Leases,
+        start: float,
+    ) -> Response | None:
         """The EPD path: the engine's answer, or None where the engine must encode the raw media itself (encoders
         unavailable, a video vLLM cannot place, embeddings lost upstream). Leases are `leases`' to give back."""
         try:
@@ -190,8 +217,11 @@ class Gateway:
         prefill encodes the raw media. Audio items (`input_audio`, `audio_url`) count and go as images do: Eric's
         SGLang routes encode a model's audio, and a request with audio and images takes one path, whole. A video with
         its soundtrack (`use_audio_in_video`) takes the plain path: Eric's SGLang routes encode no soundtracks."""
-        if (len(refs) < self.config.epd_min_items or not self.config.epd_prefill_urls
-                or any(ref.with_audio for ref in refs)):
+        if (
+            len(refs) < self.config.epd_min_items
+            or not self.config.epd_prefill_urls
+            or any(ref.with_audio for ref in refs)
+        ):
             return "pd", await self._plain(plain, headers)
         try:
             response = await self._plain(plain, headers, sglang_epd=True)
@@ -211,8 +241,12 @@ class Gateway:
         """400 when the Erics' cards say the served model takes no audio (unknown: the engine's own answer tells)."""
         said = {member.takes_audio for member in await self.encoders.carded()} - {None}
         if said == {False}:
-            raise ApiError(400, f"the model {body.get('model') or 'served here'!r} does not take audio "
-                                "(its input_audio or audio_url parts)", param="messages")
+            raise ApiError(
+                400,
+                f"the model {body.get('model') or 'served here'!r} does not take audio "
+                "(its input_audio or audio_url parts)",
+                param="messages",
+            )
 
 
 def _embeddings_lost(response: Response) -> bool:

@@ -24,9 +24,11 @@ from eric_epd.wire.geri import generate_body
 
 logger = logging.getLogger(__name__)
 
-PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
-                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
-                   "<|im_end|>\n<|im_start|>assistant\n")
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
 """QwenImagePipeline's prompt template; its first TEMPLATE_TOKENS tokens' states are dropped, as the pipeline drops
 them (prompt_template_encode_start_idx)."""
 TEMPLATE_TOKENS = 34
@@ -57,8 +59,11 @@ def parse_images_body(raw: bytes, urls: bool) -> tuple[ImagesBody, int, int]:
     """(body, width, height), every problem a 400 naming it; `urls`: whether response_format "url" is served."""
     body = parse_body(raw, ImagesBody)
     if body.response_format == "url" and not urls:
-        raise ApiError(400, "response_format 'url' is not configured on this gateway (--image-urls); use "
-                            "'b64_json'", param="response_format")
+        raise ApiError(
+            400,
+            "response_format 'url' is not configured on this gateway (--image-urls); use 'b64_json'",
+            param="response_format",
+        )
     size = SIZE.fullmatch(body.size)
     if size is None:
         raise ApiError(400, f"size must be WIDTHxHEIGHT such as 1024x1024, got {body.size!r}", param="size")
@@ -68,8 +73,15 @@ def parse_images_body(raw: bytes, urls: bool) -> tuple[ImagesBody, int, int]:
 class ImageGenerator:
     """Round-robin over the text encoders and the Geris; each call's errors answered in OpenAI's shape."""
 
-    def __init__(self, text_encoder_urls: tuple[str, ...], geri_urls: tuple[str, ...], client: httpx.AsyncClient,
-                 text_encoder_key: str | None, geri_key: str | None, store: ImageStore | None = None) -> None:
+    def __init__(
+        self,
+        text_encoder_urls: tuple[str, ...],
+        geri_urls: tuple[str, ...],
+        client: httpx.AsyncClient,
+        text_encoder_key: str | None,
+        geri_key: str | None,
+        store: ImageStore | None = None,
+    ) -> None:
         self.store = store
         self._encoders = itertools.cycle(text_encoder_urls)
         self._geris = itertools.cycle(geri_urls)
@@ -82,12 +94,17 @@ class ImageGenerator:
         body, width, height = parse_images_body(raw, self.store is not None)
         use_negative = body.negative_prompt is not None and body.true_cfg_scale > 1
         prompt, negative = await all_or_none(
-            self.hidden_states(body.prompt),
-            self.hidden_states(body.negative_prompt) if use_negative else _none())
-        settings = {"height": height, "width": width, "steps": body.num_inference_steps,
-                    "guidance_scale": body.true_cfg_scale}
-        images = await all_or_none(*(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings))
-                                     for i in range(body.n)))
+            self.hidden_states(body.prompt), self.hidden_states(body.negative_prompt) if use_negative else _none()
+        )
+        settings = {
+            "height": height,
+            "width": width,
+            "steps": body.num_inference_steps,
+            "guidance_scale": body.true_cfg_scale,
+        }
+        images = await all_or_none(
+            *(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings)) for i in range(body.n))
+        )
         if body.response_format == "url" and self.store is not None:
             data = [{"url": f"{base_url}/v1/images/files/{self.store.put(png)}"} for png in images]
         else:
@@ -104,11 +121,16 @@ class ImageGenerator:
             raise ApiError(503, f"text encoder {url} unreachable: {e!r}") from e
         if response.status_code in PROMPT_ERRORS:  # about the prompt
             # (e.g. longer than the text encoder's max_model_len): the client's to fix
-            raise ApiError(response.status_code, f"the text encoder refused the prompt: {redact(_message(response))}",
-                           param="prompt")
+            raise ApiError(
+                response.status_code,
+                f"the text encoder refused the prompt: {redact(_message(response))}",
+                param="prompt",
+            )
         if response.status_code != 200:  # a 5xx, or another 4xx
-            raise ApiError(502 if response.status_code < 500 else 503,
-                           f"text encoder answered {response.status_code}: {response.text[:300]}")
+            raise ApiError(
+                502 if response.status_code < 500 else 503,
+                f"text encoder answered {response.status_code}: {response.text[:300]}",
+            )
         try:
             states = np.asarray(response.json()["data"][0]["data"], dtype=np.float32)
         except (ValueError, KeyError, IndexError, TypeError) as e:

@@ -29,8 +29,11 @@ async def check_hosts(resolve: Lookup, hosts: set[tuple[str, int]], timeout_s: f
     all within `timeout_s`: more than MAX_HOSTS_PER_REQUEST hosts, a refused or unresolvable host are a 400, hosts
     still unresolved at the deadline a 408 naming them (as a fetch timeout is)."""
     if len({host for host, _ in hosts}) > MAX_HOSTS_PER_REQUEST:
-        raise ApiError(400, f"the request's media name {len({h for h, _ in hosts})} hosts, over the limit of "
-                            f"{MAX_HOSTS_PER_REQUEST}", param="messages")
+        raise ApiError(
+            400,
+            f"the request's media name {len({h for h, _ in hosts})} hosts, over the limit of {MAX_HOSTS_PER_REQUEST}",
+            param="messages",
+        )
     tasks = {asyncio.ensure_future(resolve(host, port)): host for host, port in sorted(hosts)}
     if not tasks:
         return
@@ -53,13 +56,16 @@ async def check_hosts(resolve: Lookup, hosts: set[tuple[str, int]], timeout_s: f
 class MediaInliner:
     """One per gateway process: an httpx client behind the URL policy, reused across requests."""
 
-    def __init__(self, policy: UrlPolicy, limits: MediaLimits, max_request_bytes: int,
-                 max_total_bytes: int | None = None) -> None:
+    def __init__(
+        self, policy: UrlPolicy, limits: MediaLimits, max_request_bytes: int, max_total_bytes: int | None = None
+    ) -> None:
         self._fetcher = MediaFetcher(policy, limits)
         self._max_request_bytes = max_request_bytes
-        self.held = SharedBytes(max_total_bytes or 4 * max_request_bytes,
-                                "the gateway holds as much inlined media for other requests as it may "
-                                "(--max-inline-total-bytes); try again shortly")
+        self.held = SharedBytes(
+            max_total_bytes or 4 * max_request_bytes,
+            "the gateway holds as much inlined media for other requests as it may "
+            "(--max-inline-total-bytes); try again shortly",
+        )
         """Media bytes inlined for every request in flight (each request's given back when it ends)."""
 
     def budget(self) -> ByteBudget:
@@ -92,8 +98,10 @@ class MediaInliner:
             raise ApiError(413, f"{self._over_budget()} ({len(remote)} parts, {total} bytes)", param="messages")
         for ref in remote:  # each part as its own modality (one URL may stand in parts of two)
             check_medium(bytes_reader(fetched[ref.url]), ref.modality, f"messages[{ref.message}].content[{ref.part}]")
-        inlined = {url: "data:application/octet-stream;base64," + base64.b64encode(data).decode()
-                   for url, data in fetched.items()}
+        inlined = {
+            url: "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+            for url, data in fetched.items()
+        }
         out = dict(body)
         out["messages"] = copy.deepcopy(body["messages"])
         for ref in remote:
@@ -104,8 +112,10 @@ class MediaInliner:
         return out
 
     def _over_budget(self) -> str:
-        return (f"the media this request names come to over {self._max_request_bytes} bytes, the most the gateway "
-                "inlines for one request (--max-inline-bytes)")
+        return (
+            f"the media this request names come to over {self._max_request_bytes} bytes, the most the gateway "
+            "inlines for one request (--max-inline-bytes)"
+        )
 
     async def _fetch_all(self, refs: list[MediaRef], budget: ByteBudget) -> list[bytes]:
         """Every ref's bytes, fetched at once under one budget; the first failure stops the others."""
@@ -125,8 +135,7 @@ class RawBody:
     """The client's request as the engines' own path sends it, media inlined on first need and then reused (an EPD
     request that falls back does not fetch twice)."""
 
-    def __init__(self, inliner: MediaInliner, body: dict[str, Any], raw: bytes | None, refs: list[MediaRef]
-                 ) -> None:
+    def __init__(self, inliner: MediaInliner, body: dict[str, Any], raw: bytes | None, refs: list[MediaRef]) -> None:
         self._inliner = inliner
         self._body = body
         self._raw = raw

@@ -46,8 +46,9 @@ class Leases:
     async def __aenter__(self) -> Leases:
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                        trace: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         if not self._handed and self._held:
             handles, self._held = list(self._held.values()), {}
             await asyncio.shield(self._ack(handles))
@@ -56,8 +57,9 @@ class Leases:
         await release_leases(self._client, self._knows, handles)
 
 
-async def release_leases(client: httpx.AsyncClient, knows: Callable[[str], bool],
-                         handles: list[EmbeddingHandle]) -> None:
+async def release_leases(
+    client: httpx.AsyncClient, knows: Callable[[str], bool], handles: list[EmbeddingHandle]
+) -> None:
     """Ack every lease of `handles`. Best effort: a failure only leaves the TTL to act. An ack goes only to a producer
     `knows` accepts (an Eric the gateway knows), never to a URL an answer names."""
 

@@ -59,5 +59,10 @@ def believed_load(report: LoadReport, inflight_items: int, observed_per_s: float
     """The report as the gateway acts on it (see the module's docstring)."""
     queue = max(int(_bounded(float(report.queue_depth), MAX_QUEUE)), inflight_items)
     rate = min(_bounded(report.items_per_s, MAX_ITEMS_PER_S), OBSERVED_FACTOR * max(observed_per_s, 1.0))
-    return LoadReport(queue, _bounded(report.busy_fraction, 1.0), rate, _bounded(report.p99_encode_s, MAX_SECONDS),
-                      _bounded(report.window_s, MAX_SECONDS))
+    return LoadReport(
+        queue,
+        _bounded(report.busy_fraction, 1.0),
+        rate,
+        _bounded(report.p99_encode_s, MAX_SECONDS),
+        _bounded(report.window_s, MAX_SECONDS),
+    )

@@ -23,6 +23,7 @@ WAIT_SLACK_S = 0.5
 @dataclass
 class EncoderState:
     """One Eric as the pool sees it: health, failures, work in flight, modalities and its last load report."""
+
     url: str
     healthy: bool = True
     failures: int = 0

@@ -10,8 +10,9 @@ logger = logging.getLogger(__name__)
 
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>)\]}]+", re.IGNORECASE)
 _IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?(?![\w.])")
-_IPV6 = re.compile(r"\[[0-9a-f:.%]+\](?::\d{1,5})?|(?<![\w:])(?:[0-9a-f]{0,4}:){2,7}[0-9a-f]{0,4}(?![\w:])",
-                   re.IGNORECASE)
+_IPV6 = re.compile(
+    r"\[[0-9a-f:.%]+\](?::\d{1,5})?|(?<![\w:])(?:[0-9a-f]{0,4}:){2,7}[0-9a-f]{0,4}(?![\w:])", re.IGNORECASE
+)
 _HOST_PORT = re.compile(r"(?<![\w.-])(?:[a-z0-9-]+\.)*[a-z][a-z0-9-]*:\d{2,5}(?!\d)", re.IGNORECASE)
 INTERNAL = "<internal>"
 

@@ -90,8 +90,9 @@ class GatewayRoutes:
         gw = self.gateway()
         gw.check_api_key(request)
         gw.check_serves_chat()
-        ran = await self._until_answer(request, "chat completion",
-                                       lambda raw, body: gw.chat(raw, body, self._upstream_headers))
+        ran = await self._until_answer(
+            request, "chat completion", lambda raw, body: gw.chat(raw, body, self._upstream_headers)
+        )
         if ran is None:
             return Response(status_code=499)
         (path, response), start = ran
@@ -118,8 +119,9 @@ class GatewayRoutes:
         self._observe("pd", start)
         return response
 
-    async def _until_answer(self, request: Request, what: str,
-                            work: Callable[[bytes, dict[str, Any]], Awaitable[T]]) -> tuple[T, float] | None:
+    async def _until_answer(
+        self, request: Request, what: str, work: Callable[[bytes, dict[str, Any]], Awaitable[T]]
+    ) -> tuple[T, float] | None:
         """The body read (bounded, timed), then `work(raw, body)` while the client stays: its result and when the
         body was read; None if the client left first (while its body was read, or before the answer started: a
         chat's encode or an upstream call is then cancelled, leases of items already returned given back)."""
@@ -169,8 +171,14 @@ class GatewayRoutes:
         if not any(hmac.compare_digest(given, key) for key in self._keys):
             return JSONResponse({"status": "ok"})
         encoders = self.gateway().encoders
-        return JSONResponse({"status": "ok", "encoders": encoders.status(), "encoder_load": encoders.loads(),
-                             "recommended_encoders": encoders.recommended()})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "encoders": encoders.status(),
+                "encoder_load": encoders.loads(),
+                "recommended_encoders": encoders.recommended(),
+            }
+        )
 
     async def openapi(self, _: Request) -> JSONResponse:
         """The gateway's OpenAPI schema."""

@@ -20,8 +20,9 @@ TARGET_BUSY = 0.7
 MAX_BACKLOG_S = 2.0
 
 
-def recommended_encoders(reports: Sequence[LoadReport], healthy: int, target_busy: float = TARGET_BUSY,
-                         max_backlog_s: float = MAX_BACKLOG_S) -> int:
+def recommended_encoders(
+    reports: Sequence[LoadReport], healthy: int, target_busy: float = TARGET_BUSY, max_backlog_s: float = MAX_BACKLOG_S
+) -> int:
     """Erics needed: summed busy time over `target_busy`, plus one while the backlog exceeds `max_backlog_s`."""
     if not reports:
         return max(1, healthy)

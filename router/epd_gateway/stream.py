@@ -21,13 +21,15 @@ class TimedStream(StreamingResponse):
     """StreamingResponse whose every write must complete within `write_timeout_s`; the body iterator is closed
     however the stream ends (its aclose releases the upstream response)."""
 
-    def __init__(self, content: AsyncIterator[bytes], status_code: int, headers: Mapping[str, str] | None,
-                 write_timeout_s: float) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], status_code: int, headers: Mapping[str, str] | None, write_timeout_s: float
+    ) -> None:
         super().__init__(content, status_code, headers=headers)
         self._write_timeout_s = write_timeout_s
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's streaming, each send bounded in time."""
+
         async def timed(message: Message) -> None:
             try:
                 await asyncio.wait_for(send(message), self._write_timeout_s)

@@ -57,6 +57,7 @@ class Reply:
 
 class Upstreams:
     """The inference engines behind the gateway, taken round-robin: colocated, or prefill then decode."""
+
     def __init__(self, config: GatewayConfig, session: aiohttp.ClientSession, metrics: GatewayMetrics) -> None:
         self._config = config
         self._session = session
@@ -77,8 +78,14 @@ class Upstreams:
         except (TimeoutError, aiohttp.ClientError) as e:
             raise ApiError(503, f"upstream {url} unreachable: {e!r}") from e
 
-    async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                       raw: bytes | None = None, sglang_epd: bool = False) -> Response:
+    async def complete(
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        raw: bytes | None = None,
+        sglang_epd: bool = False,
+    ) -> Response:
         """Run one (chat) completion to the end; streams when the client asked for it. `raw`, when given, is the
         client's unmodified body (forwarded without re-encoding). `sglang_epd`: prefill on an --epd-prefill-urls
         instance (SGLang --language-only, which has its media encoded by the Erics)."""
@@ -91,18 +98,31 @@ class Upstreams:
             return await self._sglang(prefill_url, decode_url, path, body, headers)
         return await self._vllm_pd(prefill_url, decode_url, path, body, headers)
 
-    async def _vllm_pd(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> Response:
+    async def _vllm_pd(
+        self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
         """vLLM disaggregated prefill: one prefill token with do_remote_decode, then decode with the returned
         kv_transfer_params (remote block ids, host, port...). One prompt per request: vLLM returns the params of the
         first prompt only."""
         if _prompt_count(body.get("prompt")) > 1:
-            raise ApiError(400, "one prompt per request on the prefill/decode path: send each prompt of the list "
-                                "as its own request", param="prompt")
-        prefill_body = {**body, "max_tokens": 1, "stream": False,
-                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                               "remote_engine_id": None, "remote_block_ids": None,
-                                               "remote_host": None, "remote_port": None}}
+            raise ApiError(
+                400,
+                "one prompt per request on the prefill/decode path: send each prompt of the list as its own request",
+                param="prompt",
+            )
+        prefill_body = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        }
         for conflicting in ("max_completion_tokens", "stream_options", "min_tokens"):  # refused with max_tokens 1
             prefill_body.pop(conflicting, None)
         reply = await self._post("prefill", prefill_url, path, prefill_body, headers)
@@ -114,20 +134,28 @@ class Upstreams:
             params = None
         if not params:
             self._metrics.failures.labels(stage="prefill").inc()
-            raise ApiError(502, f"prefill at {prefill_url} returned no kv_transfer_params "
-                                "(is it started with a KV connector as kv_producer?)")
+            raise ApiError(
+                502,
+                f"prefill at {prefill_url} returned no kv_transfer_params "
+                "(is it started with a KV connector as kv_producer?)",
+            )
         return await self._forward("decode", decode_url, path, {**body, "kv_transfer_params": params}, headers)
 
-    async def _sglang(self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any],
-                      headers: dict[str, str]) -> Response:
+    async def _sglang(
+        self, prefill_url: str, decode_url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response:
         """SGLang PD: the same request to prefill and decode with one bootstrap room; decode's answer returns,
         unless prefill fails first (decode would only wait for KV that never comes): then a 502. A streamed decode
         sends its headers at once, so its stream is handed out only once the prefill has sent the KV; a caller's
         cancellation (its client left) cancels both calls."""
         room = random.getrandbits(63)
         host = urlsplit(prefill_url).hostname
-        pd_body = {**body, "bootstrap_host": host, "bootstrap_port": self._config.sglang_bootstrap_port,
-                   "bootstrap_room": room}
+        pd_body = {
+            **body,
+            "bootstrap_host": host,
+            "bootstrap_port": self._config.sglang_bootstrap_port,
+            "bootstrap_room": room,
+        }
         prefill = asyncio.create_task(self._post("prefill", prefill_url, path, {**pd_body, "stream": False}, headers))
         decode = asyncio.create_task(self._forward("decode", decode_url, path, pd_body, headers))
         try:
@@ -183,8 +211,9 @@ class Upstreams:
         resp = await self._open(stage, url + path, orjson.dumps(body), headers)
         return await self._read(stage, url, resp)
 
-    async def _forward(self, stage: str, url: str, path: str, body: dict[str, Any],
-                       headers: dict[str, str], raw: bytes | None = None) -> Response:
+    async def _forward(
+        self, stage: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str], raw: bytes | None = None
+    ) -> Response:
         """The final call; its response (streamed or not) goes back to the client unchanged."""
         resp = await self._open(stage, url + path, raw if raw is not None else orjson.dumps(body), headers)
         if resp.status >= 500:
@@ -219,8 +248,12 @@ def _log_prefill(prefill: asyncio.Task[Reply]) -> None:
 
 def _streaming(decode: asyncio.Task[Response]) -> bool:
     """A decode call that returned a stream (its headers), which may still be waiting for its KV."""
-    return decode.done() and not decode.cancelled() and decode.exception() is None \
+    return (
+        decode.done()
+        and not decode.cancelled()
+        and decode.exception() is None
         and isinstance(decode.result(), StreamingResponse)
+    )
 
 
 def _answered(decode: asyncio.Task[Response]) -> bool:

@@ -16,20 +16,34 @@ from eric_epd.common.errors import ApiError, error_body, error_response, error_t
 LIMIT = 128
 
 
-@pytest.mark.parametrize(("status", "kind"), [
-    (400, "BadRequestError"), (401, "AuthenticationError"), (403, "PermissionDeniedError"), (404, "NotFoundError"),
-    (405, "MethodNotAllowedError"), (409, "ConflictError"), (413, "BadRequestError"), (418, "BadRequestError"),
-    (429, "RateLimitError"), (499, "ClientClosedRequestError"), (500, "InternalServerError"),
-    (501, "InternalServerError"), (502, "BadGatewayError"), (503, "ServiceUnavailableError"),
-    (504, "GatewayTimeoutError"),
-])
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "BadRequestError"),
+        (401, "AuthenticationError"),
+        (403, "PermissionDeniedError"),
+        (404, "NotFoundError"),
+        (405, "MethodNotAllowedError"),
+        (409, "ConflictError"),
+        (413, "BadRequestError"),
+        (418, "BadRequestError"),
+        (429, "RateLimitError"),
+        (499, "ClientClosedRequestError"),
+        (500, "InternalServerError"),
+        (501, "InternalServerError"),
+        (502, "BadGatewayError"),
+        (503, "ServiceUnavailableError"),
+        (504, "GatewayTimeoutError"),
+    ],
+)
 def test_error_type(status: int, kind: str) -> None:
     assert error_type(status) == kind
 
 
 def test_error_body_and_response() -> None:
     assert error_body(404, "no such thing") == {
-        "error": {"message": "no such thing", "type": "NotFoundError", "param": None, "code": 404}}
+        "error": {"message": "no such thing", "type": "NotFoundError", "param": None, "code": 404}
+    }
     assert error_body(400, "bad size", "size")["error"]["param"] == "size"
     busy = error_response(503, "full", retry_after=0.2)
     assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
@@ -69,8 +83,10 @@ async def _on_api_error(_: Request, e: Exception) -> Response:
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    app = Starlette(routes=[Route("/plain", _plain, methods=["POST"]), Route("/typed", _typed, methods=["POST"])],
-                    exception_handlers={ApiError: _on_api_error})
+    app = Starlette(
+        routes=[Route("/plain", _plain, methods=["POST"]), Route("/typed", _typed, methods=["POST"])],
+        exception_handlers={ApiError: _on_api_error},
+    )
     return TestClient(app)
 
 
@@ -92,12 +108,15 @@ def test_read_json_body_refuses_an_oversized_stream(client: TestClient) -> None:
     assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("path", "body", "names"), [
-    ("/plain", b'{"a": ', "malformed JSON body"),
-    ("/plain", b"[" * 40 + b"]" * 40, "nested deeper than"),
-    ("/typed", b'{"x": "three"}', "$.x"),
-    ("/typed", b'{"x": 1, "y": 2}', "y"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "names"),
+    [
+        ("/plain", b'{"a": ', "malformed JSON body"),
+        ("/plain", b"[" * 40 + b"]" * 40, "nested deeper than"),
+        ("/typed", b'{"x": "three"}', "$.x"),
+        ("/typed", b'{"x": 1, "y": 2}', "y"),
+    ],
+)
 def test_read_json_body_names_what_is_wrong(client: TestClient, path: str, body: bytes, names: str) -> None:
     r = client.post(path, content=body)
     assert r.status_code == 400

@@ -15,8 +15,9 @@ GRIDS = ([(1, 8, 12)], [(1, 16, 16)], [(1, 16, 16), (1, 8, 12), (2, 12, 8)])
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_compiled_tower_with_cuda_graphs_equals_eager(family: str, dtype: torch.dtype,
-                                                      request: pytest.FixtureRequest) -> None:
+def test_compiled_tower_with_cuda_graphs_equals_eager(
+    family: str, dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     checkpoint = request.getfixturevalue(f"{family}_tiny")
     eager = load_encoder(checkpoint, dtype, "cuda:0")

@@ -28,16 +28,22 @@ def test_eric_on_cuda_equals_transformers(qwen2_vl_tiny: Path, tmp_path: Path, t
     need_devices(tp)
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    with EricServer(qwen2_vl_tiny, tp=tp, extra_args=("--device", "cuda", "--dtype", "float32"),
-                    log_path=tmp_path / "eric.log") as eric:
+    with EricServer(
+        qwen2_vl_tiny, tp=tp, extra_args=("--device", "cuda", "--dtype", "float32"), log_path=tmp_path / "eric.log"
+    ) as eric:
         health = httpx.get(eric.url + "/health", timeout=10).json()
         assert len(health["worker_pids"]) == tp
-        resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
-                          json={"items": [{"modality": "image", "url": image_data_url(120, 90, seed=7)}]})
+        resp = httpx.post(
+            eric.url + "/v1/encode",
+            headers=eric.headers,
+            timeout=120,
+            json={"items": [{"modality": "image", "url": image_data_url(120, 90, seed=7)}]},
+        )
         assert resp.status_code == 200, resp.text
         item = resp.json()["items"][0]
-        fetched = httpx.get(item["handle"]["http"], timeout=60,
-                            headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
+        fetched = httpx.get(
+            item["handle"]["http"], timeout=60, headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]}
+        )
         assert fetched.status_code == 200, fetched.text
         ours = load_safetensors(fetched.content)["embedding"]
     torch.backends.cudnn.allow_tf32 = False
@@ -69,12 +75,14 @@ def test_device_io_pinned_copies_and_pool_writes() -> None:
         for got, p in zip(staged, more):
             torch.testing.assert_close(got.cpu(), p[0])
         out = torch.randn(12, 64, device="cuda:0", dtype=torch.bfloat16)
-        items = [WorkItem("a", "image", 16, 4096, 4 * 64 * 2, pack_spec(EncodeSpec("image", (1, 4, 4), 1176))),
-                 WorkItem("b", "image", 32, 0, 8 * 64 * 2, pack_spec(EncodeSpec("image", (1, 8, 4), 1176)))]
+        items = [
+            WorkItem("a", "image", 16, 4096, 4 * 64 * 2, pack_spec(EncodeSpec("image", (1, 4, 4), 1176))),
+            WorkItem("b", "image", 32, 0, 8 * 64 * 2, pack_spec(EncodeSpec("image", (1, 8, 4), 1176))),
+        ]
         msg = ExecuteBatchMsg(1, "image", items)
         io.write(list(out.split([4, 8])), msg)
         host = out.cpu().view(torch.uint8).reshape(-1).numpy()
-        assert bytes(pool[4096:4096 + 512]) == host[:512].tobytes()
+        assert bytes(pool[4096 : 4096 + 512]) == host[:512].tobytes()
         assert bytes(pool[:1024]) == host[512:].tobytes()
     finally:
         io.close()
@@ -119,8 +127,12 @@ def test_connector_fills_vllm_encoder_cache_on_device(qwen2_vl_tiny: Path, tmp_p
     del mono
     torch.cuda.empty_cache()
     with EricServer(qwen2_vl_tiny, extra_args=("--device", "cuda"), log_path=tmp_path / "eric.log") as eric:
-        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cuda",
-                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm", "nixl", "http"]})
+        ec = ECTransferConfig(
+            ec_connector="EricECConnector",
+            ec_role="ec_consumer",
+            ec_buffer_device="cuda",
+            ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm", "nixl", "http"]},
+        )
         with eric_key_in_env(eric.api_key):
             llm = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec)
         for case in cases:
@@ -142,12 +154,14 @@ def test_landing_area_on_the_device(backend: str) -> None:
 
     address = LandingAddress(f"cuda{uuid.uuid4().hex[:8]}")
     with PoolServer(backends="shm,nixl", pool_bytes=16 << 20) as producer:
-        area = LandingArea(address, 0, 8 << 20, torch.device("cuda", 0), EmbeddingFetcher((backend,)), 2,
-                           torch.float16)
+        area = LandingArea(address, 0, 8 << 20, torch.device("cuda", 0), EmbeddingFetcher((backend,)), 2, torch.float16)
         channel = LandingChannel(address, 1)
         try:
-            h = as_handle(httpx.post(producer.url + "/v1/testing/entries", timeout=60,
-                                     json={"hash": "dev", "nbytes": 3 << 20, "seed": 4}).json())
+            h = as_handle(
+                httpx.post(
+                    producer.url + "/v1/testing/entries", timeout=60, json={"hash": "dev", "nbytes": 3 << 20, "seed": 4}
+                ).json()
+            )
             assert channel.land(4096, h, 60) == backend
             got = area.tensor(4096, (h.nbytes,), "uint8", torch.uint8)
             assert got.is_cuda and np.array_equal(got.cpu().numpy(), seeded_bytes(h.nbytes, 4))

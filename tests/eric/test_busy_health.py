@@ -37,11 +37,25 @@ def _until(what: str, check: Callable[[], bool], timeout_s: float) -> None:
 
 def test_a_long_batch_is_busy_and_a_hung_engine_is_dead(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     admin = {"Authorization": "Bearer admin-key"}
-    with EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log",
-                    extra_args=("--liveness-timeout", str(LIVENESS_S), "--max-queued-items", "2")) as eric, \
-            GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls",
-                          "http://127.0.0.1:9", "--eject-after-failures", "2", eric_api_key=eric.api_key,
-                          admin_key="admin-key") as gateway:
+    with (
+        EricServer(
+            qwen2_vl_tiny,
+            log_path=tmp_path / "eric.log",
+            extra_args=("--liveness-timeout", str(LIVENESS_S), "--max-queued-items", "2"),
+        ) as eric,
+        GatewayServer(
+            tmp_path / "gateway.log",
+            "--encoder-urls",
+            eric.url,
+            "--colocated-urls",
+            "http://127.0.0.1:9",
+            "--eject-after-failures",
+            "2",
+            eric_api_key=eric.api_key,
+            admin_key="admin-key",
+        ) as gateway,
+    ):
+
         def kept() -> bool:
             return httpx.get(gateway.url + "/health", headers=admin).json()["encoders"][eric.url]
 
@@ -54,8 +68,11 @@ def test_a_long_batch_is_busy_and_a_hung_engine_is_dead(qwen2_vl_tiny: Path, tmp
         try:
             with ThreadPoolExecutor(1) as pool:
                 first = pool.submit(_post, eric, _items(2, 1))
-                _until("the request never reached the engine", lambda: "eric_inflight_items 2.0" in
-                       httpx.get(eric.url + "/metrics").text, 10)
+                _until(
+                    "the request never reached the engine",
+                    lambda: "eric_inflight_items 2.0" in httpx.get(eric.url + "/metrics").text,
+                    10,
+                )
                 ready = httpx.get(eric.url + "/ready")
                 assert ready.status_code == 503 and "queue full" in ready.json()["reason"], ready.text
                 watched_until = time.monotonic() + 2 * LIVENESS_S  # past the liveness timeout and many probes
@@ -74,8 +91,11 @@ def test_a_long_batch_is_busy_and_a_hung_engine_is_dead(qwen2_vl_tiny: Path, tmp
         os.kill(engine, signal.SIGSTOP)  # the engine's loop hangs: dead, though every process exists
         try:
             stopped = time.monotonic()
-            _until("a hung engine stayed healthy", lambda: httpx.get(eric.url + "/health").status_code == 503,
-                   LIVENESS_S + 5)
+            _until(
+                "a hung engine stayed healthy",
+                lambda: httpx.get(eric.url + "/health").status_code == 503,
+                LIVENESS_S + 5,
+            )
             assert time.monotonic() - stopped >= LIVENESS_S - 0.5  # not before its heartbeat is that old
             dead = httpx.get(eric.url + "/health").json()
             assert dead["status"] == "unhealthy" and "engine silent" in dead["reason"], dead

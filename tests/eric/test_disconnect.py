@@ -66,10 +66,16 @@ def _wait_until(what: str, check, timeout_s: float = 60.0) -> None:
 
 def _assert_drained(eric: EricServer, timeout_s: float = 60.0) -> None:
     """Pool back to zero held bytes and entries, engine queue empty; far sooner than the 300 s TTL."""
+
     def drained() -> bool:
         pool, health = _pool(eric), httpx.get(eric.url + "/health", timeout=10)
-        return (pool["used_bytes"] == 0 and pool["entries"] == 0 and health.status_code == 200
-                and health.json()["queued_items"] == 0 and health.json()["running_items"] == 0)
+        return (
+            pool["used_bytes"] == 0
+            and pool["entries"] == 0
+            and health.status_code == 200
+            and health.json()["queued_items"] == 0
+            and health.json()["running_items"] == 0
+        )
 
     try:
         _wait_until("the pool and the engine queue are empty", drained, timeout_s)
@@ -90,8 +96,12 @@ def _fetch(eric: EricServer, handle: dict) -> bytes:
 
 
 def _ack(eric: EricServer, handle: dict) -> None:
-    resp = httpx.post(f"{eric.url}/v1/embeddings/{handle['hash']}/ack", json={},
-                      headers={**eric.headers, "X-Eric-Lease": handle.get("lease", "")}, timeout=10)
+    resp = httpx.post(
+        f"{eric.url}/v1/embeddings/{handle['hash']}/ack",
+        json={},
+        headers={**eric.headers, "X-Eric-Lease": handle.get("lease", "")},
+        timeout=10,
+    )
     assert resp.status_code == 200, resp.text
 
 
@@ -107,8 +117,14 @@ def test_disconnect_storm_frees_the_pool(eric: EricServer) -> None:
     answered first (unstopped, Eric encodes such a request in about 0.2 s): nothing stays held, and the server then
     answers a normal request correctly."""
     shared = [image_data_url(56 + 8 * k, 224, seed=7000 + k) for k in range(20)]
-    bodies = [_encode_body(shared[s * 3:] + shared[:s * 3] + [image_data_url(224 - 8 * k, 64, seed=7100 + 20 * s + k)
-                                                             for k in range(20)]) for s in range(6)]
+    bodies = [
+        _encode_body(
+            shared[s * 3 :]
+            + shared[: s * 3]
+            + [image_data_url(224 - 8 * k, 64, seed=7100 + 20 * s + k) for k in range(20)]
+        )
+        for s in range(6)
+    ]
     rng = random.Random(1234)
     aborted = _metric(eric, _ABORTED)
 
@@ -137,8 +153,9 @@ def test_space_held_until_the_engine_answers(eric: EricServer) -> None:
     space stays reserved (the worker may still write there) until the engine answers the aborts, then all of it
     is freed and the queue is empty."""
     worker = _worker(eric)
-    bodies = [_encode_body([image_data_url(96 + 8 * k, 80, seed=7200 + 10 * r + k) for k in range(6)])
-              for r in range(4)]
+    bodies = [
+        _encode_body([image_data_url(96 + 8 * k, 80, seed=7200 + 10 * r + k) for k in range(6)]) for r in range(4)
+    ]
     aborted = _metric(eric, _ABORTED)
     with _stopped(worker):
         sockets = [_post_raw(eric.port, "/v1/encode", body, eric.headers) for body in bodies]
@@ -201,20 +218,42 @@ def test_gateway_client_disconnect_frees_both_erics(eric: EricServer, qwen2_vl_t
     with EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric-b.log", api_key=ERIC_KEY) as busy:
         erics = [eric, busy]
         dead_upstream = f"http://127.0.0.1:{free_port()}"  # never reached: every client leaves during the encode
-        gateway = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", f"{eric.url},{busy.url}",
-                                "--colocated-urls", dead_upstream, "--api-key", GATEWAY_KEY, "--epd-min-items", "2",
-                                "--health-interval", "3600",  # no load reports: placement by rendezvous alone
-                                eric_api_key=ERIC_KEY)
+        gateway = GatewayServer(
+            tmp_path / "gateway.log",
+            "--encoder-urls",
+            f"{eric.url},{busy.url}",
+            "--colocated-urls",
+            dead_upstream,
+            "--api-key",
+            GATEWAY_KEY,
+            "--epd-min-items",
+            "2",
+            "--health-interval",
+            "3600",  # no load reports: placement by rendezvous alone
+            eric_api_key=ERIC_KEY,
+        )
         with gateway, _stopped(_worker(busy)):
-            requests = [_images_for(eric, erics, 8000 + 100 * r, 2) + _images_for(busy, erics, 8050 + 100 * r, 2)
-                        for r in range(4)]
+            requests = [
+                _images_for(eric, erics, 8000 + 100 * r, 2) + _images_for(busy, erics, 8050 + 100 * r, 2)
+                for r in range(4)
+            ]
             answered_before = _metric(eric, 'eric_requests_total{status="200"}')
-            sockets = [_post_raw(gateway.port, "/v1/chat/completions",
-                                 {"model": "m", "messages": image_messages(urls), "max_tokens": 4},
-                                 {"Authorization": f"Bearer {GATEWAY_KEY}"}) for urls in requests]
-            _wait_until("one Eric answered its half and the other holds its half in the engine",
-                        lambda: _metric(eric, 'eric_requests_total{status="200"}') - answered_before == 4
-                        and _metric(busy, "eric_inflight_items") == 8)
+            sockets = [
+                _post_raw(
+                    gateway.port,
+                    "/v1/chat/completions",
+                    {"model": "m", "messages": image_messages(urls), "max_tokens": 4},
+                    {"Authorization": f"Bearer {GATEWAY_KEY}"},
+                )
+                for urls in requests
+            ]
+            _wait_until(
+                "one Eric answered its half and the other holds its half in the engine",
+                lambda: (
+                    _metric(eric, 'eric_requests_total{status="200"}') - answered_before == 4
+                    and _metric(busy, "eric_inflight_items") == 8
+                ),
+            )
             assert _pool(eric)["entries"] == 8  # leased to the gateway, which will never use them now
             for sock in sockets:
                 sock.close()

@@ -12,31 +12,42 @@ from eric_epd.wire.eric import EncodeItem
 IMAGES = ("image", "video")
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    (b"[]", 'body must be an object with a list field "items"'),
-    (b"{}", 'body must be an object with a list field "items"'),
-    (b'{"items": 3}', 'body must be an object with a list field "items"'),
-    (b'{"items": []}', '"items" is empty: send at least one item'),
-    (b'{"items": [3]}', "item 0 must be an object"),
-    (b'{"items": [[[[1]]]]}', "item 0 must be an object"),
-    (b'{"items": [{"url": "x"}]}', "item 0: unsupported modality None; expected one of ['image', 'video']"),
-    (b'{"items": [{"modality": "IMAGE", "url": "x"}]}', "item 0: unsupported modality 'IMAGE'"),
-    (b'{"items": [{"modality": "audio", "url": "x"}]}', "item 0: unsupported modality 'audio'"),
-    (b'{"items": [{"modality": 5, "url": "x"}]}', "item 0: unsupported modality (not a string)"),
-    (b'{"items": [{"modality": "image", "url": "x"}, {"modality": "image"}]}',
-     "item 1: field 'url' must be a non-empty string"),
-    (b'{"items": [{"modality": "image", "url": 3}]}', "item 0: field 'url' must be a non-empty string"),
-    (b'{"items": [{"modality": "image", "url": ""}]}', "item 0: field 'url' must be a non-empty string"),
-    (b'{"items": [{"modality": "image", "url": "x", "id": 3}]}', "item 0: field 'id' must be a string"),
-    (b'{"items": [{"modality": "image", "url": "x", "id": "' + b"i" * 300 + b'"}]}',
-     "item 0: the id is 300 characters long, over the limit of 256"),
-    (b'{"items": [{"modality": "image", "url": "http://a/' + b"b" * 9000 + b'"}]}', "over the limit of 8192"),
-    (b'{"items": [{"modality": "image", "url": "x", "use_audio_in_video": 1}]}',
-     "item 0: field 'use_audio_in_video' must be a boolean"),
-    (b'{"items": [' + b'{"modality": "image", "url": "x"},' * 8 + b'{"modality": "image", "url": "x"}]}',
-     "too many items: 9 > 8"),
-    (b'{"items": [{"a": ' + b"[" * 40 + b"]" * 40 + b"}]}", "nested deeper than 32"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[]", 'body must be an object with a list field "items"'),
+        (b"{}", 'body must be an object with a list field "items"'),
+        (b'{"items": 3}', 'body must be an object with a list field "items"'),
+        (b'{"items": []}', '"items" is empty: send at least one item'),
+        (b'{"items": [3]}', "item 0 must be an object"),
+        (b'{"items": [[[[1]]]]}', "item 0 must be an object"),
+        (b'{"items": [{"url": "x"}]}', "item 0: unsupported modality None; expected one of ['image', 'video']"),
+        (b'{"items": [{"modality": "IMAGE", "url": "x"}]}', "item 0: unsupported modality 'IMAGE'"),
+        (b'{"items": [{"modality": "audio", "url": "x"}]}', "item 0: unsupported modality 'audio'"),
+        (b'{"items": [{"modality": 5, "url": "x"}]}', "item 0: unsupported modality (not a string)"),
+        (
+            b'{"items": [{"modality": "image", "url": "x"}, {"modality": "image"}]}',
+            "item 1: field 'url' must be a non-empty string",
+        ),
+        (b'{"items": [{"modality": "image", "url": 3}]}', "item 0: field 'url' must be a non-empty string"),
+        (b'{"items": [{"modality": "image", "url": ""}]}', "item 0: field 'url' must be a non-empty string"),
+        (b'{"items": [{"modality": "image", "url": "x", "id": 3}]}', "item 0: field 'id' must be a string"),
+        (
+            b'{"items": [{"modality": "image", "url": "x", "id": "' + b"i" * 300 + b'"}]}',
+            "item 0: the id is 300 characters long, over the limit of 256",
+        ),
+        (b'{"items": [{"modality": "image", "url": "http://a/' + b"b" * 9000 + b'"}]}', "over the limit of 8192"),
+        (
+            b'{"items": [{"modality": "image", "url": "x", "use_audio_in_video": 1}]}',
+            "item 0: field 'use_audio_in_video' must be a boolean",
+        ),
+        (
+            b'{"items": [' + b'{"modality": "image", "url": "x"},' * 8 + b'{"modality": "image", "url": "x"}]}',
+            "too many items: 9 > 8",
+        ),
+        (b'{"items": [{"a": ' + b"[" * 40 + b"]" * 40 + b"}]}", "nested deeper than 32"),
+    ],
+)
 def test_each_problem_is_a_400_naming_it(body: bytes, message: str) -> None:
     with pytest.raises(ApiError) as err:
         parse_encode_body(body, IMAGES, 8)
@@ -44,7 +55,11 @@ def test_each_problem_is_a_400_naming_it(body: bytes, message: str) -> None:
 
 
 def test_items_decode_to_the_wire_type_numbered_where_no_id_is_sent() -> None:
-    body = (b'{"items": [{"modality": "image", "url": "data:a", "extra": 1},'
-            b' {"modality": "video", "url": "http://h/v.mp4", "id": "b"}]}')
-    assert parse_encode_body(body, IMAGES, 8) == [EncodeItem(id="0", modality="image", url="data:a"),
-                                                    EncodeItem(id="b", modality="video", url="http://h/v.mp4")]
+    body = (
+        b'{"items": [{"modality": "image", "url": "data:a", "extra": 1},'
+        b' {"modality": "video", "url": "http://h/v.mp4", "id": "b"}]}'
+    )
+    assert parse_encode_body(body, IMAGES, 8) == [
+        EncodeItem(id="0", modality="image", url="data:a"),
+        EncodeItem(id="b", modality="video", url="http://h/v.mp4"),
+    ]

@@ -82,8 +82,7 @@ class _Store:
 def _service(engine: _FakeEngine, store: _Store | None) -> Iterator[EncodeService]:
     hub = transfer_hub(EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=1 << 20, backends=())))
     try:
-        yield EncodeService(_FakeMedia(), _FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"),
-                            store)  # type: ignore[arg-type]
+        yield EncodeService(_FakeMedia(), _FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"), store)  # type: ignore[arg-type]
     finally:
         hub.close()
 
@@ -92,6 +91,7 @@ def test_a_cancelled_store_read_frees_its_region_and_its_hash() -> None:
     """The request reading x from the store goes away mid-read while another waits for x: the waiter proceeds at
     once with a fresh lease (read anew), the late read lands in the abandoned region only (the waiter's bytes stay
     the store's), and once that read returns the pool holds exactly nothing."""
+
     async def run() -> None:
         store = _Store(held=1)
         with _service(_FakeEngine(), store) as service:
@@ -118,6 +118,7 @@ def test_a_cancelled_store_read_frees_its_region_and_its_hash() -> None:
 def test_a_store_read_that_outlasts_its_wait_is_left_behind() -> None:
     """The store does not answer within read_wait_s: the request encodes the item itself in a fresh region, the
     store is noted as timed out, and the stuck read's region is freed when that read finally returns."""
+
     async def run() -> None:
         engine, store = _FakeEngine(), _Store(held=1, read_wait_s=0.2)
         with _service(engine, store) as service:
@@ -140,6 +141,7 @@ def test_a_store_read_that_outlasts_its_wait_is_left_behind() -> None:
 def test_a_request_waiting_for_anothers_item_gives_up() -> None:
     """The engine never answers: the request encoding z and the one waiting for it both end with a 504 after the
     request timeout; z's space is freed once the engine answers after all."""
+
     async def run() -> None:
         engine = _FakeEngine()
         engine.request_timeout_s = 0.3
@@ -163,8 +165,12 @@ def test_a_request_waiting_for_anothers_item_gives_up() -> None:
 
 
 def _encode(eric: EricServer, url: str, timeout_s: float = 120) -> dict:
-    r = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": url}]},
-                   headers=eric.headers, timeout=timeout_s)
+    r = httpx.post(
+        eric.url + "/v1/encode",
+        json={"items": [{"modality": "image", "url": url}]},
+        headers=eric.headers,
+        timeout=timeout_s,
+    )
     assert r.status_code == 200, r.text
     return r.json()["items"][0]
 
@@ -181,8 +187,10 @@ def test_store_reads_cut_short_leave_nothing_held(qwen2_vl_tiny: Path, tmp_path:
     key = new_key()
     with StoreMaster(tmp_path / "master.log") as master:
         cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
-        with running(EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log"),
-                     EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log")) as (a, b):
+        with running(
+            EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log"),
+            EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log"),
+        ) as (a, b):
             images = [image_data_url(96, 80, seed=9100), image_data_url(88, 72, seed=9101)]
             originals = [_encode(a, url) for url in images]
             assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 2, 60)
@@ -190,10 +198,10 @@ def test_store_reads_cut_short_leave_nothing_held(qwen2_vl_tiny: Path, tmp_path:
             assert wait_for(lambda: metric(b.url, 'eric_global_cache{event="up"}') == 1, 60), "B never joined"
             left = metric(b.url, 'eric_requests_total{status="499"}')
             with _stopped(master.proc.pid):
-                sock = _post_raw(b.port, "/v1/encode", {"items": [{"modality": "image", "url": images[0]}]},
-                                 b.headers)
-                assert wait_for(lambda: httpx.get(b.url + "/v1/transfer", headers=b.headers).json()["entries"] == 1,
-                                60), "B never reserved the item's region"
+                sock = _post_raw(b.port, "/v1/encode", {"items": [{"modality": "image", "url": images[0]}]}, b.headers)
+                assert wait_for(
+                    lambda: httpx.get(b.url + "/v1/transfer", headers=b.headers).json()["entries"] == 1, 60
+                ), "B never reserved the item's region"
                 sock.close()  # B's store read is in flight (the master answers nothing)
                 assert wait_for(lambda: metric(b.url, 'eric_requests_total{status="499"}') == left + 1, 60)
             again = _encode(b, images[0], timeout_s=60)  # hangs forever if the hash stayed in flight
@@ -240,8 +248,19 @@ def test_an_ack_retried_after_a_lost_answer(second: tuple[int, str], proven: boo
     """The first attempt goes unanswered and the ack is sent again: the producer's 'already acknowledged' proves
     the bytes; a 404 means the lease ended without this ack (it expired first): a failure, never a success."""
     with _SlowAcks(second) as producer:
-        handle = as_handle({"hash": "a" * 64, "shape": [1], "dtype": "uint8", "nbytes": 1, "producer": producer.url,
-                            "instance_id": "i", "generation": 1, "http": producer.url, "lease": "t"})
+        handle = as_handle(
+            {
+                "hash": "a" * 64,
+                "shape": [1],
+                "dtype": "uint8",
+                "nbytes": 1,
+                "producer": producer.url,
+                "instance_id": "i",
+                "generation": 1,
+                "http": producer.url,
+                "lease": "t",
+            }
+        )
         fetcher = EmbeddingFetcher(("http",), http_timeout_s=20)
         try:
             if proven:
@@ -262,8 +281,11 @@ def test_one_lease_per_content_hands_the_engine_one_and_returns_the_others() -> 
     items = [encoded(h, lease=lease) for h, lease in (("a", "1"), ("b", "2"), ("a", "3"), ("a", "1"))]
     spare = spare_handles(items)
     assert [h.lease for h in spare] == ["3"]  # the same lease twice (one Eric, one call) is no spare
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"u{k}"}}
-                                                      for k in range(4)]}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"u{k}"}} for k in range(4)]}
+        ]
+    }
     refs = [MediaRef(0, k, "image", f"u{k}") for k in range(4)]
     handed = orjson.loads(with_embeddings(body, refs, items)["vllm_xargs"][EXTRA_ARGS_KEY])
     assert [h["lease"] for h in handed] == ["1", "2"]
@@ -286,16 +308,31 @@ def test_one_image_under_two_urls_gives_back_both_leases(qwen2_vl_tiny: Path, tm
     key = new_key()
     image = random_image(80, 64, seed=9200)
     variants = [data_url(_png(image, k)) for k in range(64)]  # 64 distinct byte strings: both Erics get one
-    with running(EricServer(qwen2_vl_tiny, api_key=key, log_path=tmp_path / "a.log"),
-                 EricServer(qwen2_vl_tiny, api_key=key, log_path=tmp_path / "b.log")) as erics, \
-            EmbedsEngine(key) as engine:
+    with (
+        running(
+            EricServer(qwen2_vl_tiny, api_key=key, log_path=tmp_path / "a.log"),
+            EricServer(qwen2_vl_tiny, api_key=key, log_path=tmp_path / "b.log"),
+        ) as erics,
+        EmbedsEngine(key) as engine,
+    ):
         urls = {rendezvous_first(v, [e.url for e in erics]): v for v in variants}
         assert len(urls) == 2, "every variant lands on one Eric"
-        gateway = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-                                "--colocated-urls", engine.url, "--health-interval", "3600", eric_api_key=key)
+        gateway = GatewayServer(
+            tmp_path / "gateway.log",
+            "--encoder-urls",
+            ",".join(e.url for e in erics),
+            "--colocated-urls",
+            engine.url,
+            "--health-interval",
+            "3600",
+            eric_api_key=key,
+        )
         with gateway:
-            resp = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, json={
-                "model": "m", "messages": image_messages([urls[erics[0].url], urls[erics[1].url]])})
+            resp = httpx.post(
+                gateway.url + "/v1/chat/completions",
+                timeout=120,
+                json={"model": "m", "messages": image_messages([urls[erics[0].url], urls[erics[1].url]])},
+            )
             assert resp.status_code == 200 and resp.headers["x-epd-path"] == "epd", resp.text
         [handle] = engine.handles  # one handle for the one content
         assert engine.read.keys() == {handle["hash"]}

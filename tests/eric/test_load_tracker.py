@@ -10,8 +10,7 @@ import pytest
 from eric_epd.eric.load import LoadTracker
 
 
-def test_samples_stay_within_the_window_unread_and_the_report_counts_only_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_samples_stay_within_the_window_unread_and_the_report_counts_only_them(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     tracker = LoadTracker(window_s=10.0)

@@ -39,8 +39,9 @@ def _sets_reaching(joiner: str, urls: list[str], count: int) -> list[list[str]]:
     return sets
 
 
-def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwen2_vl_tiny: Path,
-                                                          tmp_path: Path) -> None:
+def test_erics_join_and_leave_under_load_and_none_is_lost(
+    vllm_behind_erics, qwen2_vl_tiny: Path, tmp_path: Path
+) -> None:
     static, slot = vllm_behind_erics["erics"]  # the joiner takes the second Eric's address, which vLLM trusts
     vllm, key = vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
     # fresh images every 20 chats (items already answered go back to the Eric that holds them), each set with an
@@ -48,11 +49,30 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
     # (the eleventh set is sent once the joiner is in, however far the 200 chats have got by then)
     sets = _sets_reaching(slot.url, [static.url, slot.url], count=11)
     expected = [ask_greedy(vllm.url, image_messages(s), key=vllm.api_key) for s in sets]
-    gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", static.url, "--colocated-urls", vllm.url,
-                       "--register-from", "127.0.0.0/8", "--heartbeat-timeout", "3", api_key=API_KEY,
-                       admin_key=ADMIN_KEY, eric_api_key=key, upstream_api_key=vllm.api_key)
-    joiner = EricServer(qwen2_vl_tiny, port=slot.port, api_key=key, log_path=tmp_path / "joiner.log",
-                        register_key=ADMIN_KEY, extra_args=("--register-with", gw.url, "--heartbeat", "0.5"))
+    gw = GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        static.url,
+        "--colocated-urls",
+        vllm.url,
+        "--register-from",
+        "127.0.0.0/8",
+        "--heartbeat-timeout",
+        "3",
+        api_key=API_KEY,
+        admin_key=ADMIN_KEY,
+        eric_api_key=key,
+        upstream_api_key=vllm.api_key,
+    )
+    joiner = EricServer(
+        qwen2_vl_tiny,
+        port=slot.port,
+        api_key=key,
+        log_path=tmp_path / "joiner.log",
+        register_key=ADMIN_KEY,
+        extra_args=("--register-with", gw.url, "--heartbeat", "0.5"),
+    )
+
     def one(i: int) -> Greedy:
         time.sleep(max(0.0, start + i * PACE_S - time.monotonic()))  # open loop: one chat every PACE_S
         return ask_greedy(gw.url, image_messages(sets[i // 20]), key=API_KEY)
@@ -66,8 +86,12 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(vllm_behind_erics, qwe
             joiner.start()  # joins by itself while the chats go on
             assert wait_for(lambda: joiner.url in _listed(gw)), "the Eric did not join"  # with its key's proof
             assert joiner.proc is not None and ADMIN_KEY not in " ".join(process_group_cmdlines(joiner.proc.pid))
-            assert_greedy_agree(ask_greedy(gw.url, image_messages(sets[10]), key=API_KEY), expected[10],
-                                NEAR_TIE_FLOAT32, "a chat after the join")
+            assert_greedy_agree(
+                ask_greedy(gw.url, image_messages(sets[10]), key=API_KEY),
+                expected[10],
+                NEAR_TIE_FLOAT32,
+                "a chat after the join",
+            )
             assert wait_for(lambda: metric(joiner.url, "eric_items_total") > 0, 30), "the joined Eric encoded nothing"
             joiner.stop()  # leaves the gateway, then drains: finishes what it holds, refuses new connections
             results = [f.result(timeout=300) for f in futures]

@@ -32,13 +32,15 @@ WIDTHS = {"audio": 64, "image": 64, "video": 64}
 @pytest.fixture(scope="module")
 def eric(qwen2_5_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
     root = tmp_path_factory.mktemp("omni")
-    with EricServer(qwen2_5_omni_tiny, log_path=root / "eric.log",
-                    extra_args=("--dtype", "float32", "--max-audio-channels", "2")) as server:
+    with EricServer(
+        qwen2_5_omni_tiny, log_path=root / "eric.log", extra_args=("--dtype", "float32", "--max-audio-channels", "2")
+    ) as server:
         yield server
 
 
-def test_audio_image_and_video_items_are_answered_with_transformers_rows(eric: EricServer,
-                                                                         qwen2_5_omni_tiny: Path) -> None:
+def test_audio_image_and_video_items_are_answered_with_transformers_rows(
+    eric: EricServer, qwen2_5_omni_tiny: Path
+) -> None:
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert card["modalities"] == ["image", "video", "audio"] and card["placement"] == "media"
     resp = encode_items(eric, request_items())
@@ -49,21 +51,28 @@ def test_audio_image_and_video_items_are_answered_with_transformers_rows(eric: E
 def test_bad_audio_gets_a_4xx_and_the_server_keeps_serving(eric: EricServer) -> None:
     short = encode_items(eric, [{"modality": "audio", "url": data_url(audio_bytes(100, 16000, 1, "wav"), "audio/wav")}])
     assert short.status_code == 400 and "too short" in short.json()["error"]["message"], short.text
-    good = encode_items(eric, [{"modality": "audio", "url": data_url(audio_bytes(16000, 16000, 1, "wav", seed=3),
-                                                                 "audio/wav")}])
+    good = encode_items(
+        eric, [{"modality": "audio", "url": data_url(audio_bytes(16000, 16000, 1, "wav", seed=3), "audio/wav")}]
+    )
     assert good.status_code == 200 and good.json()["items"][0]["num_tokens"] == 25, good.text
 
 
-def test_a_video_with_use_audio_in_video_is_answered_with_its_soundtrack(eric: EricServer,
-                                                                         qwen2_5_omni_tiny: Path) -> None:
+def test_a_video_with_use_audio_in_video_is_answered_with_its_soundtrack(
+    eric: EricServer, qwen2_5_omni_tiny: Path
+) -> None:
     """The video's rows and, as its `soundtrack`, the rows of the audio vLLM's loader decodes from the same bytes
     (transformers' `get_audio_features` on them); the soundtrack is the item the same bytes give as an audio item."""
     from vllm.multimodal.media.audio import load_audio
 
     data = video_with_audio_bytes(**TALKIE)
     url = data_url(data, "video/mp4")
-    resp = encode_items(eric, [{"id": "talkie", "modality": "video", "url": url, "use_audio_in_video": True},
-                               {"id": "track", "modality": "audio", "url": url}])
+    resp = encode_items(
+        eric,
+        [
+            {"id": "talkie", "modality": "video", "url": url, "use_audio_in_video": True},
+            {"id": "track", "modality": "audio", "url": url},
+        ],
+    )
     assert resp.status_code == 200, resp.text
     video, track = resp.json()["items"]
     samples, native = load_audio(io.BytesIO(data), sr=None)
@@ -80,14 +89,23 @@ def test_a_video_with_use_audio_in_video_is_answered_with_its_soundtrack(eric: E
     assert "soundtrack" not in track
 
 
-@pytest.mark.parametrize(("item", "message"), [
-    ({"modality": "video", "url": data_url(video_bytes(seed=6), "video/mp4"), "use_audio_in_video": True},
-     "soundtrack (use_audio_in_video): could not decode audio: no audio stream"),
-    ({"modality": "audio", "url": data_url(audio_bytes(16000, 16000), "audio/wav"), "use_audio_in_video": True},
-     "'use_audio_in_video' is for a video"),
-    ({"modality": "video", "url": data_url(video_bytes(seed=6), "video/mp4"), "use_audio_in_video": "yes"},
-     "must be a boolean"),
-])
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (
+            {"modality": "video", "url": data_url(video_bytes(seed=6), "video/mp4"), "use_audio_in_video": True},
+            "soundtrack (use_audio_in_video): could not decode audio: no audio stream",
+        ),
+        (
+            {"modality": "audio", "url": data_url(audio_bytes(16000, 16000), "audio/wav"), "use_audio_in_video": True},
+            "'use_audio_in_video' is for a video",
+        ),
+        (
+            {"modality": "video", "url": data_url(video_bytes(seed=6), "video/mp4"), "use_audio_in_video": "yes"},
+            "must be a boolean",
+        ),
+    ],
+)
 def test_a_soundtrack_that_cannot_be_had_is_a_400(eric: EricServer, item: dict, message: str) -> None:
     resp = encode_items(eric, [item])
     assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text

@@ -23,13 +23,15 @@ WIDTHS = {"audio": 64, "image": 192, "video": 192}
 @pytest.fixture(scope="module")
 def eric(qwen3_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
     root = tmp_path_factory.mktemp("qwen3-omni")
-    with EricServer(qwen3_omni_tiny, log_path=root / "eric.log",
-                    extra_args=("--dtype", "float32", "--max-audio-channels", "2")) as server:
+    with EricServer(
+        qwen3_omni_tiny, log_path=root / "eric.log", extra_args=("--dtype", "float32", "--max-audio-channels", "2")
+    ) as server:
         yield server
 
 
-def test_items_are_answered_with_transformers_rows_at_their_modalitys_width(eric: EricServer,
-                                                                            qwen3_omni_tiny: Path) -> None:
+def test_items_are_answered_with_transformers_rows_at_their_modalitys_width(
+    eric: EricServer, qwen3_omni_tiny: Path
+) -> None:
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
     assert card["modalities"] == ["image", "video", "audio"] and card["placement"] == "media"
     resp = encode_items(eric, request_items())

@@ -28,8 +28,11 @@ ABSURD = {"queue_depth": 0, "busy_fraction": 0.0, "items_per_s": 1e12, "p99_enco
 
 
 def _body(registration: Registration) -> dict:
-    return {k: v for k, v in (("url", registration.url), ("proof", registration.proof), ("ts", registration.ts))
-            if v is not None}
+    return {
+        k: v
+        for k, v in (("url", registration.url), ("proof", registration.proof), ("ts", registration.ts))
+        if v is not None
+    }
 
 
 def _post(gateway: GatewayServer, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -48,23 +51,59 @@ def servers(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("registration")
     erics, vllm, key = vllm_behind_erics["erics"], vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
     keys = {"eric_api_key": key, "upstream_api_key": vllm.api_key, "api_key": API_KEY, "admin_key": ADMIN_KEY}
-    with CountingListener() as foreign, CountingListener() as refused, CountingListener() as probed, \
-            ProxyEric(erics[0].url, producer=foreign.url) as renamer, \
-            ProxyEric(erics[0].url, load=HONEST) as honest_a, ProxyEric(erics[1].url, load=HONEST) as honest_b, \
-            ProxyEric(erics[0].url, load=ABSURD, hold=True) as rogue:
+    with (
+        CountingListener() as foreign,
+        CountingListener() as refused,
+        CountingListener() as probed,
+        ProxyEric(erics[0].url, producer=foreign.url) as renamer,
+        ProxyEric(erics[0].url, load=HONEST) as honest_a,
+        ProxyEric(erics[1].url, load=HONEST) as honest_b,
+        ProxyEric(erics[0].url, load=ABSURD, hold=True) as rogue,
+    ):
         gateways = {
-            "open": GatewayServer(logs / "open.log", "--colocated-urls", vllm.url, "--register-from", "127.0.0.0/8",
-                                  "--heartbeat-timeout", "3600", **keys),
-            "closed": GatewayServer(logs / "closed.log", "--encoder-urls", f"{renamer.url},{erics[1].url}",
-                                    "--colocated-urls", vllm.url, **keys),
-            "loads": GatewayServer(logs / "loads.log", "--encoder-urls",
-                                   ",".join(p.url for p in (honest_a, honest_b, rogue)), "--colocated-urls", vllm.url,
-                                   "--register-from", "10.0.0.0/8", **keys)}
+            "open": GatewayServer(
+                logs / "open.log",
+                "--colocated-urls",
+                vllm.url,
+                "--register-from",
+                "127.0.0.0/8",
+                "--heartbeat-timeout",
+                "3600",
+                **keys,
+            ),
+            "closed": GatewayServer(
+                logs / "closed.log",
+                "--encoder-urls",
+                f"{renamer.url},{erics[1].url}",
+                "--colocated-urls",
+                vllm.url,
+                **keys,
+            ),
+            "loads": GatewayServer(
+                logs / "loads.log",
+                "--encoder-urls",
+                ",".join(p.url for p in (honest_a, honest_b, rogue)),
+                "--colocated-urls",
+                vllm.url,
+                "--register-from",
+                "10.0.0.0/8",
+                **keys,
+            ),
+        }
         try:
             for gateway in gateways.values():
                 gateway.start()
-            yield {**gateways, "erics": erics, "vllm": vllm, "key": key, "foreign": foreign, "refused": refused,
-                   "probed": probed, "honest": (honest_a, honest_b), "rogue": rogue}
+            yield {
+                **gateways,
+                "erics": erics,
+                "vllm": vllm,
+                "key": key,
+                "foreign": foreign,
+                "refused": refused,
+                "probed": probed,
+                "honest": (honest_a, honest_b),
+                "rogue": rogue,
+            }
         finally:
             rogue.release()
             for gateway in gateways.values():
@@ -75,8 +114,10 @@ def test_registration_needs_the_admin_key_first(servers) -> None:
     gw, url = servers["open"], servers["erics"][0].url
     body = _body(signed_registration(url, servers["key"]))
     assert httpx.post(gw.url + "/admin/encoders", json=body).status_code == 401
-    assert httpx.post(gw.url + "/admin/encoders", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+    assert (
+        httpx.post(gw.url + "/admin/encoders", json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code
+        == 401
+    )
     assert _post(gw, {"url": "ftp://x"}).status_code == 400
     assert _post(gw, {"url": url, "extra": 1}).status_code == 400
 
@@ -111,11 +152,13 @@ def test_url_outside_register_from_or_through_a_proxy_is_refused(servers) -> Non
 def test_without_proof_of_the_eric_key_the_url_is_refused_and_never_contacted(servers) -> None:
     gw, key, refused, probed = servers["open"], servers["key"], servers["refused"], servers["probed"]
     now = int(time.time())
-    bodies = [{"url": refused.url},  # no proof
-              _body(signed_registration(refused.url, "not-the-eric-key")),
-              {"url": refused.url, "proof": registration_proof(key, refused.url, now - 120), "ts": now - 120},  # stale
-              {"url": refused.url, "proof": registration_proof(key, probed.url, now), "ts": now},  # another URL's
-              {"url": refused.url, "proof": "00" * 32, "ts": now}]
+    bodies = [
+        {"url": refused.url},  # no proof
+        _body(signed_registration(refused.url, "not-the-eric-key")),
+        {"url": refused.url, "proof": registration_proof(key, refused.url, now - 120), "ts": now - 120},  # stale
+        {"url": refused.url, "proof": registration_proof(key, probed.url, now), "ts": now},  # another URL's
+        {"url": refused.url, "proof": "00" * 32, "ts": now},
+    ]
     for body in bodies:
         resp = _post(gw, body)
         assert resp.status_code == 403 and resp.json()["error"]["param"] == "proof", (body, resp.text)
@@ -150,8 +193,12 @@ def _model(servers) -> str:
 
 
 def _chat(gateway: GatewayServer, model: str, msgs: list[dict], max_tokens: int) -> httpx.Response:
-    return httpx.post(gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": model, "messages": msgs, "max_tokens": max_tokens}, timeout=300)
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": model, "messages": msgs, "max_tokens": max_tokens},
+        timeout=300,
+    )
 
 
 def test_no_ack_goes_to_a_producer_the_gateway_does_not_know(servers) -> None:

@@ -22,9 +22,13 @@ from eric_epd.wire.handles import LEASE_HEADER
 def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """TP 2 with two batches in flight (the CUDA default; CPU's is one): the next batch is broadcast while one runs."""
     log = tmp_path_factory.mktemp("eric") / "eric.log"
-    with EricServer(qwen2_vl_tiny, tp=2, log_path=log, media_hosts=("127.0.0.1",),  # reaches a closed port
-                    extra_args=("--max-batch-items", "8", "--max-body-bytes", str(2**20),
-                                "--batches-in-flight", "2")) as server:
+    with EricServer(
+        qwen2_vl_tiny,
+        tp=2,
+        log_path=log,
+        media_hosts=("127.0.0.1",),  # reaches a closed port
+        extra_args=("--max-batch-items", "8", "--max-body-bytes", str(2**20), "--batches-in-flight", "2"),
+    ) as server:
         yield server
 
 
@@ -87,8 +91,13 @@ def test_batches_in_flight_keep_every_item_its_own_embedding(eric: EricServer, q
     sizes = [[(40 + 11 * i + 5 * k, 56 + 7 * k) for k in range(3)] for i in range(8)]
 
     def request(i: int) -> httpx.Response:
-        return _encode(eric, [{"modality": "image", "url": image_data_url(w, h, seed=600 + 10 * i + k)}
-                              for k, (w, h) in enumerate(sizes[i])])
+        return _encode(
+            eric,
+            [
+                {"modality": "image", "url": image_data_url(w, h, seed=600 + 10 * i + k)}
+                for k, (w, h) in enumerate(sizes[i])
+            ],
+        )
 
     before = _metric_samples(httpx.get(eric.url + "/metrics").text, "eric_batches_total")
     with ThreadPoolExecutor(8) as pool:
@@ -100,19 +109,22 @@ def test_batches_in_flight_keep_every_item_its_own_embedding(eric: EricServer, q
     for i, r in enumerate(responses):
         assert r.status_code == 200, r.text
         for k, item in enumerate(r.json()["items"]):
-            inputs = processor.image_processor(images=[random_image(*sizes[i][k], seed=600 + 10 * i + k)],
-                                               return_tensors="pt")
+            inputs = processor.image_processor(
+                images=[random_image(*sizes[i][k], seed=600 + 10 * i + k)], return_tensors="pt"
+            )
             with torch.no_grad():
                 ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
-            torch.testing.assert_close(load_safetensors(_fetch(eric, item).content)["embedding"], ref[0],
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                load_safetensors(_fetch(eric, item).content)["embedding"], ref[0], rtol=1e-4, atol=1e-5
+            )
 
 
 def test_same_content_same_hash(eric: EricServer) -> None:
     url = image_data_url(64, 64, seed=3)
     a = _encode(eric, [{"modality": "image", "url": url}, {"modality": "image", "url": url}]).json()["items"]
-    png_again = "data:image/png;base64," + __import__("base64").b64encode(
-        image_bytes(random_image(64, 64, seed=3))).decode()
+    png_again = (
+        "data:image/png;base64," + __import__("base64").b64encode(image_bytes(random_image(64, 64, seed=3))).decode()
+    )
     b = _encode(eric, [{"modality": "image", "url": png_again}]).json()["items"]
     assert a[0]["hash"] == a[1]["hash"] == b[0]["hash"]
     other = _encode(eric, [{"modality": "image", "url": image_data_url(64, 64, seed=4)}]).json()["items"]
@@ -124,8 +136,10 @@ def test_concurrent_mixed_requests_batch_one_modality(eric: EricServer) -> None:
         if i % 3 == 0:
             items = [{"modality": "video", "url": video_data_url(6, 56 + 8 * (i % 4), 56, seed=i)}]
         else:
-            items = [{"modality": "image", "url": image_data_url(40 + 17 * k + i, 60 + 9 * k, seed=100 * i + k)}
-                     for k in range(3)]
+            items = [
+                {"modality": "image", "url": image_data_url(40 + 17 * k + i, 60 + 9 * k, seed=100 * i + k)}
+                for k in range(3)
+            ]
             items.append({"modality": "video", "url": video_data_url(4, 64, 48, seed=1000 + i)})
         return _encode(eric, items)
 
@@ -150,15 +164,20 @@ def _stage_deltas(before: str, after: str) -> dict[str, tuple[float, float]]:
     out = {}
     for stage in STAGES:
         label = f'stage="{stage}"'
-        out[stage] = tuple(_metric_samples(after, f"eric_stage_seconds_{part}")[label]
-                           - _metric_samples(before, f"eric_stage_seconds_{part}")[label] for part in ("count", "sum"))
+        out[stage] = tuple(
+            _metric_samples(after, f"eric_stage_seconds_{part}")[label]
+            - _metric_samples(before, f"eric_stage_seconds_{part}")[label]
+            for part in ("count", "sum")
+        )
     return out
 
 
 def _gain(before: str, after: str, name: str) -> float:
     """How much an unlabelled sample grew between two scrapes."""
+
     def value(text: str) -> float:
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
     return value(after) - value(before)
 
 
@@ -167,9 +186,11 @@ def test_stage_timings_and_overhead_are_exported(eric: EricServer) -> None:
     per-request overhead beyond the vision tower is exported: counts follow the requests, items and batches sent."""
     before = httpx.get(eric.url + "/metrics").text
     image = image_data_url(48, 72, seed=21)
-    requests = [[{"modality": "image", "url": image}, {"modality": "image", "url": image_data_url(64, 40, seed=22)}],
-                [{"modality": "video", "url": video_data_url(4, 56, 56, seed=23)}],
-                [{"modality": "image", "url": image}]]  # still leased: answered from the pool, no engine request
+    requests = [
+        [{"modality": "image", "url": image}, {"modality": "image", "url": image_data_url(64, 40, seed=22)}],
+        [{"modality": "video", "url": video_data_url(4, 56, 56, seed=23)}],
+        [{"modality": "image", "url": image}],
+    ]  # still leased: answered from the pool, no engine request
     wall = 0.0
     for items in requests:
         resp = _encode(eric, items)
@@ -179,15 +200,25 @@ def test_stage_timings_and_overhead_are_exported(eric: EricServer) -> None:
     gained = _stage_deltas(before, after)
     assert all(total >= 0 for _, total in gained.values()), gained
     counts = {stage: count for stage, (count, _) in gained.items()}
-    assert counts == {"body_read": 3, "fetch": 4, "decode": 4, "preprocess": 4, "hash": 4, "pool_reserve": 2,
-                      "engine_queue": 2, "batch_compute": counts["batch_compute"],
-                      "pool_write": counts["batch_compute"], "answer": 3}, gained
+    assert counts == {
+        "body_read": 3,
+        "fetch": 4,
+        "decode": 4,
+        "preprocess": 4,
+        "hash": 4,
+        "pool_reserve": 2,
+        "engine_queue": 2,
+        "batch_compute": counts["batch_compute"],
+        "pool_write": counts["batch_compute"],
+        "answer": 3,
+    }, gained
     assert counts["batch_compute"] >= 2  # an image batch and a video batch
     for stage in ("fetch", "decode", "preprocess", "hash", "batch_compute", "pool_write"):
         assert gained[stage][1] > 0, (stage, gained[stage])
     # every executed batch reported its forward and pool write once (the whole server's life)
     assert _metric_samples(after, "eric_stage_seconds_count")['stage="batch_compute"'] == sum(
-        _metric_samples(after, "eric_batches_total").values())
+        _metric_samples(after, "eric_batches_total").values()
+    )
     overhead = _gain(before, after, "eric_request_overhead_seconds_count")
     overhead_sum = _gain(before, after, "eric_request_overhead_seconds_sum")
     assert overhead == 3 and 0 <= overhead_sum < wall  # less than what the client waited in all
@@ -228,8 +259,12 @@ def _bad_cases(tmp: Path) -> list[tuple[str, object, int, str]]:
         ("decompression bomb", {"items": [{"modality": "image", "url": durl(_bomb_png())}]}, 413, "pixels"),
         ("unsupported scheme", {"items": [{"modality": "image", "url": "ftp://example.com/a.png"}]}, 400, "scheme"),
         ("file outside roots", {"items": [{"modality": "image", "url": outside.as_uri()}]}, 403, "file"),
-        ("unreachable host", {"items": [{"modality": "image",
-                                         "url": f"http://127.0.0.1:{_closed_port()}/a.png"}]}, 400, "fetch"),
+        (
+            "unreachable host",
+            {"items": [{"modality": "image", "url": f"http://127.0.0.1:{_closed_port()}/a.png"}]},
+            400,
+            "fetch",
+        ),
         ("private host", {"items": [{"modality": "image", "url": "http://10.1.2.3/a.png"}]}, 400, "10.1.2.3"),
         ("oversized body", {"items": [{"modality": "image", "url": durl(b"x" * (2**20))}]}, 413, "body"),
         ("wrong modality", {"items": [{"modality": "audio", "url": durl(png)}]}, 400, "modality"),
@@ -244,8 +279,9 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(eric: EricServer, tmp_path:
     good = [{"modality": "image", "url": image_data_url(50, 70, seed=11)}]
     for name, body, status, word in _bad_cases(tmp_path):
         if isinstance(body, bytes):
-            resp = httpx.post(eric.url + "/v1/encode", content=body,
-                              headers=eric.headers | {"content-type": "application/json"})
+            resp = httpx.post(
+                eric.url + "/v1/encode", content=body, headers=eric.headers | {"content-type": "application/json"}
+            )
         else:
             resp = httpx.post(eric.url + "/v1/encode", json=body, headers=eric.headers, timeout=30)
         assert resp.status_code == status, (name, resp.status_code, resp.text)
@@ -303,8 +339,14 @@ def test_cpus_pin_every_process_and_size_torch(qwen2_vl_tiny: Path, tmp_path: Pa
 def test_load_report_for_autoscalers(eric: EricServer) -> None:
     """After a burst of encodes, /v1/load (and /metrics) show the work: items/s, busy time, p99 latency, no queue."""
     with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda i: _encode(eric, [{"modality": "image", "url": image_data_url(
-            56 + 8 * (i % 3), 56, seed=7000 + i)}]), range(12)))
+        answers = list(
+            pool.map(
+                lambda i: _encode(
+                    eric, [{"modality": "image", "url": image_data_url(56 + 8 * (i % 3), 56, seed=7000 + i)}]
+                ),
+                range(12),
+            )
+        )
     assert all(a.status_code == 200 for a in answers)
     load = httpx.get(eric.url + "/v1/load", headers=eric.headers).json()
     assert load["items_per_s"] > 0 and 0 < load["busy_fraction"] <= 1 and load["p99_encode_s"] > 0, load

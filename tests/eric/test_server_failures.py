@@ -46,8 +46,12 @@ def test_full_queue_answers_503_with_retry_after(qwen2_vl_tiny: Path, tmp_path: 
 
 def test_killed_worker_fails_inflight_requests_and_health(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     """Two batches in flight (and more queued) when a rank dies: every request gets a 503 within seconds."""
-    with EricServer(qwen2_vl_tiny, tp=2, log_path=tmp_path / "eric.log",
-                    extra_args=("--batches-in-flight", "2", "--max-batch-items", "2")) as eric:
+    with EricServer(
+        qwen2_vl_tiny,
+        tp=2,
+        log_path=tmp_path / "eric.log",
+        extra_args=("--batches-in-flight", "2", "--max-batch-items", "2"),
+    ) as eric:
         assert _post(eric, _items(2, 0)).status_code == 200
         pids = httpx.get(eric.url + "/health").json()["worker_pids"]
         os.kill(pids[1], signal.SIGSTOP)  # requests pile up in flight ...

@@ -77,6 +77,7 @@ def test_a_request_larger_than_the_whole_pool_is_a_413_naming_the_pool() -> None
 def test_a_request_waiting_for_space_holds_none_of_it() -> None:
     """Two requests of 12 items into a pool of 16: the second waits with nothing reserved (the 4 free items' space
     stays free for others), then fits once the first's leases end."""
+
     async def run() -> None:
         engine = FakeEngine()
         with encode_service(engine, pool_bytes=POOL_ITEMS * ITEM_BYTES) as service:

@@ -27,11 +27,14 @@ def test_a_video_may_ask_for_its_soundtrack_of_a_model_that_takes_audio() -> Non
     assert b"use_audio_in_video" not in msgspec.json.encode(parse_encode_body(_body(), OMNI, 8)[0])
 
 
-@pytest.mark.parametrize(("body", "modalities", "message"), [
-    (_body(use_audio_in_video=True), ("image", "video"), "this model takes no audio"),
-    (_body(use_audio_in_video=1), OMNI, "must be a boolean"),
-    (_body(use_audio_in_video=True, modality="image"), OMNI, "is for a video, not 'image'"),
-])
+@pytest.mark.parametrize(
+    ("body", "modalities", "message"),
+    [
+        (_body(use_audio_in_video=True), ("image", "video"), "this model takes no audio"),
+        (_body(use_audio_in_video=1), OMNI, "must be a boolean"),
+        (_body(use_audio_in_video=True, modality="image"), OMNI, "is for a video, not 'image'"),
+    ],
+)
 def test_a_soundtrack_asked_wrongly_is_a_400(body: bytes, modalities: tuple[str, ...], message: str) -> None:
     with pytest.raises(ApiError) as err:
         parse_encode_body(body, modalities, 8)
@@ -40,8 +43,18 @@ def test_a_soundtrack_asked_wrongly_is_a_400(body: bytes, modalities: tuple[str,
 
 def _encoded(modality: str, digit: str, rows: int, soundtrack: EncodedItem | None = None) -> EncodedItem:
     handle = EmbeddingHandle(digit * 64, (rows, 64), "float32", rows * 256, "http://eric", "i", "http://eric/e")
-    return EncodedItem("v", modality, digit * 64, [rows, 64], "float32", rows, [1, 1, rows], handle,  # type: ignore[arg-type]
-                       placement="media", soundtrack=soundtrack)
+    return EncodedItem(
+        "v",
+        modality,
+        digit * 64,
+        [rows, 64],
+        "float32",
+        rows,
+        [1, 1, rows],
+        handle,  # type: ignore[arg-type]
+        placement="media",
+        soundtrack=soundtrack,
+    )
 
 
 def test_an_answer_with_a_soundtrack_decodes_as_sent() -> None:

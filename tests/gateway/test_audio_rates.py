@@ -38,11 +38,13 @@ def _clip(rate: int, channels: int, seconds: float = 1.0, phase: int = 0) -> np.
     frames = int(rate * seconds)
     t = np.arange(frames)[:, None] / rate
     freqs = np.array([200.0, 470.0, 1130.0])
-    mixes = [0.2 * np.sin(2 * np.pi * freqs[None, :] * t * (1.0 + 0.03 * c) + 0.7 * phase).sum(axis=1) / len(freqs)
-             for c in range(channels)]
+    mixes = [
+        0.2 * np.sin(2 * np.pi * freqs[None, :] * t * (1.0 + 0.03 * c) + 0.7 * phase).sum(axis=1) / len(freqs)
+        for c in range(channels)
+    ]
     ramp = np.sin(np.linspace(0.0, np.pi / 2, int(rate * 0.1))) ** 2
     fade = np.ones(frames)
-    fade[:len(ramp)], fade[-len(ramp):] = ramp, ramp[::-1]
+    fade[: len(ramp)], fade[-len(ramp) :] = ramp, ramp[::-1]
     return (np.stack(mixes, axis=1) * fade[:, None]).astype(np.float32)
 
 
@@ -70,8 +72,15 @@ def _messages(*wavs: bytes) -> list[dict]:
 @pytest.fixture(scope="module")
 def stack(qwen2_audio_servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     eric, vllm = qwen2_audio_servers["eric"], qwen2_audio_servers["vllm"]
-    gateway = GatewayServer(tmp_path_factory.mktemp("audio-rates") / "gateway.log", "--encoder-urls", eric.url,
-                            "--colocated-urls", vllm.url, eric_api_key=eric.api_key, upstream_api_key=vllm.api_key)
+    gateway = GatewayServer(
+        tmp_path_factory.mktemp("audio-rates") / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    )
     with gateway:
         yield {"gateway": gateway, "vllm": vllm}
 
@@ -108,6 +117,9 @@ def test_a_rate_no_resampler_takes_is_a_4xx_on_both_paths(stack) -> None:
     slow = _wav(_clip(999, 1), 999)  # under the resampler's 1 kHz floor
     model = httpx.get(stack["gateway"].url + "/v1/models", timeout=30).json()["data"][0]["id"]
     for wavs in ([slow], [slow, slow]):
-        resp = httpx.post(stack["gateway"].url + "/v1/chat/completions", timeout=120,
-                          json={"model": model, "messages": _messages(*wavs), "max_tokens": 2})
+        resp = httpx.post(
+            stack["gateway"].url + "/v1/chat/completions",
+            timeout=120,
+            json={"model": model, "messages": _messages(*wavs), "max_tokens": 2},
+        )
         assert 400 <= resp.status_code < 500 and "999 Hz" in resp.text, (len(wavs), resp.status_code, resp.text)

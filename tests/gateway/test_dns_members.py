@@ -45,11 +45,28 @@ def test_names_parse_and_their_urls_are_exact() -> None:
     assert address_url("10.0.0.5", 8100) == "http://10.0.0.5:8100"
     assert address_url("fd00::5%eth0", 8100) == "http://[fd00::5]:8100"
     assert is_address_url("http://10.0.0.5:8100", {8100}) and is_address_url("http://[fd00::5]:8100", {8100})
-    for other in ("http://10.0.0.5:8101", "https://10.0.0.5:8100", "http://eric:8100", "http://10.0.0.5:8100/",
-                  "http://user@10.0.0.5:8100", "http://010.0.0.5:8100", "http://[fd00:0::5]:8100"):
+    for other in (
+        "http://10.0.0.5:8101",
+        "https://10.0.0.5:8100",
+        "http://eric:8100",
+        "http://10.0.0.5:8100/",
+        "http://user@10.0.0.5:8100",
+        "http://010.0.0.5:8100",
+        "http://[fd00:0::5]:8100",
+    ):
         assert not is_address_url(other, {8100}), other
-    config = parse_args(["--encoder-dns", "erics:8100", "--encoder-dns", "erics:8100", "--dns-interval", "0.5",
-                         "--colocated-urls", "http://vllm:8000"])
+    config = parse_args(
+        [
+            "--encoder-dns",
+            "erics:8100",
+            "--encoder-dns",
+            "erics:8100",
+            "--dns-interval",
+            "0.5",
+            "--colocated-urls",
+            "http://vllm:8000",
+        ]
+    )
     assert config.encoder_dns == (DnsTarget("erics", 8100),) and config.dns_interval_s == 0.5
     with pytest.raises(SystemExit):
         parse_args(["--encoder-dns", "erics", "--colocated-urls", "http://vllm:8000"])
@@ -186,8 +203,9 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
     _write_hosts(hosts, base, ["127.0.0.5"])
     first = _eric(qwen2_vl_tiny, "127.0.0.5", port, key, tmp_path / "eric1.log")
     second = _eric(qwen2_vl_tiny, "127.0.0.6", port, key, tmp_path / "eric2.log")  # ready, not yet in the name
-    vllm = VllmServe(qwen2_vl_tiny, tmp_path / "vllm.log", eric_dns=[f"{NAME}:{port}"], eric_api_key=key,
-                     wrap=_namespaced(hosts))
+    vllm = VllmServe(
+        qwen2_vl_tiny, tmp_path / "vllm.log", eric_dns=[f"{NAME}:{port}"], eric_api_key=key, wrap=_namespaced(hosts)
+    )
     sets = _ImageSets(second.url, [first.url, second.url])
     futures: list[Future[Greedy]] = []
     stop = threading.Event()
@@ -205,9 +223,19 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
         return len(futures) > n and futures[n].done()
 
     with running(first, second, vllm):
-        gw = GatewayServer(tmp_path / "gateway.log", "--encoder-dns", f"{NAME}:{port}", "--dns-interval", "0.5",
-                           "--colocated-urls", vllm.url, api_key=API_KEY, eric_api_key=key,
-                           upstream_api_key=vllm.api_key, wrap=_namespaced(hosts))
+        gw = GatewayServer(
+            tmp_path / "gateway.log",
+            "--encoder-dns",
+            f"{NAME}:{port}",
+            "--dns-interval",
+            "0.5",
+            "--colocated-urls",
+            vllm.url,
+            api_key=API_KEY,
+            eric_api_key=key,
+            upstream_api_key=vllm.api_key,
+            wrap=_namespaced(hosts),
+        )
         with gw, ThreadPoolExecutor(8) as pool:
             assert _listed(gw) == {first.url}
             sender = threading.Thread(target=send, args=(pool,), daemon=True)

@@ -30,8 +30,12 @@ PACE_S = 0.25
 
 
 def _encode(eric: EricServer, seed: int) -> httpx.Response:
-    return httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                      json={"items": [{"modality": "image", "url": image_data_url(72, 64, seed=seed)}]})
+    return httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=60,
+        json={"items": [{"modality": "image", "url": image_data_url(72, 64, seed=seed)}]},
+    )
 
 
 def _refused(eric: EricServer, seed: int) -> bool:
@@ -46,8 +50,9 @@ def _refused(eric: EricServer, seed: int) -> bool:
 
 def test_sigterm_under_load_loses_no_request(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     key = new_key()
-    first = EricServer(qwen2_vl_tiny, api_key=key, log_path=tmp_path / "eric1.log",
-                       extra_args=("--drain-timeout", str(DRAIN_S)))
+    first = EricServer(
+        qwen2_vl_tiny, api_key=key, log_path=tmp_path / "eric1.log", extra_args=("--drain-timeout", str(DRAIN_S))
+    )
     second = EricServer(qwen2_vl_tiny, api_key=key, log_path=tmp_path / "eric2.log")
     vllm = VllmServe(qwen2_vl_tiny, tmp_path / "vllm.log", eric_urls=[first.url, second.url], eric_api_key=key)
     futures: list[Future[Greedy]] = []
@@ -63,9 +68,16 @@ def test_sigterm_under_load_loses_no_request(qwen2_vl_tiny: Path, tmp_path: Path
             futures.append(pool.submit(one, len(futures)))
 
     with running(first, second, vllm):
-        gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", f"{first.url},{second.url}",
-                           "--colocated-urls", vllm.url, api_key=API_KEY, eric_api_key=key,
-                           upstream_api_key=vllm.api_key)
+        gw = GatewayServer(
+            tmp_path / "gateway.log",
+            "--encoder-urls",
+            f"{first.url},{second.url}",
+            "--colocated-urls",
+            vllm.url,
+            api_key=API_KEY,
+            eric_api_key=key,
+            upstream_api_key=vllm.api_key,
+        )
         with gw, ThreadPoolExecutor(6) as pool:
             held = _encode(first, 1)  # a lease a consumer still holds when the SIGTERM comes
             assert held.status_code == 200, held.text

@@ -37,6 +37,7 @@ async def _eric_standin(card_after: int, card_delay_s: float = 0.0) -> AsyncIter
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
+
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -56,8 +57,7 @@ def _pool(*urls: str) -> EncoderPool:
     return EncoderPool(urls, httpx.AsyncClient(), GatewayMetrics(), 2, 5.0)
 
 
-def test_a_card_that_could_not_be_read_is_read_again_later_and_on_readmission(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_card_that_could_not_be_read_is_read_again_later_and_on_readmission(monkeypatch: pytest.MonkeyPatch) -> None:
     async def run() -> None:
         async with _eric_standin(card_after=1) as (url, asked):
             pool = _pool(url)
@@ -80,6 +80,7 @@ def test_a_card_is_read_once_for_every_request_waiting_and_a_hung_read_is_bounde
     """Twenty requests needing the card of an Eric that answers slowly cause one read; one that hangs past
     CARD_TIMEOUT_S leaves it unread (taken to serve all) within that bound, and a request that leaves does not end
     the read the others wait for."""
+
     async def run() -> None:
         async with _eric_standin(card_after=0, card_delay_s=0.5) as (url, asked):
             pool = _pool(url)
@@ -140,6 +141,7 @@ def test_completions_stay_within_their_window_when_nobody_reads_them(monkeypatch
 @asynccontextmanager
 async def _busy_eric(retry_after: str) -> AsyncIterator[str]:
     """An HTTP server answering /v1/encode 503 with this Retry-After, as a draining (or full) Eric does."""
+
     async def encode(_: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "draining"}}, status=503, headers={"Retry-After": retry_after})
 

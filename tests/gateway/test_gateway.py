@@ -30,10 +30,22 @@ KEYED = {"Authorization": f"Bearer {API_KEY}"}
 def stack(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("stack")
     erics, vllm = vllm_behind_erics["erics"], vllm_behind_erics["vllm"]
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-                            "--colocated-urls", vllm.url, "--api-key", API_KEY, "--max-items", "4",
-                            "--register-from", "127.0.0.0/8", admin_key="admin-test",
-                            eric_api_key=vllm_behind_erics["eric_key"], upstream_api_key=vllm.api_key).start()
+    gateway = GatewayServer(
+        logs / "gateway.log",
+        "--encoder-urls",
+        ",".join(e.url for e in erics),
+        "--colocated-urls",
+        vllm.url,
+        "--api-key",
+        API_KEY,
+        "--max-items",
+        "4",
+        "--register-from",
+        "127.0.0.0/8",
+        admin_key="admin-test",
+        eric_api_key=vllm_behind_erics["eric_key"],
+        upstream_api_key=vllm.api_key,
+    ).start()
     yield {"erics": erics, "vllm": vllm, "gateway": gateway, "eric_key": vllm_behind_erics["eric_key"]}
     gateway.stop()
 
@@ -57,9 +69,11 @@ def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
     mono = direct(stack, image_messages(IMAGES))  # vLLM's own encoder on the raw images
     via = ask(gw, image_messages(IMAGES))
     assert via.usage.prompt_tokens == mono.usage.prompt_tokens
-    assert_greedy_agree(ask_greedy(gw, image_messages(IMAGES), key=API_KEY),
-                        ask_greedy(stack["vllm"].url, image_messages(IMAGES), key=stack["vllm"].api_key),
-                        NEAR_TIE_FLOAT32)
+    assert_greedy_agree(
+        ask_greedy(gw, image_messages(IMAGES), key=API_KEY),
+        ask_greedy(stack["vllm"].url, image_messages(IMAGES), key=stack["vllm"].api_key),
+        NEAR_TIE_FLOAT32,
+    )
     reordered = image_messages([*IMAGES[1:], IMAGES[0]])
     streamed = ask_greedy(gw, reordered, key=API_KEY, stream=True)
     assert len(streamed.tokens) == 10
@@ -86,8 +100,14 @@ def test_completions_equal_vllm_streamed_and_not(stack) -> None:
 
     def complete(url: str, key: str, **kw):
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
-        return client.completions.create(model=client.models.list().data[0].id, prompt="The capital of France is",
-                                         max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}, **kw)
+        return client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+            **kw,
+        )
 
     gw = stack["gateway"].url
     before = gateway_paths(stack["gateway"])
@@ -127,6 +147,7 @@ def test_bad_requests_shaped_like_vllm(stack) -> None:
 def test_a_refused_epd_request_gives_its_embeddings_back_at_once(stack) -> None:
     """vLLM refuses an EPD request after the encode (max_tokens beyond its context): the engine never fetches the
     embeddings, and the gateway gives their leases back, so each Eric's pool is as before well within its TTL."""
+
     def held() -> list[int]:
         return [httpx.get(e.url + "/v1/transfer", headers=e.headers).json()["entries"] for e in stack["erics"]]
 
@@ -134,9 +155,12 @@ def test_a_refused_epd_request_gives_its_embeddings_back_at_once(stack) -> None:
     model = httpx.get(vllm.url + "/v1/models", headers=vllm.headers).json()["data"][0]["id"]
     before = held()
     images = [image_data_url(88, 64, seed=900 + i) for i in range(3)]
-    r = httpx.post(stack["gateway"].url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": model, "messages": image_messages(images),
-                         "max_tokens": 1_000_000}, timeout=120)
+    r = httpx.post(
+        stack["gateway"].url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": model, "messages": image_messages(images), "max_tokens": 1_000_000},
+        timeout=120,
+    )
     assert r.status_code == 400 and r.headers["x-epd-path"] == "epd", r.text
     assert held() == before
 
@@ -170,9 +194,19 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
         if any(rendezvous_first(u, [e.url for e in erics]) == doomed.url for u in images):
             sets.append(images)
     expected = [ask_greedy(stack["vllm"].url, image_messages(s), key=stack["vllm"].api_key) for s in sets]
-    gw = GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-                       "--colocated-urls", stack["vllm"].url, "--api-key", API_KEY, "--health-interval", "3600",
-                       eric_api_key=stack["eric_key"], upstream_api_key=stack["vllm"].api_key)
+    gw = GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        ",".join(e.url for e in erics),
+        "--colocated-urls",
+        stack["vllm"].url,
+        "--api-key",
+        API_KEY,
+        "--health-interval",
+        "3600",
+        eric_api_key=stack["eric_key"],
+        upstream_api_key=stack["vllm"].api_key,
+    )
 
     segment = httpx.get(doomed.url + "/v1/transfer", headers=doomed.headers).json()["pool_name"]
 
@@ -198,9 +232,19 @@ def test_an_eric_refusing_the_gateways_key_is_its_failure_not_the_clients(stack,
     and with no Eric left the request takes the plain path and answers as vLLM does."""
     images = [image_data_url(60 + 8 * k, 64, seed=1900 + k) for k in range(3)]
     expected = ask_greedy(stack["vllm"].url, image_messages(images), key=stack["vllm"].api_key)
-    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in stack["erics"]),
-                       "--colocated-urls", stack["vllm"].url, "--api-key", API_KEY, "--health-interval", "3600",
-                       eric_api_key="not-the-eric-key", upstream_api_key=stack["vllm"].api_key) as gw:
+    with GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        ",".join(e.url for e in stack["erics"]),
+        "--colocated-urls",
+        stack["vllm"].url,
+        "--api-key",
+        API_KEY,
+        "--health-interval",
+        "3600",
+        eric_api_key="not-the-eric-key",
+        upstream_api_key=stack["vllm"].api_key,
+    ) as gw:
         before = gateway_paths(gw)
         assert_greedy_agree(ask_greedy(gw.url, image_messages(images), key=API_KEY), expected, NEAR_TIE_FLOAT32)
         assert gateway_paths(gw).get("fallback", 0) - before.get("fallback", 0) == 1

@@ -59,8 +59,11 @@ def _clips(*specs: tuple[int, int]) -> list[dict]:
 
 def test_audio_parts_are_media_items_under_the_url_policy() -> None:
     wav = audio_bytes(RATE // 4, RATE, seed=1)
-    body = {"messages": _messages([_audio_part(wav), {"type": "audio_url", "audio_url": {"url": data_url(wav,
-                                                                                                          "audio/wav")}}])}
+    body = {
+        "messages": _messages(
+            [_audio_part(wav), {"type": "audio_url", "audio_url": {"url": data_url(wav, "audio/wav")}}]
+        )
+    }
     refs = collect_media(body, UrlPolicy(), max_items=4)
     assert [(r.part, r.modality, r.part_type) for r in refs] == [(0, "audio", "input_audio"), (1, "audio", "audio_url")]
     assert refs[0].url == "data:audio/wav;base64," + base64.b64encode(wav).decode()  # what vLLM makes of the part
@@ -95,17 +98,24 @@ def _chat(cards: list[EncoderState], body: dict, min_items: int = 2) -> tuple[st
 
     async def encode(refs: list[MediaRef], _leases: object) -> tuple[list[EncodedItem], int]:
         sent.extend(refs)
-        return [encoded(f"{i:064x}", placement=MEDIA, lease=f"t{i}",
-                        soundtrack=encoded(f"{i + 100:064x}", lease=f"s{i}") if r.with_audio else None)
-                for i, r in enumerate(refs)], 1
+        return [
+            encoded(
+                f"{i:064x}",
+                placement=MEDIA,
+                lease=f"t{i}",
+                soundtrack=encoded(f"{i + 100:064x}", lease=f"s{i}") if r.with_audio else None,
+            )
+            for i, r in enumerate(refs)
+        ], 1
 
     async def complete(_path: str, out: dict, _headers: dict, _raw: bytes | None = None, **_: Any) -> Response:
         engine.update(out if _raw is None else orjson.loads(_raw))
         return Response(orjson.dumps({"choices": [{"finish_reason": "length"}]}), media_type="application/json")
 
     async def run() -> str:
-        config = GatewayConfig(encoder_urls=tuple(c.url for c in cards), colocated_urls=("http://127.0.0.1:9",),
-                               epd_min_items=min_items)
+        config = GatewayConfig(
+            encoder_urls=tuple(c.url for c in cards), colocated_urls=("http://127.0.0.1:9",), epd_min_items=min_items
+        )
         metrics = GatewayMetrics()
         async with httpx.AsyncClient() as client, new_session(config) as session:
             gateway = Gateway(config, client, session, metrics, client)
@@ -121,8 +131,12 @@ def _chat(cards: list[EncoderState], body: dict, min_items: int = 2) -> tuple[st
 
 def _mixed() -> dict:
     wav = audio_bytes(RATE // 2, RATE, seed=2)
-    return {"model": "omni", "messages": _messages(
-        [{"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=3)}}, _audio_part(wav)])}
+    return {
+        "model": "omni",
+        "messages": _messages(
+            [{"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=3)}}, _audio_part(wav)]
+        ),
+    }
 
 
 def test_audio_and_images_take_one_path() -> None:
@@ -133,8 +147,11 @@ def test_audio_and_images_take_one_path() -> None:
     assert path == "epd"
     assert [r.modality for r in sent] == ["image", "audio"]
     parts = engine["messages"][0]["content"]
-    assert [(p["type"], p.get("uuid")) for p in parts] == [("image_url", f"{0:064x}"), ("input_audio", f"{1:064x}"),
-                                                            ("text", None)]
+    assert [(p["type"], p.get("uuid")) for p in parts] == [
+        ("image_url", f"{0:064x}"),
+        ("input_audio", f"{1:064x}"),
+        ("text", None),
+    ]
     assert [h["lease"] for h in orjson.loads(engine["vllm_xargs"][EXTRA_ARGS_KEY])] == ["t0", "t1"]
 
     images_only = [EncoderState("http://e1", modalities=frozenset({"image"}), placement=GRID, takes_audio=True)]
@@ -154,13 +171,16 @@ def test_audio_to_a_model_without_audio_is_refused() -> None:
 
 def _talkie(option: object = True) -> dict:
     """A video and an image, and vLLM's option that gives the video's soundtrack to the model too."""
-    parts = [{"type": "video_url", "video_url": {"url": data_url(video_bytes(num_frames=2), "video/mp4")}},
-             {"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=4)}}]
+    parts = [
+        {"type": "video_url", "video_url": {"url": data_url(video_bytes(num_frames=2), "video/mp4")}},
+        {"type": "image_url", "image_url": {"url": image_data_url(32, 32, seed=4)}},
+    ]
     return {"model": "omni", "messages": _messages(parts), "mm_processor_kwargs": {"use_audio_in_video": option}}
 
 
-OMNI_ERIC = EncoderState("http://e1", modalities=frozenset({"image", "video", "audio"}), placement=MEDIA,
-                         takes_audio=True)
+OMNI_ERIC = EncoderState(
+    "http://e1", modalities=frozenset({"image", "video", "audio"}), placement=MEDIA, takes_audio=True
+)
 
 
 def test_a_video_with_its_soundtrack_goes_epd_with_both_handles_and_the_pair() -> None:
@@ -212,8 +232,15 @@ def stack(qwen2_audio_servers: dict):
     """The session's Qwen2-Audio Eric and `vllm serve` (connector), the gateway in front (--epd-min-items 2, the
     default)."""
     eric, vllm = qwen2_audio_servers["eric"], qwen2_audio_servers["vllm"]
-    with GatewayServer(None, "--encoder-urls", eric.url, "--colocated-urls", vllm.url, eric_api_key=eric.api_key,
-                       upstream_api_key=vllm.api_key) as gateway:
+    with GatewayServer(
+        None,
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    ) as gateway:
         yield {"eric": eric, "vllm": vllm, "gateway": gateway}
 
 
@@ -244,8 +271,9 @@ def test_an_inert_processor_option_keeps_the_epd_path_and_vllms_answer(stack, op
     msgs = _messages(_clips((RATE + 301 + option, 25 + 2 * option), (RATE + 7, 26 + 2 * option)))
     direct, _ = ask_token_ids(vllm.url, msgs, key=vllm.api_key, max_tokens=MAX_TOKENS)
     loaded = metric(vllm.url, "vllm:eric_ec_loaded_items_total")
-    answer, path = ask_token_ids(gw, msgs, max_tokens=MAX_TOKENS,
-                                 extra={"mm_processor_kwargs": {"use_audio_in_video": option}})
+    answer, path = ask_token_ids(
+        gw, msgs, max_tokens=MAX_TOKENS, extra={"mm_processor_kwargs": {"use_audio_in_video": option}}
+    )
     assert path == "epd"
     assert wait_for(lambda: metric(vllm.url, "vllm:eric_ec_loaded_items_total") == loaded + 2)
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"use_audio_in_video={option} through the gateway")
@@ -253,11 +281,14 @@ def test_an_inert_processor_option_keeps_the_epd_path_and_vllms_answer(stack, op
 
 def test_audio_urls_pass_the_url_policy(stack) -> None:
     gw = stack["gateway"].url
-    for url, status, says in (("http://10.0.0.1/clip.wav", 400, "private/loopback/reserved address; refused"),
-                              ("file:///tmp/clip.wav", 403, "file:// URLs are disabled (no file roots configured)")):
+    for url, status, says in (
+        ("http://10.0.0.1/clip.wav", 400, "private/loopback/reserved address; refused"),
+        ("file:///tmp/clip.wav", 403, "file:// URLs are disabled (no file roots configured)"),
+    ):
         parts = [{"type": "audio_url", "audio_url": {"url": url}}, *_clips((RATE, 24))]
-        resp = httpx.post(gw + "/v1/chat/completions", timeout=60,
-                          json={"model": "m", "messages": _messages(parts), "max_tokens": 2})
+        resp = httpx.post(
+            gw + "/v1/chat/completions", timeout=60, json={"model": "m", "messages": _messages(parts), "max_tokens": 2}
+        )
         assert resp.status_code == status, resp.text
         assert says in resp.json()["error"]["message"]
 
@@ -266,11 +297,20 @@ def test_audio_to_an_image_model_is_refused_and_the_gateway_keeps_serving(vllm_b
     """Qwen2-VL's Erics say their model takes no audio: a 400 naming it, before anything is encoded; the next
     request, two images, goes EPD and answers."""
     erics, vllm = vllm_behind_erics["erics"], vllm_behind_erics["vllm"]
-    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", ",".join(e.url for e in erics),
-                       "--colocated-urls", vllm.url, eric_api_key=vllm_behind_erics["eric_key"],
-                       upstream_api_key=vllm.api_key) as gateway:
-        resp = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
-                          json={"model": "qwen2-vl", "messages": _messages(_clips((RATE, 25))), "max_tokens": 2})
+    with GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        ",".join(e.url for e in erics),
+        "--colocated-urls",
+        vllm.url,
+        eric_api_key=vllm_behind_erics["eric_key"],
+        upstream_api_key=vllm.api_key,
+    ) as gateway:
+        resp = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "qwen2-vl", "messages": _messages(_clips((RATE, 25))), "max_tokens": 2},
+        )
         assert resp.status_code == 400, resp.text
         assert "'qwen2-vl' does not take audio" in resp.json()["error"]["message"]
         msgs = image_messages([image_data_url(64, 48, seed=26), image_data_url(48, 64, seed=27)])

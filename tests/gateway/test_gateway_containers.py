@@ -54,8 +54,15 @@ def _refused(read: bytes, modality: str, *says: str) -> None:
 def test_sdp_behind_real_magic_is_refused() -> None:
     """The allowlist alone passes MP3's frame sync, yet FFmpeg probes what follows as SDP: deep in the buffer, past
     a NUL byte inside a line, past an ID3 tag. A line that starts with NUL ends what SDP's probe reads."""
-    for data in (MP3_SYNC + SDP, MP3_SYNC + b"x" * 100_000 + SDP, MP3_SYNC + b"\x00" + SDP, ID3 + MP3_SYNC + SDP,
-                 b"\xff\xf1\x50\x80" + SDP, b"\x1a\x45\xdf\xa3" + SDP, b"OggS" + SDP):
+    for data in (
+        MP3_SYNC + SDP,
+        MP3_SYNC + b"x" * 100_000 + SDP,
+        MP3_SYNC + b"\x00" + SDP,
+        ID3 + MP3_SYNC + SDP,
+        b"\xff\xf1\x50\x80" + SDP,
+        b"\x1a\x45\xdf\xa3" + SDP,
+        b"OggS" + SDP,
+    ):
         assert _probed(data) == "sdp"
         _refused(data, "audio", "SDP session description")
     _refused(b"\x1a\x45\xdf\xa3" + SDP, "video", "SDP session description")
@@ -77,7 +84,7 @@ def test_what_the_project_sends_passes() -> None:
 def test_a_data_url_is_read_only_as_far_as_asked() -> None:
     payload = bytes(range(256)) * 40
     b64 = base64.b64encode(payload).decode()
-    wrapped = "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76))
+    wrapped = "\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))
     spaced = b64[:100] + " " * 50_000 + b64[100:]  # blanks do not shorten what is read
     for url in (f"data:x;base64,{b64}", f"data:x;base64,{wrapped}", f"data:x;base64,{spaced}"):
         read = data_url_reader(url)
@@ -97,14 +104,17 @@ def _part(kind: str, data: bytes, mime: str = "application/octet-stream") -> dic
     return {"type": kind, kind: {"url": data_url(data, mime)}}
 
 
-@pytest.mark.parametrize(("part", "says"), [
-    (_part("input_audio", CONCAT), "looks like an ffconcat playlist"),
-    (_part("audio_url", CONCAT, "audio/wav"), "looks like an ffconcat playlist"),
-    (_part("video_url", CONCAT, "video/mp4"), "looks like an ffconcat playlist"),
-    (_part("video_url", PNG, "video/mp4"), "looks like a PNG image"),
-    (_part("image_url", video_bytes(), "image/png"), "looks like an MP4/MOV file"),
-    (_part("input_audio", MP3_SYNC + SDP), "SDP session description"),
-])
+@pytest.mark.parametrize(
+    ("part", "says"),
+    [
+        (_part("input_audio", CONCAT), "looks like an ffconcat playlist"),
+        (_part("audio_url", CONCAT, "audio/wav"), "looks like an ffconcat playlist"),
+        (_part("video_url", CONCAT, "video/mp4"), "looks like an ffconcat playlist"),
+        (_part("video_url", PNG, "video/mp4"), "looks like a PNG image"),
+        (_part("image_url", video_bytes(), "image/png"), "looks like an MP4/MOV file"),
+        (_part("input_audio", MP3_SYNC + SDP), "SDP session description"),
+    ],
+)
 def test_a_body_medium_an_engine_would_probe_is_a_400_naming_its_part(part: dict, says: str) -> None:
     good = [_part("image_url", PNG, "image/png"), _part("input_audio", WAV), _part("video_url", video_bytes())]
     assert len(collect_media(_body(*good), UrlPolicy(), max_items=8)) == 3
@@ -134,8 +144,10 @@ def test_a_fetched_medium_is_checked_as_its_part_says(tmp_path: Path) -> None:
         return asyncio.run(go())
 
     assert inline(("clip.wav", "audio_url")) is not None
-    for parts, where, says in (([("clip.wav", "audio_url"), ("list.wav", "audio_url")], 2, "ffconcat playlist"),
-                               ([("clip.wav", "audio_url"), ("clip.wav", "video_url")], 2, "looks like a WAV file")):
+    for parts, where, says in (
+        ([("clip.wav", "audio_url"), ("list.wav", "audio_url")], 2, "ffconcat playlist"),
+        ([("clip.wav", "audio_url"), ("clip.wav", "video_url")], 2, "looks like a WAV file"),
+    ):
         with pytest.raises(ApiError) as caught:
             inline(*parts)
         assert caught.value.status == 400 and f"messages[0].content[{where}]: " in caught.value.message

@@ -52,11 +52,23 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("disclosure")
     text, geri, engine = Recorder(), Recorder(), Recorder()
     dead = f"http://127.0.0.1:{free_port()}"
-    images = GatewayServer(logs / "images.log", "--text-encoder-urls", text.url, "--geri-urls", geri.url,
-                           "--encoder-urls", dead, "--colocated-urls", engine.url, eric_api_key=ERIC_KEY,
-                           api_key=API_KEY, admin_key=ADMIN_KEY).start()
-    down = GatewayServer(logs / "down.log", "--colocated-urls", dead, "--encoder-urls", dead,
-                         eric_api_key=ERIC_KEY).start()
+    images = GatewayServer(
+        logs / "images.log",
+        "--text-encoder-urls",
+        text.url,
+        "--geri-urls",
+        geri.url,
+        "--encoder-urls",
+        dead,
+        "--colocated-urls",
+        engine.url,
+        eric_api_key=ERIC_KEY,
+        api_key=API_KEY,
+        admin_key=ADMIN_KEY,
+    ).start()
+    down = GatewayServer(
+        logs / "down.log", "--colocated-urls", dead, "--encoder-urls", dead, eric_api_key=ERIC_KEY
+    ).start()
     yield {"images": images, "down": down, "text": text, "geri": geri, "engine": engine, "dead": dead}
     for server in (images, down):
         server.stop()
@@ -77,12 +89,17 @@ def test_health_tells_strangers_only_up_or_down(gateways) -> None:
 def test_each_upstream_gets_only_its_own_key(gateways) -> None:
     """No text-encoder or Geri key is configured: they get no Authorization at all (not the Erics' key)."""
     gw = gateways["images"]
-    resp = httpx.post(gw.url + "/v1/images/generations", json={"prompt": "a cat", "size": "64x64"},
-                      headers=gw.headers, timeout=60)
+    resp = httpx.post(
+        gw.url + "/v1/images/generations", json={"prompt": "a cat", "size": "64x64"}, headers=gw.headers, timeout=60
+    )
     assert resp.status_code >= 500
     assert gateways["text"].auth and all(auth is None for _, auth in gateways["text"].auth)
-    resp = httpx.post(gw.url + "/v1/chat/completions", headers=gw.headers, timeout=60,
-                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    resp = httpx.post(
+        gw.url + "/v1/chat/completions",
+        headers=gw.headers,
+        timeout=60,
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert resp.status_code == 500 and gateways["engine"].auth[-1][1] is None  # no --upstream-api-key either
     assert ERIC_KEY not in str(gateways["engine"].auth + gateways["text"].auth)
 
@@ -90,13 +107,24 @@ def test_each_upstream_gets_only_its_own_key(gateways) -> None:
 def test_failures_name_no_internal_address(gateways) -> None:
     dead_port = gateways["dead"].rsplit(":", 1)[1]
     answers = [
-        httpx.post(gateways["down"].url + "/v1/chat/completions", timeout=60,
-                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        httpx.post(
+            gateways["down"].url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        ),
         httpx.get(gateways["down"].url + "/v1/models", timeout=60),
-        httpx.post(gateways["images"].url + "/v1/images/generations", json={"prompt": "a cat", "size": "64x64"},
-                   headers=gateways["images"].headers, timeout=60),
-        httpx.post(gateways["images"].url + "/v1/chat/completions", headers=gateways["images"].headers, timeout=60,
-                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        httpx.post(
+            gateways["images"].url + "/v1/images/generations",
+            json={"prompt": "a cat", "size": "64x64"},
+            headers=gateways["images"].headers,
+            timeout=60,
+        ),
+        httpx.post(
+            gateways["images"].url + "/v1/chat/completions",
+            headers=gateways["images"].headers,
+            timeout=60,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        ),
     ]
     for resp in answers:
         assert resp.status_code >= 500, resp.text

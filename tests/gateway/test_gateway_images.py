@@ -34,11 +34,21 @@ def image_stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory)
     logs = tmp_path_factory.mktemp("images")
     vllm_key = new_key()
     pooling = ("--runner", "pooling", "--pooler-config", json.dumps({"task": "token_embed"}))
-    encoder = VllmServe(qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key,
-                        max_model_len=PROMPT_TOKENS)
+    encoder = VllmServe(
+        qwen2_5_vl_tiny, logs / "vllm.log", extra=pooling, api_key=vllm_key, max_model_len=PROMPT_TOKENS
+    )
     geri = GeriServer(log_path=logs / "geri.log", env=other_isa_env())
-    gateway = GatewayServer(logs / "gateway.log", "--text-encoder-urls", encoder.url, "--geri-urls", geri.url,
-                            "--image-urls", upstream_api_key=vllm_key, api_key="sk-images", geri_api_key=geri.api_key)
+    gateway = GatewayServer(
+        logs / "gateway.log",
+        "--text-encoder-urls",
+        encoder.url,
+        "--geri-urls",
+        geri.url,
+        "--image-urls",
+        upstream_api_key=vllm_key,
+        api_key="sk-images",
+        geri_api_key=geri.api_key,
+    )
     with running(encoder, geri), gateway as gw:
         yield gw
 
@@ -50,9 +60,12 @@ def reference_pipeline(qwen2_5_vl_tiny: Path):
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen2_5_vl_tiny, dtype=torch.float32)
-    return QwenImagePipeline.from_pretrained(ensure_qwen_image_checkpoint("tiny"), torch_dtype=torch.float32,
-                                             text_encoder=text_encoder,
-                                             tokenizer=AutoTokenizer.from_pretrained(qwen2_5_vl_tiny))
+    return QwenImagePipeline.from_pretrained(
+        ensure_qwen_image_checkpoint("tiny"),
+        torch_dtype=torch.float32,
+        text_encoder=text_encoder,
+        tokenizer=AutoTokenizer.from_pretrained(qwen2_5_vl_tiny),
+    )
 
 
 # Geri's float bound, and vLLM's float32 hidden states differing from transformers' in the last bits: measured up to
@@ -65,19 +78,31 @@ def _decode(b64: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("negative", [None, "blurry, low quality"])
-def test_image_equals_diffusers_pipeline_end_to_end(image_stack: GatewayServer, reference_pipeline,
-                                                     negative: str | None) -> None:
+def test_image_equals_diffusers_pipeline_end_to_end(
+    image_stack: GatewayServer, reference_pipeline, negative: str | None
+) -> None:
     client = openai.OpenAI(base_url=image_stack.url + "/v1", api_key="sk-images", max_retries=0)
     prompt = "a red cube on a wooden table next to a small green plant"
-    extra = {"num_inference_steps": 3, "seed": 7, "true_cfg_scale": 4.0,
-             **({"negative_prompt": negative} if negative else {})}
+    extra = {
+        "num_inference_steps": 3,
+        "seed": 7,
+        "true_cfg_scale": 4.0,
+        **({"negative_prompt": negative} if negative else {}),
+    }
     answer = client.images.generate(prompt=prompt, size="64x48", response_format="b64_json", n=2, extra_body=extra)
     assert len(answer.data) == 2
     images = [_decode(d.b64_json) for d in answer.data]
     for i, image in enumerate(images):
         reference = reference_pipeline(
-            prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, height=48, width=64, num_inference_steps=3,
-            generator=torch.Generator().manual_seed(7 + i), output_type="np").images[0]
+            prompt=prompt,
+            negative_prompt=negative,
+            true_cfg_scale=4.0,
+            height=48,
+            width=64,
+            num_inference_steps=3,
+            generator=torch.Generator().manual_seed(7 + i),
+            output_type="np",
+        ).images[0]
         assert image.shape == reference.shape == (48, 64, 3)
         # vLLM's and transformers' hidden states differ in the last float bits: the 8-bit image is exact only where
         # the reference's float pixel is not that close to a rounding boundary
@@ -121,6 +146,9 @@ def test_bad_image_requests_get_a_400_naming_the_problem(image_stack: GatewaySer
     assert r.status_code == 400, r.text
     assert "text encoder refused the prompt" in r.json()["error"]["message"] and "127.0.0.1" not in r.text
     assert httpx.post(image_stack.url + "/v1/images/generations", json={"prompt": "cat"}).status_code == 401
-    chat = httpx.post(image_stack.url + "/v1/chat/completions", headers=headers,
-                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    chat = httpx.post(
+        image_stack.url + "/v1/chat/completions",
+        headers=headers,
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert chat.status_code == 404 and "image generation only" in chat.json()["error"]["message"]

@@ -51,7 +51,7 @@ class _Blobs(BaseHTTPRequestHandler):
         self.end_headers()
         blob = _blob(size)
         for start in range(0, size, 4096):
-            self.wfile.write(blob[start:start + 4096])
+            self.wfile.write(blob[start : start + 4096])
 
     def log_message(self, *args: object) -> None:
         pass
@@ -76,8 +76,10 @@ def blobs() -> Iterator[str]:
 
 
 def _images(*urls: str) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}} for url in urls]}]}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}} for url in urls]}],
+    }
 
 
 def _inline(body: dict, budget: int, policy: UrlPolicy) -> dict | None:
@@ -204,8 +206,11 @@ def test_host_lookups_run_together_under_one_deadline() -> None:
     assert _check("a.example", "b.example") is None
     hung = _check("hang1.example", "a.example", "hang2.example")
     assert hung is not None and hung.status == 408
-    assert "hang1.example" in hung.message and "hang2.example" in hung.message and "a.example" not in \
-        hung.message.replace("hang1.example", "").replace("hang2.example", "")
+    assert (
+        "hang1.example" in hung.message
+        and "hang2.example" in hung.message
+        and "a.example" not in hung.message.replace("hang1.example", "").replace("hang2.example", "")
+    )
     refused = _check("hang.example", "bad.example", timeout_s=600.0)  # a refusal does not wait on the hung lookup
     assert refused is not None and refused.status == 400 and "bad.example" in refused.message
 
@@ -217,8 +222,13 @@ def test_hosts_per_request_are_capped() -> None:
     assert f"{MAX_HOSTS_PER_REQUEST + 1} hosts, over the limit of {MAX_HOSTS_PER_REQUEST}" in over.message
 
 
-SGLANG_PROCESSOR_OPTIONS = {"images_config": {"max_pixels": 1}, "video_config": {"fps": 30},
-                            "use_audio_in_video": True, "max_dynamic_patch": 64, "min_dynamic_patch": 1}
+SGLANG_PROCESSOR_OPTIONS = {
+    "images_config": {"max_pixels": 1},
+    "video_config": {"fps": 30},
+    "use_audio_in_video": True,
+    "max_dynamic_patch": 64,
+    "min_dynamic_patch": 1,
+}
 
 
 @pytest.mark.parametrize("name", sorted(SGLANG_PROCESSOR_OPTIONS))
@@ -247,8 +257,14 @@ def _encoder_answers(status: int, answer: dict) -> ApiError:
 
 
 def test_text_encoder_refusals_reach_the_client_as_theirs() -> None:
-    too_long = {"error": {"message": "This model's maximum context length is 128 tokens. However, you requested 4100 "
-                                     "tokens (http://10.1.2.3:8000/pooling)", "type": "BadRequestError", "code": 400}}
+    too_long = {
+        "error": {
+            "message": "This model's maximum context length is 128 tokens. However, you requested 4100 "
+            "tokens (http://10.1.2.3:8000/pooling)",
+            "type": "BadRequestError",
+            "code": 400,
+        }
+    }
     refused = _encoder_answers(400, too_long)
     assert refused.status == 400 and "maximum context length is 128 tokens" in refused.message
     assert "10.1.2.3" not in refused.message and "<internal>" in refused.message

@@ -41,10 +41,26 @@ def stack(vllm_behind_erics, qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempP
     logs = tmp_path_factory.mktemp("multiturn")
     stop_all(erics[0])
     try:
-        with EricServer(qwen2_vl_tiny, port=erics[0].port, api_key=key, log_path=logs / "eric.log",
-                        extra_args=("--keep-acked-bytes", str(64 << 20))) as eric, \
-                GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                              "--api-key", KEY, eric_api_key=key, upstream_api_key=vllm.api_key) as gateway:
+        with (
+            EricServer(
+                qwen2_vl_tiny,
+                port=erics[0].port,
+                api_key=key,
+                log_path=logs / "eric.log",
+                extra_args=("--keep-acked-bytes", str(64 << 20)),
+            ) as eric,
+            GatewayServer(
+                logs / "gateway.log",
+                "--encoder-urls",
+                eric.url,
+                "--colocated-urls",
+                vllm.url,
+                "--api-key",
+                KEY,
+                eric_api_key=key,
+                upstream_api_key=vllm.api_key,
+            ) as gateway,
+        ):
             yield {"eric": eric, "vllm": vllm, "gateway": gateway}
     finally:
         start_all(erics[0])  # the Erics are shared by the session's gateway tests
@@ -57,6 +73,7 @@ def counters(stack) -> dict[str, float]:
 def work_since(stack, before: dict[str, float], expect: dict[str, float]) -> dict[str, float]:
     """The counters' growth since `before`, once it matches `expect` (vLLM reports its connector's counters a step
     late) or the wait ends; compared by the caller."""
+
     def growth() -> dict[str, float]:
         now = counters(stack)
         return {k: now[k] - before[k] for k in now}
@@ -73,8 +90,9 @@ def epd_turn(stack, msgs: list[dict], expect: dict[str, float], label: str) -> t
     """One turn through the gateway (the EPD path): the work it cost is exactly `expect`, and its answer equals vLLM's
     own for the same messages. Returns the answer's text (the next turn's assistant message) and the work."""
     before = counters(stack)
-    raw = ask(stack["gateway"].url, msgs, key=KEY, raw=True, extra={"return_token_ids": True}, logprobs=True,
-              top_logprobs=2)
+    raw = ask(
+        stack["gateway"].url, msgs, key=KEY, raw=True, extra={"return_token_ids": True}, logprobs=True, top_logprobs=2
+    )
     assert raw.headers["x-epd-path"] == "epd", label
     choice = raw.parse().choices[0]
     work = work_since(stack, before, expect)
@@ -113,8 +131,9 @@ def test_resent_images_in_the_prefix_cache_cost_no_encode_and_no_transfer(stack)
     answer, _ = epd_turn(stack, msgs, {"encoded": 2, "cached": 0, "batches": 1, "loaded": 2, "released": 0}, "turn 1")
     msgs += [{"role": "assistant", "content": answer}, user_turn([], "Which of the two is brighter?")]
     evict_encoder_cache(stack, seed=73_000)
-    answer, work = epd_turn(stack, msgs, {"encoded": 0, "cached": 2, "batches": 0, "loaded": 0, "released": 2},
-                            "turn 2")
+    answer, work = epd_turn(
+        stack, msgs, {"encoded": 0, "cached": 2, "batches": 0, "loaded": 0, "released": 2}, "turn 2"
+    )
     assert work["prefix_hits"] > 0
     probe_not_in_encoder_cache(stack, images[:2], "after turn 2")
     msgs += [{"role": "assistant", "content": answer}, user_turn(images[2:], "And this one, compared with both?")]
@@ -129,11 +148,11 @@ def test_resent_images_in_the_encoder_cache_cost_no_encode_and_no_transfer(stack
     resent images come from vLLM's encoder cache, so again Eric encodes only the new image and vLLM loads only it."""
     images = [image_data_url(64 + 16 * i, 72, seed=7400 + i) for i in range(3)]
     msgs = [user_turn(images[:2], "Describe these two pictures.")]
-    answer, _ = epd_turn(stack, msgs, {"encoded": 2, "cached": 0, "batches": 1, "loaded": 2, "released": 0},
-                         "turn 1")
+    answer, _ = epd_turn(stack, msgs, {"encoded": 2, "cached": 0, "batches": 1, "loaded": 2, "released": 0}, "turn 1")
     msgs += [{"role": "assistant", "content": answer}, user_turn([], "Which one is brighter?")]
-    answer, work = epd_turn(stack, msgs, {"encoded": 0, "cached": 2, "batches": 0, "loaded": 0, "released": 2},
-                            "turn 2")
+    answer, work = epd_turn(
+        stack, msgs, {"encoded": 0, "cached": 2, "batches": 0, "loaded": 0, "released": 2}, "turn 2"
+    )
     assert work["prefix_hits"] == 0
     msgs += [{"role": "assistant", "content": answer}, user_turn(images[2:], "And this one?")]
     _, work = epd_turn(stack, msgs, {"encoded": 1, "cached": 2, "batches": 1, "loaded": 1, "released": 2}, "turn 3")

@@ -24,8 +24,17 @@ def pd_stack(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     core = host_split()[1][0]
     prefill = pd_vllm(qwen2_vl_tiny, "kv_producer", core, logs / "prefill.log", [eric.url], eric.api_key, vllm_key)
     decode = pd_vllm(qwen2_vl_tiny, "kv_consumer", core, logs / "decode.log", [eric.url], eric.api_key, vllm_key)
-    gateway = GatewayServer(logs / "gateway.log", "--encoder-urls", eric.url, "--prefill-urls", prefill.url,
-                            "--decode-urls", decode.url, eric_api_key=eric.api_key, upstream_api_key=vllm_key)
+    gateway = GatewayServer(
+        logs / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--prefill-urls",
+        prefill.url,
+        "--decode-urls",
+        decode.url,
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm_key,
+    )
     with running(eric, prefill, decode), gateway:
         yield {"eric": eric, "prefill": prefill, "decode": decode, "gateway": gateway}
 
@@ -48,8 +57,9 @@ def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
     # up to the first near tie: Eric's tower against vLLM's for THREE; for all, the prefill's prefix cache computes
     # a repeated prompt's tail alone, in other shapes than the whole prompt
     for msgs in (TEXT, ONE, THREE):
-        assert_greedy_agree(ask_greedy(gw.url, msgs), ask_greedy(monolithic.url, msgs, key=monolithic.api_key),
-                            NEAR_TIE_FLOAT32)
+        assert_greedy_agree(
+            ask_greedy(gw.url, msgs), ask_greedy(monolithic.url, msgs, key=monolithic.api_key), NEAR_TIE_FLOAT32
+        )
     after = gateway_paths(gw)
     assert after.get("pd", 0) - before.get("pd", 0) == 2  # text and one image: prefill -> decode
     assert after.get("epd", 0) - before.get("epd", 0) == 1  # three images: Eric -> prefill -> decode
@@ -72,10 +82,19 @@ def test_dead_prefill_or_decode_gives_a_clear_error_not_a_hang(pd_stack, tmp_pat
     for role, status in (("prefill", 502), ("decode", 503)):
         with refusing_url() as dead:
             urls = {**live, role: dead}
-            with GatewayServer(tmp_path / f"gw-{role}.log", "--prefill-urls", urls["prefill"],
-                               "--decode-urls", urls["decode"], upstream_api_key=key) as gw:
-                r = httpx.post(gw.url + "/v1/chat/completions",
-                               json={"model": model, "messages": TEXT, "max_tokens": 4}, timeout=60)
+            with GatewayServer(
+                tmp_path / f"gw-{role}.log",
+                "--prefill-urls",
+                urls["prefill"],
+                "--decode-urls",
+                urls["decode"],
+                upstream_api_key=key,
+            ) as gw:
+                r = httpx.post(
+                    gw.url + "/v1/chat/completions",
+                    json={"model": model, "messages": TEXT, "max_tokens": 4},
+                    timeout=60,
+                )
                 assert r.status_code == status, r.text
                 message = r.json()["error"]["message"]
                 assert message.startswith(f"{role} at <internal>") and dead not in message  # named by role only

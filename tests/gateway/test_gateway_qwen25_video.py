@@ -24,17 +24,26 @@ def stack(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _messages(video_url: str) -> list[dict]:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_data_url(64, 56, seed=5)}},
-        {"type": "video_url", "video_url": {"url": video_url}},
-        {"type": "text", "text": "What happens?"}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url(64, 56, seed=5)}},
+                {"type": "video_url", "video_url": {"url": video_url}},
+                {"type": "text", "text": "What happens?"},
+            ],
+        }
+    ]
 
 
 def _encode_video(eric: EricServer, url: str) -> dict:
-    items = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": url}]},
-                       headers=eric.headers).json()["items"]
-    ack = httpx.post(f"{eric.url}/v1/embeddings/{items[0]['hash']}/ack",
-                     headers={**eric.headers, LEASE_HEADER: items[0]["handle"]["lease"]})
+    items = httpx.post(
+        eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": url}]}, headers=eric.headers
+    ).json()["items"]
+    ack = httpx.post(
+        f"{eric.url}/v1/embeddings/{items[0]['hash']}/ack",
+        headers={**eric.headers, LEASE_HEADER: items[0]["handle"]["lease"]},
+    )
     assert ack.status_code == 200, ack.text
     return items[0]
 
@@ -56,7 +65,6 @@ def test_videos_take_epd_only_when_vllm_can_place_them(stack) -> None:
     assert_greedy_agree(ask_greedy(gw, _messages(at_1fps)), direct, NEAR_TIE_FLOAT32)  # prefix cache: other shapes
     assert gateway_paths(stack["gateway"]).get("fallback", 0) - after.get("fallback", 0) == 1
     deadline = time.monotonic() + 30
-    while httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] and \
-            time.monotonic() < deadline:
+    while httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] and time.monotonic() < deadline:
         time.sleep(0.1)  # the EPD request's items are acknowledged by vLLM, the fallback's by the gateway
     assert httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] == 0

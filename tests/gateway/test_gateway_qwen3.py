@@ -19,16 +19,22 @@ from eric_epd.testing.stack import ask_greedy, colocated_epd, gateway_paths, ima
 
 
 @pytest.fixture(scope="module")
-def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-           _checkpoint_cache: Path) -> Iterator[Lookahead]:
+def stacks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path
+) -> Iterator[Lookahead]:
     """Each family's Eric, vLLM and gateway, the next family's launched while this one's tests run. Qwen3.5 in
     bfloat16: vLLM's only CPU path for its linear attention."""
     from eric_epd.checkpoints.builtin import ensure_checkpoint
 
     def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
         dtype = "bfloat16" if family.startswith("qwen3_5") else "float32"
-        launched = colocated_epd(ensure_checkpoint(family, "tiny"), tmp_path_factory.mktemp(f"{family}-gateway"),
-                                 dtype, eric_cpus, engine_cpus)
+        launched = colocated_epd(
+            ensure_checkpoint(family, "tiny"),
+            tmp_path_factory.mktemp(f"{family}-gateway"),
+            dtype,
+            eric_cpus,
+            engine_cpus,
+        )
         launched.value["near_tie"] = NEAR_TIE_BFLOAT16 if dtype == "bfloat16" else NEAR_TIE_FLOAT32
         return launched
 

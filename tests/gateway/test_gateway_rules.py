@@ -11,13 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from epd_gateway.boundary import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    STEERING_FIELDS,
-    check_messages,
-    check_request_fields,
-)
+from epd_gateway.boundary import CHAT_FIELDS, COMPLETION_FIELDS, STEERING_FIELDS, check_messages, check_request_fields
 from epd_gateway.content import collect_media, inlined_refs, vllm_can_place, with_embeddings
 from epd_gateway.embeds import EmbeddingShape, check_embeds_parts
 from epd_gateway.plain_media import PlainMedia
@@ -34,14 +28,20 @@ PNG_URL = image_data_url(4, 4)
 
 
 def _body() -> dict:
-    return {"model": "m", "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": PNG_URL}},
-            {"type": "text", "text": "and"},
-            {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}},
-        ]},
-    ]}
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": PNG_URL}},
+                    {"type": "text", "text": "and"},
+                    {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}},
+                ],
+            },
+        ],
+    }
 
 
 def test_media_parts_are_counted_and_rewritten_to_keyed_embeds() -> None:
@@ -53,9 +53,15 @@ def test_media_parts_are_counted_and_rewritten_to_keyed_embeds() -> None:
     handles = json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])  # beside the request, not inside the uuid
     assert [h["lease"] for h in handles] == ["token-a", "token-b"]
     assert out["messages"][1]["content"][0] == {
-        "type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": "a" * 64}
+        "type": "image_embeds",
+        "image_embeds": {"image_grid_thw": [1, 4, 6]},
+        "uuid": "a" * 64,
+    }
     assert out["messages"][1]["content"][2] == {
-        "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]}, "uuid": "b" * 64}
+        "type": "video_embeds",
+        "video_embeds": {"video_grid_thw": [2, 4, 4]},
+        "uuid": "b" * 64,
+    }
     assert body == _body()  # the client's request is not modified
     with pytest.raises(ApiError, match="too many media items"):
         collect_media(body, POLICY, max_items=1)
@@ -73,15 +79,20 @@ def test_items_placed_by_their_media_keep_the_inlined_part_with_the_hash_as_uuid
     assert [(r.message, r.part, r.modality) for r in sent] == [(r.message, r.part, r.modality) for r in refs]
     items = [encoded("a", [1, 1, 4], placement="media"), encoded("b", [2, 4, 4])]
     out = with_embeddings(inlined, refs, items)
-    assert out["messages"][1]["content"][0] == {
-        "type": "image_url", "image_url": {"url": PNG_URL}, "uuid": "a" * 64}
+    assert out["messages"][1]["content"][0] == {"type": "image_url", "image_url": {"url": PNG_URL}, "uuid": "a" * 64}
     assert out["messages"][1]["content"][2] == {
-        "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]}, "uuid": "b" * 64}
+        "type": "video_embeds",
+        "video_embeds": {"video_grid_thw": [2, 4, 4]},
+        "uuid": "b" * 64,
+    }
     assert [h["lease"] for h in json.loads(out["vllm_xargs"][EXTRA_ARGS_KEY])] == ["token-a", "token-b"]
     items[1] = msgspec.structs.replace(items[1], placement="media")
     kept = with_embeddings(inlined, refs, items)["messages"][1]["content"][2]
-    assert kept == {"type": "video_url", "video_url": {"url": "data:application/octet-stream;base64,BBBB"},
-                    "uuid": "b" * 64}
+    assert kept == {
+        "type": "video_url",
+        "video_url": {"url": "data:application/octet-stream;base64,BBBB"},
+        "uuid": "b" * 64,
+    }
 
 
 def test_vllm_places_videos_only_at_one_second_per_grid_step() -> None:
@@ -122,13 +133,32 @@ def test_request_fields_by_an_allowlist() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.0, "max_tokens": 4,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2, "stream": True,
-            "stream_options": {"include_usage": True}, "tools": [], "chat_template_kwargs": {"enable_thinking": False}}
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "temperature": 0.0,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tools": [],
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     check_request_fields(chat, chat=True)
     check_request_fields({"model": "m", "prompt": "x", "max_tokens": 4, "echo": False, "suffix": "y"})
-    for name in ("mm_payload", "return_mm_kwargs", "session_id", "routed_experts_prompt_start", "stream_interval",
-                 "watermarking", "logits_processors", "a_field_from_the_future"):
+    for name in (
+        "mm_payload",
+        "return_mm_kwargs",
+        "session_id",
+        "routed_experts_prompt_start",
+        "stream_interval",
+        "watermarking",
+        "logits_processors",
+        "a_field_from_the_future",
+    ):
         _refused({"messages": [{"role": "user", "content": "x"}], name: 1}, f"'{name}' is not accepted")
     for kind, allowed in ((ChatCompletionRequest, CHAT_FIELDS), (CompletionRequest, COMPLETION_FIELDS)):
         for name in kind.model_fields:
@@ -163,9 +193,12 @@ def test_client_embeddings_checked_against_grid_and_width() -> None:
         for bad in (np.zeros((5, 8), np.float32), np.zeros((6, 9), np.float32), np.zeros((6, 8), np.int64)):
             with pytest.raises(ApiError, match="image_embeds"):
                 check_embeds_parts(part(_b64(bad, as_torch)), shape)
-    for data, g in (("not base64!", grid), (_b64(np.zeros((6, 8), np.float32), True), [1, 4, 5]),
-                    (_b64(np.zeros((6, 8), np.float32), True), [1, -4, 6]),
-                    (base64.b64encode(b"\x80\x04K\x01.").decode(), grid)):  # a pickle, refused
+    for data, g in (
+        ("not base64!", grid),
+        (_b64(np.zeros((6, 8), np.float32), True), [1, 4, 5]),
+        (_b64(np.zeros((6, 8), np.float32), True), [1, -4, 6]),
+        (base64.b64encode(b"\x80\x04K\x01.").decode(), grid),
+    ):  # a pickle, refused
         with pytest.raises(ApiError):
             check_embeds_parts(part(data, g), shape)
 
@@ -225,15 +258,27 @@ def test_load_reports_are_bounded_and_checked_against_what_the_gateway_sees() ->
 
     absurd = believed_load(LoadReport(0, 7.0, 1e12, float("inf"), -5.0), inflight_items=12, observed_per_s=0.0)
     assert absurd == LoadReport(12, 1.0, 4.0, 0.0, 0.0)
-    assert believed_load(LoadReport(10**12, float("nan"), 50.0, 0.5, 30.0), 0, 100.0) == \
-        LoadReport(MAX_QUEUE, 0.0, 50.0, 0.5, 30.0)
+    assert believed_load(LoadReport(10**12, float("nan"), 50.0, 0.5, 30.0), 0, 100.0) == LoadReport(
+        MAX_QUEUE, 0.0, 50.0, 0.5, 30.0
+    )
     assert believed_load(LoadReport(-3, 0.5, -1.0, 0.1, 30.0), 2, 5.0) == LoadReport(2, 0.5, 0.0, 0.1, 30.0)
 
 
 def test_media_the_plain_path_carried_do_not_count_and_the_memory_is_bounded() -> None:
-    refs = collect_media({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_data_url(4, 4, seed=n)}} for n in range(4)]}]},
-        POLICY, 8)
+    refs = collect_media(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": image_data_url(4, 4, seed=n)}} for n in range(4)
+                    ],
+                }
+            ]
+        },
+        POLICY,
+        8,
+    )
     seen = PlainMedia(capacity=3)
     assert seen.unseen(refs) == 4
     seen.remember(refs[:2])
@@ -247,6 +292,9 @@ def test_the_hosts_to_check_are_read_from_each_urls_head() -> None:
     and an http(s) URL's host and port come out as urlsplit reads them (scheme in any case, blanks before it)."""
     from epd_gateway.content import MediaRef, remote_hosts
 
-    refs = [MediaRef(0, 0, "image", "data:image/png;base64," + "A" * (8 << 20)),
-            MediaRef(0, 1, "image", " HTTP://Example.com:8080/x.png"), MediaRef(0, 2, "image", "https://b.test/y")]
+    refs = [
+        MediaRef(0, 0, "image", "data:image/png;base64," + "A" * (8 << 20)),
+        MediaRef(0, 1, "image", " HTTP://Example.com:8080/x.png"),
+        MediaRef(0, 2, "image", "https://b.test/y"),
+    ]
     assert remote_hosts(refs) == {("example.com", 8080), ("b.test", 443)}

@@ -37,8 +37,22 @@ def audio_url(wav: bytes) -> dict:
 class SglangServerStandIn(ServerProcess):
     def __init__(self, name: str, log_path: Path, delay_s: float = 0.0) -> None:
         port = free_port()
-        super().__init__([sys.executable, "-m", "eric_epd.testing.sglang_standin", "--port", str(port), "--name", name,
-                          "--delay", str(delay_s)], port, log_path, startup_timeout_s=60)
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "eric_epd.testing.sglang_standin",
+                "--port",
+                str(port),
+                "--name",
+                name,
+                "--delay",
+                str(delay_s),
+            ],
+            port,
+            log_path,
+            startup_timeout_s=60,
+        )
 
     def requests(self) -> list[dict]:
         return httpx.get(self.url + "/requests").json()
@@ -52,11 +66,23 @@ def sglang(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("sglang-gw")
     # decode answers after prefill, as it waits for KV; a streamed decode sends its headers at once, before a
     # prefill answers (or fails)
-    servers = {n: SglangServerStandIn(n, logs / f"{n}.log", delay_s=1.0 if n == "decode" else 0.3).start()
-               for n in ("lang_only", "prefill", "decode")}
-    gateway = GatewayServer(logs / "gateway.log", "--backend", "sglang", "--epd-prefill-urls",
-                            servers["lang_only"].url, "--prefill-urls", servers["prefill"].url,
-                            "--decode-urls", servers["decode"].url, "--sglang-bootstrap-port", "8998").start()
+    servers = {
+        n: SglangServerStandIn(n, logs / f"{n}.log", delay_s=1.0 if n == "decode" else 0.3).start()
+        for n in ("lang_only", "prefill", "decode")
+    }
+    gateway = GatewayServer(
+        logs / "gateway.log",
+        "--backend",
+        "sglang",
+        "--epd-prefill-urls",
+        servers["lang_only"].url,
+        "--prefill-urls",
+        servers["prefill"].url,
+        "--decode-urls",
+        servers["decode"].url,
+        "--sglang-bootstrap-port",
+        "8998",
+    ).start()
     yield {**servers, "gateway": gateway}
     for server in (gateway, *servers.values()):
         server.stop()

@@ -70,8 +70,7 @@ async def answers(request: web.Request, body: dict) -> web.StreamResponse:
     return web.json_response({**ANSWER, "kv_transfer_params": KV})
 
 
-async def run(backend: str, prefill: Engine, decode: Engine,
-              calls: Callable[[Upstreams], Awaitable[Any]]) -> Any:
+async def run(backend: str, prefill: Engine, decode: Engine, calls: Callable[[Upstreams], Awaitable[Any]]) -> Any:
     """`calls(upstreams)` with the gateway's upstream client over the two stand-ins."""
     async with prefill.server, decode.server:
         config = GatewayConfig(backend=backend, prefill_urls=(prefill.url,), decode_urls=(decode.url,))
@@ -83,8 +82,11 @@ def chat(stream: bool) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
 
 
-@pytest.mark.parametrize(("stream", "decode_answer"), [(False, never), (True, never), (True, headers_then_never)],
-                         ids=["decode-working", "streamed-decode-working", "decode-streaming"])
+@pytest.mark.parametrize(
+    ("stream", "decode_answer"),
+    [(False, never), (True, never), (True, headers_then_never)],
+    ids=["decode-working", "streamed-decode-working", "decode-streaming"],
+)
 def test_sglang_calls_are_cancelled_with_their_caller(stream: bool, decode_answer) -> None:
     prefill, decode = Engine(never), Engine(decode_answer)
 
@@ -168,8 +170,9 @@ def test_vllm_pd_refuses_several_prompts_in_one_request(prompt: list) -> None:
     assert prefill.bodies == [] and decode.bodies == []
 
 
-@pytest.mark.parametrize("prompt", ["a", [1, 2, 3], ["a"], [[1, 2]]], ids=["string", "token-ids", "one-string",
-                                                                            "one-token-list"])
+@pytest.mark.parametrize(
+    "prompt", ["a", [1, 2, 3], ["a"], [[1, 2]]], ids=["string", "token-ids", "one-string", "one-token-list"]
+)
 def test_vllm_pd_takes_one_prompt_in_any_form(prompt: Any) -> None:
     prefill, decode = Engine(answers), Engine(answers)
 
@@ -213,8 +216,13 @@ def test_completion_is_cancelled_when_its_client_leaves() -> None:
         gateway = _Gateway()
         config = GatewayConfig(colocated_urls=("http://127.0.0.1:9",))
         routes = GatewayRoutes(config, GatewayMetrics(), lambda: gateway)  # type: ignore[arg-type,return-value]
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")]}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+        }
         response = await asyncio.wait_for(routes.completions(Request(scope, receive)), WAIT_S)
         return response.status_code, gateway.cancelled.is_set()
 

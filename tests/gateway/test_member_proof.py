@@ -47,8 +47,14 @@ def _app(kind: str, seen: list[tuple[str, str]], eric_url: str) -> Starlette:
         seen.append((request.url.path, request.headers.get("authorization", "")))
         return JSONResponse({"status": "ok"})
 
-    return Starlette(routes=[Route(MEMBER_PROOF_PATH, proof), Route("/health", other), Route("/v1/load", other),
-                             Route("/v1/models", other)])
+    return Starlette(
+        routes=[
+            Route(MEMBER_PROOF_PATH, proof),
+            Route("/health", other),
+            Route("/v1/load", other),
+            Route("/v1/models", other),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +78,10 @@ def members() -> Iterator[dict[str, tuple[str, list[tuple[str, str]]]]]:
 
 def _admit_all(urls: list[str], prove: bool) -> list[str]:
     async def go() -> list[str]:
-        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as keyed, \
-                httpx.AsyncClient() as unkeyed:
+        async with (
+            httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as keyed,
+            httpx.AsyncClient() as unkeyed,
+        ):
             prover = MembershipProver(unkeyed, KEY) if prove else None
             pool = EncoderPool((), keyed, GatewayMetrics(), 2, 5.0, prover=prover)
             for url in urls:

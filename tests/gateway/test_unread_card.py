@@ -63,9 +63,17 @@ def world(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     erics, vllm, key = vllm_behind_erics["erics"], vllm_behind_erics["vllm"], vllm_behind_erics["eric_key"]
     origin = ChangingOrigin()
     with ProxyEric(erics[0].url, card=False) as proxy:
-        gateway = GatewayServer(tmp_path_factory.mktemp("unread-card") / "gateway.log", "--encoder-urls", proxy.url,
-                                "--colocated-urls", vllm.url, api_key=API_KEY, eric_api_key=key,
-                                upstream_api_key=vllm.api_key, media_hosts=("127.0.0.1",)).start()
+        gateway = GatewayServer(
+            tmp_path_factory.mktemp("unread-card") / "gateway.log",
+            "--encoder-urls",
+            proxy.url,
+            "--colocated-urls",
+            vllm.url,
+            api_key=API_KEY,
+            eric_api_key=key,
+            upstream_api_key=vllm.api_key,
+            media_hosts=("127.0.0.1",),
+        ).start()
         try:
             yield {"gateway": gateway, "proxy": proxy, "origin": origin, "eric": erics[0], "vllm": vllm}
         finally:

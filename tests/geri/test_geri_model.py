@@ -37,20 +37,30 @@ def _diffusers(pipeline, r: ImageRequest) -> np.ndarray:
     """diffusers' pipeline on one request: the reference image, floats in [0, 1] before rounding to 8 bits."""
     kwargs = {}
     if r.negative_embeds is not None:
-        kwargs = {"negative_prompt_embeds": r.negative_embeds[None],
-                  "negative_prompt_embeds_mask": torch.ones(1, r.negative_embeds.shape[0], dtype=torch.long)}
-    out = pipeline(prompt_embeds=r.prompt_embeds[None],
-                   prompt_embeds_mask=torch.ones(1, r.prompt_embeds.shape[0], dtype=torch.long),
-                   height=r.height, width=r.width, num_inference_steps=r.steps, true_cfg_scale=r.true_cfg_scale,
-                   generator=torch.Generator().manual_seed(r.seed), output_type="np", **kwargs)
+        kwargs = {
+            "negative_prompt_embeds": r.negative_embeds[None],
+            "negative_prompt_embeds_mask": torch.ones(1, r.negative_embeds.shape[0], dtype=torch.long),
+        }
+    out = pipeline(
+        prompt_embeds=r.prompt_embeds[None],
+        prompt_embeds_mask=torch.ones(1, r.prompt_embeds.shape[0], dtype=torch.long),
+        height=r.height,
+        width=r.width,
+        num_inference_steps=r.steps,
+        true_cfg_scale=r.true_cfg_scale,
+        generator=torch.Generator().manual_seed(r.seed),
+        output_type="np",
+        **kwargs,
+    )
     return out.images[0]
 
 
 REQUESTS = [
     ImageRequest(_embeds(12, 1), height=64, width=64, steps=2, seed=11),
     ImageRequest(_embeds(7, 2), height=64, width=64, steps=2, seed=12),
-    ImageRequest(_embeds(9, 3), height=32, width=96, steps=3, seed=13, negative_embeds=_embeds(5, 4),
-                 true_cfg_scale=4.0),
+    ImageRequest(
+        _embeds(9, 3), height=32, width=96, steps=3, seed=13, negative_embeds=_embeds(5, 4), true_cfg_scale=4.0
+    ),
 ]
 
 

@@ -44,8 +44,9 @@ REQUESTS = [
 def pipeline():
     from diffusers import QwenImagePipeline
 
-    return QwenImagePipeline.from_pretrained(ensure_qwen_image_checkpoint("tiny"), torch_dtype=torch.float32,
-                                             text_encoder=None, tokenizer=None)
+    return QwenImagePipeline.from_pretrained(
+        ensure_qwen_image_checkpoint("tiny"), torch_dtype=torch.float32, text_encoder=None, tokenizer=None
+    )
 
 
 def _reference(pipeline, prompt: np.ndarray, negative: np.ndarray | None, settings: dict) -> np.ndarray:
@@ -53,13 +54,21 @@ def _reference(pipeline, prompt: np.ndarray, negative: np.ndarray | None, settin
     (Geri's loop and batch shapes order the float sums differently, so only the rounding of near values is fixed)."""
     kwargs = {}
     if negative is not None:
-        kwargs = {"negative_prompt_embeds": torch.from_numpy(negative)[None],
-                  "negative_prompt_embeds_mask": torch.ones(1, negative.shape[0], dtype=torch.long)}
-    out = pipeline(prompt_embeds=torch.from_numpy(prompt)[None],
-                   prompt_embeds_mask=torch.ones(1, prompt.shape[0], dtype=torch.long), height=settings["height"],
-                   width=settings["width"], num_inference_steps=settings["steps"],
-                   true_cfg_scale=settings.get("guidance_scale", 4.0),
-                   generator=torch.Generator().manual_seed(settings["seed"]), output_type="np", **kwargs)
+        kwargs = {
+            "negative_prompt_embeds": torch.from_numpy(negative)[None],
+            "negative_prompt_embeds_mask": torch.ones(1, negative.shape[0], dtype=torch.long),
+        }
+    out = pipeline(
+        prompt_embeds=torch.from_numpy(prompt)[None],
+        prompt_embeds_mask=torch.ones(1, prompt.shape[0], dtype=torch.long),
+        height=settings["height"],
+        width=settings["width"],
+        num_inference_steps=settings["steps"],
+        true_cfg_scale=settings.get("guidance_scale", 4.0),
+        generator=torch.Generator().manual_seed(settings["seed"]),
+        output_type="np",
+        **kwargs,
+    )
     return out.images[0]
 
 
@@ -84,8 +93,11 @@ def producer() -> Iterator[PoolServer]:
 def geri(producer: PoolServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeriServer]:
     """TP 1 on the built-in default checkpoint (no --model), reading handles from `producer` alone, on another
     instruction set than this process's reference pipeline."""
-    with GeriServer(log_path=tmp_path_factory.mktemp("geri") / "geri.log", env=other_isa_env(),
-                    extra_args=("--embedding-producers", producer.url)) as server:
+    with GeriServer(
+        log_path=tmp_path_factory.mktemp("geri") / "geri.log",
+        env=other_isa_env(),
+        extra_args=("--embedding-producers", producer.url),
+    ) as server:
         yield server
 
 
@@ -137,10 +149,11 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(geri: GeriServer)
     nan = _embeds(3, 0)
     nan[1, 2] = np.nan
     cases = [
-        ({**good, "embeddings": _safetensors_b64({"prompt_embeds": _embeds(3, 0)[:, :100]})},
-         "must be [tokens, 128]"),
-        ({**good, "embeddings": _safetensors_b64({"prompt_embeds": np.zeros((0, HIDDEN), np.float32)})},
-         "has 0 tokens"),
+        ({**good, "embeddings": _safetensors_b64({"prompt_embeds": _embeds(3, 0)[:, :100]})}, "must be [tokens, 128]"),
+        (
+            {**good, "embeddings": _safetensors_b64({"prompt_embeds": np.zeros((0, HIDDEN), np.float32)})},
+            "has 0 tokens",
+        ),
         ({**good, "height": 62}, "height 62 must be a multiple of 4"),
         ({**good, "width": 4096}, "width 4096 must be a multiple of 4 up to 1024"),
         ({**good, "steps": 100_000}, "steps 100000 must be 1 to 100"),
@@ -151,8 +164,15 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(geri: GeriServer)
         ({**good, "embeddings": base64.b64encode(b"\x00" * 64).decode()}, "safetensors"),
         ({**good, "embeddings": _safetensors_b64({"prompt": _embeds(3, 0)})}, "must hold 'prompt_embeds'"),
         ({**good, "embeddings": _safetensors_b64({"prompt_embeds": nan})}, "non-finite"),
-        ({**good, "embeddings": _safetensors_b64({"prompt_embeds": _embeds(3, 0),
-                                                  "negative_prompt_embeds": _embeds(2, 0)[:, :64]})}, "hidden size"),
+        (
+            {
+                **good,
+                "embeddings": _safetensors_b64(
+                    {"prompt_embeds": _embeds(3, 0), "negative_prompt_embeds": _embeds(2, 0)[:, :64]}
+                ),
+            },
+            "hidden size",
+        ),
         ({**good, "handle": {"hash": "x"}}, "unknown field"),
         ({"height": 64}, "embeddings"),
     ]
@@ -168,9 +188,16 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(geri: GeriServer)
 
 def _held(producer: PoolServer, rows: np.ndarray, key: str) -> dict:
     """A handle on `rows` (float32) held by the producer."""
-    r = httpx.post(producer.url + "/v1/testing/entries", timeout=30, json={
-        "hash": key, "data": base64.b64encode(rows.tobytes()).decode(), "shape": list(rows.shape),
-        "dtype": "float32"})
+    r = httpx.post(
+        producer.url + "/v1/testing/entries",
+        timeout=30,
+        json={
+            "hash": key,
+            "data": base64.b64encode(rows.tobytes()).decode(),
+            "shape": list(rows.shape),
+            "dtype": "float32",
+        },
+    )
     assert r.status_code == 200, r.text
     return {k: v for k, v in r.json().items() if k != "leases"}
 
@@ -179,8 +206,11 @@ def test_embeddings_by_handle_give_the_inline_image(geri: GeriServer, producer: 
     """Prompt and negative embeddings read over shm from the producer: the same PNG as inline, the leases acked."""
     prompt, negative, settings = REQUESTS[1]
     inline = _image(_generate(geri, generate_body(prompt, negative, **settings)))
-    body = {"prompt_handle": _held(producer, prompt, "p1"), "negative_handle": _held(producer, negative, "n1"),
-            **settings}
+    body = {
+        "prompt_handle": _held(producer, prompt, "p1"),
+        "negative_handle": _held(producer, negative, "n1"),
+        **settings,
+    }
     np.testing.assert_array_equal(_image(_generate(geri, body)), inline)
     assert httpx.get(producer.url + "/v1/transfer").json()["entries"] == 0  # read once, acknowledged, freed
     again = _generate(geri, body)  # the leases are spent
@@ -204,8 +234,10 @@ def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Pat
         pid = httpx.get(geri.url + "/health").json()["worker_pids"][0]
         os.kill(pid, signal.SIGSTOP)  # requests pile up in flight ...
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(_generate, geri, generate_body(_embeds(3, i), height=64, width=64, steps=2,
-                                                                  seed=i), 30) for i in range(3)]
+            futures = [
+                pool.submit(_generate, geri, generate_body(_embeds(3, i), height=64, width=64, steps=2, seed=i), 30)
+                for i in range(3)
+            ]
             time.sleep(1.0)
             assert not any(f.done() for f in futures)
             killed_at = time.monotonic()

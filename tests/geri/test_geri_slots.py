@@ -36,8 +36,11 @@ class ItemOnly:
         return key, offset
 
 
-@pytest.mark.parametrize("error", [EngineUnavailableError(503, "engine queue full"), RuntimeError("encode failed"),
-                                   MemoryError()], ids=["unavailable", "other", "memory"])
+@pytest.mark.parametrize(
+    "error",
+    [EngineUnavailableError(503, "engine queue full"), RuntimeError("encode failed"), MemoryError()],
+    ids=["unavailable", "other", "memory"],
+)
 def test_a_refused_submit_frees_the_slot(error: BaseException) -> None:
     pool = EmbeddingPool(f"geri-test-{uuid.uuid4().hex[:8]}", 1 << 20, ttl_s=60)
     try:
@@ -48,4 +51,3 @@ def test_a_refused_submit_frees_the_slot(error: BaseException) -> None:
         assert_pool_empty(pool)
     finally:
         pool.close()
-

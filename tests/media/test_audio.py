@@ -101,8 +101,12 @@ def test_resampler_is_the_windowed_sinc(orig: int) -> None:
     assert resample(x, 16000, 16000) is x
 
 
-FEATURE_CASES = [("wav", 16000, 1, 2 * 16000 + 1), ("flac", 44100, 2, 3 * 44100 + 17), ("ogg", 22050, 3, 5439),
-                 ("mp3", 16000, 2, 31 * 16000)]
+FEATURE_CASES = [
+    ("wav", 16000, 1, 2 * 16000 + 1),
+    ("flac", 44100, 2, 3 * 44100 + 17),
+    ("ogg", 22050, 3, 5439),
+    ("mp3", 16000, 2, 31 * 16000),
+]
 """Odd lengths at 16 kHz and other rates, one to three channels, and a clip past the extractor's 30 s."""
 
 
@@ -114,8 +118,9 @@ def processor(qwen2_audio_tiny: Path):
 
 
 @pytest.mark.parametrize(("fmt", "rate", "channels", "frames"), FEATURE_CASES)
-def test_features_are_the_model_processors(processor: Processor, qwen2_audio_tiny: Path, fmt: str, rate: int,
-                                           channels: int, frames: int) -> None:
+def test_features_are_the_model_processors(
+    processor: Processor, qwen2_audio_tiny: Path, fmt: str, rate: int, channels: int, frames: int
+) -> None:
     from transformers import AutoProcessor
 
     data = audio_bytes(frames, rate, channels, fmt, seed=frames)
@@ -123,8 +128,13 @@ def test_features_are_the_model_processors(processor: Processor, qwen2_audio_tin
     ours = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
     samples, their_rate = _vllm_load(data)  # vLLM's samples, resampled, through the model's processor as vLLM calls it
     hf = AutoProcessor.from_pretrained(qwen2_audio_tiny)
-    ref = hf(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[resample(samples, int(their_rate), 16000)],
-             sampling_rate=16000, truncation=True, return_tensors="pt")
+    ref = hf(
+        text=["<|audio_bos|><|AUDIO|><|audio_eos|>"],
+        audio=[resample(samples, int(their_rate), 16000)],
+        sampling_rate=16000,
+        truncation=True,
+        return_tensors="pt",
+    )
     assert set(ours) == {"input_features", "feature_attention_mask"}
     assert ours["input_features"].shape == ref["input_features"].shape == (1, 128, 3000)
     assert float((ours["input_features"] - ref["input_features"]).abs().max()) <= 1e-5
@@ -160,8 +170,10 @@ def test_every_limit_is_a_4xx_naming_it() -> None:
     assert _refused(six_seconds, MediaLimits(max_audio_seconds=5), "--max-audio-seconds") == 413
     assert _refused(six_seconds, MediaLimits(max_audio_channels=2), "--max-audio-channels") == 413
     assert _refused(six_seconds, MediaLimits(max_audio_sample_rate=4000), "--max-audio-sample-rate") == 413
-    assert _refused(six_seconds, MediaLimits(max_audio_decode_bytes=6 * 8000 * 3 * 4 - 1),
-                    "--max-audio-decode-bytes") == 413
+    assert (
+        _refused(six_seconds, MediaLimits(max_audio_decode_bytes=6 * 8000 * 3 * 4 - 1), "--max-audio-decode-bytes")
+        == 413
+    )
     assert decode_audio(six_seconds, MediaLimits(max_audio_seconds=6, max_audio_channels=3)).samples.shape == (48000,)
     assert _refused(b"RIFF not really a wave file" * 8, MediaLimits(), "could not decode audio") == 400
     assert _refused(b"", MediaLimits(), "empty") == 400

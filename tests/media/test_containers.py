@@ -145,9 +145,16 @@ def test_audio_libsndfile_writes_still_decodes(fmt: str) -> None:
         assert np.abs(decoded.samples - audio_samples(RATE // 2, RATE)[:, 0]).max() <= 2.0**-15
 
 
-@pytest.mark.parametrize(("container", "codec", "sample_format", "demuxer"), [
-    ("adts", "aac", "fltp", "aac"), ("ipod", "aac", "fltp", "mov"), ("webm", "libopus", "flt", "matroska"),
-    ("matroska", "pcm_f32le", "flt", "matroska"), ("mp3", "libmp3lame", "fltp", "mp3")])
+@pytest.mark.parametrize(
+    ("container", "codec", "sample_format", "demuxer"),
+    [
+        ("adts", "aac", "fltp", "aac"),
+        ("ipod", "aac", "fltp", "mov"),
+        ("webm", "libopus", "flt", "matroska"),
+        ("matroska", "pcm_f32le", "flt", "matroska"),
+        ("mp3", "libmp3lame", "fltp", "mp3"),
+    ],
+)
 def test_audio_ffmpeg_writes_still_decodes(container: str, codec: str, sample_format: str, demuxer: str) -> None:
     data = _pyav_audio(container, codec, sample_format)
     assert sniff(data, "audio") == demuxer
@@ -172,9 +179,19 @@ def _solid_video(container: str, codec: str, fps: int = 4) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize(("container", "codec", "demuxer"), [
-    ("mp4", "mpeg4", "mov"), ("mov", "mpeg4", "mov"), ("matroska", "mpeg4", "matroska"), ("webm", "libvpx", "matroska"),
-    ("avi", "mpeg4", "avi"), ("mpegts", "mpeg2video", "mpegts"), ("mpeg", "mpeg2video", "mpeg"), ("flv", "flv", "flv")])
+@pytest.mark.parametrize(
+    ("container", "codec", "demuxer"),
+    [
+        ("mp4", "mpeg4", "mov"),
+        ("mov", "mpeg4", "mov"),
+        ("matroska", "mpeg4", "matroska"),
+        ("webm", "libvpx", "matroska"),
+        ("avi", "mpeg4", "avi"),
+        ("mpegts", "mpeg2video", "mpegts"),
+        ("mpeg", "mpeg2video", "mpeg"),
+        ("flv", "flv", "flv"),
+    ],
+)
 def test_video_containers_still_decode(container: str, codec: str, demuxer: str) -> None:
     data = _solid_video(container, codec)
     assert sniff(data, "video") == demuxer

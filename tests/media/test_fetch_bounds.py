@@ -134,12 +134,15 @@ def test_a_compression_bomb_costs_the_item_limit_and_no_more(origins) -> None:
     assert len(zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(BOMB)) == 64 << 20
 
 
-@pytest.mark.parametrize(("path", "status", "words"), [
-    ("/double", 400, "2 content encodings (gzip, gzip)"),
-    ("/br", 400, "content encoding 'br'"),
-    ("/not-gzip", 400, "not valid gzip data"),
-    ("/two-members", 400, "more than one member"),
-])
+@pytest.mark.parametrize(
+    ("path", "status", "words"),
+    [
+        ("/double", 400, "2 content encodings (gzip, gzip)"),
+        ("/br", 400, "content encoding 'br'"),
+        ("/not-gzip", 400, "not valid gzip data"),
+        ("/two-members", 400, "more than one member"),
+    ],
+)
 def test_stacked_unknown_or_broken_encodings_are_refused(origins, path: str, status: int, words: str) -> None:
     err = _error(origins[0] + path)
     assert err.status == status and words in err.message, err.message

@@ -18,8 +18,20 @@ from scipy.signal import resample_poly
 from eric_epd.media.resample import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, kernel_radius, phase_weights, resample
 from eric_epd.media.url_policy import MediaError
 
-PAIRS = [(8000, 16000), (22050, 16000), (44100, 16000), (48000, 16000), (4001, 16000), (44101, 16000),
-         (191999, 16000), (192000, 16000), (1000, 16000), (16000, 24000), (24000, 16000), (16000, 22050)]
+PAIRS = [
+    (8000, 16000),
+    (22050, 16000),
+    (44100, 16000),
+    (48000, 16000),
+    (4001, 16000),
+    (44101, 16000),
+    (191999, 16000),
+    (192000, 16000),
+    (1000, 16000),
+    (16000, 24000),
+    (24000, 16000),
+    (16000, 22050),
+]
 """(orig, target): the common rates, co-prime ones (whose dense bank was gigabytes), the limits, up and down."""
 TONES = (0.02, 0.07, 0.15, 0.25)
 """Tone frequencies as fractions of the lower Nyquist rate: well inside both filters' passbands."""
@@ -43,7 +55,7 @@ def _scipy(x: np.ndarray, orig: int, target: int) -> np.ndarray:
 def _error(ours: np.ndarray, theirs: np.ndarray, target: int) -> float:
     """Max |difference| over the samples both have, 100 ms from either end (the filters differ most at the edges)."""
     n = min(len(ours), len(theirs)) - target // 10
-    return float(np.abs(ours[target // 10:n] - theirs[target // 10:n]).max())
+    return float(np.abs(ours[target // 10 : n] - theirs[target // 10 : n]).max())
 
 
 @pytest.mark.parametrize(("orig", "target"), PAIRS)
@@ -82,7 +94,7 @@ def test_weights_are_the_nonzero_part_of_torchaudios_bank(down: int, up: int) ->
     dense = np.zeros((up, down + 2 * pad + 1), dtype=np.float32)  # one column more: our last tap may fall past it
     for p in range(up):
         first = p * down // up  # tap m reads input offset first - pad + m: column first + m of the bank
-        dense[p, first:first + 2 * pad + 1] = ours[p]
+        dense[p, first : first + 2 * pad + 1] = ours[p]
     assert not dense[:, -1].any()
     np.testing.assert_array_equal(dense[:, :-1], bank)
 
@@ -115,16 +127,25 @@ def test_working_memory_is_bounded_whatever_the_rates() -> None:
     table (2.9M values); measured in a fresh process, by tracemalloc and by the process's peak resident set (which
     sees any library's allocations)."""
     pairs = [(4001, 16000), (44101, 16000), (191999, 16000), (191999, 192000), (192000, 1000), (1000, 191999)]
-    probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(pairs=pairs)], capture_output=True, text=True,
-                           check=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE.format(pairs=pairs)], capture_output=True, text=True, check=True
+    )
     *peaks, rss = probe.stdout.split("\n")[:-1]
     for line in peaks:  # measured: 2 to 26 MB (the weight table and one block of taps)
         assert int(line.split()[-1]) < 48 * 2**20, line
     assert int(rss.split()[-1]) < 64 * 2**20, rss  # measured: 25 MB (tracemalloc's own bookkeeping included)
 
 
-@pytest.mark.parametrize(("orig", "target"), [(MAX_SAMPLE_RATE + 1, 16000), (MIN_SAMPLE_RATE - 1, 16000), (0, 16000),
-                                              (16000, MAX_SAMPLE_RATE + 1), (16000, 16000 * 10**6)])
+@pytest.mark.parametrize(
+    ("orig", "target"),
+    [
+        (MAX_SAMPLE_RATE + 1, 16000),
+        (MIN_SAMPLE_RATE - 1, 16000),
+        (0, 16000),
+        (16000, MAX_SAMPLE_RATE + 1),
+        (16000, 16000 * 10**6),
+    ],
+)
 def test_rates_outside_the_limits_are_a_413_naming_them(orig: int, target: int) -> None:
     with pytest.raises(MediaError) as caught:
         resample(np.zeros(1000, np.float32), orig, target)

@@ -36,8 +36,15 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize(("family", "dtype"), [("qwen2_vl", torch.float32), ("qwen2_5_vl", torch.float32),
-                                               ("qwen2_5_vl", torch.bfloat16), ("qwen3_vl", torch.float32)])
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [
+        ("qwen2_vl", torch.float32),
+        ("qwen2_5_vl", torch.float32),
+        ("qwen2_5_vl", torch.bfloat16),
+        ("qwen3_vl", torch.float32),
+    ],
+)
 def test_compiled_tower_equals_eager(family: str, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
     """Each block's compiled parts and the mergers give the eager tower's rows within the stated bound, for every
     token count, and the load-time compile built every graph: later batches of other sizes build none."""
@@ -71,13 +78,18 @@ def test_compile_is_refused_where_it_does_not_apply(tmp_path: Path) -> None:
 
 
 def _embeddings(eric: EricServer, urls: list[str]) -> list[torch.Tensor]:
-    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
-                      json={"items": [{"modality": "image", "url": url} for url in urls]})
+    resp = httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=120,
+        json={"items": [{"modality": "image", "url": url} for url in urls]},
+    )
     assert resp.status_code == 200, resp.text
     out = []
     for item in resp.json()["items"]:
-        fetched = httpx.get(item["handle"]["http"], timeout=60,
-                            headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]})
+        fetched = httpx.get(
+            item["handle"]["http"], timeout=60, headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]}
+        )
         assert fetched.status_code == 200, fetched.text
         out.append(load_safetensors(fetched.content)["embedding"])
     return out
@@ -87,8 +99,12 @@ def test_served_compiled_eric_answers_as_an_eager_one(qwen2_5_vl_tiny: Path, tmp
     """`eric-epd serve --compile inductor` at TP 2 (its row-parallel all-reduces inside the compiled graphs) gives
     the embeddings an eager TP-1 Eric gives, for two image sizes in one request."""
     urls = [image_data_url(120, 90, seed=3), image_data_url(200, 150, seed=4)]
-    with EricServer(qwen2_5_vl_tiny, tp=2, extra_args=("--compile", "inductor", "--dtype", "float32"),
-                    log_path=tmp_path / "compiled.log") as eric:
+    with EricServer(
+        qwen2_5_vl_tiny,
+        tp=2,
+        extra_args=("--compile", "inductor", "--dtype", "float32"),
+        log_path=tmp_path / "compiled.log",
+    ) as eric:
         card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
         assert card["tp_size"] == 2
         compiled = _embeddings(eric, urls)

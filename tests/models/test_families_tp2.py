@@ -87,12 +87,14 @@ def test_tp1_video_equals_hf(family: str, request: pytest.FixtureRequest) -> Non
 
     model_dir: Path = request.getfixturevalue(f"{family}_tiny")
     processor, encoder = load_processor(model_dir), load_encoder(model_dir, torch.float32, "cpu")
-    frames, fps, seconds = decode_video(video_bytes(num_frames=9, width=72, height=56, fps=4, seed=10),
-                                        MediaLimits(), processor.frame_indices)
+    frames, fps, seconds = decode_video(
+        video_bytes(num_frames=9, width=72, height=56, fps=4, seed=10), MediaLimits(), processor.frame_indices
+    )
     item = processor.process_video(frames, fps, seconds)
     mine = encoder(torch.from_numpy(item.pixel_values), torch.tensor([list(item.grid_thw)]))
-    inputs = AutoProcessor.from_pretrained(model_dir).video_processor(videos=[frames], do_sample_frames=False,
-                                                                      return_tensors="pt")
+    inputs = AutoProcessor.from_pretrained(model_dir).video_processor(
+        videos=[frames], do_sample_frames=False, return_tensors="pt"
+    )
     np.testing.assert_array_equal(item.pixel_values, inputs["pixel_values_videos"].numpy())
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -170,12 +172,15 @@ def test_tp2_eric_qwen2_audio_equals_hf(qwen2_audio_tiny: Path, tmp_path: Path) 
     from tests.support.audio_reference import transformers_audio_rows
 
     clips = [("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2), ("ogg", 5 * 8000 + 3, 8000, 1)]
-    encoded = [audio_bytes(frames, rate, channels, fmt, seed=140 + i)
-               for i, (fmt, frames, rate, channels) in enumerate(clips)]
-    items = [{"modality": "audio", "url": data_url(data, AUDIO_FORMATS[fmt][2])}
-             for data, (fmt, *_) in zip(encoded, clips)]
-    card, answered, rows = _served(qwen2_audio_tiny, items, tmp_path / "eric.log", "--dtype", "float32",
-                                   "--max-audio-channels", "2")
+    encoded = [
+        audio_bytes(frames, rate, channels, fmt, seed=140 + i) for i, (fmt, frames, rate, channels) in enumerate(clips)
+    ]
+    items = [
+        {"modality": "audio", "url": data_url(data, AUDIO_FORMATS[fmt][2])} for data, (fmt, *_) in zip(encoded, clips)
+    ]
+    card, answered, rows = _served(
+        qwen2_audio_tiny, items, tmp_path / "eric.log", "--dtype", "float32", "--max-audio-channels", "2"
+    )
     assert card["tp_size"] == 2 and card["placement"] == "media" and card["modalities"] == ["audio"]
     decoded = [load_audio(io.BytesIO(data), sr=None) for data in encoded]
     refs = transformers_audio_rows(qwen2_audio_tiny, [(samples, int(rate)) for samples, rate in decoded])
@@ -196,16 +201,21 @@ def test_tp2_eric_qwen2_5_omni_equals_hf(qwen2_5_omni_tiny: Path, tmp_path: Path
     from tests.support.omni_reference import omni_rows
 
     clips = [("wav", 3 * 16000 + 7, 16000, 1), ("flac", 2 * 44100 + 5, 44100, 2)]
-    encoded = [audio_bytes(frames, rate, channels, fmt, seed=150 + i)
-               for i, (fmt, frames, rate, channels) in enumerate(clips)]
+    encoded = [
+        audio_bytes(frames, rate, channels, fmt, seed=150 + i) for i, (fmt, frames, rate, channels) in enumerate(clips)
+    ]
     image = random_image(200, 150, seed=151)
     video = video_bytes(num_frames=8, width=64, height=48, fps=4, seed=152)
-    items = [{"modality": "audio", "url": data_url(data, AUDIO_FORMATS[fmt][2])}
-             for data, (fmt, *_) in zip(encoded, clips)]
-    items += [{"modality": "image", "url": data_url(image_bytes(image))},
-              {"modality": "video", "url": data_url(video, "video/mp4")}]
-    card, answered, rows = _served(qwen2_5_omni_tiny, items, tmp_path / "eric.log", "--dtype", "float32",
-                                   "--max-audio-channels", "2")
+    items = [
+        {"modality": "audio", "url": data_url(data, AUDIO_FORMATS[fmt][2])} for data, (fmt, *_) in zip(encoded, clips)
+    ]
+    items += [
+        {"modality": "image", "url": data_url(image_bytes(image))},
+        {"modality": "video", "url": data_url(video, "video/mp4")},
+    ]
+    card, answered, rows = _served(
+        qwen2_5_omni_tiny, items, tmp_path / "eric.log", "--dtype", "float32", "--max-audio-channels", "2"
+    )
     assert card["tp_size"] == 2 and card["placement"] == "media"
     assert card["modalities"] == ["image", "video", "audio"]
     decoded = [load_audio(io.BytesIO(data), sr=None) for data in encoded]
@@ -229,12 +239,20 @@ def test_tp2_eric_qwen3_omni_equals_hf(qwen3_omni_tiny: Path, tmp_path: Path) ->
     from tests.support.omni_reference import qwen3_omni_rows
     from tests.support.omni_request import assert_answered_with, references, request_items
 
-    with EricServer(qwen3_omni_tiny, tp=2, log_path=tmp_path / "eric.log",
-                    extra_args=("--dtype", "float32", "--max-audio-channels", "2")) as eric:
+    with EricServer(
+        qwen3_omni_tiny,
+        tp=2,
+        log_path=tmp_path / "eric.log",
+        extra_args=("--dtype", "float32", "--max-audio-channels", "2"),
+    ) as eric:
         card = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
         assert card["tp_size"] == 2 and card["placement"] == "media"
         assert card["modalities"] == ["image", "video", "audio"]
         resp = encode_items(eric, request_items())
         assert resp.status_code == 200, resp.text
-        assert_answered_with(eric, resp.json()["items"], references(qwen3_omni_tiny, qwen3_omni_rows),
-                             {"audio": 64, "image": 192, "video": 192})
+        assert_answered_with(
+            eric,
+            resp.json()["items"],
+            references(qwen3_omni_tiny, qwen3_omni_rows),
+            {"audio": 64, "image": 192, "video": 192},
+        )

@@ -73,23 +73,33 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, pixel_values: t
     try:
         tower = Gemma3VisionTower.from_checkpoint(model_dir, TPContext(rank, world), torch.float32, "cpu")
         attn, mlp = tower.encoder.layers[0].self_attn, tower.encoder.layers[0].mlp
-        torch.save({"rows": tower(pixel_values), "qkv": attn.qkv.weight, "qkv_bias": attn.qkv.bias,
-                    "out_proj": attn.out_proj.weight, "fc1": mlp.fc1.weight, "fc2": mlp.fc2.weight},
-                   Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "rows": tower(pixel_values),
+                "qkv": attn.qkv.weight,
+                "qkv_bias": attn.qkv.bias,
+                "out_proj": attn.out_proj.weight,
+                "fc1": mlp.fc1.weight,
+                "fc2": mlp.fc2.weight,
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def tp2_results(gemma3_dir: Path, case: dict[str, torch.Tensor],
-                tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+def tp2_results(
+    gemma3_dir: Path, case: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, torch.Tensor]]:
     import torch.multiprocessing as mp
 
     from eric_epd.stack.process import free_port
 
     out_dir = tmp_path_factory.mktemp("gemma3-tp2")
-    mp.spawn(_tp_worker, args=(2, free_port(), str(gemma3_dir), case["pixel_values"], str(out_dir)), nprocs=2,
-             join=True)
+    mp.spawn(
+        _tp_worker, args=(2, free_port(), str(gemma3_dir), case["pixel_values"], str(out_dir)), nprocs=2, join=True
+    )
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 
 
@@ -110,8 +120,8 @@ def test_tp2_ranks_hold_their_own_shards(gemma3_dir: Path, tp2_results: list[dic
         assert torch.equal(result["qkv"], qkv)
         assert torch.equal(result["qkv_bias"], torch.cat([full[f"{attn}.{p}_proj.bias"][heads] for p in "qkv"]))
         assert torch.equal(result["out_proj"], full[f"{attn}.out_proj.weight"][:, heads])
-        assert torch.equal(result["fc1"], full[f"{mlp}.fc1.weight"][64 * rank: 64 * (rank + 1)])
-        assert torch.equal(result["fc2"], full[f"{mlp}.fc2.weight"][:, 64 * rank: 64 * (rank + 1)])
+        assert torch.equal(result["fc1"], full[f"{mlp}.fc1.weight"][64 * rank : 64 * (rank + 1)])
+        assert torch.equal(result["fc2"], full[f"{mlp}.fc2.weight"][:, 64 * rank : 64 * (rank + 1)])
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
@@ -119,8 +129,11 @@ def test_tp2_ranks_hold_their_own_shards(gemma3_dir: Path, tp2_results: list[dic
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's vision and projector tensors under their released names."""
-    return {k: v for k, v in load_file(model_dir / "model.safetensors").items()
-            if k.startswith(("vision_tower.", "multi_modal_projector."))}
+    return {
+        k: v
+        for k, v in load_file(model_dir / "model.safetensors").items()
+        if k.startswith(("vision_tower.", "multi_modal_projector."))
+    }
 
 
 def _empty(model_dir: Path) -> Gemma3VisionTower:

@@ -98,8 +98,11 @@ def references(checkpoints: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
                 inputs = processor(text=[text], images=[image], return_tensors="pt")
             else:  # tests/models/test_kimi_processor.py
                 ref = vllm.inputs(image)
-                inputs = {"pixel_values": ref.pixel_values, "image_grid_thw": ref.grid_thw,
-                          "input_ids": torch.full((1, ref.tokens), token_id)}
+                inputs = {
+                    "pixel_values": ref.pixel_values,
+                    "image_grid_thw": ref.grid_thw,
+                    "input_ids": torch.full((1, ref.tokens), token_id),
+                }
             kwargs = {k: inputs[k].float() if inputs[k].is_floating_point() else inputs[k] for k in HF_INPUTS[family]}
             with torch.no_grad():
                 features = model.get_image_features(**kwargs)
@@ -128,8 +131,9 @@ def test_processor_gives_hf_tensors_and_rows(checkpoints: dict[str, Path], refer
         dtypes = {spec.name: spec.dtype for spec in item.tensors}
         for name, tensor in tensors.items():  # floating tensors arrive as float32 (Llama 4's bfloat16 exactly)
             assert dtypes[name] == str(ref["inputs"][name].dtype).removeprefix("torch."), name
-            torch.testing.assert_close(tensor.to(ref["inputs"][name].dtype), ref["inputs"][name], rtol=0, atol=0,
-                                       msg=name)
+            torch.testing.assert_close(
+                tensor.to(ref["inputs"][name].dtype), ref["inputs"][name], rtol=0, atol=0, msg=name
+            )
 
 
 def _runner(ckpt: Path, dtype: str = "float32") -> tuple[GenericWorkload, GenericRunner]:
@@ -184,13 +188,17 @@ def test_video_rows_equal_transformers(checkpoints: dict[str, Path], family: str
     ckpt = checkpoints[family]
     ours = load_processor(ckpt)
     assert isinstance(ours, HFImageProcessor) and "video" in ours.modalities
-    videos = [decode_video(video_bytes(40, 64, 48, fps=8, seed=s), MediaLimits(), ours.frame_indices)[0]
-              for s in (1, 2)]
+    videos = [
+        decode_video(video_bytes(40, 64, 48, fps=8, seed=s), MediaLimits(), ours.frame_indices)[0] for s in (1, 2)
+    ]
     assert [len(v) for v in videos] == [{"glm4v": 10}.get(family, 32)] * 2
     hf = AutoProcessor.from_pretrained(ckpt)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
-    features = (getattr(model, "get_video_features", None) or getattr(model.model, "get_video_features", None)
-                or model.get_image_features)
+    features = (
+        getattr(model, "get_video_features", None)
+        or getattr(model.model, "get_video_features", None)
+        or model.get_image_features
+    )
     takes = inspect.signature(features).parameters
     items, refs = [], []
     for video in videos:
@@ -289,12 +297,15 @@ def test_server_answers_transformers_rows(checkpoints: dict[str, Path], referenc
     with its 32 sampled frames' rows (4 each) and the image_newline row, a broken one with a 400."""
     from eric_epd.stack.servers import EricServer
 
-    with EricServer(checkpoints["llava_onevision"], log_path=tmp_path / "eric.log",
-                    extra_args=("--dtype", "float32")) as eric:
+    with EricServer(
+        checkpoints["llava_onevision"], log_path=tmp_path / "eric.log", extra_args=("--dtype", "float32")
+    ) as eric:
         models = httpx.get(eric.url + "/v1/models", headers=eric.headers).json()["data"][0]
         assert models["modalities"] == ["image", "video"] and models["placement"] == "media"
-        items = [{"id": str(i), "modality": "image", "url": data_url(image_bytes(image))}
-                 for i, image in enumerate(_images())]
+        items = [
+            {"id": str(i), "modality": "image", "url": data_url(image_bytes(image))}
+            for i, image in enumerate(_images())
+        ]
         resp = httpx.post(eric.url + "/v1/encode", json={"items": items}, headers=eric.headers, timeout=120)
         assert resp.status_code == 200, resp.text
         assert all(item["placement"] == "media" for item in resp.json()["items"])  # vLLM gets the image itself
@@ -305,12 +316,20 @@ def test_server_answers_transformers_rows(checkpoints: dict[str, Path], referenc
             assert fetched.status_code == 200, fetched.text
             rows = load_safetensors(fetched.content)["embedding"]
             assert _relative_error(rows, ref["rows"]) <= RTOL
-        broken = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                            json={"items": [{"modality": "video", "url": "data:video/mp4;base64,AAAA"}]})
+        broken = httpx.post(
+            eric.url + "/v1/encode",
+            headers=eric.headers,
+            timeout=60,
+            json={"items": [{"modality": "video", "url": "data:video/mp4;base64,AAAA"}]},
+        )
         assert broken.status_code == 400 and "could not decode video" in broken.text, broken.text
         url = data_url(video_bytes(40, 64, 48, fps=8, seed=1), "video/mp4")
-        video = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                           json={"items": [{"modality": "video", "url": url}]})
+        video = httpx.post(
+            eric.url + "/v1/encode",
+            headers=eric.headers,
+            timeout=60,
+            json={"items": [{"modality": "video", "url": url}]},
+        )
         assert video.status_code == 200, video.text
         assert video.json()["items"][0]["shape"] == [32 * 4 + 1, 64]
 

@@ -20,8 +20,14 @@ from eric_epd.testing.media import random_image
 REL_ERR = 1e-5
 """max|ours - ref| / max|ref| in float32: the same sums, only their order may differ (TP's all-reduce)."""
 VARIANTS = {
-    "qknorm": {"vision_config": {"use_qk_norm": True, "norm_type": "rms_norm", "attention_bias": True,
-                                 "use_mean_pooling": False}},
+    "qknorm": {
+        "vision_config": {
+            "use_qk_norm": True,
+            "norm_type": "rms_norm",
+            "attention_bias": True,
+            "use_mean_pooling": False,
+        }
+    },
     "inner": {"vision_feature_layer": -2, "vision_config": {"use_mean_pooling": False}},
 }
 """Variants of the tiny checkpoint's config: every option of InternViT's layers and a final layernorm; features
@@ -89,8 +95,9 @@ def test_tp1_rows_equal_hf(name: str, model_dirs: dict[str, Path], case: dict[st
 # ---- TP 2 over gloo (the spawning pattern of test_gemma3_tower.py) -----------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, port: int, model_dirs: dict[str, str], pixel_values: torch.Tensor,
-               out_dir: str) -> None:
+def _tp_worker(
+    rank: int, world: int, port: int, model_dirs: dict[str, str], pixel_values: torch.Tensor, out_dir: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -101,17 +108,24 @@ def _tp_worker(rank: int, world: int, port: int, model_dirs: dict[str, str], pix
             tower = InternVLVisionTower.from_checkpoint(model_dir, TPContext(rank, world), torch.float32, "cpu")
             layer = tower.encoder.layer[0]
             attn, mlp = layer.attention, layer.mlp
-            results[name] = {"rows": tower(pixel_values), "qkv": attn.qkv.weight, "qkv_bias": attn.qkv.bias,
-                             "proj": attn.projection_layer.weight, "fc1": mlp.fc1.weight, "fc2": mlp.fc2.weight,
-                             "q_norm": None if attn.q_norm is None else attn.q_norm.weight}
+            results[name] = {
+                "rows": tower(pixel_values),
+                "qkv": attn.qkv.weight,
+                "qkv_bias": attn.qkv.bias,
+                "proj": attn.projection_layer.weight,
+                "fc1": mlp.fc1.weight,
+                "fc2": mlp.fc2.weight,
+                "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+            }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def tp2_results(model_dirs: dict[str, Path], case: dict[str, Any],
-                tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
+def tp2_results(
+    model_dirs: dict[str, Path], case: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, dict[str, Any]]]:
     import torch.multiprocessing as mp
 
     from eric_epd.stack.process import free_port
@@ -123,8 +137,9 @@ def tp2_results(model_dirs: dict[str, Path], case: dict[str, Any],
 
 
 @pytest.mark.parametrize("name", ["tiny", *VARIANTS])
-def test_tp2_rows_equal_hf_on_every_rank(name: str, case: dict[str, Any],
-                                         tp2_results: list[dict[str, dict[str, Any]]]) -> None:
+def test_tp2_rows_equal_hf_on_every_rank(
+    name: str, case: dict[str, Any], tp2_results: list[dict[str, dict[str, Any]]]
+) -> None:
     for result in tp2_results:
         assert result[name]["rows"].shape == case["refs"][name].shape
         assert _rel_err(result[name]["rows"], case["refs"][name]) <= REL_ERR
@@ -132,8 +147,9 @@ def test_tp2_rows_equal_hf_on_every_rank(name: str, case: dict[str, Any],
 
 
 @pytest.mark.parametrize("name", ["tiny", "qknorm"])
-def test_tp2_ranks_hold_their_own_shards(name: str, model_dirs: dict[str, Path],
-                                         tp2_results: list[dict[str, dict[str, Any]]]) -> None:
+def test_tp2_ranks_hold_their_own_shards(
+    name: str, model_dirs: dict[str, Path], tp2_results: list[dict[str, dict[str, Any]]]
+) -> None:
     """Each rank holds one of the two heads of q, k and v (and of the q norm), half of projection_layer's inputs,
     half of the MLP."""
     full = load_file(model_dirs[name] / "model.safetensors")
@@ -156,8 +172,11 @@ def test_tp2_ranks_hold_their_own_shards(name: str, model_dirs: dict[str, Path],
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_file(model_dir / "model.safetensors").items()
-            if k.startswith(("vision_tower.", "multi_modal_projector."))}
+    return {
+        k: v
+        for k, v in load_file(model_dir / "model.safetensors").items()
+        if k.startswith(("vision_tower.", "multi_modal_projector."))
+    }
 
 
 def _empty(model_dir: Path) -> InternVLVisionTower:
@@ -270,8 +289,9 @@ def test_generic_runner_runs_the_tower(model_dirs: dict[str, Path]) -> None:
         assert mine.shape == ref.shape == (item.num_tokens, 64)
         assert _rel_err(mine, ref) <= REL_ERR
     assert [r.shape[0] for r in rows] == [16, 4, 28]
-    video = processor.process_video(decode_video(video_bytes(40, 64, 48, fps=8, seed=4), MediaLimits(),
-                                                 processor.frame_indices)[0])
+    video = processor.process_video(
+        decode_video(video_bytes(40, 64, 48, fps=8, seed=4), MediaLimits(), processor.frame_indices)[0]
+    )
     (mine,) = runner.run([work_item("video", video, 0, 0)], torch.from_numpy(video.pixel_values))
     frames = unpack_tensors(video.tensors, torch.from_numpy(video.pixel_values))["pixel_values"]
     with torch.no_grad():  # a video's frames are tiles of the image path (vLLM's interns1.py, transformers' forward)

@@ -20,20 +20,28 @@ from eric_epd.models.hf.processor import HFImageProcessor
 from eric_epd.models.hf.tensors import unpack_tensors
 from eric_epd.testing.media import random_image
 from tests.support.generic_batches import generic_runner, relative_error, run_batch
-from tests.support.kimi_reference import (
-    KimiInputs,
-    VllmKimi,
-    transformers_inputs,
-    transformers_rows,
-    vllm_table_values,
-)
+from tests.support.kimi_reference import KimiInputs, VllmKimi, transformers_inputs, transformers_rows, vllm_table_values
 
 pytestmark = pytest.mark.exactness
 
 KEPT = ((96, 64), (48, 80), (97, 61), (61, 97), (99, 77), (112, 112), (111, 111), (29, 29), (27, 13), (1, 1))
 """(width, height) within 8 patches (112 pixels) a side: kept as they are, odd ones padded."""
-SCALED = ((113, 113), (125, 125), (333, 127), (127, 333), (123, 45), (1, 300), (300, 1), (511, 512), (512, 511),
-          (129, 57), (17, 300), (1000, 700), (3000, 7), (7, 3000))
+SCALED = (
+    (113, 113),
+    (125, 125),
+    (333, 127),
+    (127, 333),
+    (123, 45),
+    (1, 300),
+    (300, 1),
+    (511, 512),
+    (512, 511),
+    (129, 57),
+    (17, 300),
+    (1000, 700),
+    (3000, 7),
+    (7, 3000),
+)
 """Scaled down (the tiny checkpoint's side limit binds before its 64-patch limit): odd, one pixel over, one pixel
 wide or high, one pixel off square, extremes."""
 ULP = 1.2e-7
@@ -68,8 +76,10 @@ def _assert_same(ours: KimiInputs, theirs: KimiInputs, size: tuple[int, int]) ->
     assert ours.grid_thw.tolist() == theirs.grid_thw.tolist(), size
     assert ours.tokens == theirs.tokens, size
     assert ours.pixel_values.dtype == theirs.pixel_values.dtype == torch.float32, size
-    assert torch.equal(ours.pixel_values, theirs.pixel_values), (size, (ours.pixel_values - theirs.pixel_values)
-                                                                  .abs().max().item())
+    assert torch.equal(ours.pixel_values, theirs.pixel_values), (
+        size,
+        (ours.pixel_values - theirs.pixel_values).abs().max().item(),
+    )
 
 
 @pytest.mark.parametrize("sizes", [KEPT, SCALED], ids=["kept", "scaled"])
@@ -82,13 +92,13 @@ def test_eric_tensors_are_vllms(kimi: Path, vllm: VllmKimi, sizes: tuple[tuple[i
         image = _image(size)
         ours = _eric(eric, image)
         _assert_same(ours, vllm.inputs(image), size)
-        torch.testing.assert_close(ours.pixel_values, vllm_table_values(kimi, image), rtol=0, atol=ULP,
-                                   msg=str(size))
+        torch.testing.assert_close(ours.pixel_values, vllm_table_values(kimi, image), rtol=0, atol=ULP, msg=str(size))
 
 
 @pytest.mark.parametrize("wrong", ["bilinear", "one_column_narrower"])
-def test_a_wrong_resize_fails_the_comparison(kimi: Path, vllm: VllmKimi, wrong: str,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_resize_fails_the_comparison(
+    kimi: Path, vllm: VllmKimi, wrong: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Negative controls: Eric scaling with another filter, or to one column fewer (the grid unchanged), gives
     tensors the comparison refuses on every scaled image (kept ones never go through a resize of another size)."""
     if wrong == "bilinear":
@@ -142,10 +152,12 @@ def test_rows_equal_transformers_model_on_vllms_tensors(kimi: Path, vllm: VllmKi
         assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, size
 
 
-@pytest.mark.parametrize(("key", "value", "shown"), [("in_patch_limit", 4096, r"\(64, 4096\)"),
-                                                     ("fixed_output_tokens", 16, r"\(None, 16\)")])
-def test_settings_that_disagree_with_vllms_are_refused(kimi: Path, tmp_path: Path, key: str, value: int,
-                                                       shown: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "shown"), [("in_patch_limit", 4096, r"\(64, 4096\)"), ("fixed_output_tokens", 16, r"\(None, 16\)")]
+)
+def test_settings_that_disagree_with_vllms_are_refused(
+    kimi: Path, tmp_path: Path, key: str, value: int, shown: str
+) -> None:
     """media_proc_cfg (vLLM's) with another patch limit than transformers' settings, or a fixed token count per
     image: Eric refuses the checkpoint, naming both values."""
     copy = Path(shutil.copytree(kimi, tmp_path / "kimi"))

@@ -51,10 +51,7 @@ def ckpt_dirs(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     base = tmp_path_factory.mktemp("variants")
     # the real Qwen2-VL limits (images 56*56..28*28*1280 px; videos 128*28*28..28*28*768 px)
     real = _variant(
-        tiny,
-        base / "real",
-        {"min_pixels": 3136, "max_pixels": 12845056},
-        {"min_pixels": 100352, "max_pixels": 602112},
+        tiny, base / "real", {"min_pixels": 3136, "max_pixels": 12845056}, {"min_pixels": 100352, "max_pixels": 602112}
     )
     other = _variant(
         tiny,
@@ -137,10 +134,7 @@ def test_video_pads_odd_frame_count_with_last_frame(ckpt_dirs: dict) -> None:
 
 
 def test_fingerprint(ckpt_dirs: dict) -> None:
-    a, b = (
-        load_processor(ckpt_dirs["tiny"]),
-        Qwen2VLModalityProcessor(ckpt_dirs["tiny"], resize_backend="numpy"),
-    )
+    a, b = (load_processor(ckpt_dirs["tiny"]), Qwen2VLModalityProcessor(ckpt_dirs["tiny"], resize_backend="numpy"))
     assert a.modalities == ("image", "video")
     assert a.fingerprint("image") == b.fingerprint("image") and isinstance(a.fingerprint("image"), bytes)
     assert a.fingerprint("image") != a.fingerprint("video")
@@ -165,8 +159,9 @@ def test_errors(ckpt_dirs: dict) -> None:
 
 
 @pytest.mark.parametrize("video_fps,max_frames", [(2.0, 32), (1.0, 32), (10.0, 6)])
-def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tiny: Path, video_fps: float,
-                                             max_frames: int) -> None:
+def test_qwen25_second_per_grid_ts_equals_hf(
+    qwen2_5_vl_tiny: Path, qwen2_vl_tiny: Path, video_fps: float, max_frames: int
+) -> None:
     """Qwen2.5-VL's M-RoPE spaces video frames by time: the value Eric reports per video is the one transformers'
     processor computes from the same sampled frames and their metadata (temporal_patch_size / sampled fps)."""
     from transformers import AutoProcessor
@@ -181,8 +176,12 @@ def test_qwen25_second_per_grid_ts_equals_hf(qwen2_5_vl_tiny: Path, qwen2_vl_tin
     ours = load_processor(qwen2_5_vl_tiny).process_video(frames, sampled_fps)
     metadata = VideoMetadata(total_num_frames=20, fps=10.0, frames_indices=list(range(len(frames))))  # count matters
     hf = AutoProcessor.from_pretrained(qwen2_5_vl_tiny)(
-        text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[frames], video_metadata=[metadata],
-        do_sample_frames=False, return_tensors="np")
+        text=["<|vision_start|><|video_pad|><|vision_end|>"],
+        videos=[frames],
+        video_metadata=[metadata],
+        do_sample_frames=False,
+        return_tensors="np",
+    )
     assert list(ours.grid_thw) == hf["video_grid_thw"][0].tolist()
     assert ours.second_per_grid_ts == pytest.approx(float(hf["second_per_grid_ts"][0]))
     assert load_processor(qwen2_vl_tiny).process_video(frames, sampled_fps).second_per_grid_ts is None  # Qwen2-VL
@@ -198,8 +197,12 @@ def test_prepare_many_keeps_order_and_per_item_errors(ckpt_dirs: dict, threads: 
     from eric_epd.models.facts import ModelFacts
     from eric_epd.testing.media import image_bytes, random_image
 
-    processor = Processor(Qwen2VLModalityProcessor(ckpt_dirs["tiny"]), MediaLimits(), threads,
-                          model_fingerprint(ModelFacts.from_checkpoint(ckpt_dirs["tiny"])))
+    processor = Processor(
+        Qwen2VLModalityProcessor(ckpt_dirs["tiny"]),
+        MediaLimits(),
+        threads,
+        model_fingerprint(ModelFacts.from_checkpoint(ckpt_dirs["tiny"])),
+    )
     try:
         items = [("image", image_bytes(random_image(40 + 8 * i, 56, seed=i), "JPEG")) for i in range(5)]
         items.insert(2, ("image", b"not an image"))

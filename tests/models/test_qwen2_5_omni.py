@@ -83,8 +83,9 @@ def served(qwen2_5_omni_tiny: Path) -> Served:
     return workload, runner
 
 
-def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
-                                                        references: Refs) -> None:
+def test_audio_rows_equal_transformers_alone_and_batched(
+    processor: HFOmniProcessor, served: Served, references: Refs
+) -> None:
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     assert [it.num_tokens for it in items] == [75, 19, 10, 7500]  # the last cut at 300 s, as the extractor cuts it
     kinds = {work_item("k", it, 0, 0).kind for it in items}
@@ -102,14 +103,16 @@ def test_audio_items_hold_the_processors_valid_log_mels(qwen2_5_omni_tiny: Path,
         theirs = hf(text=[AUDIO_TEXT], audio=[resample(wave, rate, 16000)], return_tensors="pt")
         mask = theirs["feature_attention_mask"].bool()
         assert theirs["input_features"].shape == (1, 128, 30000)  # padded to 300 s
-        torch.testing.assert_close(ours["input_features"], theirs["input_features"].permute(0, 2, 1)[mask],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            ours["input_features"], theirs["input_features"].permute(0, 2, 1)[mask], rtol=0, atol=0
+        )
         assert ours["audio_feature_lengths"].tolist() == mask.sum(-1).tolist()
         assert item.cost < 200  # the frames it holds, not 300 s of padding
 
 
-def test_image_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
-                                                        references: Refs) -> None:
+def test_image_rows_equal_transformers_alone_and_batched(
+    processor: HFOmniProcessor, served: Served, references: Refs
+) -> None:
     items = [processor.process_image(image) for image in _images()]
     assert_alone_and_batched(*served, items, references["image"], RTOL)
 
@@ -132,22 +135,26 @@ def test_bfloat16_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, refe
     assert ours.dtype == torch.bfloat16 and relative_error(ours, references["image"][0]) <= BF16_RTOL
 
 
-def test_transformers_classes_give_the_same_rows(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor,
-                                                 served: Served, references: Refs) -> None:
+def test_transformers_classes_give_the_same_rows(
+    qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, served: Served, references: Refs
+) -> None:
     """The generic path's transformers encoder (HFOmniEncoder), kept for Omni families without towers of Eric's own,
     on the same batches."""
     workload, _ = served
     runner = GenericRunner(HFOmniEncoder.load(qwen2_5_omni_tiny, torch.float32, "cpu"))
-    batches = {"audio": [processor.process_audio(wave, rate) for wave, rate in _waves()[:3]],
-               "image": [processor.process_image(image) for image in _images()],
-               "video": [processor.process_video(_video())]}
+    batches = {
+        "audio": [processor.process_audio(wave, rate) for wave, rate in _waves()[:3]],
+        "image": [processor.process_image(image) for image in _images()],
+        "video": [processor.process_video(_video())],
+    }
     for modality, items in batches.items():
         for i, (ours, ref) in enumerate(zip(run_batch(workload, runner, items), references[modality])):
             assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, (modality, i)
 
 
-def test_only_the_thinkers_towers_are_built_read_and_hashed(qwen2_5_omni_tiny: Path, served: Served,
-                                                            tmp_path: Path) -> None:
+def test_only_the_thinkers_towers_are_built_read_and_hashed(
+    qwen2_5_omni_tiny: Path, served: Served, tmp_path: Path
+) -> None:
     _, runner = served
     tower = runner.encoder.tower  # type: ignore[attr-defined]
     assert {name.split(".")[0] for name, _ in tower.named_parameters()} == {"audio_tower", "visual"}
@@ -174,8 +181,11 @@ def test_only_the_thinkers_towers_are_built_read_and_hashed(qwen2_5_omni_tiny: P
 def test_loader_refusals(qwen2_5_omni_tiny: Path, served: Served) -> None:
     from eric_epd.models.qwen2_5_omni import Qwen2_5OmniTowers
 
-    released = {n: t for n, t in load_file(qwen2_5_omni_tiny / "model.safetensors").items()
-                if n.startswith(("thinker.audio_tower.", "thinker.visual."))}
+    released = {
+        n: t
+        for n, t in load_file(qwen2_5_omni_tiny / "model.safetensors").items()
+        if n.startswith(("thinker.audio_tower.", "thinker.visual."))
+    }
     config = ModelFacts.from_checkpoint(qwen2_5_omni_tiny).config
     with pytest.raises(KeyError, match="k_proj has no bias"):
         k_bias = "thinker.audio_tower.layers.0.self_attn.k_proj.bias"
@@ -208,21 +218,29 @@ def test_tensor_parallel_is_served_where_the_towers_split(qwen2_5_omni_tiny: Pat
 # ---- TP 2 over gloo (generic_batches.tower_tp2) ---------------------------------------------------------------
 
 
-SHARDS = {"audio_qkv": "audio_tower.layers.0.self_attn.qkv.weight", "audio_fc2": "audio_tower.layers.0.fc2.weight",
-          "vision_qkv": "visual.blocks.0.attn.qkv.weight", "vision_qkv_bias": "visual.blocks.0.attn.qkv.bias",
-          "vision_up": "visual.blocks.0.mlp.up_proj.weight"}
+SHARDS = {
+    "audio_qkv": "audio_tower.layers.0.self_attn.qkv.weight",
+    "audio_fc2": "audio_tower.layers.0.fc2.weight",
+    "vision_qkv": "visual.blocks.0.attn.qkv.weight",
+    "vision_qkv_bias": "visual.blocks.0.attn.qkv.bias",
+    "vision_up": "visual.blocks.0.mlp.up_proj.weight",
+}
 """The tower parameters each rank hands back (its shard of each)."""
 
 
 @pytest.fixture(scope="module")
-def tp2_results(qwen2_5_omni_tiny: Path, processor: HFOmniProcessor,
-                tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    items = {"audio": [processor.process_audio(wave, rate) for wave, rate in _waves()],
-             "image": [processor.process_image(image) for image in _images()],
-             "video": [processor.process_video(_video())]}
+def tp2_results(
+    qwen2_5_omni_tiny: Path, processor: HFOmniProcessor, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict]:
+    items = {
+        "audio": [processor.process_audio(wave, rate) for wave, rate in _waves()],
+        "image": [processor.process_image(image) for image in _images()],
+        "video": [processor.process_video(_video())],
+    }
     jobs = {modality: joined_job(modality, its) for modality, its in items.items()}
-    return tower_tp2(Qwen2_5OmniTowerEncoder, qwen2_5_omni_tiny, jobs, SHARDS,
-                     tmp_path_factory.mktemp("qwen2-5-omni-tp2"))
+    return tower_tp2(
+        Qwen2_5OmniTowerEncoder, qwen2_5_omni_tiny, jobs, SHARDS, tmp_path_factory.mktemp("qwen2-5-omni-tp2")
+    )
 
 
 def test_tp2_rows_equal_transformers_on_every_rank(references: Refs, tp2_results: list[dict]) -> None:
@@ -243,8 +261,9 @@ def test_tp2_ranks_hold_their_own_shards(qwen2_5_omni_tiny: Path, tp2_results: l
     audio, vision = "thinker.audio_tower.layers.0", "thinker.visual.blocks.0"
     for rank, result in enumerate(tp2_results):
         heads, half = slice(32 * rank, 32 * (rank + 1)), slice(64 * rank, 64 * (rank + 1))
-        assert torch.equal(result["audio_qkv"],
-                           torch.cat([full[f"{audio}.self_attn.{p}_proj.weight"][heads] for p in "qkv"]))
+        assert torch.equal(
+            result["audio_qkv"], torch.cat([full[f"{audio}.self_attn.{p}_proj.weight"][heads] for p in "qkv"])
+        )
         assert torch.equal(result["audio_fc2"], full[f"{audio}.fc2.weight"][:, half])
         assert torch.equal(result["vision_qkv"], torch.cat([full[f"{vision}.attn.{p}.weight"][heads] for p in "qkv"]))
         bias = torch.cat([full[f"{vision}.attn.{p}.bias"][heads] for p in "qkv"])

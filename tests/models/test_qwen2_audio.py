@@ -64,8 +64,9 @@ def _runner(ckpt: Path, dtype: str = "float32") -> tuple[GenericWorkload, Generi
     return workload, runner
 
 
-def test_rows_equal_transformers_alone_and_batched(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
-                                                   references: list[torch.Tensor]) -> None:
+def test_rows_equal_transformers_alone_and_batched(
+    qwen2_audio_tiny: Path, processor: HFAudioProcessor, references: list[torch.Tensor]
+) -> None:
     workload, runner = _runner(qwen2_audio_tiny)
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     assert [it.num_tokens for it in items] == [r.shape[0] for r in references] == [75, 19, 10, 750]
@@ -87,8 +88,9 @@ def test_bfloat16_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor, refe
         assert relative_error(ours, ref) <= BF16_RTOL
 
 
-def test_transformers_classes_give_the_same_rows(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
-                                                 references: list[torch.Tensor]) -> None:
+def test_transformers_classes_give_the_same_rows(
+    qwen2_audio_tiny: Path, processor: HFAudioProcessor, references: list[torch.Tensor]
+) -> None:
     """The generic path's transformers encoder (the audio block of Qwen2AudioModel.forward, trimmed alike), kept for
     audio families without a tower of Eric's own, on the same batch."""
     workload, _ = _runner(qwen2_audio_tiny)
@@ -98,8 +100,7 @@ def test_transformers_classes_give_the_same_rows(qwen2_audio_tiny: Path, process
         assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
 
 
-def test_only_the_audio_tower_and_projector_are_built_read_and_hashed(qwen2_audio_tiny: Path,
-                                                                      tmp_path: Path) -> None:
+def test_only_the_audio_tower_and_projector_are_built_read_and_hashed(qwen2_audio_tiny: Path, tmp_path: Path) -> None:
     _, runner = _runner(qwen2_audio_tiny)
     tower = runner.encoder.tower  # type: ignore[attr-defined]
     assert {name.split(".")[0] for name, _ in tower.named_parameters()} == {"audio_tower", "multi_modal_projector"}
@@ -122,8 +123,11 @@ def test_only_the_audio_tower_and_projector_are_built_read_and_hashed(qwen2_audi
 
 
 def test_loader_names_and_refusals(qwen2_audio_tiny: Path) -> None:
-    released = {n: t for n, t in load_file(qwen2_audio_tiny / "model.safetensors").items()
-                if n.startswith(("audio_tower.", "multi_modal_projector."))}
+    released = {
+        n: t
+        for n, t in load_file(qwen2_audio_tiny / "model.safetensors").items()
+        if n.startswith(("audio_tower.", "multi_modal_projector."))
+    }
     config = ModelFacts.from_checkpoint(qwen2_audio_tiny).config
     ref = Qwen2AudioTower.from_checkpoint(qwen2_audio_tiny)
     moved = Qwen2AudioTower(config)
@@ -159,8 +163,9 @@ def test_tensor_parallel_is_served_where_the_tower_splits(qwen2_audio_tiny: Path
 # ---- TP 2 over gloo (the spawning pattern of test_gemma3_tower.py) ---------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, port: int, model_dir: str, batch: dict[str, torch.Tensor], rows: list[int],
-               out_dir: str) -> None:
+def _tp_worker(
+    rank: int, world: int, port: int, model_dir: str, batch: dict[str, torch.Tensor], rows: list[int], out_dir: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -168,16 +173,25 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, batch: dict[str
     try:
         encoder = Qwen2AudioTowerEncoder.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
         layer = encoder.tower.audio_tower.layers[0]
-        torch.save({"rows": encoder.encode(batch, rows), "qkv": layer.self_attn.qkv.weight,
-                    "qkv_bias": layer.self_attn.qkv.bias, "out_proj": layer.self_attn.out_proj.weight,
-                    "fc1": layer.fc1.weight, "fc2": layer.fc2.weight}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "rows": encoder.encode(batch, rows),
+                "qkv": layer.self_attn.qkv.weight,
+                "qkv_bias": layer.self_attn.qkv.bias,
+                "out_proj": layer.self_attn.out_proj.weight,
+                "fc1": layer.fc1.weight,
+                "fc2": layer.fc2.weight,
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def tp2_results(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
-                tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def tp2_results(
+    qwen2_audio_tiny: Path, processor: HFAudioProcessor, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict]:
     import torch.multiprocessing as mp
 
     from eric_epd.stack.process import free_port
@@ -185,8 +199,12 @@ def tp2_results(qwen2_audio_tiny: Path, processor: HFAudioProcessor,
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     batch = join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in items])
     out_dir = tmp_path_factory.mktemp("qwen2-audio-tp2")
-    mp.spawn(_tp_worker, args=(2, free_port(), str(qwen2_audio_tiny), batch, [it.num_tokens for it in items],
-                               str(out_dir)), nprocs=2, join=True)
+    mp.spawn(
+        _tp_worker,
+        args=(2, free_port(), str(qwen2_audio_tiny), batch, [it.num_tokens for it in items], str(out_dir)),
+        nprocs=2,
+        join=True,
+    )
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 
 
@@ -209,5 +227,5 @@ def test_tp2_ranks_hold_their_own_shards(qwen2_audio_tiny: Path, tp2_results: li
         bias = [full[f"{attn}.q_proj.bias"][heads], torch.zeros(32), full[f"{attn}.v_proj.bias"][heads]]
         assert torch.equal(result["qkv_bias"], torch.cat(bias))
         assert torch.equal(result["out_proj"], full[f"{attn}.out_proj.weight"][:, heads])
-        assert torch.equal(result["fc1"], full["audio_tower.layers.0.fc1.weight"][64 * rank: 64 * (rank + 1)])
-        assert torch.equal(result["fc2"], full["audio_tower.layers.0.fc2.weight"][:, 64 * rank: 64 * (rank + 1)])
+        assert torch.equal(result["fc1"], full["audio_tower.layers.0.fc1.weight"][64 * rank : 64 * (rank + 1)])
+        assert torch.equal(result["fc2"], full["audio_tower.layers.0.fc2.weight"][:, 64 * rank : 64 * (rank + 1)])

@@ -36,14 +36,18 @@ def test_tower_equals_hf(family: str, request: pytest.FixtureRequest) -> None:
     qwen3_5_tiny: Path = request.getfixturevalue(family)
     cfg = read_model_config(qwen3_5_tiny)
     assert embedding_width(cfg) == cfg["vision_config"]["out_hidden_size"]  # no DeepStack levels
-    images = [Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=70 + i)))).convert("RGB")
-              for i, (w, h) in enumerate([(120, 90), (33, 200), (224, 160)])]
+    images = [
+        Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=70 + i)))).convert("RGB")
+        for i, (w, h) in enumerate([(120, 90), (33, 200), (224, 160)])
+    ]
     hf_processor = AutoProcessor.from_pretrained(qwen3_5_tiny).image_processor
     model = AutoModelForImageTextToText.from_pretrained(qwen3_5_tiny, dtype=torch.float32).eval()
     processor, encoder = load_processor(qwen3_5_tiny), load_encoder(qwen3_5_tiny, torch.float32, "cpu")
     items = [processor.process_image(image) for image in images]
-    out = encoder(torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
-                  torch.tensor([list(i.grid_thw) for i in items]))
+    out = encoder(
+        torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
+        torch.tensor([list(i.grid_thw) for i in items]),
+    )
     for rows, item, image in zip(out.split([i.num_tokens for i in items]), items, images):
         inputs = hf_processor(images=[image], return_tensors="pt")
         np.testing.assert_array_equal(item.pixel_values, inputs["pixel_values"].numpy())
@@ -61,15 +65,27 @@ def test_vllm_epd_tokens_equal_monolithic(qwen3_5_tiny: Path, tmp_path: Path) ->
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
-    with EricServer(qwen3_5_tiny, tp=2, extra_args=("--dtype", "bfloat16", "--max-batch-items", "1"),
-                    log_path=tmp_path / "eric.log", env=other_isa_env()) as eric, \
-            eric_key_in_env(eric.api_key):
-        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
-                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
+    with (
+        EricServer(
+            qwen3_5_tiny,
+            tp=2,
+            extra_args=("--dtype", "bfloat16", "--max-batch-items", "1"),
+            log_path=tmp_path / "eric.log",
+            env=other_isa_env(),
+        ) as eric,
+        eric_key_in_env(eric.api_key),
+    ):
+        ec = ECTransferConfig(
+            ec_connector="EricECConnector",
+            ec_role="ec_consumer",
+            ec_buffer_device="cpu",
+            ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]},
+        )
         llm = LLM(**{**llm_kwargs(qwen3_5_tiny), "dtype": "bfloat16"}, ec_transfer_config=ec)
         for case in (c for c in CASES if c.name in ("one_image", "four_images", "one_video")):
             monolithic = greedy_run(llm, raw_prompt(case, model=qwen3_5_tiny))
             items = encode_case(eric.url, case, eric.api_key)
-            assert_greedy_agree(greedy_run(llm, epd_prompt(case, items), items), monolithic, NEAR_TIE_BFLOAT16,
-                                case.name)
+            assert_greedy_agree(
+                greedy_run(llm, epd_prompt(case, items), items), monolithic, NEAR_TIE_BFLOAT16, case.name
+            )
         del llm

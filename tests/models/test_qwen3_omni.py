@@ -127,8 +127,7 @@ def test_row_widths_by_modality(qwen3_omni_tiny: Path, qwen2_5_omni_tiny: Path) 
 
     def handle(width: int) -> EmbeddingHandle:
         key = "ab" * 32
-        return EmbeddingHandle(key, (2, width), "float32", 8 * width, url, "i", f"{url}/v1/embeddings/{key}",
-                               lease="t")
+        return EmbeddingHandle(key, (2, width), "float32", 8 * width, url, "i", f"{url}/v1/embeddings/{key}", lease="t")
 
     for width in (64, 192):
         check_handle(handle(width), (url,), {64, 192})
@@ -138,8 +137,9 @@ def test_row_widths_by_modality(qwen3_omni_tiny: Path, qwen2_5_omni_tiny: Path) 
         check_handle(handle(192), (url,), 64)
 
 
-def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
-                                                        references: Refs) -> None:
+def test_audio_rows_equal_transformers_alone_and_batched(
+    processor: HFOmniProcessor, served: Served, references: Refs
+) -> None:
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     assert [it.feature_frames for it in items] == [203, 201, 1301]  # ceil(samples / 160) after resampling to 16 kHz
     assert all(it.tensors is not None for it in items)
@@ -149,8 +149,9 @@ def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProces
     assert all(r.shape[1] == 64 for r in references["audio"])
 
 
-def test_image_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
-                                                        references: Refs) -> None:
+def test_image_rows_equal_transformers_alone_and_batched(
+    processor: HFOmniProcessor, served: Served, references: Refs
+) -> None:
     items = [processor.process_image(image) for image in _images()]
     assert_alone_and_batched(*served, items, references["image"], RTOL)
     assert all(r.shape[1] == 3 * 64 for r in references["image"])  # [merged | level 1 | level 2]

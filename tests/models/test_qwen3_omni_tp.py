@@ -92,8 +92,9 @@ def _clips(processor: HFOmniProcessor, hop_padded: bool) -> list:
 
 
 @pytest.mark.parametrize("hop_padded", [True, False], ids=["vllm", "sglang"])
-def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProcessor, served: Served,
-                                                        audio_refs: dict[bool, AudioRefs], hop_padded: bool) -> None:
+def test_audio_rows_equal_transformers_alone_and_batched(
+    processor: HFOmniProcessor, served: Served, audio_refs: dict[bool, AudioRefs], hop_padded: bool
+) -> None:
     items = _clips(processor, hop_padded)
     frames = [203, 44, 201, 1301] if hop_padded else [202, 43, 200, 1300]  # ceil or floor of samples / 160
     assert [it.feature_frames for it in items] == frames
@@ -107,8 +108,12 @@ def test_audio_rows_equal_transformers_alone_and_batched(processor: HFOmniProces
         assert ours.shape == ref.shape and relative_error(ours, ref) <= RTOL, i
 
 
-def test_bfloat16_rows(qwen3_omni_tiny: Path, processor: HFOmniProcessor, audio_refs: dict[bool, AudioRefs],
-                       vision_refs: dict[str, list[torch.Tensor]]) -> None:
+def test_bfloat16_rows(
+    qwen3_omni_tiny: Path,
+    processor: HFOmniProcessor,
+    audio_refs: dict[bool, AudioRefs],
+    vision_refs: dict[str, list[torch.Tensor]],
+) -> None:
     workload, runner = generic_runner(qwen3_omni_tiny, "bfloat16")
     items = [*_clips(processor, True), processor.process_image(_images()[0])]
     refs = [*audio_refs[True][1], vision_refs["image"][0]]
@@ -128,11 +133,13 @@ def test_only_the_thinkers_tower_tensors_are_read(qwen3_omni_tiny: Path, served:
     with pytest.raises(KeyError, match=r"not a Qwen3-Omni audio or vision tower"):
         Qwen3OmniTowers(config).load_weights([("thinker.model.norm.weight", torch.zeros(64))])
     with pytest.raises(KeyError, match=r"missing.*visual\.deepstack_merger_list\.1\.ln_q\.weight"):
-        Qwen3OmniTowers(config).load_weights((n, t) for n, t in towers.items()
-                                             if n != "thinker.visual.merger_list.1.ln_q.weight")
+        Qwen3OmniTowers(config).load_weights(
+            (n, t) for n, t in towers.items() if n != "thinker.visual.merger_list.1.ln_q.weight"
+        )
     with pytest.raises(KeyError, match=r"missing.*audio_tower\.layers\.0\.self_attn\.k_proj\.bias"):
-        Qwen3OmniTowers(config).load_weights((n, t) for n, t in towers.items()
-                                             if n != "thinker.audio_tower.layers.0.self_attn.k_proj.bias")
+        Qwen3OmniTowers(config).load_weights(
+            (n, t) for n, t in towers.items() if n != "thinker.audio_tower.layers.0.self_attn.k_proj.bias"
+        )
     batch = {"input_features": torch.zeros(101, 128), "audio_feature_lengths": torch.tensor([101])}
     with pytest.raises(RuntimeError, match=r"give \[14\] rows, their specs say \[13\]"):
         served[1].encoder.encode(batch, [13], "audio")
@@ -151,29 +158,37 @@ def test_tensor_parallel_is_served_where_the_towers_split(qwen3_omni_tiny: Path)
 
 # ---- TP 2 over gloo -------------------------------------------------------------------------------------------
 
-SHARDS = {"audio_qkv": "audio_tower.layers.0.self_attn.qkv.weight",
-          "audio_qkv_bias": "audio_tower.layers.0.self_attn.qkv.bias", "audio_fc2": "audio_tower.layers.0.fc2.weight",
-          "vision_qkv": "visual.blocks.0.attn.qkv.weight", "vision_fc1": "visual.blocks.0.mlp.fc1.weight",
-          "deepstack_fc": "visual.deepstack_merger_list.1.mlp.0.weight"}
+SHARDS = {
+    "audio_qkv": "audio_tower.layers.0.self_attn.qkv.weight",
+    "audio_qkv_bias": "audio_tower.layers.0.self_attn.qkv.bias",
+    "audio_fc2": "audio_tower.layers.0.fc2.weight",
+    "vision_qkv": "visual.blocks.0.attn.qkv.weight",
+    "vision_fc1": "visual.blocks.0.mlp.fc1.weight",
+    "deepstack_fc": "visual.deepstack_merger_list.1.mlp.0.weight",
+}
 """The tower parameters each rank hands back (its shard of each)."""
 
 
 @pytest.fixture(scope="module")
-def tp2_results(qwen3_omni_tiny: Path, processor: HFOmniProcessor,
-                tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def tp2_results(
+    qwen3_omni_tiny: Path, processor: HFOmniProcessor, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict]:
     clips = {padded: _clips(processor, padded) for padded in (True, False)}
     images = [processor.process_image(image) for image in _images()]
     jobs = {f"audio-{padded}": joined_job("audio", items) for padded, items in clips.items()}
-    jobs |= {f"audio-{padded}-{i}": joined_job("audio", [it])
-             for padded, items in clips.items() for i, it in enumerate(items)}
+    jobs |= {
+        f"audio-{padded}-{i}": joined_job("audio", [it])
+        for padded, items in clips.items()
+        for i, it in enumerate(items)
+    }
     jobs |= {"image": joined_job("image", images), "video": joined_job("video", [processor.process_video(_video())])}
     jobs |= {f"image-{i}": joined_job("image", [it]) for i, it in enumerate(images)}
     return tower_tp2(Qwen3OmniTowerEncoder, qwen3_omni_tiny, jobs, SHARDS, tmp_path_factory.mktemp("qwen3-omni-tp2"))
 
 
-def test_tp2_rows_equal_transformers_on_every_rank(audio_refs: dict[bool, AudioRefs],
-                                                   vision_refs: dict[str, list[torch.Tensor]],
-                                                   tp2_results: list[dict]) -> None:
+def test_tp2_rows_equal_transformers_on_every_rank(
+    audio_refs: dict[bool, AudioRefs], vision_refs: dict[str, list[torch.Tensor]], tp2_results: list[dict]
+) -> None:
     """Both featurizations' clips alone and in one batch, three images alone and in one batch, a video: every rank's
     rows, replicated after the all-reduces."""
     expected: dict[str, list[torch.Tensor]] = {"image": vision_refs["image"], "video": vision_refs["video"]}
@@ -201,8 +216,8 @@ def test_tp2_ranks_hold_their_own_shards(qwen3_omni_tiny: Path, tp2_results: lis
             shard = torch.cat([full[f"{audio}.self_attn.{p}_proj.{leaf}"][heads] for p in "qkv"])
             assert torch.equal(result["audio_qkv" if leaf == "weight" else "audio_qkv_bias"], shard)
         fused = full[f"{vision}.attn.qkv.weight"]
-        assert torch.equal(result["vision_qkv"], torch.cat([fused[64 * j:][heads] for j in range(3)]))
+        assert torch.equal(result["vision_qkv"], torch.cat([fused[64 * j :][heads] for j in range(3)]))
         assert torch.equal(result["audio_fc2"], full[f"{audio}.fc2.weight"][:, half])
         assert torch.equal(result["vision_fc1"], full[f"{vision}.mlp.linear_fc1.weight"][half])
         merger = full["thinker.visual.merger_list.1.mlp.0.weight"]
-        assert torch.equal(result["deepstack_fc"], merger[128 * rank:128 * (rank + 1)])
+        assert torch.equal(result["deepstack_fc"], merger[128 * rank : 128 * (rank + 1)])

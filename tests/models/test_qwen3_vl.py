@@ -39,8 +39,10 @@ SIZES = [(120, 90), (33, 200), (224, 224), (57, 57)]  # odd sizes: resize, paddi
 
 
 def _images() -> list[Image.Image]:
-    return [Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=50 + i)))).convert("RGB")
-            for i, (w, h) in enumerate(SIZES)]
+    return [
+        Image.open(io.BytesIO(image_bytes(random_image(w, h, seed=50 + i)))).convert("RGB")
+        for i, (w, h) in enumerate(SIZES)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +82,10 @@ def test_tower_equals_hf_every_level(qwen3_vl_tiny: Path, hf) -> None:
     assert levels == 2 and embedding_width(cfg) == width * 3
     processor, encoder = load_processor(qwen3_vl_tiny), load_encoder(qwen3_vl_tiny, torch.float32, "cpu")
     items = [processor.process_image(image) for image in _images()]
-    out = encoder(torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
-                  torch.tensor([list(i.grid_thw) for i in items]))
+    out = encoder(
+        torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
+        torch.tensor([list(i.grid_thw) for i in items]),
+    )
     assert out.shape == (sum(i.num_tokens for i in items), width * 3)
     for rows, image in zip(out.split([i.num_tokens for i in items]), _images()):
         ref, _ = _hf_rows(hf, image)
@@ -131,15 +135,20 @@ def test_eric_tp2_video_equals_hf(erics, hf, qwen3_vl_tiny: Path) -> None:
     from eric_epd.testing.media import data_url, video_bytes
 
     data = video_bytes(num_frames=11, width=88, height=56, fps=4, seed=7)
-    resp = httpx.post(main_url := erics[0].url + "/v1/encode", headers=erics[0].headers, timeout=120,
-                      json={"items": [{"modality": "video", "url": data_url(data, "video/mp4")}]})
+    resp = httpx.post(
+        main_url := erics[0].url + "/v1/encode",
+        headers=erics[0].headers,
+        timeout=120,
+        json={"items": [{"modality": "video", "url": data_url(data, "video/mp4")}]},
+    )
     assert resp.status_code == 200, (main_url, resp.text)
     item = resp.json()["items"][0]
     frames, _, seconds = decode_video(data, MediaLimits(), load_processor(qwen3_vl_tiny).frame_indices)
     assert seconds == (0.0, 0.5, 1.25, 2.0, 2.5)  # frames 0, 2, 5, 8 and 10 of 11 at 4 fps
     assert item["timestamps"] == [0.25, 1.625, 2.5]  # the last frame repeated to fill the final temporal step
-    inputs = AutoVideoProcessor.from_pretrained(qwen3_vl_tiny)(videos=[frames], do_sample_frames=False,
-                                                                return_tensors="pt")
+    inputs = AutoVideoProcessor.from_pretrained(qwen3_vl_tiny)(
+        videos=[frames], do_sample_frames=False, return_tensors="pt"
+    )
     with torch.no_grad():
         out = hf[1].model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
     ref = torch.cat([out.pooler_output[0], *(level[0] for level in out.deepstack_features)], dim=-1)
@@ -160,8 +169,12 @@ def test_bad_input_particular_to_qwen3_vl(erics, hf, tmp_path: Path) -> None:
     main, _ = erics
 
     def encode(modality: str, url: str) -> httpx.Response:
-        return httpx.post(main.url + "/v1/encode", headers=main.headers, timeout=120,
-                          json={"items": [{"modality": modality, "url": url}]})
+        return httpx.post(
+            main.url + "/v1/encode",
+            headers=main.headers,
+            timeout=120,
+            json={"items": [{"modality": modality, "url": url}]},
+        )
 
     long_video = encode("video", data_url(video_bytes(num_frames=160, width=32, height=32, fps=4), "video/mp4"))
     assert long_video.status_code == 413, long_video.text
@@ -175,8 +188,12 @@ def test_bad_input_particular_to_qwen3_vl(erics, hf, tmp_path: Path) -> None:
     other = tmp_path / "llava"
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "llava", "vision_config": {}}')
-    run = subprocess.run([sys.executable, "-m", "eric_epd", "serve", "--model", str(other), "--port", "1"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "eric_epd", "serve", "--model", str(other), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0 and "unsupported model_type 'llava'" in run.stderr + run.stdout
 
 
@@ -197,15 +214,20 @@ def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny:
 
     main, other = erics
     with eric_key_in_env(main.api_key):
-        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
-                              ec_connector_extra_config={"eric_urls": [main.url, other.url], "backends": ["shm"]})
+        ec = ECTransferConfig(
+            ec_connector="EricECConnector",
+            ec_role="ec_consumer",
+            ec_buffer_device="cpu",
+            ec_connector_extra_config={"eric_urls": [main.url, other.url], "backends": ["shm"]},
+        )
         llm = LLM(**llm_kwargs(qwen3_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
         cases = {c.name: c for c in CASES}
         for name in ("one_image", "four_images", "one_video"):
             monolithic = greedy_run(llm, raw_prompt(cases[name], model=qwen3_vl_tiny))
             items = encode_case(main.url, cases[name], main.api_key)
-            assert_greedy_agree(greedy_run(llm, epd_prompt(cases[name], items), items), monolithic, NEAR_TIE_FLOAT32,
-                                name)
+            assert_greedy_agree(
+                greedy_run(llm, epd_prompt(cases[name], items), items), monolithic, NEAR_TIE_FLOAT32, name
+            )
 
         case = cases["two_images"]  # images this engine has not cached under Eric's hash
         monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)
@@ -215,8 +237,8 @@ def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny:
         width = rows[0].shape[1] // 3
         for mine, ref in zip(rows, reference):
             torch.testing.assert_close(mine[:, :width], ref[:, :width])  # merged tokens equal
-            assert not torch.allclose(mine[:, width: 2 * width], ref[:, width: 2 * width])  # level 1 perturbed
-            torch.testing.assert_close(mine[:, 2 * width:], ref[:, 2 * width:])  # level 2 equal
+            assert not torch.allclose(mine[:, width : 2 * width], ref[:, width : 2 * width])  # level 1 perturbed
+            torch.testing.assert_close(mine[:, 2 * width :], ref[:, 2 * width :])  # level 2 equal
         perturbed = list(greedy(llm, epd_prompt(case, items), items).outputs[0].token_ids)
         assert perturbed != monolithic
         del llm

@@ -45,11 +45,16 @@ def _config(model_type: str, vision: dict[str, Any]) -> Any:
     """The transformers config of a tiny `model_type` checkpoint with this vision config."""
     import transformers
 
-    classes = {"qwen2_vl": ("Qwen2VLConfig", TEXT), "qwen2_5_vl": ("Qwen2_5_VLConfig", TEXT),
-               "qwen3_vl": ("Qwen3VLConfig", QWEN3_TEXT),
-               "qwen3_vl_moe": ("Qwen3VLMoeConfig", {**QWEN3_TEXT, "num_experts": 4, "num_experts_per_tok": 2,
-                                                     "moe_intermediate_size": 16}),
-               "qwen3_5": ("Qwen3_5Config", QWEN3_5_TEXT)}
+    classes = {
+        "qwen2_vl": ("Qwen2VLConfig", TEXT),
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", TEXT),
+        "qwen3_vl": ("Qwen3VLConfig", QWEN3_TEXT),
+        "qwen3_vl_moe": (
+            "Qwen3VLMoeConfig",
+            {**QWEN3_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+        ),
+        "qwen3_5": ("Qwen3_5Config", QWEN3_5_TEXT),
+    }
     name, text = classes[model_type]
     return getattr(transformers, name)(vision_config=vision, text_config=text, initializer_range=INIT_STD)
 
@@ -81,28 +86,59 @@ def _check_tower(model_type: str, vision: dict[str, Any], tmp_path: Path) -> Non
     assert_rows_equal(ours, refs)
 
 
-@pytest.mark.parametrize("vision", varied(QWEN2_VL, {
-    "patch_8": {"patch_size": 8}, "merge_3": {"spatial_merge_size": 3}, "depth_3": {"depth": 3},
-    "temporal_1": {"temporal_patch_size": 1}, "width_48_heads_3": {"embed_dim": 48, "num_heads": 3}}))
+@pytest.mark.parametrize(
+    "vision",
+    varied(
+        QWEN2_VL,
+        {
+            "patch_8": {"patch_size": 8},
+            "merge_3": {"spatial_merge_size": 3},
+            "depth_3": {"depth": 3},
+            "temporal_1": {"temporal_patch_size": 1},
+            "width_48_heads_3": {"embed_dim": 48, "num_heads": 3},
+        },
+    ),
+)
 def test_qwen2_vl_follows_its_config(vision: dict[str, Any], tmp_path: Path) -> None:
     _check_tower("qwen2_vl", vision, tmp_path)
 
 
-@pytest.mark.parametrize("vision", varied(QWEN2_5_VL, {
-    "patch_8": {"patch_size": 8, "window_size": 32}, "merge_3": {"spatial_merge_size": 3, "window_size": 84},
-    "window_112": {"window_size": 112}, "window_28": {"window_size": 28}, "no_full_attention": {
-        "fullatt_block_indexes": []}, "depth_3_full_0_2": {"depth": 3, "fullatt_block_indexes": [0, 2]},
-    "depth_4_full_3": {"depth": 4, "fullatt_block_indexes": [3]}}))
+@pytest.mark.parametrize(
+    "vision",
+    varied(
+        QWEN2_5_VL,
+        {
+            "patch_8": {"patch_size": 8, "window_size": 32},
+            "merge_3": {"spatial_merge_size": 3, "window_size": 84},
+            "window_112": {"window_size": 112},
+            "window_28": {"window_size": 28},
+            "no_full_attention": {"fullatt_block_indexes": []},
+            "depth_3_full_0_2": {"depth": 3, "fullatt_block_indexes": [0, 2]},
+            "depth_4_full_3": {"depth": 4, "fullatt_block_indexes": [3]},
+        },
+    ),
+)
 def test_qwen2_5_vl_follows_its_config(vision: dict[str, Any], tmp_path: Path) -> None:
     _check_tower("qwen2_5_vl", vision, tmp_path)
 
 
-@pytest.mark.parametrize("vision", varied(QWEN3_VL, {
-    "grid_6x6": {"num_position_embeddings": 36}, "grid_4x4": {"num_position_embeddings": 16},
-    "grid_40_not_square": {"num_position_embeddings": 40}, "patch_8": {"patch_size": 8},
-    "merge_3": {"spatial_merge_size": 3}, "depth_2_tap_1": {"depth": 2, "deepstack_visual_indexes": [1]},
-    "tap_2": {"deepstack_visual_indexes": [2]}, "no_deepstack": {"deepstack_visual_indexes": []},
-    "depth_4_taps_0_2_3": {"depth": 4, "deepstack_visual_indexes": [0, 2, 3]}}))
+@pytest.mark.parametrize(
+    "vision",
+    varied(
+        QWEN3_VL,
+        {
+            "grid_6x6": {"num_position_embeddings": 36},
+            "grid_4x4": {"num_position_embeddings": 16},
+            "grid_40_not_square": {"num_position_embeddings": 40},
+            "patch_8": {"patch_size": 8},
+            "merge_3": {"spatial_merge_size": 3},
+            "depth_2_tap_1": {"depth": 2, "deepstack_visual_indexes": [1]},
+            "tap_2": {"deepstack_visual_indexes": [2]},
+            "no_deepstack": {"deepstack_visual_indexes": []},
+            "depth_4_taps_0_2_3": {"depth": 4, "deepstack_visual_indexes": [0, 2, 3]},
+        },
+    ),
+)
 def test_qwen3_vl_follows_its_config(vision: dict[str, Any], tmp_path: Path) -> None:
     _check_tower("qwen3_vl", vision, tmp_path)
 
@@ -111,9 +147,16 @@ def test_qwen3_vl_moe_follows_its_config(tmp_path: Path) -> None:
     _check_tower("qwen3_vl_moe", {**QWEN3_VL, "num_position_embeddings": 36, "patch_size": 8}, tmp_path)
 
 
-@pytest.mark.parametrize("vision", varied(QWEN3_5, {
-    "grid_6x6_patch_8": {"num_position_embeddings": 36, "patch_size": 8},
-    "merge_3_depth_2": {"spatial_merge_size": 3, "depth": 2}}))
+@pytest.mark.parametrize(
+    "vision",
+    varied(
+        QWEN3_5,
+        {
+            "grid_6x6_patch_8": {"num_position_embeddings": 36, "patch_size": 8},
+            "merge_3_depth_2": {"spatial_merge_size": 3, "depth": 2},
+        },
+    ),
+)
 def test_qwen3_5_follows_its_config(vision: dict[str, Any], tmp_path: Path) -> None:
     _check_tower("qwen3_5", vision, tmp_path)
 
@@ -135,7 +178,8 @@ VISION_CONFIG_CLASSES = {
     "qwen3_5": "qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig",
     "qwen3_5_moe": "qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig",
     "qwen2_5_omni": "qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniVisionEncoderConfig",
-    "qwen3_omni_moe": "qwen3_omni_moe.configuration_qwen3_omni_moe.Qwen3OmniMoeVisionEncoderConfig"}
+    "qwen3_omni_moe": "qwen3_omni_moe.configuration_qwen3_omni_moe.Qwen3OmniMoeVisionEncoderConfig",
+}
 
 
 def _class_defaults(path: str) -> dict[str, Any]:
@@ -165,20 +209,24 @@ def test_keys_left_out_take_transformers_defaults(model_type: str, tmp_path: Pat
     from transformers import AutoConfig
 
     widths = {"qwen2_vl": {"embed_dim": 32, "hidden_size": 32, "num_heads": 2}}.get(
-        model_type, {"hidden_size": 32, "out_hidden_size": 32, "num_heads": 2, "intermediate_size": 32})
+        model_type, {"hidden_size": 32, "out_hidden_size": 32, "num_heads": 2, "intermediate_size": 32}
+    )
     config = _config(model_type, widths).to_dict()
     config["vision_config"] = {"model_type": config["vision_config"]["model_type"], **widths}
     (tmp_path / "config.json").write_text(json.dumps(config))
     theirs = AutoConfig.from_pretrained(tmp_path).vision_config
     ours = build_encoder(tmp_path, torch.float32, "meta")
     assert [ours.depth, ours.patch_size, ours.merge, ours.temporal_patch_size] == [
-        theirs.depth, theirs.patch_size, theirs.spatial_merge_size, theirs.temporal_patch_size]
+        theirs.depth,
+        theirs.patch_size,
+        theirs.spatial_merge_size,
+        theirs.temporal_patch_size,
+    ]
     assert sorted(ours.tap_layers) == sorted(getattr(theirs, "deepstack_visual_indexes", None) or [])
     if hasattr(theirs, "num_position_embeddings"):
         assert ours.side == int(theirs.num_position_embeddings**0.5)
     if hasattr(theirs, "window_size"):
-        assert (ours.window_size, ours.fullatt_block_indexes) == (theirs.window_size,
-                                                                  set(theirs.fullatt_block_indexes))
+        assert (ours.window_size, ours.fullatt_block_indexes) == (theirs.window_size, set(theirs.fullatt_block_indexes))
     facts = ModelFacts.from_checkpoint(tmp_path)
     assert facts.pixel_row == theirs.in_channels * theirs.temporal_patch_size * theirs.patch_size**2
     assert facts.embedding_width == 32 * (1 + len(ours.tap_layers))

@@ -32,14 +32,32 @@ from tests.support.tower_cases import (
     varied,
 )
 
-QWEN2_5_AUDIO = {"d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
-                 "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 100, "output_dim": 32,
-                 "initializer_range": INIT_STD}
-QWEN3_AUDIO = {**QWEN2_5_AUDIO, "n_window": 50, "n_window_infer": 800, "downsample_hidden_size": 8,
-               "conv_chunksize": 500}
+QWEN2_5_AUDIO = {
+    "d_model": 32,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "num_mel_bins": 128,
+    "max_source_positions": 1500,
+    "n_window": 100,
+    "output_dim": 32,
+    "initializer_range": INIT_STD,
+}
+QWEN3_AUDIO = {
+    **QWEN2_5_AUDIO,
+    "n_window": 50,
+    "n_window_infer": 800,
+    "downsample_hidden_size": 8,
+    "conv_chunksize": 500,
+}
 """Tiny audio towers at the released mel bins, chunks and windows; each audio case changes one thing."""
-QWEN3_OMNI_TEXT = {**QWEN3_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                   "decoder_sparse_step": 1}
+QWEN3_OMNI_TEXT = {
+    **QWEN3_TEXT,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "decoder_sparse_step": 1,
+}
 CLIPS = (450, 450, 137)
 """Mel frames per clip: two of one length (the negative control's pair), whole and partial chunks."""
 GRIDS = ((1, 5, 3), (1, 5, 3), (2, 2, 4))
@@ -51,8 +69,11 @@ def _omni(model_type: str, vision: dict[str, Any], audio: dict[str, Any], out: P
     output: only `thinker.*` tensors), and Eric's towers loaded from it."""
     from transformers import AutoModelForMultimodalLM, Qwen2_5OmniConfig, Qwen3OmniMoeConfig
 
-    text, config_class, towers = ((TEXT, Qwen2_5OmniConfig, Qwen2_5OmniTowers) if model_type == "qwen2_5_omni"
-                                  else (QWEN3_OMNI_TEXT, Qwen3OmniMoeConfig, Qwen3OmniTowers))
+    text, config_class, towers = (
+        (TEXT, Qwen2_5OmniConfig, Qwen2_5OmniTowers)
+        if model_type == "qwen2_5_omni"
+        else (QWEN3_OMNI_TEXT, Qwen3OmniMoeConfig, Qwen3OmniTowers)
+    )
     thinker = {"audio_config": audio, "vision_config": vision, "text_config": text, "initializer_range": INIT_STD}
     model = saved_model(AutoModelForMultimodalLM, config_class(thinker_config=thinker, enable_audio_output=False), out)
     return model.thinker, towers.from_checkpoint(out)
@@ -84,34 +105,71 @@ def _check_audio(model_type: str, vision: dict[str, Any], audio: dict[str, Any],
     assert_rows_equal(ours.audio(torch.cat([c.T for c in clips]), lengths).split(rows), refs.split(rows))
 
 
-@pytest.mark.parametrize("vision", varied(QWEN2_5_VL, {
-    "patch_8": {"patch_size": 8, "window_size": 32}, "merge_3": {"spatial_merge_size": 3, "window_size": 84},
-    "window_28": {"window_size": 28}, "depth_3_full_0_2": {"depth": 3, "fullatt_block_indexes": [0, 2]}}))
+@pytest.mark.parametrize(
+    "vision",
+    varied(
+        QWEN2_5_VL,
+        {
+            "patch_8": {"patch_size": 8, "window_size": 32},
+            "merge_3": {"spatial_merge_size": 3, "window_size": 84},
+            "window_28": {"window_size": 28},
+            "depth_3_full_0_2": {"depth": 3, "fullatt_block_indexes": [0, 2]},
+        },
+    ),
+)
 def test_qwen2_5_omni_vision_follows_its_config(vision: dict[str, Any], tmp_path: Path) -> None:
     _check_vision("qwen2_5_omni", vision, QWEN2_5_AUDIO, tmp_path)
 
 
-@pytest.mark.parametrize("audio", varied(QWEN2_5_AUDIO, {
-    "n_window_30": {"n_window": 30}, "mel_80": {"num_mel_bins": 80}, "positions_100": {"max_source_positions": 100},
-    "one_layer_width_48": {"encoder_layers": 1, "d_model": 48, "encoder_attention_heads": 3}}))
+@pytest.mark.parametrize(
+    "audio",
+    varied(
+        QWEN2_5_AUDIO,
+        {
+            "n_window_30": {"n_window": 30},
+            "mel_80": {"num_mel_bins": 80},
+            "positions_100": {"max_source_positions": 100},
+            "one_layer_width_48": {"encoder_layers": 1, "d_model": 48, "encoder_attention_heads": 3},
+        },
+    ),
+)
 def test_qwen2_5_omni_audio_follows_its_config(audio: dict[str, Any], tmp_path: Path) -> None:
     _check_audio("qwen2_5_omni", QWEN2_5_VL, audio, tmp_path)
 
 
-@pytest.mark.parametrize("vision", varied(QWEN3_VL, {
-    "grid_6x6": {"num_position_embeddings": 36}, "grid_40_not_square": {"num_position_embeddings": 40},
-    "grid_196_as_reported": {"num_position_embeddings": 196}, "patch_8": {"patch_size": 8},
-    "merge_3": {"spatial_merge_size": 3}, "depth_2_tap_1": {"depth": 2, "deepstack_visual_indexes": [1]},
-    "no_deepstack": {"deepstack_visual_indexes": []}}))
+@pytest.mark.parametrize(
+    "vision",
+    varied(
+        QWEN3_VL,
+        {
+            "grid_6x6": {"num_position_embeddings": 36},
+            "grid_40_not_square": {"num_position_embeddings": 40},
+            "grid_196_as_reported": {"num_position_embeddings": 196},
+            "patch_8": {"patch_size": 8},
+            "merge_3": {"spatial_merge_size": 3},
+            "depth_2_tap_1": {"depth": 2, "deepstack_visual_indexes": [1]},
+            "no_deepstack": {"deepstack_visual_indexes": []},
+        },
+    ),
+)
 def test_qwen3_omni_vision_follows_its_config(vision: dict[str, Any], tmp_path: Path) -> None:
     _check_vision("qwen3_omni_moe", vision, QWEN3_AUDIO, tmp_path)
 
 
-@pytest.mark.parametrize("audio", varied(QWEN3_AUDIO, {
-    "attention_window_200": {"n_window_infer": 200}, "conv_batches_of_2": {"conv_chunksize": 2},
-    "downsample_16": {"downsample_hidden_size": 16}, "mel_80": {"num_mel_bins": 80},
-    "positions_20": {"max_source_positions": 20},
-    "one_layer_width_48": {"encoder_layers": 1, "d_model": 48, "encoder_attention_heads": 3}}))
+@pytest.mark.parametrize(
+    "audio",
+    varied(
+        QWEN3_AUDIO,
+        {
+            "attention_window_200": {"n_window_infer": 200},
+            "conv_batches_of_2": {"conv_chunksize": 2},
+            "downsample_16": {"downsample_hidden_size": 16},
+            "mel_80": {"num_mel_bins": 80},
+            "positions_20": {"max_source_positions": 20},
+            "one_layer_width_48": {"encoder_layers": 1, "d_model": 48, "encoder_attention_heads": 3},
+        },
+    ),
+)
 def test_qwen3_omni_audio_follows_its_config(audio: dict[str, Any], tmp_path: Path) -> None:
     _check_audio("qwen3_omni_moe", QWEN3_VL, audio, tmp_path)
 
@@ -136,8 +194,9 @@ def test_qwen3_omni_with_a_non_square_grid_warms_up_as_transformers(tmp_path: Pa
         config.thinker_config.vision_config.num_position_embeddings = 40
         return config, processor
 
-    model = save_random_checkpoint(tmp_path, family.tokens, make, AutoModelForMultimodalLM, family.released, 0,
-                                   INIT_STD)
+    model = save_random_checkpoint(
+        tmp_path, family.tokens, make, AutoModelForMultimodalLM, family.released, 0, INIT_STD
+    )
     workload, runner = generic_runner(tmp_path)
     other = load_processor(tmp_path).process_image(random_image(224, 224, seed=5))  # the negative control
     items = [workload.warmup_item, other]

@@ -62,8 +62,9 @@ def test_released_ratios() -> None:
     assert seven["decode_over_encoder"] == pytest.approx(2.766, abs=0.01)
 
 
-@pytest.mark.parametrize(("size", "reference"), [("shaped3b", "Qwen2.5-VL-3B-Instruct"),
-                                                 ("shaped7b", "Qwen2.5-VL-7B-Instruct")])
+@pytest.mark.parametrize(
+    ("size", "reference"), [("shaped3b", "Qwen2.5-VL-3B-Instruct"), ("shaped7b", "Qwen2.5-VL-7B-Instruct")]
+)
 def test_shaped_checkpoints_match_the_released_ratios(size: str, reference: str) -> None:
     """The shaped checkpoints as built (their config.json) are within 20% of the released model on both ratios (the
     builder's sizes give within 6%)."""

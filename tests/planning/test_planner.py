@@ -23,14 +23,20 @@ from eric_epd.planning.profiles import (
 TOKENS = {224: 64, 448: 256}
 
 
-def _profile(eric_items_per_s: float = 10.0, encoder_s_per_token: float = 1e-3, sizes: tuple[int, ...] = (1, 2)
-             ) -> Profile:
+def _profile(
+    eric_items_per_s: float = 10.0, encoder_s_per_token: float = 1e-3, sizes: tuple[int, ...] = (1, 2)
+) -> Profile:
     """Eric: 10 items/s of 224 px (640 tokens/s) and 0.2 s for a lone 2-image request (0.0 s fixed); the engine:
     prefill 0.05 s + 1 ms per token, TPOT 10 ms alone, 20 ms at 8."""
-    eric = [EricPoint(1, eric_items_per_s / 2, 2 / eric_items_per_s, 2 / eric_items_per_s, 2.0),
-            EricPoint(8, eric_items_per_s, 1.0, 1.2, 8.0)]
-    engine = EngineSide([PrefillPoint(100, 0.15), PrefillPoint(300, 0.35)],
-                        [DecodePoint(1, 0.01), DecodePoint(8, 0.02)], encoder_s_per_token)
+    eric = [
+        EricPoint(1, eric_items_per_s / 2, 2 / eric_items_per_s, 2 / eric_items_per_s, 2.0),
+        EricPoint(8, eric_items_per_s, 1.0, 1.2, 8.0),
+    ]
+    engine = EngineSide(
+        [PrefillPoint(100, 0.15), PrefillPoint(300, 0.35)],
+        [DecodePoint(1, 0.01), DecodePoint(8, 0.02)],
+        encoder_s_per_token,
+    )
     shares = [Share(tuple(range(n)), eric, engine) for n in sizes]
     return Profile("m", "cpu", "float32", Traffic(2, (224,)), TOKENS, {}, shares)
 
@@ -53,9 +59,11 @@ def test_one_request_ttft_is_the_sum_of_its_stages() -> None:
 def test_decode_steps_cost_more_at_longer_contexts() -> None:
     """Profiled at two contexts (10 ms after 0 tokens, 20 ms after 1000), a step costs linearly in between at its
     requests' mean context: one request of 164 prompt tokens decodes its 10 tokens at contexts 165..174."""
-    side = EngineSide([PrefillPoint(100, 0.15), PrefillPoint(300, 0.35)],
-                      [DecodePoint(1, 0.01, 0), DecodePoint(8, 0.02, 0), DecodePoint(1, 0.02, 1000),
-                       DecodePoint(8, 0.04, 1000)], 1e-3)
+    side = EngineSide(
+        [PrefillPoint(100, 0.15), PrefillPoint(300, 0.35)],
+        [DecodePoint(1, 0.01, 0), DecodePoint(8, 0.02, 0), DecodePoint(1, 0.02, 1000), DecodePoint(8, 0.04, 1000)],
+        1e-3,
+    )
     prof = msgspec.structs.replace(_profile(), shares=[Share((0,), _profile().shares[0].eric, side)])
     epd = predict(prof, Layout(1, 1, 1, 1), _config())
     assert epd.tpot_ms["p50"] == pytest.approx(10.0 + 10.0 * 169.5 / 1000)
@@ -64,10 +72,16 @@ def test_decode_steps_cost_more_at_longer_contexts() -> None:
 def test_engine_timed_points_split_engine_work_from_the_rest() -> None:
     """With vLLM's own prefill times in the points, the fit runs on those (1 ms per token) and the rest of each
     request's wait (30 ms here) is its overhead; colocated, the processor's 0.5 ms per raw image token comes first."""
-    side = EngineSide([PrefillPoint(100, 0.14, 0.11), PrefillPoint(300, 0.34, 0.31)],
-                      [DecodePoint(1, 0.01), DecodePoint(8, 0.02)], 1e-3, own_preprocess_s_per_image_token=5e-4)
-    prof = msgspec.structs.replace(_profile(), shares=[Share((0,), _profile().shares[0].eric, side),
-                                                       Share((0, 1), _profile().shares[0].eric, side)])
+    side = EngineSide(
+        [PrefillPoint(100, 0.14, 0.11), PrefillPoint(300, 0.34, 0.31)],
+        [DecodePoint(1, 0.01), DecodePoint(8, 0.02)],
+        1e-3,
+        own_preprocess_s_per_image_token=5e-4,
+    )
+    prof = msgspec.structs.replace(
+        _profile(),
+        shares=[Share((0,), _profile().shares[0].eric, side), Share((0, 1), _profile().shares[0].eric, side)],
+    )
     epd = predict(prof, Layout(1, 1, 1, 1), _config())
     assert epd.ttft_ms["p50"] == pytest.approx(1e3 * (128 / 640 + 0.01 + 0.164 + 0.03))
     col = predict(prof, Layout(0, 0, 1, 1), _config())
@@ -89,25 +103,29 @@ def test_plan_picks_the_best_layout_and_reports_both_modes() -> None:
     result = plan(_profile(eric_items_per_s=1000.0), _config(rate=2.0, requests=100))
     assert result.epd.layout == Layout(1, 1, 1, 1, 2048)
     assert result.colocated.layout == Layout(0, 0, 1, 2, 2048)
-    assert result.ratios["throughput"] == pytest.approx(result.epd.request_throughput
-                                                        / result.colocated.request_throughput)
-    assert {p.layout for p in result.candidates} == {msgspec.structs.replace(lay, max_batched_tokens=2048)
-                                                     for lay in epd_layouts(_profile(), 2)}
+    assert result.ratios["throughput"] == pytest.approx(
+        result.epd.request_throughput / result.colocated.request_throughput
+    )
+    assert {p.layout for p in result.candidates} == {
+        msgspec.structs.replace(lay, max_batched_tokens=2048) for lay in epd_layouts(_profile(), 2)
+    }
 
 
 def test_plan_tries_token_budgets_and_keeps_the_best() -> None:
     """With a tight TPOT bound, long prompts and a prefill that costs 1 ms a token, a 2048-token step holds decode
     for 1.5 s: EPD picks 64 tokens a step (better goodput and TPOT p99); colocated keeps whichever of its budgets
     serves it best (its own encoder still holds whole steps); every budget was simulated for both."""
-    config = PlanConfig(2, Traffic(2, (224,), 1400, 64, rate=0.3), Slo(20_000, 60), requests=60, seeds=2,
-                        batched_token_choices=(64,))
+    config = PlanConfig(
+        2, Traffic(2, (224,), 1400, 64, rate=0.3), Slo(20_000, 60), requests=60, seeds=2, batched_token_choices=(64,)
+    )
     result = plan(_profile(eric_items_per_s=1000.0), config)
     assert result.epd.layout.max_batched_tokens == 64
     colocated = [predict(_profile(eric_items_per_s=1000.0), Layout(0, 0, 1, 2, b), config) for b in (64, 2048)]
     assert result.colocated == max(colocated, key=lambda p: (p.request_goodput, p.request_throughput))
     assert sorted({p.layout.max_batched_tokens for p in result.candidates}) == [64, 2048]
-    big = predict(_profile(eric_items_per_s=1000.0), msgspec.structs.replace(result.epd.layout,
-                                                                             max_batched_tokens=2048), config)
+    big = predict(
+        _profile(eric_items_per_s=1000.0), msgspec.structs.replace(result.epd.layout, max_batched_tokens=2048), config
+    )
     assert result.epd.request_goodput > big.request_goodput and result.epd.tpot_ms["p99"] < big.tpot_ms["p99"]
 
 
@@ -139,8 +157,11 @@ def _scaling_profile() -> Profile:
     shares = []
     for n in (1, 2, 3):
         eric = [EricPoint(1, 2.0 * n, 0.5 / n, 0.5 / n, 2.0), EricPoint(8, 4.0 * n, 1.0, 1.2, 8.0)]
-        engine = EngineSide([PrefillPoint(100, 0.11 / n), PrefillPoint(300, 0.31 / n)],
-                            [DecodePoint(1, 0.01 / n), DecodePoint(8, 0.02 / n)], 1e-3 / n)
+        engine = EngineSide(
+            [PrefillPoint(100, 0.11 / n), PrefillPoint(300, 0.31 / n)],
+            [DecodePoint(1, 0.01 / n), DecodePoint(8, 0.02 / n)],
+            1e-3 / n,
+        )
         shares.append(Share(tuple(range(n)), eric, engine))
     return Profile("m", "cpu", "float32", Traffic(2, (224,)), TOKENS, {}, shares)
 

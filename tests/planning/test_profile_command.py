@@ -18,18 +18,45 @@ def test_profile_then_plan(tmp_path: Path) -> None:
     model = ensure_checkpoint("qwen2_5_vl", "tiny")
     out = tmp_path / "profile.json"
     core = str(available_cpus()[0])
-    subprocess.run([sys.executable, "-m", "eric_epd", "profile", "--model", str(model), "--out", str(out),
-                    "--share", core, "--images", "2", "--sides", "112,224", "--concurrency", "1,4",
-                    "--batches", "1,4", "--requests", "4", "--output-tokens", "8", "--max-model-len", "4096",
-                    "--log-dir", str(tmp_path / "logs")], check=True, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eric_epd",
+            "profile",
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--share",
+            core,
+            "--images",
+            "2",
+            "--sides",
+            "112,224",
+            "--concurrency",
+            "1,4",
+            "--batches",
+            "1,4",
+            "--requests",
+            "4",
+            "--output-tokens",
+            "8",
+            "--max-model-len",
+            "4096",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        check=True,
+        timeout=900,
+    )
     profile = read_profile(out)
     assert profile.image_tokens == {112: 16, 224: 64}
     assert profile.token_factor == 28
     (share,) = profile.shares
     assert share.devices == (int(core),)
     assert [p.concurrency for p in share.eric] == [1, 4]
-    assert all(p.items_per_s > 0 and 0 < p.latency_p50_s <= p.latency_p99_s and p.batch_items >= 1
-               for p in share.eric)
+    assert all(p.items_per_s > 0 and 0 < p.latency_p50_s <= p.latency_p99_s and p.batch_items >= 1 for p in share.eric)
     prefill = share.engine.prefill
     assert len(prefill) == 6  # 0, 1 and 2 images of each side
     text_only = prefill[0].tokens
@@ -45,10 +72,38 @@ def test_profile_then_plan(tmp_path: Path) -> None:
     assert share.engine.own_encoder_s_per_image_token >= 0
     assert share.engine.saturated_requests_per_s > 0
     plan_json = tmp_path / "plan.json"
-    table = subprocess.run([sys.executable, "-m", "eric_epd", "plan", "--profile", str(out), "--devices", "2",
-                            "--ttft-ms", "2000", "--tpot-ms", "100", "--rate", "4", "--images", "2", "--sides",
-                            "112,224", "--requests", "40", "--seeds", "2", "--json", str(plan_json)],
-                           check=True, capture_output=True, text=True, timeout=120).stdout
+    table = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eric_epd",
+            "plan",
+            "--profile",
+            str(out),
+            "--devices",
+            "2",
+            "--ttft-ms",
+            "2000",
+            "--tpot-ms",
+            "100",
+            "--rate",
+            "4",
+            "--images",
+            "2",
+            "--sides",
+            "112,224",
+            "--requests",
+            "40",
+            "--seeds",
+            "2",
+            "--json",
+            str(plan_json),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "EPD (best): 1 Eric x1 + 1 engine x1" in table and "colocated: 2 engine x1" in table
     result = json.loads(plan_json.read_text())
     for mode in ("epd", "colocated"):

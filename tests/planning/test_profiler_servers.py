@@ -36,21 +36,32 @@ class RecordingServers:
         return self._serve("engine", kwargs)
 
 
-def test_each_share_starts_eric_then_the_engine_through_the_servers_given(monkeypatch: pytest.MonkeyPatch,
-                                                                          tmp_path: Path) -> None:
+def test_each_share_starts_eric_then_the_engine_through_the_servers_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setattr(profiler, "measure_eric", lambda eric, *args: [eric.url])
     monkeypatch.setattr(profiler, "measure_engine", lambda vllm, *args: vllm.url)
     servers = RecordingServers()
-    config = profiler.ProfileConfig(model=tmp_path, out=tmp_path / "profile.json", shares=((2, 3),), device="cuda",
-                                    dtype="bfloat16", batches=(1, 4))
+    config = profiler.ProfileConfig(
+        model=tmp_path, out=tmp_path / "profile.json", shares=((2, 3),), device="cuda", dtype="bfloat16", batches=(1, 4)
+    )
     share = profiler.profile_share(config, (2, 3), tmp_path, servers)
     assert (share.eric, share.engine) == (["http://eric"], "http://engine")
     assert [(event, kind) for event, kind, _ in servers.events] == [
-        ("enter", "eric"), ("exit", "eric"), ("enter", "engine"), ("exit", "engine")]
+        ("enter", "eric"),
+        ("exit", "eric"),
+        ("enter", "engine"),
+        ("exit", "engine"),
+    ]
     eric, engine = servers.events[0][2], servers.events[2][2]
     gpus = {"CUDA_VISIBLE_DEVICES": "2,3"}
-    assert eric == {"tp": 2, "cpus": None, "env": gpus, "log_path": tmp_path / "eric_2-3.log",
-                    "extra_args": ("--dtype", "bfloat16", "--device", "cuda")}
+    assert eric == {
+        "tp": 2,
+        "cpus": None,
+        "env": gpus,
+        "log_path": tmp_path / "eric_2-3.log",
+        "extra_args": ("--dtype", "bfloat16", "--device", "cuda"),
+    }
     assert engine["cpus"] is None and engine["env"] == gpus and engine["dtype"] == "bfloat16"
     assert engine["log_path"] == tmp_path / "vllm_2-3.log" and engine["max_model_len"] == config.max_model_len
     assert engine["extra_args"][-2:] == ("--tensor-parallel-size", "2")
@@ -59,10 +70,18 @@ def test_each_share_starts_eric_then_the_engine_through_the_servers_given(monkey
 def test_local_servers_are_the_stacks_launchers_not_yet_started(tmp_path: Path) -> None:
     servers: Servers = LocalServers()
     with_env = {"PROFILE_ENV": "1"}
-    eric = servers.eric(tmp_path, tp=1, cpus=(0,), env=with_env, log_path=tmp_path / "e.log",
-                        extra_args=("--dtype", "float32"))
-    engine = servers.engine(tmp_path, cpus=(1,), env=with_env, log_path=tmp_path / "v.log",
-                            extra_args=("--seed", "0"), dtype="float16", max_model_len=1024)
+    eric = servers.eric(
+        tmp_path, tp=1, cpus=(0,), env=with_env, log_path=tmp_path / "e.log", extra_args=("--dtype", "float32")
+    )
+    engine = servers.engine(
+        tmp_path,
+        cpus=(1,),
+        env=with_env,
+        log_path=tmp_path / "v.log",
+        extra_args=("--seed", "0"),
+        dtype="float16",
+        max_model_len=1024,
+    )
     assert isinstance(eric, EricServer) and isinstance(engine, VllmServe)
     assert eric.proc is None and engine.proc is None
     assert eric.cpus == (0,) and eric._cmd[-2:] == ["--dtype", "float32"] and eric._env["PROFILE_ENV"] == "1"

@@ -17,10 +17,20 @@ from eric_epd.eric.cli import _check_reachable
 from eric_epd.eric.cli import add_parser as _serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "examples").glob("*.md")), *sorted((ROOT / "docs").glob("*.md")),
-        *sorted(ROOT.glob("eric_epd/plugins/*/README.md"))]
-VARS = {"ERIC_API_KEY": "k1", "ENGINE_KEY": "k2", "CLIENT_KEY": "k3", "ADMIN_KEY": "k4", "ERIC_KEY": "k1",
-        "HOST_IP": "10.0.1.1"}
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "examples").glob("*.md")),
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted(ROOT.glob("eric_epd/plugins/*/README.md")),
+]
+VARS = {
+    "ERIC_API_KEY": "k1",
+    "ENGINE_KEY": "k2",
+    "CLIENT_KEY": "k3",
+    "ADMIN_KEY": "k4",
+    "ERIC_KEY": "k1",
+    "HOST_IP": "10.0.1.1",
+}
 
 
 def _balanced(line: str) -> bool:
@@ -68,10 +78,13 @@ def _documented(program: str) -> list[Command]:
                 text = re.sub(r"\$\(\((\d+) << (\d+)\)\)", lambda m: str(int(m[1]) << int(m[2])), text)
                 words = shlex.split(text)
                 n = len(program.split())
-                start = next(k for k in range(len(words)) if " ".join(words[k:k + n]) == program)
+                start = next(k for k in range(len(words)) if " ".join(words[k : k + n]) == program)
                 env = dict(w.split("=", 1) for w in words[:start] if re.match(r"^[A-Z_]+=", w))
-                found.append(Command(str(doc.relative_to(ROOT)), f"{doc.relative_to(ROOT)}: {text[:60]}", env,
-                                     words[start + n:]))
+                found.append(
+                    Command(
+                        str(doc.relative_to(ROOT)), f"{doc.relative_to(ROOT)}: {text[:60]}", env, words[start + n :]
+                    )
+                )
     return found
 
 
@@ -203,4 +216,3 @@ def test_every_documented_connector_names_a_transport_its_erics_serve() -> None:
             assert extra.get("mooncake_protocol", "tcp") in protocols[c.doc], f"{c.where}: Mooncake protocol"
         checked += 1
     assert checked >= 3
-

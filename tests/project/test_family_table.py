@@ -24,7 +24,8 @@ def test_every_family_is_listed_once() -> None:
     assert len(listed) == len(set(listed))
     assert set(listed) == set(builtin.FAMILIES) | set(families.FAMILIES) | set(audio_families.AUDIO_FAMILIES)
     assert {f.model_type for f in FAMILY_SUPPORT if f.generic} == set(families.FAMILIES) | set(
-        audio_families.AUDIO_FAMILIES)
+        audio_families.AUDIO_FAMILIES
+    )
 
 
 def test_every_proof_is_a_test_module_that_runs_the_family() -> None:

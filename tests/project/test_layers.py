@@ -22,8 +22,18 @@ LOWER = ("common", "media", "wire", "models", "transfer", "runtime")
 UPPER = ("eric", "geri", "plugins", "stack", "testing", "checkpoints", "planning")
 GATEWAY_MAY_USE = ("common", "media", "wire")
 LADDER: tuple[tuple[str, ...], ...] = (
-    ("common",), ("media",), ("wire",), ("models", "transfer"), ("runtime",), ("checkpoints", "planning"),
-    ("eric", "geri", "plugins"), ("stack",), ("testing",), ("cli",), ("__main__",))
+    ("common",),
+    ("media",),
+    ("wire",),
+    ("models", "transfer"),
+    ("runtime",),
+    ("checkpoints", "planning"),
+    ("eric", "geri", "plugins"),
+    ("stack",),
+    ("testing",),
+    ("cli",),
+    ("__main__",),
+)
 """eric_epd's layers bottom up: a module reaches its own layer and the rungs below it, never a layer beside it on
 its rung or above it (the package's own __init__, its __version__, is below them all)."""
 
@@ -87,16 +97,23 @@ def _path(by: dict[str, str], target: str) -> str:
     return " -> ".join(reversed(steps))
 
 
-def _arrows(graph: dict[str, set[str]], source: Callable[[str], bool],
-            may_reach: Callable[[str, str], bool]) -> list[str]:
+def _arrows(
+    graph: dict[str, set[str]], source: Callable[[str], bool], may_reach: Callable[[str, str], bool]
+) -> list[str]:
     """For each `source` module, the path to every module it reaches (see _reach) and may not."""
-    return [_path(by, target) for module in sorted(filter(source, graph)) for by in [_reach(graph, module)]
-            for target in sorted(by) if target != module and not may_reach(module, target)]
+    return [
+        _path(by, target)
+        for module in sorted(filter(source, graph))
+        for by in [_reach(graph, module)]
+        for target in sorted(by)
+        if target != module and not may_reach(module, target)
+    ]
 
 
 def _climbing_from_lower(graph: dict[str, set[str]]) -> list[str]:
-    return _arrows(graph, lambda m: _layer(m) in LOWER,
-                   lambda m, t: _layer(t) not in UPPER and not t.startswith("epd_gateway"))
+    return _arrows(
+        graph, lambda m: _layer(m) in LOWER, lambda m, t: _layer(t) not in UPPER and not t.startswith("epd_gateway")
+    )
 
 
 def _rung(layer: str) -> int:
@@ -113,13 +130,17 @@ def _up_the_ladder(graph: dict[str, set[str]]) -> list[str]:
 
 
 def _gateway_beyond_the_wire(graph: dict[str, set[str]]) -> list[str]:
-    return _arrows(graph, lambda m: m.startswith("epd_gateway"),
-                   lambda m, t: t.startswith("epd_gateway") or t == "eric_epd" or _layer(t) in GATEWAY_MAY_USE)
+    return _arrows(
+        graph,
+        lambda m: m.startswith("epd_gateway"),
+        lambda m, t: t.startswith("epd_gateway") or t == "eric_epd" or _layer(t) in GATEWAY_MAY_USE,
+    )
 
 
 def _on_the_test_kit(graph: dict[str, set[str]]) -> list[str]:
-    return _arrows(graph, lambda m: m.startswith("eric_epd.") and _layer(m) != "testing",
-                   lambda m, t: _layer(t) != "testing")
+    return _arrows(
+        graph, lambda m: m.startswith("eric_epd.") and _layer(m) != "testing", lambda m, t: _layer(t) != "testing"
+    )
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -185,10 +206,19 @@ def test_the_gateway_uses_only_the_shared_wire() -> None:
 def test_the_gateway_starts_without_torch_or_the_models() -> None:
     """What the static checks say, at run time: importing the gateway's app and command line loads no torch and no
     eric_epd module beyond common, media and wire (torch.save embeddings a client sends import torch when checked)."""
-    probe = ("import sys, epd_gateway.app, epd_gateway.cli; "
-             "print(*sorted(m for m in sys.modules if m == 'torch' or m.startswith('eric_epd.')))")
-    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120,
-                            cwd=ROOT, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'router'}", "PATH": ""}).stdout.split()
+    probe = (
+        "import sys, epd_gateway.app, epd_gateway.cli; "
+        "print(*sorted(m for m in sys.modules if m == 'torch' or m.startswith('eric_epd.')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PYTHONPATH": f"{ROOT}:{ROOT / 'router'}", "PATH": ""},
+    ).stdout.split()
     assert "torch" not in loaded
     assert {_layer(m) for m in loaded} <= set(GATEWAY_MAY_USE), sorted(loaded)
 
@@ -266,8 +296,14 @@ def test_eric_router_reads_config_json_once(monkeypatch: pytest.MonkeyPatch, qwe
         def heartbeat_age(self) -> float:
             return 0.0
 
-    def run_server(name: str, config: EricConfig, workload: Any, make_pool: Callable[[], Any],
-                   make_app: Callable[[Any, Any], Any], drain_timeout_s: float) -> None:
+    def run_server(
+        name: str,
+        config: EricConfig,
+        workload: Any,
+        make_pool: Callable[[], Any],
+        make_app: Callable[[Any, Any], Any],
+        drain_timeout_s: float,
+    ) -> None:
         hub = make_pool()
         try:
             asyncio.run(through_lifespan(make_app(NoEngine(), hub)))

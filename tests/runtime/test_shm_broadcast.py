@@ -9,11 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from eric_epd.runtime.executor.shm_broadcast import (
-    BroadcastAborted,
-    BroadcastHandle,
-    ShmBroadcast,
-)
+from eric_epd.runtime.executor.shm_broadcast import BroadcastAborted, BroadcastHandle, ShmBroadcast
 from eric_epd.runtime.executor.tensor_views import buffer_to_tensor, tensor_to_buffer
 from tests.support import helpers_shm
 from tests.support.helpers_shm import CTX
@@ -101,8 +97,11 @@ def _tensors(seed: int, small_only: bool):
     g = torch.Generator().manual_seed(seed)
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, 3e38, -1.5])
     out = [
-        special, special.to(torch.bfloat16), torch.tensor(2.5, dtype=torch.bfloat16),
-        torch.empty(0, 16, dtype=torch.bfloat16), torch.randn(64, 48, generator=g).to(torch.bfloat16).t(),
+        special,
+        special.to(torch.bfloat16),
+        torch.tensor(2.5, dtype=torch.bfloat16),
+        torch.empty(0, 16, dtype=torch.bfloat16),
+        torch.randn(64, 48, generator=g).to(torch.bfloat16).t(),
         torch.randn(3, 224, 224, generator=g),  # float32 pixels, 588 KiB
     ]
     if not small_only:  # bfloat16 activations (1.1 MiB) + 4 MiB: the message spills
@@ -121,8 +120,11 @@ def _tensor_reader_main(handle: BroadcastHandle, rank: int, n_msgs: int, out) ->
             want = _tensors(meta["seed"], meta["small_only"])
             for k, (view, (dtype, shape), w) in enumerate(zip(views, meta["specs"], want, strict=True)):
                 t = buffer_to_tensor(view, dtype, shape)
-                same = t.dtype == w.dtype and t.shape == w.shape and torch.equal(
-                    t.reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8))
+                same = (
+                    t.dtype == w.dtype
+                    and t.shape == w.shape
+                    and torch.equal(t.reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8))
+                )
                 zero_copy = t.numel() == 0 or t.data_ptr() == np.frombuffer(view, np.uint8).ctypes.data
                 if not (same and zero_copy):
                     errors.append(f"seed {meta['seed']} tensor {k}: {dtype}{shape} {same=} {zero_copy=}")

@@ -15,12 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from eric_epd.runtime.executor.shm_broadcast import (
-    BroadcastAborted,
-    BroadcastClosed,
-    BroadcastHandle,
-    ShmBroadcast,
-)
+from eric_epd.runtime.executor.shm_broadcast import BroadcastAborted, BroadcastClosed, BroadcastHandle, ShmBroadcast
 from eric_epd.runtime.executor.tensor_views import buffer_to_tensor
 from tests.support import helpers_shm
 from tests.support.helpers_shm import CTX

@@ -21,8 +21,7 @@ no_leaked_segments, procs = helpers_shm.no_leaked_segments, helpers_shm.procs
 logger = logging.getLogger(__name__)
 
 
-def _throughput_reader_main(handle: BroadcastHandle, rank: int, n_warm: int, n_msgs: int, copy: bool,
-                            out) -> None:
+def _throughput_reader_main(handle: BroadcastHandle, rank: int, n_warm: int, n_msgs: int, copy: bool, out) -> None:
     reader = ShmBroadcast.attach(handle, rank)
     for i in range(n_warm + n_msgs):
         if copy:
@@ -39,8 +38,9 @@ def _throughput_reader_main(handle: BroadcastHandle, rank: int, n_warm: int, n_m
 _FITS = (64 << 20) + 4096  # a 64 MiB buffer plus the message table fits one slot
 
 
-@pytest.mark.parametrize(("slot_bytes", "copy"), [(_FITS, False), (32 << 20, False), (_FITS, True)],
-                         ids=["in-slot", "spill", "copy-out"])
+@pytest.mark.parametrize(
+    ("slot_bytes", "copy"), [(_FITS, False), (32 << 20, False), (_FITS, True)], ids=["in-slot", "spill", "copy-out"]
+)
 def test_throughput_64mib_two_readers(procs, slot_bytes, copy):
     """Logs (not asserts) throughput; run with -rP or -o log_cli=true to see it."""
     n_warm, n_msgs, size = 4, 10, 64 << 20  # warm-up fills every slot once (first-touch page faults)
@@ -61,5 +61,11 @@ def test_throughput_64mib_two_readers(procs, slot_bytes, copy):
     finally:
         writer.close()
     mode = "spilled" if slot_bytes < size else "readers copy out" if copy else "in-slot, zero-copy readers"
-    logger.info("shm_broadcast throughput (%s): %d x 64 MiB to 2 readers in %.3f s = %.2f GB/s, %.1f msg/s",
-                mode, n_msgs, elapsed, n_msgs * size / elapsed / 1e9, n_msgs / elapsed)
+    logger.info(
+        "shm_broadcast throughput (%s): %d x 64 MiB to 2 readers in %.3f s = %.2f GB/s, %.1f msg/s",
+        mode,
+        n_msgs,
+        elapsed,
+        n_msgs * size / elapsed / 1e9,
+        n_msgs / elapsed,
+    )

@@ -31,16 +31,19 @@ def test_every_vllm_route_needs_the_key(vllm_behind_erics) -> None:
     assert refused.status_code == 401 and "engine key" in refused.json()["error"]["message"]
     wrong = httpx.post(vllm.url + "/invocations", headers={"Authorization": "Bearer wrong"}, json={})
     assert wrong.status_code == 401
-    assert httpx.post(vllm.url + "/tokenize", headers=vllm.headers,
-                      json={"prompt": "hello"}).status_code == 200  # the key still opens every route
+    assert (
+        httpx.post(vllm.url + "/tokenize", headers=vllm.headers, json={"prompt": "hello"}).status_code == 200
+    )  # the key still opens every route
 
 
 def test_vllm_websocket_route_needs_the_key(vllm_behind_erics) -> None:
     """The realtime WebSocket route: an unkeyed upgrade is answered 401, never switched."""
     vllm = vllm_behind_erics["vllm"]
     with socket.create_connection(("127.0.0.1", vllm.port), timeout=30) as conn:
-        conn.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        conn.sendall(
+            b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
         status_line = conn.recv(4096).split(b"\r\n", 1)[0]
     assert status_line.split()[1] == b"401", status_line
 

@@ -56,8 +56,14 @@ def _fuzz(schema: schemathesis.BaseSchema, mode: GenerationMode, call: Callable[
 def _fuzz_operation(operation: Any, mode: GenerationMode, call: Callable[[Any], Any]) -> Counter:
     statuses: Counter = Counter()
 
-    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
     @given(operation.as_strategy(generation_mode=mode))
     def run(case) -> None:
         statuses[call(case).status_code] += 1
@@ -69,18 +75,28 @@ def _fuzz_operation(operation: Any, mode: GenerationMode, call: Callable[[Any], 
 @pytest.fixture(scope="module")
 def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """SGLang's early calls for a req_id no /encode posted wait 2 s (not 180) before their 404."""
-    with EricServer(qwen2_vl_tiny, log_path=tmp_path_factory.mktemp("fuzz") / "eric.log",
-                    extra_args=("--sglang-req-timeout", "2")) as server:
+    with EricServer(
+        qwen2_vl_tiny, log_path=tmp_path_factory.mktemp("fuzz") / "eric.log", extra_args=("--sglang-req-timeout", "2")
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def gateway(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory):
     erics, vllm = vllm_behind_erics["erics"], vllm_behind_erics["vllm"]
-    with GatewayServer(tmp_path_factory.mktemp("fuzz-gw") / "gateway.log", "--encoder-urls",
-                       ",".join(e.url for e in erics), "--colocated-urls", vllm.url, "--api-key", GATEWAY_KEY,
-                       "--admin-key", "admin-fuzz", eric_api_key=vllm_behind_erics["eric_key"],
-                       upstream_api_key=vllm.api_key) as server:
+    with GatewayServer(
+        tmp_path_factory.mktemp("fuzz-gw") / "gateway.log",
+        "--encoder-urls",
+        ",".join(e.url for e in erics),
+        "--colocated-urls",
+        vllm.url,
+        "--api-key",
+        GATEWAY_KEY,
+        "--admin-key",
+        "admin-fuzz",
+        eric_api_key=vllm_behind_erics["eric_key"],
+        upstream_api_key=vllm.api_key,
+    ) as server:
         yield server
 
 
@@ -100,8 +116,9 @@ def test_gateway_surface(gateway, mode: GenerationMode) -> None:
     def call(case) -> Any:
         if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
             case.body["max_tokens"] = min(case.body["max_tokens"], 4)  # a short answer: the surface is under test
-        return case.call_and_validate(base_url=gateway.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"},
-                                      checks=CHECKS, timeout=120)
+        return case.call_and_validate(
+            base_url=gateway.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"}, checks=CHECKS, timeout=120
+        )
 
     seen = _fuzz(_schema(gateway.url, {}), mode, call)
     chat = seen["POST /v1/chat/completions"]
@@ -125,30 +142,58 @@ def test_hostile_bodies_get_a_named_4xx(eric, gateway) -> None:
         (eric.url + "/v1/encode", b'{"items": ' + _deep(100_000) + b"}", "nested deeper than 32"),
         (eric.url + "/v1/encode", b'{"items": ' + _deep(20) + b"}", "item 0 must be an object"),
         (eric.url + "/v1/encode", b"\xff\xfe{", "malformed JSON"),
-        (eric.url + "/v1/encode", orjson.dumps({"items": [{"id": big, "modality": "image", "url": png(8, 8)}]}),
-         "over the limit of 256"),
-        (eric.url + "/v1/encode", orjson.dumps({"items": [{"modality": big, "url": png(8, 8)}]}),
-         "unsupported modality"),
-        (eric.url + "/v1/encode", orjson.dumps({"items": [{"modality": "image", "url": "http://a/" + "b" * 9000}]}),
-         "over the limit of 8192"),
-        (eric.url + "/v1/encode", orjson.dumps({"items": [{"modality": "image", "url": png(1000, 4)}]}),
-         "aspect ratio"),
+        (
+            eric.url + "/v1/encode",
+            orjson.dumps({"items": [{"id": big, "modality": "image", "url": png(8, 8)}]}),
+            "over the limit of 256",
+        ),
+        (
+            eric.url + "/v1/encode",
+            orjson.dumps({"items": [{"modality": big, "url": png(8, 8)}]}),
+            "unsupported modality",
+        ),
+        (
+            eric.url + "/v1/encode",
+            orjson.dumps({"items": [{"modality": "image", "url": "http://a/" + "b" * 9000}]}),
+            "over the limit of 8192",
+        ),
+        (
+            eric.url + "/v1/encode",
+            orjson.dumps({"items": [{"modality": "image", "url": png(1000, 4)}]}),
+            "aspect ratio",
+        ),
         (eric.url + "/v1/embeddings/abc/ack", _deep(1000), "nested deeper than 32"),
-        (eric.url + "/encode", b'{"req_id": "r", "num_parts": 1, "part_idx": 0, "mm_items": [{"a": '
-         + _deep(100_000) + b"}]}", "nested too deeply"),
-        (eric.url + "/encode", orjson.dumps({"req_id": big, "num_parts": 1, "part_idx": 0, "mm_items": ["x"]}),
-         "req_id"),
-        (eric.url + "/send", b'{"req_id": "r", "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": 1, '
-         b'"session_id": "s", "buffer_address": ' + str(2 ** 70).encode() + b"}", "buffer_address"),
-        (gateway.url + "/v1/chat/completions", b'{"model": "m", "messages": ' + _deep(100_000) + b"}",
-         "nested deeper than 32"),
+        (
+            eric.url + "/encode",
+            b'{"req_id": "r", "num_parts": 1, "part_idx": 0, "mm_items": [{"a": ' + _deep(100_000) + b"}]}",
+            "nested too deeply",
+        ),
+        (
+            eric.url + "/encode",
+            orjson.dumps({"req_id": big, "num_parts": 1, "part_idx": 0, "mm_items": ["x"]}),
+            "req_id",
+        ),
+        (
+            eric.url + "/send",
+            b'{"req_id": "r", "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": 1, '
+            b'"session_id": "s", "buffer_address": ' + str(2**70).encode() + b"}",
+            "buffer_address",
+        ),
+        (
+            gateway.url + "/v1/chat/completions",
+            b'{"model": "m", "messages": ' + _deep(100_000) + b"}",
+            "nested deeper than 32",
+        ),
         (gateway.url + "/v1/chat/completions", orjson.dumps({"model": big, "messages": []}), "'model' must be"),
     ]
-    headers = {"eric": eric.headers | json_headers,
-               "gateway": {"Authorization": f"Bearer {GATEWAY_KEY}"} | json_headers}
+    headers = {
+        "eric": eric.headers | json_headers,
+        "gateway": {"Authorization": f"Bearer {GATEWAY_KEY}"} | json_headers,
+    }
     for url, body, named in cases:
-        resp = httpx.post(url, content=body, headers=headers["gateway" if url.startswith(gateway.url) else "eric"],
-                          timeout=60)
+        resp = httpx.post(
+            url, content=body, headers=headers["gateway" if url.startswith(gateway.url) else "eric"], timeout=60
+        )
         assert 400 <= resp.status_code < 500 and named in resp.text, (url, body[:80], resp.status_code, resp.text)
         assert len(resp.content) < 2048, (url, len(resp.content))
         sglang_route = url.endswith(("/encode", "/send")) and "/v1/" not in url
@@ -157,11 +202,11 @@ def test_hostile_bodies_get_a_named_4xx(eric, gateway) -> None:
         assert httpx.get(url + "/health", headers=headers_, timeout=30).status_code == 200
 
 
-
 def test_servers_healthy_and_right_after_fuzzing(eric, gateway, vllm_behind_erics) -> None:
     for url, headers in ((eric.url, eric.headers), (gateway.url, {}), (vllm_behind_erics["vllm"].url, {})):
         assert httpx.get(url + "/health", headers=headers, timeout=30).status_code == 200, url
     vllm = vllm_behind_erics["vllm"]
     msgs = image_messages([image_data_url(64, 64, seed=700 + i) for i in range(2)])
-    assert_greedy_agree(ask_greedy(gateway.url, msgs, key=GATEWAY_KEY), ask_greedy(vllm.url, msgs, key=vllm.api_key),
-                        NEAR_TIE_FLOAT32)  # EPD: Eric's tower against vLLM's, exact up to the first near tie
+    assert_greedy_agree(
+        ask_greedy(gateway.url, msgs, key=GATEWAY_KEY), ask_greedy(vllm.url, msgs, key=vllm.api_key), NEAR_TIE_FLOAT32
+    )  # EPD: Eric's tower against vLLM's, exact up to the first near tie

@@ -97,12 +97,21 @@ def world(qwen2_audio_servers, tmp_path_factory: pytest.TempPathFactory) -> Iter
     resolv.write_text("nameserver 127.0.0.99\noptions timeout:1 attempts:1\n")
     own_resolver = ("unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(resolv))
     eric, vllm = qwen2_audio_servers["eric"], qwen2_audio_servers["vllm"]
-    gateway = GatewayServer(tmp / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                            "--media-fetch-timeout", str(FETCH_TIMEOUT_S), eric_api_key=eric.api_key,
-                            upstream_api_key=vllm.api_key, media_hosts=("127.0.0.1",), wrap=own_resolver)
+    gateway = GatewayServer(
+        tmp / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        "--media-fetch-timeout",
+        str(FETCH_TIMEOUT_S),
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+        media_hosts=("127.0.0.1",),
+        wrap=own_resolver,
+    )
     with gateway:
-        yield {"gateway": gateway, "eric": eric, "vllm": vllm,
-               "origin": f"http://127.0.0.1:{origin.server_address[1]}"}
+        yield {"gateway": gateway, "eric": eric, "vllm": vllm, "origin": f"http://127.0.0.1:{origin.server_address[1]}"}
     _Origin.release.set()
     origin.shutdown()
     hole.close()
@@ -118,22 +127,30 @@ def _clip(rate: int, seconds: float = 1.0, seed: int = 0) -> dict:
 
 
 def _chat(*parts: dict, model: str = "m") -> dict:
-    return {"model": model, "max_tokens": 2, "temperature": 0.0,
-            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What do you hear?"}]}]}
+    return {
+        "model": model,
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What do you hear?"}]}],
+    }
 
 
 def _corpus(origin: str) -> dict[str, tuple[bytes | dict, set[int], str]]:
     """name -> (body, statuses allowed, words the error message must hold)."""
     concat = b"ffconcat version 1.0\nfile secret.wav\n"
     hls = b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n"
-    amplified = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": [' + b"[]," * (8 << 20) \
-        + b"[]]}"
+    amplified = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": [' + b"[]," * (8 << 20) + b"[]]}"
+    )
     return {
         "gzip bomb": (_chat(_audio(f"{origin}/bomb.wav")), {413}, "size limit"),
         "stacked encodings": (_chat(_audio(f"{origin}/double.wav")), {400}, "content encodings"),
         "slow origin": (_chat(_audio(f"{origin}/hang.wav")), {408}, "timed out"),
-        "name that never resolves": (_chat(_audio("http://never-answers.example/a.wav")), {400, 408},
-                                     "never-answers.example"),
+        "name that never resolves": (
+            _chat(_audio("http://never-answers.example/a.wav")),
+            {400, 408},
+            "never-answers.example",
+        ),
         "JSON amplification": (amplified, {400}, "tokens"),
         "60 KB URL": (_chat(_audio("http://example.com/" + "a" * 60_000)), {400}, "8192"),
         "ffconcat as audio": (_chat(_audio(data_url(concat, "audio/wav")), _clip(16000)), {400}, "content[0]"),
@@ -161,8 +178,10 @@ def test_every_hostile_request_is_a_4xx_and_a_good_one_beside_them_is_answered(w
     model = httpx.get(gateway.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     before = {name: _rss(server) for name, server in servers.items()}
     corpus = _corpus(world["origin"])
-    odd_rates = {rate: _chat(_clip(rate, seed=rate), _clip(rate, 0.5, seed=rate + 1), model=model)
-                 for rate in (4001, 44101, 191999)}  # two clips: the EPD path, resampled in Eric
+    odd_rates = {
+        rate: _chat(_clip(rate, seed=rate), _clip(rate, 0.5, seed=rate + 1), model=model)
+        for rate in (4001, 44101, 191999)
+    }  # two clips: the EPD path, resampled in Eric
     good = _chat(_clip(16000, seed=1), _clip(16000, 0.75, seed=2), model=model)
     with ThreadPoolExecutor(len(corpus) + len(odd_rates) + 1) as pool:
         hostile = {name: pool.submit(_post, gateway, body) for name, (body, _, _) in corpus.items()}

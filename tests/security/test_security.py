@@ -41,8 +41,9 @@ def stack(vllm_behind_erics, qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempP
     common = ("--encoder-urls", ",".join(e.url for e in erics), "--colocated-urls", vllm.url)
     keys = {"eric_api_key": vllm_behind_erics["eric_key"], "upstream_api_key": vllm.api_key}
     strict = GatewayServer(logs / "strict.log", *common, **keys).start()
-    trusting = GatewayServer(logs / "trusting.log", *common, "--allow-client-embeddings", str(qwen2_vl_tiny),
-                             **keys).start()
+    trusting = GatewayServer(
+        logs / "trusting.log", *common, "--allow-client-embeddings", str(qwen2_vl_tiny), **keys
+    ).start()
     yield {"strict": strict, "trusting": trusting, "erics": erics, "vllm": vllm}
     for gateway in (strict, trusting):
         gateway.stop()
@@ -52,8 +53,13 @@ def answer(url: str, messages: list[dict], key: str = "unused") -> tuple[list[in
     """Greedy token ids and their logprobs, through the openai client."""
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
     resp = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=messages, max_tokens=8, temperature=0.0, logprobs=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     return resp.choices[0].token_ids, [t.logprob for t in resp.choices[0].logprobs.content]
 
 
@@ -72,11 +78,17 @@ def refused(resp: httpx.Response, *words: str) -> None:
 def victim_hashes(stack) -> list[str]:
     """What an attacker computes offline from the victim's image (here: asked of Eric, with the internal key)."""
     eric = stack["erics"][1]
-    items = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                       json={"items": [{"modality": "image", "url": u} for u in VICTIM]}).json()["items"]
+    items = httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=60,
+        json={"items": [{"modality": "image", "url": u} for u in VICTIM]},
+    ).json()["items"]
     for item in items:  # give the leases back: the attacker only wanted the hashes
-        httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack",
-                   headers={**eric.headers, LEASE_HEADER: item["handle"]["lease"]})
+        httpx.post(
+            f"{eric.url}/v1/embeddings/{item['hash']}/ack",
+            headers={**eric.headers, LEASE_HEADER: item["handle"]["lease"]},
+        )
     return [item["hash"] for item in items]
 
 
@@ -93,13 +105,33 @@ def test_client_identifiers_refused_and_victim_unchanged(stack) -> None:
         ([{"type": "image_url", "image_url": {"url": ATTACKER, "uuid": target}}], ("uuid",)),
     ]
     for parts, words in attacks:
-        refused(post(gw, {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}]}),
-                *words)
-    refused(post(stack["trusting"].url, {"messages": [{"role": "user", "content": [
-        {"type": "image_embeds", "image_embeds": grid, "uuid": target}]}]}), "uuid")
+        refused(post(gw, {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}]}), *words)
+    refused(
+        post(
+            stack["trusting"].url,
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_embeds", "image_embeds": grid, "uuid": target}]}
+                ]
+            },
+        ),
+        "uuid",
+    )
     # forged handles beside the request: refused as a steering field, never reach vLLM's connector
-    forged = handles_xargs([{"hash": target, "shape": [4, 8], "dtype": "float32", "nbytes": 128, "lease": "x",
-                             "producer": "http://10.0.0.1:1", "instance_id": "x", "http": "x"}])
+    forged = handles_xargs(
+        [
+            {
+                "hash": target,
+                "shape": [4, 8],
+                "dtype": "float32",
+                "nbytes": 128,
+                "lease": "x",
+                "producer": "http://10.0.0.1:1",
+                "instance_id": "x",
+                "http": "x",
+            }
+        ]
+    )
     refused(post(gw, {"messages": image_messages(VICTIM), "vllm_xargs": forged}), "vllm_xargs")
     after_tokens, after_logprobs = answer(gw, image_messages(VICTIM))
     assert after_tokens == tokens
@@ -110,10 +142,24 @@ def test_urls_anywhere_go_through_the_policy(stack) -> None:
     gw = stack["strict"].url
     loopback = "http://127.0.0.2:9/secret.png"  # not on the gateway's --allowed-host list
     refused(post(gw, {"messages": image_messages([loopback])}), "private")
-    refused(post(gw, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "x", "image_url": {"url": loopback}}]}]}), "image_url")
-    refused(post(stack["trusting"].url, {"messages": [{"role": "user", "content": [
-        {"type": "image_embeds", "image_embeds": {"url": loopback}}]}]}), "image_embeds")
+    refused(
+        post(
+            gw,
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "x", "image_url": {"url": loopback}}]}
+                ]
+            },
+        ),
+        "image_url",
+    )
+    refused(
+        post(
+            stack["trusting"].url,
+            {"messages": [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": {"url": loopback}}]}]},
+        ),
+        "image_embeds",
+    )
     refused(post(gw, {"messages": [{"role": "user", "content": "hi", "image_url": loopback}]}), "image_url")
 
 
@@ -124,8 +170,10 @@ def test_steering_fields_refused_on_chat_and_completions(stack) -> None:
         refused(post(gw, {"messages": [{"role": "user", "content": "hi"}], name: {"x": 1}}), name)
         resp = httpx.post(gw + "/v1/completions", json={"model": "m", "prompt": "hi", name: {"x": 1}})
         refused(resp, name)
-    refused(httpx.post(gw + "/v1/completions", json={"model": "m", "prompt": "hi", "prompt_embeds": "AAAA"}),
-            "prompt_embeds")
+    refused(
+        httpx.post(gw + "/v1/completions", json={"model": "m", "prompt": "hi", "prompt_embeds": "AAAA"}),
+        "prompt_embeds",
+    )
 
 
 def _embeds_part(rows: int, width: int, grid: list[int]) -> dict:
@@ -142,12 +190,19 @@ def test_wrong_shape_embeddings_refused_engine_keeps_serving(stack, qwen2_vl_tin
     grid = [1, 4, 4]  # 16 patches, merged 2x2: 4 rows
     trusting, strict = stack["trusting"].url, stack["strict"].url
     for rows, w in ((3, width), (5, width), (4, width + 1)):
-        refused(post(trusting, {"messages": [{"role": "user", "content": [_embeds_part(rows, w, grid)]}]}),
-                "image_embeds", "[4, ")
-    refused(post(strict, {"messages": [{"role": "user", "content": [_embeds_part(4, width, grid)]}]}),
-            "client embeddings are off")
-    ok = post(trusting, {"messages": [{"role": "user", "content": [_embeds_part(4, width, grid),
-                                                                    {"type": "text", "text": "?"}]}]})
+        refused(
+            post(trusting, {"messages": [{"role": "user", "content": [_embeds_part(rows, w, grid)]}]}),
+            "image_embeds",
+            "[4, ",
+        )
+    refused(
+        post(strict, {"messages": [{"role": "user", "content": [_embeds_part(4, width, grid)]}]}),
+        "client embeddings are off",
+    )
+    ok = post(
+        trusting,
+        {"messages": [{"role": "user", "content": [_embeds_part(4, width, grid), {"type": "text", "text": "?"}]}]},
+    )
     assert ok.status_code == 200, ok.text
     assert answer(strict, image_messages(VICTIM[:1]))[0]
     assert httpx.get(stack["vllm"].url + "/health").status_code == 200
@@ -155,8 +210,12 @@ def test_wrong_shape_embeddings_refused_engine_keeps_serving(stack, qwen2_vl_tin
 
 def _encoded(stack) -> tuple[dict, EmbeddingHandle]:
     eric = stack["erics"][1]
-    item = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                      json={"items": [{"modality": "image", "url": ATTACKER}]}).json()["items"][0]
+    item = httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=60,
+        json={"items": [{"modality": "image", "url": ATTACKER}]},
+    ).json()["items"][0]
     return item, msgspec.convert(item["handle"], EmbeddingHandle)
 
 
@@ -169,7 +228,9 @@ def test_connector_fails_only_the_request_with_a_bad_handle(stack) -> None:
     item, good = _encoded(stack)
     rows, width = good.shape
     bad = [
-        msgspec.structs.replace(good, producer="http://10.0.0.1:1", http=f"http://10.0.0.1:1/v1/embeddings/{good.hash}"),
+        msgspec.structs.replace(
+            good, producer="http://10.0.0.1:1", http=f"http://10.0.0.1:1/v1/embeddings/{good.hash}"
+        ),
         msgspec.structs.replace(good, shape=(rows - 1, width), nbytes=(rows - 1) * width * 4),
         msgspec.structs.replace(good, shape=(rows, width + 1), nbytes=rows * (width + 1) * 4),
         msgspec.structs.replace(good, nbytes=good.nbytes * 2),
@@ -178,16 +239,18 @@ def test_connector_fails_only_the_request_with_a_bad_handle(stack) -> None:
     messages = [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}]
     for handle in bad:
         try:
-            resp = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
-                                                  extra_body={"vllm_xargs": handles_xargs([handle])})
+            resp = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=4, extra_body={"vllm_xargs": handles_xargs([handle])}
+            )
             assert resp.choices[0].finish_reason == "error", handle
         except openai.APIStatusError as e:  # an error status for that request is as good
             assert e.status_code < 600
     assert httpx.get(vllm.url + "/health").status_code == 200
     # a failed request gave its lease back (the bad handles carried the same token): a fresh encode for the last
     item, good = _encoded(stack)
-    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
-                                          extra_body={"vllm_xargs": handles_xargs([good])})
+    resp = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, extra_body={"vllm_xargs": handles_xargs([good])}
+    )
     assert resp.choices[0].finish_reason == "length"  # the good handle still serves
 
 
@@ -201,8 +264,10 @@ def _declared_only(base_url: str, path: str, length: int) -> tuple[int, bytes]:
     """POST that declares `length` bytes but sends 2: only a server that refuses on the header answers."""
     parts = urlsplit(base_url)
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {length}\r\n\r\n{{}}".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n{{}}".encode()
+        )
         data = b""
         while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < 20:
             chunk = sock.recv(65536)
@@ -216,8 +281,7 @@ def test_big_bodies_refused_before_they_are_read(stack) -> None:
     """413 in the JSON error shape for bodies over a route's limit, declared (Content-Length) or streamed."""
     eric = stack["erics"][1]
     h = "0" * 64
-    for url in (f"{eric.url}/v1/embeddings/{h}/ack", f"{eric.url}/v1/embeddings/{h}/lease",
-                f"{eric.url}/v1/encode"):
+    for url in (f"{eric.url}/v1/embeddings/{h}/ack", f"{eric.url}/v1/embeddings/{h}/lease", f"{eric.url}/v1/encode"):
         resp = httpx.post(url, content=_stream(48 << 20), headers=eric.headers, timeout=60)
         assert resp.status_code == 413 and "exceeds the limit" in resp.json()["error"]["message"], url
     gw = stack["strict"].url
@@ -253,8 +317,13 @@ producer.close()
 
 def test_nixl_producer_listens_only_on_its_advertised_interface() -> None:
     """UCX listens on every interface by default; Eric's NIXL agent only on the one carrying --advertise-host."""
-    out = subprocess.run([sys.executable, "-c", NIXL_LISTENERS], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"})
+    out = subprocess.run(
+        [sys.executable, "-c", NIXL_LISTENERS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     addresses = json.loads(out.stdout.strip().splitlines()[-1])
     assert addresses == ["127.0.0.1"], addresses

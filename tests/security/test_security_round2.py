@@ -29,17 +29,30 @@ from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
 from tests.support.helpers_servers import start_in_threads
 from tests.support.sglang_probes import ELSEWHERE, assert_sglang_error, client_from
 
-BOUNDS = ("--sglang-max-parts", "4", "--sglang-req-timeout", "3", "--sglang-send-timeout", "3",
-          "--sglang-max-receivers", "2", "--sglang-receiver-idle-ttl", "1")
+BOUNDS = (
+    "--sglang-max-parts",
+    "4",
+    "--sglang-req-timeout",
+    "3",
+    "--sglang-send-timeout",
+    "3",
+    "--sglang-max-receivers",
+    "2",
+    "--sglang-receiver-idle-ttl",
+    "1",
+)
 
 
 @pytest.fixture(scope="module")
 def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EricServer]]:
-    """"plain": no trusted proxy, small SGLang bounds; "proxied": --trusted-proxies 127.0.0.1 (booted together)."""
+    """ "plain": no trusted proxy, small SGLang bounds; "proxied": --trusted-proxies 127.0.0.1 (booted together)."""
     tmp = tmp_path_factory.mktemp("round2")
-    servers = {"plain": EricServer(qwen2_vl_tiny, log_path=tmp / "plain.log", extra_args=BOUNDS),
-               "proxied": EricServer(qwen2_vl_tiny, log_path=tmp / "proxied.log",
-                                     extra_args=("--trusted-proxies", "127.0.0.1"))}
+    servers = {
+        "plain": EricServer(qwen2_vl_tiny, log_path=tmp / "plain.log", extra_args=BOUNDS),
+        "proxied": EricServer(
+            qwen2_vl_tiny, log_path=tmp / "proxied.log", extra_args=("--trusted-proxies", "127.0.0.1")
+        ),
+    }
     join = start_in_threads(servers.values())
     try:
         join()
@@ -49,11 +62,15 @@ def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             eric.stop()
 
 
-def _register(client: httpx.Client, eric: EricServer, receive_url: str, forwarded: str | None = None,
-              rid: str | None = None) -> httpx.Response:
+def _register(
+    client: httpx.Client, eric: EricServer, receive_url: str, forwarded: str | None = None, rid: str | None = None
+) -> httpx.Response:
     headers = {"X-Forwarded-For": forwarded} if forwarded else {}
-    return client.post(eric.url + "/scheduler_receive_url", headers=headers, json={
-        "req_id": rid or f"{uuid.uuid4().hex}_local_part_0", "receive_count": 1, "receive_url": receive_url})
+    return client.post(
+        eric.url + "/scheduler_receive_url",
+        headers=headers,
+        json={"req_id": rid or f"{uuid.uuid4().hex}_local_part_0", "receive_count": 1, "receive_url": receive_url},
+    )
 
 
 def _parts(eric: EricServer) -> float:
@@ -67,15 +84,16 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies(erics) -> None:
     local, elsewhere = client_from("127.0.0.1"), client_from(ELSEWHERE)
     try:
         there, here = f"{ELSEWHERE}:{free_port()}", f"127.0.0.1:{free_port()}"
-        assert_sglang_error(_register(local, plain, there, forwarded=ELSEWHERE), 403, "receive_url", ELSEWHERE,
-                            "(127.0.0.1)")
+        assert_sglang_error(
+            _register(local, plain, there, forwarded=ELSEWHERE), 403, "receive_url", ELSEWHERE, "(127.0.0.1)"
+        )
         assert _register(local, plain, here, forwarded=ELSEWHERE).status_code == 200  # still 127.0.0.1's own
 
         assert _register(local, proxied, there, forwarded=ELSEWHERE).status_code == 200  # the proxy's word
-        assert_sglang_error(_register(local, proxied, here, forwarded=ELSEWHERE), 403, "receive_url",
-                            f"({ELSEWHERE})")
-        assert_sglang_error(_register(elsewhere, proxied, here, forwarded="127.0.0.1"), 403, "receive_url",
-                            f"({ELSEWHERE})")  # 127.0.0.2 is no trusted proxy: its header is ignored
+        assert_sglang_error(_register(local, proxied, here, forwarded=ELSEWHERE), 403, "receive_url", f"({ELSEWHERE})")
+        assert_sglang_error(
+            _register(elsewhere, proxied, here, forwarded="127.0.0.1"), 403, "receive_url", f"({ELSEWHERE})"
+        )  # 127.0.0.2 is no trusted proxy: its header is ignored
         assert _register(elsewhere, proxied, there, forwarded="127.0.0.1").status_code == 200
     finally:
         local.close()
@@ -97,9 +115,16 @@ def test_sglang_parts_are_bounded_and_expire(erics) -> None:
                 assert_sglang_error(resp, 503, "--sglang-max-parts")
             assert _parts(eric) <= 4
         assert statuses == [200] * 4 + [503] * 8, statuses
-        resp = client.post(eric.url + "/encode", json={
-            "req_id": f"{uuid.uuid4().hex}_local_part_0", "mm_items": [image_data_url(32, 32)], "num_parts": 1,
-            "part_idx": 0, "modality": "IMAGE"})
+        resp = client.post(
+            eric.url + "/encode",
+            json={
+                "req_id": f"{uuid.uuid4().hex}_local_part_0",
+                "mm_items": [image_data_url(32, 32)],
+                "num_parts": 1,
+                "part_idx": 0,
+                "modality": "IMAGE",
+            },
+        )
         assert_sglang_error(resp, 503, "--sglang-max-parts")
         assert _parts(eric) == 4
         assert wait_for(lambda: _parts(eric) == 0, timeout_s=30), "idle parts were not released"
@@ -117,8 +142,12 @@ def test_sglang_receiver_sockets_are_bounded_and_expire(erics) -> None:
     ctx = zmq.Context()
     pulls = []
     try:
-        warm = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
-                          json={"items": [{"modality": "image", "url": image_data_url(40, 40, 9)}]})
+        warm = httpx.post(
+            eric.url + "/v1/encode",
+            headers=eric.headers,
+            timeout=120,
+            json={"items": [{"modality": "image", "url": image_data_url(40, 40, 9)}]},
+        )
         assert warm.status_code == 200, warm.text
         assert wait_for(lambda: _parts(eric) == 0, timeout_s=30)
         for i in range(5):
@@ -127,9 +156,16 @@ def test_sglang_receiver_sockets_are_bounded_and_expire(erics) -> None:
             pulls.append(pull)
             rid = f"{uuid.uuid4().hex}_local_part_0"
             assert _register(client, eric, f"127.0.0.1:{port}", rid=rid).status_code == 200
-            resp = client.post(eric.url + "/encode", json={
-                "req_id": rid, "mm_items": [image_data_url(40, 40, i)], "num_parts": 1, "part_idx": 0,
-                "modality": "IMAGE"})
+            resp = client.post(
+                eric.url + "/encode",
+                json={
+                    "req_id": rid,
+                    "mm_items": [image_data_url(40, 40, i)],
+                    "num_parts": 1,
+                    "part_idx": 0,
+                    "modality": "IMAGE",
+                },
+            )
             assert resp.status_code == 200, resp.text
             assert pull.poll(30_000), f"rank {i} got nothing"
             frames = pull.recv_multipart()
@@ -181,30 +217,50 @@ def test_handles_must_name_their_producers_own_segment_region_and_port(producer)
     bytes), a foreign Mooncake port or an address below the pool are refused by the landing ranks: the request
     fails, the landing area keeps its bytes and the producer's lease is untouched; a good handle lands exactly."""
     rows = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 7
-    resp = httpx.post(producer.url + "/v1/testing/entries", timeout=60, json={
-        "hash": "r" * 64, "data": base64.b64encode(rows.numpy().tobytes()).decode(),
-        "shape": [4, 8], "dtype": "float32"})
+    resp = httpx.post(
+        producer.url + "/v1/testing/entries",
+        timeout=60,
+        json={
+            "hash": "r" * 64,
+            "data": base64.b64encode(rows.numpy().tobytes()).decode(),
+            "shape": [4, 8],
+            "dtype": "float32",
+        },
+    )
     assert resp.status_code == 200, resp.text
     good = as_handle(resp.json())
     described = httpx.get(producer.url + "/v1/transfer", timeout=30).json()
-    assert described["shm"]["name"] == good.shm.name and described["mooncake"]["session_id"] == \
-        good.mooncake.session_id and described["pool_bytes"] == 1 << 20
+    assert (
+        described["shm"]["name"] == good.shm.name
+        and described["mooncake"]["session_id"] == good.mooncake.session_id
+        and described["pool_bytes"] == 1 << 20
+    )
     foreign = SharedMemory(create=True, size=1 << 20, name=f"eric-pool-{uuid.uuid4().hex[:16]}")
     foreign.buf[:] = b"\xab" * (1 << 20)
     host, port = good.mooncake.session_id.rsplit(":", 1)
     shm, mc = good.shm, good.mooncake
     bad: dict[str, tuple[EmbeddingHandle, str]] = {
         "negative offset": (msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, offset=-256)), "outside"),
-        "past the pool": (msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, offset=(1 << 20) - 64)),
-                          "outside"),
-        "far past the pool": (msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, offset=1 << 30)),
-                              "outside"),
-        "foreign segment": (msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, name=foreign.name)),
-                            "is not"),
-        "foreign port": (msgspec.structs.replace(good, mooncake=msgspec.structs.replace(
-            mc, session_id=f"{host}:{int(port) + 1}")), "is not"),
-        "below the pool": (msgspec.structs.replace(good, mooncake=msgspec.structs.replace(mc, addr=mc.addr - 4096)),
-                           "outside"),
+        "past the pool": (
+            msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, offset=(1 << 20) - 64)),
+            "outside",
+        ),
+        "far past the pool": (
+            msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, offset=1 << 30)),
+            "outside",
+        ),
+        "foreign segment": (
+            msgspec.structs.replace(good, shm=msgspec.structs.replace(shm, name=foreign.name)),
+            "is not",
+        ),
+        "foreign port": (
+            msgspec.structs.replace(good, mooncake=msgspec.structs.replace(mc, session_id=f"{host}:{int(port) + 1}")),
+            "is not",
+        ),
+        "below the pool": (
+            msgspec.structs.replace(good, mooncake=msgspec.structs.replace(mc, addr=mc.addr - 4096)),
+            "outside",
+        ),
     }
     address = LandingAddress(f"round2{uuid.uuid4().hex[:8]}")
     area = LandingArea(address, 0, 4096, torch.device("cpu"), EmbeddingFetcher(("shm", "mooncake", "http")), 1)
@@ -224,8 +280,9 @@ def test_handles_must_name_their_producers_own_segment_region_and_port(producer)
         with pytest.raises(HandleError, match="negative"):  # also refused before any producer is asked
             check_handle(bad["negative offset"][0], (good.producer,), 8)
         with pytest.raises(HandleError, match="negative"):
-            check_handle(msgspec.structs.replace(good, mooncake=msgspec.structs.replace(mc, addr=-1)),
-                         (good.producer,), 8)
+            check_handle(
+                msgspec.structs.replace(good, mooncake=msgspec.structs.replace(mc, addr=-1)), (good.producer,), 8
+            )
 
         assert channel.land(256, good, 30.0) == "shm"
         assert torch.equal(area.tensor(256, (4, 8), "float32", torch.float32), rows)

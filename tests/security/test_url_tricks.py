@@ -72,6 +72,7 @@ class _Media(BaseHTTPRequestHandler):
 LOOPBACK = ("127.0.0.1",)
 """The media origin's address, let past the gateways' URL policy (the tricks aim elsewhere on loopback)."""
 
+
 class MediaOrigin(ThreadingHTTPServer):
     def __init__(self, targets: list[str]) -> None:
         super().__init__(("127.0.0.1", 0), _Media)
@@ -84,28 +85,56 @@ class MediaOrigin(ThreadingHTTPServer):
 def tricks(v4: int, v6: int, origin: MediaOrigin) -> list[str]:
     """URLs that reach 127.0.0.3:v4 or [::1]:v6 if any parser, resolver or redirect on the way is fooled."""
     parser_differentials = [
-        f"http://127.0.0.1\\@127.0.0.3:{v4}/a.png", f"http://127.0.0.3:{v4}\\@127.0.0.1/a.png",
-        f"http://127.0.0.1:80#@127.0.0.3:{v4}/a.png", f"http://127.0.0.1%2f@127.0.0.3:{v4}/a.png",
-        f"http:/\\127.0.0.3:{v4}/a.png", f"http:\\\\127.0.0.3:{v4}/a.png", f"http:///127.0.0.3:{v4}/a.png",
-        f"http://127.0.0.3:{v4} /a.png", f"http://127.0.0.1\t@127.0.0.3:{v4}/", f"http://127.0.0.3:{v4}\n/a.png",
-        f"http://127.0.0.3%3a{v4}/a.png", f"http://127%2e0.0.3:{v4}/a.png", f"http://127。0。0。3:{v4}/a.png",
+        f"http://127.0.0.1\\@127.0.0.3:{v4}/a.png",
+        f"http://127.0.0.3:{v4}\\@127.0.0.1/a.png",
+        f"http://127.0.0.1:80#@127.0.0.3:{v4}/a.png",
+        f"http://127.0.0.1%2f@127.0.0.3:{v4}/a.png",
+        f"http:/\\127.0.0.3:{v4}/a.png",
+        f"http:\\\\127.0.0.3:{v4}/a.png",
+        f"http:///127.0.0.3:{v4}/a.png",
+        f"http://127.0.0.3:{v4} /a.png",
+        f"http://127.0.0.1\t@127.0.0.3:{v4}/",
+        f"http://127.0.0.3:{v4}\n/a.png",
+        f"http://127.0.0.3%3a{v4}/a.png",
+        f"http://127%2e0.0.3:{v4}/a.png",
+        f"http://127。0。0。3:{v4}/a.png",
     ]
     numeric = [
-        f"http://2130706435:{v4}/a.png", f"http://0x7f000003:{v4}/a.png", f"http://0x7f.0.0.3:{v4}/a.png",
-        f"http://0177.0.0.3:{v4}/a.png", f"http://127.3:{v4}/a.png", f"http://127.0.0.3.:{v4}/a.png",
-        f"http://127.0.0.3:{v4}/a.png", f"HTTP://127.0.0.3:{v4}/a.png",
+        f"http://2130706435:{v4}/a.png",
+        f"http://0x7f000003:{v4}/a.png",
+        f"http://0x7f.0.0.3:{v4}/a.png",
+        f"http://0177.0.0.3:{v4}/a.png",
+        f"http://127.3:{v4}/a.png",
+        f"http://127.0.0.3.:{v4}/a.png",
+        f"http://127.0.0.3:{v4}/a.png",
+        f"HTTP://127.0.0.3:{v4}/a.png",
     ]
     ipv6 = [
-        f"http://[::1]:{v6}/a.png", f"http://[0:0:0:0:0:0:0:1]:{v6}/a.png", f"http://[::ffff:127.0.0.3]:{v4}/a.png",
-        f"http://[::ffff:7f00:3]:{v4}/a.png", f"http://[::127.0.0.3]:{v4}/a.png", f"http://[64:ff9b::7f00:3]:{v4}/",
-        f"http://[2002:7f00:3::]:{v4}/a.png", f"http://[::1%25lo]:{v6}/a.png", f"http://[::1]x:{v6}/a.png",
+        f"http://[::1]:{v6}/a.png",
+        f"http://[0:0:0:0:0:0:0:1]:{v6}/a.png",
+        f"http://[::ffff:127.0.0.3]:{v4}/a.png",
+        f"http://[::ffff:7f00:3]:{v4}/a.png",
+        f"http://[::127.0.0.3]:{v4}/a.png",
+        f"http://[64:ff9b::7f00:3]:{v4}/",
+        f"http://[2002:7f00:3::]:{v4}/a.png",
+        f"http://[::1%25lo]:{v6}/a.png",
+        f"http://[::1]x:{v6}/a.png",
     ]
-    userinfo = [f"http://user:pw@127.0.0.3:{v4}/a.png", f"http://127.0.0.1@127.0.0.3:{v4}/a.png",
-                f"http://127.0.0.1:{origin.server_address[1]}@127.0.0.3:{v4}/a.png"]
+    userinfo = [
+        f"http://user:pw@127.0.0.3:{v4}/a.png",
+        f"http://127.0.0.1@127.0.0.3:{v4}/a.png",
+        f"http://127.0.0.1:{origin.server_address[1]}@127.0.0.3:{v4}/a.png",
+    ]
     names = [f"http://localhost:{v6}/a.png", f"http://ip6-localhost:{v6}/a.png"]
-    origin.targets[:] = [f"http://127.0.0.3:{v4}/a.png", f"http://[::1]:{v6}/a.png", f"http://localhost:{v6}/a",
-                         f"http://2130706435:{v4}/a.png", f"http://127.0.0.1\\@127.0.0.3:{v4}/",
-                         "file:///etc/passwd", f"{origin.url}/to/6"]
+    origin.targets[:] = [
+        f"http://127.0.0.3:{v4}/a.png",
+        f"http://[::1]:{v6}/a.png",
+        f"http://localhost:{v6}/a",
+        f"http://2130706435:{v4}/a.png",
+        f"http://127.0.0.1\\@127.0.0.3:{v4}/",
+        "file:///etc/passwd",
+        f"{origin.url}/to/6",
+    ]
     redirects = [f"{origin.url}/to/{i}" for i in range(len(origin.targets))]
     return parser_differentials + numeric + ipv6 + userinfo + names + redirects
 
@@ -121,12 +150,30 @@ def world(vllm_behind_erics, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     origin = MediaOrigin([])
     dead = f"http://127.0.0.1:{free_port()}"
     gateways = {
-        "epd": GatewayServer(logs / "epd.log", "--encoder-urls", ",".join(e.url for e in erics),
-                             "--colocated-urls", vllm.url, media_hosts=LOOPBACK, **keys).start(),
-        "fallback": GatewayServer(logs / "fallback.log", "--encoder-urls", dead, "--colocated-urls", vllm.url,
-                                  media_hosts=LOOPBACK, **keys).start(),
-        "sglang": GatewayServer(logs / "sglang.log", "--backend", "sglang", "--prefill-urls", dead,
-                                "--decode-urls", dead, "--epd-prefill-urls", dead, media_hosts=LOOPBACK).start(),
+        "epd": GatewayServer(
+            logs / "epd.log",
+            "--encoder-urls",
+            ",".join(e.url for e in erics),
+            "--colocated-urls",
+            vllm.url,
+            media_hosts=LOOPBACK,
+            **keys,
+        ).start(),
+        "fallback": GatewayServer(
+            logs / "fallback.log", "--encoder-urls", dead, "--colocated-urls", vllm.url, media_hosts=LOOPBACK, **keys
+        ).start(),
+        "sglang": GatewayServer(
+            logs / "sglang.log",
+            "--backend",
+            "sglang",
+            "--prefill-urls",
+            dead,
+            "--decode-urls",
+            dead,
+            "--epd-prefill-urls",
+            dead,
+            media_hosts=LOOPBACK,
+        ).start(),
     }
     model = httpx.get(vllm.url + "/v1/models", headers=vllm.headers).json()["data"][0]["id"]
     yield {"v4": v4, "v6": v6, "origin": origin, "vllm": vllm, "model": model, **gateways}
@@ -142,8 +189,13 @@ def _chat(gateway: GatewayServer, urls: list[str], model: str) -> httpx.Response
 
 def test_url_tricks_refused_on_every_path_and_never_reach_the_listener(world) -> None:
     urls = tricks(world["v4"].port, world["v6"].port, world["origin"])
-    paths = {"pd": (world["epd"], 1), "epd": (world["epd"], 2), "fallback": (world["fallback"], 2),
-             "sglang-pd": (world["sglang"], 1), "sglang-epd": (world["sglang"], 2)}
+    paths = {
+        "pd": (world["epd"], 1),
+        "epd": (world["epd"], 2),
+        "fallback": (world["fallback"], 2),
+        "sglang-pd": (world["sglang"], 1),
+        "sglang-epd": (world["sglang"], 2),
+    }
     answers = {}
     for name, (gateway, items) in paths.items():
         for url in urls:
@@ -174,12 +226,16 @@ def test_vllm_itself_fetches_no_url(world) -> None:
     """The second wall: vLLM, asked directly with its own key, refuses http URLs (allowed or internal) and file
     URLs, and reaches nobody."""
     vllm, model, before = world["vllm"], world["model"], len(world["origin"].agents)
+
     def ask(url: str) -> httpx.Response:
         body = {"model": model, "max_tokens": 2, "messages": image_messages([url])}
         return httpx.post(vllm.url + "/v1/chat/completions", json=body, headers=vllm.headers, timeout=120)
 
-    for url in (f"{world['origin'].url}/good.png", f"http://127.0.0.3:{world['v4'].port}/a.png",
-                f"{world['origin'].url}/to/0"):
+    for url in (
+        f"{world['origin'].url}/good.png",
+        f"http://127.0.0.3:{world['v4'].port}/a.png",
+        f"{world['origin'].url}/to/0",
+    ):
         resp = ask(url)
         assert resp.status_code == 400 and "allowed domains" in resp.json()["error"]["message"], resp.text[:300]
     resp = ask("file:///etc/hostname")  # vLLM answers this refusal with a 500

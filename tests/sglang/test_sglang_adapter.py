@@ -34,14 +34,7 @@ from tests.support.helpers_sglang import (
     items_counter,
     prompt_for,
 )
-from tests.support.sglang_probes import (
-    ELSEWHERE,
-    Listener,
-    assert_sglang_error,
-    client_from,
-    raw_post,
-    send_body,
-)
+from tests.support.sglang_probes import ELSEWHERE, Listener, assert_sglang_error, client_from, raw_post, send_body
 
 # the prefill harness's module-scoped fixtures: three Erics and the prefill host, started once for this module
 bootstrap_port, setup, references = helpers_sglang.bootstrap_port, helpers_sglang.setup, helpers_sglang.references
@@ -56,8 +49,11 @@ def documented_commands() -> list[list[str]]:
     """The SGLang command lines in eric_epd/plugins/sglang/README.md."""
     import shlex
 
-    return [shlex.split(line)[3:] for line in README.read_text().splitlines()
-            if line.startswith("python -m sglang.launch_server")]
+    return [
+        shlex.split(line)[3:]
+        for line in README.read_text().splitlines()
+        if line.startswith("python -m sglang.launch_server")
+    ]
 
 
 def test_sglang_parser_accepts_documented_command_lines(setup, qwen2_vl_tiny: Path) -> None:
@@ -77,11 +73,27 @@ def test_sglang_parser_accepts_documented_command_lines(setup, qwen2_vl_tiny: Pa
             assert parsed.resolved_backend == parsed.encoder_transfer_backend and parsed.nixl_env == ""
         assert parsed.encoder_urls or parsed.encoder_bootstrap_port == 8997
     assert {"zmq_to_scheduler", "zmq_to_tokenizer", "mooncake", "nixl"} <= seen
-    bad = prefill.call(ParseArgs(["--model-path", str(qwen2_vl_tiny), "--language-only",
-                                  "--encoder-transfer-backend", "carrier-pigeon"]), ParsedArgs)
+    bad = prefill.call(
+        ParseArgs(
+            ["--model-path", str(qwen2_vl_tiny), "--language-only", "--encoder-transfer-backend", "carrier-pigeon"]
+        ),
+        ParsedArgs,
+    )
     assert bad.error is not None and "SystemExit" in bad.error  # argparse still refuses unknown backends
-    refused = prefill.call(ParseArgs(["--model-path", str(qwen2_vl_tiny), "--encoder-only", "--device", "cpu",
-                                      "--encoder-transfer-backend", "nixl"]), ParsedArgs)
+    refused = prefill.call(
+        ParseArgs(
+            [
+                "--model-path",
+                str(qwen2_vl_tiny),
+                "--encoder-only",
+                "--device",
+                "cpu",
+                "--encoder-transfer-backend",
+                "nixl",
+            ]
+        ),
+        ParsedArgs,
+    )
     assert refused.error is not None and "Eric" in refused.error
 
 
@@ -94,9 +106,15 @@ def test_zmq_to_tokenizer_qwen2_vl(setup, references, qwen2_vl_tiny: Path) -> No
     """Tokenizer-side receiver; SGLang's own local processing of the same images places the tokens the same way."""
     prefill, erics = setup
     urls = [image_data_url(*spec) for spec in IMAGES]
-    result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
-                         encoder_urls=[erics["A"].url], images=urls, prompt=prompt_for(len(urls)),
-                         local_reference=True)
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_vl_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[erics["A"].url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+        local_reference=True,
+    )
     (outcome,) = result.outcomes
     check_equal(outcome, eric_tensors(erics["A"], urls), references["qwen2_vl"]["images"], torch.float16)
     local = result.local
@@ -105,27 +123,36 @@ def test_zmq_to_tokenizer_qwen2_vl(setup, references, qwen2_vl_tiny: Path) -> No
     assert torch.equal(unpack(outcome.mrope), unpack(local.mrope))  # the same M-RoPE positions
 
 
-@pytest.mark.parametrize("backend,family", [
-    ("zmq_to_scheduler", "qwen2_5_vl"),
-    ("mooncake", "qwen2_vl"),
-    ("nixl", "qwen2_5_vl"),
-    ("nixl", "qwen2_vl"),
-])
-def test_scheduler_ranks_tp2(setup, references, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, backend: str,
-                             family: str) -> None:
+@pytest.mark.parametrize(
+    "backend,family",
+    [("zmq_to_scheduler", "qwen2_5_vl"), ("mooncake", "qwen2_vl"), ("nixl", "qwen2_5_vl"), ("nixl", "qwen2_vl")],
+)
+def test_scheduler_ranks_tp2(
+    setup, references, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, backend: str, family: str
+) -> None:
     """Two TP ranks (receive_count 2, SGLang's gloo TP group) each end up holding Eric's rows."""
     prefill, erics = setup
-    ckpt, eric, dtype = ((qwen2_vl_tiny, erics["A"], "auto") if family == "qwen2_vl"
-                         else (qwen2_5_vl_tiny, erics["B"], "float32"))
+    ckpt, eric, dtype = (
+        (qwen2_vl_tiny, erics["A"], "auto") if family == "qwen2_vl" else (qwen2_5_vl_tiny, erics["B"], "float32")
+    )
     urls = [image_data_url(*spec) for spec in IMAGES]
-    result = prefill.job(kind="scheduler", model=str(ckpt), backend=backend, encoder_urls=[eric.url], images=urls,
-                         prompt=prompt_for(len(urls)), tp=2, dtype=dtype)
+    result = prefill.job(
+        kind="scheduler",
+        model=str(ckpt),
+        backend=backend,
+        encoder_urls=[eric.url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+        tp=2,
+        dtype=dtype,
+    )
     assert result.dispatch_error is None
     expected = eric_tensors(eric, urls)
     assert [o.rank for o in result.outcomes] == [0, 1]
     for outcome in result.outcomes:
-        check_equal(outcome, expected, references[family]["images"],
-                    torch.float16 if dtype == "auto" else torch.float32)
+        check_equal(
+            outcome, expected, references[family]["images"], torch.float16 if dtype == "auto" else torch.float32
+        )
         assert outcome.engine == {"nixl": "NixlLandingEngine", "mooncake": "MooncakeTransferEngine"}.get(backend, "")
     assert result.outcomes[0].input_ids == result.outcomes[1].input_ids
 
@@ -135,9 +162,17 @@ def test_zmq_to_scheduler_tp1_images_and_video(setup, references, qwen2_5_vl_tin
     prefill, erics = setup
     urls = [image_data_url(*spec) for spec in IMAGES[:2]]
     video = video_data_url(num_frames=8, width=56, height=56, fps=4, seed=5)
-    result = prefill.job(kind="scheduler", model=str(qwen2_5_vl_tiny), backend="zmq_to_scheduler",
-                         encoder_urls=[erics["B"].url], images=urls, videos=[video], prompt=prompt_for(2, 1), tp=1,
-                         dtype="float32")
+    result = prefill.job(
+        kind="scheduler",
+        model=str(qwen2_5_vl_tiny),
+        backend="zmq_to_scheduler",
+        encoder_urls=[erics["B"].url],
+        images=urls,
+        videos=[video],
+        prompt=prompt_for(2, 1),
+        tp=1,
+        dtype="float32",
+    )
     (outcome,) = result.outcomes
     ref = references["qwen2_5_vl"]["images"]
     check_equal(outcome, eric_tensors(erics["B"], urls), (ref[0][:2], ref[1][:2]), torch.float32)
@@ -151,13 +186,26 @@ def test_request_split_across_two_erics_is_reassembled_in_order(setup, reference
     a, c = erics["A"], erics["C"]
     urls = [image_data_url(*spec) for spec in SPLIT_IMAGES]
     before = (items_counter(a), items_counter(c))
-    result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
-                         encoder_urls=[a.url, c.url], images=urls, prompt=prompt_for(len(urls)))
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_vl_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[a.url, c.url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+    )
     assert (items_counter(a) - before[0], items_counter(c) - before[1]) == (2, 2)  # num_parts 2: both Erics
     expected = eric_tensors(a, urls)
     check_equal(result.outcomes[0], expected, references["qwen2_vl"]["split"], torch.float16)
-    sched = prefill.job(kind="scheduler", model=str(qwen2_vl_tiny), backend="mooncake", encoder_urls=[c.url, a.url],
-                        images=urls, prompt=prompt_for(len(urls)), tp=2)
+    sched = prefill.job(
+        kind="scheduler",
+        model=str(qwen2_vl_tiny),
+        backend="mooncake",
+        encoder_urls=[c.url, a.url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+        tp=2,
+    )
     for outcome in sched.outcomes:
         check_equal(outcome, expected, references["qwen2_vl"]["split"], torch.float16)
 
@@ -174,8 +222,14 @@ def test_an_item_another_eric_encoded_reaches_sglang_from_the_global_cache(setup
     assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= encoded), "A did not share"
     from_store = 'eric_items_total{modality="image",source="global"}'
     batches, hits = metric(c.url, "eric_batches_total"), metric(c.url, from_store)
-    result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer",
-                         encoder_urls=[c.url], images=urls, prompt=prompt_for(len(urls)))
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_vl_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[c.url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+    )
     check_equal(result.outcomes[0], expected, None, torch.float16)
     assert metric(c.url, "eric_batches_total") == batches
     assert metric(c.url, from_store) == hits + len(urls)
@@ -190,8 +244,15 @@ def test_eric_registers_with_sglang_bootstrap(setup, references, qwen2_vl_tiny: 
         time.sleep(0.2)
     assert prefill.call(BootstrapUrls(), list[str]) == [c.url]
     urls = [image_data_url(*spec) for spec in IMAGES]
-    result = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer", encoder_urls=[],
-                         images=urls, prompt=prompt_for(len(urls)), use_bootstrap=True)
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_vl_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+        use_bootstrap=True,
+    )
     check_equal(result.outcomes[0], eric_tensors(c, urls), references["qwen2_vl"]["images"], torch.float16)
     assert httpx.get(c.url + "/health_generate", timeout=60).status_code == 200
     c.stop()  # a graceful stop unregisters
@@ -217,12 +278,19 @@ def test_eric_down_or_frozen_fails_like_sglangs_own_encoder(setup, qwen2_vl_tiny
     frozen = erics["B"]
     os.kill(frozen.proc.pid, signal.SIGSTOP)
     try:
-        res = prefill.job(kind="scheduler", backend="mooncake", encoder_urls=[frozen.url], tp=2,
-                          env={"SGLANG_ENCODER_HTTP_TIMEOUT": "3"}, **{**common, "model": str(qwen2_5_vl_tiny)})
+        res = prefill.job(
+            kind="scheduler",
+            backend="mooncake",
+            encoder_urls=[frozen.url],
+            tp=2,
+            env={"SGLANG_ENCODER_HTTP_TIMEOUT": "3"},
+            **{**common, "model": str(qwen2_5_vl_tiny)},
+        )
         for o in res.outcomes:  # the dispatch (/encode) or the rank's size pull, whichever SGLang saw first
             assert (o.ok, o.error_code) == (False, 504)
-            assert re.fullmatch(r"Encoder (HTTP request|/scheduler_receive_meta_data) timeout \(3\.0s\)",
-                                o.error_msg), o.error_msg
+            assert re.fullmatch(
+                r"Encoder (HTTP request|/scheduler_receive_meta_data) timeout \(3\.0s\)", o.error_msg
+            ), o.error_msg
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
 
@@ -240,8 +308,16 @@ def encoded_pull_part(client: httpx.Client, eric: EricServer) -> str:
     rid = f"{uuid.uuid4().hex}_local_part_0"
     with ThreadPoolExecutor(2) as pool:
         meta = pool.submit(client.post, eric.url + "/scheduler_receive_meta_data", json={"req_id": rid, "part_idx": 0})
-        enc = client.post(eric.url + "/encode", json={"req_id": rid, "mm_items": [image_data_url(*IMAGES[0])],
-                                                      "num_parts": 1, "part_idx": 0, "modality": "IMAGE"})
+        enc = client.post(
+            eric.url + "/encode",
+            json={
+                "req_id": rid,
+                "mm_items": [image_data_url(*IMAGES[0])],
+                "num_parts": 1,
+                "part_idx": 0,
+                "modality": "IMAGE",
+            },
+        )
         assert enc.status_code == 200 and meta.result().status_code == 200, (enc.text, meta.result().text)
     return rid
 
@@ -256,15 +332,26 @@ def test_push_targets_are_the_caller_or_allowed(setup) -> None:
     try:
         before = items_counter(eric)
         rid = f"{uuid.uuid4().hex}_local_part_0"
-        resp = client.post(eric.url + "/encode", json={
-            "req_id": rid, "mm_items": [image_data_url(*IMAGES[0])], "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
-            "prefill_host": ELSEWHERE, "embedding_port": listener.port})
+        resp = client.post(
+            eric.url + "/encode",
+            json={
+                "req_id": rid,
+                "mm_items": [image_data_url(*IMAGES[0])],
+                "num_parts": 1,
+                "part_idx": 0,
+                "modality": "IMAGE",
+                "prefill_host": ELSEWHERE,
+                "embedding_port": listener.port,
+            },
+        )
         assert_sglang_error(resp, 403, "prefill_host", ELSEWHERE, "--sglang-allowed-peer")
         assert resp.json()["req_id"] == rid
         assert items_counter(eric) == before  # refused before anything was encoded
 
-        resp = client.post(eric.url + "/scheduler_receive_url", json={
-            "req_id": f"{uuid.uuid4().hex}_local_part_0", "receive_count": 1, "receive_url": listener.endpoint})
+        resp = client.post(
+            eric.url + "/scheduler_receive_url",
+            json={"req_id": f"{uuid.uuid4().hex}_local_part_0", "receive_count": 1, "receive_url": listener.endpoint},
+        )
         assert_sglang_error(resp, 403, "receive_url", ELSEWHERE)
 
         rid = encoded_pull_part(client, eric)
@@ -318,18 +405,41 @@ def test_allowed_peer_lets_pushes_through(setup, references, qwen2_vl_tiny: Path
     urls = [image_data_url(*spec) for spec in IMAGES]
     elsewhere = {"SGLANG_HOST_IP": ELSEWHERE}
     before = items_counter(erics["A"])
-    refused = prefill.job(kind="tokenizer", model=str(qwen2_vl_tiny), backend="zmq_to_tokenizer", env=elsewhere,
-                          encoder_urls=[erics["A"].url], images=urls, prompt=prompt_for(len(urls))).outcomes[0]
+    refused = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_vl_tiny),
+        backend="zmq_to_tokenizer",
+        env=elsewhere,
+        encoder_urls=[erics["A"].url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+    ).outcomes[0]
     assert not refused.ok and refused.error_code == 503, (refused.error_code, refused.error_msg)
     assert items_counter(erics["A"]) == before
 
     expected = eric_tensors(erics["B"], urls)
-    tok = prefill.job(kind="tokenizer", model=str(qwen2_5_vl_tiny), backend="zmq_to_tokenizer", env=elsewhere,
-                      encoder_urls=[erics["B"].url], images=urls, prompt=prompt_for(len(urls)), dtype="float32")
+    tok = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_5_vl_tiny),
+        backend="zmq_to_tokenizer",
+        env=elsewhere,
+        encoder_urls=[erics["B"].url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+        dtype="float32",
+    )
     check_equal(tok.outcomes[0], expected, references["qwen2_5_vl"]["images"], torch.float32)
-    sched = prefill.job(kind="scheduler", model=str(qwen2_5_vl_tiny), backend="zmq_to_scheduler", env=elsewhere,
-                        encoder_urls=[erics["B"].url], images=urls, prompt=prompt_for(len(urls)), tp=1,
-                        dtype="float32")
+    sched = prefill.job(
+        kind="scheduler",
+        model=str(qwen2_5_vl_tiny),
+        backend="zmq_to_scheduler",
+        env=elsewhere,
+        encoder_urls=[erics["B"].url],
+        images=urls,
+        prompt=prompt_for(len(urls)),
+        tp=1,
+        dtype="float32",
+    )
     check_equal(sched.outcomes[0], expected, references["qwen2_5_vl"]["images"], torch.float32)
 
 
@@ -354,6 +464,9 @@ def test_oversized_bodies_get_413_without_being_read(setup) -> None:
         resp = httpx.post(eric.url + path, content=chunks(), timeout=60)  # no Content-Length: streamed
         assert_sglang_error(resp, 413, "limit")
     assert httpx.get(eric.url + "/health", timeout=10).status_code == 200
-    resp = httpx.post(eric.url + "/scheduler_receive_url",
-                      json={"req_id": "r", "receive_count": 0, "receive_url": "127.0.0.1:1"}, timeout=10)
+    resp = httpx.post(
+        eric.url + "/scheduler_receive_url",
+        json={"req_id": "r", "receive_count": 0, "receive_url": "127.0.0.1:1"},
+        timeout=10,
+    )
     assert_sglang_error(resp, 400, "receive_count")

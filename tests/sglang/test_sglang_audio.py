@@ -63,14 +63,28 @@ def reference(qwen2_audio_tiny: Path) -> dict[int, tuple[torch.Tensor, int]]:
     hf = AutoProcessor.from_pretrained(qwen2_audio_tiny)
     decoded = [soundfile.read(io.BytesIO(audio_bytes(f, r, 1, "wav", s)), dtype="float32") for f, r, s in CLIPS]
     rows = transformers_audio_rows(qwen2_audio_tiny, [(samples, rate) for samples, rate in decoded])
-    frames = [int(hf.feature_extractor(resample(samples, rate, 16000), sampling_rate=16000, truncation=True,
-                                       return_attention_mask=True, return_tensors="pt")["attention_mask"].sum())
-              for samples, rate in decoded]
+    frames = [
+        int(
+            hf.feature_extractor(
+                resample(samples, rate, 16000),
+                sampling_rate=16000,
+                truncation=True,
+                return_attention_mask=True,
+                return_tensors="pt",
+            )["attention_mask"].sum()
+        )
+        for samples, rate in decoded
+    ]
     return dict(enumerate(zip(rows, frames)))
 
 
-def check_audio(outcome: Outcome, clips: list[int], eric: EricServer, reference: dict[int, tuple[torch.Tensor, int]],
-                audio_token_id: int) -> None:
+def check_audio(
+    outcome: Outcome,
+    clips: list[int],
+    eric: EricServer,
+    reference: dict[int, tuple[torch.Tensor, int]],
+    audio_token_id: int,
+) -> None:
     """The receiver holds, per clip and in order, Eric's rows and transformers' (float32); it handed SGLang's
     processor each clip's feature frames, and the prompt SGLang built holds one run of audio tokens per clip, as long
     as its rows."""
@@ -109,15 +123,23 @@ def test_health_generate_encodes_audio(stack) -> None:
 
 
 @pytest.mark.parametrize("clips", [[0], [0, 1]])
-def test_zmq_to_tokenizer_places_audio_as_sglangs_own_processing(stack, reference, qwen2_audio_tiny: Path,
-                                                                  clips: list[int]) -> None:
+def test_zmq_to_tokenizer_places_audio_as_sglangs_own_processing(
+    stack, reference, qwen2_audio_tiny: Path, clips: list[int]
+) -> None:
     """One part with 1 or 2 clips (16 kHz): SGLang's tokenizer-side receiver holds Eric's and transformers' rows,
     and the prompt and feature frames equal SGLang's own non-disaggregated processing of the same clips."""
     prefill, eric = stack
     urls = [clip_url(*CLIPS[c]) for c in clips]
-    result = prefill.job(kind="tokenizer", model=str(qwen2_audio_tiny), backend="zmq_to_tokenizer",
-                         encoder_urls=[eric.url], audios=urls, prompt=prompt_for(len(urls)), dtype="float32",
-                         local_reference=True)
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen2_audio_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[eric.url],
+        audios=urls,
+        prompt=prompt_for(len(urls)),
+        dtype="float32",
+        local_reference=True,
+    )
     (outcome,) = result.outcomes
     check_audio(outcome, clips, eric, reference, audio_token_id(qwen2_audio_tiny))
     assert result.local is not None
@@ -126,15 +148,23 @@ def test_zmq_to_tokenizer_places_audio_as_sglangs_own_processing(stack, referenc
 
 
 @pytest.mark.parametrize("backend,tp", [("zmq_to_scheduler", 2), ("nixl", 1)])
-def test_scheduler_ranks_receive_two_parts_of_audio(stack, reference, qwen2_audio_tiny: Path, backend: str,
-                                                    tp: int) -> None:
+def test_scheduler_ranks_receive_two_parts_of_audio(
+    stack, reference, qwen2_audio_tiny: Path, backend: str, tp: int
+) -> None:
     """Two clips split into two parts (the Eric listed twice, one clip each; one at 44.1 kHz): every scheduler rank
     (pushed over ZMQ, or pulled over NIXL) reassembles them in order."""
     prefill, eric = stack
     clips = [1, 2]
-    result = prefill.job(kind="scheduler", model=str(qwen2_audio_tiny), backend=backend,
-                         encoder_urls=[eric.url, eric.url], audios=[clip_url(*CLIPS[c]) for c in clips],
-                         prompt=prompt_for(len(clips)), tp=tp, dtype="float32")
+    result = prefill.job(
+        kind="scheduler",
+        model=str(qwen2_audio_tiny),
+        backend=backend,
+        encoder_urls=[eric.url, eric.url],
+        audios=[clip_url(*CLIPS[c]) for c in clips],
+        prompt=prompt_for(len(clips)),
+        tp=tp,
+        dtype="float32",
+    )
     assert result.dispatch_error is None
     assert [o.rank for o in result.outcomes] == list(range(tp))
     for outcome in result.outcomes:
@@ -147,17 +177,42 @@ def test_bad_audio_fails_the_request_with_erics_reason(stack, qwen2_audio_tiny: 
     prefill, eric = stack
     good = clip_url(*CLIPS[0])
     garbage = data_url(b"RIFF\x00\x00\x00\x00WAVEnot audio at all", "audio/wav")
-    result = prefill.job(kind="scheduler", model=str(qwen2_audio_tiny), backend="zmq_to_scheduler",
-                         encoder_urls=[eric.url], audios=[good, garbage], prompt=prompt_for(2), tp=1,
-                         dtype="float32", timeout_s=60)
+    result = prefill.job(
+        kind="scheduler",
+        model=str(qwen2_audio_tiny),
+        backend="zmq_to_scheduler",
+        encoder_urls=[eric.url],
+        audios=[good, garbage],
+        prompt=prompt_for(2),
+        tp=1,
+        dtype="float32",
+        timeout_s=60,
+    )
     (outcome,) = result.outcomes
     assert not outcome.ok and outcome.error_code == 400, outcome
     assert "item 1" in outcome.error_msg and "could not decode audio" in outcome.error_msg, outcome.error_msg
-    image = httpx.post(eric.url + "/encode", json={"req_id": "img_local_part_0", "num_parts": 1, "part_idx": 0,
-                                                    "modality": "IMAGE", "mm_items": [HEALTH_PNG]}, timeout=30)
+    image = httpx.post(
+        eric.url + "/encode",
+        json={
+            "req_id": "img_local_part_0",
+            "num_parts": 1,
+            "part_idx": 0,
+            "modality": "IMAGE",
+            "mm_items": [HEALTH_PNG],
+        },
+        timeout=30,
+    )
     assert image.status_code == 400 and "unsupported modality: IMAGE" in image.json()["message"], image.text
-    again = prefill.job(kind="scheduler", model=str(qwen2_audio_tiny), backend="zmq_to_scheduler",
-                        encoder_urls=[eric.url], audios=[good], prompt=prompt_for(1), tp=1, dtype="float32")
+    again = prefill.job(
+        kind="scheduler",
+        model=str(qwen2_audio_tiny),
+        backend="zmq_to_scheduler",
+        encoder_urls=[eric.url],
+        audios=[good],
+        prompt=prompt_for(1),
+        tp=1,
+        dtype="float32",
+    )
     assert again.outcomes[0].ok, again.outcomes[0].error_msg
 
 
@@ -169,8 +224,10 @@ OMNI_VIDEO = dict(num_frames=8, width=64, height=48, fps=4, seed=5)
 """Its video: 2 s, of which Eric (vLLM's Qwen2-VL sampling) takes 4 frames."""
 OMNI_CLIP = 0
 """Its clip (CLIPS[0], 16 kHz)."""
-SGLANG_OMNI_GAP = ("Failed to assemble multimodal inputs: 'TransformersAutoMultimodalProcessor' object has no "
-                   "attribute 'IM_START_TOKEN_ID'")
+SGLANG_OMNI_GAP = (
+    "Failed to assemble multimodal inputs: 'TransformersAutoMultimodalProcessor' object has no "
+    "attribute 'IM_START_TOKEN_ID'"
+)
 """What SGLang 0.5.23 (--model-impl transformers) answers a disaggregated Qwen2.5-Omni request with, after its
 receiver got every part."""
 SGLANG_NO_OMNI_PROCESSOR = "No processor registered for architecture: ['Qwen2_5OmniForConditionalGeneration']"
@@ -179,16 +236,30 @@ SGLANG_NO_OMNI_PROCESSOR = "No processor registered for architecture: ['Qwen2_5O
 
 def omni_urls() -> tuple[str, str, str]:
     """The Omni request's clip, image and video as data URLs."""
-    return (clip_url(*CLIPS[OMNI_CLIP]), data_url(image_bytes(random_image(*OMNI_IMAGE))),
-            data_url(video_bytes(**OMNI_VIDEO), "video/mp4"))
+    return (
+        clip_url(*CLIPS[OMNI_CLIP]),
+        data_url(image_bytes(random_image(*OMNI_IMAGE))),
+        data_url(video_bytes(**OMNI_VIDEO), "video/mp4"),
+    )
 
 
 @pytest.fixture(scope="module")
 def omni_eric(qwen2_5_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EricServer]:
     """One Eric on the tiny Qwen2.5-Omni (float32 rows), shared by the Omni tests; the prefill host is `stack`'s."""
-    eric = EricServer(qwen2_5_omni_tiny, log_path=tmp_path_factory.mktemp("sglang-omni") / "eric.log", extra_args=(
-        "--dtype", "float32", "--sglang-dtype", "float32", "--transfer-backends", "shm",
-        "--sglang-allowed-peer", "127.0.0.1/32"))
+    eric = EricServer(
+        qwen2_5_omni_tiny,
+        log_path=tmp_path_factory.mktemp("sglang-omni") / "eric.log",
+        extra_args=(
+            "--dtype",
+            "float32",
+            "--sglang-dtype",
+            "float32",
+            "--transfer-backends",
+            "shm",
+            "--sglang-allowed-peer",
+            "127.0.0.1/32",
+        ),
+    )
     with eric:
         yield eric
 
@@ -225,8 +296,9 @@ def sglang_audio_tokens(feature_frames: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", ["zmq_to_scheduler", "nixl"])
-def test_omni_parts_reach_sglangs_receiver_which_cannot_place_them(stack, omni_eric, omni_reference,
-                                                                   qwen2_5_omni_tiny: Path, backend: str) -> None:
+def test_omni_parts_reach_sglangs_receiver_which_cannot_place_them(
+    stack, omni_eric, omni_reference, qwen2_5_omni_tiny: Path, backend: str
+) -> None:
     """With --model-impl auto SGLang's tokenizer side cannot make its receiver. With --model-impl transformers, a
     clip, an image and a video: SGLang's scheduler-side receiver assembles, per modality, Eric's rows, equal to
     transformers' thinker's; the clip's feature frames it hands the processor are SGLang's own, and SGLang's token
@@ -234,9 +306,19 @@ def test_omni_parts_reach_sglangs_receiver_which_cannot_place_them(stack, omni_e
     its own error (no hang), and the Eric keeps serving."""
     prefill, _ = stack
     audio, image, video = omni_urls()
-    job = dict(kind="scheduler", model=str(qwen2_5_omni_tiny), backend=backend, encoder_urls=[omni_eric.url],
-               audios=[audio], images=[image], videos=[video], tp=1, dtype="float32", timeout_s=60,
-               prompt=f"Hear {OMNI_AUDIO}, see {IMAGE_TEXT} and watch {VIDEO_TEXT}.")
+    job = dict(
+        kind="scheduler",
+        model=str(qwen2_5_omni_tiny),
+        backend=backend,
+        encoder_urls=[omni_eric.url],
+        audios=[audio],
+        images=[image],
+        videos=[video],
+        tp=1,
+        dtype="float32",
+        timeout_s=60,
+        prompt=f"Hear {OMNI_AUDIO}, see {IMAGE_TEXT} and watch {VIDEO_TEXT}.",
+    )
     with pytest.raises(RuntimeError) as refused:
         prefill.job(**job)
     assert SGLANG_NO_OMNI_PROCESSOR in str(refused.value)
@@ -250,8 +332,9 @@ def test_omni_parts_reach_sglangs_receiver_which_cannot_place_them(stack, omni_e
         ((eric_rows, grid),) = eric_tensors(omni_eric, [url], modality)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, eric_rows, rtol=RTOL, atol=ATOL, msg=lambda m, x=modality: f"{x}: {m}")
-        torch.testing.assert_close(got, omni_reference[modality][0], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, x=modality: f"{x}: {m}")
+        torch.testing.assert_close(
+            got, omni_reference[modality][0], rtol=RTOL, atol=ATOL, msg=lambda m, x=modality: f"{x}: {m}"
+        )
         if modality != "audio":
             assert outcome.grid[f"{'img' if modality == 'image' else 'video'}_grid_thw"] == [grid]
     assert outcome.audio_feature_lens == omni_reference["feature_frames"]

@@ -32,8 +32,12 @@ from tests.support.kimi_reference import VllmKimi, transformers_rows
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
-def test_qwen3_family_parts_hold_every_deepstack_level(setup, family: str, request: pytest.FixtureRequest,  # noqa: F811
-                                                       tmp_path: Path) -> None:
+def test_qwen3_family_parts_hold_every_deepstack_level(
+    setup,  # noqa: F811
+    family: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
     """Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (SGLang's Qwen processor serves all four): SGLang's
     scheduler-side receiver (TP 1, float32) ends up holding, per image, transformers' rows in SGLang's own layout:
     [merged | DeepStack level 1 | level 2 ...] on the last dimension (merged alone where the tower has none)."""
@@ -48,17 +52,29 @@ def test_qwen3_family_parts_hold_every_deepstack_level(setup, family: str, reque
     with torch.no_grad():
         feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
     levels = getattr(feats, "deepstack_features", None) or []
-    rows = [torch.cat([merged, *(level[i] for level in levels)], dim=-1)
-            for i, merged in enumerate(feats.pooler_output)]
+    rows = [
+        torch.cat([merged, *(level[i] for level in levels)], dim=-1) for i, merged in enumerate(feats.pooler_output)
+    ]
     urls = [image_data_url(*spec) for spec in specs]
-    with EricServer(checkpoint, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
-                    log_path=tmp_path / "eric.log") as eric:
-        result = prefill.job(kind="scheduler", model=str(checkpoint), backend="zmq_to_scheduler",
-                             encoder_urls=[eric.url], images=urls, prompt=prompt_for(len(urls)), tp=1,
-                             dtype="float32")
+    with EricServer(
+        checkpoint,
+        extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
+        log_path=tmp_path / "eric.log",
+    ) as eric:
+        result = prefill.job(
+            kind="scheduler",
+            model=str(checkpoint),
+            backend="zmq_to_scheduler",
+            encoder_urls=[eric.url],
+            images=urls,
+            prompt=prompt_for(len(urls)),
+            tp=1,
+            dtype="float32",
+        )
         assert result.dispatch_error is None
-        check_equal(result.outcomes[0], eric_tensors(eric, urls), (rows, inputs["image_grid_thw"].tolist()),
-                    torch.float32)
+        check_equal(
+            result.outcomes[0], eric_tensors(eric, urls), (rows, inputs["image_grid_thw"].tolist()), torch.float32
+        )
     assert rows[0].shape[1] == (1 + len(levels)) * model.config.vision_config.out_hidden_size
 
 
@@ -67,13 +83,28 @@ def test_qwen3_vl_video_part_carries_its_timestamps(setup, qwen3_vl_tiny: Path, 
     ones vLLM gets too), which it writes into the prompt."""
     prefill, _ = setup
     video = video_data_url(num_frames=8, width=64, height=64, fps=4, seed=11)
-    with EricServer(qwen3_vl_tiny, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
-                    log_path=tmp_path / "eric.log") as eric:
-        result = prefill.job(kind="scheduler", model=str(qwen3_vl_tiny), backend="zmq_to_scheduler",
-                             encoder_urls=[eric.url], videos=[video], prompt=prompt_for(0, 1), tp=1, dtype="float32")
+    with EricServer(
+        qwen3_vl_tiny,
+        extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
+        log_path=tmp_path / "eric.log",
+    ) as eric:
+        result = prefill.job(
+            kind="scheduler",
+            model=str(qwen3_vl_tiny),
+            backend="zmq_to_scheduler",
+            encoder_urls=[eric.url],
+            videos=[video],
+            prompt=prompt_for(0, 1),
+            tp=1,
+            dtype="float32",
+        )
         assert result.dispatch_error is None
-        native = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "video", "url": video}]},
-                            headers=eric.headers, timeout=120).json()["items"][0]
+        native = httpx.post(
+            eric.url + "/v1/encode",
+            json={"items": [{"modality": "video", "url": video}]},
+            headers=eric.headers,
+            timeout=120,
+        ).json()["items"][0]
         [(ours, grid)] = eric_tensors(eric, [video], "video")
     outcome = result.outcomes[0]
     assert outcome.ok, outcome.error_msg
@@ -105,10 +136,19 @@ def test_kimi_parts_are_laid_out_by_sglangs_kimi_processor(setup, kimi: Path, tm
     urls = [image_data_url(*spec) for spec in specs]
     hf = _transformers_rows(kimi, specs)
     prompt = "Describe " + " and ".join([KIMI_IMAGE] * len(urls)) + " please."
-    with EricServer(kimi, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
-                    log_path=tmp_path / "eric.log") as eric:
-        result = prefill.job(kind="scheduler", model=str(kimi), backend="zmq_to_scheduler",
-                             encoder_urls=[eric.url], images=urls, prompt=prompt, tp=1, dtype="float32")
+    with EricServer(
+        kimi, extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"), log_path=tmp_path / "eric.log"
+    ) as eric:
+        result = prefill.job(
+            kind="scheduler",
+            model=str(kimi),
+            backend="zmq_to_scheduler",
+            encoder_urls=[eric.url],
+            images=urls,
+            prompt=prompt,
+            tp=1,
+            dtype="float32",
+        )
         assert result.dispatch_error is None
         check_equal(result.outcomes[0], eric_tensors(eric, urls), hf, torch.float32)
     # the prompt SGLang builds holds one run of media tokens per image, as long as its rows

@@ -103,8 +103,18 @@ def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """Short SGLang timeouts and parts sent as bfloat16 (Eric computes float32: each part has a dtype copy), on a
     POOL_BYTES pool that waits 10 s for space."""
     log = tmp_path_factory.mktemp("fences") / "eric.log"
-    args = ("--sglang-send-timeout", "2", "--sglang-req-timeout", "2", "--sglang-dtype", "bfloat16",
-            "--pool-bytes", str(POOL_BYTES), "--pool-wait", "10")
+    args = (
+        "--sglang-send-timeout",
+        "2",
+        "--sglang-req-timeout",
+        "2",
+        "--sglang-dtype",
+        "bfloat16",
+        "--pool-bytes",
+        str(POOL_BYTES),
+        "--pool-wait",
+        "10",
+    )
     with EricServer(qwen2_vl_tiny, log_path=log, extra_args=args) as server:
         yield server
 
@@ -113,12 +123,16 @@ def test_an_encode_slower_than_the_send_timeout_is_not_swept_under_it(eric: Eric
     """Eric's engine and workers are stopped for twice the send timeout while a part encodes: the sweep leaves the
     part alone; when it ends (no rank came: 504), its leases and its bfloat16 copy are given back at once, and the
     same image is encoded again."""
-    body = {"req_id": f"{uuid.uuid4().hex}_local_part_0", "mm_items": [image_data_url(64, 64, seed=5)],
-            "num_parts": 1, "part_idx": 0, "modality": "IMAGE"}
+    body = {
+        "req_id": f"{uuid.uuid4().hex}_local_part_0",
+        "mm_items": [image_data_url(64, 64, seed=5)],
+        "num_parts": 1,
+        "part_idx": 0,
+        "modality": "IMAGE",
+    }
     children = psutil.Process(eric.proc.pid).children(recursive=True)
     answer: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: answer.update(r=httpx.post(eric.url + "/encode", json=body,
-                                                                         timeout=60)))
+    thread = threading.Thread(target=lambda: answer.update(r=httpx.post(eric.url + "/encode", json=body, timeout=60)))
     for child in children:
         os.kill(child.pid, signal.SIGSTOP)
     try:
@@ -145,9 +159,18 @@ def test_parts_with_dtype_copies_take_turns_instead_of_starving_each_other(eric:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    bodies = [{"req_id": f"{uuid.uuid4().hex}_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
-               "mm_items": [image_data_url(64, 64, seed=300 + 2 * k), image_data_url(64, 64, seed=301 + 2 * k)],
-               "prefill_host": "127.0.0.1", "embedding_port": port} for k in range(4)]
+    bodies = [
+        {
+            "req_id": f"{uuid.uuid4().hex}_local_part_0",
+            "num_parts": 1,
+            "part_idx": 0,
+            "modality": "IMAGE",
+            "mm_items": [image_data_url(64, 64, seed=300 + 2 * k), image_data_url(64, 64, seed=301 + 2 * k)],
+            "prefill_host": "127.0.0.1",
+            "embedding_port": port,
+        }
+        for k in range(4)
+    ]
     children = psutil.Process(eric.proc.pid).children(recursive=True)
     try:
         with ThreadPoolExecutor(4) as pool:

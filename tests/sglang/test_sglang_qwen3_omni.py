@@ -65,8 +65,9 @@ def reference(qwen3_omni_tiny: Path) -> dict[str, list]:
 
     frames, _, _ = decode_video(video_bytes(**VIDEO), MediaLimits(), load_processor(qwen3_omni_tiny).frame_indices)
     decoded = [soundfile.read(io.BytesIO(audio_bytes(f, r, 1, "wav", s)), dtype="float32") for f, r, s in CLIPS]
-    out = qwen3_omni_rows(qwen3_omni_tiny, [(samples, int(rate)) for samples, rate in decoded],
-                          [random_image(*IMAGE)], [frames])
+    out = qwen3_omni_rows(
+        qwen3_omni_tiny, [(samples, int(rate)) for samples, rate in decoded], [random_image(*IMAGE)], [frames]
+    )
     out["vllm_audio"] = out.pop("audio")  # as vLLM 0.32 feeds its thinker: clips zero-padded to whole hops
     out["audio"] = []
     hf = AutoProcessor.from_pretrained(qwen3_omni_tiny)
@@ -91,13 +92,14 @@ def split_as_sglang(rows: torch.Tensor, model_dir: Path) -> tuple[torch.Tensor, 
     from transformers import AutoConfig
 
     thinker = AutoConfig.from_pretrained(model_dir).thinker_config
-    stand_in = SimpleNamespace(num_deepstack_embeddings=len(thinker.vision_config.deepstack_visual_indexes),
-                               config=SimpleNamespace(hidden_size=thinker.text_config.hidden_size))
+    stand_in = SimpleNamespace(
+        num_deepstack_embeddings=len(thinker.vision_config.deepstack_visual_indexes),
+        config=SimpleNamespace(hidden_size=thinker.text_config.hidden_size),
+    )
     return Qwen3OmniMoeThinkerForConditionalGeneration.separate_deepstack_embeds(stand_in, rows)
 
 
-def check_outcome(outcome: Outcome, clips: list[int], reference: dict[str, list],
-                  model_dir: Path) -> None:
+def check_outcome(outcome: Outcome, clips: list[int], reference: dict[str, list], model_dir: Path) -> None:
     """The receiver holds, per item and in prompt order, transformers' rows at each modality's width (images and
     videos split as SGLang's model splits them); it handed SGLang's processor each clip's feature frames, and the
     prompt SGLang built holds one run of each modality's tokens per item, as long as its rows."""
@@ -124,16 +126,25 @@ def check_outcome(outcome: Outcome, clips: list[int], reference: dict[str, list]
 
 
 @pytest.mark.parametrize("clip", [0, 1])
-def test_zmq_to_tokenizer_places_clip_and_image_as_sglangs_own_processing(stack, reference, qwen3_omni_tiny: Path,
-                                                                          clip: int) -> None:
+def test_zmq_to_tokenizer_places_clip_and_image_as_sglangs_own_processing(
+    stack, reference, qwen3_omni_tiny: Path, clip: int
+) -> None:
     """One clip (whole hops, or not) and an image: SGLang's tokenizer-side receiver holds transformers' rows for
     each, and its prompt, feature frames, grids and M-RoPE positions equal SGLang's own non-disaggregated processing
     of the same media (one clip: SGLang's local Qwen3-Omni path reads the first clip's frames only, so two clips fail
     there with "IndexError: index 1 is out of bounds" in get_rope_index_qwen3_omni)."""
     prefill, eric = stack
-    result = prefill.job(kind="tokenizer", model=str(qwen3_omni_tiny), backend="zmq_to_tokenizer",
-                         encoder_urls=[eric.url], audios=[clip_url(*CLIPS[clip])], images=[IMAGE_URL],
-                         prompt=prompt_for(1), dtype="float32", local_reference=True)
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen3_omni_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[eric.url],
+        audios=[clip_url(*CLIPS[clip])],
+        images=[IMAGE_URL],
+        prompt=prompt_for(1),
+        dtype="float32",
+        local_reference=True,
+    )
     (outcome,) = result.outcomes
     check_outcome(outcome, [clip], reference, qwen3_omni_tiny)
     assert result.local is not None
@@ -147,29 +158,46 @@ def test_zmq_to_tokenizer_places_clip_and_image_as_sglangs_own_processing(stack,
 def test_zmq_to_tokenizer_places_two_clips_and_an_image(stack, reference, qwen3_omni_tiny: Path) -> None:
     """Both clips and the image in one part each modality: every item's rows, in prompt order."""
     prefill, eric = stack
-    result = prefill.job(kind="tokenizer", model=str(qwen3_omni_tiny), backend="zmq_to_tokenizer",
-                         encoder_urls=[eric.url], audios=[clip_url(*c) for c in CLIPS], images=[IMAGE_URL],
-                         prompt=prompt_for(2), dtype="float32")
+    result = prefill.job(
+        kind="tokenizer",
+        model=str(qwen3_omni_tiny),
+        backend="zmq_to_tokenizer",
+        encoder_urls=[eric.url],
+        audios=[clip_url(*c) for c in CLIPS],
+        images=[IMAGE_URL],
+        prompt=prompt_for(2),
+        dtype="float32",
+    )
     check_outcome(result.outcomes[0], [0, 1], reference, qwen3_omni_tiny)
 
 
 @pytest.mark.parametrize("backend,tp", [("zmq_to_scheduler", 2), ("nixl", 1)])
-def test_scheduler_ranks_receive_clips_and_an_image_in_parts(stack, reference, qwen3_omni_tiny: Path, backend: str,
-                                                             tp: int) -> None:
+def test_scheduler_ranks_receive_clips_and_an_image_in_parts(
+    stack, reference, qwen3_omni_tiny: Path, backend: str, tp: int
+) -> None:
     """The clips and the image split into parts (the Eric listed twice): every scheduler rank (pushed over ZMQ, or
     pulled over NIXL) reassembles them in order, each modality at its own width."""
     prefill, eric = stack
-    result = prefill.job(kind="scheduler", model=str(qwen3_omni_tiny), backend=backend,
-                         encoder_urls=[eric.url, eric.url], audios=[clip_url(*c) for c in CLIPS],
-                         images=[IMAGE_URL], prompt=prompt_for(2), tp=tp, dtype="float32")
+    result = prefill.job(
+        kind="scheduler",
+        model=str(qwen3_omni_tiny),
+        backend=backend,
+        encoder_urls=[eric.url, eric.url],
+        audios=[clip_url(*c) for c in CLIPS],
+        images=[IMAGE_URL],
+        prompt=prompt_for(2),
+        tp=tp,
+        dtype="float32",
+    )
     assert result.dispatch_error is None
     assert [o.rank for o in result.outcomes] == list(range(tp))
     for outcome in result.outcomes:
         check_outcome(outcome, [0, 1], reference, qwen3_omni_tiny)
 
 
-def test_a_video_reaches_the_receiver_with_its_grid_and_sglangs_seconds_per_grid(stack, reference,
-                                                                               qwen3_omni_tiny: Path) -> None:
+def test_a_video_reaches_the_receiver_with_its_grid_and_sglangs_seconds_per_grid(
+    stack, reference, qwen3_omni_tiny: Path
+) -> None:
     """An image and a video: the video's part carries its processor grid (video_grid_thw) and the second_per_grid_ts
     SGLang's own encoder sends for this family (temporal_patch_size / 2), which SGLang's get_rope_index_qwen3_omni
     reads; the receiver holds transformers' rows for both, the grids transformers' processor gives, one run of video
@@ -178,9 +206,18 @@ def test_a_video_reaches_the_receiver_with_its_grid_and_sglangs_seconds_per_grid
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     prefill, eric = stack
-    result = prefill.job(kind="scheduler", model=str(qwen3_omni_tiny), backend="zmq_to_scheduler",
-                         encoder_urls=[eric.url], images=[IMAGE_URL], videos=[VIDEO_URL], audios=[],
-                         prompt=prompt_for(0, videos=1), tp=1, dtype="float32")
+    result = prefill.job(
+        kind="scheduler",
+        model=str(qwen3_omni_tiny),
+        backend="zmq_to_scheduler",
+        encoder_urls=[eric.url],
+        images=[IMAGE_URL],
+        videos=[VIDEO_URL],
+        audios=[],
+        prompt=prompt_for(0, videos=1),
+        tp=1,
+        dtype="float32",
+    )
     assert result.dispatch_error is None
     (outcome,) = result.outcomes
     check_outcome(outcome, [], reference, qwen3_omni_tiny)
@@ -188,9 +225,13 @@ def test_a_video_reaches_the_receiver_with_its_grid_and_sglangs_seconds_per_grid
     assert outcome.extra == {"second_per_grid_ts": [1.0]}  # the tiny checkpoint's temporal patch of 2, over 2 fps
     model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(qwen3_omni_tiny, dtype=torch.float32)
     ids = torch.tensor([outcome.input_ids])
-    positions, _ = model.get_rope_index(ids, torch.tensor(reference["image_grid"]),
-                                        torch.tensor(reference["video_grid"]), torch.ones_like(ids),
-                                        second_per_grids=torch.tensor([1.0]))
+    positions, _ = model.get_rope_index(
+        ids,
+        torch.tensor(reference["image_grid"]),
+        torch.tensor(reference["video_grid"]),
+        torch.ones_like(ids),
+        second_per_grids=torch.tensor([1.0]),
+    )
     assert outcome.mrope is not None
     assert torch.equal(unpack(outcome.mrope).to(torch.int64), positions[:, 0].to(torch.int64))
 

@@ -32,8 +32,11 @@ def test_delivery_errors_answer_as_sglang_does() -> None:
     from eric_epd.eric.sglang.push import PushError
 
     own = SglangError(404, "no staged embedding")
-    for raised, status, message in ((own, 404, "no staged embedding"), (PushError("rc=-1"), 500, "rc=-1"),
-                                    (OSError("gone"), 500, "send of req_id=r to h:1 failed: OSError: gone")):
+    for raised, status, message in (
+        (own, 404, "no staged embedding"),
+        (PushError("rc=-1"), 500, "rc=-1"),
+        (OSError("gone"), 500, "send of req_id=r to h:1 failed: OSError: gone"),
+    ):
         with pytest.raises(SglangError) as caught, as_sglang_error("send of req_id=r to h:1 failed"):
             raise raised
         assert (caught.value.status, caught.value.message) == (status, message)
@@ -50,8 +53,12 @@ def test_video_seconds_per_grid_only_for_qwen3_omni() -> None:
 
     vision = {"vision_config": {"temporal_patch_size": 2}}
     assert sglang_video_seconds({"model_type": "qwen3_omni_moe", "thinker_config": vision}) == 1.0
-    assert sglang_video_seconds({"model_type": "qwen3_omni_moe", "thinker_config": {
-        "vision_config": {"temporal_patch_size": 4}}}) == 2.0
+    assert (
+        sglang_video_seconds(
+            {"model_type": "qwen3_omni_moe", "thinker_config": {"vision_config": {"temporal_patch_size": 4}}}
+        )
+        == 2.0
+    )
     for family in ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "llava_onevision"):
         assert sglang_video_seconds({"model_type": family, "thinker_config": vision, **vision}) is None
 

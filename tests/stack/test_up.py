@@ -87,22 +87,41 @@ def test_a_config_alone_creates_no_directory() -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl_tiny"])
-def test_up_serves_a_multi_image_chat_and_stops_cleanly(family: str, request: pytest.FixtureRequest,
-                                                       tmp_path: Path) -> None:
+def test_up_serves_a_multi_image_chat_and_stops_cleanly(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """The built-in family. (`up` composes the same launchers that tests/gateway/test_gateway_qwen3.py runs for the
     Qwen3-VL and Qwen3.5 families: the suite keeps one `up` run to stay within its time.)"""
     model: Path = request.getfixturevalue(family)
     ready, port = tmp_path / "url", free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "eric_epd", "up", "--model", str(model), "--port",
-                             str(port), "--log-dir", str(tmp_path / "logs"), "--ready-file", str(ready)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eric_epd",
+            "up",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--ready-file",
+            str(ready),
+        ]
+    )
     try:
         url = _wait_ready(ready, proc)
         assert url == f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         images = [image_data_url(64 + 16 * i, 80, seed=900 + i) for i in range(3)]
         raw = client.chat.completions.with_raw_response.create(
-            model=client.models.list().data[0].id, messages=image_messages(images), max_tokens=6, temperature=0.0,
-            extra_body={"ignore_eos": True})
+            model=client.models.list().data[0].id,
+            messages=image_messages(images),
+            max_tokens=6,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         assert raw.headers["x-epd-path"] == "epd"
         assert raw.parse().usage.completion_tokens == 6
         _no_loopback_by_redirect(client, images)

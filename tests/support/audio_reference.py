@@ -19,12 +19,18 @@ def transformers_audio_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]]
     model = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     caught: dict[str, torch.Tensor] = {}
     hook = model.model.language_model.register_forward_pre_hook(
-        lambda _m, _a, kwargs: caught.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+        lambda _m, _a, kwargs: caught.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True
+    )
     rows = []
     try:
         for samples, rate in clips:
-            inputs = hf(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[resample(samples, rate, 16000)],
-                        sampling_rate=16000, truncation=True, return_tensors="pt")
+            inputs = hf(
+                text=["<|audio_bos|><|AUDIO|><|audio_eos|>"],
+                audio=[resample(samples, rate, 16000)],
+                sampling_rate=16000,
+                truncation=True,
+                return_tensors="pt",
+            )
             with torch.no_grad():
                 model(**inputs)
             rows.append(caught["embeds"][0][inputs["input_ids"][0] == model.config.audio_token_id])

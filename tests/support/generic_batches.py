@@ -39,8 +39,9 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def assert_alone_and_batched(workload: GenericWorkload, runner: GenericRunner, items: list,
-                             refs: list[torch.Tensor], rtol: float) -> None:
+def assert_alone_and_batched(
+    workload: GenericWorkload, runner: GenericRunner, items: list, refs: list[torch.Tensor], rtol: float
+) -> None:
     """Each item's rows alone (float32), then all of them in one batch, equal the references within `rtol`."""
     assert [it.num_tokens for it in items] == [r.shape[0] for r in refs]
     for item, ref in zip(items, refs):
@@ -64,8 +65,9 @@ def joined_job(modality: str, items: list) -> Job:
     return modality, joined, [it.num_tokens for it in items]
 
 
-def tower_tp2(encoder_class: Any, model_dir: Path, jobs: dict[str, Job], shards: dict[str, str],
-              out_dir: Path) -> list[dict[str, Any]]:
+def tower_tp2(
+    encoder_class: Any, model_dir: Path, jobs: dict[str, Job], shards: dict[str, str], out_dir: Path
+) -> list[dict[str, Any]]:
     """Per rank of two gloo ranks (spawned processes, each loading its own shard of `encoder_class`'s tower from
     `model_dir` in float32): each job's rows under its name, and under each name of `shards` the tower parameter at
     that path (the rank's shard of it)."""
@@ -73,13 +75,25 @@ def tower_tp2(encoder_class: Any, model_dir: Path, jobs: dict[str, Job], shards:
 
     from eric_epd.stack.process import free_port
 
-    mp.spawn(_tp_worker, args=(2, free_port(), encoder_class, str(model_dir), jobs, shards, str(out_dir)), nprocs=2,
-             join=True)
+    mp.spawn(
+        _tp_worker,
+        args=(2, free_port(), encoder_class, str(model_dir), jobs, shards, str(out_dir)),
+        nprocs=2,
+        join=True,
+    )
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 
 
-def _tp_worker(rank: int, world: int, port: int, encoder_class: Any, model_dir: str, jobs: dict[str, Job],
-               shards: dict[str, str], out_dir: str) -> None:
+def _tp_worker(
+    rank: int,
+    world: int,
+    port: int,
+    encoder_class: Any,
+    model_dir: str,
+    jobs: dict[str, Job],
+    shards: dict[str, str],
+    out_dir: str,
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)

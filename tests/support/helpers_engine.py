@@ -87,8 +87,10 @@ class FakeMedia:
         return url.encode()
 
     async def prepare_many(self, items: list[tuple[str, bytes]], hop_padded: bool = True) -> list[PreparedItem]:
-        return [PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
-                for modality, data in items]
+        return [
+            PreparedItem(data.decode(), ProcessedItem(modality, np.zeros((16, 12), np.float32), (1, 4, 4), 4))
+            for modality, data in items
+        ]
 
 
 def items(*names: str) -> list[EncodeItem]:
@@ -109,7 +111,8 @@ def encode_service(engine: FakeEngine, pool_bytes: int = 1 << 20, max_items: int
     config = EricConfig(model=Path("."), transfer=TransferConfig(pool_bytes=pool_bytes, backends=()))
     hub = transfer_hub(config)
     try:
-        yield EncodeService(FakeMedia(), FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"),
-                            max_items=max_items)
+        yield EncodeService(
+            FakeMedia(), FakeMedia(), engine, hub, EricMetrics(), OutputSpec(8, "float32"), max_items=max_items
+        )
     finally:
         hub.close()

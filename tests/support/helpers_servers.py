@@ -59,8 +59,15 @@ def stopped(pid: int) -> Iterator[None]:
 def post_raw(port: int, path: str, body: dict, headers: dict[str, str]) -> socket.socket:
     """Send a whole POST and return the open socket without reading the answer (the caller abandons it)."""
     payload = json.dumps(body).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": "127.0.0.1", "Content-Type": "application/json",
-                                                  "Content-Length": str(len(payload))}.items())
+    head = "".join(
+        f"{k}: {v}\r\n"
+        for k, v in {
+            **headers,
+            "Host": "127.0.0.1",
+            "Content-Type": "application/json",
+            "Content-Length": str(len(payload)),
+        }.items()
+    )
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode() + payload)
     return sock
@@ -72,8 +79,12 @@ def read_and_ack(eric: EricServer, item: dict) -> bytes:
     lease = eric.headers | {LEASE_HEADER: handle["lease"]}
     got = httpx.get(handle["http"], headers=lease, timeout=30)
     assert got.status_code == 200, got.text
-    ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=lease, timeout=30,
-                     json={"instance_id": handle["instance_id"]})
+    ack = httpx.post(
+        f"{eric.url}/v1/embeddings/{item['hash']}/ack",
+        headers=lease,
+        timeout=30,
+        json={"instance_id": handle["instance_id"]},
+    )
     assert ack.status_code == 200, ack.text
     return got.content
 

@@ -43,8 +43,7 @@ def plugin_entry_point(tmp: Path) -> Path:
     dist = tmp / "entry" / "eric_epd_sglang_entry_point-0.0.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: eric-epd-sglang-entry-point\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
+    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\neric_epd = eric_epd.plugins.sglang.plugin:register\n")
     return tmp / "entry"
 
 
@@ -69,14 +68,29 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
     master = StoreMaster(tmp / "master.log").start()
     shared = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
     erics = {  # A also runs Eric's own Mooncake and NIXL producers, beside the adapter's push engines
-        "A": EricServer(qwen2_vl_tiny, log_path=tmp / "A.log", extra_args=(
-            "--transfer-backends", "shm,mooncake,nixl", "--sglang-allowed-peer", "127.0.0.1/32", *shared)),
-        "B": EricServer(qwen2_5_vl_tiny, log_path=tmp / "B.log", extra_args=(
-            *backends, "--sglang-dtype", "float32", "--sglang-allowed-peer", f"{ELSEWHERE}/32",
-            "--sglang-allowed-peer", "127.0.0.1/32")),
-        "C": EricServer(qwen2_vl_tiny, log_path=tmp / "C.log",  # retries every 5 s, 30 times
-                        extra_args=(*backends, "--sglang-register-url", f"http://127.0.0.1:{bootstrap_port}",
-                                    *shared)),
+        "A": EricServer(
+            qwen2_vl_tiny,
+            log_path=tmp / "A.log",
+            extra_args=("--transfer-backends", "shm,mooncake,nixl", "--sglang-allowed-peer", "127.0.0.1/32", *shared),
+        ),
+        "B": EricServer(
+            qwen2_5_vl_tiny,
+            log_path=tmp / "B.log",
+            extra_args=(
+                *backends,
+                "--sglang-dtype",
+                "float32",
+                "--sglang-allowed-peer",
+                f"{ELSEWHERE}/32",
+                "--sglang-allowed-peer",
+                "127.0.0.1/32",
+            ),
+        ),
+        "C": EricServer(
+            qwen2_vl_tiny,
+            log_path=tmp / "C.log",  # retries every 5 s, 30 times
+            extra_args=(*backends, "--sglang-register-url", f"http://127.0.0.1:{bootstrap_port}", *shared),
+        ),
     }
     join = start_in_threads(erics.values())
     prefill = Prefill(plugin_entry_point(tmp))
@@ -98,9 +112,20 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
 def prefill_beside_eric(model: Path, tmp: Path) -> Iterator[tuple[Prefill, EricServer]]:
     """The prefill host and one Eric on `model` (float32 rows, shm transfers, NIXL sessions from 127.0.0.1), the Eric
     booting while the host imports SGLang; both stopped on exit."""
-    eric = EricServer(model, log_path=tmp / "eric.log", extra_args=(
-        "--dtype", "float32", "--sglang-dtype", "float32", "--transfer-backends", "shm",
-        "--sglang-allowed-peer", "127.0.0.1/32"))
+    eric = EricServer(
+        model,
+        log_path=tmp / "eric.log",
+        extra_args=(
+            "--dtype",
+            "float32",
+            "--sglang-dtype",
+            "float32",
+            "--transfer-backends",
+            "shm",
+            "--sglang-allowed-peer",
+            "127.0.0.1/32",
+        ),
+    )
     join = start_in_threads([eric])
     prefill = Prefill(plugin_entry_point(tmp))
     try:
@@ -122,8 +147,7 @@ def references(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> dict[str, dict[str
         processor = AutoProcessor.from_pretrained(ckpt)
         model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
         for name, specs in (("images", IMAGES), ("split", SPLIT_IMAGES)):
-            inputs = processor.image_processor(images=[random_image(w, h, s) for w, h, s in specs],
-                                               return_tensors="pt")
+            inputs = processor.image_processor(images=[random_image(w, h, s) for w, h, s in specs], return_tensors="pt")
             with torch.no_grad():
                 feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
             out.setdefault(family, {})[name] = (list(feats.pooler_output), inputs["image_grid_thw"].tolist())
@@ -134,8 +158,12 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
     """Eric's own tensors for these media: native /v1/encode, then the transfer client (HTTP), then ack."""
     from eric_epd.transfer.client import EmbeddingFetcher
 
-    resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": modality, "url": u} for u in urls]},
-                      headers=eric.headers, timeout=120)
+    resp = httpx.post(
+        eric.url + "/v1/encode",
+        json={"items": [{"modality": modality, "url": u} for u in urls]},
+        headers=eric.headers,
+        timeout=120,
+    )
     assert resp.status_code == 200, resp.text
     fetcher = EmbeddingFetcher(["http"], api_key=eric.api_key)
     try:
@@ -144,8 +172,13 @@ def eric_tensors(eric: EricServer, urls: list[str], modality: str = "image") -> 
         fetcher.close()
 
 
-def check_equal(outcome: Outcome, eric: list[tuple[torch.Tensor, list[int]]],
-                hf: tuple[list[torch.Tensor], list] | None, dtype: torch.dtype, modality: str = "IMAGE") -> None:
+def check_equal(
+    outcome: Outcome,
+    eric: list[tuple[torch.Tensor, list[int]]],
+    hf: tuple[list[torch.Tensor], list] | None,
+    dtype: torch.dtype,
+    modality: str = "IMAGE",
+) -> None:
     """The receiver's rows are Eric's (within one rounding step: a re-encode may batch differently), in the
     prefill's dtype (a float32 -> float16 cast is Eric's
     Tensor.to), and transformers' within float32 (RTOL/ATOL) or float16 rounding (1e-3) tolerance."""
@@ -157,8 +190,12 @@ def check_equal(outcome: Outcome, eric: list[tuple[torch.Tensor, list[int]]],
         # `ours` is a second encode of the same content; its batch may differ, and batched matmuls are not
         # bit-stable across batch shapes, so compare within one rounding step of the prefill's dtype
         close = {"rtol": RTOL, "atol": ATOL} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 2e-3}
-        torch.testing.assert_close(mine.float(), ours.to(dtype).float(), **close,
-                                   msg=lambda m, i=i: f"item {i}: SGLang's receiver holds other rows than Eric: {m}")
+        torch.testing.assert_close(
+            mine.float(),
+            ours.to(dtype).float(),
+            **close,
+            msg=lambda m, i=i: f"item {i}: SGLang's receiver holds other rows than Eric: {m}",
+        )
         if hf is not None:
             tol = {"rtol": RTOL, "atol": ATOL} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
             torch.testing.assert_close(mine.float(), hf[0][i], **tol, msg=lambda m, i=i: f"item {i}: {m}")

@@ -45,8 +45,9 @@ class VllmKimi:
         input normalization (float32)."""
         from vllm.multimodal.inputs import VisionChunkImage
 
-        data = self.processor.info.parse_mm_data({"vision_chunk": [VisionChunkImage(type="image", image=image,
-                                                                                    uuid=None)]})
+        data = self.processor.info.parse_mm_data(
+            {"vision_chunk": [VisionChunkImage(type="image", image=image, uuid=None)]}
+        )
         out = self.processor(self.prompt, data)
         fields = out["mm_kwargs"]["vision_chunk"][0]
         raw, grid = fields["pixel_values"].data, fields["grid_thws"].data

@@ -48,12 +48,15 @@ def public_redirector(target: str) -> Iterator[str]:
         _ip("addr", "add", "10.233.0.1/30", "dev", host_end)
         _ip("link", "set", host_end, "up")
         _ip("route", "add", f"{PUBLIC_ADDRESS}/32", "dev", host_end)
-        for args in (("addr", "add", f"{PUBLIC_ADDRESS}/32", "dev", ns_end), ("link", "set", ns_end, "up"),
-                     ("link", "set", "lo", "up"), ("route", "add", "10.233.0.1/32", "dev", ns_end),
-                     ("route", "add", "default", "via", "10.233.0.1")):
+        for args in (
+            ("addr", "add", f"{PUBLIC_ADDRESS}/32", "dev", ns_end),
+            ("link", "set", ns_end, "up"),
+            ("link", "set", "lo", "up"),
+            ("route", "add", "10.233.0.1/32", "dev", ns_end),
+            ("route", "add", "default", "via", "10.233.0.1"),
+        ):
             _ip("netns", "exec", ns, "ip", *args)
-        server = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", REDIRECTOR, target,
-                                   PUBLIC_ADDRESS])
+        server = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", REDIRECTOR, target, PUBLIC_ADDRESS])
         deadline = time.monotonic() + 20
         while True:
             with contextlib.suppress(OSError), socket.create_connection((PUBLIC_ADDRESS, 80), timeout=1):

@@ -31,8 +31,12 @@ VIDEO_TEXT = "<|vision_bos|><|VIDEO|><|vision_eos|>"
 """The chat template's text for one item of each modality."""
 
 
-def omni_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]] = (), images: list[Image.Image] = (),
-              videos: list[np.ndarray] = ()) -> dict[str, list[torch.Tensor]]:
+def omni_rows(
+    model_dir: Path,
+    clips: list[tuple[np.ndarray, int]] = (),
+    images: list[Image.Image] = (),
+    videos: list[np.ndarray] = (),
+) -> dict[str, list[torch.Tensor]]:
     """Per modality, per item (clips: mono samples and their rate, resampled to 16 kHz as vLLM does; images; videos:
     uint8 [T, H, W, 3] frames): the thinker's features for it, checked to be as many as the processor's tokens."""
     from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
@@ -64,14 +68,20 @@ def _checked(rows: torch.Tensor, inputs: dict, token_id: int) -> torch.Tensor:
     return rows
 
 
-QWEN3_TEXT = {"audio": "<|audio_start|><|audio_pad|><|audio_end|>",
-              "image": "<|vision_start|><|image_pad|><|vision_end|>",
-              "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+QWEN3_TEXT = {
+    "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+    "image": "<|vision_start|><|image_pad|><|vision_end|>",
+    "video": "<|vision_start|><|video_pad|><|vision_end|>",
+}
 """Qwen3-Omni's chat-template text for one item of each modality."""
 
 
-def qwen3_omni_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]] = (), images: list[Image.Image] = (),
-                    videos: list[np.ndarray] = ()) -> dict[str, list[torch.Tensor]]:
+def qwen3_omni_rows(
+    model_dir: Path,
+    clips: list[tuple[np.ndarray, int]] = (),
+    images: list[Image.Image] = (),
+    videos: list[np.ndarray] = (),
+) -> dict[str, list[torch.Tensor]]:
     """omni_rows for Qwen3-Omni's thinker, as vLLM 0.32 feeds it: every clip resampled to 16 kHz and zero-padded to a
     whole number of 160-sample hops before the processor; image and video rows are [merged | DeepStack levels]."""
     from transformers import AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
@@ -100,8 +110,9 @@ def qwen3_omni_rows(model_dir: Path, clips: list[tuple[np.ndarray, int]] = (), i
     return out
 
 
-def qwen3_omni_audio_batches(model_dir: Path, clips: list[tuple[np.ndarray, int]],
-                             hop_padded: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def qwen3_omni_audio_batches(
+    model_dir: Path, clips: list[tuple[np.ndarray, int]], hop_padded: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per clip, Qwen3-Omni's thinker's `get_audio_features` rows with the clip alone, and with all `clips` in one
     call (each clip's log-mels from the processor alone, padded together to the longest and masked: every chunk is
     then padded to the batch's longest, which reaches a sub-second clip's rows, in transformers and vLLM alike).
@@ -122,8 +133,14 @@ def qwen3_omni_audio_batches(model_dir: Path, clips: list[tuple[np.ndarray, int]
     for row, (item, length) in enumerate(zip(inputs, lengths.tolist())):
         features[row, :, :length] = item["input_features"][0, :, :length]
     with torch.no_grad():
-        alone = [_checked(model.get_audio_features(i["input_features"], i["feature_attention_mask"])
-                          .last_hidden_state, i, model.config.audio_token_id) for i in inputs]
+        alone = [
+            _checked(
+                model.get_audio_features(i["input_features"], i["feature_attention_mask"]).last_hidden_state,
+                i,
+                model.config.audio_token_id,
+            )
+            for i in inputs
+        ]
         batched = model.get_audio_features(features, mask.to(torch.long)).last_hidden_state
     return alone, list(batched.split([rows.shape[0] for rows in alone]))
 

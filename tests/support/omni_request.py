@@ -27,9 +27,14 @@ VIDEO = dict(num_frames=8, width=64, height=48, fps=4, seed=5)
 
 def request_items() -> list[dict]:
     """The request's items: the clips, the image, the video, each with an id."""
-    items = [{"id": fmt, "modality": "audio", "url": data_url(audio_bytes(frames, rate, channels, fmt),
-                                                               AUDIO_FORMATS[fmt][2])}
-             for fmt, frames, rate, channels in CLIPS]
+    items = [
+        {
+            "id": fmt,
+            "modality": "audio",
+            "url": data_url(audio_bytes(frames, rate, channels, fmt), AUDIO_FORMATS[fmt][2]),
+        }
+        for fmt, frames, rate, channels in CLIPS
+    ]
     items.append({"id": "image", "modality": "image", "url": data_url(image_bytes(random_image(*IMAGE)))})
     items.append({"id": "video", "modality": "video", "url": data_url(video_bytes(**VIDEO), "video/mp4")})
     return items
@@ -49,8 +54,9 @@ def references(model_dir: Path, rows: Callable[..., dict[str, list[torch.Tensor]
     return [*zip(refs["audio"], ("audio",) * len(CLIPS)), (refs["image"][0], "image"), (refs["video"][0], "video")]
 
 
-def assert_answered_with(eric: EricServer, answers: list[dict], expected: list[tuple[torch.Tensor, str]],
-                         widths: dict[str, int]) -> None:
+def assert_answered_with(
+    eric: EricServer, answers: list[dict], expected: list[tuple[torch.Tensor, str]], widths: dict[str, int]
+) -> None:
     """Each answer is its item's modality at that modality's width, and its rows (fetched with its lease) equal the
     reference within RTOL."""
     assert [a["id"] for a in answers] == [item["id"] for item in request_items()]

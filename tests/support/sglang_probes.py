@@ -48,8 +48,15 @@ def assert_sglang_error(resp: httpx.Response, status: int, *words: str) -> None:
 
 
 def send_body(rid: str, host: str, port: int, session: str) -> dict[str, Any]:
-    return {"req_id": rid, "part_idx": 0, "prefill_host": host, "embedding_port": port, "session_id": session,
-            "buffer_address": 4096, "receive_count": 1}
+    return {
+        "req_id": rid,
+        "part_idx": 0,
+        "prefill_host": host,
+        "embedding_port": port,
+        "session_id": session,
+        "buffer_address": 4096,
+        "receive_count": 1,
+    }
 
 
 def raw_post(url: str, path: str, declared: int, sent: int) -> tuple[int, dict[str, Any]]:
@@ -57,8 +64,11 @@ def raw_post(url: str, path: str, declared: int, sent: int) -> tuple[int, dict[s
     that waited for the whole body would not answer."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {declared}\r\n\r\n".encode() + b"x" * sent)
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {declared}\r\n\r\n".encode()
+            + b"x" * sent
+        )
         resp = http.client.HTTPResponse(sock)
         resp.begin()
         return resp.status, json.loads(resp.read())

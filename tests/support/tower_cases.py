@@ -23,23 +23,70 @@ comparison above tells rows apart."""
 INIT_STD = 0.1
 """Random weights' spread (the tiny checkpoints' own): large enough that every layer moves the rows."""
 
-TEXT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "initializer_range": INIT_STD,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2]}}
+TEXT = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "initializer_range": INIT_STD,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2]},
+}
 """A one-layer language model of width 32 (16-wide heads: the rotary half split 4/2/2 over t, h, w)."""
 QWEN3_TEXT = {**TEXT, "rope_parameters": {**TEXT["rope_parameters"], "mrope_interleaved": True}}
-QWEN3_5_TEXT = {**TEXT, "layer_types": ["full_attention"], "rope_parameters": {
-    "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
-    "mrope_interleaved": True}}
+QWEN3_5_TEXT = {
+    **TEXT,
+    "layer_types": ["full_attention"],
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
+}
 
-QWEN2_VL = {"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 14,
-            "spatial_merge_size": 2, "temporal_patch_size": 2, "initializer_range": INIT_STD}
-QWEN2_5_VL = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 32,
-              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
-              "fullatt_block_indexes": [1], "hidden_act": "silu", "initializer_range": INIT_STD}
-QWEN3_VL = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [0, 1], "hidden_act": "gelu_pytorch_tanh", "initializer_range": INIT_STD}
+QWEN2_VL = {
+    "depth": 2,
+    "embed_dim": 32,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "mlp_ratio": 2,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "initializer_range": INIT_STD,
+}
+QWEN2_5_VL = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_heads": 2,
+    "out_hidden_size": 32,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 56,
+    "fullatt_block_indexes": [1],
+    "hidden_act": "silu",
+    "initializer_range": INIT_STD,
+}
+QWEN3_VL = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 32,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1],
+    "hidden_act": "gelu_pytorch_tanh",
+    "initializer_range": INIT_STD,
+}
 QWEN3_5 = {key: value for key, value in QWEN3_VL.items() if key != "deepstack_visual_indexes"}
 """The tiny Qwen vision towers each case changes (the released ones: 14- or 16-pixel patches merged 2x2, 32 or 27
 blocks, 112-pixel windows, a 48x48 position grid, DeepStack after blocks 8, 16 and 24)."""

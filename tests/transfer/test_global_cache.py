@@ -23,8 +23,9 @@ from eric_epd.wire.handles import LEASE_HEADER
 
 
 def _encode(eric: EricServer, url: str) -> dict:
-    r = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": url}]}, headers=eric.headers,
-                   timeout=60)
+    r = httpx.post(
+        eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": url}]}, headers=eric.headers, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()["items"][0]
 
@@ -33,18 +34,25 @@ def _bytes(eric: EricServer, item: dict) -> bytes:
     handle = item["handle"]
     r = httpx.get(handle["http"], headers=eric.headers | {LEASE_HEADER: handle["lease"]}, timeout=30)
     assert r.status_code == 200, r.text
-    httpx.post(f"{handle['producer']}/v1/embeddings/{handle['hash']}/ack", headers=eric.headers | {
-        LEASE_HEADER: handle["lease"]}, json={"instance_id": handle["instance_id"]}, timeout=30)
+    httpx.post(
+        f"{handle['producer']}/v1/embeddings/{handle['hash']}/ack",
+        headers=eric.headers | {LEASE_HEADER: handle["lease"]},
+        json={"instance_id": handle["instance_id"]},
+        timeout=30,
+    )
     return r.content
 
 
-def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(qwen2_vl_tiny: Path,
-                                                                              tmp_path: Path) -> None:
+def test_an_image_encoded_by_one_eric_serves_another_without_a_second_encode(
+    qwen2_vl_tiny: Path, tmp_path: Path
+) -> None:
     key = new_key()
     with StoreMaster(tmp_path / "master.log") as master:
         cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
-        with running(EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log"),
-                     EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log")) as (a, b):
+        with running(
+            EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "a.log"),
+            EricServer(qwen2_vl_tiny, api_key=key, extra_args=cache, log_path=tmp_path / "b.log"),
+        ) as (a, b):
             image = image_data_url(96, 80, seed=4242)
             first = _encode(a, image)
             assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 1), "A never shared it"
@@ -73,8 +81,10 @@ def test_a_consumer_reads_from_the_store_what_its_producer_let_go(qwen2_vl_tiny:
     bytes, by content hash, whether its first read failed (HTTP: gone) or only its ack did (shared memory); one
     that does not know the store fails cleanly."""
     key = new_key()
-    with StoreMaster(tmp_path / "master.log") as master, \
-            EricServer(qwen2_vl_tiny, api_key=key, extra_args=("--global-cache", master.address)) as a:
+    with (
+        StoreMaster(tmp_path / "master.log") as master,
+        EricServer(qwen2_vl_tiny, api_key=key, extra_args=("--global-cache", master.address)) as a,
+    ):
         item = _encode(a, image_data_url(88, 72, seed=4343))
         assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 1)
         original = bytes(safetensors_payload(_bytes(a, item)))  # read, then acknowledged: A lets it go
@@ -141,8 +151,9 @@ def test_both_cache_tiers_stay_within_their_capacity_and_count_evictions(qwen2_v
             assert 0 < stats["cached_bytes"] <= keep
 
 
-def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_behind_erics, qwen2_vl_tiny: Path,
-                                                                         tmp_path: Path) -> None:
+def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(
+    vllm_behind_erics, qwen2_vl_tiny: Path, tmp_path: Path
+) -> None:
     """The session's two Erics come back sharing a store; a chat through a gateway in front of Eric A, then the same
     images through one in front of Eric B: B encodes none of them, and both answers equal vLLM's own."""
     from eric_epd.stack.servers import GatewayServer
@@ -155,13 +166,23 @@ def test_through_the_gateway_to_vllm_a_stored_image_is_not_encoded_again(vllm_be
     try:
         with StoreMaster(tmp_path / "master.log") as master:
             cache = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20))
-            with running(EricServer(qwen2_vl_tiny, port=erics[0].port, api_key=key, extra_args=cache),
-                         EricServer(qwen2_vl_tiny, port=erics[1].port, api_key=key, extra_args=cache)) as (a, b):
+            with running(
+                EricServer(qwen2_vl_tiny, port=erics[0].port, api_key=key, extra_args=cache),
+                EricServer(qwen2_vl_tiny, port=erics[1].port, api_key=key, extra_args=cache),
+            ) as (a, b):
                 answers = []
                 for eric in (a, b):
-                    with GatewayServer(tmp_path / f"gw-{eric.port}.log", "--encoder-urls", eric.url,
-                                       "--colocated-urls", vllm.url, "--api-key", "sk-global", eric_api_key=key,
-                                       upstream_api_key=vllm.api_key) as gw:
+                    with GatewayServer(
+                        tmp_path / f"gw-{eric.port}.log",
+                        "--encoder-urls",
+                        eric.url,
+                        "--colocated-urls",
+                        vllm.url,
+                        "--api-key",
+                        "sk-global",
+                        eric_api_key=key,
+                        upstream_api_key=vllm.api_key,
+                    ) as gw:
                         answers.append(ask(gw.url, image_messages(images), key="sk-global").choices[0].message.content)
                     if eric is a:
                         assert wait_for(lambda: metric(a.url, 'eric_global_cache{event="puts"}') >= 3)
@@ -186,8 +207,7 @@ def test_a_hung_store_master_starves_no_encode_and_holds_nothing_after(qwen2_vl_
 
     key = new_key()
     with StoreMaster(tmp_path / "master.log") as master:
-        args = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20), "--pool-bytes",
-                str(64 << 10))
+        args = ("--global-cache", master.address, "--global-cache-bytes", str(64 << 20), "--pool-bytes", str(64 << 10))
         with EricServer(qwen2_vl_tiny, api_key=key, extra_args=args, log_path=tmp_path / "eric.log") as eric:
             assert _bytes(eric, _encode(eric, image_data_url(64, 64, seed=6000)))  # the store works
             assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= 1)
@@ -196,7 +216,7 @@ def test_a_hung_store_master_starves_no_encode_and_holds_nothing_after(qwen2_vl_
             os.kill(master.proc.pid, signal.SIGSTOP)
             try:
                 for start in range(0, len(images), 4):
-                    body = {"items": [{"modality": "image", "url": u} for u in images[start:start + 4]]}
+                    body = {"items": [{"modality": "image", "url": u} for u in images[start : start + 4]]}
                     r = httpx.post(eric.url + "/v1/encode", json=body, headers=eric.headers, timeout=120)
                     assert r.status_code == 200, (start, r.text)
                     for item in r.json()["items"]:
@@ -204,8 +224,12 @@ def test_a_hung_store_master_starves_no_encode_and_holds_nothing_after(qwen2_vl_
             finally:
                 os.kill(master.proc.pid, signal.SIGCONT)
             wait_pool_drained(eric.url, eric.headers, timeout_s=90)  # the hung puts' holds ended with them
-            again = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
-                               json={"items": [{"modality": "image", "url": u} for u in images[:4]]})
+            again = httpx.post(
+                eric.url + "/v1/encode",
+                headers=eric.headers,
+                timeout=120,
+                json={"items": [{"modality": "image", "url": u} for u in images[:4]]},
+            )
             assert again.status_code == 200, again.text
             for item in again.json()["items"]:
                 assert _bytes(eric, item)

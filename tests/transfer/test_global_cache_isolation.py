@@ -53,8 +53,9 @@ def test_a_hung_store_leaves_the_default_pool_free_and_skips_queued_calls() -> N
         pool = np.zeros(1 << 16, np.uint8)
         cache, store = _cache(pool)
         try:
-            reads = [asyncio.ensure_future(cache.read_into(f"{i:064x}", pool[i * 64:(i + 1) * 64]))
-                     for i in range(48)]
+            reads = [
+                asyncio.ensure_future(cache.read_into(f"{i:064x}", pool[i * 64 : (i + 1) * 64])) for i in range(48)
+            ]
             await asyncio.sleep(0.1)
             started = time.monotonic()
             assert await asyncio.to_thread(lambda: 7) == 7  # the default pool is not queued behind the store
@@ -104,4 +105,3 @@ def test_the_pause_is_what_skips_calls(monkeypatch: pytest.MonkeyPatch) -> None:
             cache.close()
 
     asyncio.run(run())
-

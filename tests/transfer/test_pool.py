@@ -32,8 +32,12 @@ def _pool(nbytes: int = 1 << 20, ttl_s: float = 60, keep_acked_bytes: int = 0) -
 def _hub(ttl_s: float = 300.0) -> TransferHub:
     """A producer hub over a 1 MiB pool with no backend but HTTP."""
     instance = new_token()[:16]
-    return TransferHub(TransferConfig(pool_bytes=1 << 20, ttl_s=ttl_s, backends=()), pool_name=f"eric-pool-{instance}",
-                       instance_id=instance, public_url="http://127.0.0.1:8100")
+    return TransferHub(
+        TransferConfig(pool_bytes=1 << 20, ttl_s=ttl_s, backends=()),
+        pool_name=f"eric-pool-{instance}",
+        instance_id=instance,
+        public_url="http://127.0.0.1:8100",
+    )
 
 
 def _held(pool: EmbeddingPool, key: str, nbytes: int = 1000) -> None:

@@ -87,8 +87,11 @@ def test_every_backend_byte_exact_from_a_producer_process() -> None:
     with PoolServer(pool_bytes=200 << 20) as producer:
         handles = []
         for i, size in enumerate(SIZES):
-            resp = httpx.post(producer.url + "/v1/testing/entries",
-                              json={"hash": f"e{i}", "nbytes": size, "seed": i, "leases": 100}, timeout=60)
+            resp = httpx.post(
+                producer.url + "/v1/testing/entries",
+                json={"hash": f"e{i}", "nbytes": size, "seed": i, "leases": 100},
+                timeout=60,
+            )
             assert resp.status_code == 200, resp.text
             handles.append(as_handle(resp.json()))
         for backend in ("shm", "nixl", "mooncake", "http"):
@@ -124,8 +127,12 @@ def eric(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _encode(eric: EricServer, urls: list[str]) -> list[dict]:
-    resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": u} for u in urls]},
-                      headers=eric.headers, timeout=60)
+    resp = httpx.post(
+        eric.url + "/v1/encode",
+        json={"items": [{"modality": "image", "url": u} for u in urls]},
+        headers=eric.headers,
+        timeout=60,
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["items"]
 
@@ -204,10 +211,16 @@ def test_api_key_and_lease_tokens_guard_every_route(eric: EricServer) -> None:
     owner_bytes = httpx.get(emb, headers=_leased(eric, token))
     assert owner_bytes.status_code == 200
 
-    routes = [("POST", eric.url + "/v1/encode", {"items": [{"modality": "image", "url": IMAGES[0]}]}),
-              ("GET", emb, None), ("GET", emb + "/handle", None), ("POST", emb + "/lease", {"count": 1}),
-              ("POST", emb + "/ack", {}), ("GET", eric.url + "/v1/transfer", None),
-              ("GET", eric.url + "/v1/models", None), ("GET", eric.url + "/v1/transfer/nixl/metadata", None)]
+    routes = [
+        ("POST", eric.url + "/v1/encode", {"items": [{"modality": "image", "url": IMAGES[0]}]}),
+        ("GET", emb, None),
+        ("GET", emb + "/handle", None),
+        ("POST", emb + "/lease", {"count": 1}),
+        ("POST", emb + "/ack", {}),
+        ("GET", eric.url + "/v1/transfer", None),
+        ("GET", eric.url + "/v1/models", None),
+        ("GET", eric.url + "/v1/transfer/nixl/metadata", None),
+    ]
     for keys in ({}, {"Authorization": "Bearer wrong-" + eric.api_key}, {"Authorization": eric.api_key}):
         for method, url, body in routes:
             resp = httpx.request(method, url, json=body, headers=keys | {LEASE_HEADER: token}, timeout=30)
@@ -218,9 +231,14 @@ def test_api_key_and_lease_tokens_guard_every_route(eric: EricServer) -> None:
     strangers = {"no token": None, "made up": new_token(), "empty": "", "another entry's": other["handle"]["lease"]}
     for name, bad in strangers.items():
         headers = _leased(eric, bad)
-        for method, url, body in [("GET", emb, None), ("GET", emb + "/handle", None),
-                                  ("POST", emb + "/lease", {"count": 1024}), ("POST", emb + "/lease", {"count": 1}),
-                                  ("POST", emb + "/ack", {}), ("POST", emb + "/ack", None)]:
+        for method, url, body in [
+            ("GET", emb, None),
+            ("GET", emb + "/handle", None),
+            ("POST", emb + "/lease", {"count": 1024}),
+            ("POST", emb + "/lease", {"count": 1}),
+            ("POST", emb + "/ack", {}),
+            ("POST", emb + "/ack", None),
+        ]:
             resp = httpx.request(method, url, json=body, headers=headers, timeout=30)
             assert resp.status_code == 404, (name, method, url, resp.status_code, resp.text)
             assert resp.json()["error"]["code"] == 404, (name, url)
@@ -243,8 +261,9 @@ def test_api_key_and_lease_tokens_guard_every_route(eric: EricServer) -> None:
     assert stats["entries"] == held["entries"] - 1 and stats["used_bytes"] < held["used_bytes"]
     assert httpx.post(emb + "/ack", headers=_leased(eric, token)).status_code == 404  # exactly once
     assert httpx.get(emb, headers=_leased(eric, token)).status_code == 404
-    ack_other = httpx.post(f"{eric.url}/v1/embeddings/{other['hash']}/ack",
-                           headers=_leased(eric, other["handle"]["lease"]))
+    ack_other = httpx.post(
+        f"{eric.url}/v1/embeddings/{other['hash']}/ack", headers=_leased(eric, other["handle"]["lease"])
+    )
     assert ack_other.status_code == 200, ack_other.text
     stats = _transfer_stats(eric)
     assert (stats["entries"], stats["used_bytes"]) == (base["entries"], base["used_bytes"])
@@ -299,8 +318,12 @@ def test_full_pool_back_pressure(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     with EricServer(qwen2_vl_tiny, extra_args=args, log_path=tmp_path / "e.log") as eric:
         big = [image_data_url(224, 224, seed=900 + i) for i in range(3)]
         first = _encode(eric, big[:2])
-        resp = httpx.post(eric.url + "/v1/encode", json={"items": [{"modality": "image", "url": big[2]}]},
-                          headers=eric.headers, timeout=30)
+        resp = httpx.post(
+            eric.url + "/v1/encode",
+            json={"items": [{"modality": "image", "url": big[2]}]},
+            headers=eric.headers,
+            timeout=30,
+        )
         assert resp.status_code == 503 and "pool full" in resp.json()["error"]["message"]
         assert "retry-after" in resp.headers
         EmbeddingFetcher(["shm"], api_key=eric.api_key).fetch(first[0]["handle"])  # ack frees one slot

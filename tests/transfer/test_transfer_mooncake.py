@@ -137,6 +137,7 @@ def test_every_size_is_exact(producer, consumer):
 
 def test_into_torch_tensor_and_tiny_staging(producer, quiet_mooncake):
     import torch
+
     small = MooncakeConsumer(staging_bytes=1 << 20, chunk_bytes=256 << 10)  # four 256 KiB slots
     try:
         for i in (SIZES.index(16 << 20), len(SIZES) - 1, 0):

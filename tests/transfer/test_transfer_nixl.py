@@ -147,6 +147,7 @@ def test_reads_are_exact(producer: Producer, consumer: NixlConsumer) -> None:
     for i, h in enumerate(producer.handles):
         assert np.array_equal(_read(consumer, h), producer.expected(i)), SIZES[i]
     import torch
+
     t = torch.zeros(SIZES[2], dtype=torch.uint8)
     consumer.read(producer.handles[2], t.numpy())  # a view on a tensor's memory
     assert np.array_equal(t.numpy(), producer.expected(2))

@@ -59,14 +59,23 @@ def test_audio_goes_epd_as_media_and_answers_like_vllm(stack: tuple[EricServer, 
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
     assert _counter(vllm, "loaded_items") == before["loaded_items"]
 
-    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
-                      json={"items": [{"modality": "audio", "url": data_url(w, "audio/wav")} for w in wavs]})
+    resp = httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=120,
+        json={"items": [{"modality": "audio", "url": data_url(w, "audio/wav")} for w in wavs]},
+    )
     assert resp.status_code == 200, resp.text
     items = resp.json()["items"]
     assert [(i["modality"], i["placement"]) for i in items] == [("audio", "media")] * len(wavs)
     xargs = handles_xargs(i["handle"] for i in items)
-    epd, _ = ask_token_ids(vllm.url, _messages(wavs, [i["hash"] for i in items]), key=vllm.api_key,
-                           max_tokens=MAX_TOKENS, extra={"vllm_xargs": xargs})
+    epd, _ = ask_token_ids(
+        vllm.url,
+        _messages(wavs, [i["hash"] for i in items]),
+        key=vllm.api_key,
+        max_tokens=MAX_TOKENS,
+        extra={"vllm_xargs": xargs},
+    )
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + len(wavs))
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS

@@ -29,9 +29,12 @@ def _handle(key: str) -> EmbeddingHandle:
 def test_each_handle_is_keyed_as_vllm_names_its_item() -> None:
     """vLLM's hashes of a request with a video (uuid VIDEO), the audio it takes from it (uuid VIDEO too, as its chat
     parser gives it) and an image: the video's handle, the soundtrack's and the image's, in that order."""
-    inputs = ProcessorInputs([], {"video": _Items([None]), "audio": _Items([None]), "image": _Items([None])},
-                             {"video": [VIDEO], "audio": [VIDEO], "image": [IMAGE]},
-                             hf_processor_mm_kwargs=dict(AUDIO_IN_VIDEO))
+    inputs = ProcessorInputs(
+        [],
+        {"video": _Items([None]), "audio": _Items([None]), "image": _Items([None])},
+        {"video": [VIDEO], "audio": [VIDEO], "image": [IMAGE]},
+        hf_processor_mm_kwargs=dict(AUDIO_IN_VIDEO),
+    )
     hashes = inputs.get_mm_hashes(MODEL, "blake3")
     offered = {k: _handle(k) for k in (VIDEO, SOUND, IMAGE)}
     keyed = audio_in_video_offers(offered, {VIDEO: SOUND}, "blake3", MODEL)

@@ -30,11 +30,13 @@ def test_vllms_features_and_placeholders_are_erics(qwen2_audio_tiny: Path) -> No
     from vllm.multimodal.media.audio import AudioMediaIO
 
     vllm_processor = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig(model=str(qwen2_audio_tiny), tokenizer=str(qwen2_audio_tiny), dtype="float32",
-                    max_model_len=4096))
+        ModelConfig(model=str(qwen2_audio_tiny), tokenizer=str(qwen2_audio_tiny), dtype="float32", max_model_len=4096)
+    )
     prompt = AutoTokenizer.from_pretrained(qwen2_audio_tiny).apply_chat_template(
         [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this?"}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>" in prompt
     eric = Processor(load_processor(qwen2_audio_tiny), MediaLimits(), 1, b"test")
     try:
@@ -66,25 +68,29 @@ def test_vllms_omni_features_and_placeholders_are_erics(qwen2_5_omni_tiny: Path)
     from vllm.multimodal.media.audio import AudioMediaIO
 
     vllm_processor = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig(model=str(qwen2_5_omni_tiny), tokenizer=str(qwen2_5_omni_tiny), dtype="float32",
-                    max_model_len=4096))
+        ModelConfig(model=str(qwen2_5_omni_tiny), tokenizer=str(qwen2_5_omni_tiny), dtype="float32", max_model_len=4096)
+    )
     prompt = AutoTokenizer.from_pretrained(qwen2_5_omni_tiny).apply_chat_template(
         [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this?"}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert "<|audio_bos|><|AUDIO|><|audio_eos|>" in prompt
     eric = Processor(load_processor(qwen2_5_omni_tiny), MediaLimits(), 1, b"test")
     try:
         for fmt, frames, channels in CLIPS:
             data = audio_bytes(frames, 16000, channels, fmt, seed=frames)
-            processed = vllm_processor(prompt, vllm_processor.info.parse_mm_data(
-                {"audio": [AudioMediaIO().load_bytes(data)]}))
+            processed = vllm_processor(
+                prompt, vllm_processor.info.parse_mm_data({"audio": [AudioMediaIO().load_bytes(data)]})
+            )
             (placeholder,) = processed["mm_placeholders"]["audio"]
             item = eric._prepare_sync("audio", data).item
             assert placeholder.get_num_embeds() == item.num_tokens, fmt
             ours = unpack_tensors(item.tensors, torch.from_numpy(item.pixel_values))
             fields = processed["mm_kwargs"]["audio"][0]
-            torch.testing.assert_close(ours["input_features"].T, fields["input_audio_features"].data, rtol=0,
-                                       atol=1e-6, msg=fmt)
+            torch.testing.assert_close(
+                ours["input_features"].T, fields["input_audio_features"].data, rtol=0, atol=1e-6, msg=fmt
+            )
             assert ours["audio_feature_lengths"].tolist() == [int(fields["audio_feature_lengths"].data)], fmt
     finally:
         eric.close()

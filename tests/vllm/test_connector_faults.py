@@ -61,8 +61,12 @@ def stalled(producer) -> Iterator[None]:
 @contextmanager
 def ranks(address: LandingAddress, nbytes: int, out_dtype: torch.dtype | None = None) -> Iterator[list[LandingArea]]:
     """Two workers' landing areas (CPU memory) reading over HTTP, so that a stalled producer stalls their reads."""
-    areas = [LandingArea(address, r, nbytes, torch.device("cpu"), EmbeddingFetcher(("http",), http_timeout_s=300), 4,
-                         out_dtype) for r in range(2)]
+    areas = [
+        LandingArea(
+            address, r, nbytes, torch.device("cpu"), EmbeddingFetcher(("http",), http_timeout_s=300), 4, out_dtype
+        )
+        for r in range(2)
+    ]
     try:
         yield areas
     finally:
@@ -74,8 +78,14 @@ def ranks(address: LandingAddress, nbytes: int, out_dtype: torch.dtype | None = 
 def landing(nbytes: int, room_timeout_s: float = 60.0) -> Iterator[tuple[Prefetcher, list[LandingArea]]]:
     address = LandingAddress(f"fault{uuid.uuid4().hex[:8]}")
     with ranks(address, nbytes) as areas:
-        prefetch = Prefetcher(LandingChannel(address, 2), EmbeddingFetcher(("http",)), nbytes, 4,
-                              land_timeout_s=1.0, room_timeout_s=room_timeout_s)
+        prefetch = Prefetcher(
+            LandingChannel(address, 2),
+            EmbeddingFetcher(("http",)),
+            nbytes,
+            4,
+            land_timeout_s=1.0,
+            room_timeout_s=room_timeout_s,
+        )
         try:
             yield prefetch, areas
         finally:
@@ -86,8 +96,11 @@ def _entry(producer, key: str, seed: int, leases: int = 2, data: torch.Tensor | 
     """A pool entry of seeded bytes (or `data`), and one handle per lease on it."""
     body: dict = {"hash": key, "nbytes": ITEM, "seed": seed, "leases": leases}
     if data is not None:
-        body |= {"data": base64.b64encode(data.numpy().tobytes()).decode(), "shape": list(data.shape),
-                 "dtype": str(data.dtype).removeprefix("torch.")}
+        body |= {
+            "data": base64.b64encode(data.numpy().tobytes()).decode(),
+            "shape": list(data.shape),
+            "dtype": str(data.dtype).removeprefix("torch."),
+        }
     resp = httpx.post(producer.url + "/v1/testing/entries", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     first = as_handle(resp.json())
@@ -153,8 +166,12 @@ def test_repeated_timeouts_give_staging_space_back_and_room_waits_end(producer) 
                 assert np.array_equal(area.take(load.offset, key).numpy(), seeded_bytes(ITEM, 20 + i))
             prefetch.copied([key])
         assert _idle(prefetch, areas)
-    httpx.post(f"{producer.url}/v1/embeddings/{extra.hash}/ack", headers={LEASE_HEADER: extra.lease},
-               json={"instance_id": extra.instance_id}, timeout=30)
+    httpx.post(
+        f"{producer.url}/v1/embeddings/{extra.hash}/ack",
+        headers={LEASE_HEADER: extra.lease},
+        json={"instance_id": extra.instance_id},
+        timeout=30,
+    )
     assert wait_for(lambda: _entries(producer) == 0, 30)
 
 
@@ -199,23 +216,32 @@ def _connector(producer, address: LandingAddress) -> EricECConnector:
     """The connector's scheduler side as vLLM builds it, for a model whose rows are WIDTH wide."""
     extra = {"eric_urls": [producer.url], "backends": ["http"], "fetch_timeout_s": 0.5, "staging_bytes": 1 << 20}
     config = SimpleNamespace(
-        ec_transfer_config=ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer",
-                                            ec_connector_extra_config=extra),
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="EricECConnector", ec_role="ec_consumer", ec_connector_extra_config=extra
+        ),
         parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=2),
         instance_id=address.instance,
         model_config=SimpleNamespace(
             hf_config=SimpleNamespace(
-                to_dict=lambda: {"model_type": "qwen2_vl", "vision_config": {"hidden_size": WIDTH}})))
+                to_dict=lambda: {"model_type": "qwen2_vl", "vision_config": {"hidden_size": WIDTH}}
+            )
+        ),
+    )
     return EricECConnector(config, ECConnectorRole.SCHEDULER)  # type: ignore[arg-type]
 
 
 def _request(rid: str, handle: EmbeddingHandle) -> Request:
     """An EPD request as the gateway sends it: one metadata-only image item, its handle beside it."""
     rows = handle.shape[0]
-    feature = MultiModalFeatureSpec(data={"image_grid_thw": None}, modality="image",  # type: ignore[arg-type]
-                                    identifier=handle.hash, mm_position=PlaceholderRange(offset=1, length=rows))
-    return Request(rid, [0] * (rows + 2), SamplingParams(extra_args=handles_xargs([handle])), None,
-                   mm_features=[feature])
+    feature = MultiModalFeatureSpec(
+        data={"image_grid_thw": None},
+        modality="image",  # type: ignore[arg-type]
+        identifier=handle.hash,
+        mm_position=PlaceholderRange(offset=1, length=rows),
+    )
+    return Request(
+        rid, [0] * (rows + 2), SamplingParams(extra_args=handles_xargs([handle])), None, mm_features=[feature]
+    )
 
 
 def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -> None:
@@ -229,21 +255,30 @@ def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -
         try:
             r1 = _request("r1", first)
             with stalled(producer):  # the ranks' reads hang past the landing timeout (2 x 0.5 + 5 s)
-                assert wait_for(lambda: not connector.ensure_cache_available(r1, 0)
-                                and "r1" in connector.take_unavailable_requests(), 60, 0.1)
+                assert wait_for(
+                    lambda: (
+                        not connector.ensure_cache_available(r1, 0) and "r1" in connector.take_unavailable_requests()
+                    ),
+                    60,
+                    0.1,
+                )
             connector.request_finished(r1)
             r2 = _request("r2", fresh)
             assert wait_for(lambda: connector.ensure_cache_available(r2, 0), 60, 0.1)
             assert connector.has_cache_item(fresh.hash)
             connector.update_state_after_alloc(r2, 0)
-            meta = connector.build_connector_meta(SimpleNamespace(  # type: ignore[arg-type]
-                scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1))
+            meta = connector.build_connector_meta(
+                SimpleNamespace(  # type: ignore[arg-type]
+                    scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1
+                )
+            )
             (load,) = meta.loads  # type: ignore[attr-defined]
             assert load.request_id == "r2" and load.staged is not None
             for area in areas:
                 assert torch.equal(area.take(load.staged.offset, fresh.hash), rows)
-            connector.update_connector_output(ECConnectorOutput(
-                ec_connector_worker_meta=EricWorkerMetadata(copied={fresh.hash})))
+            connector.update_connector_output(
+                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={fresh.hash}))
+            )
             connector.request_finished(r2)
             assert not connector.take_unavailable_requests()
             assert _idle(connector.scheduler._prefetch, areas)
@@ -277,8 +312,9 @@ def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(produc
             loads = connector.build_connector_meta(step).loads  # type: ignore[arg-type, attr-defined]
             for ld in loads:
                 assert all(torch.equal(area.take(ld.staged.offset, ld.mm_hash), rows) for area in areas)
-            connector.update_connector_output(ECConnectorOutput(
-                ec_connector_worker_meta=EricWorkerMetadata(copied={ld.mm_hash for ld in loads})))
+            connector.update_connector_output(
+                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={ld.mm_hash for ld in loads}))
+            )
             return len(loads)
 
         def finished(request: Request) -> None:
@@ -302,7 +338,12 @@ def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(produc
             finished(r3)
             assert not connector.take_unavailable_requests()
             assert connector.get_ec_connector_stats().data == {  # type: ignore[union-attr]
-                "loaded_items": 2, "loaded_bytes": 2 * ITEM, "via_http": 2, "external_items": 2, "released_items": 1}
+                "loaded_items": 2,
+                "loaded_bytes": 2 * ITEM,
+                "via_http": 2,
+                "external_items": 2,
+                "released_items": 1,
+            }
             assert _idle(connector.scheduler._prefetch, areas)
         finally:
             connector.shutdown()
@@ -364,8 +405,12 @@ def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_val
         assert wait_for(lambda: _entries(producer) == 0, 30)
 
         (valid,) = _entry(producer, "offer-valid", seed=3, leases=1, data=rows)
-        stranger = msgspec.structs.replace(valid, hash="offer-stranger", producer="http://127.0.0.1:9",
-                                           http="http://127.0.0.1:9/v1/embeddings/offer-stranger")
+        stranger = msgspec.structs.replace(
+            valid,
+            hash="offer-stranger",
+            producer="http://127.0.0.1:9",
+            http="http://127.0.0.1:9/v1/embeddings/offer-stranger",
+        )
         r2 = _request("r2", valid)
         r2.sampling_params.extra_args = handles_xargs([valid, stranger])
         assert not connector.scheduler._offers_of(r2)

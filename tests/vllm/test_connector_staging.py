@@ -35,15 +35,22 @@ def producer():
 
 
 @contextmanager
-def landing(nbytes: int, ranks: int = 2, backends: tuple[str, ...] = ("shm", "http"), threads: int = 2,
-            land_timeout_s: float = 30.0, answering: int | None = None) -> Iterator[tuple[Prefetcher, list]]:
+def landing(
+    nbytes: int,
+    ranks: int = 2,
+    backends: tuple[str, ...] = ("shm", "http"),
+    threads: int = 2,
+    land_timeout_s: float = 30.0,
+    answering: int | None = None,
+) -> Iterator[tuple[Prefetcher, list]]:
     """A scheduler's prefetcher and `ranks` workers' landing areas (CPU memory), as the connector wires them; only
     the first `answering` ranks exist (the others never answer)."""
     address = LandingAddress(f"test{uuid.uuid4().hex[:8]}")
-    areas = [LandingArea(address, r, nbytes, torch.device("cpu"), EmbeddingFetcher(backends), threads)
-             for r in range(ranks if answering is None else answering)]
-    prefetch = Prefetcher(LandingChannel(address, ranks), EmbeddingFetcher(backends), nbytes, threads,
-                          land_timeout_s)
+    areas = [
+        LandingArea(address, r, nbytes, torch.device("cpu"), EmbeddingFetcher(backends), threads)
+        for r in range(ranks if answering is None else answering)
+    ]
+    prefetch = Prefetcher(LandingChannel(address, ranks), EmbeddingFetcher(backends), nbytes, threads, land_timeout_s)
     try:
         yield prefetch, areas
     finally:
@@ -53,8 +60,9 @@ def landing(nbytes: int, ranks: int = 2, backends: tuple[str, ...] = ("shm", "ht
 
 
 def _entry(producer, key: str, nbytes: int, seed: int):
-    resp = httpx.post(producer.url + "/v1/testing/entries", json={"hash": key, "nbytes": nbytes, "seed": seed},
-                      timeout=60)
+    resp = httpx.post(
+        producer.url + "/v1/testing/entries", json={"hash": key, "nbytes": nbytes, "seed": seed}, timeout=60
+    )
     assert resp.status_code == 200, resp.text
     return as_handle(resp.json())
 
@@ -133,13 +141,29 @@ def test_a_rank_that_never_answers_fails_the_item_and_keeps_its_range(producer) 
 def test_connector_settings() -> None:
     s = EricConnectorSettings.parse({"eric_urls": "http://a:1,http://b:2/"}, environ={"ERIC_API_KEY": "k"})
     assert s.eric_urls == ("http://a:1", "http://b:2") and s.api_key == "k" and s.mooncake.protocol == "tcp"
-    s = EricConnectorSettings.parse({"eric_urls": ["http://a:1"], "mooncake_protocol": "rdma", "mooncake_device":
-                                     "mlx5_0", "mooncake_host": "10.0.0.7", "staging_bytes": 1 << 24}, environ={})
-    assert (s.mooncake.protocol, s.mooncake.device, s.mooncake.host, s.staging_bytes, s.api_key) == \
-        ("rdma", "mlx5_0", "10.0.0.7", 1 << 24, None)
-    for bad in ({}, {"eric_urls": ["http://a:1"], "backends": ["carrier-pigeon"]},
-                {"eric_urls": ["http://a:1"], "mooncake_protocol": "udp"},
-                {"eric_urls": ["http://a:1"], "staging_bytes": 10}):
+    s = EricConnectorSettings.parse(
+        {
+            "eric_urls": ["http://a:1"],
+            "mooncake_protocol": "rdma",
+            "mooncake_device": "mlx5_0",
+            "mooncake_host": "10.0.0.7",
+            "staging_bytes": 1 << 24,
+        },
+        environ={},
+    )
+    assert (s.mooncake.protocol, s.mooncake.device, s.mooncake.host, s.staging_bytes, s.api_key) == (
+        "rdma",
+        "mlx5_0",
+        "10.0.0.7",
+        1 << 24,
+        None,
+    )
+    for bad in (
+        {},
+        {"eric_urls": ["http://a:1"], "backends": ["carrier-pigeon"]},
+        {"eric_urls": ["http://a:1"], "mooncake_protocol": "udp"},
+        {"eric_urls": ["http://a:1"], "staging_bytes": 10},
+    ):
         with pytest.raises(ValueError):
             EricConnectorSettings.parse(bad, environ={})
 

@@ -29,8 +29,9 @@ def _client(vllm) -> tuple[openai.OpenAI, str]:
 def _stream_times(client: openai.OpenAI, model: str, tokens: int = 48) -> list[float]:
     """Arrival time of each streamed chunk of a greedy text-only answer."""
     times = []
-    stream = client.chat.completions.create(model=model, messages=TEXT, max_tokens=tokens, temperature=0.0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model, messages=TEXT, max_tokens=tokens, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content is not None:
             times.append(time.monotonic())
@@ -42,16 +43,23 @@ def _gaps(times: list[float]) -> list[float]:
 
 
 def _encode(eric, url: str) -> dict:
-    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=60,
-                      json={"items": [{"modality": "image", "url": url}]})
+    resp = httpx.post(
+        eric.url + "/v1/encode", headers=eric.headers, timeout=60, json={"items": [{"modality": "image", "url": url}]}
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["items"][0]
 
 
 def _ask(client: openai.OpenAI, model: str, part: dict, extra: dict) -> tuple[str, Greedy]:
     resp = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
-        max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True, **extra})
+        model=model,
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True, **extra},
+    )
     choice = resp.choices[0]
     return choice.finish_reason, greedy_of_openai(choice)
 

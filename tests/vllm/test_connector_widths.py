@@ -23,9 +23,13 @@ from eric_epd.wire.handoff import handles_xargs
 
 HIDDEN = 16
 ERIC = "http://127.0.0.1:9"
-OMNI = {"model_type": "qwen3_omni_moe", "thinker_config": {
-    "text_config": {"hidden_size": HIDDEN},
-    "vision_config": {"out_hidden_size": HIDDEN, "deepstack_visual_indexes": [1, 2]}}}
+OMNI = {
+    "model_type": "qwen3_omni_moe",
+    "thinker_config": {
+        "text_config": {"hidden_size": HIDDEN},
+        "vision_config": {"out_hidden_size": HIDDEN, "deepstack_visual_indexes": [1, 2]},
+    },
+}
 
 
 @pytest.fixture
@@ -34,10 +38,13 @@ def connector() -> Iterator[EricECConnector]:
     extra = {"eric_urls": [ERIC], "backends": ["http"], "fetch_timeout_s": 0.5, "staging_bytes": 1 << 20}
     address = LandingAddress(f"widths{uuid.uuid4().hex[:8]}")
     config = SimpleNamespace(
-        ec_transfer_config=ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer",
-                                            ec_connector_extra_config=extra),
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="EricECConnector", ec_role="ec_consumer", ec_connector_extra_config=extra
+        ),
         parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=1),
-        instance_id=address.instance, model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: OMNI)))
+        instance_id=address.instance,
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: OMNI)),
+    )
     built = EricECConnector(config, ECConnectorRole.SCHEDULER)  # type: ignore[arg-type]
     try:
         yield built
@@ -48,12 +55,15 @@ def connector() -> Iterator[EricECConnector]:
 def _request(rid: str, modality: str, rows: int, width: int) -> Request:
     """An EPD request with one metadata-only `modality` item and a handle of [rows, width] float32 rows."""
     key = uuid.uuid4().hex * 2
-    handle = EmbeddingHandle(key, (rows, width), "float32", rows * width * 4, ERIC, "i0",
-                             f"{ERIC}/v1/embeddings/{key}", lease="lease")
-    feature = MultiModalFeatureSpec(data=None, modality=modality, identifier=key,
-                                    mm_position=PlaceholderRange(offset=1, length=rows))
-    return Request(rid, [0] * (rows + 2), SamplingParams(extra_args=handles_xargs([handle])), None,
-                   mm_features=[feature])
+    handle = EmbeddingHandle(
+        key, (rows, width), "float32", rows * width * 4, ERIC, "i0", f"{ERIC}/v1/embeddings/{key}", lease="lease"
+    )
+    feature = MultiModalFeatureSpec(
+        data=None, modality=modality, identifier=key, mm_position=PlaceholderRange(offset=1, length=rows)
+    )
+    return Request(
+        rid, [0] * (rows + 2), SamplingParams(extra_args=handles_xargs([handle])), None, mm_features=[feature]
+    )
 
 
 def test_widths_by_modality(connector: EricECConnector) -> None:

@@ -63,14 +63,21 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 @pytest.fixture(scope="module")
-def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-           _checkpoint_cache: Path) -> Iterator[Lookahead]:
+def stacks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path
+) -> Iterator[Lookahead]:
     """Each family's Eric, `vllm serve` behind it and the gateway, the next family's launched while this one's tests
     run (eric_epd/testing/lookahead.py)."""
+
     def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
         model = ensure_family_checkpoint(family)
-        launched = colocated_epd(model, tmp_path_factory.mktemp(f"{family}-epd"), eric_cpus=eric_cpus,
-                                 engine_cpus=engine_cpus, media_hosts=("127.0.0.1",))  # the image origin
+        launched = colocated_epd(
+            model,
+            tmp_path_factory.mktemp(f"{family}-epd"),
+            eric_cpus=eric_cpus,
+            engine_cpus=engine_cpus,
+            media_hosts=("127.0.0.1",),
+        )  # the image origin
         launched.value["family"] = family
         return launched
 
@@ -125,10 +132,16 @@ def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) ->
     assert card["modalities"] == list(support.modalities)
     if "video" not in support.modalities:
         return
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(image_bytes(random_image(80, 60, seed=901)))}},
-        {"type": "video_url", "video_url": {"url": video_data_url(40, 64, 48, fps=8, seed=41)}},
-        {"type": "text", "text": "What happens?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image_bytes(random_image(80, 60, seed=901)))}},
+                {"type": "video_url", "video_url": {"url": video_data_url(40, 64, 48, fps=8, seed=41)}},
+                {"type": "text", "text": "What happens?"},
+            ],
+        }
+    ]
     before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
     direct, _ = ask_token_ids(vllm.url, messages, key=vllm.api_key, max_tokens=MAX_TOKENS)
     assert _reaches(vllm.url, "local_encoder_items", before["local_encoder_items"] + 2)

@@ -34,8 +34,9 @@ def test_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache: Path
     vllm_processor, prompt = _vllm_processor_and_prompt(ckpt, "image", "What is this?")
     eric = HFImageProcessor(ckpt)
     # Kimi-K2.5 (`use_unified_vision_chunk`): vLLM's chat parser hands images over as "vision_chunk" items
-    modality = "vision_chunk" if getattr(vllm_processor.info.get_hf_config(), "use_unified_vision_chunk", False) \
-        else "image"
+    modality = (
+        "vision_chunk" if getattr(vllm_processor.info.get_hf_config(), "use_unified_vision_chunk", False) else "image"
+    )
     for seed, (width, height) in enumerate(SIZES):
         image = random_image(width, height, seed=seed)
         data = [VisionChunkImage(type="image", image=image, uuid=None)] if modality == "vision_chunk" else [image]
@@ -82,8 +83,9 @@ def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache
     eric = HFImageProcessor(ckpt)
     for seed, (count, fps) in enumerate(VIDEOS):
         data = video_bytes(count, 64, 48, fps=fps, seed=seed)
-        frames, metadata = MediaConnector().fetch_video(data_url(data, "video/mp4"),
-                                                        video_processor=video_processor).media
+        frames, metadata = (
+            MediaConnector().fetch_video(data_url(data, "video/mp4"), video_processor=video_processor).media
+        )
         ours, sampled_fps, _ = decode_video(data, MediaLimits(), eric.frame_indices)
         theirs = dict(zip(metadata["frames_indices"], frames, strict=True))  # what vLLM's loader decoded, by frame
         for index, frame in zip(eric.frame_indices(count, fps), ours, strict=True):
@@ -102,8 +104,9 @@ def test_video_placeholder_embeds_equal_eric_rows(family: str, _checkpoint_cache
                 mine = tensors[ours_name].reshape(theirs.shape)
                 if theirs.dtype == torch.uint8:  # GLM-4.1V: vLLM normalises on the device; Eric's are those pixels
                     mine = _pixels(mine, eric)
-                torch.testing.assert_close(mine.to(theirs.dtype), theirs, rtol=0, atol=0,
-                                           msg=f"{name} {count} frames at {fps}")
+                torch.testing.assert_close(
+                    mine.to(theirs.dtype), theirs, rtol=0, atol=0, msg=f"{name} {count} frames at {fps}"
+                )
         assert "pixel_values_videos" in compared, compared
         assert family != "gemma4" or "pixel_position_ids_videos" in compared, compared
 
@@ -158,7 +161,8 @@ def test_internvl_videos_take_the_image_size(tmp_path: Path, _checkpoint_cache: 
     config["video_processor"]["size"] = {"height": 32, "width": 32}
     (ckpt / "processor_config.json").write_text(json.dumps(config))
     vllm_processor = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096))
+        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096)
+    )
     eric = HFImageProcessor(ckpt)
     frames, sampled_fps, _ = decode_video(video_bytes(8, 64, 48, fps=4, seed=3), MediaLimits(), eric.frame_indices)
     processed = vllm_processor("<video>\n", vllm_processor.info.parse_mm_data({"video": [frames]}))
@@ -177,8 +181,11 @@ def _vllm_processor_and_prompt(ckpt: Path, part: str, text: str) -> tuple[Any, s
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     processor = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096))
+        ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=4096)
+    )
     prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
         [{"role": "user", "content": [{"type": part}, {"type": "text", "text": text}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     return processor, prompt

@@ -16,8 +16,9 @@ from eric_epd.plugins.vllm.auth import RequireEngineKey
 from eric_epd.plugins.vllm.middleware import RefuseUnkeyedMetadata
 
 KEY = "engine-key"
-GRID_ONLY = {"messages": [{"role": "user", "content": [
-    {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}}]}]}
+GRID_ONLY = {
+    "messages": [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}}]}]
+}
 
 
 def _client(order: tuple[type, ...], reads: list[int]) -> TestClient:
@@ -26,13 +27,16 @@ def _client(order: tuple[type, ...], reads: list[int]) -> TestClient:
         reads.append(len(body))
         return JSONResponse({"got": len(body)})
 
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])],
-                    middleware=[Middleware(cls) for cls in order])
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"])], middleware=[Middleware(cls) for cls in order]
+    )
     return TestClient(app)
 
 
-@pytest.mark.parametrize("order", [(RequireEngineKey, RefuseUnkeyedMetadata), (RefuseUnkeyedMetadata, RequireEngineKey),
-                                   (RefuseUnkeyedMetadata,)])
+@pytest.mark.parametrize(
+    "order",
+    [(RequireEngineKey, RefuseUnkeyedMetadata), (RefuseUnkeyedMetadata, RequireEngineKey), (RefuseUnkeyedMetadata,)],
+)
 def test_the_key_is_checked_before_any_body_is_read(order: tuple[type, ...], monkeypatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     reads: list[int] = []
@@ -49,8 +53,15 @@ def test_the_key_is_checked_before_any_body_is_read(order: tuple[type, ...], mon
     assert reads == [] and len(streamed) <= 2  # 4 MiB offered, at most the first chunk taken before the 401
     refused = client.post("/v1/chat/completions", json=GRID_ONLY, headers={"Authorization": f"Bearer {KEY}"})
     assert refused.status_code == 400 and "needs a 'uuid'" in refused.json()["error"]["message"]
-    good = dict(GRID_ONLY, messages=[{"role": "user", "content": [
-        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "abc"}]}])
+    good = dict(
+        GRID_ONLY,
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "abc"}],
+            }
+        ],
+    )
     ok = client.post("/v1/chat/completions", json=good, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200 and reads == [len(ok.request.content)] and ok.json()["got"] > 0
 

@@ -52,8 +52,9 @@ FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
 
 
 @pytest.fixture(scope="module")
-def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-           _checkpoint_cache: Path) -> Iterator[Lookahead]:
+def stacks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path
+) -> Iterator[Lookahead]:
     """Each family's Eric and `vllm serve` with the connector behind it, the next family's launched while this
     one's tests run."""
     from eric_epd.checkpoints.audio_families import ensure_audio_checkpoint
@@ -61,8 +62,7 @@ def stacks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
         model, logs = ensure_audio_checkpoint(family), tmp_path_factory.mktemp(f"{family}-epd")
         eric = EricServer(model, log_path=logs / "eric.log", extra_args=("--dtype", "float32"), cpus=eric_cpus)
-        vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
-                         cpus=engine_cpus)
+        vllm = VllmServe(model, logs / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key, cpus=engine_cpus)
         return Launched((eric, vllm), {"servers": (eric, vllm, family)})
 
     yield from lookahead_fixture(request, "stack", build)
@@ -111,13 +111,22 @@ def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer
     eric, vllm, family = stack
     items = CASES[case]
     direct, loaded, local = _direct(vllm, items)
-    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120,
-                      json={"items": [{"modality": m, "url": data_url(d, MIME[m])} for m, d in items]})
+    resp = httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=120,
+        json={"items": [{"modality": m, "url": data_url(d, MIME[m])} for m, d in items]},
+    )
     assert resp.status_code == 200, resp.text
     encoded = resp.json()["items"]
     assert [(i["modality"], i["placement"]) for i in encoded] == [(m, "media") for m, _ in items]
-    epd, _ = ask_token_ids(vllm.url, _messages(items, [i["hash"] for i in encoded]), key=vllm.api_key,
-                           max_tokens=MAX_TOKENS, extra={"vllm_xargs": handles_xargs(i["handle"] for i in encoded)})
+    epd, _ = ask_token_ids(
+        vllm.url,
+        _messages(items, [i["hash"] for i in encoded]),
+        key=vllm.api_key,
+        max_tokens=MAX_TOKENS,
+        extra={"vllm_xargs": handles_xargs(i["handle"] for i in encoded)},
+    )
     assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + len(items))
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
@@ -136,29 +145,46 @@ def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple
     direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
     local = before["local_encoder_items"] + 2  # the video and its soundtrack
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
-    resp = httpx.post(eric.url + "/v1/encode", headers=eric.headers, timeout=120, json={"items": [
-        {"modality": "video", "url": data_url(data, MIME["video"]), "use_audio_in_video": True}]})
+    resp = httpx.post(
+        eric.url + "/v1/encode",
+        headers=eric.headers,
+        timeout=120,
+        json={"items": [{"modality": "video", "url": data_url(data, MIME["video"]), "use_audio_in_video": True}]},
+    )
     assert resp.status_code == 200, resp.text
     (video,) = resp.json()["items"]
     sound = video["soundtrack"]
     xargs = handles_xargs([video["handle"], sound["handle"]]) | soundtracks_xargs({video["hash"]: sound["hash"]})
-    epd, _ = ask_token_ids(vllm.url, _messages(items, [video["hash"]]), key=vllm.api_key, max_tokens=MAX_TOKENS,
-                           extra={**option, "vllm_xargs": xargs})
+    epd, _ = ask_token_ids(
+        vllm.url,
+        _messages(items, [video["hash"]]),
+        key=vllm.api_key,
+        max_tokens=MAX_TOKENS,
+        extra={**option, "vllm_xargs": xargs},
+    )
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack")
 
 
-def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[EricServer, VllmServe, str],
-                                                               tmp_path: Path) -> None:
+def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(
+    stack: tuple[EricServer, VllmServe, str], tmp_path: Path
+) -> None:
     """A clip and an image through the gateway in front of the same servers: the EPD path, both items loaded from
     Eric, and vLLM's own answer."""
     eric, vllm, family = stack
     items = (_clip(RATE + 91, 36), ("image", image_bytes(random_image(80, 60, seed=37))))
     direct, loaded, local = _direct(vllm, items)
-    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                       eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
+    with GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    ) as gateway:
         answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS)
         assert path == "epd"
         assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
@@ -173,8 +199,9 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(stack: tuple[Eri
             assert_greedy_agree(again, direct, NEAR_TIE_FLOAT32, f"{family} with use_audio_in_video={option}")
 
 
-def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: tuple[EricServer, VllmServe, str],
-                                                                         tmp_path: Path) -> None:
+def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(
+    stack: tuple[EricServer, VllmServe, str], tmp_path: Path
+) -> None:
     """A video with `use_audio_in_video` through the gateway (one item is enough here): the EPD path, the video and
     its soundtrack loaded from Eric, and vLLM's own answer."""
     eric, vllm, family = stack
@@ -184,8 +211,17 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: 
     direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
     local = before["local_encoder_items"] + 2
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
-    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                       "--epd-min-items", "1", eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
+    with GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        "--epd-min-items",
+        "1",
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    ) as gateway:
         answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
     assert path == "epd"
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
@@ -193,23 +229,33 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(stack: 
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack through the gateway")
 
 
-def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(stack: tuple[EricServer, VllmServe, str],
-                                                                         tmp_path: Path) -> None:
+def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(
+    stack: tuple[EricServer, VllmServe, str], tmp_path: Path
+) -> None:
     """Two videos (other frames) with the same soundtrack and `use_audio_in_video`, through the gateway: the two
     soundtracks are one content in Eric (one lease, under two vLLM identifiers: each video's); the connector loads
     it for both and acknowledges the lease once, so the request answers as vLLM alone does, twice in a row, vLLM's
     encoder stays idle, and Eric holds nothing after either."""
     eric, vllm, family = stack
-    items = tuple(("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=seed,
-                                                   audio_seed=42)) for seed in (40, 41))
+    items = tuple(
+        ("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=seed, audio_seed=42))
+        for seed in (40, 41)
+    )
     option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
     direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") > before["local_encoder_items"])
     local = _counter(vllm, "local_encoder_items")
     held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
-    with GatewayServer(tmp_path / "gateway.log", "--encoder-urls", eric.url, "--colocated-urls", vllm.url,
-                       eric_api_key=eric.api_key, upstream_api_key=vllm.api_key) as gateway:
+    with GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    ) as gateway:
         for attempt in range(2):
             answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
             assert path == "epd", attempt

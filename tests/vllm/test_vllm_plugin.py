@@ -40,8 +40,9 @@ CHANGED = Case("changed", ((80, 80),), seed=9)
 
 
 @pytest.fixture(scope="module")
-def reference_run(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory,
-                  ) -> Iterator[tuple[subprocess.Popen, Path]]:
+def reference_run(
+    qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen, Path]]:
     """Monolithic vLLM (its own vision encoder, raw pixels) in a separate process, launched before the Erics and the
     connector's engine so their start-ups overlap its run; yields the process and the file it writes."""
     out = tmp_path_factory.mktemp("ref") / "tokens.json"
@@ -66,8 +67,9 @@ def erics(qwen2_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory, referen
     monolithic reference is under way (reference_run)."""
     logs = tmp_path_factory.mktemp("erics")
     key = new_key()  # one key for the Erics behind one engine
-    main = EricServer(qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key,
-                      extra_args=("--transfer-backends", "shm,nixl"))
+    main = EricServer(
+        qwen2_vl_tiny, tp=2, log_path=logs / "main.log", api_key=key, extra_args=("--transfer-backends", "shm,nixl")
+    )
     doomed = EricServer(qwen2_vl_tiny, tp=1, log_path=logs / "doomed.log", api_key=key)
     with running(main, doomed):  # their start-ups overlap
         yield main, doomed
@@ -78,8 +80,12 @@ def llm(qwen2_vl_tiny: Path, erics):
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
-    ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
-                          ec_connector_extra_config={"eric_urls": [e.url for e in erics], "backends": ["shm", "http"]})
+    ec = ECTransferConfig(
+        ec_connector="EricECConnector",
+        ec_role="ec_consumer",
+        ec_buffer_device="cpu",
+        ec_connector_extra_config={"eric_urls": [e.url for e in erics], "backends": ["shm", "http"]},
+    )
     with eric_key_in_env(erics[0].api_key):
         engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
     yield engine
@@ -179,7 +185,7 @@ def test_changed_embedding_changes_output(llm, erics) -> None:
     handle = items[0]["handle"]
     segment = attach_untracked(handle["shm"]["name"])
     pool = np.ndarray((segment.size,), np.uint8, buffer=segment.buf)
-    emb = pool[handle["shm"]["offset"]: handle["shm"]["offset"] + handle["nbytes"]].view(np.float32)
+    emb = pool[handle["shm"]["offset"] : handle["shm"]["offset"] + handle["nbytes"]].view(np.float32)
     emb *= -3.0
     del emb, pool
     segment.close()
@@ -222,10 +228,19 @@ def chat_parts(items: list[dict]) -> list[dict]:
 def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str, Greedy], tmp_path: Path) -> None:
     import openai
 
-    with StoreMaster(tmp_path / "master.log") as master, \
-            EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log", extra_args=("--global-cache", master.address)) \
-            as eric, VllmServe(qwen2_vl_tiny, tmp_path / "vllm.log", eric_urls=[eric.url], eric_api_key=eric.api_key,
-                               global_cache=master.address) as server:
+    with (
+        StoreMaster(tmp_path / "master.log") as master,
+        EricServer(
+            qwen2_vl_tiny, log_path=tmp_path / "eric.log", extra_args=("--global-cache", master.address)
+        ) as eric,
+        VllmServe(
+            qwen2_vl_tiny,
+            tmp_path / "vllm.log",
+            eric_urls=[eric.url],
+            eric_api_key=eric.api_key,
+            global_cache=master.address,
+        ) as server,
+    ):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
         model = client.models.list().data[0].id
         encoded: set[str] = set()
@@ -233,10 +248,18 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
             items = encode(eric, case)
             encoded |= {i["hash"] for i in items}
             resp = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": chat_parts(items)}], max_tokens=MAX_TOKENS,
-                temperature=0.0, logprobs=True, top_logprobs=2,
-                extra_body={"ignore_eos": True, "return_token_ids": True,
-                            "vllm_xargs": handles_xargs(i["handle"] for i in items)})
+                model=model,
+                messages=[{"role": "user", "content": chat_parts(items)}],
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                logprobs=True,
+                top_logprobs=2,
+                extra_body={
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "vllm_xargs": handles_xargs(i["handle"] for i in items),
+                },
+            )
             assert_greedy_agree(greedy_of_openai(resp.choices[0]), reference[case.name], NEAR_TIE_FLOAT32, case.name)
         # metadata without a uuid is refused before it reaches the engine
         bad = chat_parts(items)
@@ -250,14 +273,25 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         encoded |= {i["hash"] for i in items}  # every item this Eric encoded is put once: wait for all of them
         assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= len(encoded))
         for item in items:
-            ack = httpx.post(f"{eric.url}/v1/embeddings/{item['hash']}/ack", headers=eric.headers | {
-                LEASE_HEADER: item["handle"]["lease"]}, json={"instance_id": item["handle"]["instance_id"]})
+            ack = httpx.post(
+                f"{eric.url}/v1/embeddings/{item['hash']}/ack",
+                headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]},
+                json={"instance_id": item["handle"]["instance_id"]},
+            )
             assert ack.status_code == 200, ack.text
         resp = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": chat_parts(items)}], max_tokens=MAX_TOKENS,
-            temperature=0.0, logprobs=True, top_logprobs=2,
-            extra_body={"ignore_eos": True, "return_token_ids": True,
-                        "vllm_xargs": handles_xargs(i["handle"] for i in items)})
+            model=model,
+            messages=[{"role": "user", "content": chat_parts(items)}],
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "vllm_xargs": handles_xargs(i["handle"] for i in items),
+            },
+        )
         assert_greedy_agree(greedy_of_openai(resp.choices[0]), reference[case.name], NEAR_TIE_FLOAT32, case.name)
         assert metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
         assert httpx.get(server.url + "/health").status_code == 200
@@ -265,19 +299,24 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         assert "vllm:eric_ec_loaded_items" in metrics
 
 
-def test_tensor_parallel_vllm_lands_items_on_every_rank(qwen2_vl_tiny: Path, erics,
-                                                        reference: dict[str, Greedy]) -> None:
+def test_tensor_parallel_vllm_lands_items_on_every_rank(
+    qwen2_vl_tiny: Path, erics, reference: dict[str, Greedy]
+) -> None:
     """vLLM at TP 2 behind Eric over NIXL: each rank READs every item into its own landing area (registered once),
     the scheduler acknowledges once both have it, and the tokens equal monolithic vLLM's."""
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
     main, _ = erics
-    ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer",
-                          ec_connector_extra_config={"eric_urls": [main.url], "backends": ["nixl", "http"]})
+    ec = ECTransferConfig(
+        ec_connector="EricECConnector",
+        ec_role="ec_consumer",
+        ec_connector_extra_config={"eric_urls": [main.url], "backends": ["nixl", "http"]},
+    )
     with eric_key_in_env(main.api_key, ranks=2), yielding_new_children():  # its 2 ranks take both cores
-        engine = LLM(**llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, tensor_parallel_size=2,
-                     disable_log_stats=False)
+        engine = LLM(
+            **llm_kwargs(qwen2_vl_tiny), ec_transfer_config=ec, tensor_parallel_size=2, disable_log_stats=False
+        )
     try:
         cases = [c for c in CASES if c.name in ("one_image", "four_images")]
         for case in cases:

@@ -26,18 +26,22 @@ def test_qwen25_epd_tokens_equal_monolithic(qwen2_5_vl_tiny: Path, tmp_path: Pat
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
-    with EricServer(qwen2_5_vl_tiny, tp=2, log_path=tmp_path / "eric.log") as eric, \
-            eric_key_in_env(eric.api_key):
-        ec = ECTransferConfig(ec_connector="EricECConnector", ec_role="ec_consumer", ec_buffer_device="cpu",
-                              ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]})
+    with EricServer(qwen2_5_vl_tiny, tp=2, log_path=tmp_path / "eric.log") as eric, eric_key_in_env(eric.api_key):
+        ec = ECTransferConfig(
+            ec_connector="EricECConnector",
+            ec_role="ec_consumer",
+            ec_buffer_device="cpu",
+            ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]},
+        )
         llm = LLM(**llm_kwargs(qwen2_5_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
         for case in (c for c in CASES if c.name in CASES_RUN):
             monolithic = greedy_run(llm, raw_prompt(case, video_metadata=True))
             items = encode_case(eric.url, case, eric.api_key)
             if case.video_frames:  # 8 frames at 4 fps sampled at 2 fps: the 1 s per grid step vLLM assumes
                 assert [i["second_per_grid_ts"] for i in items if i["modality"] == "video"] == [1.0]
-            assert_greedy_agree(greedy_run(llm, epd_prompt(case, items), items), monolithic, NEAR_TIE_FLOAT32,
-                                case.name)
+            assert_greedy_agree(
+                greedy_run(llm, epd_prompt(case, items), items), monolithic, NEAR_TIE_FLOAT32, case.name
+            )
         counters = {m.name: m.value for m in llm.get_metrics() if "eric_ec" in m.name}
         assert counters["vllm:eric_ec_loaded_items"] == 7  # 2 + 4 images and the video came from Eric
         assert counters["vllm:eric_ec_local_encoder_items"] == 7  # the raw-media runs used vLLM's encoder

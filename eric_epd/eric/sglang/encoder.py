@@ -58,9 +58,18 @@ class SglangEncoder:
     unpickles anything; the only pickle it writes is the allowlisted part header (wire/sglang.py).
     """
 
-    def __init__(self, config: EricConfig, hub: TransferHub, state: dict[str, Any], settings: SglangConfig,
-                 width: Callable[[str], int], eric_dtype: str, wire: str,
-                 modalities: tuple[str, ...] = ("image", "video"), video_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EricConfig,
+        hub: TransferHub,
+        state: dict[str, Any],
+        settings: SglangConfig,
+        width: Callable[[str], int],
+        eric_dtype: str,
+        wire: str,
+        modalities: tuple[str, ...] = ("image", "video"),
+        video_seconds: float | None = None,
+    ) -> None:
         self.config = config
         self.modalities = modalities
         """What the checkpoint's encoder takes (Eric's modality names); other parts get SGLang's 400."""
@@ -92,8 +101,7 @@ class SglangEncoder:
 
     def start(self) -> None:
         """Open the ZMQ sender and start the sweep of idle parts and receiver sockets; call on the event loop."""
-        self._zmq = ZmqSender(self.settings.send_timeout_s, self.settings.max_receivers,
-                              self.settings.receiver_idle_s)
+        self._zmq = ZmqSender(self.settings.send_timeout_s, self.settings.max_receivers, self.settings.receiver_idle_s)
         self._spawn(self._sweep_loop())
 
     async def stop(self) -> None:
@@ -120,8 +128,12 @@ class SglangEncoder:
     async def _sweep_loop(self) -> None:
         """Idle parts and receiver sockets are released after their timeouts."""
         while True:
-            await asyncio.sleep(max(0.05, min(self.settings.send_timeout_s, self.settings.req_timeout_s,
-                                              self.settings.receiver_idle_s) / 4))
+            await asyncio.sleep(
+                max(
+                    0.05,
+                    min(self.settings.send_timeout_s, self.settings.req_timeout_s, self.settings.receiver_idle_s) / 4,
+                )
+            )
             self.table.expire()
             if self._zmq is not None:
                 self._zmq.expire()
@@ -137,8 +149,10 @@ class SglangEncoder:
         validate(req, self.config.max_items_per_request, self.modalities)
         req = await self.peers.encode_target(req, caller)
         modality = req.modality.upper()
-        items = [EncodeItem(id=str(i), modality=MODALITIES[modality], url=item_url(it, i))
-                 for i, it in enumerate(req.mm_items)]
+        items = [
+            EncodeItem(id=str(i), modality=MODALITIES[modality], url=item_url(it, i))
+            for i, it in enumerate(req.mm_items)
+        ]
         part = self.table.get(req.req_id)
         assert part is not None
         if part.request is not None:
@@ -181,20 +195,33 @@ class SglangEncoder:
                 await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
             except TimeoutError:
                 self.table.release(part)
-                raise SglangError(504, f"[{req.req_id}] embedding delivery failed: no prefill rank asked for the "
-                                       f"part within {self.settings.send_timeout_s:g}s") from None
+                raise SglangError(
+                    504,
+                    f"[{req.req_id}] embedding delivery failed: no prefill rank asked for the "
+                    f"part within {self.settings.send_timeout_s:g}s",
+                ) from None
         if part.mode == "scheduler":
             return await self._deliver_registered(part)
-        return {"req_id": req.req_id, "num_parts": req.num_parts, "part_idx": req.part_idx,
-                "modality": modality, "embedding_size": part.wire_bytes, "embedding_len": part.tokens,
-                "embedding_dim": self.rows.dim(part)}
+        return {
+            "req_id": req.req_id,
+            "num_parts": req.num_parts,
+            "part_idx": req.part_idx,
+            "modality": modality,
+            "embedding_size": part.wire_bytes,
+            "embedding_len": part.tokens,
+            "embedding_dim": self.rows.dim(part),
+        }
 
     def _claim(self, part: Part, caller: str | None) -> None:
         """The /encode caller owns the part: ranks registered earlier from addresses it may not use are dropped."""
         part.owner = caller
         for endpoint in part.drop_destinations(lambda who: self.peers.allows_caller(who, caller)):
-            logger.warning("SGLang part %s: dropped rank %s registered from an address other than %s",
-                           part.req_id, endpoint, caller)
+            logger.warning(
+                "SGLang part %s: dropped rank %s registered from an address other than %s",
+                part.req_id,
+                endpoint,
+                caller,
+            )
 
     def _stage(self, part: Part) -> None:
         if self.rows.stage(part):
@@ -223,8 +250,9 @@ class SglangEncoder:
         try:
             with as_sglang_error(f"[{part.req_id}] embedding delivery failed"), self.rows.reading(part):
                 frames = self._frames(part)
-                await asyncio.gather(*(self._send(host_port(req.prefill_host, int(p)), frames, cached=False)
-                                       for p in ports))
+                await asyncio.gather(
+                    *(self._send(host_port(req.prefill_host, int(p)), frames, cached=False) for p in ports)
+                )
         finally:
             part.active -= 1
             self.table.release(part)
@@ -249,8 +277,10 @@ class SglangEncoder:
                         break
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        failure = (f"timed out after {self.settings.send_timeout_s:g}s with {len(sent)}/"
-                                   f"{part.expected} destination(s) initiated")
+                        failure = (
+                            f"timed out after {self.settings.send_timeout_s:g}s with {len(sent)}/"
+                            f"{part.expected} destination(s) initiated"
+                        )
                         code = 504
                         break
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -306,8 +336,11 @@ class SglangEncoder:
         if part.expected is None:
             part.expected = req.receive_count
         elif part.expected != req.receive_count:
-            raise SglangError(400, f"Inconsistent receive_count for req_id={req.req_id}: registered "
-                                   f"{part.expected}, got {req.receive_count}")
+            raise SglangError(
+                400,
+                f"Inconsistent receive_count for req_id={req.req_id}: registered "
+                f"{part.expected}, got {req.receive_count}",
+            )
         if endpoint not in part.destinations and len(part.destinations) >= part.expected:
             raise SglangError(400, f"req_id={req.req_id} already has its {part.expected} receive_url(s)")
         part.destinations[endpoint] = caller
@@ -324,8 +357,9 @@ class SglangEncoder:
             await asyncio.wait_for(part.done.wait(), self.settings.req_timeout_s)
         except TimeoutError:
             if part.request is None:
-                raise SglangError(404, f"no /encode for req_id={req_id} arrived within "
-                                       f"{self.settings.req_timeout_s:g}s") from None
+                raise SglangError(
+                    404, f"no /encode for req_id={req_id} arrived within {self.settings.req_timeout_s:g}s"
+                ) from None
             raise SglangError(504, "encode metadata not ready") from None
         if part.error is not None:
             raise SglangError(part.error[1], part.error[0])
@@ -335,8 +369,13 @@ class SglangEncoder:
         """SGLang's /scheduler_receive_meta_data: the encoded part's size, token count and width."""
         part = await self.wait_encoded(req.req_id, create=True)
         self.peers.check_caller(caller, part.owner, req.req_id)
-        return {"req_id": req.req_id, "part_idx": req.part_idx, "embedding_size": part.wire_bytes,
-                "embedding_len": part.tokens, "embedding_dim": self.rows.dim(part)}
+        return {
+            "req_id": req.req_id,
+            "part_idx": req.part_idx,
+            "embedding_size": part.wire_bytes,
+            "embedding_len": part.tokens,
+            "embedding_dim": self.rows.dim(part),
+        }
 
     async def send(self, req: SendRequest, caller: str | None) -> None:
         """SGLang's /send: write the part's rows to the rank's buffer (Mooncake or NIXL), then notify it over ZMQ."""
@@ -355,12 +394,12 @@ class SglangEncoder:
                 timeout = self.settings.send_timeout_s
                 if nixl is not None:
                     pusher: Any = await self._pusher("nixl")
-                    await to_the_end(asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens,
-                                                       timeout))
+                    await to_the_end(asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens, timeout))
                 elif lens:
                     pusher = await self._pusher("mooncake")
-                    await to_the_end(asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens,
-                                                       timeout))
+                    await to_the_end(
+                        asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens, timeout)
+                    )
                 await self._send(endpoint, [self.rows.header(part)], cached=False)
         finally:
             part.active -= 1
@@ -374,12 +413,18 @@ class SglangEncoder:
             if kind == "mooncake":
                 if self._mooncake is None:
                     self._mooncake = await asyncio.to_thread(
-                        MooncakePusher, tc.advertise_host, self.config.sglang.mooncake_protocol, tc.mooncake_device,
-                        pool.base_addr, pool.nbytes)
+                        MooncakePusher,
+                        tc.advertise_host,
+                        self.config.sglang.mooncake_protocol,
+                        tc.mooncake_device,
+                        pool.base_addr,
+                        pool.nbytes,
+                    )
                 return self._mooncake
             if self._nixl is None:
                 self._nixl = await asyncio.to_thread(
-                    NixlPusher, f"eric-sglang-{self.config.instance_id}", pool.base_addr, pool.nbytes)
+                    NixlPusher, f"eric-sglang-{self.config.instance_id}", pool.base_addr, pool.nbytes
+                )
             return self._nixl
 
     # -------------------------------------------------------------------------------------------------- health
@@ -388,12 +433,12 @@ class SglangEncoder:
         """A real encode of SGLang's own probe image (silence for an audio model), as its /health_generate does."""
         modality, url = health_item(self.modalities)
         try:
-            answers = await asyncio.wait_for(self.service.encode([EncodeItem(id="health", modality=modality, url=url)]),
-                                             30)
+            answers = await asyncio.wait_for(
+                self.service.encode([EncodeItem(id="health", modality=modality, url=url)]), 30
+            )
         except Exception as e:
             logger.error("SGLang health encode failed: %r", e)
             return False
         for h in {(a.handle.hash, a.handle.generation): a.handle for a in answers}.values():
             self.hub.ack(h.hash, h.lease)
         return True
-

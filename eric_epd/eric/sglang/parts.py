@@ -41,10 +41,12 @@ class PartTable:
             if len(self._parts) >= self.settings.max_parts:
                 self.expire()
             if len(self._parts) >= self.settings.max_parts:
-                logger.warning("SGLang: refused req_id=%s: %d parts held (--sglang-max-parts)", req_id,
-                               len(self._parts))
-                raise SglangError(503, f"too many SGLang parts in flight ({len(self._parts)}, "
-                                       "--sglang-max-parts); retry later")
+                logger.warning(
+                    "SGLang: refused req_id=%s: %d parts held (--sglang-max-parts)", req_id, len(self._parts)
+                )
+                raise SglangError(
+                    503, f"too many SGLang parts in flight ({len(self._parts)}, --sglang-max-parts); retry later"
+                )
             part = self._parts[req_id] = Part(req_id)
         if part is not None:
             part.touched = time.monotonic()

@@ -38,7 +38,8 @@ async def _resolve(host: str, what: str) -> list[str]:
     """Every address `host` resolves to (asyncio getaddrinfo, bounded in time); 400 if it does not resolve."""
     try:
         infos = await asyncio.wait_for(
-            asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S)
+            asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S
+        )
     except (TimeoutError, OSError, UnicodeError) as e:
         raise SglangError(400, f"{what}: cannot resolve host {host!r}: {type(e).__name__}: {e}") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
@@ -77,15 +78,21 @@ class PeerPolicy:
         ip = as_ip(caller)
         if ip is None or not any(ip in net for net in self.networks):
             logger.warning("SGLang: refused a NIXL session from %s (outside --sglang-allowed-peer)", caller)
-            raise SglangError(403, f"a NIXL session_id is accepted only from callers inside --sglang-allowed-peer; "
-                                   f"{caller} is not (its UCX addresses are opaque to Eric and could name any host)")
+            raise SglangError(
+                403,
+                f"a NIXL session_id is accepted only from callers inside --sglang-allowed-peer; "
+                f"{caller} is not (its UCX addresses are opaque to Eric and could name any host)",
+            )
 
     def check_caller(self, caller: str | None, owner: str | None, req_id: str) -> None:
         """403 unless `caller` may act on the part `owner` posted (see `allows_caller`)."""
         if not self.allows_caller(caller, owner):
             logger.warning("SGLang: refused %s acting on req_id=%s posted from %s", caller, req_id, owner)
-            raise SglangError(403, f"req_id={req_id} was posted from another address; {caller} may not act on it "
-                                   "(see --sglang-allowed-peer)")
+            raise SglangError(
+                403,
+                f"req_id={req_id} was posted from another address; {caller} may not act on it "
+                "(see --sglang-allowed-peer)",
+            )
 
     async def host(self, host: str, caller: str | None, what: str) -> str:
         """The address to connect to for `host`; 403 unless every address it resolves to is allowed."""
@@ -98,12 +105,15 @@ class PeerPolicy:
             ip = as_ip(address)
             if ip is None or not self.allows(ip, caller):
                 logger.warning("SGLang: refused %s %s (%s) for caller %s", what, host, address, caller)
-                raise SglangError(403, f"{what} {host} ({address}) is neither the caller's address ({caller}) nor "
-                                       "inside --sglang-allowed-peer; Eric does not connect there")
+                raise SglangError(
+                    403,
+                    f"{what} {host} ({address}) is neither the caller's address ({caller}) nor "
+                    "inside --sglang-allowed-peer; Eric does not connect there",
+                )
         return addresses[0]
 
     async def endpoint(self, endpoint: str, caller: str | None, what: str) -> str:
-        """"host:port" with the host checked and replaced by the address to connect to."""
+        """ "host:port" with the host checked and replaced by the address to connect to."""
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SglangError(400, f"bad {what} {endpoint!r}; expected host:port")

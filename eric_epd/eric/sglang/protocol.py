@@ -38,8 +38,13 @@ def wire_dtype(setting: str, model_cfg: dict[str, Any]) -> str:
             raise ValueError(f"the SGLang dtype must be auto, float32, bfloat16 or float16, not {setting!r}")
         return setting
     text = model_cfg.get("text_config") or {}
-    declared = str(model_cfg.get("dtype") or model_cfg.get("torch_dtype") or text.get("dtype")
-                   or text.get("torch_dtype") or "float32").removeprefix("torch.")
+    declared = str(
+        model_cfg.get("dtype")
+        or model_cfg.get("torch_dtype")
+        or text.get("dtype")
+        or text.get("torch_dtype")
+        or "float32"
+    ).removeprefix("torch.")
     if declared in ("float32", "float"):
         return "float16"
     return declared if declared in ELEMENT_BYTES else "float16"
@@ -86,7 +91,7 @@ def sglang_error_response(status: int, message: str, req_id: str | None) -> JSON
 
 
 def tcp_endpoint(endpoint: str) -> str:
-    """"host:port" (IPv6 in brackets) as a ZMQ tcp endpoint."""
+    """ "host:port" (IPv6 in brackets) as a ZMQ tcp endpoint."""
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise SglangError(400, f"bad receive endpoint {endpoint!r}; expected host:port")
@@ -94,7 +99,7 @@ def tcp_endpoint(endpoint: str) -> str:
 
 
 def host_port(host: str, port: int) -> str:
-    """"host:port", with an IPv6 host in brackets."""
+    """ "host:port", with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
@@ -103,8 +108,11 @@ def item_url(item: str | dict[str, Any], index: int) -> str:
     if isinstance(item, dict):
         options = sorted(k for k, v in item.items() if k not in ("url", "content_hash", "modality") and v is not None)
         if options:
-            raise SglangError(400, f"mm_items[{index}]: per-item options {options} are not supported by Eric "
-                                   "(it preprocesses with the checkpoint's processor settings)")
+            raise SglangError(
+                400,
+                f"mm_items[{index}]: per-item options {options} are not supported by Eric "
+                "(it preprocesses with the checkpoint's processor settings)",
+            )
         url = item.get("url")
     else:
         url = item
@@ -143,8 +151,9 @@ def validate(req: EncodeRequest, max_items: int, modalities: tuple[str, ...]) ->
     if req.modality.upper() not in MODALITIES:
         raise SglangError(400, f"unsupported modality: {req.modality}")
     if MODALITIES[req.modality.upper()] not in modalities:
-        raise SglangError(400, f"unsupported modality: {req.modality} (this Eric's model encodes "
-                               f"{', '.join(modalities)})")
+        raise SglangError(
+            400, f"unsupported modality: {req.modality} (this Eric's model encodes {', '.join(modalities)})"
+        )
     if not req.mm_items:
         raise SglangError(400, "missing or empty mm_items")
     if len(req.mm_items) > max_items:
@@ -191,8 +200,11 @@ class Part:
             self.mode = mode
             self.mode_set.set()
         elif self.mode != mode:
-            raise SglangError(400, f"req_id={self.req_id} is already served as {self.mode}, not {mode}: "
-                                   "every prefill rank must use the same --encoder-transfer-backend")
+            raise SglangError(
+                400,
+                f"req_id={self.req_id} is already served as {self.mode}, not {mode}: "
+                "every prefill rank must use the same --encoder-transfer-backend",
+            )
 
     def drop_destinations(self, keep: Callable[[str | None], bool]) -> list[str]:
         """Forget ranks whose registering address `keep` refuses; with none left, the next rank sets the mode."""

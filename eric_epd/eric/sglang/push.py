@@ -106,8 +106,7 @@ class NixlPusher:
                 xfer = self._agent.initialize_xfer(
                     "WRITE",
                     self._agent.get_xfer_descs([(s, n, 0) for s, n in zip(srcs, lens)], "DRAM"),
-                    self._agent.get_xfer_descs([(d, n, session.device) for d, n in zip(dsts, lens)],
-                                               session.mem_type),
+                    self._agent.get_xfer_descs([(d, n, session.device) for d, n in zip(dsts, lens)], session.mem_type),
                     name,
                 )
                 state = self._agent.transfer(xfer)
@@ -143,4 +142,3 @@ class NixlPusher:
                 except Exception as e:
                     logger.warning("nixl: deregistering the pool failed: %s", e)
         del agent
-

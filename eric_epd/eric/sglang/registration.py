@@ -28,8 +28,9 @@ async def register(client: httpx.AsyncClient, bootstrap: str, url: str, settings
         except httpx.HTTPError as e:
             logger.debug("register attempt %d with %s failed: %r", attempt, bootstrap, e)
         await asyncio.sleep(settings.register_retry_s)
-    logger.error("giving up registering with SGLang bootstrap %s after %d attempts", bootstrap,
-                 settings.register_attempts)
+    logger.error(
+        "giving up registering with SGLang bootstrap %s after %d attempts", bootstrap, settings.register_attempts
+    )
 
 
 async def unregister(client: httpx.AsyncClient, url: str, settings: SglangConfig) -> None:
@@ -37,7 +38,8 @@ async def unregister(client: httpx.AsyncClient, url: str, settings: SglangConfig
     body = msgspec.json.encode(RegisterBody(url=url))
     for bootstrap in settings.register_urls:
         try:
-            await client.request("DELETE", f"{bootstrap}/unregister_encoder_url", content=body, headers=_JSON,
-                                 timeout=2.0)
+            await client.request(
+                "DELETE", f"{bootstrap}/unregister_encoder_url", content=body, headers=_JSON, timeout=2.0
+            )
         except httpx.HTTPError as e:
             logger.debug("unregister from %s failed: %r", bootstrap, e)

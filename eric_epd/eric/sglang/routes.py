@@ -29,16 +29,18 @@ SMALL_BODY_BYTES = 1 << 20
 """Limit for the rank routes' bodies (a few hundred bytes of JSON; a NIXL session adds a few KiB)."""
 
 
-def sglang_routes(config: EricConfig, facts: ModelFacts, spec: OutputSpec, hub: TransferHub, state: dict[str, Any],
-                  ) -> APIRouter:
+def sglang_routes(
+    config: EricConfig, facts: ModelFacts, spec: OutputSpec, hub: TransferHub, state: dict[str, Any]
+) -> APIRouter:
     """The SGLang encoder endpoints over Eric's EncodeService (`state["service"]`, set by Eric's lifespan), for the
     checkpoint `facts` describe, whose encoder output is `spec`."""
     settings = config.sglang
     if not settings.enabled:
         return APIRouter()
     wire = wire_dtype(settings.dtype, facts.config)
-    encoder = SglangEncoder(config, hub, state, settings, spec.width, spec.dtype, wire, facts.modalities,
-                            sglang_video_seconds(facts.config))
+    encoder = SglangEncoder(
+        config, hub, state, settings, spec.width, spec.dtype, wire, facts.modalities, sglang_video_seconds(facts.config)
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -55,8 +57,9 @@ def sglang_routes(config: EricConfig, facts: ModelFacts, spec: OutputSpec, hub: 
 
     router = APIRouter(lifespan=lifespan)
 
-    async def run(request: Request, kind: type[msgspec.Struct], handler: Any, limit: int = SMALL_BODY_BYTES
-                  ) -> Response:
+    async def run(
+        request: Request, kind: type[msgspec.Struct], handler: Any, limit: int = SMALL_BODY_BYTES
+    ) -> Response:
         """Read at most `limit` bytes (413 past it), decode, and call handler(body, caller's address)."""
         req_id = None
         try:

@@ -17,8 +17,15 @@ from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
 class PartRows:
     """A part's rows in the pool: staged in the prefill's dtype and read out as header, payload or ranges."""
-    def __init__(self, hub: TransferHub, width: Callable[[str], int], eric_dtype: str, wire_dtype: str,
-                 video_seconds: float | None = None) -> None:
+
+    def __init__(
+        self,
+        hub: TransferHub,
+        width: Callable[[str], int],
+        eric_dtype: str,
+        wire_dtype: str,
+        video_seconds: float | None = None,
+    ) -> None:
         self.hub = hub
         self.width = width
         """Values per row of an item of a modality (Eric's names): Qwen3-Omni's image and audio rows differ."""
@@ -43,6 +50,7 @@ class PartRows:
         def want(prepared: list[PreparedItem]) -> list[Want]:
             tokens = sum(p.item.num_tokens for p in prepared)
             return [Want(key, tokens * dim * ELEMENT_BYTES[self.dtype], (tokens, dim), self.dtype)]
+
         return Staging(want)
 
     def stage(self, part: Part) -> bool:
@@ -61,7 +69,7 @@ class PartRows:
         dst = torch.from_numpy(self.hub.pool.view(part.staged)).view(getattr(torch, self.dtype))
         for row in self.entries(part, staged=False):
             rows = torch.from_numpy(self.hub.pool.view(row)).view(src_dtype)
-            dst[offset: offset + rows.numel()] = rows  # the same rounding as Tensor.to(dtype)
+            dst[offset : offset + rows.numel()] = rows  # the same rounding as Tensor.to(dtype)
             offset += rows.numel()
         return True
 
@@ -98,9 +106,19 @@ class PartRows:
         assert req is not None
         modality = req.modality.upper()
         if part.error is not None:
-            return embedding_data_pickle(EmbeddingPart(
-                req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=None,
-                dtype=None, shape=None, error_msg=part.error[0], error_code=part.error[1]))
+            return embedding_data_pickle(
+                EmbeddingPart(
+                    req_id=part.req_id,
+                    num_parts=req.num_parts,
+                    part_idx=req.part_idx,
+                    modality=modality,
+                    grid=None,
+                    dtype=None,
+                    shape=None,
+                    error_msg=part.error[0],
+                    error_code=part.error[1],
+                )
+            )
         answers = part.answers or []
         extra: dict[str, list[float] | list[list[float]]] = {}
         tensors: dict[str, list[float]] = {}
@@ -112,12 +130,22 @@ class PartRows:
         stamps = [a.prepared.item.timestamps for a in answers]
         if modality == "VIDEO" and all(s is not None for s in stamps):  # Qwen3-VL writes them into the prompt
             extra["video_timestamps"] = [list(s) for s in stamps if s is not None]
-        grid: list[list[int]] | list[int] = (audio_grid(part) if modality == "AUDIO"
-                                              else [list(a.prepared.item.grid_thw) for a in answers])
-        return embedding_data_pickle(EmbeddingPart(
-            req_id=part.req_id, num_parts=req.num_parts, part_idx=req.part_idx, modality=modality, grid=grid,
-            dtype=self.dtype,
-            shape=[part.tokens, self.dim(part)], extra=extra, float_tensors=tensors))
+        grid: list[list[int]] | list[int] = (
+            audio_grid(part) if modality == "AUDIO" else [list(a.prepared.item.grid_thw) for a in answers]
+        )
+        return embedding_data_pickle(
+            EmbeddingPart(
+                req_id=part.req_id,
+                num_parts=req.num_parts,
+                part_idx=req.part_idx,
+                modality=modality,
+                grid=grid,
+                dtype=self.dtype,
+                shape=[part.tokens, self.dim(part)],
+                extra=extra,
+                float_tensors=tensors,
+            )
+        )
 
     def payload(self, part: Part) -> memoryview | bytes:
         """The part's rows, contiguous: a view of the pool for one entry, a copy for several."""
@@ -139,6 +167,9 @@ def audio_grid(part: Part) -> list[int]:
         return []
     frames = [a.prepared.item.feature_frames for a in part.answers or ()]
     if any(f is None for f in frames):
-        raise SglangError(400, f"[{part.req_id}] this model's audio items carry no feature-frame count "
-                               "(feature_attention_mask), which SGLang's prefill expands the audio placeholder from")
+        raise SglangError(
+            400,
+            f"[{part.req_id}] this model's audio items carry no feature-frame count "
+            "(feature_attention_mask), which SGLang's prefill expands the audio placeholder from",
+        )
     return [int(f) for f in frames if f is not None]

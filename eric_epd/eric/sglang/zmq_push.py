@@ -46,8 +46,9 @@ async def drop(sock: zmq.asyncio.Socket, tracker: zmq.MessageTracker | None) -> 
             cancelled = True
         if not warned and time.monotonic() - started > STUCK_WARNING_S:
             warned = True
-            logger.warning("ZMQ still holds a dropped message's frames after %.0f s; its region stays held",
-                           STUCK_WARNING_S)
+            logger.warning(
+                "ZMQ still holds a dropped message's frames after %.0f s; its region stays held", STUCK_WARNING_S
+            )
     if cancelled:
         raise asyncio.CancelledError
 
@@ -120,8 +121,9 @@ class ZmqSender:
                     receiver.sock = self._socket(address)
                 sock, tracker = receiver.sock, None
                 try:
-                    tracker = await asyncio.wait_for(sock.send_multipart(frames, copy=False, track=True),
-                                                     self.timeout_s)
+                    tracker = await asyncio.wait_for(
+                        sock.send_multipart(frames, copy=False, track=True), self.timeout_s
+                    )
                     await _sent(tracker, self.timeout_s)
                 except BaseException:
                     receiver.sock = None

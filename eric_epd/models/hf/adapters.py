@@ -65,22 +65,28 @@ class FamilyLayout:
     stay as they were (vLLM's processor lays out a generic-path placeholder from the media, needing no grid)."""
 
 
-LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
-    "gemma3": FamilyLayout(placeholder="boi_token"),  # its image_token is the soft token the boi expands into
-    "gemma4": FamilyLayout(),
-    "internvl": FamilyLayout(),
-    "llava_onevision": FamilyLayout(),  # image_newline rows are rows (the placeholder is all image tokens)
-    "llama4": FamilyLayout(rows=projected_rows),
-    "mistral3": FamilyLayout(),
-    "glm4v": FamilyLayout(),
-    "glm4v_moe": FamilyLayout(),
-    "idefics3": FamilyLayout(),
-    "smolvlm": FamilyLayout(),
-    "kimi_k25": FamilyLayout(preprocess=kimi_tensors, check=kimi_settings_agree),
-    "qwen2_5_omni": FamilyLayout(),  # the thinker's merged patches, one tensor per image (vLLM's qwen2_5_omni_thinker)
-    "qwen3_omni_moe": FamilyLayout(rows=deepstack_rows, video_rows=deepstack_rows,  # vLLM's qwen3_omni_moe_thinker
-                                   video_grid=True),  # SGLang's get_rope_index_qwen3_omni
-})
+LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType(
+    {
+        "gemma3": FamilyLayout(placeholder="boi_token"),  # its image_token is the soft token the boi expands into
+        "gemma4": FamilyLayout(),
+        "internvl": FamilyLayout(),
+        "llava_onevision": FamilyLayout(),  # image_newline rows are rows (the placeholder is all image tokens)
+        "llama4": FamilyLayout(rows=projected_rows),
+        "mistral3": FamilyLayout(),
+        "glm4v": FamilyLayout(),
+        "glm4v_moe": FamilyLayout(),
+        "idefics3": FamilyLayout(),
+        "smolvlm": FamilyLayout(),
+        "kimi_k25": FamilyLayout(preprocess=kimi_tensors, check=kimi_settings_agree),
+        # the thinker's merged patches, one tensor per image (vLLM's qwen2_5_omni_thinker)
+        "qwen2_5_omni": FamilyLayout(),
+        "qwen3_omni_moe": FamilyLayout(
+            rows=deepstack_rows,
+            video_rows=deepstack_rows,  # vLLM's qwen3_omni_moe_thinker
+            video_grid=True,
+        ),  # SGLang's get_rope_index_qwen3_omni
+    }
+)
 """HF model_type -> layout, for the families whose vLLM model was read; any other takes the default, unverified."""
 
 
@@ -88,7 +94,11 @@ def layout_for(model_type: str) -> FamilyLayout:
     """The family's layout; the default one (pooled rows, `image_token`) for a family not in LAYOUTS."""
     layout = LAYOUTS.get(model_type)
     if layout is None:
-        logger.warning("model_type %r is not among the families whose layout was checked against vLLM (%s): its rows "
-                       "are get_image_features' pooler_output as is", model_type, ", ".join(sorted(LAYOUTS)))
+        logger.warning(
+            "model_type %r is not among the families whose layout was checked against vLLM (%s): its rows "
+            "are get_image_features' pooler_output as is",
+            model_type,
+            ", ".join(sorted(LAYOUTS)),
+        )
         return FamilyLayout(verified=False)
     return layout

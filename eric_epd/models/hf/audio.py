@@ -40,10 +40,12 @@ def valid_frames(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_features": out["input_features"].permute(0, 2, 1)[mask], "audio_feature_lengths": mask.sum(-1)}
 
 
-AUDIO_TENSORS: Mapping[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = MappingProxyType({
-    "qwen2_5_omni": valid_frames,
-    "qwen3_omni_moe": valid_frames,  # its processor pads to the longest clip: one clip is all valid frames
-})
+AUDIO_TENSORS: Mapping[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = MappingProxyType(
+    {
+        "qwen2_5_omni": valid_frames,
+        "qwen3_omni_moe": valid_frames,  # its processor pads to the longest clip: one clip is all valid frames
+    }
+)
 """HF model_type -> (the processor's output) -> an item's tensors, where they are not the processor's audio tensors
 as they come (models/hf/audio_encoder.AUDIO_ROWS takes them back)."""
 HOP_PADDED = frozenset({"qwen3_omni_moe"})
@@ -70,7 +72,8 @@ class HFAudioProcessor(BaseModalityProcessor):
         self.sampling_rate = int(extractor.sampling_rate)
         """The rate the feature extractor takes: every item is resampled to it first."""
         self._placeholder, self._token_id = placeholder_token(
-            model_dir, self._processor, "audio_token", config, "audio_token_id", "audio goes")
+            model_dir, self._processor, "audio_token", config, "audio_token_id", "audio goes"
+        )
         text_names = set(self._processor.tokenizer.model_input_names)
         self._names = frozenset(n for n in self._processor.model_input_names if n not in text_names)
         self._tensors = AUDIO_TENSORS.get(config.model_type, self._processor_tensors)
@@ -81,8 +84,9 @@ class HFAudioProcessor(BaseModalityProcessor):
         model's vision patch: one unit for all its items)."""
         self._local = threading.local()
         settings = self._processor.feature_extractor.to_dict()
-        self._fingerprint = processor_fingerprint(Path(model_dir), self._processor,
-                                                  {k: v for k, v in settings.items() if k != "mel_filters"})
+        self._fingerprint = processor_fingerprint(
+            Path(model_dir), self._processor, {k: v for k, v in settings.items() if k != "mel_filters"}
+        )
 
     def _mine(self) -> Any:
         """This thread's copy of the processor."""
@@ -96,17 +100,30 @@ class HFAudioProcessor(BaseModalityProcessor):
         wave = resampler.resample(samples, int(sampling_rate), self.sampling_rate)
         if self._hop and hop_padded:
             wave = padded_to_hop(wave, self._hop)
-        out = self._mine()(text=[self._placeholder], audio=[wave], sampling_rate=self.sampling_rate,
-                           truncation=not self._hop, return_tensors="pt")
+        out = self._mine()(
+            text=[self._placeholder],
+            audio=[wave],
+            sampling_rate=self.sampling_rate,
+            truncation=not self._hop,
+            return_tensors="pt",
+        )
         rows = int((out["input_ids"] == self._token_id).sum())
         if rows < 1:
-            raise ValueError(f"the audio ({samples.shape[-1]} samples at {sampling_rate} Hz) is too short to give "
-                             "the model any audio token")
+            raise ValueError(
+                f"the audio ({samples.shape[-1]} samples at {sampling_rate} Hz) is too short to give "
+                "the model any audio token"
+            )
         specs, frame = pack_tensors(self._tensors(out))
         mask = out.get("feature_attention_mask")  # the processor's own, whatever the item keeps of it
-        return HFProcessedItem("audio", frame, (1, 1, rows), rows, tensors=specs,  # type: ignore[arg-type]
-                               cost=cost_of(frame.size, self.values_per_cost),
-                               feature_frames=int(mask.sum()) if isinstance(mask, torch.Tensor) else None)
+        return HFProcessedItem(
+            "audio",
+            frame,
+            (1, 1, rows),
+            rows,
+            tensors=specs,  # type: ignore[arg-type]
+            cost=cost_of(frame.size, self.values_per_cost),
+            feature_frames=int(mask.sum()) if isinstance(mask, torch.Tensor) else None,
+        )
 
     def _processor_tensors(self, out: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The processor's audio tensors as they come (its feature extractor's, e.g. log-mels and their mask)."""
@@ -116,8 +133,9 @@ class HFAudioProcessor(BaseModalityProcessor):
         """Not served: this checkpoint's Eric encodes audio only."""
         raise ValueError("this model's Eric encodes audio only")
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> HFProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> HFProcessedItem:
         """Not served: this checkpoint's Eric encodes audio only."""
         raise ValueError("this model's Eric encodes audio only")
 
@@ -133,5 +151,3 @@ def audio_values_per_cost(extractor: Any) -> int:
     (--max-batch-patches) counts the audio encoder's positions after its stride-2 convolution, as it counts a vision
     tower's patches."""
     return 2 * int(getattr(extractor, "feature_size", 0) or 80)
-
-

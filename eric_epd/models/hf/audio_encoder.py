@@ -54,9 +54,11 @@ def qwen2_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch
     batch, positions = features.shape[0], (frames - 1) // 2 + 1
     seq = torch.arange(positions, dtype=feat_lengths.dtype, device=feat_lengths.device)
     valid = (seq[None, :] < feat_lengths[:, None]).to(torch.long)
-    attention = create_bidirectional_mask(config=tower.config, attention_mask=valid,
-                                          inputs_embeds=torch.zeros((batch, positions, 1), dtype=features.dtype,
-                                                                    device=features.device))
+    attention = create_bidirectional_mask(
+        config=tower.config,
+        attention_mask=valid,
+        inputs_embeds=torch.zeros((batch, positions, 1), dtype=features.dtype, device=features.device),
+    )
     projected = inner.multi_modal_projector(trimmed_whisper_tower(tower, features, attention))
     lengths = out_lengths.to(projected.device)
     return projected[torch.arange(projected.shape[1], device=projected.device)[None, :] < lengths[:, None]]
@@ -72,16 +74,17 @@ def qwen2_5_omni_audio_rows(model: nn.Module, inputs: dict[str, torch.Tensor]) -
     mask = torch.arange(int(lengths.max()), device=frames.device)[None, :] < lengths[:, None]
     padded = frames.new_zeros((*mask.shape, frames.shape[-1]))
     padded[mask] = frames
-    out = model.get_audio_features(padded.transpose(1, 2), feature_attention_mask=mask.to(torch.long),
-                                   return_dict=True)
+    out = model.get_audio_features(padded.transpose(1, 2), feature_attention_mask=mask.to(torch.long), return_dict=True)
     return out.last_hidden_state
 
 
-AUDIO_ROWS: Mapping[str, Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]] = MappingProxyType({
-    "qwen2_audio": qwen2_audio_rows,
-    "qwen2_5_omni": qwen2_5_omni_audio_rows,
-    "qwen3_omni_moe": qwen2_5_omni_audio_rows,  # the same call (the mask always passed: see the docstring)
-})
+AUDIO_ROWS: Mapping[str, Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]] = MappingProxyType(
+    {
+        "qwen2_audio": qwen2_audio_rows,
+        "qwen2_5_omni": qwen2_5_omni_audio_rows,
+        "qwen3_omni_moe": qwen2_5_omni_audio_rows,  # the same call (the mask always passed: see the docstring)
+    }
+)
 """HF model_type -> (model, a batch's feature tensors) -> the batch's rows, items in order."""
 
 
@@ -90,8 +93,9 @@ class HFAudioEncoder(HFEncoder):
 
     def __init__(self, model: nn.Module, model_type: str, width: int, dtype: torch.dtype) -> None:
         if model_type not in AUDIO_ROWS:
-            raise ValueError(f"model_type {model_type!r} has no audio rows in Eric; those that do: "
-                             f"{', '.join(sorted(AUDIO_ROWS))}")
+            raise ValueError(
+                f"model_type {model_type!r} has no audio rows in Eric; those that do: {', '.join(sorted(AUDIO_ROWS))}"
+            )
         super().__init__(model, model_type, width, dtype)
         self.rows = AUDIO_ROWS[model_type]
 

@@ -27,13 +27,19 @@ class HFEncoder:
     def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> Self:
         """The checkpoint's towers and projector (the language model never built), only their weights read."""
         config = hf_config(model_dir)
-        return cls(load_vision_model(model_dir, dtype, device), config.model_type,
-                   int(config.get_text_config().hidden_size), dtype)
+        return cls(
+            load_vision_model(model_dir, dtype, device),
+            config.model_type,
+            int(config.get_text_config().hidden_size),
+            dtype,
+        )
 
     def split_rows(self, flat: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """The batch's [sum(rows), width] output as each item's rows, in the model's dtype; RuntimeError for any
         other shape."""
         if flat.dim() != 2 or flat.shape[0] != sum(rows) or flat.shape[1] != self.width:
-            raise RuntimeError(f"the model gave rows of shape {list(flat.shape)}, expected [{sum(rows)}, {self.width}] "
-                               f"for items of {rows} rows")
+            raise RuntimeError(
+                f"the model gave rows of shape {list(flat.shape)}, expected [{sum(rows)}, {self.width}] "
+                f"for items of {rows} rows"
+            )
         return list(flat.to(self.dtype).split(rows))

@@ -22,8 +22,9 @@ class HFVisionEncoder(HFEncoder):
     def __init__(self, model: nn.Module, model_type: str, width: int, dtype: torch.dtype) -> None:
         super().__init__(model, model_type, width, dtype)
         self.layout: FamilyLayout = layout_for(model_type)
-        self.accepts = {modality: _named_params(getattr(model, f"get_{modality}_features", None))
-                        for modality in ("image", "video")}
+        self.accepts = {
+            modality: _named_params(getattr(model, f"get_{modality}_features", None)) for modality in ("image", "video")
+        }
         """Per modality, the processor outputs its `get_*_features` takes (the others, e.g. num_crops, are left
         out); empty for a modality the model has no such method for."""
 
@@ -37,8 +38,9 @@ class HFVisionEncoder(HFEncoder):
         method = f"get_{modality}_features"
         if not accepts:
             raise RuntimeError(f"the model has no {method}")
-        kwargs = {name: t.to(self.dtype) if t.is_floating_point() else t
-                  for name, t in inputs.items() if name in accepts}
+        kwargs = {
+            name: t.to(self.dtype) if t.is_floating_point() else t for name, t in inputs.items() if name in accepts
+        }
         out = getattr(self.model, method)(**kwargs, return_dict=True)
         layout = self.layout.rows if method == "get_image_features" else self.layout.video_rows
         return self.split_rows(layout(self.model, out), rows)

@@ -36,8 +36,14 @@ def kimi_size(height: int, width: int, image_processor: Any) -> tuple[int, int]:
     `navit_resize` is the same arithmetic as vLLM's `navit_resize_image`)."""
     from transformers.models.kimi_k25.image_processing_kimi_k25 import navit_resize
 
-    size, _ = navit_resize(height, width, image_processor.patch_size, image_processor.merge_size,
-                           image_processor.max_patches, image_processor.size["max_height"])
+    size, _ = navit_resize(
+        height,
+        width,
+        image_processor.patch_size,
+        image_processor.merge_size,
+        image_processor.max_patches,
+        image_processor.size["max_height"],
+    )
     return size
 
 
@@ -74,8 +80,10 @@ def kimi_tensors(image: Image.Image, image_processor: Any) -> tuple[dict[str, to
     data = padded_bytes(image, image_processor)
     grid_h, grid_w = data.shape[0] // patch, data.shape[1] // patch
     patches = torch.from_numpy(patchify(data, patch))
-    tensors = {"pixel_values": device_normalized(patches, image_processor.image_mean, image_processor.image_std),
-               "image_grid_thw": torch.tensor([[1, grid_h, grid_w]], dtype=torch.int64)}
+    tensors = {
+        "pixel_values": device_normalized(patches, image_processor.image_mean, image_processor.image_std),
+        "image_grid_thw": torch.tensor([[1, grid_h, grid_w]], dtype=torch.int64),
+    }
     return tensors, (grid_h // merge) * (grid_w // merge)
 
 
@@ -85,15 +93,21 @@ def kimi_settings_agree(image_processor: Any) -> None:
     released = getattr(image_processor, "media_proc_cfg", None)
     if released is None:
         return
-    ours = {"in_patch_limit": image_processor.max_patches,
-            "patch_limit_on_one_side": image_processor.size["max_height"],
-            "patch_size": image_processor.patch_size, "merge_kernel_size": image_processor.merge_size,
-            "image_mean": list(image_processor.image_mean), "image_std": list(image_processor.image_std),
-            "fixed_output_tokens": None}  # vLLM would give every image that many tokens, whatever its grid
+    ours = {
+        "in_patch_limit": image_processor.max_patches,
+        "patch_limit_on_one_side": image_processor.size["max_height"],
+        "patch_size": image_processor.patch_size,
+        "merge_kernel_size": image_processor.merge_size,
+        "image_mean": list(image_processor.image_mean),
+        "image_std": list(image_processor.image_std),
+        "fixed_output_tokens": None,
+    }  # vLLM would give every image that many tokens, whatever its grid
     differ = {k: (v, released.get(k)) for k, v in ours.items() if _scalar(released.get(k)) != _scalar(v)}
     if differ:
-        raise ValueError("the checkpoint's transformers image-processor settings and its media_proc_cfg (what vLLM "
-                         f"reads) disagree, so Eric's rows would not be vLLM's: {differ}")
+        raise ValueError(
+            "the checkpoint's transformers image-processor settings and its media_proc_cfg (what vLLM "
+            f"reads) disagree, so Eric's rows would not be vLLM's: {differ}"
+        )
 
 
 def _scalar(value: Any) -> Any:

@@ -100,7 +100,8 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     try:
         with _present_shards(Path(model_dir)) as loadable:
             model, info = vision_only_class(base, dropped_parts(config)).from_pretrained(
-                str(loadable), config=thinker(config), dtype=dtype, local_files_only=True, output_loading_info=True)
+                str(loadable), config=thinker(config), dtype=dtype, local_files_only=True, output_loading_info=True
+            )
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -108,8 +109,14 @@ def load_vision_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     if info.get("missing_keys"):
         raise ValueError(f"{model_dir}: vision tensors missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
     model = model.to(device)  # loaded on the host first: a device_map needs accelerate
-    logger.info("loaded %s tower and projector from %s: %.1fM params, %s on %s", base.__name__, model_dir,
-                sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    logger.info(
+        "loaded %s tower and projector from %s: %.1fM params, %s on %s",
+        base.__name__,
+        model_dir,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        dtype,
+        device,
+    )
     return model.eval()
 
 
@@ -216,8 +223,10 @@ def vision_digest(model_dir: str | Path) -> str:
     digest.update(json.dumps(_tower_config(config), sort_keys=True).encode())
     shard_of = {name: shard for shard, names in vision_tensor_names(model_dir).items() for name in names}
     with contextlib.ExitStack() as files:
-        opened = {shard: files.enter_context(safe_open(str(model_dir / shard), framework="pt"))
-                  for shard in set(shard_of.values())}
+        opened = {
+            shard: files.enter_context(safe_open(str(model_dir / shard), framework="pt"))
+            for shard in set(shard_of.values())
+        }
         for name in sorted(shard_of):  # by name: however the checkpoint is sharded
             part = opened[shard_of[name]].get_slice(name)
             tensor = part[:] if part.get_shape() else part[()]
@@ -229,8 +238,11 @@ def vision_digest(model_dir: str | Path) -> str:
 def _tower_config(config: dict[str, Any]) -> dict[str, Any]:
     """config.json without what configures no tower: the language model's `text_config` (an Omni checkpoint's
     thinker's too) and an Omni checkpoint's talker and token2wav (Qwen3-Omni: code2wav)."""
-    out = {k: v for k, v in config.items()
-           if k not in ("text_config", "talker_config", "token2wav_config", "code2wav_config")}
+    out = {
+        k: v
+        for k, v in config.items()
+        if k not in ("text_config", "talker_config", "token2wav_config", "code2wav_config")
+    }
     if isinstance(out.get("thinker_config"), dict):
         out["thinker_config"] = _tower_config(out["thinker_config"])
     return out
@@ -250,19 +262,26 @@ def check_generic(model_dir: str | Path, hand_written: Iterable[str]) -> None:
     import transformers
 
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    served = (f"Eric serves {sorted(hand_written)} with hand-written towers, and any image-text-to-text checkpoint "
-              f"transformers {transformers.__version__} supports through its generic path (families whose row layout "
-              f"was read from vLLM's model: {sorted(LAYOUTS)})")
+    served = (
+        f"Eric serves {sorted(hand_written)} with hand-written towers, and any image-text-to-text checkpoint "
+        f"transformers {transformers.__version__} supports through its generic path (families whose row layout "
+        f"was read from vLLM's model: {sorted(LAYOUTS)})"
+    )
     try:
         config = hf_config(model_dir)
     except (ValueError, KeyError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"unsupported model_type {model_type!r}: transformers cannot read its config ({reason}); "
-                         f"{served}") from None
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: transformers cannot read its config ({reason}); {served}"
+        ) from None
     if model_class(config) is None:
-        raise ValueError(f"unsupported model_type {model_type!r}: transformers has no AutoModelForImageTextToText "
-                         f"class for it; {served}")
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: transformers has no AutoModelForImageTextToText "
+            f"class for it; {served}"
+        )
     if not any((Path(model_dir) / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
-        raise ValueError(f"unsupported model_type {model_type!r} checkpoint: {model_dir} has no processor_config.json "
-                         f"or preprocessor_config.json, and the generic path runs the checkpoint's own HF processor; "
-                         f"{served}")
+        raise ValueError(
+            f"unsupported model_type {model_type!r} checkpoint: {model_dir} has no processor_config.json "
+            f"or preprocessor_config.json, and the generic path runs the checkpoint's own HF processor; "
+            f"{served}"
+        )

@@ -46,8 +46,9 @@ class HFOmniProcessor(BaseModalityProcessor):
         """One image through the checkpoint's processor (HFImageProcessor.process_image)."""
         return self._vision.process_image(image)
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> HFProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> HFProcessedItem:
         """One video's sampled frames through the checkpoint's processor (HFImageProcessor.process_video)."""
         return self._vision.process_video(frames, sampled_fps, seconds)
 
@@ -83,8 +84,10 @@ class HFOmniEncoder:
         config = hf_config(model_dir)
         model = load_vision_model(model_dir, dtype, device)
         widths = embedding_widths(config.to_dict())  # Qwen3-Omni's vision rows carry its DeepStack levels
-        return cls(HFVisionEncoder(model, config.model_type, widths["image"], dtype),
-                   HFAudioEncoder(model, config.model_type, widths["audio"], dtype))
+        return cls(
+            HFVisionEncoder(model, config.model_type, widths["image"], dtype),
+            HFAudioEncoder(model, config.model_type, widths["audio"], dtype),
+        )
 
     def encode(self, inputs: dict[str, torch.Tensor], rows: list[int], modality: str = "image") -> list[torch.Tensor]:
         """Each item's [rows, width] output for a batch of one modality."""

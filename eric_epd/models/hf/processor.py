@@ -56,7 +56,8 @@ class HFImageProcessor(BaseModalityProcessor):
         self._preprocess = layout.preprocess
         self._video_grid = layout.video_grid
         self._placeholder, self._token_id = placeholder_token(
-            model_dir, self._processor, layout.placeholder, config, "image_token_id", "images go")
+            model_dir, self._processor, layout.placeholder, config, "image_token_id", "images go"
+        )
         self._names = frozenset(image_processor.model_input_names)
         self.modalities = generic_modalities(config.model_type)
         self._video: _VideoFacts | None = None
@@ -64,7 +65,8 @@ class HFImageProcessor(BaseModalityProcessor):
             self._video = _video_facts(model_dir, self._processor, config.model_type, self._token_id)
             if self._video.plan.call.image_size:  # as vLLM rebuilds it (InternVL)
                 self._processor.video_processor = type(self._processor.video_processor).from_pretrained(
-                    str(model_dir), local_files_only=True, size=image_processor.size)
+                    str(model_dir), local_files_only=True, size=image_processor.size
+                )
         self.values_per_cost = values_per_patch(config)
         self._local = threading.local()
         settings = self._processor.image_processor.to_dict()
@@ -89,8 +91,14 @@ class HFImageProcessor(BaseModalityProcessor):
         specs, frame = pack_tensors(tensors)
         grid = tensors.get("image_grid_thw")
         grid_thw = tuple(int(v) for v in grid.reshape(-1)[:3]) if grid is not None else (1, 1, rows)
-        return HFProcessedItem("image", frame, grid_thw, rows, tensors=specs,  # type: ignore[arg-type]
-                               cost=cost_of(frame.size, self.values_per_cost))
+        return HFProcessedItem(
+            "image",
+            frame,
+            grid_thw,
+            rows,
+            tensors=specs,  # type: ignore[arg-type]
+            cost=cost_of(frame.size, self.values_per_cost),
+        )
 
     def _processor_tensors(self, processor: Any, image: Image.Image) -> tuple[dict[str, torch.Tensor], int]:
         """The checkpoint processor's named tensors for one image and its image tokens in the expanded text."""
@@ -100,8 +108,9 @@ class HFImageProcessor(BaseModalityProcessor):
             raise ValueError("the processor gave this image no image tokens")
         return {k: v for k, v in out.items() if k in self._names and isinstance(v, torch.Tensor)}, rows
 
-    def process_video(self, frames: np.ndarray, sampled_fps: float = 2.0,
-                      seconds: Sequence[float] | None = None) -> HFProcessedItem:
+    def process_video(
+        self, frames: np.ndarray, sampled_fps: float = 2.0, seconds: Sequence[float] | None = None
+    ) -> HFProcessedItem:
         """Sampled frames [T, H, W, 3] (vLLM's, see frame_indices) through the checkpoint's own processor, as vLLM
         calls it for one video: its named tensors and the rows it will give."""
         if self._video is None:
@@ -109,11 +118,19 @@ class HFImageProcessor(BaseModalityProcessor):
         video = self._video
         as_images = video.plan.call.as_images
         if as_images is not None:  # vLLM's call: the frames as images, each with the family's image text
-            out = self._mine()(text="".join("\t" + self._placeholder for _ in frames), return_tensors="pt",
-                               images=[Image.fromarray(frame) for frame in frames], **as_images)
+            out = self._mine()(
+                text="".join("\t" + self._placeholder for _ in frames),
+                return_tensors="pt",
+                images=[Image.fromarray(frame) for frame in frames],
+                **as_images,
+            )
         else:
-            out = self._mine()(text=[video.placeholder], videos=[frames], return_tensors="pt",
-                               **_video_kwargs(video.plan, len(frames), sampled_fps))
+            out = self._mine()(
+                text=[video.placeholder],
+                videos=[frames],
+                return_tensors="pt",
+                **_video_kwargs(video.plan, len(frames), sampled_fps),
+            )
         rows = int(torch.isin(out["input_ids"], torch.tensor(video.token_ids)).sum())
         if rows < 1:
             raise ValueError("the processor gave this video no video tokens")
@@ -121,8 +138,14 @@ class HFImageProcessor(BaseModalityProcessor):
         specs, frame = pack_tensors(tensors)
         grid = tensors.get("video_grid_thw") if self._video_grid else None
         grid_thw = tuple(int(v) for v in grid.reshape(-1)[:3]) if grid is not None else (1, 1, rows)
-        return HFProcessedItem("video", frame, grid_thw, rows, tensors=specs,  # type: ignore[arg-type]
-                               cost=cost_of(frame.size, self.values_per_cost))
+        return HFProcessedItem(
+            "video",
+            frame,
+            grid_thw,
+            rows,
+            tensors=specs,  # type: ignore[arg-type]
+            cost=cost_of(frame.size, self.values_per_cost),
+        )
 
     def frame_indices(self, total: int, src_fps: float) -> list[int] | None:
         """The frames vLLM's video loader for this checkpoint hands its processor (models/hf/video.py)."""
@@ -149,21 +172,26 @@ def checkpoint_processor(model_dir: Path, part: str, needed_by: str) -> tuple[An
     processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
     sub = getattr(processor, part, None)
     if sub is None:
-        raise ValueError(f"{model_dir}: the checkpoint's processor ({type(processor).__name__}) has no "
-                         f"{part.replace('_', ' ')}; {needed_by} needs one")
+        raise ValueError(
+            f"{model_dir}: the checkpoint's processor ({type(processor).__name__}) has no "
+            f"{part.replace('_', ' ')}; {needed_by} needs one"
+        )
     return processor, sub
 
 
-def placeholder_token(model_dir: Path, processor: Any, attr: str, config: Any, token_key: str,
-                      what: str) -> tuple[str, int]:
+def placeholder_token(
+    model_dir: Path, processor: Any, attr: str, config: Any, token_key: str, what: str
+) -> tuple[str, int]:
     """The text that stands for one item (the processor's `attr`) and the token id the expanded text holds its rows
     in (the (thinker's) config's `token_key`); ValueError, saying where `what` (e.g. "images go"), if either is
     missing."""
     placeholder: str = getattr(processor, attr, None) or ""
     token_id: int | None = getattr(thinker(config), token_key, None)
     if not placeholder or token_id is None:
-        raise ValueError(f"{model_dir}: cannot tell where {what} in the text (processor.{attr}={placeholder!r}, "
-                         f"config {token_key}={token_id})")
+        raise ValueError(
+            f"{model_dir}: cannot tell where {what} in the text (processor.{attr}={placeholder!r}, "
+            f"config {token_key}={token_id})"
+        )
     return placeholder, token_id
 
 
@@ -188,8 +216,10 @@ def _video_facts(model_dir: Path, processor: Any, model_type: str, image_token_i
     text = getattr(processor, "video_token", None)
     token_id = processor.tokenizer.convert_tokens_to_ids(text) if text else None  # as vLLM finds it
     if video is None or not isinstance(token_id, int) or token_id == processor.tokenizer.unk_token_id:
-        raise ValueError(f"{model_dir}: cannot tell where videos go in the text (processor.video_token={text!r}, "
-                         f"its token id {token_id}, video processor {type(video).__name__})")
+        raise ValueError(
+            f"{model_dir}: cannot tell where videos go in the text (processor.video_token={text!r}, "
+            f"its token id {token_id}, video processor {type(video).__name__})"
+        )
     names = frozenset(video.model_input_names) | frozenset(processor.image_processor.model_input_names)
     plan = VideoPlan.of(model_type, vllm_video_processor_name(model_dir, model_type))
     return _VideoFacts(text, (token_id, image_token_id), names, plan)

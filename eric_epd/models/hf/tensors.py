@@ -65,5 +65,4 @@ def signature(specs: tuple[TensorSpec, ...]) -> str:
 
 def join_items(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Items of one signature as one batch: each tensor concatenated along dim 0."""
-    return {name: torch.cat([item[name] for item in items]) if len(items) > 1 else items[0][name]
-            for name in items[0]}
+    return {name: torch.cat([item[name] for item in items]) if len(items) > 1 else items[0][name] for name in items[0]}

@@ -64,7 +64,6 @@ class VideoSampling:
         seconds = np.linspace(0, duration, samples, endpoint=True)
         return sorted({min(last, math.ceil(t * src_fps)) for t in seconds})
 
-
     def _qwen2_vl(self, total: int, src_fps: float) -> list[int]:
         """Qwen2VLVideoBackend.compute_frames_index_to_sample at its defaults (temporal patch 2, 4 to 768 frames,
         fps at most 30), with its float32 `torch.arange` step; none for a video of under two frames."""
@@ -78,10 +77,12 @@ class VideoSampling:
         return torch.clamp(torch.arange(0, total, total / n).int(), max=total - 1).tolist()
 
 
-VLLM_LOADERS: Mapping[str, VideoSampling] = MappingProxyType({
-    "Glm4vVideoProcessor": VideoSampling("dynamic"),  # vLLM registers opencv_dynamic for it
-    "Qwen2VLVideoProcessor": VideoSampling("qwen2_vl"),  # vLLM registers qwen2_vl for it (Qwen2.5-Omni's videos)
-})
+VLLM_LOADERS: Mapping[str, VideoSampling] = MappingProxyType(
+    {
+        "Glm4vVideoProcessor": VideoSampling("dynamic"),  # vLLM registers opencv_dynamic for it
+        "Qwen2VLVideoProcessor": VideoSampling("qwen2_vl"),  # vLLM registers qwen2_vl for it (Qwen2.5-Omni's videos)
+    }
+)
 """The video processor classes vLLM 0.32 registers a loader for (VIDEO_LOADER_REGISTRY's video_processor=), among
 the generic families whose videos Eric encodes; any other class gets vLLM's default loader (uniform, 32 frames)."""
 
@@ -102,12 +103,14 @@ class VllmVideoCall:
     processor's video path."""
 
 
-VLLM_CALLS: Mapping[str, VllmVideoCall] = MappingProxyType({
-    "glm4v": VllmVideoCall(metadata=True),
-    "glm4v_moe": VllmVideoCall(metadata=True),  # GLM-4.5V: GLM-4.1V's processor and vLLM model code
-    "internvl": VllmVideoCall(image_size=True),
-    "gemma4": VllmVideoCall(as_images=MappingProxyType({"max_soft_tokens": 70})),
-})
+VLLM_CALLS: Mapping[str, VllmVideoCall] = MappingProxyType(
+    {
+        "glm4v": VllmVideoCall(metadata=True),
+        "glm4v_moe": VllmVideoCall(metadata=True),  # GLM-4.5V: GLM-4.1V's processor and vLLM model code
+        "internvl": VllmVideoCall(image_size=True),
+        "gemma4": VllmVideoCall(as_images=MappingProxyType({"max_soft_tokens": 70})),
+    }
+)
 """model_type -> how vLLM's model calls the processor on a video, where it departs from the default."""
 
 
@@ -122,8 +125,9 @@ class VideoPlan:
     def of(cls, model_type: str, video_processor_name: str | None) -> VideoPlan:
         """The plan for a checkpoint of `model_type` for which vLLM names the video processor class
         `video_processor_name` (vllm_video_processor_name: what picks its loader)."""
-        return cls(VLLM_LOADERS.get(video_processor_name or "", VideoSampling()),
-                   VLLM_CALLS.get(model_type, VllmVideoCall()))
+        return cls(
+            VLLM_LOADERS.get(video_processor_name or "", VideoSampling()), VLLM_CALLS.get(model_type, VllmVideoCall())
+        )
 
     def frame_indices(self, total: int, src_fps: float, video_processor: Any) -> list[int]:
         """The source frames whose pixels the processor ends up with in vLLM: the loader's, sampled again by the

@@ -96,8 +96,7 @@ def varlen_attention(
         return torch.empty_like(q)
     kernel = cuda_varlen_kernel() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "sdpa"
     if kernel == "torch":
-        return torch_varlen()(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
-                              scale=scale)
+        return torch_varlen()(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen, scale=scale)
     if kernel == "flash_attn":
         return flash_varlen()(
             q,
@@ -128,8 +127,9 @@ def varlen_attention(
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """(n, L, H, d) in and out."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          scale=scale).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
+    ).transpose(1, 2)
 
 
 def vision_rotary_cos_sin(

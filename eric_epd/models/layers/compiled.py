@@ -16,6 +16,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+
 def inductor_options(device: torch.device) -> dict[str, Any]:
     """torch.compile options for a tower on `device`: weights frozen in as constants (on CPU inductor then
     prepacks them for oneDNN; measured the only setting that pays there), plus CUDA graphs on CUDA (the
@@ -66,6 +67,11 @@ def compile_methods(modules: Iterable[nn.Module], names: tuple[str, ...], device
     for module in modules:
         for name in names:
             setattr(module, name, TokenCompiled(getattr(module, name), device, limit))
-    logger.info("compiling %s of %d %s modules with inductor on %s (at their first call)", "/".join(names),
-                len(modules), type(modules[0]).__name__ if modules else "no", device.type)
+    logger.info(
+        "compiling %s of %d %s modules with inductor on %s (at their first call)",
+        "/".join(names),
+        len(modules),
+        type(modules[0]).__name__ if modules else "no",
+        device.type,
+    )
     return len(modules)

@@ -130,8 +130,10 @@ def _resolve_nixl(server_args: Any, previous: Any) -> None:
     cfg = resolving_view(server_args)
     if cfg.encoder_transfer_backend == BACKEND:
         if cfg.encoder_only:
-            raise ValueError("--encoder-transfer-backend nixl is served by Eric (eric-epd serve), not by SGLang's "
-                             "--encoder-only server; use it on the --language-only prefill")
+            raise ValueError(
+                "--encoder-transfer-backend nixl is served by Eric (eric-epd serve), not by SGLang's "
+                "--encoder-only server; use it on the --language-only prefill"
+            )
         os.environ[ENV] = BACKEND  # scheduler and tokenizer processes are started after this and inherit it
         declare_resolution(server_args, "eric_epd.plugins.sglang", encoder_transfer_backend="mooncake")
         logger.info("encoder transfer: SGLang's mooncake flow with a NIXL landing engine (Eric plugin)")
@@ -168,8 +170,11 @@ def _other_mooncake_users() -> bool:
     disagg, memory, moe = get_disagg(), get_memory(), get_exec().moe
     return bool(
         (disagg.disaggregation_mode != "null" and disagg.disaggregation_transfer_backend == "mooncake")
-        or (memory.enable_hierarchical_cache and memory.hicache_storage_backend == "mooncake"
-            and envs.SGLANG_HICACHE_MOONCAKE_REUSE_TE.get())
+        or (
+            memory.enable_hierarchical_cache
+            and memory.hicache_storage_backend == "mooncake"
+            and envs.SGLANG_HICACHE_MOONCAKE_REUSE_TE.get()
+        )
         or (moe.enable_elastic_expert_backup and moe.elastic_ep_backend is not None)
         or moe.elastic_ep_backend == "mooncake"
     )
@@ -187,9 +192,13 @@ HOOK_TARGETS = {
     "sglang.srt.disaggregation.encoder.receiver.MMReceiverBase.__init__": ("AROUND", _receiver_init),
     "sglang.srt.distributed.parallel_state.get_mooncake_transfer_engine": ("AROUND", _get_engine),
     "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.init_mooncake_transfer_engine": (
-        "AROUND", _init_engine),
-    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.maybe_init_shared_mooncake_transfer_engine":
-        ("AROUND", _maybe_init_shared),
+        "AROUND",
+        _init_engine,
+    ),
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.maybe_init_shared_mooncake_transfer_engine": (
+        "AROUND",
+        _maybe_init_shared,
+    ),
 }
 RESOLUTION_STEP = "handle_encoder_disaggregation"
 

@@ -21,17 +21,25 @@ def vllm_identifier(algorithm: str, model_id: str, modality: str, uuid: str) -> 
     AUDIO_IN_VIDEO (no media_io_kwargs): its hash of the model, the uuid under its modality, and the options."""
     from vllm.multimodal.hasher import MultiModalHasher
 
-    return MultiModalHasher.hash_kwargs(algorithm, model_id=model_id, **{modality: uuid},  # type: ignore[arg-type]
-                                        mm_processor_kwargs=dict(AUDIO_IN_VIDEO))
+    return MultiModalHasher.hash_kwargs(
+        algorithm,
+        model_id=model_id,
+        **{modality: uuid},  # type: ignore[arg-type]
+        mm_processor_kwargs=dict(AUDIO_IN_VIDEO),
+    )
 
 
-def audio_in_video_offers(offered: Mapping[str, EmbeddingHandle], soundtracks: Mapping[str, str], algorithm: str,
-                          model_id: str) -> dict[str, EmbeddingHandle]:
+def audio_in_video_offers(
+    offered: Mapping[str, EmbeddingHandle], soundtracks: Mapping[str, str], algorithm: str, model_id: str
+) -> dict[str, EmbeddingHandle]:
     """`offered` (hash -> handle) keyed as vLLM names the items of a `use_audio_in_video` request: each handle under
     its identifier as an item of any modality, and each video's soundtrack (`soundtracks`: video hash -> audio hash)
     under the identifier of the audio vLLM takes from that video (its uuid the video's)."""
-    keyed = {vllm_identifier(algorithm, model_id, modality, key): handle
-             for key, handle in offered.items() for modality in MODALITIES}
+    keyed = {
+        vllm_identifier(algorithm, model_id, modality, key): handle
+        for key, handle in offered.items()
+        for modality in MODALITIES
+    }
     for video, audio in soundtracks.items():
         keyed[vllm_identifier(algorithm, model_id, "audio", video)] = offered[audio]
     return keyed

@@ -36,6 +36,7 @@ __all__ = ["EricECConnector", "EricECMetadata", "EricLoad", "EricWorkerMetadata"
 
 class EricECConnector(ECConnectorBase):
     """vLLM's encoder-cache connector in the consumer role: Eric items fetched and landed, then handed to vLLM."""
+
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
@@ -124,8 +125,13 @@ class EricECConnector(ECConnectorBase):
         return EricECStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]):  # -> EricECPromMetrics
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):  # -> EricECPromMetrics
         """vLLM hook: the connector's Prometheus counters (`EricECPromMetrics`)."""
         from eric_epd.plugins.vllm.stats import EricECPromMetrics
 

@@ -34,8 +34,10 @@ class VllmEncoderCache:
 
     def __init__(self, scheduler: Any | None) -> None:
         if scheduler is None:
-            logger.warning("EricECConnector built outside a vLLM scheduler: it cannot see vLLM's encoder cache, so "
-                           "it fetches every item from Eric, even one vLLM already holds")
+            logger.warning(
+                "EricECConnector built outside a vLLM scheduler: it cannot see vLLM's encoder cache, so "
+                "it fetches every item from Eric, even one vLLM already holds"
+            )
         self._scheduler = scheduler
         self._this_pass: set[str] = set()
 

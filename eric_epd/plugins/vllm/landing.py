@@ -131,8 +131,14 @@ class LandingChannel:
         self._thread = threading.Thread(target=self._receive, name="eric-land-notices", daemon=True)
         self._thread.start()
 
-    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float, only: str = "",
-             settled: Callable[[], None] | None = None) -> str:
+    def land(
+        self,
+        offset: int,
+        handle: EmbeddingHandle,
+        timeout_s: float,
+        only: str = "",
+        settled: Callable[[], None] | None = None,
+    ) -> str:
         """Every rank reads the item into its landing area at `offset`; returns the transport rank 0 used. Raises
         TransferError if a rank failed, LandingTimeoutError if one did not answer in time: a late rank may still
         write there, and `settled` is called (from the receiving thread) once every rank has answered."""
@@ -152,8 +158,10 @@ class LandingChannel:
         with self._lock:
             if wait.left > 0:  # stays registered: its last answer calls `settled`
                 wait.settled = settled or (lambda: None)
-                raise LandingTimeoutError(f"landing of {handle.hash[:16]}: {wait.left} of {self._ranks} ranks did "
-                                          f"not answer within {timeout_s:g} s")
+                raise LandingTimeoutError(
+                    f"landing of {handle.hash[:16]}: {wait.left} of {self._ranks} ranks did "
+                    f"not answer within {timeout_s:g} s"
+                )
             self._waits.pop(order, None)
         if wait.errors:
             raise TransferError("; ".join(wait.errors))
@@ -211,8 +219,16 @@ class LandingArea:
     other transports go through a host buffer. Each landed item is then copied out (in `out_dtype`; None: its wire
     dtype) and kept until the scheduler releases its range: a step only takes the copy, it never allocates."""
 
-    def __init__(self, address: LandingAddress, rank: int, nbytes: int, device: torch.device,
-                 fetcher: EmbeddingFetcher, threads: int, out_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        address: LandingAddress,
+        rank: int,
+        nbytes: int,
+        device: torch.device,
+        fetcher: EmbeddingFetcher,
+        threads: int,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
         self.rank = rank
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._out_dtype = out_dtype
@@ -242,7 +258,7 @@ class LandingArea:
             n *= d
         if offset < 0 or offset + n > self.buffer.numel():
             raise ValueError(f"landed range [{offset}, {offset + n}) is outside the landing area")
-        return self.buffer[offset: offset + n].view(wire).view(shape).to(out_dtype or wire, copy=True)
+        return self.buffer[offset : offset + n].view(wire).view(shape).to(out_dtype or wire, copy=True)
 
     def take(self, offset: int, key: str) -> torch.Tensor | None:
         """The copy of item `key` landed at `offset` (the same tensor each time, until its range is released)."""
@@ -273,7 +289,7 @@ class LandingArea:
                 raise ValueError(f"range [{order.offset}, {order.offset + h.nbytes}) is outside the landing area")
             with self._copies_lock:
                 self._copies.pop(order.offset, None)
-            dst = self.buffer[order.offset: order.offset + h.nbytes]
+            dst = self.buffer[order.offset : order.offset + h.nbytes]
             if self._stream is None:
                 backend = self._fetcher.read_into(h, dst, order.only)
                 copy = self.tensor(order.offset, tuple(h.shape), h.dtype, self._out_dtype)

@@ -14,8 +14,15 @@ from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
 
-_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_embeds", "video_embeds",
-               "input_features", "input_audio_features", "audio_embeds")
+_MEDIA_KEYS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "image_embeds",
+    "video_embeds",
+    "input_features",
+    "input_audio_features",
+    "audio_embeds",
+)
 """Fields of vLLM's processed items that its own encoder (or none, for embeds) turns into rows: pixels, audio
 features (Qwen2-Audio's `input_features`, the Omni thinkers' `input_audio_features`) and given embeddings."""
 

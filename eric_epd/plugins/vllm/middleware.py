@@ -31,8 +31,10 @@ def find_unkeyed_metadata(body: Any) -> str | None:
             payload = part.get(kind)
             carries_tensor = isinstance(payload, str) or (isinstance(payload, dict) and kind in payload)
             if not carries_tensor and not part.get("uuid"):
-                return (f"messages[{m}].content[{p}]: a {kind} part with metadata only needs a 'uuid' "
-                        "(the Eric content hash) so the embedding can be found; send the embedding or the uuid")
+                return (
+                    f"messages[{m}].content[{p}]: a {kind} part with metadata only needs a 'uuid' "
+                    "(the Eric content hash) so the embedding can be found; send the embedding or the uuid"
+                )
     return None
 
 

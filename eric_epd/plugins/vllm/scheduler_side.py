@@ -60,9 +60,13 @@ class EricScheduler:
         self._trust = TrustedProducers(settings.eric_urls, settings.eric_dns, settings.dns_interval_s)
         acks = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
         self._leases = LeaseClient(acks)  # the one client every acknowledgement of this side goes through
-        self._prefetch = Prefetcher(LandingChannel(address, vllm_config.parallel_config.tensor_parallel_size), acks,
-                                    settings.staging_bytes, settings.prefetch_threads,
-                                    land_timeout_s=2 * settings.fetch_timeout_s + 5)
+        self._prefetch = Prefetcher(
+            LandingChannel(address, vllm_config.parallel_config.tensor_parallel_size),
+            acks,
+            settings.staging_bytes,
+            settings.prefetch_threads,
+            land_timeout_s=2 * settings.fetch_timeout_s + 5,
+        )
         self._offers: dict[str, dict[str, EmbeddingHandle]] = {}  # request id -> its items' handles
         self._available: dict[str, dict[str, EmbeddingHandle]] = {}  # hash -> request id -> unused handle
         self._used: dict[str, set[str]] = {}  # request id -> hashes fetched with its own lease
@@ -160,8 +164,11 @@ class EricScheduler:
                     return self._fail(rid, f"embedding {key[:16]} has {handle.shape[0]} rows, its grid needs {rows}")
                 width = self._widths.get(feature.modality, handle.shape[1])
                 if handle.shape[1] != width:
-                    return self._fail(rid, f"embedding {key[:16]} has rows of {handle.shape[1]}; its "
-                                           f"{feature.modality} rows are {width} wide")
+                    return self._fail(
+                        rid,
+                        f"embedding {key[:16]} has rows of {handle.shape[1]}; its "
+                        f"{feature.modality} rows are {width} wide",
+                    )
                 try:
                     item = self._prefetch.want(key, handle, rid)
                 except TransferError as e:

@@ -14,6 +14,7 @@ from eric_epd.wire.handles import BACKENDS
 API_KEY_ENV = "ERIC_API_KEY"
 """The Erics' API key reaches vLLM's processes through the environment, never a command line."""
 
+
 @dataclass(frozen=True)
 class EricConnectorSettings:
     """`ec_connector_extra_config` keys and the ERIC_API_KEY environment variable, parsed once."""
@@ -37,26 +38,40 @@ class EricConnectorSettings:
         urls, names = (extra.get(key, []) for key in ("eric_urls", "eric_dns"))
         urls, names = ([u for u in v.split(",") if u] if isinstance(v, str) else list(v) for v in (urls, names))
         if not urls and not names:
-            raise ValueError('EricECConnector needs ec_connector_extra_config {"eric_urls": ["http://host:port"]} '
-                             'or {"eric_dns": ["name:port"]}')
+            raise ValueError(
+                'EricECConnector needs ec_connector_extra_config {"eric_urls": ["http://host:port"]} '
+                'or {"eric_dns": ["name:port"]}'
+            )
         backends = tuple(extra.get("backends", BACKENDS))
         unknown = set(backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown Eric transfer backends {sorted(unknown)}; choose from {BACKENDS}")
-        settings = cls(tuple(u.rstrip("/") for u in urls), backends, environ.get(API_KEY_ENV) or None,
-                       int(extra.get("staging_bytes", cls.staging_bytes)),
-                       int(extra.get("prefetch_threads", cls.prefetch_threads)),
-                       float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
-                       MooncakeOptions(str(extra.get("mooncake_host", MooncakeOptions.host)),
-                                       str(extra.get("mooncake_protocol", MooncakeOptions.protocol)),
-                                       str(extra.get("mooncake_device", MooncakeOptions.device)),
-                                       str(extra.get("global_cache", ""))),
-                       tuple(dict.fromkeys(parse_dns_target(str(n)) for n in names)),
-                       float(extra.get("dns_interval_s", cls.dns_interval_s)))
+        settings = cls(
+            tuple(u.rstrip("/") for u in urls),
+            backends,
+            environ.get(API_KEY_ENV) or None,
+            int(extra.get("staging_bytes", cls.staging_bytes)),
+            int(extra.get("prefetch_threads", cls.prefetch_threads)),
+            float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
+            MooncakeOptions(
+                str(extra.get("mooncake_host", MooncakeOptions.host)),
+                str(extra.get("mooncake_protocol", MooncakeOptions.protocol)),
+                str(extra.get("mooncake_device", MooncakeOptions.device)),
+                str(extra.get("global_cache", "")),
+            ),
+            tuple(dict.fromkeys(parse_dns_target(str(n)) for n in names)),
+            float(extra.get("dns_interval_s", cls.dns_interval_s)),
+        )
         if settings.mooncake.protocol not in ("tcp", "rdma", "efa"):
             raise ValueError(f"mooncake_protocol {settings.mooncake.protocol!r}: choose tcp, rdma or efa")
-        if (settings.staging_bytes < 1 << 20 or settings.prefetch_threads < 1 or settings.fetch_timeout_s <= 0
-                or settings.dns_interval_s <= 0):
-            raise ValueError("ec_connector_extra_config: staging_bytes >= 1 MiB, prefetch_threads >= 1, "
-                             "fetch_timeout_s > 0 and dns_interval_s > 0 are required")
+        if (
+            settings.staging_bytes < 1 << 20
+            or settings.prefetch_threads < 1
+            or settings.fetch_timeout_s <= 0
+            or settings.dns_interval_s <= 0
+        ):
+            raise ValueError(
+                "ec_connector_extra_config: staging_bytes >= 1 MiB, prefetch_threads >= 1, "
+                "fetch_timeout_s > 0 and dns_interval_s > 0 are required"
+            )
         return settings

@@ -25,6 +25,7 @@ ACK_ATTEMPT_S = 2.0
 
 class State(enum.Enum):
     """Where a staged embedding's fetch stands: running, landed on every rank, or failed."""
+
     PENDING = "pending"
     READY = "ready"
     FAILED = "failed"
@@ -74,8 +75,15 @@ class Prefetcher:
     read); `nbytes` is the size of every worker's landing area; a request finds no room for `room_timeout_s` (the
     landing timeout by default) at most."""
 
-    def __init__(self, channel: LandingChannel, fetcher: EmbeddingFetcher, nbytes: int, threads: int,
-                 land_timeout_s: float, room_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        channel: LandingChannel,
+        fetcher: EmbeddingFetcher,
+        nbytes: int,
+        threads: int,
+        land_timeout_s: float,
+        room_timeout_s: float | None = None,
+    ) -> None:
         self._channel = channel
         self._fetcher = fetcher
         self._land_timeout_s = land_timeout_s
@@ -96,8 +104,10 @@ class Prefetcher:
         other requests; None when the staging area has no room now (retry at a later step). Raises TransferError if
         it can never fit, or found no room for too long."""
         if handle.nbytes > self.nbytes:
-            raise TransferError(f"embedding {key[:16]} has {handle.nbytes} bytes, more than the connector's whole "
-                                f"landing area ({self.nbytes}; ec_connector_extra_config staging_bytes)")
+            raise TransferError(
+                f"embedding {key[:16]} has {handle.nbytes} bytes, more than the connector's whole "
+                f"landing area ({self.nbytes}; ec_connector_extra_config staging_bytes)"
+            )
         with self._lock:
             item = self._items.get(key)
             if item is not None and item.state is State.FAILED and rid not in item.users:
@@ -116,8 +126,10 @@ class Prefetcher:
                     since = self._no_room.setdefault(rid, time.monotonic())
                     if time.monotonic() - since > self._room_timeout_s:
                         del self._no_room[rid]
-                        raise TransferError(f"no room for embedding {key[:16]} in the landing area for "
-                                            f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)")
+                        raise TransferError(
+                            f"no room for embedding {key[:16]} in the landing area for "
+                            f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)"
+                        )
                     return None
                 item = self._items[key] = Staged(key, offset, handle, names={key})
                 self._running += 1
@@ -128,8 +140,14 @@ class Prefetcher:
 
     def _twin(self, handle: EmbeddingHandle) -> Staged | None:
         """Holds the lock. The live item fetched (or being fetched) with this very lease, under another name."""
-        return next((i for i in self._items.values() if i.handle.lease == handle.lease
-                     and i.handle.hash == handle.hash and i.state is not State.FAILED), None)
+        return next(
+            (
+                i
+                for i in self._items.values()
+                if i.handle.lease == handle.lease and i.handle.hash == handle.hash and i.state is not State.FAILED
+            ),
+            None,
+        )
 
     def get(self, key: str) -> Staged | None:
         """The staged item under this content hash, or None."""
@@ -228,8 +246,11 @@ class Prefetcher:
             backend = self._channel.land(item.offset, h, self._land_timeout_s, settled=settled)
             item.unacked = False
             item.backend = self._fetcher.confirm(
-                h, backend, lambda: self._channel.land(item.offset, h, self._land_timeout_s, "store", settled),
-                attempt_timeout_s=ACK_ATTEMPT_S)
+                h,
+                backend,
+                lambda: self._channel.land(item.offset, h, self._land_timeout_s, "store", settled),
+                attempt_timeout_s=ACK_ATTEMPT_S,
+            )
             state, error = State.READY, ""
         except (TransferError, ValueError) as e:
             late = int(isinstance(e, LandingTimeoutError))

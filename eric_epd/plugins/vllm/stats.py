@@ -21,13 +21,14 @@ COUNTERS = {
     "via_http": "Embeddings that came over HTTP (the fallback)",
     "via_store": "Embeddings read from the global cache (Mooncake Store) after their producer let them go",
     "unusable_transport": "Fetches that skipped a transport the handle offered but this engine cannot use (e.g. "
-                          "Mooncake over rdma with a tcp consumer); the log says why, once",
+    "Mooncake over rdma with a tcp consumer); the log says why, once",
 }
 
 
 @dataclass
 class EricECStats(ECConnectorStats):
     """The connector's counters by name, as vLLM's EC connector stats."""
+
     data: dict[str, Any] = field(default_factory=dict)
 
     def record(self, **counts: int) -> None:
@@ -58,13 +59,21 @@ class EricECStats(ECConnectorStats):
 class EricECPromMetrics(ECConnectorPromMetrics):
     """vllm:eric_ec_<counter>_total, one series per engine."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            key: {engine: self._counter_cls(name=f"vllm:eric_ec_{key}", documentation=doc,
-                                            labelnames=labelnames).labels(*values)
-                  for engine, values in per_engine_labelvalues.items()}
+            key: {
+                engine: self._counter_cls(name=f"vllm:eric_ec_{key}", documentation=doc, labelnames=labelnames).labels(
+                    *values
+                )
+                for engine, values in per_engine_labelvalues.items()
+            }
             for key, doc in COUNTERS.items()
         }
 

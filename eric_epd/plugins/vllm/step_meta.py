@@ -14,6 +14,7 @@ from eric_epd.plugins.vllm.stats import EricECStats
 @dataclass
 class EricLoad:
     """Scheduler -> workers: one embedding a request loads in this step, and where it was staged."""
+
     request_id: str
     mm_hash: str
     staged: StagedLoad
@@ -40,5 +41,6 @@ class EricWorkerMetadata(ECConnectorWorkerMetadata):
         assert isinstance(other, EricWorkerMetadata)
         merged = EricECStats(dict(self.counts))
         merged.record(**other.counts)
-        return EricWorkerMetadata(self.failed_request_ids | other.failed_request_ids, self.copied | other.copied,
-                                  merged.data)
+        return EricWorkerMetadata(
+            self.failed_request_ids | other.failed_request_ids, self.copied | other.copied, merged.data
+        )

@@ -27,8 +27,9 @@ class TrustedProducers:
     just joined: `settled` then asks for a lookup that starts after it and answers False until that lookup ended
     (or `wait_s` passed), so a request from a new Eric waits a moment instead of failing."""
 
-    def __init__(self, urls: Iterable[str], targets: Iterable[DnsTarget] = (), interval_s: float = 2.0,
-                 wait_s: float = 5.0) -> None:
+    def __init__(
+        self, urls: Iterable[str], targets: Iterable[DnsTarget] = (), interval_s: float = 2.0, wait_s: float = 5.0
+    ) -> None:
         self._urls = frozenset(urls)
         self._targets = tuple(targets)
         self._ports = frozenset(t.port for t in self._targets)
@@ -100,8 +101,9 @@ class TrustedProducers:
         try:
             urls = resolve_urls_blocking(target)
         except (OSError, ValueError) as e:
-            logger.warning("cannot resolve %s (%r): keeping its %d addresses", target, e,
-                           len(self._found.get(target, ())))
+            logger.warning(
+                "cannot resolve %s (%r): keeping its %d addresses", target, e, len(self._found.get(target, ()))
+            )
             return
         if urls != self._found.get(target):
             logger.info("%s resolves to %s", target, sorted(urls) or "nothing")

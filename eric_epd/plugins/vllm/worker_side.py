@@ -26,8 +26,15 @@ def _landing_area(settings: EricConnectorSettings, address: LandingAddress, dtyp
     if current_platform.is_cuda_alike():
         device = torch.device(device.type, current_platform.current_device())
     fetcher = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
-    return LandingArea(address, get_tensor_model_parallel_rank(), settings.staging_bytes, device, fetcher,
-                       settings.prefetch_threads, dtype)
+    return LandingArea(
+        address,
+        get_tensor_model_parallel_rank(),
+        settings.staging_bytes,
+        device,
+        fetcher,
+        settings.prefetch_threads,
+        dtype,
+    )
 
 
 class EricWorker:

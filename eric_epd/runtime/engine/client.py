@@ -55,8 +55,12 @@ class EngineRequest:
 class EngineClient:
     """Submits requests, matches results to futures, and fails everything pending if the engine dies."""
 
-    def __init__(self, config: RuntimeConfig, is_engine_alive: Callable[[], bool],
-                 on_status: Callable[[EngineStatusMsg], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        is_engine_alive: Callable[[], bool],
+        on_status: Callable[[EngineStatusMsg], None] | None = None,
+    ) -> None:
         self._config = config
         self._is_engine_alive = is_engine_alive
         self._on_status = on_status
@@ -94,8 +98,11 @@ class EngineClient:
         if self.num_inflight_items + len(items) > limit:
             raise EngineUnavailableError(503, f"engine queue full ({limit} items); retry later", retry_after=1.0)
         request = EngineRequest(uuid.uuid4().hex, len(items), asyncio.get_running_loop().create_future())
-        frames = encode_frames(Op.SUBMIT, WorkRequestMsg(request.request_id, list(items)),
-                               [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in inputs])
+        frames = encode_frames(
+            Op.SUBMIT,
+            WorkRequestMsg(request.request_id, list(items)),
+            [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in inputs],
+        )
         self._pending[request.request_id] = request
         try:
             self._send(frames, request)
@@ -128,8 +135,11 @@ class EngineClient:
 
     def _on_sent(self, request: EngineRequest | None, error: BaseException | None) -> None:
         logger.error("sending to the engine failed: %r", error)
-        if (request is not None and self._pending.pop(request.request_id, None) is not None
-                and not request.result.done()):
+        if (
+            request is not None
+            and self._pending.pop(request.request_id, None) is not None
+            and not request.result.done()
+        ):
             request.result.set_exception(EngineUnavailableError(503, f"{UNAVAILABLE}: {error!r}"))
 
     async def status(self, timeout_s: float = 2.0) -> EngineStatusMsg | None:
@@ -203,7 +213,8 @@ class EngineClient:
         if not self._input.closed:
             with contextlib.suppress(zmq.ZMQError):
                 await asyncio.wait_for(
-                    self._input.send_multipart(encode_frames(Op.SHUTDOWN, ShutdownMsg("router stopping"))), 1.0)
+                    self._input.send_multipart(encode_frames(Op.SHUTDOWN, ShutdownMsg("router stopping"))), 1.0
+                )
             self._input.close(linger=500)
             self._output.close(linger=0)
             self._ctx.term()

@@ -20,6 +20,7 @@ UNAVAILABLE = "engine unavailable"
 
 class Op(bytes, enum.Enum):
     """The one-byte opcode in frame 0 of every message between the router and the engine."""
+
     SUBMIT = b"E"
     RESULT = b"R"
     STATUS_REQUEST = b"S"
@@ -30,6 +31,7 @@ class Op(bytes, enum.Enum):
 
 class WorkRequestMsg(msgspec.Struct, array_like=True, frozen=True):
     """A request's items for the engine; each item's input travels as one extra frame, in item order."""
+
     request_id: str
     items: list[WorkItem]
 
@@ -63,6 +65,7 @@ class WorkResultMsg(msgspec.Struct, array_like=True, frozen=True):
 
 class EngineStatusMsg(msgspec.Struct, array_like=True, frozen=True):
     """The engine's health, queue depth, worker processes and the batches it finished since its last status."""
+
     healthy: bool
     reason: str
     queued_items: int
@@ -85,6 +88,7 @@ class AbortRequestMsg(msgspec.Struct, array_like=True, frozen=True):
 
 class ShutdownMsg(msgspec.Struct, array_like=True, frozen=True):
     """Ask the engine process to stop (and with it its workers); `reason` is logged."""
+
     reason: str = ""
 
 

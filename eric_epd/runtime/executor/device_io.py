@@ -76,7 +76,7 @@ class DeviceIO:
             if flat.numel() != item.out_nbytes:
                 raise ValueError(f"item {item.key}: output of {flat.numel()} bytes, {item.out_nbytes} reserved")
         for item, flat in zip(msg.items, flats):
-            region = self._pool[item.out_offset: item.out_offset + item.out_nbytes]
+            region = self._pool[item.out_offset : item.out_offset + item.out_nbytes]
             region.copy_(flat, non_blocking=self._registered)
         self.sync()
         return time.perf_counter() - start
@@ -110,8 +110,11 @@ def _host_register(pool: torch.Tensor) -> bool:
     err = torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
     code = getattr(err, "value", err)
     if code != 0:
-        logger.warning("cudaHostRegister of the %d-byte pool failed (%s): rank 0 copies output through pageable "
-                       "memory", pool.numel(), err)
+        logger.warning(
+            "cudaHostRegister of the %d-byte pool failed (%s): rank 0 copies output through pageable memory",
+            pool.numel(),
+            err,
+        )
         return False
     logger.info("pool of %d bytes registered as pinned memory for device-to-pool copies", pool.numel())
     return True

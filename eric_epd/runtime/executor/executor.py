@@ -60,14 +60,21 @@ class ModelExecutor:
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(config.worker_result_addr)
         self._decoder = from_worker_decoder()
-        self._broadcast = ShmBroadcast.create(n_readers=config.tp_size, wake=config.broadcast_wake_addr,
-                                              **broadcast_geometry(workload.max_batch_input_bytes(config)))
+        self._broadcast = ShmBroadcast.create(
+            n_readers=config.tp_size,
+            wake=config.broadcast_wake_addr,
+            **broadcast_geometry(workload.max_batch_input_bytes(config)),
+        )
         self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")
         dist_init = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [
-            spawn.Process(target=main, args=(WorkerArgs(config, workload, rank, self._broadcast.handle(), dist_init),),
-                          name=f"worker-{rank}", daemon=True)
+            spawn.Process(
+                target=main,
+                args=(WorkerArgs(config, workload, rank, self._broadcast.handle(), dist_init),),
+                name=f"worker-{rank}",
+                daemon=True,
+            )
             for rank in range(config.tp_size)
         ]
         for p in self._procs:
@@ -103,14 +110,22 @@ class ModelExecutor:
         item, data = self._workload.warmup(self._config)
         msg = ExecuteBatchMsg(WARMUP_BATCH_ID, item.kind, [item], warmup=True)
         start = time.perf_counter()
-        self._broadcast.enqueue(to_worker_encoder.encode(msg), [data], timeout=self._config.worker_timeout_s,
-                                should_abort=lambda: self.check_workers() is not None)
+        self._broadcast.enqueue(
+            to_worker_encoder.encode(msg),
+            [data],
+            timeout=self._config.worker_timeout_s,
+            should_abort=lambda: self.check_workers() is not None,
+        )
         try:
             rank0 = self._gather(WARMUP_BATCH_ID)
         except (BatchFailedError, WorkersDeadError) as e:
             raise RuntimeError(f"warm-up batch failed: {e}") from e
-        logger.info("warm-up batch ran on %d rank(s) in %.2fs (output %s)", len(self._procs),
-                    time.perf_counter() - start, [list(s) for s in rank0.shapes])
+        logger.info(
+            "warm-up batch ran on %d rank(s) in %.2fs (output %s)",
+            len(self._procs),
+            time.perf_counter() - start,
+            [list(s) for s in rank0.shapes],
+        )
 
     def workers(self) -> list[WorkerInfo]:
         """`Executor` hook: each rank's worker process, with its CPUs and torch threads once reported."""
@@ -141,9 +156,12 @@ class ModelExecutor:
             raise WorkersDeadError(reason)
         msg = ExecuteBatchMsg(batch.batch_id, batch.kind, [e.item for e in batch.entries])
         try:
-            self._broadcast.enqueue(to_worker_encoder.encode(msg), [e.input for e in batch.entries],
-                                    timeout=self._config.worker_timeout_s,
-                                    should_abort=lambda: self.check_workers() is not None)
+            self._broadcast.enqueue(
+                to_worker_encoder.encode(msg),
+                [e.input for e in batch.entries],
+                timeout=self._config.worker_timeout_s,
+                should_abort=lambda: self.check_workers() is not None,
+            )
         except Exception as e:
             if self.check_workers() is None:  # they live, and may still write earlier batches: stop them first
                 self._dead_reason = f"broadcast to workers failed: {e!r}"
@@ -175,9 +193,11 @@ class ModelExecutor:
             if (reason := self.check_workers()) is not None:
                 raise WorkersDeadError(reason)
             if time.monotonic() > deadline:
-                self._dead_reason = (f"rank(s) {sorted(pending)} stuck after {'; '.join(errors)}" if errors else
-                                     f"workers did not finish batch {batch_id} within "
-                                     f"{self._config.worker_timeout_s}s")
+                self._dead_reason = (
+                    f"rank(s) {sorted(pending)} stuck after {'; '.join(errors)}"
+                    if errors
+                    else f"workers did not finish batch {batch_id} within {self._config.worker_timeout_s}s"
+                )
                 self._stop_workers()
                 raise WorkersDeadError(self._dead_reason)
             if early:
@@ -224,8 +244,12 @@ class ModelExecutor:
         """Ask workers to stop, then terminate stragglers; idempotent."""
         if any(p.is_alive() for p in self._procs) and self.check_workers() is None:
             try:
-                self._broadcast.enqueue(to_worker_encoder.encode(StopWorkerMsg("shutdown")), [], timeout=2.0,
-                                        should_abort=lambda: self.check_workers() is not None)
+                self._broadcast.enqueue(
+                    to_worker_encoder.encode(StopWorkerMsg("shutdown")),
+                    [],
+                    timeout=2.0,
+                    should_abort=lambda: self.check_workers() is not None,
+                )
             except Exception:  # workers may be gone already
                 pass
         for p in self._procs:

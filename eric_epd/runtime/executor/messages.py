@@ -14,6 +14,7 @@ from eric_epd.runtime.work import WorkItem
 
 class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
     """Run one batch: every rank gets the items and their inputs through the shm broadcast."""
+
     batch_id: int
     kind: str
     items: list[WorkItem]
@@ -24,11 +25,13 @@ class ExecuteBatchMsg(msgspec.Struct, array_like=True, frozen=True, tag="exec"):
 
 class StopWorkerMsg(msgspec.Struct, array_like=True, frozen=True, tag="stop"):
     """Tell every worker to exit (broadcast like a batch); `reason` says why."""
+
     reason: str = ""
 
 
 class WorkerReadyMsg(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     """A worker's answer at start: its rank and pid, and the error that kept it from loading, if any."""
+
     rank: int
     pid: int
     error: str | None = None
@@ -39,6 +42,7 @@ class WorkerReadyMsg(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
 
 class WorkerResultMsg(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """One rank's answer to a batch: its output shapes and timings, or the error it failed with."""
+
     batch_id: int
     rank: int
     error: str | None = None

@@ -95,8 +95,13 @@ def _as_bytes(obj: Any) -> memoryview:
     return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
-def _poll(ready: Callable[[], bool], timeout: float | None, should_abort: Callable[[], bool] | None,
-          what: str, wake: WakeReceiver | None = None) -> None:
+def _poll(
+    ready: Callable[[], bool],
+    timeout: float | None,
+    should_abort: Callable[[], bool] | None,
+    what: str,
+    wake: WakeReceiver | None = None,
+) -> None:
     """Wait until ready(), sleeping with exponential backoff (or, once `wake` is idle, blocking on its pings);
     TimeoutError / BroadcastAborted otherwise."""
     next_abort_check, sleep = time.monotonic(), _MIN_SLEEP_S
@@ -153,8 +158,14 @@ class ShmBroadcast:
         self._closed = False
 
     @staticmethod
-    def create(n_readers: int, n_slots: int = 4, slot_bytes: int = 32 << 20, *,
-               name: str | None = None, wake: str | None = None) -> ShmBroadcastWriter:
+    def create(
+        n_readers: int,
+        n_slots: int = 4,
+        slot_bytes: int = 32 << 20,
+        *,
+        name: str | None = None,
+        wake: str | None = None,
+    ) -> ShmBroadcastWriter:
         """Create the segment (engine process). The creator owns it: close() unlinks it. ``wake``: where to bind
         the wake-up pings (default ``ipc://<tmp>/<name>.wake``; "" for none: readers then always poll)."""
         name = name or f"ebc_{os.getpid():x}_{secrets.token_hex(4)}"
@@ -173,8 +184,9 @@ class ShmBroadcast:
         return writer
 
     @staticmethod
-    def attach(handle: BroadcastHandle, reader_rank: int, *, busy_s: float = BUSY_S,
-               block_s: float = IDLE_BLOCK_S) -> ShmBroadcastReader:
+    def attach(
+        handle: BroadcastHandle, reader_rank: int, *, busy_s: float = BUSY_S, block_s: float = IDLE_BLOCK_S
+    ) -> ShmBroadcastReader:
         """Map an existing broadcast as reader ``reader_rank`` (0..n_readers-1), e.g. in a worker. Waits poll
         for ``busy_s`` after each message, then block on the writer's pings (``block_s`` at a time)."""
         if not 0 <= reader_rank < handle.n_readers:
@@ -194,7 +206,7 @@ class ShmBroadcast:
 
     def _slot_view(self, slot: int, nbytes: int) -> memoryview:
         start = self._data_off + slot * self._slot_stride
-        return self._shm.buf[start:start + nbytes]
+        return self._shm.buf[start : start + nbytes]
 
     def _unmap(self) -> None:
         self._glob = self._ctrl = np.zeros((0, 0), np.int64)  # drop our own exports of the mapping first
@@ -213,7 +225,7 @@ class ShmBroadcastWriter(ShmBroadcast):
         self._wake = WakeSender(handle.wake) if handle.wake else None
 
     def _slot_free(self, slot: int) -> bool:
-        return bool((self._ctrl[slot, _C_READ:_C_READ + self.n_readers] == self._slot_seq[slot]).all())
+        return bool((self._ctrl[slot, _C_READ : _C_READ + self.n_readers] == self._slot_seq[slot]).all())
 
     def _drop_spill(self, slot: int) -> None:
         if (spill := self._spills.pop(slot, None)) is not None:
@@ -221,9 +233,14 @@ class ShmBroadcastWriter(ShmBroadcast):
             with suppress(FileNotFoundError):
                 spill.unlink()
 
-    def enqueue(self, header: bytes | bytearray | memoryview,
-                buffers: Sequence[memoryview | bytes | bytearray | np.ndarray | torch.Tensor] = (), *,
-                timeout: float | None = None, should_abort: Callable[[], bool] | None = None) -> None:
+    def enqueue(
+        self,
+        header: bytes | bytearray | memoryview,
+        buffers: Sequence[memoryview | bytes | bytearray | np.ndarray | torch.Tensor] = (),
+        *,
+        timeout: float | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> None:
         """Publish one message to all readers, first waiting (up to ``timeout`` s) for its slot to free up.
 
         TimeoutError, or BroadcastAborted once ``should_abort()`` (polled every ~10 ms, e.g. ``lambda: not
@@ -251,10 +268,10 @@ class ShmBroadcastWriter(ShmBroadcast):
         with dst:
             struct.pack_into(f"<{1 + len(lens)}Q", dst, 0, len(parts), *lens)
             for o, n, p in zip(offsets, lens, parts, strict=True):
-                dst[o:o + n] = p
+                dst[o : o + n] = p
         self._ctrl[slot, _C_LEN], self._ctrl[slot, _C_NAME_LEN] = total, len(name)
         if name:
-            self._ctrl.view(np.uint8)[slot, _NAME_OFF:_NAME_OFF + len(name)] = np.frombuffer(name, np.uint8)
+            self._ctrl.view(np.uint8)[slot, _NAME_OFF : _NAME_OFF + len(name)] = np.frombuffer(name, np.uint8)
         _memory_fence()  # payload, length and name are visible before seq publishes them
         self._ctrl[slot, _C_SEQ] = self._slot_seq[slot] = seq + 1
         self._seq += 1
@@ -287,8 +304,9 @@ class ShmBroadcastWriter(ShmBroadcast):
 class ShmBroadcastReader(ShmBroadcast):
     """One reader rank (one process, not thread-safe). Made by ShmBroadcast.attach()."""
 
-    def __init__(self, shm: SharedMemory, handle: BroadcastHandle, reader_rank: int,
-                 wake: WakeReceiver | None = None) -> None:
+    def __init__(
+        self, shm: SharedMemory, handle: BroadcastHandle, reader_rank: int, wake: WakeReceiver | None = None
+    ) -> None:
         super().__init__(shm, handle)
         self._wake = wake
         self.reader_rank, self._seq = reader_rank, 0  # _seq: index of the next message to read
@@ -304,8 +322,9 @@ class ShmBroadcastReader(ShmBroadcast):
             raise BroadcastClosed(f"broadcast {self.name}: writer closed")
         return False
 
-    def dequeue(self, timeout: float | None = None,
-                should_abort: Callable[[], bool] | None = None) -> tuple[bytes, list[memoryview]]:
+    def dequeue(
+        self, timeout: float | None = None, should_abort: Callable[[], bool] | None = None
+    ) -> tuple[bytes, list[memoryview]]:
         """Next message: (header copy, read-only zero-copy views), or TimeoutError / BroadcastAborted /
         BroadcastClosed. The views stay mapped while referenced, but their data is valid until release()."""
         if self._closed:
@@ -313,15 +332,20 @@ class ShmBroadcastReader(ShmBroadcast):
         if self._pending is not None:
             raise RuntimeError("release() the previous message before dequeue()")
         slot, want = self._seq % self.n_slots, self._seq + 1
-        _poll(lambda: self._ready(slot, want), timeout, should_abort,
-              f"broadcast {self.name} reader {self.reader_rank} dequeue #{self._seq}", self._wake)
+        _poll(
+            lambda: self._ready(slot, want),
+            timeout,
+            should_abort,
+            f"broadcast {self.name} reader {self.reader_rank} dequeue #{self._seq}",
+            self._wake,
+        )
         if self._wake is not None:
             self._wake.touched()
         _memory_fence()  # seq was seen before any payload load
         total, name_len = int(self._ctrl[slot, _C_LEN]), int(self._ctrl[slot, _C_NAME_LEN])
         spill = None
         if name_len:
-            name = bytes(self._ctrl.view(np.uint8)[slot, _NAME_OFF:_NAME_OFF + name_len]).decode()
+            name = bytes(self._ctrl.view(np.uint8)[slot, _NAME_OFF : _NAME_OFF + name_len]).decode()
             try:
                 spill = _attach_untracked(name)
             except FileNotFoundError as e:  # only once the writer unlinked everything
@@ -333,7 +357,7 @@ class ShmBroadcastReader(ShmBroadcast):
             (count,) = struct.unpack_from("<Q", base, 0)
             views, off = [], _align(8 * (1 + count))
             for n in struct.unpack_from(f"<{count}Q", base, 8):
-                views.append(base[off:off + n].toreadonly())
+                views.append(base[off : off + n].toreadonly())
                 off = _align(off + n)
         header = bytes(views.pop(0))
         self._pending = (slot, spill, views)
@@ -352,8 +376,9 @@ class ShmBroadcastReader(ShmBroadcast):
             spill.close()  # unmapped now, or when the last tensor over it dies (see _Shm)
 
     @contextmanager
-    def receive(self, timeout: float | None = None,
-                should_abort: Callable[[], bool] | None = None) -> Iterator[tuple[bytes, list[memoryview]]]:
+    def receive(
+        self, timeout: float | None = None, should_abort: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[bytes, list[memoryview]]]:
         """``with reader.receive(1.0) as (header, views): ...``: dequeue(), release() on exit."""
         header, views = self.dequeue(timeout, should_abort)
         try:
@@ -361,8 +386,9 @@ class ShmBroadcastReader(ShmBroadcast):
         finally:
             self.release()
 
-    def dequeue_copy(self, timeout: float | None = None,
-                     should_abort: Callable[[], bool] | None = None) -> tuple[bytes, list[bytearray]]:
+    def dequeue_copy(
+        self, timeout: float | None = None, should_abort: Callable[[], bool] | None = None
+    ) -> tuple[bytes, list[bytearray]]:
         """dequeue(), private writable copies of the buffers, release()."""
         with self.receive(timeout, should_abort) as (header, views):
             return header, [bytearray(v) for v in views]

@@ -21,8 +21,9 @@ def tensor_to_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def buffer_to_tensor(buf: memoryview | bytes | bytearray, dtype: str | torch.dtype,
-                     shape: Sequence[int]) -> torch.Tensor:
+def buffer_to_tensor(
+    buf: memoryview | bytes | bytearray, dtype: str | torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
     """Tensor of ``dtype`` (e.g. "bfloat16") and ``shape`` over ``buf``, zero-copy; it keeps ``buf`` mapped.
 
     Over a dequeue() view its data is valid only until release() (clone() to keep it), and it is shared

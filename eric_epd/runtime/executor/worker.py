@@ -70,8 +70,7 @@ def _init_distributed(args: WorkerArgs, device: torch.device):  # -> TPContext
         return TPContext(rank=0, world_size=1, group=None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL communicators made now, not at batch 1
-    torch.distributed.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=world,
-                                         **bound)
+    torch.distributed.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=world, **bound)
     return TPContext(rank=args.rank, world_size=world, group=torch.distributed.group.WORLD)
 
 
@@ -97,8 +96,9 @@ class _Prepared:
     error: str = ""
 
 
-def _take(reader: ShmBroadcastReader, io: DeviceIO, dtype: torch.dtype, timeout: float,
-          parent_gone: Callable[[], bool]) -> _Prepared | StopWorkerMsg | None:
+def _take(
+    reader: ShmBroadcastReader, io: DeviceIO, dtype: torch.dtype, timeout: float, parent_gone: Callable[[], bool]
+) -> _Prepared | StopWorkerMsg | None:
     """The next message (None if none within `timeout`); a batch's inputs are copied onto the device and its
     broadcast slot released at once, so the engine can already write the batch after it."""
     try:
@@ -158,9 +158,15 @@ def _serve(args: WorkerArgs, runner: Runner, device: torch.device, push: zmq.Soc
             segment.close()
 
 
-def _execute_and_reply(rank: int, runner: Runner, batch: _Prepared, io: DeviceIO, push: zmq.Socket,
-                       peek: Callable[[], _Prepared | StopWorkerMsg | None],
-                       faults: frozenset[int] = frozenset()) -> _Prepared | StopWorkerMsg | None:
+def _execute_and_reply(
+    rank: int,
+    runner: Runner,
+    batch: _Prepared,
+    io: DeviceIO,
+    push: zmq.Socket,
+    peek: Callable[[], _Prepared | StopWorkerMsg | None],
+    faults: frozenset[int] = frozenset(),
+) -> _Prepared | StopWorkerMsg | None:
     """Run one batch and answer it; returns the next message if `peek` took it while the forward ran. A batch whose
     id is in `faults` (TEST_FAULT_ENV) fails."""
     msg, upcoming = batch.msg, None
@@ -181,8 +187,14 @@ def _execute_and_reply(rank: int, runner: Runner, batch: _Prepared, io: DeviceIO
         push.send_multipart([from_worker_encoder.encode(WorkerResultMsg(msg.batch_id, rank, error=repr(e)))])
         return upcoming
     dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else ""
-    result = WorkerResultMsg(msg.batch_id, rank, shapes=[tuple(o.shape) for o in outputs], dtype=dtype,
-                             compute_seconds=compute_s, write_seconds=write_s)
+    result = WorkerResultMsg(
+        msg.batch_id,
+        rank,
+        shapes=[tuple(o.shape) for o in outputs],
+        dtype=dtype,
+        compute_seconds=compute_s,
+        write_seconds=write_s,
+    )
     push.send(from_worker_encoder.encode(result))
     return upcoming
 
@@ -203,8 +215,12 @@ def main(args: WorkerArgs) -> None:
             push.send(from_worker_encoder.encode(WorkerReadyMsg(args.rank, os.getpid(), error=repr(e))))
             return
         logger.info("rank %d loaded %s on %s in %.1fs", args.rank, runner.dtype, device, time.perf_counter() - start)
-        ready = WorkerReadyMsg(args.rank, os.getpid(), cpus=sorted(os.sched_getaffinity(0)),
-                               threads=torch.get_num_threads() if device.type == "cpu" else 0)
+        ready = WorkerReadyMsg(
+            args.rank,
+            os.getpid(),
+            cpus=sorted(os.sched_getaffinity(0)),
+            threads=torch.get_num_threads() if device.type == "cpu" else 0,
+        )
         push.send(from_worker_encoder.encode(ready))
         _serve(args, runner, device, push)
     finally:

@@ -26,5 +26,14 @@ from eric_epd.testing.sglang_prefill.messages import (
     unpack,
 )
 
-__all__ = ["Bootstrap", "BootstrapUrls", "JobResult", "Outcome", "ParseArgs", "ParsedArgs", "Prefill", "WireCheck",
-           "unpack"]
+__all__ = [
+    "Bootstrap",
+    "BootstrapUrls",
+    "JobResult",
+    "Outcome",
+    "ParseArgs",
+    "ParsedArgs",
+    "Prefill",
+    "WireCheck",
+    "unpack",
+]

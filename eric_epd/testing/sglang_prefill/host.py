@@ -80,10 +80,17 @@ class PrefillHost:
         except BaseException as e:  # argparse exits with SystemExit
             return ParsedArgs(error=f"{type(e).__name__}: {e}")
         d = get_disagg()
-        return ParsedArgs(language_only=d.language_only, encoder_only=d.encoder_only, encoder_urls=raw[1],
-                          encoder_transfer_backend=raw[0], resolved_backend=d.encoder_transfer_backend,
-                          encoder_register_urls=raw[2], encoder_bootstrap_port=d.encoder_bootstrap_port,
-                          tp_size=args.tp_size, nixl_env=os.environ.get(plugin.ENV, ""))
+        return ParsedArgs(
+            language_only=d.language_only,
+            encoder_only=d.encoder_only,
+            encoder_urls=raw[1],
+            encoder_transfer_backend=raw[0],
+            resolved_backend=d.encoder_transfer_backend,
+            encoder_register_urls=raw[2],
+            encoder_bootstrap_port=d.encoder_bootstrap_port,
+            tp_size=args.tp_size,
+            nixl_env=os.environ.get(plugin.ENV, ""),
+        )
 
     def wire_check(self) -> str:
         """Eric's part message, read by SGLang's SafeUnpickler, against the EmbeddingData SGLang's encoder sends."""
@@ -93,27 +100,64 @@ class PrefillHost:
 
         from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
 
-        theirs = EmbeddingData("r_local_part_1", 2, 1, torch.tensor([[1, 4, 6]]), Modality.IMAGE,
-                               torch.zeros(6, 32)).copy_without_embedding()
-        ours = safe_pickle_loads(embedding_data_pickle(EmbeddingPart(
-            req_id="r_local_part_1", num_parts=2, part_idx=1, modality="IMAGE", grid=[[1, 4, 6]], dtype="float32",
-            shape=[6, 32])))
+        theirs = EmbeddingData(
+            "r_local_part_1", 2, 1, torch.tensor([[1, 4, 6]]), Modality.IMAGE, torch.zeros(6, 32)
+        ).copy_without_embedding()
+        ours = safe_pickle_loads(
+            embedding_data_pickle(
+                EmbeddingPart(
+                    req_id="r_local_part_1",
+                    num_parts=2,
+                    part_idx=1,
+                    modality="IMAGE",
+                    grid=[[1, 4, 6]],
+                    dtype="float32",
+                    shape=[6, 32],
+                )
+            )
+        )
         a, b = dict(vars(theirs)), dict(vars(ours))
-        if type(ours) is not EmbeddingData or torch.as_tensor(b.pop("grid_dim")).tolist() != \
-                a.pop("grid_dim").tolist() or a != b:
+        if (
+            type(ours) is not EmbeddingData
+            or torch.as_tensor(b.pop("grid_dim")).tolist() != a.pop("grid_dim").tolist()
+            or a != b
+        ):
             return f"mismatch: SGLang {vars(theirs)} vs Eric {vars(ours)}"
-        theirs = EmbeddingData("a_local_part_0", 1, 0, torch.tensor([3000, 1207]), Modality.AUDIO,
-                               torch.zeros(9, 32)).copy_without_embedding()  # audio_feature_lens_raw, int64
-        ours = safe_pickle_loads(embedding_data_pickle(EmbeddingPart(
-            req_id="a_local_part_0", num_parts=1, part_idx=0, modality="AUDIO", grid=[3000, 1207], dtype="float32",
-            shape=[9, 32])))
+        theirs = EmbeddingData(
+            "a_local_part_0", 1, 0, torch.tensor([3000, 1207]), Modality.AUDIO, torch.zeros(9, 32)
+        ).copy_without_embedding()  # audio_feature_lens_raw, int64
+        ours = safe_pickle_loads(
+            embedding_data_pickle(
+                EmbeddingPart(
+                    req_id="a_local_part_0",
+                    num_parts=1,
+                    part_idx=0,
+                    modality="AUDIO",
+                    grid=[3000, 1207],
+                    dtype="float32",
+                    shape=[9, 32],
+                )
+            )
+        )
         a, b = dict(vars(theirs)), dict(vars(ours))
         ga, gb = a.pop("grid_dim"), b.pop("grid_dim")
         if not (isinstance(gb, torch.Tensor) and gb.dtype == ga.dtype and torch.equal(ga, gb)) or a != b:
             return f"audio mismatch: SGLang {vars(theirs)} vs Eric {vars(ours)}"
-        err = safe_pickle_loads(embedding_data_pickle(EmbeddingPart(
-            req_id="e", num_parts=1, part_idx=0, modality="VIDEO", grid=None, dtype=None, shape=None,
-            error_msg="bad", error_code=400)))
+        err = safe_pickle_loads(
+            embedding_data_pickle(
+                EmbeddingPart(
+                    req_id="e",
+                    num_parts=1,
+                    part_idx=0,
+                    modality="VIDEO",
+                    grid=None,
+                    dtype=None,
+                    shape=None,
+                    error_msg="bad",
+                    error_code=400,
+                )
+            )
+        )
         ref = EmbeddingData("e", 1, 0, None, Modality.VIDEO, error_msg="bad", error_code=400).copy_without_embedding()
         return "ok" if vars(err) == vars(ref) else f"error mismatch: {vars(ref)} vs {vars(err)}"
 
@@ -121,8 +165,9 @@ class PrefillHost:
         """Start SGLang's encoder bootstrap server on `port`, sharing the tokenizer side's URL list."""
         from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
 
-        self.bootstrap = EncoderBootstrapServer("127.0.0.1", port, urls=self.bootstrap_urls, health_check_interval=2.0,
-                                                health_check_timeout=10.0)
+        self.bootstrap = EncoderBootstrapServer(
+            "127.0.0.1", port, urls=self.bootstrap_urls, health_check_interval=2.0, health_check_timeout=10.0
+        )
 
     def _tokenizer_side(self, job: Job) -> tuple[Any, Any]:
         from sglang.srt.configs.model_config import ModelConfig
@@ -135,17 +180,24 @@ class PrefillHost:
         from eric_epd.plugins.sglang import plugin
 
         os.environ.pop(plugin.ENV, None)
-        args = server_args(job.model, job.backend, [] if job.use_bootstrap else job.encoder_urls, job.tp, job.dtype,
-                           job.model_impl)
+        args = server_args(
+            job.model, job.backend, [] if job.use_bootstrap else job.encoder_urls, job.tp, job.dtype, job.model_impl
+        )
         publish(args, role="tokenizer")
         model_config = ModelConfig.from_server_args(args)
         import_processors("sglang.srt.multimodal.processors")
-        mm_processor = get_mm_processor(model_config.hf_config, args, as_sglang_sees_it(get_processor(job.model)),
-                                        determine_tensor_transport_mode(), model_config=model_config)
+        mm_processor = get_mm_processor(
+            model_config.hf_config,
+            args,
+            as_sglang_sees_it(get_processor(job.model)),
+            determine_tensor_transport_mode(),
+            model_config=model_config,
+        )
         # As TokenizerManager: the receiver shares the bootstrap server's URL list (pre-filled by --encoder-urls).
         urls = self.bootstrap_urls if job.use_bootstrap else list(job.encoder_urls)
-        receiver = create_mm_receiver(args, dtype=model_config.dtype, hf_config=model_config.hf_config,
-                                      encode_urls=urls)
+        receiver = create_mm_receiver(
+            args, dtype=model_config.dtype, hf_config=model_config.hf_config, encode_urls=urls
+        )
         return mm_processor, receiver
 
     def run(self, job: Job) -> JobResult:
@@ -161,8 +213,9 @@ class PrefillHost:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         mm_processor, receiver = self._tokenizer_side(job)
-        obj = GenerateReqInput(text=job.prompt, image_data=job.images or None, video_data=job.videos or None,
-                               audio_data=job.audios or None)
+        obj = GenerateReqInput(
+            text=job.prompt, image_data=job.images or None, video_data=job.videos or None, audio_data=job.audios or None
+        )
         obj.rid = uuid.uuid4().hex
         if job.kind == "tokenizer":
             return self._run_tokenizer(job, obj, mm_processor, receiver)
@@ -171,18 +224,29 @@ class PrefillHost:
 
         def on_dispatch_error(err: Any) -> None:  # TokenizerManager forwards this to the scheduler
             errors.append(f"{err.error_code} {err.error_msg}")
-            event = msgspec.msgpack.encode(RankEvent(rid=err.rid, error_msg=err.error_msg,
-                                                     error_code=int(err.error_code)))
+            event = msgspec.msgpack.encode(
+                RankEvent(rid=err.rid, error_msg=err.error_msg, error_code=int(err.error_code))
+            )
             with self._send_lock:
                 for conn in ranks:
                     conn.send_bytes(event)
 
         ready = receiver.send_encode_request(obj, on_dispatch_error=on_dispatch_error)
         assert ready is not None, "the tokenizer did not dispatch to an encoder"
-        rank_job = msgspec.msgpack.encode(RankJob(
-            model=job.model, backend=job.backend, encoder_urls=list(obj.encoder_urls), rid=obj.rid, prompt=job.prompt,
-            num_items_assigned={m.name: list(v) for m, v in obj.num_items_assigned.items()}, env=job.env,
-            dtype=job.dtype, timeout_s=job.timeout_s, model_impl=job.model_impl))
+        rank_job = msgspec.msgpack.encode(
+            RankJob(
+                model=job.model,
+                backend=job.backend,
+                encoder_urls=list(obj.encoder_urls),
+                rid=obj.rid,
+                prompt=job.prompt,
+                num_items_assigned={m.name: list(v) for m, v in obj.num_items_assigned.items()},
+                env=job.env,
+                dtype=job.dtype,
+                timeout_s=job.timeout_s,
+                model_impl=job.model_impl,
+            )
+        )
         with self._send_lock:
             for conn in ranks:
                 conn.send_bytes(rank_job)
@@ -279,21 +343,32 @@ def _local_outcome(job: Job, mm_processor: Any) -> Outcome:
     placement (for audio, each item's feature frames and its tower-side token counts)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    ref = GenerateReqInput(text=job.prompt, image_data=job.images or None, video_data=job.videos or None,
-                           audio_data=job.audios or None)
+    ref = GenerateReqInput(
+        text=job.prompt, image_data=job.images or None, video_data=job.videos or None, audio_data=job.audios or None
+    )
     media: dict[str, Any] = {"image_data": job.images or None}  # Qwen-VL reads videos and audio off `ref`
     if job.audios:  # Qwen2-Audio's processor takes them as an argument
         media["audio_data"] = job.audios
     with _load_audio_without_torchaudio():
-        local_mm = asyncio.run(mm_processor.process_mm_data_async(input_text=job.prompt, request_obj=ref,
-                                                                  max_req_input_len=4096, **media))
+        local_mm = asyncio.run(
+            mm_processor.process_mm_data_async(input_text=job.prompt, request_obj=ref, max_req_input_len=4096, **media)
+        )
     audio = [i.feature_attention_mask for i in local_mm.mm_items if i.is_audio()]
-    grid = {name: torch.cat(grids).tolist() for name, grids in (
-        ("img_grid_thw", [i.image_grid_thw for i in local_mm.mm_items if i.is_image()]),
-        ("video_grid_thw", [i.video_grid_thw for i in local_mm.mm_items if i.is_video()])) if grids}
-    return Outcome(ok=True, input_ids=[int(x) for x in local_mm.input_ids],
-                   mrope=pack(local_mm.mrope_positions) if local_mm.mrope_positions is not None else None, grid=grid,
-                   audio_feature_lens=[int(x) for x in torch.cat(audio).sum(-1)] if audio else [])
+    grid = {
+        name: torch.cat(grids).tolist()
+        for name, grids in (
+            ("img_grid_thw", [i.image_grid_thw for i in local_mm.mm_items if i.is_image()]),
+            ("video_grid_thw", [i.video_grid_thw for i in local_mm.mm_items if i.is_video()]),
+        )
+        if grids
+    }
+    return Outcome(
+        ok=True,
+        input_ids=[int(x) for x in local_mm.input_ids],
+        mrope=pack(local_mm.mrope_positions) if local_mm.mrope_positions is not None else None,
+        grid=grid,
+        audio_feature_lens=[int(x) for x in torch.cat(audio).sum(-1)] if audio else [],
+    )
 
 
 def _prefill_main(conn: Any, entry_point_dir: str) -> None:

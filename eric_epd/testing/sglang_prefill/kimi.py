@@ -19,7 +19,7 @@ class KimiMediaProcessorStandIn:
         """Tokens of one {"type": "image", "image": PIL image}: its patches after Kimi's resize, merged."""
         image = media["image"]
         patches = self._image_processor.get_number_of_image_patches(image.height, image.width)
-        return patches // self._image_processor.merge_size ** 2
+        return patches // self._image_processor.merge_size**2
 
 
 class KimiRemoteProcessorStandIn:

@@ -8,6 +8,7 @@ import torch
 
 class Tensor(msgspec.Struct):
     """A tensor as raw bytes, shape and dtype name (see `pack` and `unpack`)."""
+
     data: bytes
     shape: list[int]
     dtype: str
@@ -16,8 +17,9 @@ class Tensor(msgspec.Struct):
 def pack(t: torch.Tensor) -> Tensor:
     """The tensor's bytes, shape and dtype, copied off the device."""
     t = t.detach().cpu().contiguous()
-    return Tensor(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", list(t.shape),
-                  str(t.dtype).removeprefix("torch."))
+    return Tensor(
+        t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", list(t.shape), str(t.dtype).removeprefix("torch.")
+    )
 
 
 def unpack(t: Tensor) -> torch.Tensor:
@@ -51,6 +53,7 @@ class Outcome(msgspec.Struct, kw_only=True):
 
 class Job(msgspec.Struct, kw_only=True):
     """One prefill run: the model, transfer backend and Eric URLs, the request's media and prompt, and its TP size."""
+
     kind: str  # "tokenizer" (zmq_to_tokenizer) or "scheduler" (zmq_to_scheduler, mooncake, nixl)
     model: str
     backend: str
@@ -70,6 +73,7 @@ class Job(msgspec.Struct, kw_only=True):
 
 class JobResult(msgspec.Struct, kw_only=True):
     """Each rank's (or the tokenizer's) outcome of a job, SGLang's own local result if asked, and a dispatch error."""
+
     outcomes: list[Outcome]
     local: Outcome | None = None
     dispatch_error: str | None = None
@@ -77,6 +81,7 @@ class JobResult(msgspec.Struct, kw_only=True):
 
 class RankJob(msgspec.Struct, tag=True, kw_only=True):
     """Host -> rank: receive request `rid`'s parts from the encoders as SGLang's scheduler does."""
+
     model: str
     backend: str
     encoder_urls: list[str]
@@ -91,6 +96,7 @@ class RankJob(msgspec.Struct, tag=True, kw_only=True):
 
 class RankEvent(msgspec.Struct, tag=True, kw_only=True):
     """Host -> rank: the tokenizer's dispatch to an encoder failed for `rid` (forwarded as TokenizerManager does)."""
+
     rid: str
     error_msg: str
     error_code: int
@@ -98,11 +104,13 @@ class RankEvent(msgspec.Struct, tag=True, kw_only=True):
 
 class ParseArgs(msgspec.Struct, tag=True):
     """Command: parse a prefill command line as SGLang's launcher would."""
+
     argv: list[str]
 
 
 class ParsedArgs(msgspec.Struct, kw_only=True):
     """What SGLang made of a command line (its disaggregation settings), or the error it raised."""
+
     error: str | None = None
     language_only: bool = False
     encoder_only: bool = False
@@ -117,26 +125,31 @@ class ParsedArgs(msgspec.Struct, kw_only=True):
 
 class WireCheck(msgspec.Struct, tag=True):
     """Command: check Eric's pickled part header against SGLang's own EmbeddingData."""
+
     pass
 
 
 class RunJob(msgspec.Struct, tag=True):
     """Command: run a job."""
+
     job: Job
 
 
 class Bootstrap(msgspec.Struct, tag=True):
     """Command: start SGLang's encoder bootstrap server on `port`."""
+
     port: int
 
 
 class BootstrapUrls(msgspec.Struct, tag=True):
     """Command: the encoder URLs the bootstrap server holds."""
+
     pass
 
 
 class Stop(msgspec.Struct, tag=True):
     """Command: stop the host and its ranks."""
+
     pass
 
 

@@ -15,18 +15,32 @@ from eric_epd.testing.sglang_prefill.messages import Outcome, RankEvent, RankJob
 
 def outcome_from_mm(mm: Any, captured: dict[str, Any], rank: int = -1, engine: str = "") -> Outcome:
     """The outcome of a receiver that got its multimodal inputs: embeddings, ids, M-RoPE, grids and extras."""
-    return Outcome(ok=True, embeddings=[pack(i.precomputed_embeddings) for i in mm.mm_items],
-                   modalities=[i.modality.name for i in mm.mm_items], input_ids=[int(x) for x in mm.input_ids],
-                   mrope=pack(mm.mrope_positions) if mm.mrope_positions is not None else None, rank=rank,
-                   engine=engine, **captured_fields(captured))
+    return Outcome(
+        ok=True,
+        embeddings=[pack(i.precomputed_embeddings) for i in mm.mm_items],
+        modalities=[i.modality.name for i in mm.mm_items],
+        input_ids=[int(x) for x in mm.input_ids],
+        mrope=pack(mm.mrope_positions) if mm.mrope_positions is not None else None,
+        rank=rank,
+        engine=engine,
+        **captured_fields(captured),
+    )
 
 
-def outcome_of_failure(message: str, code: int | None, captured: dict[str, Any], rank: int = -1,
-                       engine: str = "") -> Outcome:
+def outcome_of_failure(
+    message: str, code: int | None, captured: dict[str, Any], rank: int = -1, engine: str = ""
+) -> Outcome:
     """The outcome of an aborted request, with what the receiver handed SGLang's processor if it got that far."""
     received = {m.name: pack(t) for m, t in (captured.get("embeddings") or {}).items() if t is not None}
-    return Outcome(ok=False, error_msg=message, error_code=code, received=received, rank=rank, engine=engine,
-                   **captured_fields(captured))
+    return Outcome(
+        ok=False,
+        error_msg=message,
+        error_code=code,
+        received=received,
+        rank=rank,
+        engine=engine,
+        **captured_fields(captured),
+    )
 
 
 def captured_fields(captured: dict[str, Any]) -> dict[str, Any]:
@@ -36,8 +50,11 @@ def captured_fields(captured: dict[str, Any]) -> dict[str, Any]:
     if captured.get("video_timestamps") is not None:  # one list per video: flattened, in order
         extra["video_timestamps"] = [float(x) for video in captured["video_timestamps"] for x in video]
     lens = captured.get("audio_feature_lens")
-    return {"grid": grid, "extra": extra,
-            "audio_feature_lens": [int(x) for x in lens.flatten()] if lens is not None else []}
+    return {
+        "grid": grid,
+        "extra": extra,
+        "audio_feature_lens": [int(x) for x in lens.flatten()] if lens is not None else [],
+    }
 
 
 def spy_grids(mm_processor: Any, captured: dict[str, Any]) -> None:
@@ -59,9 +76,19 @@ def server_args(job_model: str, backend: str, urls: list[str], tp: int, dtype: s
     the receivers are the same)."""
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=job_model, language_only=True, encoder_urls=urls, encoder_transfer_backend=backend,
-                      device="cpu", host="127.0.0.1", tp_size=tp, dtype=dtype, mamba_radix_cache_strategy="no_buffer",
-                      disable_overlap_schedule=True, model_impl=model_impl)
+    args = ServerArgs(
+        model_path=job_model,
+        language_only=True,
+        encoder_urls=urls,
+        encoder_transfer_backend=backend,
+        device="cpu",
+        host="127.0.0.1",
+        tp_size=tp,
+        dtype=dtype,
+        mamba_radix_cache_strategy="no_buffer",
+        disable_overlap_schedule=True,
+        model_impl=model_impl,
+    )
     args.resolve_once()
     return args
 
@@ -125,8 +152,9 @@ def rank_main(conn: Any, world_rank: int, tp: int, port: int) -> None:
         conn.send_bytes(msgspec.msgpack.encode(outcome))
 
 
-def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, decoder: Any,
-              pools: dict[int, Any]) -> Outcome:
+def _rank_job(
+    cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, decoder: Any, pools: dict[int, Any]
+) -> Outcome:
     """What Scheduler does around its MMReceiverHTTP for one tokenized request, until it is ready or aborted."""
     from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP
     from sglang.srt.distributed import parallel_state
@@ -142,13 +170,18 @@ def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, deco
     args = server_args(cmd.model, cmd.backend, cmd.encoder_urls, tp, cmd.dtype, cmd.model_impl)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
     if not torch.distributed.is_initialized():  # SGLang's own TP group, on gloo
-        parallel_state.init_distributed_environment(world_size=tp, rank=world_rank, local_rank=world_rank,
-                                                    distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                                    backend="gloo")
+        parallel_state.init_distributed_environment(
+            world_size=tp,
+            rank=world_rank,
+            local_rank=world_rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
         parallel_state.initialize_model_parallel()
     scheduler = FakeSchedulerStandIn(args)  # as Scheduler.__init__: create_mm_receiver(model_config.dtype, ...)
-    receiver = MMReceiverHTTP(args, dtype=scheduler.model_config.dtype, hf_config=scheduler.model_config.hf_config,
-                              scheduler=scheduler)
+    receiver = MMReceiverHTTP(
+        args, dtype=scheduler.model_config.dtype, hf_config=scheduler.model_config.hf_config, scheduler=scheduler
+    )
     engine = getattr(receiver, "embeddings_engine", None)
     if engine is not None:
         if id(engine) not in pools:
@@ -157,11 +190,22 @@ def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, deco
     captured: dict[str, Any] = {}
     spy_grids(receiver.mm_processor, captured)
     req = TokenizedGenerateReqInput(
-        rid=cmd.rid, input_text=cmd.prompt, input_ids=None, input_embeds=None, mm_inputs=None,
-        token_type_ids=None, sampling_params=SamplingParams(), return_logprob=False, logprob_start_len=-1,
-        top_logprobs_num=0, token_ids_logprob=None, stream=False, need_wait_for_mm_inputs=True,
+        rid=cmd.rid,
+        input_text=cmd.prompt,
+        input_ids=None,
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=SamplingParams(),
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        need_wait_for_mm_inputs=True,
         num_items_assigned={Modality[k]: v for k, v in cmd.num_items_assigned.items()},
-        encoder_urls=cmd.encoder_urls)
+        encoder_urls=cmd.encoder_urls,
+    )
     engine_name = type(engine).__name__ if engine is not None else ""
     pending: list[Any] = [req]
     deadline = time.monotonic() + cmd.timeout_s
@@ -169,8 +213,9 @@ def _rank_job(cmd: RankJob, world_rank: int, tp: int, port: int, conn: Any, deco
         while conn.poll(0):
             event = decoder.decode(conn.recv_bytes())
             if isinstance(event, RankEvent):
-                pending.append(EncoderDispatchErrorReq(rid=event.rid, error_msg=event.error_msg,
-                                                       error_code=event.error_code))
+                pending.append(
+                    EncoderDispatchErrorReq(rid=event.rid, error_msg=event.error_msg, error_code=event.error_code)
+                )
         ready, aborts = receiver.process_waiting_requests(pending)
         pending = []
         if ready:
@@ -190,4 +235,3 @@ def restore_env(saved: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-

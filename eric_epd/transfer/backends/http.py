@@ -13,6 +13,7 @@ from eric_epd.wire.handles import LEASE_HEADER, EmbeddingHandle
 
 class HttpConsumer:
     """The fallback consumer: GET of the producer's /v1/embeddings/{hash} under the handle's lease."""
+
     name = "http"
 
     def __init__(self, timeout_s: float = 30.0, api_key: str | None = None) -> None:

@@ -163,8 +163,10 @@ class MooncakeConsumer:
         """Why this consumer cannot read the handle's Mooncake location (a protocol mismatch), or None."""
         if handle.mooncake is None or handle.mooncake.protocol == self.protocol:
             return None
-        return (f"the producer serves Mooncake over {handle.mooncake.protocol}, this consumer's engine uses "
-                f"{self.protocol} (set the consumer's Mooncake protocol to {handle.mooncake.protocol})")
+        return (
+            f"the producer serves Mooncake over {handle.mooncake.protocol}, this consumer's engine uses "
+            f"{self.protocol} (set the consumer's Mooncake protocol to {handle.mooncake.protocol})"
+        )
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
         """`ConsumerBackend` hook: read the entry from the producer's session into `dst` through the staging slots."""

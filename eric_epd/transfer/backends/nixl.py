@@ -192,7 +192,10 @@ class NixlConsumer:
     name = "nixl"
 
     def __init__(
-        self, agent_name: str | None = None, metadata_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0,
+        self,
+        agent_name: str | None = None,
+        metadata_timeout_s: float = 5.0,
+        transfer_timeout_s: float = 30.0,
         api_key: str | None = None,
     ) -> None:
         self._headers = bearer(api_key)  # the producer's metadata route is behind its API key
@@ -216,8 +219,9 @@ class NixlConsumer:
             reg = self._live_agent().register_memory([(addr, n, dev, "")], mem)
         with self._state:
             self._destinations.append((addr, n, mem, dev, reg))
-        logger.info("nixl consumer %s registered a %s destination of %d bytes on device %d", self.agent_name, mem, n,
-                    dev)
+        logger.info(
+            "nixl consumer %s registered a %s destination of %d bytes on device %d", self.agent_name, mem, n, dev
+        )
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
         """`ConsumerBackend` hook: a one-sided READ of the entry into the host array `dst`."""
@@ -239,8 +243,9 @@ class NixlConsumer:
 
     def _registered(self, addr: int, n: int, mem: str, dev: int) -> bool:
         with self._state:
-            return any(mem == m and dev == d and a <= addr and addr + n <= a + size
-                       for a, size, m, d, _ in self._destinations)
+            return any(
+                mem == m and dev == d and a <= addr and addr + n <= a + size for a, size, m, d, _ in self._destinations
+            )
 
     def _read_at(self, handle: EmbeddingHandle, addr: int, mem: str, dev: int) -> None:
         loc, n = handle.nixl, handle.nbytes

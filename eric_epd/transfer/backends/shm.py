@@ -35,6 +35,7 @@ def host_id() -> str:
 
 class ShmProducer:
     """The same-host producer: a handle names the pool's shared-memory segment, the offset and this host."""
+
     name = "shm"
 
     def __init__(self, pool_name: str) -> None:
@@ -122,7 +123,7 @@ class ShmConsumer:
         end = handle.shm.offset + handle.nbytes
         if handle.shm.offset < 0 or handle.nbytes < 0 or end > pool.nbytes:
             raise TransferError(f"shm: entry [{handle.shm.offset}, {end}) is outside pool {handle.shm.name}")
-        return pool[handle.shm.offset: end]
+        return pool[handle.shm.offset : end]
 
     def read(self, handle: EmbeddingHandle, dst: np.ndarray) -> None:
         """`ConsumerBackend` hook: copy the entry out of the mapped pool into `dst`."""

@@ -37,8 +37,9 @@ class StoreConsumer:
                 from mooncake.store import MooncakeDistributedStore
 
                 store = MooncakeDistributedStore()
-                rc = store.setup(self._hostname, "P2PHANDSHAKE", 0, LOCAL_BUFFER_BYTES, self._protocol, self._device,
-                                 self._master)
+                rc = store.setup(
+                    self._hostname, "P2PHANDSHAKE", 0, LOCAL_BUFFER_BYTES, self._protocol, self._device, self._master
+                )
                 if rc != 0:
                     raise TransferError(f"store: cannot join Mooncake Store at {self._master} (setup rc={rc})")
                 logger.info("global cache: reading from Mooncake Store at %s", self._master)
