@@ -15,7 +15,8 @@ from pathlib import Path
 
 import msgspec
 from epd_report import plot, prediction_errors, print_table  # sibling scripts (benchmarks/ is on sys.path)
-from epd_vs_colocated import RESULTS, make_series, predictions, profile_shares, traffic_of
+from epd_series import make_series, traffic_of
+from epd_vs_colocated import RESULTS, predictions, profile_shares
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.planning.profiles import read_profile

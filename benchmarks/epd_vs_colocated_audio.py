@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 from epd_report import pipeline_efficiency, plot, print_table, ratios  # sibling scripts on sys.path
-from epd_vs_colocated import OUTPUT_TOKENS, RESULTS, SLO, Series, run_side
+from epd_series import OUTPUT_TOKENS, SLO, Series
+from epd_sides import run_side
+from epd_vs_colocated import RESULTS
 
 from eric_epd.checkpoints.audio_families import AUDIO_FAMILIES, QWEN2_AUDIO, _qwen2_audio
 from eric_epd.checkpoints.builtin import ensure_built

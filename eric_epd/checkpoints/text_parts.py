@@ -34,6 +34,10 @@ class Tokens:
     """Ordinary tokens the family's vocabulary holds whole, which vLLM looks up by their text (Gemma's newlines)."""
 
 
+NEWLINES = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+"""Gemma's vocabulary has runs of newlines as tokens; vLLM's Gemma 3 reads their ids."""
+
+
 def _template(user: str, assistant: str, end: str, image: str, bos: str = "", video: str = "") -> str:
     """A chat template in the family's shape: `user`/`assistant` open a turn, `end` closes it, `image` stands for an
     image part and `video` for a video part (none: the family's template has no videos)."""

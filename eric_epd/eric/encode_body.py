@@ -43,11 +43,16 @@ def _worded(error: str, modalities: tuple[str, ...]) -> str:
     field = field or (missing[1] if missing else None)
     if field == "modality":
         value = _ENUM.search(error)
-        named = value[1] if value else "None" if missing else "(not a string)"
+        named = _cut(value[1]) if value else "None" if missing else "(not a string)"
         return f"item {index}: unsupported modality {named}; expected one of {list(modalities)}"
     if field in _FIELD_MUST:
         return f"item {index}: field '{field}' must be {_FIELD_MUST[field]}"
     return f"item {index} must be an object"
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    """A client's value as msgspec quoted it, cut as jsonbody.clip cuts one."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _checked(index: int, item: EncodeItem, modalities: tuple[str, ...]) -> EncodeItem:

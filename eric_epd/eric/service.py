@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,20 +13,19 @@ from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.admission import Admission
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, soundtrack_answer
+from eric_epd.eric.inflight import Flight, InFlight
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
 from eric_epd.eric.workload import work_item
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.media.url_policy import MediaError
-from eric_epd.runtime.engine.client import EngineClient, EngineRequest, EngineUnavailableError
+from eric_epd.runtime.engine.client import EngineClient, EngineUnavailableError
 from eric_epd.runtime.work import ItemResult
 from eric_epd.transfer.global_cache import GlobalCache
 from eric_epd.transfer.pool import Hold, PoolEntry
 from eric_epd.transfer.producer import TransferHub, Want
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.handles import EmbeddingHandle
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,14 +37,6 @@ class Staging:
     want: Callable[[list[PreparedItem]], list[Want]]
     wants: list[Want] = field(default_factory=list)
     entries: list[PoolEntry] | None = None
-
-
-@dataclass(frozen=True)
-class _Flight:
-    """One engine request and each hash's item index in it (for aborting single items)."""
-
-    request: EngineRequest
-    index: dict[str, int]
 
 
 class EncodeService:
@@ -73,11 +62,7 @@ class EncodeService:
         self.hub = hub
         self._metrics = metrics
         self._output = output
-        self._inflight: dict[str, asyncio.Future[None]] = {}
-        # cancellation bookkeeping: see _unwant
-        self._wanted: Counter[str] = Counter()  # in-flight hash -> live requests waiting for it (owner included)
-        self._flights: dict[str, _Flight] = {}  # hash -> the engine request encoding it, until settled
-        self._bridges: dict[str, EmbeddingHandle] = {}  # written hash -> lease held until its waiters lease it
+        self._inflight = InFlight(hub, client)  # cancellation bookkeeping: see InFlight.unwant
         self._settling: set[asyncio.Task[tuple[ApiError | None, float]]] = set()
 
     async def encode(
@@ -168,7 +153,7 @@ class EncodeService:
         in-flight work that no other live request wants is aborted in the engine."""
         distinct = {p.hash: p for p in prepared}
         handles: dict[str, EmbeddingHandle] = {}
-        waited: list[str] = []  # hashes another request is encoding for us too (counted in self._wanted)
+        waited: list[str] = []  # hashes another request is encoding for us too (counted in InFlight.wanted)
         try:
             for _attempt in range(3):  # an entry may be freed between another request's commit and our lease
                 waiting: dict[str, asyncio.Future[None]] = {}
@@ -180,12 +165,12 @@ class EncodeService:
                     if entry is not None and entry.ready:
                         handles[key] = self.hub.lease(key)
                         self._metrics.items.labels(modality=p.item.modality, source="cached").inc()
-                    elif key in self._inflight:
-                        waiting[key] = self._inflight[key]
+                    elif key in self._inflight.futures:
+                        waiting[key] = self._inflight.futures[key]
                     else:
                         mine[key] = p
-                self._want(waiting)
-                self._unwant(waited)  # only now: the pass above leased what they were held for
+                self._inflight.want(waiting)
+                self._inflight.unwant(waited)  # only now: the pass above leased what they were held for
                 waited = list(waiting)
                 if mine:
                     handles.update(await self._submit(mine, clock, staging))
@@ -196,8 +181,8 @@ class EncodeService:
                 await self._wait_for_others(waiting)
             raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
         except BaseException:
-            self._unwant(waited)
-            self._give_back(handles.values())
+            self._inflight.unwant(waited)
+            self._inflight.give_back(handles.values())
             raise
 
     async def _wait_for_others(self, waiting: dict[str, asyncio.Future[None]]) -> None:
@@ -215,8 +200,8 @@ class EncodeService:
         """Encode hashes nobody is encoding yet as one engine request; one lease on each for this request."""
         loop = asyncio.get_running_loop()
         for key in mine:
-            self._inflight[key] = loop.create_future()
-        self._want(mine)
+            self._inflight.futures[key] = loop.create_future()
+        self._inflight.want(mine)
         try:
             start = time.perf_counter()
             entries = await self._reserve(mine, staging)
@@ -226,7 +211,7 @@ class EncodeService:
             if encode:
                 await self._run(encode, [e for e in entries if e.hash in encode], clock)
         except BaseException:
-            self._unwant(mine)  # aborts in the engine whatever no other request waits for
+            self._inflight.unwant(mine)  # aborts in the engine whatever no other request waits for
             raise
         handles = {}
         for entry in entries:
@@ -235,7 +220,7 @@ class EncodeService:
             self._metrics.items.labels(modality=mine[entry.hash].item.modality, source=source).inc()
             if source == "encoded" and self._global is not None:
                 self._share(entry)
-        self._unwant(mine)
+        self._inflight.unwant(mine)
         return handles
 
     async def _from_global(
@@ -262,15 +247,15 @@ class EncodeService:
             for entry in entries:
                 self.hub.release(entry)  # off their hashes now; the regions return when the reads do
             if not isinstance(e, TimeoutError):
-                self._finish(mine, e)
+                self._inflight.finish(mine, e)
                 raise
             cache.timed_out(len(entries))
             return set(), await self._reserve(mine)
         stored = {e.hash for e, ok in zip(entries, found) if ok}
         for key in stored:
             self.hub.pool.commit(key)
-            self._bridges[key] = self.hub.lease(key)  # as _settle: waiters lease it before it can go
-        self._finish({k: mine[k] for k in stored}, None)
+            self._inflight.bridges[key] = self.hub.lease(key)  # as _settle: waiters lease it before it can go
+        self._inflight.finish({k: mine[k] for k in stored}, None)
         return stored, entries
 
     def _share(self, entry: PoolEntry) -> None:
@@ -285,7 +270,7 @@ class EncodeService:
         def done(task: asyncio.Task[None]) -> None:
             self._sharing.discard(task)
             hold.end()
-            self._give_back([handle])
+            self._inflight.give_back([handle])
 
         task = asyncio.create_task(self._global.write(entry.hash, self.hub.pool.view(entry)))
         self._sharing.add(task)
@@ -307,7 +292,7 @@ class EncodeService:
         try:
             entries = await self.hub.reserve_all(wants + extra)
         except BaseException as e:
-            self._finish(mine, e)
+            self._inflight.finish(mine, e)
             raise
         if staging is not None and staging.entries is None:
             staging.entries = entries[len(wants) :]
@@ -322,11 +307,11 @@ class EncodeService:
         except BaseException as e:  # never sent: free the space and answer whoever waits for these hashes
             for entry in entries:
                 self.hub.release(entry)
-            self._finish(mine, e)
+            self._inflight.finish(mine, e)
             raise
         holds = [self.hub.pool.hold(e, "engine") for e in entries]  # the workers write there until the answer
-        flight = _Flight(request, {key: i for i, key in enumerate(mine)})
-        self._flights.update(dict.fromkeys(mine, flight))
+        flight = Flight(request, {key: i for i, key in enumerate(mine)})
+        self._inflight.flights.update(dict.fromkeys(mine, flight))
         self._metrics.inflight_items.inc(len(items))
         settling = asyncio.create_task(self._settle(flight, mine, entries, holds))
         self._settling.add(settling)
@@ -341,7 +326,7 @@ class EncodeService:
             raise error
 
     async def _settle(
-        self, flight: _Flight, mine: dict[str, PreparedItem], entries: list[PoolEntry], holds: list[Hold]
+        self, flight: Flight, mine: dict[str, PreparedItem], entries: list[PoolEntry], holds: list[Hold]
     ) -> tuple[ApiError | None, float]:
         """After the engine's final answer (or its death): commit what was written, free the rest, wake waiters.
         Each written entry keeps one bridge lease until no live request waits for it any more. Returns the error,
@@ -361,11 +346,11 @@ class EncodeService:
             for hold in holds:
                 hold.end()
         for entry in entries:
-            self._flights.pop(entry.hash, None)
+            self._inflight.flights.pop(entry.hash, None)
             result = finished.get(entry.hash)
             if result is not None and tuple(result.shape) == entry.shape and result.dtype == entry.dtype:
                 self.hub.pool.commit(entry.hash)
-                self._bridges[entry.hash] = self.hub.lease(entry.hash)
+                self._inflight.bridges[entry.hash] = self.hub.lease(entry.hash)
                 continue
             if result is not None:
                 error = ApiError(
@@ -373,53 +358,8 @@ class EncodeService:
                 )
             error = error or ApiError(500, f"the engine's answer lacks item {entry.hash}")
             self.hub.release(entry)  # the engine has answered: nothing writes there any more
-        self._finish(mine, error)
+        self._inflight.finish(mine, error)
         for entry in entries:
-            if self._wanted[entry.hash] <= 0:
-                self._drop_bridge(entry.hash)
+            if self._inflight.wanted[entry.hash] <= 0:
+                self._inflight.drop_bridge(entry.hash)
         return error, compute
-
-    def _want(self, keys: Iterable[str]) -> None:
-        """One more live request wants each of these in-flight hashes."""
-        for key in keys:
-            self._wanted[key] += 1
-
-    def _unwant(self, keys: Iterable[str]) -> None:
-        """A request no longer waits for these hashes (it leased them, failed or left). A hash nobody wants any
-        more gives back its bridge lease if it is written, or is aborted in the engine if it is still queued."""
-        aborts: dict[str, tuple[_Flight, list[int]]] = {}
-        for key in keys:
-            self._wanted[key] -= 1
-            if self._wanted[key] > 0:
-                continue
-            del self._wanted[key]
-            self._drop_bridge(key)
-            flight = self._flights.get(key)
-            if flight is not None:
-                aborts.setdefault(flight.request.request_id, (flight, []))[1].append(flight.index[key])
-        for flight, indices in aborts.values():
-            logger.info("aborting %d unwanted items of engine request %s", len(indices), flight.request.request_id)
-            self._client.abort(flight.request, indices)
-
-    def _drop_bridge(self, key: str) -> None:
-        handle = self._bridges.pop(key, None)
-        if handle is not None:
-            self._give_back([handle])
-
-    def _give_back(self, handles: Iterable[EmbeddingHandle]) -> None:
-        """End exactly the leases this router took (for a request that failed or whose client left, or a bridge):
-        the entry is freed, or kept as the --keep-acked-bytes content cache allows, once no lease is left."""
-        for handle in handles:
-            status, message = self.hub.ack(handle.hash, handle.lease)
-            if status != 200:
-                logger.debug("giving back the lease on %s: %s", handle.hash[:12], message)
-
-    def _finish(self, mine: dict[str, PreparedItem], error: BaseException | None) -> None:
-        """Wake requests waiting on these hashes (they re-check the pool, so an error needs no propagation)."""
-        for key in mine:
-            future = self._inflight.pop(key, None)
-            if future is not None and not future.done():
-                future.set_result(None)
-        quiet = ApiError | asyncio.CancelledError  # the engine's and the pool's errors included; a client that left
-        if error is not None and not isinstance(error, quiet):
-            logger.warning("encode of %d items failed: %r", len(mine), error)

@@ -14,12 +14,12 @@ import msgspec
 
 from epd_gateway.cards import CardReader
 from epd_gateway.content import MediaRef
+from epd_gateway.encode_call import CLIENT_ERRORS, encode_request, media_rejected, post_encode
 from epd_gateway.leases import Leases
 from epd_gateway.members import WAIT_SLACK_S, EncoderState, expected_wait, rendezvous_weight, rest_s
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
-from eric_epd.common.errors import ApiError
-from eric_epd.wire.eric import MEDIA, EncodedItem, EncodeItem, decode_answer, encode_body
+from eric_epd.wire.eric import MEDIA, EncodedItem, decode_answer
 from eric_epd.wire.load import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -28,11 +28,6 @@ MAX_HOLDERS = 65536
 """Items whose Eric the gateway remembers (about 100 bytes each)."""
 MAX_DEPARTED = 1024
 """Erics that left by name (dns_members.py) whose leases the gateway may still give back."""
-
-
-CLIENT_ERRORS = (400, 415, 422)
-"""An Eric's answers about the client's media: passed on (any other 4xx, e.g. a wrong key or a limit of that Eric,
-fails over like a 5xx)."""
 
 
 class EncodersUnavailableError(Exception):
@@ -276,20 +271,9 @@ class EncoderPool:
         member = self._members.get(url) or EncoderState(url)
         member.inflight += 1
         member.inflight_items += len(refs)
-        # each item named by its place in the client's request, which Eric's errors about it then quote
-        body = encode_body(
-            [
-                EncodeItem(
-                    id=f"messages[{r.message}].content[{r.part}]",
-                    modality=r.modality,
-                    url=r.url,
-                    use_audio_in_video=r.with_audio,
-                )
-                for r in refs
-            ]
-        )
+        body = encode_request(refs)
         try:
-            resp = await self._post_encode(url, body)
+            resp = await post_encode(self._client, url, body, self._timeout, self._metrics)
         except httpx.HTTPError as e:
             logger.warning("encoder %s failed: %r", url, e)
             self._record_failure(member)
@@ -309,11 +293,7 @@ class EncoderPool:
             self._record_failure(member)
             return None
         if resp.status_code != 200:  # the client's media is bad: no other encoder will do better
-            try:
-                message = resp.json()["error"]["message"]
-            except Exception:
-                message = resp.text[:300]
-            raise ApiError(resp.status_code, f"media rejected by encoder: {message}")
+            raise media_rejected(resp)
         try:
             items = list(decode_answer(resp.content).items)
         except msgspec.MsgspecError as e:
@@ -323,24 +303,6 @@ class EncoderPool:
         member.failures = 0
         member.completed.add(len(refs))
         return items
-
-    async def _post_encode(self, url: str, body: bytes) -> httpx.Response:
-        """POST /v1/encode and read the answer; the time to its headers is gateway_upstream_seconds{encoder}."""
-        request = self._client.build_request(
-            "POST",
-            f"{url}/v1/encode",
-            content=body,
-            timeout=self._timeout,
-            headers={"content-type": "application/json"},
-        )
-        start = time.perf_counter()
-        resp = await self._client.send(request, stream=True)
-        self._metrics.upstreams.observe("encoder", time.perf_counter() - start)
-        try:
-            await resp.aread()
-        finally:
-            await resp.aclose()
-        return resp
 
     def _record_failure(self, member: EncoderState) -> None:
         self._metrics.failures.labels(stage="encode").inc()

@@ -54,6 +54,12 @@ def test_each_problem_is_a_400_naming_it(body: bytes, message: str) -> None:
     assert err.value.status == 400 and message in err.value.message, err.value.message
 
 
+def test_a_long_modality_is_named_without_being_echoed_whole() -> None:
+    with pytest.raises(ApiError) as err:
+        parse_encode_body(b'{"items": [{"modality": "' + b"x" * 100_000 + b'", "url": "x"}]}', IMAGES, 8)
+    assert "(100002 characters)" in err.value.message and len(err.value.message) < 300, err.value.message
+
+
 def test_items_decode_to_the_wire_type_numbered_where_no_id_is_sent() -> None:
     body = (
         b'{"items": [{"modality": "image", "url": "data:a", "extra": 1},'

@@ -4,9 +4,7 @@ EncodeService and delivered from the embedding pool over ZMQ, Mooncake or NIXL."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +14,7 @@ from eric_epd.common.errors import ApiError
 from eric_epd.common.to_the_end import to_the_end
 from eric_epd.eric.config import EricConfig, SglangConfig
 from eric_epd.eric.service import EncodeService
+from eric_epd.eric.sglang.delivery import PartDelivery
 from eric_epd.eric.sglang.parts import PartTable
 from eric_epd.eric.sglang.peers import PeerPolicy
 from eric_epd.eric.sglang.protocol import (
@@ -24,13 +23,10 @@ from eric_epd.eric.sglang.protocol import (
     SglangError,
     as_sglang_error,
     health_item,
-    host_port,
     item_url,
     validate,
 )
-from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher
 from eric_epd.eric.sglang.rows import PartRows
-from eric_epd.eric.sglang.zmq_push import ZmqSender
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.sglang import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
@@ -83,11 +79,8 @@ class SglangEncoder:
         self.rows = PartRows(hub, width, eric_dtype, wire, video_seconds)  # width: values per row of a modality
         self.peers = PeerPolicy(settings.peer_networks)
         self.table = PartTable(hub, settings)
-        self._zmq: ZmqSender | None = None
-        self._mooncake: MooncakePusher | None = None
-        self._nixl: NixlPusher | None = None
-        self._engine_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.delivery = PartDelivery(config, hub, settings, self.table, self.rows, self._spawn)
 
     @property
     def service(self) -> EncodeService:
@@ -101,7 +94,7 @@ class SglangEncoder:
 
     def start(self) -> None:
         """Open the ZMQ sender and start the sweep of idle parts and receiver sockets; call on the event loop."""
-        self._zmq = ZmqSender(self.settings.send_timeout_s, self.settings.max_receivers, self.settings.receiver_idle_s)
+        self.delivery.start()
         self._spawn(self._sweep_loop())
 
     async def stop(self) -> None:
@@ -110,14 +103,7 @@ class SglangEncoder:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.table.close()
-        if self._zmq is not None:
-            self._zmq.close()
-        for engine in (self._mooncake, self._nixl):
-            if engine is not None:
-                try:
-                    engine.close()
-                except Exception:
-                    logger.exception("closing an SGLang push engine")
+        self.delivery.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -135,12 +121,11 @@ class SglangEncoder:
                 )
             )
             self.table.expire()
-            if self._zmq is not None:
-                self._zmq.expire()
+            self.delivery.expire()
 
     def state(self) -> dict[str, int]:
         """What the protocol holds now (the eric_sglang_state gauge): parts by req_id, cached receiver sockets."""
-        return {"parts": len(self.table), "receivers": len(self._zmq) if self._zmq is not None else 0}
+        return {"parts": len(self.table), "receivers": self.delivery.receivers}
 
     # ------------------------------------------------------------------------------------------------------ encode
 
@@ -185,11 +170,11 @@ class SglangEncoder:
                 status, message = 500, f"{type(e).__name__}: {e}"
             part.error = (message, status)
             part.done.set()
-            self._deliver_error(part)  # ranks waiting on ZMQ get it too, as from SGLang's encoder
+            self.delivery.deliver_error(part)  # ranks waiting on ZMQ get it too, as from SGLang's encoder
             raise SglangError(status, message) from e
         part.done.set()
         if part.mode == "tokenizer":
-            return await self._deliver_direct(part)
+            return await self.delivery.deliver_direct(part)
         if part.mode is None:
             try:
                 await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
@@ -201,7 +186,7 @@ class SglangEncoder:
                     f"part within {self.settings.send_timeout_s:g}s",
                 ) from None
         if part.mode == "scheduler":
-            return await self._deliver_registered(part)
+            return await self.delivery.deliver_registered(part)
         return {
             "req_id": req.req_id,
             "num_parts": req.num_parts,
@@ -226,97 +211,6 @@ class SglangEncoder:
     def _stage(self, part: Part) -> None:
         if self.rows.stage(part):
             self.table.ack(part)  # the converted copy is what is sent: Eric's own entries can go
-
-    # ----------------------------------------------------------------------------------------------- delivery
-
-    async def _send(self, endpoint: str, frames: list[Any], cached: bool) -> None:
-        if self._zmq is None:
-            raise SglangError(503, "encoder not started")
-        await self._zmq.push(endpoint, frames, cached)
-
-    def _frames(self, part: Part) -> list[Any]:
-        header = self.rows.header(part)
-        return [header] if part.error is not None else [header, self.rows.payload(part)]
-
-    async def _deliver_direct(self, part: Part) -> None:
-        """zmq_to_tokenizer (or a /encode naming scheduler ports itself): push, release, then answer."""
-        req = part.request
-        assert req is not None
-        ports = req.embedding_port if isinstance(req.embedding_port, list) else [req.embedding_port]
-        if not req.prefill_host:
-            self.table.release(part)
-            raise SglangError(400, "embedding_port given without prefill_host")
-        part.active += 1
-        try:
-            with as_sglang_error(f"[{part.req_id}] embedding delivery failed"), self.rows.reading(part):
-                frames = self._frames(part)
-                await asyncio.gather(
-                    *(self._send(host_port(req.prefill_host, int(p)), frames, cached=False) for p in ports)
-                )
-        finally:
-            part.active -= 1
-            self.table.release(part)
-
-    async def _deliver_registered(self, part: Part) -> None:
-        """zmq_to_scheduler: push to every registered rank (as they come, up to `receive_count`), then release."""
-        part.delivering = True
-        deadline = time.monotonic() + self.settings.send_timeout_s
-        sent: set[str] = set()
-        tasks: list[tuple[str, asyncio.Task[None]]] = []
-        failure, code = None, 502
-        part.active += 1
-        try:
-            with self.rows.reading(part):
-                frames = self._frames(part)
-                while True:
-                    part.changed.clear()
-                    for endpoint in sorted(part.destinations.keys() - sent):
-                        sent.add(endpoint)
-                        tasks.append((endpoint, asyncio.create_task(self._send(endpoint, frames, cached=True))))
-                    if part.expected is not None and len(sent) >= part.expected:
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        failure = (
-                            f"timed out after {self.settings.send_timeout_s:g}s with {len(sent)}/"
-                            f"{part.expected} destination(s) initiated"
-                        )
-                        code = 504
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(part.changed.wait(), remaining)
-                results = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
-                failed = [ep for (ep, _), r in zip(tasks, results) if isinstance(r, BaseException)]
-                for (ep, _), r in zip(tasks, results):
-                    if isinstance(r, BaseException):
-                        logger.error("SGLang part %s: send to %s failed: %r", part.req_id, ep, r)
-                if failed and failure is None:
-                    failure = f"delivery failed for {failed}"
-        finally:
-            part.active -= 1
-            part.delivering = False
-            self.table.release(part)
-        if failure is not None and part.error is None:
-            raise SglangError(code, f"[{part.req_id}] embedding delivery failed: {failure}")
-
-    def _deliver_error(self, part: Part) -> None:
-        """As SGLang's encoder does: ranks waiting on ZMQ get the error as a part message (in the background)."""
-
-        async def tokenizer() -> None:
-            with contextlib.suppress(Exception):
-                await self._deliver_direct(part)
-
-        async def scheduler() -> None:
-            if part.mode is None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(part.mode_set.wait(), self.settings.send_timeout_s)
-            if part.mode == "scheduler":
-                with contextlib.suppress(Exception):
-                    await self._deliver_registered(part)
-            elif part.mode != "pull":  # pull ranks read the error from /scheduler_receive_meta_data
-                self.table.release(part)
-
-        self._spawn(tokenizer() if part.mode == "tokenizer" else scheduler())
 
     # ------------------------------------------------------------------------------------------- rank endpoints
 
@@ -393,39 +287,19 @@ class SglangEncoder:
                 dsts = list(np.cumsum([0, *lens[:-1]], dtype=np.int64) + req.buffer_address) if lens else []
                 timeout = self.settings.send_timeout_s
                 if nixl is not None:
-                    pusher: Any = await self._pusher("nixl")
+                    pusher: Any = await self.delivery.pusher("nixl")
                     await to_the_end(asyncio.to_thread(pusher.write, nixl, srcs, [int(d) for d in dsts], lens, timeout))
                 elif lens:
-                    pusher = await self._pusher("mooncake")
+                    pusher = await self.delivery.pusher("mooncake")
                     await to_the_end(
                         asyncio.to_thread(pusher.write, session, srcs, [int(d) for d in dsts], lens, timeout)
                     )
-                await self._send(endpoint, [self.rows.header(part)], cached=False)
+                await self.delivery.send(endpoint, [self.rows.header(part)], cached=False)
         finally:
             part.active -= 1
         part.sent_to.add(endpoint)
         if len(part.sent_to) >= min(req.receive_count or MAX_RANKS, MAX_RANKS):
             self.table.release(part)
-
-    async def _pusher(self, kind: str) -> Any:
-        async with self._engine_lock:
-            pool, tc = self.hub.pool, self.config.transfer
-            if kind == "mooncake":
-                if self._mooncake is None:
-                    self._mooncake = await asyncio.to_thread(
-                        MooncakePusher,
-                        tc.advertise_host,
-                        self.config.sglang.mooncake_protocol,
-                        tc.mooncake_device,
-                        pool.base_addr,
-                        pool.nbytes,
-                    )
-                return self._mooncake
-            if self._nixl is None:
-                self._nixl = await asyncio.to_thread(
-                    NixlPusher, f"eric-sglang-{self.config.instance_id}", pool.base_addr, pool.nbytes
-                )
-            return self._nixl
 
     # -------------------------------------------------------------------------------------------------- health
 

@@ -9,33 +9,40 @@ import math
 import os
 import secrets
 import struct
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from eric_epd.common.shm import Segment as _Shm
 from eric_epd.common.shm import attach_untracked as _attach_untracked
+from eric_epd.runtime.executor.shm_layout import (
+    ALIGN,
+    C_LEN,
+    C_NAME_LEN,
+    C_READ,
+    C_SEQ,
+    G_CLOSED,
+    MAGIC,
+    MAX_NAME,
+    NAME_OFF,
+    align,
+    geometry,
+    memory_fence,
+)
 from eric_epd.runtime.executor.shm_wake import WakeReceiver, WakeSender
-from eric_epd.runtime.executor.tensor_views import tensor_to_buffer
+from eric_epd.runtime.executor.tensor_views import as_bytes
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = 0x3130434243495245  # b"ERICBC01" little-endian
-_ALIGN, _PAGE = 64, 4096
-_G_CLOSED = 4  # int64 words of the global header: magic, n_readers, n_slots, slot_bytes, closed
-_C_SEQ, _C_LEN, _C_NAME_LEN, _C_READ = 0, 1, 2, 16  # int64 words of a slot control block
-_NAME_OFF, _MAX_NAME = 64, 40  # spill name bytes in a control block; "<name>_<seq>" must fit 64 B
 _ABORT_CHECK_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 0.01, 2e-5, 5e-4  # should_abort() may be a syscall: rate-limit
 BUSY_S, IDLE_BLOCK_S = 1.0, 0.1  # readers poll for BUSY_S after a message, then block on pings IDLE_BLOCK_S at a time
 
@@ -57,42 +64,6 @@ class BroadcastHandle(msgspec.Struct, frozen=True):
     slot_bytes: int
     wake: str = ""
     """ZMQ address of the writer's wake-up pings; empty: readers only ever poll."""
-
-
-# Memory fence. Payload stores must be visible before the seq store that publishes them, and a reader's
-# payload loads must be done before the read[r] store that hands the slot back. x86-64 (TSO) never
-# reorders store->store or load->load nor lets a store pass an earlier load: there the fence only stops
-# compiler / interpreter reordering. AArch64 may reorder all of these; as vLLM's shm_broadcast does, a
-# lock acquire + release (atomic read-modify-writes with acquire/release semantics) sits between payload
-# accesses and the flag store. Flags are aligned int64 words, accessed single-copy atomically (numpy
-# item access is one 8-byte access) on both, and hold growing sequence numbers compared for equality:
-# a stale value means "not yet", never "ready".
-_fence_lock = threading.Lock()
-
-
-def _memory_fence() -> None:
-    with _fence_lock:
-        pass
-
-
-def _align(n: int, a: int = _ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-def _geometry(n_readers: int, n_slots: int, slot_bytes: int) -> tuple[int, int, int, int]:
-    """-> (ctrl_stride, data_off, slot_stride, segment size) in bytes; see ShmBroadcast."""
-    ctrl = _align(_C_READ * 8 + 8 * n_readers)
-    data_off, slot_stride = _align(64 + n_slots * ctrl, _PAGE), _align(slot_bytes, _PAGE)
-    return ctrl, data_off, slot_stride, data_off + n_slots * slot_stride
-
-
-def _as_bytes(obj: Any) -> memoryview:
-    """A flat, C-contiguous uint8 view of a bytes-like object, ndarray or CPU tensor."""
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None and isinstance(obj, torch_mod.Tensor):
-        return tensor_to_buffer(obj)
-    arr = obj if isinstance(obj, np.ndarray) else np.asarray(memoryview(obj))  # no copy if contiguous
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
 def _poll(
@@ -152,7 +123,7 @@ class ShmBroadcast:
         self._shm, self._handle = shm, handle
         self.name, self.n_readers = handle.name, handle.n_readers
         self.n_slots, self.slot_bytes = handle.n_slots, handle.slot_bytes
-        ctrl, self._data_off, self._slot_stride, _ = _geometry(self.n_readers, self.n_slots, self.slot_bytes)
+        ctrl, self._data_off, self._slot_stride, _ = geometry(self.n_readers, self.n_slots, self.slot_bytes)
         self._glob = np.ndarray((8,), np.int64, buffer=shm.buf)
         self._ctrl = np.ndarray((self.n_slots, ctrl // 8), np.int64, buffer=shm.buf, offset=64)
         self._closed = False
@@ -169,17 +140,17 @@ class ShmBroadcast:
         """Create the segment (engine process). The creator owns it: close() unlinks it. ``wake``: where to bind
         the wake-up pings (default ``ipc://<tmp>/<name>.wake``; "" for none: readers then always poll)."""
         name = name or f"ebc_{os.getpid():x}_{secrets.token_hex(4)}"
-        if n_readers < 1 or n_slots < 1 or slot_bytes < _ALIGN or len(name) > _MAX_NAME:
-            raise ValueError(f"bad {n_readers=} {n_slots=} {slot_bytes=} or {name=} (max {_MAX_NAME} chars)")
+        if n_readers < 1 or n_slots < 1 or slot_bytes < ALIGN or len(name) > MAX_NAME:
+            raise ValueError(f"bad {n_readers=} {n_slots=} {slot_bytes=} or {name=} (max {MAX_NAME} chars)")
         wake = f"ipc://{tempfile.gettempdir()}/{name}.wake" if wake is None else wake
-        shm = _Shm(name=name, create=True, size=_geometry(n_readers, n_slots, slot_bytes)[3])
+        shm = _Shm(name=name, create=True, size=geometry(n_readers, n_slots, slot_bytes)[3])
         try:
             writer = ShmBroadcastWriter(shm, BroadcastHandle(shm.name, n_readers, n_slots, slot_bytes, wake))
         except BaseException:
             shm.close()
             shm.unlink()
             raise
-        writer._glob[:5] = (_MAGIC, n_readers, n_slots, slot_bytes, 0)
+        writer._glob[:5] = (MAGIC, n_readers, n_slots, slot_bytes, 0)
         logger.debug("broadcast %s: %d readers, %d slots of %d B", shm.name, n_readers, n_slots, slot_bytes)
         return writer
 
@@ -195,7 +166,7 @@ class ShmBroadcast:
         wake = WakeReceiver(handle.wake, busy_s, block_s) if handle.wake else None
         reader = ShmBroadcastReader(shm, handle, reader_rank, wake)
         found = tuple(int(x) for x in reader._glob[:4])
-        if found != (_MAGIC, handle.n_readers, handle.n_slots, handle.slot_bytes):
+        if found != (MAGIC, handle.n_readers, handle.n_slots, handle.slot_bytes):
             reader.close()
             raise ValueError(f"segment {handle.name} does not match {handle}: header {found}")
         return reader
@@ -225,7 +196,7 @@ class ShmBroadcastWriter(ShmBroadcast):
         self._wake = WakeSender(handle.wake) if handle.wake else None
 
     def _slot_free(self, slot: int) -> bool:
-        return bool((self._ctrl[slot, _C_READ : _C_READ + self.n_readers] == self._slot_seq[slot]).all())
+        return bool((self._ctrl[slot, C_READ : C_READ + self.n_readers] == self._slot_seq[slot]).all())
 
     def _drop_spill(self, slot: int) -> None:
         if (spill := self._spills.pop(slot, None)) is not None:
@@ -247,17 +218,17 @@ class ShmBroadcastWriter(ShmBroadcast):
         all(p.is_alive() for p in workers)``) is True: then nothing was published and a retry is fine."""
         if self._closed:
             raise BroadcastClosed(f"broadcast {self.name}: enqueue after close()")
-        parts = [_as_bytes(header), *(_as_bytes(b) for b in buffers)]
+        parts = [as_bytes(header), *(as_bytes(b) for b in buffers)]
         lens = [p.nbytes for p in parts]
-        offsets, total = [], _align(8 * (1 + len(parts)))
+        offsets, total = [], align(8 * (1 + len(parts)))
         for n in lens:
             offsets.append(total)
-            total = _align(total + n)
+            total = align(total + n)
         seq, slot = self._seq, self._seq % self.n_slots
         for s in [s for s in self._spills if self._slot_free(s)]:  # unlink released spills early
             self._drop_spill(s)
         _poll(lambda: self._slot_free(slot), timeout, should_abort, f"broadcast {self.name} enqueue #{seq}")
-        _memory_fence()  # saw all read[r] stores before we overwrite the slot
+        memory_fence()  # saw all read[r] stores before we overwrite the slot
         self._drop_spill(slot)
         if total <= self.slot_bytes:
             name, dst = b"", self._slot_view(slot, total)
@@ -269,11 +240,11 @@ class ShmBroadcastWriter(ShmBroadcast):
             struct.pack_into(f"<{1 + len(lens)}Q", dst, 0, len(parts), *lens)
             for o, n, p in zip(offsets, lens, parts, strict=True):
                 dst[o : o + n] = p
-        self._ctrl[slot, _C_LEN], self._ctrl[slot, _C_NAME_LEN] = total, len(name)
+        self._ctrl[slot, C_LEN], self._ctrl[slot, C_NAME_LEN] = total, len(name)
         if name:
-            self._ctrl.view(np.uint8)[slot, _NAME_OFF : _NAME_OFF + len(name)] = np.frombuffer(name, np.uint8)
-        _memory_fence()  # payload, length and name are visible before seq publishes them
-        self._ctrl[slot, _C_SEQ] = self._slot_seq[slot] = seq + 1
+            self._ctrl.view(np.uint8)[slot, NAME_OFF : NAME_OFF + len(name)] = np.frombuffer(name, np.uint8)
+        memory_fence()  # payload, length and name are visible before seq publishes them
+        self._ctrl[slot, C_SEQ] = self._slot_seq[slot] = seq + 1
         self._seq += 1
         if self._wake is not None:
             self._wake.notify()
@@ -292,8 +263,8 @@ class ShmBroadcastWriter(ShmBroadcast):
         if self._closed:
             return
         self._closed = True
-        _memory_fence()  # all published messages precede the closed flag
-        self._glob[_G_CLOSED] = 1
+        memory_fence()  # all published messages precede the closed flag
+        self._glob[G_CLOSED] = 1
         if self._wake is not None:
             self._wake.notify()  # idle readers see the closed flag now
             self._wake.close()
@@ -313,11 +284,11 @@ class ShmBroadcastReader(ShmBroadcast):
         self._pending: tuple[int, SharedMemory | None, list[memoryview]] | None = None  # slot, spill, views
 
     def _ready(self, slot: int, want: int) -> bool:
-        if int(self._ctrl[slot, _C_SEQ]) == want:
+        if int(self._ctrl[slot, C_SEQ]) == want:
             return True
-        if int(self._glob[_G_CLOSED]):
-            _memory_fence()  # the last seq store precedes the closed flag: look once more
-            if int(self._ctrl[slot, _C_SEQ]) == want:
+        if int(self._glob[G_CLOSED]):
+            memory_fence()  # the last seq store precedes the closed flag: look once more
+            if int(self._ctrl[slot, C_SEQ]) == want:
                 return True
             raise BroadcastClosed(f"broadcast {self.name}: writer closed")
         return False
@@ -341,11 +312,11 @@ class ShmBroadcastReader(ShmBroadcast):
         )
         if self._wake is not None:
             self._wake.touched()
-        _memory_fence()  # seq was seen before any payload load
-        total, name_len = int(self._ctrl[slot, _C_LEN]), int(self._ctrl[slot, _C_NAME_LEN])
+        memory_fence()  # seq was seen before any payload load
+        total, name_len = int(self._ctrl[slot, C_LEN]), int(self._ctrl[slot, C_NAME_LEN])
         spill = None
         if name_len:
-            name = bytes(self._ctrl.view(np.uint8)[slot, _NAME_OFF : _NAME_OFF + name_len]).decode()
+            name = bytes(self._ctrl.view(np.uint8)[slot, NAME_OFF : NAME_OFF + name_len]).decode()
             try:
                 spill = _attach_untracked(name)
             except FileNotFoundError as e:  # only once the writer unlinked everything
@@ -355,10 +326,10 @@ class ShmBroadcastReader(ShmBroadcast):
             base = self._slot_view(slot, total)
         with base:
             (count,) = struct.unpack_from("<Q", base, 0)
-            views, off = [], _align(8 * (1 + count))
+            views, off = [], align(8 * (1 + count))
             for n in struct.unpack_from(f"<{count}Q", base, 8):
                 views.append(base[off : off + n].toreadonly())
-                off = _align(off + n)
+                off = align(off + n)
         header = bytes(views.pop(0))
         self._pending = (slot, spill, views)
         return header, views
@@ -369,8 +340,8 @@ class ShmBroadcastReader(ShmBroadcast):
         if pending is None:
             return
         slot, spill, _ = pending  # views are not released: a tensor over one must keep the mapping alive
-        _memory_fence()  # all payload loads are done before the writer may reuse the slot
-        self._ctrl[slot, _C_READ + self.reader_rank] = self._seq + 1
+        memory_fence()  # all payload loads are done before the writer may reuse the slot
+        self._ctrl[slot, C_READ + self.reader_rank] = self._seq + 1
         self._seq += 1
         if spill is not None:
             spill.close()  # unmapped now, or when the last tensor over it dies (see _Shm)

@@ -3,9 +3,10 @@ too): what ShmBroadcast writes and what a worker reads its inputs as."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,3 +36,12 @@ def buffer_to_tensor(
     with warnings.catch_warnings():  # read-only views: torch warns (once) but wraps them fine
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(arr).view(tdtype).reshape(tuple(shape))  # size mismatch: RuntimeError
+
+
+def as_bytes(obj: Any) -> memoryview:
+    """A flat, C-contiguous uint8 view of a bytes-like object, ndarray or CPU tensor."""
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and isinstance(obj, torch_mod.Tensor):
+        return tensor_to_buffer(obj)
+    arr = obj if isinstance(obj, np.ndarray) else np.asarray(memoryview(obj))  # no copy if contiguous
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))

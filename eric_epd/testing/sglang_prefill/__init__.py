@@ -10,8 +10,9 @@ ready or aborted. The multimodal processor that lays the embeddings out (input_i
 real one for the checkpoint (QwenVLImageProcessor, Qwen2AudioMultimodalProcessor, ...). Stand-ins, for the model
 runner only: `FakeSchedulerStandIn` (the attributes the receiver reads off the Scheduler) and
 `CpuLandingPoolStandIn` (SGLang's EmbeddingPool with its landing buffer in host memory instead of cuda:N; its
-allocator and the RDMA landing logic are SGLang's). SGLang's own local audio reference loads clips with
-`load_audio_stand_in` (its soundfile fallback without the torchaudio import this machine lacks; no resampling).
+allocator and the RDMA landing logic are SGLang's). SGLang's own local reference (local_reference.py) loads audio
+clips with `load_audio_stand_in` (its soundfile fallback without the torchaudio import this machine lacks; no
+resampling).
 """
 
 from eric_epd.testing.sglang_prefill.host import Prefill

@@ -1,0 +1,200 @@
+"""Faults at the vLLM connector's scheduler side, driven as vLLM drives it (real producer process, two ranks): an
+image whose landing timed out is served again with a fresh lease, the connector follows vLLM's encoder cache through
+a reset and an eviction, and handles no item takes, or the valid ones of a refused set, go back at once."""
+
+from __future__ import annotations
+
+import uuid
+from types import SimpleNamespace
+
+import msgspec
+import torch
+from vllm.config import ECTransferConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
+
+from eric_epd.plugins.vllm.connector import EricECConnector, EricWorkerMetadata
+from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache
+from eric_epd.plugins.vllm.landing import LandingAddress
+from eric_epd.testing.stack import wait_for
+from eric_epd.wire.handles import EmbeddingHandle
+from eric_epd.wire.handoff import handles_xargs
+from tests.support import helpers_landing
+from tests.support.helpers_landing import ITEM, WIDTH, landing_idle, pool_entries, pool_entry, ranks, stalled
+
+producer = helpers_landing.producer  # the module's producer process (a module-scoped fixture)
+
+
+def _connector(producer, address: LandingAddress) -> EricECConnector:
+    """The connector's scheduler side as vLLM builds it, for a model whose rows are WIDTH wide."""
+    extra = {"eric_urls": [producer.url], "backends": ["http"], "fetch_timeout_s": 0.5, "staging_bytes": 1 << 20}
+    config = SimpleNamespace(
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="EricECConnector", ec_role="ec_consumer", ec_connector_extra_config=extra
+        ),
+        parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=2),
+        instance_id=address.instance,
+        model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(
+                to_dict=lambda: {"model_type": "qwen2_vl", "vision_config": {"hidden_size": WIDTH}}
+            )
+        ),
+    )
+    return EricECConnector(config, ECConnectorRole.SCHEDULER)  # type: ignore[arg-type]
+
+
+def _request(rid: str, handle: EmbeddingHandle) -> Request:
+    """An EPD request as the gateway sends it: one metadata-only image item, its handle beside it."""
+    rows = handle.shape[0]
+    feature = MultiModalFeatureSpec(
+        data={"image_grid_thw": None},
+        modality="image",  # type: ignore[arg-type]
+        identifier=handle.hash,
+        mm_position=PlaceholderRange(offset=1, length=rows),
+    )
+    return Request(
+        rid, [0] * (rows + 2), SamplingParams(extra_args=handles_xargs([handle])), None, mm_features=[feature]
+    )
+
+
+def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -> None:
+    """The scheduler side of the connector: the request whose landing timed out fails; the same image then comes
+    with a fresh lease, lands, and goes to the workers with the right values."""
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    first, fresh = pool_entry(producer, "connector-image", seed=0, data=rows)
+    address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
+    with ranks(address, 1 << 20, torch.float32) as areas:
+        connector = _connector(producer, address)
+        try:
+            r1 = _request("r1", first)
+            with stalled(producer):  # the ranks' reads hang past the landing timeout (2 x 0.5 + 5 s)
+                assert wait_for(
+                    lambda: (
+                        not connector.ensure_cache_available(r1, 0) and "r1" in connector.take_unavailable_requests()
+                    ),
+                    60,
+                    0.1,
+                )
+            connector.request_finished(r1)
+            r2 = _request("r2", fresh)
+            assert wait_for(lambda: connector.ensure_cache_available(r2, 0), 60, 0.1)
+            assert connector.has_cache_item(fresh.hash)
+            connector.update_state_after_alloc(r2, 0)
+            meta = connector.build_connector_meta(
+                SimpleNamespace(  # type: ignore[arg-type]
+                    scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1
+                )
+            )
+            (load,) = meta.loads  # type: ignore[attr-defined]
+            assert load.request_id == "r2" and load.staged is not None
+            for area in areas:
+                assert torch.equal(area.take(load.staged.offset, fresh.hash), rows)
+            connector.update_connector_output(
+                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={fresh.hash}))
+            )
+            connector.request_finished(r2)
+            assert not connector.take_unavailable_requests()
+            assert landing_idle(connector.scheduler._prefetch, areas)
+        finally:
+            connector.shutdown()
+    assert wait_for(lambda: pool_entries(producer) == 0, 30)
+
+
+def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(producer) -> None:
+    """The connector reads vLLM's own encoder cache manager (no copy of its own): an item vLLM holds is not fetched;
+    one vLLM evicts in the very pass that needs it is still a load (the workers keep its rows), never a failure;
+    after vLLM resets the cache the next request fetches the item again and loads its real rows."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    h1, h2, h3 = pool_entry(producer, "reset-image", seed=0, leases=3, data=rows)
+    n = rows.shape[0]
+    manager = EncoderCacheManager(cache_size=n)
+    address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
+    step = SimpleNamespace(scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1)
+    with ranks(address, 1 << 20, torch.float32) as areas:
+        connector = _connector(producer, address)
+        connector.scheduler._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
+
+        def scheduled(request: Request) -> int:
+            """vLLM's pass for a request whose item its cache lacks: a load, allocated, sent to the workers; the
+            number of loads (each with the real rows on every rank)."""
+            assert connector.has_cache_item(h1.hash) and manager.can_allocate(request, 0, n, 0)
+            manager.allocate(request, 0)
+            connector.update_state_after_alloc(request, 0)
+            loads = connector.build_connector_meta(step).loads  # type: ignore[arg-type, attr-defined]
+            for ld in loads:
+                assert all(torch.equal(area.take(ld.staged.offset, ld.mm_hash), rows) for area in areas)
+            connector.update_connector_output(
+                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={ld.mm_hash for ld in loads}))
+            )
+            return len(loads)
+
+        def finished(request: Request) -> None:
+            connector.request_finished(request)
+            manager.free(request)
+
+        try:
+            r1, r2, r3 = (_request(f"r{i}", h) for i, h in enumerate((h1, h2, h3), 1))
+            assert wait_for(lambda: connector.ensure_cache_available(r1, 0), 60, 0.1)
+            assert scheduled(r1) == 1
+            finished(r1)
+            assert connector.ensure_cache_available(r2, 0)  # vLLM holds it: nothing fetched, ...
+            assert connector.scheduler._prefetch.get(h1.hash) is None
+            assert manager.can_allocate(SimpleNamespace(get_num_encoder_embeds=lambda i: n), 0, n, 0)  # ... evicted
+            assert scheduled(r2) == 0  # in this pass: vLLM allocates it again, its rows stay on the workers
+            finished(r2)
+            assert not connector.has_cache_item(h1.hash)  # the pass is over
+            manager.reset()
+            assert wait_for(lambda: connector.ensure_cache_available(r3, 0), 60, 0.1)  # fetched with r3's lease
+            assert scheduled(r3) == 1
+            finished(r3)
+            assert not connector.take_unavailable_requests()
+            assert connector.get_ec_connector_stats().data == {  # type: ignore[union-attr]
+                "loaded_items": 2,
+                "loaded_bytes": 2 * ITEM,
+                "via_http": 2,
+                "external_items": 2,
+                "released_items": 1,
+            }
+            assert landing_idle(connector.scheduler._prefetch, areas)
+        finally:
+            connector.shutdown()
+    assert wait_for(lambda: pool_entries(producer) == 0, 30)
+
+
+def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_valid_ones(producer) -> None:
+    """A handle none of the request's items names (an item vLLM renamed, or a stray) goes back as soon as the
+    connector reads the request, not at its lease's TTL; a request whose handles are refused as a whole (one names
+    a producer not configured) fails, and its valid handles go back too (the stranger is never contacted)."""
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    (used,) = pool_entry(producer, "offer-used", seed=1, leases=1, data=rows)
+    (stray,) = pool_entry(producer, "offer-stray", seed=2, leases=1, data=rows)
+    address = LandingAddress(f"offer{uuid.uuid4().hex[:8]}")
+    connector = _connector(producer, address)
+    try:
+        r1 = _request("r1", used)
+        r1.sampling_params.extra_args = handles_xargs([used, stray])
+        assert set(connector.scheduler._offers_of(r1) or {}) == {used.hash}
+        assert wait_for(lambda: pool_entries(producer) == 1, 30)  # the stray's lease acked, the used one still held
+        connector.request_finished(r1)
+        assert wait_for(lambda: pool_entries(producer) == 0, 30)
+
+        (valid,) = pool_entry(producer, "offer-valid", seed=3, leases=1, data=rows)
+        stranger = msgspec.structs.replace(
+            valid,
+            hash="offer-stranger",
+            producer="http://127.0.0.1:9",
+            http="http://127.0.0.1:9/v1/embeddings/offer-stranger",
+        )
+        r2 = _request("r2", valid)
+        r2.sampling_params.extra_args = handles_xargs([valid, stranger])
+        assert not connector.scheduler._offers_of(r2)
+        assert "r2" in connector.take_unavailable_requests()
+        assert wait_for(lambda: pool_entries(producer) == 0, 30)  # the valid handle's lease came back at once
+        connector.request_finished(r2)
+    finally:
+        connector.shutdown()
