@@ -84,33 +84,61 @@ def agreeing_steps(ours: Greedy, reference: Greedy, near_tie: float) -> int:
     return min(len(ours.tokens), len(reference.tokens))
 
 
-def assert_greedy_agree(ours: Greedy, reference: Greedy, near_tie: float, label: str = "") -> int:
-    """Token-exact up to the first near tie (see agreeing_steps), and at every step whose context the two runs
-    share (those and the near tie's own) best logprobs and margins within `near_tie`; returns how many steps were
-    compared token for token."""
-    assert len(ours.tokens) == len(reference.tokens), f"{label}: {len(ours.tokens)} vs {len(reference.tokens)} steps"
+MIN_STEPS = 3
+"""Fewest greedy steps a comparison checks token for token before a near tie: a tie at the first step compares
+nothing, so it fails rather than passes (pick another prompt or seed)."""
+
+
+def greedy_mismatch(ours: Greedy, reference: Greedy, near_tie: float) -> str | None:
+    """Why `ours` is not `reference`'s answer up to the first near tie (None where it is): another number of steps,
+    logprobs or margins apart by more than `near_tie` at a step the two share the context of (those before the near
+    tie and its own), or another token before it."""
+    if len(ours.tokens) != len(reference.tokens):
+        return f"{len(ours.tokens)} vs {len(reference.tokens)} steps"
     steps = agreeing_steps(ours, reference, near_tie)
     shared = min(steps + 1, len(ours.tokens))
     drift = max(
-        abs(a - b)
-        for pair in ((ours.best, reference.best), (ours.margins, reference.margins))
-        for a, b in zip(pair[0][:shared], pair[1][:shared])
+        (
+            abs(a - b)
+            for x, y in ((ours.best, reference.best), (ours.margins, reference.margins))
+            for a, b in zip(x[:shared], y[:shared])
+        ),
+        default=0.0,
     )
-    logger.info(
-        "%s: %d of %d greedy steps before a near tie (< %g); logprobs drift by %.3g at most",
-        label,
-        steps,
-        len(ours.tokens),
-        near_tie,
-        drift,
-    )
-    assert drift <= near_tie, f"{label}: logprobs drift by {drift:.3g} > {near_tie} over the shared steps"
-    assert ours.tokens[:steps] == reference.tokens[:steps], (
-        f"{label}: greedy tokens differ before any near tie (margin < {near_tie}): {ours.tokens} vs "
-        f"{reference.tokens}, margins {[round(m, 4) for m in ours.margins]} vs "
+    if drift > near_tie:
+        return f"logprobs drift by {drift:.3g} > {near_tie} over the {shared} shared steps"
+    if ours.tokens[:steps] != reference.tokens[:steps]:
+        return (
+            f"greedy tokens differ before any near tie (margin < {near_tie}): {ours.tokens} vs {reference.tokens}, "
+            f"margins {[round(m, 4) for m in ours.margins]} vs {[round(m, 4) for m in reference.margins]}"
+        )
+    return None
+
+
+def assert_greedy_agree(
+    ours: Greedy, reference: Greedy, near_tie: float, label: str = "", *, min_steps: int = MIN_STEPS
+) -> None:
+    """`ours` is `reference`'s answer (greedy_mismatch finds nothing), compared token for token over at least
+    `min_steps` steps. Every test that calls it also runs `assert_greedy_differ` on wrong input (a project test
+    checks): a comparison that no wrong answer fails proves nothing."""
+    problem = greedy_mismatch(ours, reference, near_tie)
+    assert problem is None, f"{label}: {problem}"
+    steps = agreeing_steps(ours, reference, near_tie)
+    logger.info("%s: %d of %d greedy steps before a near tie (< %g)", label, steps, len(ours.tokens), near_tie)
+    assert steps >= min_steps, (
+        f"{label}: a near tie (margin < {near_tie}) after {steps} of {len(ours.tokens)} steps leaves fewer than "
+        f"{min_steps} compared: margins {[round(m, 4) for m in ours.margins]} vs "
         f"{[round(m, 4) for m in reference.margins]}"
     )
-    return steps
+
+
+def assert_greedy_differ(wrong: Greedy, reference: Greedy, near_tie: float, label: str = "") -> None:
+    """The negative control beside assert_greedy_agree: an answer from wrong rows (another image's, another clip's)
+    fails the same comparison with `reference`, so the bound tells right rows from wrong."""
+    assert greedy_mismatch(wrong, reference, near_tie) is not None, (
+        f"{label}: the negative control passed: wrong input's answer agrees with the reference within {near_tie} "
+        f"({wrong.tokens} vs {reference.tokens})"
+    )
 
 
 # Geri's float image (in [0, 1]) against diffusers' for the same request, in another batch, process, thread count or
