@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from eric_epd.stack.servers import EricServer, GatewayServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, image_messages, metric, wait_for
 from eric_epd.testing.standins import process_group_cmdlines
@@ -98,6 +98,8 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(
             assert sum(f.done() for f in futures) == 200
             for i, result in enumerate(results):  # EPD against vLLM's own tower: exact up to the first near tie
                 assert_greedy_agree(result, expected[i // 20], NEAR_TIE_FLOAT32, f"chat {i}")
+            # the negative control: chat 0 (set 0) against vLLM's answer for set 1 (images of the same sizes)
+            assert_greedy_differ(results[0], expected[1], NEAR_TIE_FLOAT32, "chat 0 against set 1's answer")
             assert _listed(gw) == {static.url}  # it left
             # it left before it stopped listening
             assert metric(gw.url, "gateway_failovers_total", gw.metrics_headers) == 0

@@ -22,7 +22,7 @@ from eric_epd.plugins.vllm.settings import EricConnectorSettings
 from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.stack.process import free_port, new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages, metric, wait_for
 from tests.support.placement import rendezvous_first
@@ -267,3 +267,5 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
         expected = {k: ask_greedy(vllm.url, image_messages(sets[k]), key=vllm.api_key) for k in sets.used()}
     for i, result in enumerate(results):  # EPD against vLLM's own tower: exact up to the first near tie
         assert_greedy_agree(result, expected[i // PER_SET], NEAR_TIE_FLOAT32, f"chat {i}")
+    # the negative control: chat 0 (set 0) against vLLM's answer for set 1 (three images of the same sizes)
+    assert_greedy_differ(results[0], expected[1], NEAR_TIE_FLOAT32, "chat 0 against image set 1's answer")

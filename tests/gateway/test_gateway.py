@@ -15,7 +15,7 @@ import pytest
 
 from eric_epd.common.registration import signed_registration
 from eric_epd.stack.servers import GatewayServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask as _ask
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
@@ -60,6 +60,8 @@ def direct(stack, msgs: list[dict], **kw):
 
 
 IMAGES = [image_data_url(64 + 24 * i, 72, seed=300 + i) for i in range(3)]
+OTHER_IMAGES = [image_data_url(64 + 24 * i, 72, seed=400 + i) for i in range(3)]
+"""IMAGES' sizes, other pixels: the negative control's wrong input."""
 
 
 def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
@@ -69,15 +71,15 @@ def test_epd_answer_equals_monolithic_and_streams(stack) -> None:
     mono = direct(stack, image_messages(IMAGES))  # vLLM's own encoder on the raw images
     via = ask(gw, image_messages(IMAGES))
     assert via.usage.prompt_tokens == mono.usage.prompt_tokens
-    assert_greedy_agree(
-        ask_greedy(gw, image_messages(IMAGES), key=API_KEY),
-        ask_greedy(stack["vllm"].url, image_messages(IMAGES), key=stack["vllm"].api_key),
-        NEAR_TIE_FLOAT32,
-    )
+    ours = ask_greedy(gw, image_messages(IMAGES), key=API_KEY)
+    vllm_url, vllm_key = stack["vllm"].url, stack["vllm"].api_key
+    assert_greedy_agree(ours, ask_greedy(vllm_url, image_messages(IMAGES), key=vllm_key), NEAR_TIE_FLOAT32, "EPD")
+    wrong = ask_greedy(vllm_url, image_messages(OTHER_IMAGES), key=vllm_key)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "EPD against other images' answer")
     reordered = image_messages([*IMAGES[1:], IMAGES[0]])
     streamed = ask_greedy(gw, reordered, key=API_KEY, stream=True)
     assert len(streamed.tokens) == 10
-    assert_greedy_agree(streamed, ask_greedy(gw, reordered, key=API_KEY), NEAR_TIE_FLOAT32)
+    assert_greedy_agree(streamed, ask_greedy(gw, reordered, key=API_KEY), NEAR_TIE_FLOAT32, "streamed")
 
 
 def test_paths_by_number_of_images(stack) -> None:
@@ -221,6 +223,8 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
             results = list(pool.map(one, range(200)))
             for i, result in enumerate(results):
                 assert_greedy_agree(result, expected[i % 4], NEAR_TIE_FLOAT32, f"request {i}")
+            # the negative control: request 0 (set 0) against vLLM's answer for set 1 (images of the same sizes)
+            assert_greedy_differ(results[0], expected[1], NEAR_TIE_FLOAT32, "request 0 against set 1's answer")
             assert _failovers(gw) > 0
             assert httpx.get(gw.url + "/health", headers=KEYED).json()["encoders"][doomed.url] is False
     finally:
@@ -246,9 +250,13 @@ def test_an_eric_refusing_the_gateways_key_is_its_failure_not_the_clients(stack,
         upstream_api_key=stack["vllm"].api_key,
     ) as gw:
         before = gateway_paths(gw)
-        assert_greedy_agree(ask_greedy(gw.url, image_messages(images), key=API_KEY), expected, NEAR_TIE_FLOAT32)
+        ours = ask_greedy(gw.url, image_messages(images), key=API_KEY)
+        assert_greedy_agree(ours, expected, NEAR_TIE_FLOAT32, "fallback after the Erics' 401s")
         assert gateway_paths(gw).get("fallback", 0) - before.get("fallback", 0) == 1
         assert _failovers(gw) >= 1
+    others = [image_data_url(60 + 8 * k, 64, seed=1950 + k) for k in range(3)]  # the same sizes, other pixels
+    wrong = ask_greedy(stack["vllm"].url, image_messages(others), key=stack["vllm"].api_key)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "fallback after the Erics' 401s, against other images' answer")
 
 
 def _failovers(gateway: GatewayServer) -> float:

@@ -29,7 +29,7 @@ from eric_epd.common.errors import ApiError
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.models.facts import has_audio_tower
 from eric_epd.stack.servers import GatewayServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import audio_bytes, data_url, image_data_url, video_bytes
 from eric_epd.testing.stack import ask_token_ids, image_messages, metric, wait_for
 from eric_epd.wire.eric import GRID, MEDIA, EncodedItem
@@ -247,9 +247,11 @@ def stack(qwen2_audio_servers: dict):
 @pytest.mark.exactness
 def test_two_clips_go_epd_and_one_clip_the_plain_path_answering_like_vllm(stack) -> None:
     """Each request straight to vLLM (its own encoder), then through the gateway: two clips go EPD (the connector
-    loads both clips' rows from Eric), one clip goes as it came; the greedy answers are vLLM's own."""
+    loads both clips' rows from Eric), one clip goes as it came; the greedy answers are vLLM's own, and not vLLM's
+    answer for clips of the same lengths from other seeds."""
     gw, vllm = stack["gateway"].url, stack["vllm"]
-    for clips, want in ((_clips((RATE + 101, 21), (2 * RATE + 5, 22)), "epd"), (_clips((3 * RATE // 2, 23)), "pd")):
+    for specs, want in ((((RATE + 101, 21), (2 * RATE + 5, 22)), "epd"), (((3 * RATE // 2, 23),), "pd")):
+        clips = _clips(*specs)
         msgs = _messages(clips)
         direct, _ = ask_token_ids(vllm.url, msgs, key=vllm.api_key, max_tokens=MAX_TOKENS)
         loaded = metric(vllm.url, "vllm:eric_ec_loaded_items_total")
@@ -259,6 +261,10 @@ def test_two_clips_go_epd_and_one_clip_the_plain_path_answering_like_vllm(stack)
         assert wait_for(lambda: metric(vllm.url, "vllm:eric_ec_loaded_items_total") == expected)  # noqa: B023
         assert len(answer.tokens) == MAX_TOKENS
         assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{len(clips)} clip(s) through the gateway")
+        others = _messages(_clips(*((frames, seed + 40) for frames, seed in specs)))
+        wrong, _ = ask_token_ids(vllm.url, others, key=vllm.api_key, max_tokens=MAX_TOKENS)
+        label = f"{len(clips)} clip(s) through the gateway, against other clips' answer"
+        assert_greedy_differ(answer, wrong, NEAR_TIE_FLOAT32, label)
 
 
 @pytest.mark.exactness
@@ -266,9 +272,11 @@ def test_two_clips_go_epd_and_one_clip_the_plain_path_answering_like_vllm(stack)
 def test_an_inert_processor_option_keeps_the_epd_path_and_vllms_answer(stack, option: bool) -> None:
     """Two clips with `mm_processor_kwargs: {"use_audio_in_video": ...}` (inert for Qwen2-Audio, which takes no
     video): the gateway does not forward it, so vLLM names the items by Eric's hashes; both clips' rows are loaded
-    from Eric and the answer is vLLM's own for the same clips without the option."""
+    from Eric and the answer is vLLM's own for the same clips without the option, not its answer for other clips of
+    the same lengths."""
     gw, vllm = stack["gateway"].url, stack["vllm"]
-    msgs = _messages(_clips((RATE + 301 + option, 25 + 2 * option), (RATE + 7, 26 + 2 * option)))
+    specs = ((RATE + 301 + option, 25 + 2 * option), (RATE + 7, 26 + 2 * option))
+    msgs = _messages(_clips(*specs))
     direct, _ = ask_token_ids(vllm.url, msgs, key=vllm.api_key, max_tokens=MAX_TOKENS)
     loaded = metric(vllm.url, "vllm:eric_ec_loaded_items_total")
     answer, path = ask_token_ids(
@@ -277,6 +285,10 @@ def test_an_inert_processor_option_keeps_the_epd_path_and_vllms_answer(stack, op
     assert path == "epd"
     assert wait_for(lambda: metric(vllm.url, "vllm:eric_ec_loaded_items_total") == loaded + 2)
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"use_audio_in_video={option} through the gateway")
+    others = _messages(_clips(*((frames, seed + 40) for frames, seed in specs)))
+    wrong, _ = ask_token_ids(vllm.url, others, key=vllm.api_key, max_tokens=MAX_TOKENS)
+    label = f"use_audio_in_video={option} through the gateway, against other clips' answer"
+    assert_greedy_differ(answer, wrong, NEAR_TIE_FLOAT32, label)
 
 
 def test_audio_urls_pass_the_url_policy(stack) -> None:

@@ -6,13 +6,17 @@ encoder on the raw images) for the same conversation, token for token up to a ne
 
 from __future__ import annotations
 
+import base64
+import io
+import itertools
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from eric_epd.stack.process import start_all, stop_all
 from eric_epd.stack.servers import EricServer, GatewayServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, greedy_of_openai
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ, greedy_of_openai
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask, ask_token_ids, image_messages, metric, user_turn, wait_for
 
@@ -86,9 +90,23 @@ def work_since(stack, before: dict[str, float], expect: dict[str, float]) -> dic
     return growth()
 
 
+def other_images(msgs: list[dict]) -> list[dict]:
+    """`msgs` with each image replaced by another of the same size (the negative control's wrong input)."""
+    seeds = itertools.count(90_000)
+
+    def other(part: dict) -> dict:
+        if part.get("type") != "image_url":
+            return part
+        size = Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))).size
+        return {"type": "image_url", "image_url": {"url": image_data_url(*size, seed=next(seeds))}}
+
+    return [{**m, "content": [other(p) for p in m["content"]]} if isinstance(m["content"], list) else m for m in msgs]
+
+
 def epd_turn(stack, msgs: list[dict], expect: dict[str, float], label: str) -> tuple[str, dict[str, float]]:
     """One turn through the gateway (the EPD path): the work it cost is exactly `expect`, and its answer equals vLLM's
-    own for the same messages. Returns the answer's text (the next turn's assistant message) and the work."""
+    own for the same messages, not vLLM's answer with every image replaced by another of its size. Returns the
+    answer's text (the next turn's assistant message) and the work."""
     before = counters(stack)
     raw = ask(
         stack["gateway"].url, msgs, key=KEY, raw=True, extra={"return_token_ids": True}, logprobs=True, top_logprobs=2
@@ -98,7 +116,10 @@ def epd_turn(stack, msgs: list[dict], expect: dict[str, float], label: str) -> t
     work = work_since(stack, before, expect)
     assert {k: work[k] for k in expect} == expect, f"{label}: {work}"
     own, _ = ask_token_ids(stack["vllm"].url, msgs, key=stack["vllm"].api_key)
-    assert_greedy_agree(greedy_of_openai(choice), own, NEAR_TIE_FLOAT32, label)
+    ours = greedy_of_openai(choice)
+    assert_greedy_agree(ours, own, NEAR_TIE_FLOAT32, label)
+    wrong, _ = ask_token_ids(stack["vllm"].url, other_images(msgs), key=stack["vllm"].api_key)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, f"{label}, against other images' answer")
     return choice.message.content, work
 
 

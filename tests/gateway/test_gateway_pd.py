@@ -9,7 +9,7 @@ import pytest
 
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, host_split, pd_vllm
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
 
@@ -49,6 +49,9 @@ def monolithic(pd_stack):
 TEXT = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog, please."}]
 ONE = image_messages([image_data_url(120, 90, seed=41)])
 THREE = image_messages([image_data_url(64 + 20 * i, 80, seed=50 + i) for i in range(3)])
+# the negative controls' wrong input: images of the same sizes, other pixels
+OTHER_ONE = image_messages([image_data_url(120, 90, seed=42)])
+OTHER_THREE = image_messages([image_data_url(64 + 20 * i, 80, seed=70 + i) for i in range(3)])
 
 
 def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
@@ -56,19 +59,24 @@ def test_pd_over_nixl_equals_monolithic(pd_stack, monolithic) -> None:
     before = gateway_paths(gw)
     # up to the first near tie: Eric's tower against vLLM's for THREE; for all, the prefill's prefix cache computes
     # a repeated prompt's tail alone, in other shapes than the whole prompt
-    for msgs in (TEXT, ONE, THREE):
-        assert_greedy_agree(
-            ask_greedy(gw.url, msgs), ask_greedy(monolithic.url, msgs, key=monolithic.api_key), NEAR_TIE_FLOAT32
-        )
+    for label, msgs in (("text", TEXT), ("one image", ONE), ("three images", THREE)):
+        ours = ask_greedy(gw.url, msgs)
+        assert_greedy_agree(ours, ask_greedy(monolithic.url, msgs, key=monolithic.api_key), NEAR_TIE_FLOAT32, label)
     after = gateway_paths(gw)
     assert after.get("pd", 0) - before.get("pd", 0) == 2  # text and one image: prefill -> decode
     assert after.get("epd", 0) - before.get("epd", 0) == 1  # three images: Eric -> prefill -> decode
+    wrong = ask_greedy(monolithic.url, OTHER_THREE, key=monolithic.api_key)  # `ours` is the three images' answer
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "three images, against other images' answer")
 
 
 def test_pd_streaming_equals_monolithic(pd_stack, monolithic) -> None:
     streamed = ask_greedy(pd_stack["gateway"].url, ONE, stream=True)
     assert len(streamed.tokens) == 10
-    assert_greedy_agree(streamed, ask_greedy(monolithic.url, ONE, key=monolithic.api_key), NEAR_TIE_FLOAT32)
+    assert_greedy_agree(
+        streamed, ask_greedy(monolithic.url, ONE, key=monolithic.api_key), NEAR_TIE_FLOAT32, "one image, streamed"
+    )
+    wrong = ask_greedy(monolithic.url, OTHER_ONE, key=monolithic.api_key)
+    assert_greedy_differ(streamed, wrong, NEAR_TIE_FLOAT32, "one image, streamed, against another image's answer")
 
 
 def test_dead_prefill_or_decode_gives_a_clear_error_not_a_hang(pd_stack, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.stack import ask, ask_greedy, colocated_epd_stack, gateway_paths
 from eric_epd.wire.handles import LEASE_HEADER
@@ -62,7 +62,11 @@ def test_videos_take_epd_only_when_vllm_can_place_them(stack) -> None:
 
     vllm = stack["vllm"]
     direct = ask_greedy(vllm.url, _messages(at_1fps), key=vllm.api_key)  # vLLM encodes it itself
-    assert_greedy_agree(ask_greedy(gw, _messages(at_1fps)), direct, NEAR_TIE_FLOAT32)  # prefix cache: other shapes
+    ours = ask_greedy(gw, _messages(at_1fps))
+    assert_greedy_agree(ours, direct, NEAR_TIE_FLOAT32, "1 fps video, fallback")  # prefix cache: other shapes
+    other = video_data_url(4, 56, 56, fps=1, seed=3)  # the same frames, size and rate, other pixels
+    wrong = ask_greedy(vllm.url, _messages(other), key=vllm.api_key)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "1 fps video, fallback, against another video's answer")
     assert gateway_paths(stack["gateway"]).get("fallback", 0) - after.get("fallback", 0) == 1
     deadline = time.monotonic() + 30
     while httpx.get(eric.url + "/v1/transfer", headers=eric.headers).json()["entries"] and time.monotonic() < deadline:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from eric_epd.stack.servers import GatewayServer
-from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.stack import ask_greedy, colocated_epd, gateway_paths, image_messages
@@ -59,8 +59,12 @@ def test_several_images_go_epd_and_answer_like_vllm(stack) -> None:
     msgs = image_messages([image_data_url(64 + 16 * i, 96 - 8 * i, seed=300 + i) for i in range(3)])
     direct = ask_greedy(vllm.url, msgs, key=vllm.api_key)
     before = gateway_paths(stack["gateway"])
-    assert_greedy_agree(ask_greedy(gw, msgs), direct, stack["near_tie"])
+    ours = ask_greedy(gw, msgs)
+    assert_greedy_agree(ours, direct, stack["near_tie"], "three images, EPD")
     assert _paths_delta(stack["gateway"], before) == {"epd": 1}
+    other = image_messages([image_data_url(64 + 16 * i, 96 - 8 * i, seed=350 + i) for i in range(3)])
+    wrong = ask_greedy(vllm.url, other, key=vllm.api_key)  # the same sizes, other pixels
+    assert_greedy_differ(ours, wrong, stack["near_tie"], "three images, EPD, against other images' answer")
 
 
 def test_one_image_takes_the_plain_path(stack) -> None:
@@ -68,8 +72,11 @@ def test_one_image_takes_the_plain_path(stack) -> None:
     msgs = image_messages([image_data_url(120, 90, seed=310)])
     direct = ask_greedy(vllm.url, msgs, key=vllm.api_key)
     before = gateway_paths(stack["gateway"])
-    assert_greedy_agree(ask_greedy(gw, msgs), direct, stack["near_tie"])  # vLLM's prefix cache: other shapes
+    ours = ask_greedy(gw, msgs)
+    assert_greedy_agree(ours, direct, stack["near_tie"], "one image, plain path")  # vLLM's prefix cache: other shapes
     assert "epd" not in _paths_delta(stack["gateway"], before)
+    wrong = ask_greedy(vllm.url, image_messages([image_data_url(120, 90, seed=360)]), key=vllm.api_key)
+    assert_greedy_differ(ours, wrong, stack["near_tie"], "one image, plain path, against another image's answer")
 
 
 def test_images_and_a_video_go_epd(stack) -> None:
@@ -78,5 +85,10 @@ def test_images_and_a_video_go_epd(stack) -> None:
     msgs[0]["content"].insert(2, {"type": "video_url", "video_url": {"url": video_data_url(8, 64, 64, fps=4, seed=3)}})
     direct = ask_greedy(vllm.url, msgs, key=vllm.api_key)
     before = gateway_paths(stack["gateway"])
-    assert_greedy_agree(ask_greedy(gw, msgs), direct, stack["near_tie"])
+    ours = ask_greedy(gw, msgs)
+    assert_greedy_agree(ours, direct, stack["near_tie"], "two images and a video, EPD")
     assert _paths_delta(stack["gateway"], before) == {"epd": 1}
+    other = image_messages([image_data_url(64, 64, seed=370), image_data_url(96, 64, seed=371)])
+    other[0]["content"].insert(2, {"type": "video_url", "video_url": {"url": video_data_url(8, 64, 64, fps=4, seed=7)}})
+    wrong = ask_greedy(vllm.url, other, key=vllm.api_key)  # the same sizes and frame count, other pixels
+    assert_greedy_differ(ours, wrong, stack["near_tie"], "two images and a video, EPD, against other media's answer")

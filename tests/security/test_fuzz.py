@@ -24,7 +24,7 @@ from schemathesis.checks import (
 )
 
 from eric_epd.stack.servers import EricServer, GatewayServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, image_messages
 
@@ -207,6 +207,9 @@ def test_servers_healthy_and_right_after_fuzzing(eric, gateway, vllm_behind_eric
         assert httpx.get(url + "/health", headers=headers, timeout=30).status_code == 200, url
     vllm = vllm_behind_erics["vllm"]
     msgs = image_messages([image_data_url(64, 64, seed=700 + i) for i in range(2)])
-    assert_greedy_agree(
-        ask_greedy(gateway.url, msgs, key=GATEWAY_KEY), ask_greedy(vllm.url, msgs, key=vllm.api_key), NEAR_TIE_FLOAT32
-    )  # EPD: Eric's tower against vLLM's, exact up to the first near tie
+    ours = ask_greedy(gateway.url, msgs, key=GATEWAY_KEY)
+    # EPD: Eric's tower against vLLM's, exact up to the first near tie
+    assert_greedy_agree(ours, ask_greedy(vllm.url, msgs, key=vllm.api_key), NEAR_TIE_FLOAT32, "EPD after fuzzing")
+    others = image_messages([image_data_url(64, 64, seed=750 + i) for i in range(2)])  # the same sizes, other pixels
+    wrong = ask_greedy(vllm.url, others, key=vllm.api_key)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "EPD after fuzzing, against other images' answer")
