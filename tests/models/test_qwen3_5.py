@@ -15,10 +15,11 @@ from PIL import Image
 from eric_epd.common.widths import embedding_width
 from eric_epd.models.registry import load_encoder, load_processor, read_model_config
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, assert_greedy_agree, other_isa_env
+from eric_epd.testing.exactness import NEAR_TIE_BFLOAT16, assert_greedy_agree, assert_greedy_differ, other_isa_env
 from eric_epd.testing.media import image_bytes, random_image
 from eric_epd.testing.vllm_cases import (
     CASES,
+    Case,
     encode_case,
     epd_prompt,
     eric_key_in_env,
@@ -61,7 +62,9 @@ def test_vllm_epd_tokens_equal_monolithic(qwen3_5_tiny: Path, tmp_path: Path) ->
     encoded alone where vLLM's tower takes a case's images in one batch): one image, four images and a video.
     (Qwen3.5-MoE differs only in its language model: tests/gateway/test_gateway_qwen3.py runs it through vLLM.) In
     bfloat16 two correct towers (and one tower on two CPUs) differ by a few bfloat16 ulps, which flips a greedy
-    token wherever the two best logprobs are that close: the tokens agree up to the first such near tie."""
+    token wherever the two best logprobs are that close: the tokens agree up to the first such near tie. Negative
+    control: the four images' EPD answer fails the same comparison with vLLM's answer for four other images of the
+    same sizes."""
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
@@ -82,10 +85,13 @@ def test_vllm_epd_tokens_equal_monolithic(qwen3_5_tiny: Path, tmp_path: Path) ->
             ec_connector_extra_config={"eric_urls": [eric.url], "backends": ["shm"]},
         )
         llm = LLM(**{**llm_kwargs(qwen3_5_tiny), "dtype": "bfloat16"}, ec_transfer_config=ec)
+        epd = {}
         for case in (c for c in CASES if c.name in ("one_image", "four_images", "one_video")):
             monolithic = greedy_run(llm, raw_prompt(case, model=qwen3_5_tiny))
             items = encode_case(eric.url, case, eric.api_key)
-            assert_greedy_agree(
-                greedy_run(llm, epd_prompt(case, items), items), monolithic, NEAR_TIE_BFLOAT16, case.name
-            )
+            epd[case.name] = greedy_run(llm, epd_prompt(case, items), items)
+            assert_greedy_agree(epd[case.name], monolithic, NEAR_TIE_BFLOAT16, case.name)
+        four = next(c for c in CASES if c.name == "four_images")
+        wrong = greedy_run(llm, raw_prompt(Case("four_other_images", four.image_sizes, seed=43), model=qwen3_5_tiny))
+        assert_greedy_differ(epd["four_images"], wrong, NEAR_TIE_BFLOAT16, "four_images against other images' answer")
         del llm

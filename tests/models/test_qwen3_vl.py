@@ -21,10 +21,11 @@ from eric_epd.common.widths import embedding_width
 from eric_epd.models.registry import load_encoder, load_processor, read_model_config
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import image_bytes, random_image
 from eric_epd.testing.vllm_cases import (
     CASES,
+    Case,
     encode_case,
     epd_prompt,
     eric_key_in_env,
@@ -207,8 +208,9 @@ def _b64(image: Image.Image) -> str:
 
 def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny: Path, erics) -> None:
     """vLLM behind Eric: one image, four images and a video (its timestamps in the prompt) give vLLM's own encoder's
-    greedy tokens (up to the first near tie); the same engine fed a perturbed first DeepStack level (the merged tokens
-    and the second level unchanged) answers differently."""
+    greedy tokens (up to the first near tie), and the four images' EPD answer fails the same comparison with vLLM's
+    answer for four other images of the same sizes (the negative control); the same engine fed a perturbed first
+    DeepStack level (the merged tokens and the second level unchanged) answers differently."""
     from vllm import LLM
     from vllm.config import ECTransferConfig
 
@@ -222,12 +224,15 @@ def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny:
         )
         llm = LLM(**llm_kwargs(qwen3_vl_tiny), ec_transfer_config=ec, disable_log_stats=False)
         cases = {c.name: c for c in CASES}
+        epd = {}
         for name in ("one_image", "four_images", "one_video"):
             monolithic = greedy_run(llm, raw_prompt(cases[name], model=qwen3_vl_tiny))
             items = encode_case(main.url, cases[name], main.api_key)
-            assert_greedy_agree(
-                greedy_run(llm, epd_prompt(cases[name], items), items), monolithic, NEAR_TIE_FLOAT32, name
-            )
+            epd[name] = greedy_run(llm, epd_prompt(cases[name], items), items)
+            assert_greedy_agree(epd[name], monolithic, NEAR_TIE_FLOAT32, name)
+        other = Case("four_other_images", cases["four_images"].image_sizes, seed=43)  # the same sizes, other pixels
+        wrong = greedy_run(llm, raw_prompt(other, model=qwen3_vl_tiny))
+        assert_greedy_differ(epd["four_images"], wrong, NEAR_TIE_FLOAT32, "four_images against other images' answer")
 
         case = cases["two_images"]  # images this engine has not cached under Eric's hash
         monolithic = list(greedy(llm, raw_prompt(case)).outputs[0].token_ids)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from eric_epd.stack.servers import EricServer, VllmServe
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.media import audio_bytes, data_url
 from eric_epd.testing.stack import ask_token_ids, metric, wait_for
 from eric_epd.wire.handoff import handles_xargs
@@ -25,6 +25,8 @@ MAX_TOKENS = 8
 CASES = {"one_clip": ((2 * RATE + 1, 11),), "two_clips": ((RATE + 333, 12), (3 * RATE + 7, 13))}
 """Case -> (frames at 16 kHz, seed) per clip: odd lengths, and no clip in two cases (neither of vLLM's caches holds
 a case's audio when it is asked)."""
+OTHER_SEED = 100
+"""Added to each clip's seed for the negative control's clips: the same lengths, other noise."""
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +52,15 @@ def _counter(vllm: VllmServe, name: str) -> float:
 def test_audio_goes_epd_as_media_and_answers_like_vllm(stack: tuple[EricServer, VllmServe], case: str) -> None:
     """The clips straight to vLLM (its own encoder runs once per clip), then the same clips encoded by Eric and sent
     with its hashes and handles: the connector loads every clip's rows from Eric, vLLM's encoder runs no more, and
-    the greedy answer is vLLM's own."""
+    the greedy answer is vLLM's own. Negative control: the EPD answer fails the same comparison with vLLM's answer
+    for clips of the same lengths with other noise."""
     eric, vllm = stack
     wavs = [audio_bytes(frames, RATE, 1, "wav", seed=seed) for frames, seed in CASES[case]]
+    others = [audio_bytes(frames, RATE, 1, "wav", seed=seed + OTHER_SEED) for frames, seed in CASES[case]]
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
     direct, _ = ask_token_ids(vllm.url, _messages(wavs), key=vllm.api_key, max_tokens=MAX_TOKENS)
-    local = before["local_encoder_items"] + len(wavs)
+    wrong, _ = ask_token_ids(vllm.url, _messages(others), key=vllm.api_key, max_tokens=MAX_TOKENS)
+    local = before["local_encoder_items"] + 2 * len(wavs)
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
     assert _counter(vllm, "loaded_items") == before["loaded_items"]
 
@@ -80,3 +85,4 @@ def test_audio_goes_epd_as_media_and_answers_like_vllm(stack: tuple[EricServer, 
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"qwen2_audio {case}")
+    assert_greedy_differ(epd, wrong, NEAR_TIE_FLOAT32, f"qwen2_audio {case} against other clips' answer")

@@ -13,7 +13,13 @@ import time
 import httpx
 import openai
 
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, greedy_of_openai
+from eric_epd.testing.exactness import (
+    NEAR_TIE_FLOAT32,
+    Greedy,
+    assert_greedy_agree,
+    assert_greedy_differ,
+    greedy_of_openai,
+)
 from eric_epd.testing.media import image_data_url
 from eric_epd.wire.handoff import handles_xargs
 
@@ -76,6 +82,8 @@ def test_stalled_eric_delays_only_its_own_requests(vllm_behind_erics) -> None:
     image = image_data_url(88, 64, seed=78)
     reference = _ask(client, model, {"type": "image_url", "image_url": {"url": image}}, {})  # vLLM's own encoder
     assert reference[0] == "length" and len(reference[1].tokens) == 6
+    other = image_data_url(88, 64, seed=178)  # the negative control's: the same size, other pixels
+    wrong = _ask(client, model, {"type": "image_url", "image_url": {"url": other}}, {})
     _stream_times(client, model, 8)  # warm-up
     calm = _gaps(_stream_times(client, model))
 
@@ -103,6 +111,7 @@ def test_stalled_eric_delays_only_its_own_requests(vllm_behind_erics) -> None:
 
     assert outcome["answer"][0] == "length"  # token-exact with vLLM's own encoder up to the first near tie
     assert_greedy_agree(outcome["answer"][1], reference[1], NEAR_TIE_FLOAT32)
+    assert_greedy_differ(outcome["answer"][1], wrong[1], NEAR_TIE_FLOAT32, "the held answer against another image's")
     assert outcome["waited"] >= resumed - stopped - 0.3 - 0.05  # the EPD request really waited for the stall
     assert text_done < resumed  # the text stream ran to its end while Eric was stopped
     stalled_gaps = _gaps(during)

@@ -16,7 +16,7 @@ import pytest
 
 from eric_epd.checkpoints.families import ensure_family_checkpoint
 from eric_epd.checkpoints.support import FAMILY_SUPPORT, GENERIC_VLLM, vllm_proven
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import data_url, image_bytes, random_image, video_data_url
 from eric_epd.testing.stack import ask_token_ids, colocated_epd, image_messages, metric, wait_for
@@ -103,8 +103,10 @@ def _reaches(url: str, name: str, value: float) -> bool:
 def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
     """Each set first straight to vLLM (its own encoder), then through the gateway (Eric's rows). The second set's
     prompt has the first's tokens with other images: vLLM's prefix and encoder caches, keyed by content (Eric's
-    hash, or vLLM's own), serve none of the first set's work to it."""
+    hash, or vLLM's own), serve none of the first set's work to it. Negative control: the first set's EPD answer
+    fails the same comparison with vLLM's answer for the second set (the same sizes, other pixels)."""
     gw, vllm, family = stack["gateway"].url, stack["vllm"], stack["family"]
+    answers = []
     for pngs, url in zip(media["sets"], media["urls"], strict=True):
         inline = [data_url(png) for png in pngs]
         before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
@@ -118,12 +120,15 @@ def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
         assert _reaches(vllm.url, "loaded_items", before["loaded_items"] + 3)
         assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 3  # idle for EPD
         assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
+        answers.append((epd, direct))
+    assert_greedy_differ(answers[0][0], answers[1][1], NEAR_TIE_FLOAT32, f"{family} against other images' answer")
 
 
 def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) -> None:
     """A family whose videos Eric encodes (its card says so): an image and a 40-frame video (content no other test
     sent, so neither cache holds it) go EPD, Eric sampling the 32 frames vLLM's loader takes, and the answer is
-    vLLM's own; the other families' cards offer images only (their videos go to the engine with the request)."""
+    vLLM's own, not its answer for another image and video of the same sizes and length (the negative control); the
+    other families' cards offer images only (their videos go to the engine with the request)."""
     import httpx
 
     eric, vllm, family = stack["eric"], stack["vllm"], stack["family"]
@@ -132,21 +137,26 @@ def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) ->
     assert card["modalities"] == list(support.modalities)
     if "video" not in support.modalities:
         return
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(image_bytes(random_image(80, 60, seed=901)))}},
-                {"type": "video_url", "video_url": {"url": video_data_url(40, 64, 48, fps=8, seed=41)}},
-                {"type": "text", "text": "What happens?"},
-            ],
-        }
-    ]
+    messages, others = (
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(image_bytes(random_image(80, 60, seed=i)))}},
+                    {"type": "video_url", "video_url": {"url": video_data_url(40, 64, 48, fps=8, seed=v)}},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ]
+        for i, v in ((901, 41), (902, 42))
+    )
     before = {k: _counter(vllm.url, k) for k in ("loaded_items", "local_encoder_items")}
     direct, _ = ask_token_ids(vllm.url, messages, key=vllm.api_key, max_tokens=MAX_TOKENS)
-    assert _reaches(vllm.url, "local_encoder_items", before["local_encoder_items"] + 2)
+    wrong, _ = ask_token_ids(vllm.url, others, key=vllm.api_key, max_tokens=MAX_TOKENS)
+    assert _reaches(vllm.url, "local_encoder_items", before["local_encoder_items"] + 4)
     epd, path = ask_token_ids(stack["gateway"].url, messages, max_tokens=MAX_TOKENS)
     assert path == "epd"
     assert _reaches(vllm.url, "loaded_items", before["loaded_items"] + 2)
-    assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 2
+    assert _counter(vllm.url, "local_encoder_items") == before["local_encoder_items"] + 4
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, family)
+    assert_greedy_differ(epd, wrong, NEAR_TIE_FLOAT32, f"{family} against another image's and video's answer")

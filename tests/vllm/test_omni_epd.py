@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree
+from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, assert_greedy_differ
 from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixture
 from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes, video_with_audio_bytes
 from eric_epd.testing.pools import held_bytes
@@ -44,6 +44,12 @@ CASES = {
     "video": (("video", video_bytes(num_frames=8, width=64, height=48, fps=4, seed=35)),),
 }
 """Case -> (modality, bytes) per item: no item in two cases (neither of vLLM's caches holds a case's media)."""
+OTHERS = {
+    "two_clips": (_clip(RATE + 333, 131), _clip(2 * RATE + 7, 132)),
+    "clip_and_image": (_clip(3 * RATE // 2 + 1, 133), ("image", image_bytes(random_image(96, 64, seed=134)))),
+    "video": (("video", video_bytes(num_frames=8, width=64, height=48, fps=4, seed=135)),),
+}
+"""The negative controls' media: each case's items with other content of the same lengths and sizes."""
 MIME = {"audio": "audio/wav", "image": "image/png", "video": "video/mp4"}
 
 
@@ -107,10 +113,12 @@ def _direct(vllm: VllmServe, items: tuple[tuple[str, bytes], ...]):
 @pytest.mark.parametrize("case", CASES)
 def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer, VllmServe, str], case: str) -> None:
     """The items straight to vLLM, then encoded by Eric and sent with its hashes and handles: the connector loads
-    every item's rows from Eric, vLLM's encoder runs no more, and the greedy answer is vLLM's own."""
+    every item's rows from Eric, vLLM's encoder runs no more, and the greedy answer is vLLM's own, not its answer
+    for other items of the same lengths and sizes (the negative control)."""
     eric, vllm, family = stack
     items = CASES[case]
-    direct, loaded, local = _direct(vllm, items)
+    direct, loaded, _ = _direct(vllm, items)
+    wrong, _, local = _direct(vllm, OTHERS[case])
     resp = httpx.post(
         eric.url + "/v1/encode",
         headers=eric.headers,
@@ -131,19 +139,24 @@ def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"{family} {case}")
+    assert_greedy_differ(epd, wrong, NEAR_TIE_FLOAT32, f"{family} {case} against other items' answer")
 
 
 def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple[EricServer, VllmServe, str]) -> None:
     """A video with an AAC soundtrack and `use_audio_in_video`: vLLM alone encodes the video and the audio it takes
     from it; then Eric encodes both (the video asked with its soundtrack), the request carries the video's hash as
     its uuid, both handles and the pair, and the connector loads both items: vLLM's encoder stays idle and the greedy
-    answer is vLLM's own."""
+    answer is vLLM's own, not its answer for another such video (the negative control)."""
     eric, vllm, family = stack
-    data = video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=38)
+    data, other = (
+        video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=s) for s in (38, 138)
+    )
     items, option = (("video", data),), {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
     direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
-    local = before["local_encoder_items"] + 2  # the video and its soundtrack
+    others = _messages((("video", other),))
+    wrong, _ = ask_token_ids(vllm.url, others, key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
+    local = before["local_encoder_items"] + 4  # each video and its soundtrack
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
     resp = httpx.post(
         eric.url + "/v1/encode",
@@ -166,16 +179,19 @@ def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple
     assert _counter(vllm, "local_encoder_items") == local  # vLLM's encoder stayed idle
     assert len(epd.tokens) == MAX_TOKENS
     assert_greedy_agree(epd, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack")
+    assert_greedy_differ(epd, wrong, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack against another's answer")
 
 
 def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(
     stack: tuple[EricServer, VllmServe, str], tmp_path: Path
 ) -> None:
     """A clip and an image through the gateway in front of the same servers: the EPD path, both items loaded from
-    Eric, and vLLM's own answer."""
+    Eric, and vLLM's own answer, not its answer for another clip and image of the same length and size (the negative
+    control)."""
     eric, vllm, family = stack
     items = (_clip(RATE + 91, 36), ("image", image_bytes(random_image(80, 60, seed=37))))
-    direct, loaded, local = _direct(vllm, items)
+    direct, loaded, _ = _direct(vllm, items)
+    wrong, _, local = _direct(vllm, (_clip(RATE + 91, 136), ("image", image_bytes(random_image(80, 60, seed=137)))))
     with GatewayServer(
         tmp_path / "gateway.log",
         "--encoder-urls",
@@ -190,6 +206,7 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(
         assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
         assert _counter(vllm, "local_encoder_items") == local
         assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} audio + image through the gateway")
+        assert_greedy_differ(answer, wrong, NEAR_TIE_FLOAT32, f"{family} audio + image against other items' answer")
         for option in (False, True):  # inert here (no video): items still matched by their Eric handles
             extra = {"mm_processor_kwargs": {"use_audio_in_video": option}}
             again, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=extra)
@@ -203,13 +220,18 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(
     stack: tuple[EricServer, VllmServe, str], tmp_path: Path
 ) -> None:
     """A video with `use_audio_in_video` through the gateway (one item is enough here): the EPD path, the video and
-    its soundtrack loaded from Eric, and vLLM's own answer."""
+    its soundtrack loaded from Eric, and vLLM's own answer, not its answer for another such video (the negative
+    control)."""
     eric, vllm, family = stack
-    items = (("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=39)),)
+    items, others = (
+        (("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=seed)),)
+        for seed in (39, 139)
+    )
     option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
     direct, _ = ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
-    local = before["local_encoder_items"] + 2
+    wrong, _ = ask_token_ids(vllm.url, _messages(others), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
+    local = before["local_encoder_items"] + 4
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
     with GatewayServer(
         tmp_path / "gateway.log",
@@ -227,6 +249,9 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
     assert _counter(vllm, "local_encoder_items") == local
     assert_greedy_agree(answer, direct, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack through the gateway")
+    assert_greedy_differ(
+        answer, wrong, NEAR_TIE_FLOAT32, f"{family} video with its soundtrack against another's answer"
+    )
 
 
 def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(
@@ -235,11 +260,15 @@ def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(
     """Two videos (other frames) with the same soundtrack and `use_audio_in_video`, through the gateway: the two
     soundtracks are one content in Eric (one lease, under two vLLM identifiers: each video's); the connector loads
     it for both and acknowledges the lease once, so the request answers as vLLM alone does, twice in a row, vLLM's
-    encoder stays idle, and Eric holds nothing after either."""
+    encoder stays idle, and Eric holds nothing after either; vLLM's answer for two other such videos (other frames,
+    another shared soundtrack) fails the same comparison (the negative control)."""
     eric, vllm, family = stack
-    items = tuple(
-        ("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=seed, audio_seed=42))
-        for seed in (40, 41)
+    items, others = (
+        tuple(
+            ("video", video_with_audio_bytes(num_frames=8, width=64, height=48, fps=4, rate=RATE, seed=s, audio_seed=a))
+            for s in seeds
+        )
+        for seeds, a in (((40, 41), 42), ((140, 141), 142))
     )
     option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
     before = {k: _counter(vllm, k) for k in ("loaded_items", "local_encoder_items")}
@@ -263,3 +292,6 @@ def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(
             assert wait_for(lambda: held() == 0), held()  # the shared lease was acknowledged, not kept
     assert _counter(vllm, "loaded_items") > before["loaded_items"]
     assert _counter(vllm, "local_encoder_items") == local  # every row came from Eric
+    wrong, _ = ask_token_ids(vllm.url, _messages(others), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
+    assert_greedy_differ(answer, wrong, NEAR_TIE_FLOAT32, f"{family} two videos, one soundtrack, against others'")
+    assert wait_for(lambda: _counter(vllm, "local_encoder_items") > local)  # its counts are in before another test's

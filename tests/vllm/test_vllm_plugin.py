@@ -18,7 +18,14 @@ import pytest
 from eric_epd.common.shm import attach_untracked
 from eric_epd.stack.process import new_key, running
 from eric_epd.stack.servers import EricServer, StoreMaster, VllmServe
-from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, greedy_of_openai, greedy_of_vllm
+from eric_epd.testing.exactness import (
+    NEAR_TIE_FLOAT32,
+    Greedy,
+    assert_greedy_agree,
+    assert_greedy_differ,
+    greedy_of_openai,
+    greedy_of_vllm,
+)
 from eric_epd.testing.stack import metric, wait_for
 from eric_epd.testing.vllm_cases import (
     CASES,
@@ -127,6 +134,11 @@ def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, Greedy]) -
     assert after["local_encoder_items"] == before.get("local_encoder_items", 0)
     # each embedding was fetched and acknowledged: Eric's pool is empty again
     assert pool_entries(main) == 0
+    # negative control: one image's prompt with the rows of another image of its size fails the same comparison
+    one = next(c for c in CASES if c.name == "one_image")
+    items = encode(main, Case("one_other_image", one.image_sizes, seed=12))
+    wrong = greedy_of_vllm(generate(llm, epd_prompt(one, items), items).outputs[0])
+    assert_greedy_differ(wrong, reference["one_image"], NEAR_TIE_FLOAT32, "one_image with another image's rows")
 
 
 def test_items_vllm_already_holds_give_their_lease_back(llm, erics) -> None:
@@ -156,6 +168,8 @@ def test_items_are_fetched_again_after_vllm_resets_its_encoder_cache(llm, erics)
     main, _ = erics
     case = Case("reset", ((72, 56), (120, 88)), seed=31)  # images no other test sent
     own = greedy_of_vllm(generate(llm, raw_prompt(case)).outputs[0])
+    other = Case("reset_other", case.image_sizes, seed=32)  # the same sizes, other pixels: the negative control
+    wrong = greedy_of_vllm(generate(llm, raw_prompt(other)).outputs[0])
     before = eric_counters(llm)
     outputs = []
     for i in range(3):
@@ -168,6 +182,9 @@ def test_items_are_fetched_again_after_vllm_resets_its_encoder_cache(llm, erics)
             assert llm.reset_prefix_cache()
     assert [list(o.token_ids) for o in outputs[1:]] == [list(outputs[0].token_ids)] * 2
     assert_greedy_agree(greedy_of_vllm(outputs[0]), own, NEAR_TIE_FLOAT32, case.name)
+    assert_greedy_differ(
+        greedy_of_vllm(outputs[0]), wrong, NEAR_TIE_FLOAT32, f"{case.name} against other images' answer"
+    )
     after = eric_counters(llm)
     assert after["loaded_items"] - before.get("loaded_items", 0) == 4  # both images, before and after the reset
     assert after["released_items"] - before.get("released_items", 0) == 2  # the third request's leases
@@ -212,6 +229,9 @@ def test_killed_eric_fails_request_engine_survives(llm, erics, reference: dict[s
     items = encode(main, again)
     ours = greedy_of_vllm(generate(llm, epd_prompt(again, items), items).outputs[0])
     assert_greedy_agree(ours, reference["two_images"], NEAR_TIE_FLOAT32, "two_images")
+    items = encode(main, Case("two_other_images", two.image_sizes, seed=13))  # the same sizes, other pixels
+    wrong = greedy_of_vllm(generate(llm, epd_prompt(two, items), items).outputs[0])
+    assert_greedy_differ(wrong, reference["two_images"], NEAR_TIE_FLOAT32, "two_images with other images' rows")
 
 
 # ---- vllm serve + the openai client ---------------------------------------------------------------------------
@@ -223,6 +243,24 @@ def chat_parts(items: list[dict]) -> list[dict]:
         kind = f"{item['modality']}_embeds"
         parts.append({"type": kind, kind: {f"{item['modality']}_grid_thw": item["grid_thw"]}, "uuid": item["hash"]})
     return [*parts, {"type": "text", "text": "Describe what you see."}]
+
+
+def chat_greedy(client, model: str, items: list[dict]) -> Greedy:
+    """`vllm serve`'s greedy answer (MAX_TOKENS, EOS ignored) to Eric's items as embeds parts, handles in xargs."""
+    resp = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": chat_parts(items)}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "vllm_xargs": handles_xargs(i["handle"] for i in items),
+        },
+    )
+    return greedy_of_openai(resp.choices[0])
 
 
 def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str, Greedy], tmp_path: Path) -> None:
@@ -247,20 +285,7 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
         for case in (c for c in CASES if c.name in ("four_images", "one_video")):
             items = encode(eric, case)
             encoded |= {i["hash"] for i in items}
-            resp = client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": chat_parts(items)}],
-                max_tokens=MAX_TOKENS,
-                temperature=0.0,
-                logprobs=True,
-                top_logprobs=2,
-                extra_body={
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                    "vllm_xargs": handles_xargs(i["handle"] for i in items),
-                },
-            )
-            assert_greedy_agree(greedy_of_openai(resp.choices[0]), reference[case.name], NEAR_TIE_FLOAT32, case.name)
+            assert_greedy_agree(chat_greedy(client, model, items), reference[case.name], NEAR_TIE_FLOAT32, case.name)
         # metadata without a uuid is refused before it reaches the engine
         bad = chat_parts(items)
         del bad[0]["uuid"]
@@ -279,24 +304,15 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
                 json={"instance_id": item["handle"]["instance_id"]},
             )
             assert ack.status_code == 200, ack.text
-        resp = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": chat_parts(items)}],
-            max_tokens=MAX_TOKENS,
-            temperature=0.0,
-            logprobs=True,
-            top_logprobs=2,
-            extra_body={
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "vllm_xargs": handles_xargs(i["handle"] for i in items),
-            },
-        )
-        assert_greedy_agree(greedy_of_openai(resp.choices[0]), reference[case.name], NEAR_TIE_FLOAT32, case.name)
+        assert_greedy_agree(chat_greedy(client, model, items), reference[case.name], NEAR_TIE_FLOAT32, case.name)
         assert metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
         assert httpx.get(server.url + "/health").status_code == 200
         metrics = httpx.get(server.url + "/metrics").text
         assert "vllm:eric_ec_loaded_items" in metrics
+        # negative control: four other images of the same sizes, sent as the four images were
+        four = next(c for c in CASES if c.name == "four_images")
+        wrong = chat_greedy(client, model, encode(eric, Case("four_other_images", four.image_sizes, seed=14)))
+        assert_greedy_differ(wrong, reference["four_images"], NEAR_TIE_FLOAT32, "four_images with other images' rows")
 
 
 def test_tensor_parallel_vllm_lands_items_on_every_rank(
@@ -326,6 +342,10 @@ def test_tensor_parallel_vllm_lands_items_on_every_rank(
         counters = eric_counters(engine)
         assert counters["via_nixl"] == counters["loaded_items"] == 5 and counters.get("load_failures", 0) == 0
         assert pool_entries(main) == 0  # every lease acknowledged once both ranks had the bytes
+        one = cases[0]  # one_image; negative control: its prompt with another image's rows (of its size)
+        items = encode(main, Case("one_image_elsewhere", one.image_sizes, seed=15))
+        wrong = greedy_of_vllm(generate(engine, epd_prompt(one, items), items).outputs[0])
+        assert_greedy_differ(wrong, reference["one_image"], NEAR_TIE_FLOAT32, "one_image with another image's rows")
     finally:
         engine.llm_engine.engine_core.shutdown()
         del engine
