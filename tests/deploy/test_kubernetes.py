@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import subprocess
-from functools import cache
 from pathlib import Path
 
 import kubernetes_validate
@@ -22,9 +21,20 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu-demo", "gpu", "gpu+geri")
+from tests.deploy.manifests import (
+    K8S,
+    OVERLAYS,
+    ROOT,
+    containers,
+    eric_parser,
+    expanded_args,
+    one,
+    pod_name,
+    render,
+    selects,
+    workloads,
+)
+
 CRD_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
     ("monitoring.coreos.com/v1", "PrometheusRule"): ("groups",),
@@ -47,60 +57,6 @@ SECRET_VARS = {
     "EPD_GATEWAY_METRICS_KEY": ("gateway-metrics-key", {"gateway"}, ["router/epd_gateway/config.py"]),
     "GERI_API_KEY": ("geri-api-key", {"geri", "gateway"}, ["eric_epd/geri/cli.py", "router/epd_gateway/config.py"]),
 }
-
-
-@cache
-def render(overlay: str) -> tuple[dict, ...]:
-    """The overlay's objects; "gpu+geri": the gpu overlay with the Geri component (a throwaway overlay beside it)."""
-    if overlay == "gpu+geri":
-        tmp = K8S / "overlays" / ".test-gpu-geri"
-        tmp.mkdir(exist_ok=True)
-        (tmp / "kustomization.yaml").write_text(
-            "namespace: eric-epd\nresources: [../gpu]\ncomponents: [../../components/geri]\n"
-        )
-        try:
-            out = subprocess.run(["kubectl", "kustomize", str(tmp)], check=True, capture_output=True, text=True).stdout
-        finally:
-            shutil.rmtree(tmp)
-    else:
-        out = subprocess.run(
-            ["kubectl", "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True, text=True
-        ).stdout
-    return tuple(d for d in yaml.safe_load_all(out) if d)
-
-
-def workloads(objs) -> list[dict]:
-    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
-
-
-def pod_name(w: dict) -> str:
-    return w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-
-
-def containers(w: dict) -> list[dict]:
-    spec = w["spec"]["template"]["spec"]
-    return spec.get("initContainers", []) + spec["containers"]
-
-
-def one(objs, kind: str, name: str) -> dict:
-    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"].startswith(name))
-
-
-def expanded_args(objs, c: dict) -> list[str]:
-    """The container's args with $(VAR) filled in as the kubelet does: literals, the epd-config ConfigMap, and
-    stand-ins for the downward API (no Secret value may appear in an argument)."""
-    env = {"POD_IP": "10.1.2.3", "POD_NAME": "eric-0", "POD_NAMESPACE": "eric-epd"}
-    for ref in c.get("envFrom", []):
-        env |= one(objs, "ConfigMap", ref["configMapRef"]["name"])["data"]
-    for e in c.get("env", []):
-        if "value" in e:
-            env[e["name"]] = e["value"]
-    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in c.get("args", [])]
-    assert not any(
-        "secretKeyRef" in str(e.get("valueFrom", {})) and f"$({e['name']})" in " ".join(c.get("args", []))
-        for e in c.get("env", [])
-    ), c["name"]
-    return args
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -159,14 +115,6 @@ def test_every_secret_key_reaches_the_variable_its_process_reads(overlay):
         assert secret_names == {"epd-keys"}
         doc = (ROOT / "docs" / "deploy-kubernetes.md").read_text()
         assert all(f"--from-literal={k}=" in doc for k, _, _ in SECRET_VARS.values())
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-    for expr in selector.get("matchExpressions", []):
-        assert expr["operator"] == "In"
-        ok = ok and labels.get(expr["key"]) in expr["values"]
-    return ok
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -237,18 +185,10 @@ def test_probe_paths_are_routes_of_the_probed_server(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_container_commands_parse_with_the_servers_own_parsers(overlay):
-    import argparse
-
     from epd_gateway.config import parse_args as gateway_args
 
-    from eric_epd.eric.cli import add_parser as _serve_parser
-    from eric_epd.geri import cli as geri_cli
-
     objs = render(overlay)
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command")
-    _serve_parser(sub)
-    geri_cli.add_parser(sub)
+    parser = eric_parser()
     ec_dns = None
     for w in workloads(objs):
         for c in containers(w):
