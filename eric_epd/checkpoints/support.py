@@ -90,7 +90,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
 """Every family, hand-written towers first."""
 
 TABLE_HEADER = (
-    "| family | model_type | image | video | audio | Eric TP | EPD through vLLM | EPD through SGLang |\n"
+    "| family | model_type | image | video | audio | Eric TP | tokens through vLLM | rows into SGLang |\n"
     "|---|---|---|---|---|---|---|---|"
 )
 
