@@ -1,7 +1,7 @@
-"""Eric's generic path (models/hf) on every tiny family checkpoint: Eric's processor and runner give, per image, the
-rows transformers' full model gives (get_image_features on its own processor's output, in vLLM's layout; Kimi-K2.5's
-on vLLM's own processor's output), alone and batched; only vision tensors are read and hashed; a real Eric server
-answers them over HTTP."""
+"""Eric's generic path (models/hf) on every tiny family checkpoint, as plumbing: Eric's processor and runner give, per
+image, the rows transformers' full model gives (get_image_features on its own processor's output, in vLLM's layout;
+Llama 4's from the whole forward; Kimi-K2.5's on vLLM's own processor's output), alone and batched; only vision
+tensors are read and hashed; a real Eric server answers them over HTTP."""
 
 from __future__ import annotations
 
@@ -106,14 +106,29 @@ def references(checkpoints: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
             kwargs = {k: inputs[k].float() if inputs[k].is_floating_point() else inputs[k] for k in HF_INPUTS[family]}
             with torch.no_grad():
                 features = model.get_image_features(**kwargs)
-                if family == "llama4":  # as Llama4ForConditionalGeneration.forward
-                    hidden = features.last_hidden_state
-                    rows = model.multi_modal_projector(hidden.view(-1, hidden.size(-1)))
+                if family == "llama4":  # get_image_features stops before the projector: the whole forward's rows
+                    rows = _scattered_rows(model, inputs, token_id)
                 else:
                     rows = features.pooler_output.flatten(0, 1) if family in TILED else features.pooler_output[0]
             refs.append({"inputs": inputs, "tokens": int((inputs["input_ids"] == token_id).sum()), "rows": rows})
         out[family] = refs
     return out
+
+
+def _scattered_rows(model: Any, inputs: Any, token_id: int) -> torch.Tensor:
+    """The rows transformers' whole forward puts at the prompt's image tokens (its language model's `inputs_embeds`
+    there): a reference that shares no layout code with Eric's adapter."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def grab(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        seen["embeds"] = kwargs["inputs_embeds"]
+
+    handle = model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(**{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
+    finally:
+        handle.remove()
+    return seen["embeds"][inputs["input_ids"] == token_id]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -156,7 +171,10 @@ def _run(workload: GenericWorkload, runner: GenericRunner, items: list) -> list[
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_equal_transformers(checkpoints: dict[str, Path], references: dict, family: str) -> None:
     """Each image alone, then all three in one batch (the two wide ones joined in one forward, the tall one on its
-    own): every item's rows equal transformers' within RTOL."""
+    own): every item's rows equal transformers' within RTOL, and the same rows one place out of order do not (the
+    negative control). Plumbing: Eric calls the same get_image_features (Llama 4's reference is the whole forward),
+    so this checks Eric's processing, batching and layout around it; the family's proof is end to end against
+    vLLM's own answer (tests/vllm/test_generic_families.py)."""
     workload, runner = _runner(checkpoints[family])
     items = [load_processor(checkpoints[family]).process_image(image) for image in _images()]
     kinds = [work_item("k", it, 0, 0).kind for it in items]
@@ -166,6 +184,7 @@ def test_rows_equal_transformers(checkpoints: dict[str, Path], references: dict,
         (alone,) = _run(workload, runner, [item])
         assert alone.shape == ref.shape and alone.dtype == torch.float32
         assert _relative_error(alone, ref) <= RTOL
+        assert _relative_error(alone.roll(1, 0), ref) > RTOL  # rows out of order fail it
     batched = _run(workload, runner, items)
     for i, (ours, ref) in enumerate(zip(batched, refs)):
         assert ours.shape == ref.shape, i
