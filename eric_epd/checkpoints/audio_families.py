@@ -42,11 +42,20 @@ QWEN2_AUDIO = Tokens(
 """Qwen2-Audio's special tokens; its processor finds the audio ones by their default names."""
 
 
+def _whisper_extractor(**settings: object) -> Any:
+    """The released Qwen audio models' Whisper feature extractor (128 mel bins at 16 kHz, 10 ms hops), with the
+    family's own `settings` (its chunk length; the Omni thinkers' dither off)."""
+    from transformers import WhisperFeatureExtractor
+
+    base = dict(feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400, padding_value=0.0)
+    return WhisperFeatureExtractor(**base, return_attention_mask=True, **settings)
+
+
 def _qwen2_audio(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> tuple[Any, Any]:
     """Qwen2-Audio's Whisper-style tower at width 64 and depth 2 over the released input (128 mel bins, 1500
     positions: 30 s), its linear projector, and its processor with the released feature-extractor settings and chat
     template (transformers keeps the released template as the processor's default)."""
-    from transformers import Qwen2AudioConfig, Qwen2AudioProcessor, WhisperFeatureExtractor
+    from transformers import Qwen2AudioConfig, Qwen2AudioProcessor
 
     cfg = Qwen2AudioConfig(
         audio_config={
@@ -62,15 +71,7 @@ def _qwen2_audio(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> 
         audio_token_index=ids["<|AUDIO|>"],
     )
     cfg.architectures = ["Qwen2AudioForConditionalGeneration"]
-    extractor = WhisperFeatureExtractor(
-        feature_size=128,
-        sampling_rate=16000,
-        hop_length=160,
-        chunk_length=30,
-        n_fft=400,
-        padding_value=0.0,
-        return_attention_mask=True,
-    )
+    extractor = _whisper_extractor(chunk_length=30)
     processor = Qwen2AudioProcessor(extractor, tok)
     processor.chat_template = processor.default_chat_template
     return cfg, processor
@@ -129,13 +130,7 @@ def _qwen2_5_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) ->
     block, one full-attention block), and the processor with the released settings: the Whisper extractor padding
     to 300 s (`chunk_length` 300), the image and video processors at transformers' defaults (the released ones),
     the released chat template."""
-    from transformers import (
-        Qwen2_5OmniConfig,
-        Qwen2_5OmniProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-        WhisperFeatureExtractor,
-    )
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}  # halves of 32-wide heads
     thinker = dict(
@@ -174,16 +169,7 @@ def _qwen2_5_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) ->
     )
     cfg = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)  # saved as its model class, which
     # vLLM 0.32 maps to its thinker as it maps the released `Qwen2_5OmniModel`
-    extractor = WhisperFeatureExtractor(
-        feature_size=128,
-        sampling_rate=16000,
-        hop_length=160,
-        chunk_length=300,
-        n_fft=400,
-        padding_value=0.0,
-        return_attention_mask=True,
-        dither=0.0,
-    )
+    extractor = _whisper_extractor(chunk_length=300, dither=0.0)
     processor = Qwen2_5OmniProcessor(
         Qwen2VLImageProcessor(), Qwen2VLVideoProcessor(), extractor, tok, chat_template=QWEN2_5_OMNI_TEMPLATE
     )
@@ -235,13 +221,7 @@ def _qwen3_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> t
     and depth 2, its Qwen3-VL vision tower (patch 16, learned positions, DeepStack taps after blocks 1 and 2 of 4),
     a 4-expert top-2 MoE language model, and the processor: Whisper extractor at 128 mel bins, the Qwen2-VL image
     and video processors at patch 16 (Qwen3-VL's normalisation; the released values are not checked offline)."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-        Qwen3OmniMoeConfig,
-        Qwen3OmniMoeProcessor,
-        WhisperFeatureExtractor,
-    )
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeConfig, Qwen3OmniMoeProcessor
 
     rope = {
         "rope_type": "default",
@@ -309,16 +289,7 @@ def _qwen3_omni(tok: Any, ids: dict[str, int], vocab: int, init_std: float) -> t
         im_end_token_id=ids["<|im_end|>"],
     )
     cfg.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
-    extractor = WhisperFeatureExtractor(
-        feature_size=128,
-        sampling_rate=16000,
-        hop_length=160,
-        chunk_length=300,
-        n_fft=400,
-        padding_value=0.0,
-        return_attention_mask=True,
-        dither=0.0,
-    )
+    extractor = _whisper_extractor(chunk_length=300, dither=0.0)
     norm = {
         "image_mean": [0.5] * 3,
         "image_std": [0.5] * 3,

@@ -47,21 +47,7 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
             "mrope_interleaved": True,
         },
     }
-    vision = dict(
-        depth=spec.vision_depth,
-        hidden_size=spec.vision_width,
-        intermediate_size=spec.vision_mlp,
-        out_hidden_size=spec.text_hidden,
-        num_heads=spec.vision_heads,
-        in_channels=3,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        hidden_act="gelu_pytorch_tanh",
-        num_position_embeddings=64 if spec.size == "tiny" else 2304,
-        deepstack_visual_indexes=_deepstack_layers(spec.vision_depth),
-        initializer_range=init_std,
-    )
+    vision = {**_qwen3_tower(spec, init_std), "deepstack_visual_indexes": _deepstack_layers(spec.vision_depth)}
     if spec.family == "qwen3_vl_moe":
         text_config = {
             **text_config,
@@ -77,6 +63,24 @@ def _qwen3_vl_config(spec: CheckpointSpec, text_config: dict, common: dict, init
     cfg = Qwen3VLConfig(text_config=text_config, vision_config=vision, **common)
     cfg.architectures = ["Qwen3VLForConditionalGeneration"]
     return cfg
+
+
+def _qwen3_tower(spec: CheckpointSpec, init_std: float) -> dict:
+    """The vision config Qwen3-VL and Qwen3.5 share (16-pixel patches merged 2x2, two frames a temporal patch)."""
+    return dict(
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_width,
+        intermediate_size=spec.vision_mlp,
+        out_hidden_size=spec.text_hidden,
+        num_heads=spec.vision_heads,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=64 if spec.size == "tiny" else 2304,
+        initializer_range=init_std,
+    )
 
 
 def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_std: float):
@@ -105,20 +109,7 @@ def _qwen3_5_config(spec: CheckpointSpec, text_config: dict, common: dict, init_
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 2,
     }
-    vision = dict(
-        depth=spec.vision_depth,
-        hidden_size=spec.vision_width,
-        intermediate_size=spec.vision_mlp,
-        out_hidden_size=spec.text_hidden,
-        num_heads=spec.vision_heads,
-        in_channels=3,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        hidden_act="gelu_pytorch_tanh",
-        num_position_embeddings=64 if spec.size == "tiny" else 2304,
-        initializer_range=init_std,
-    )
+    vision = _qwen3_tower(spec, init_std)
     if spec.family == "qwen3_5_moe":
         text_config = {
             **text_config,

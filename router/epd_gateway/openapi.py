@@ -37,60 +37,29 @@ _TEXT = {
     "additionalProperties": False,
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }
-_IMAGE_URL = {
-    "type": "object",
-    "required": ["url"],
-    "additionalProperties": False,
-    "properties": {"url": {"type": "string"}, "detail": {"type": "string"}},
-}
-_IMAGE = {
-    "type": "object",
-    "required": ["type", "image_url"],
-    "additionalProperties": False,
-    "properties": {"type": {"const": "image_url"}, "image_url": _IMAGE_URL},
-}
-_VIDEO = {
-    "type": "object",
-    "required": ["type", "video_url"],
-    "additionalProperties": False,
-    "properties": {
-        "type": {"const": "video_url"},
-        "video_url": {
-            "type": "object",
-            "required": ["url"],
-            "additionalProperties": False,
-            "properties": {"url": {"type": "string"}},
-        },
-    },
-}
-_AUDIO_URL = {
-    "type": "object",
-    "required": ["type", "audio_url"],
-    "additionalProperties": False,
-    "properties": {
-        "type": {"const": "audio_url"},
-        "audio_url": {
-            "type": "object",
-            "required": ["url"],
-            "additionalProperties": False,
-            "properties": {"url": {"type": "string"}},
-        },
-    },
-}
-_INPUT_AUDIO = {
-    "type": "object",
-    "required": ["type", "input_audio"],
-    "additionalProperties": False,
-    "properties": {
-        "type": {"const": "input_audio"},
-        "input_audio": {
-            "type": "object",
-            "required": ["data", "format"],
-            "additionalProperties": False,
-            "properties": {"data": {"type": "string", "contentEncoding": "base64"}, "format": {"type": "string"}},
-        },
-    },
-}
+
+
+def _closed(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema object with these properties only, `required` of them required."""
+    return {"type": "object", "required": required, "additionalProperties": False, "properties": properties}
+
+
+def _part(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A content part: {"type": kind, kind: body}."""
+    return _closed(["type", kind], {"type": {"const": kind}, kind: body})
+
+
+_URL = _closed(["url"], {"url": {"type": "string"}})
+_IMAGE_URL = _closed(["url"], {"url": {"type": "string"}, "detail": {"type": "string"}})
+_IMAGE = _part("image_url", _IMAGE_URL)
+_VIDEO = _part("video_url", _URL)
+_AUDIO_URL = _part("audio_url", _URL)
+_INPUT_AUDIO = _part(
+    "input_audio",
+    _closed(
+        ["data", "format"], {"data": {"type": "string", "contentEncoding": "base64"}, "format": {"type": "string"}}
+    ),
+)
 MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
