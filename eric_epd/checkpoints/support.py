@@ -58,7 +58,12 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     ),
     FamilySupport("Qwen3.5", "qwen3_5", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"),
     FamilySupport(
-        "Qwen3.5-MoE", "qwen3_5_moe", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"
+        "Qwen3.5-MoE",
+        "qwen3_5_moe",
+        "not tested: vLLM runs Qwen3.5's linear attention on CPU in bfloat16 only ('CPU GDN attention requires BF16'),"
+        " where tiny Qwen3.5-MoE's greedy tokens tie at the second step and do not tell another image set's rows from"
+        " the right ones (the negative control passes); its tower is Qwen3.5's, proven through vLLM above",
+        "tests/sglang/test_sglang_families.py",
     ),
     FamilySupport("Gemma 3", "gemma3", GENERIC_VLLM, NO_SGLANG_GENERIC),
     FamilySupport("Gemma 4", "gemma4", GENERIC_VLLM, NO_SGLANG_GENERIC),
