@@ -10,6 +10,7 @@ import pytest
 
 from eric_epd.planning.costs import REFERENCES, stage_costs
 from tests.support import readme_epd as epd
+from tests.support import readme_planner as planner
 from tests.support import readme_rows as rows
 from tests.support.readme_epd import cost, mix, saturated
 from tests.support.readme_figures import (
@@ -53,11 +54,14 @@ def efficiency(d: dict) -> str:
 
 
 def step(d: dict) -> str:
-    """shaped3b: the prefill step the TPOT bullet estimates from the run's profile."""
+    """shaped3b: the prefill step the TPOT bullet estimates from the profile taken again the morning after the runs
+    (`profile_at_run`), and from the run's own (`profile_first`)."""
     tokens, seconds = prefill_step(mix(d)["profile_at_run"])
+    own = prefill_step(mix(d)["profile_first"])[1]
     return (
         f"prefills ~{round(tokens, -2)}-token prompts. On one core, a step holding such a prefill takes about "
-        f"{seconds:.2f} s"
+        f"{seconds:.2f} s (an estimate: the fitted prefill seconds per token of the profile taken again the morning "
+        f"after the runs, times the prompt; the run's own profile gives {own:.2f} s)"
     )
 
 
@@ -113,6 +117,15 @@ def geri(d: dict) -> str:
     return f"images/s: Geri {c1} at concurrency 1, {c8} at concurrency 8"
 
 
+PLANNER: list[Figure] = [
+    Figure(S3, epd.shaped3b_errors),
+    Figure(S7, epd.shaped7b_row),
+    Figure((S3, S7), lambda d: epd.planning_summary(*d), "docs/planning.md"),
+]
+"""The planner's accuracy, recomputed from the predictions and the measured points and counted strictly."""
+PROFILES = {S3: ("_first", "_at_run", ""), S7: ("_at_run", "")}
+"""Each shaped run's sets of predictions (tests/support/readme_planner.py says which profile each is from)."""
+
 FIGURES: list[Figure] = [
     # "Does EPD pay?": shaped3b
     Figure(S3, lambda d: f"prefill costs {cost(d, 'flops_prefill_over_encoder')}x the tower's FLOPs"),
@@ -120,7 +133,10 @@ FIGURES: list[Figure] = [
         S3,
         lambda d: (
             f"the ratio is {cost(d, 'measured_prefill_over_eric')}x against Eric and "
-            f"{cost(d, 'measured_prefill_over_vllm_encoder')}x {VS_ENGINE}"
+            f"{cost(d, 'measured_prefill_over_vllm_encoder')}x {VS_ENGINE} (the profile taken again the morning "
+            f"after the runs; the run's own profile, taken before them, gives "
+            f"{f2(mix(d)['cost_check_first']['measured_prefill_over_eric'])}x and "
+            f"{f2(mix(d)['cost_check_first']['measured_prefill_over_vllm_encoder'])}x)"
         ),
     ),
     Figure(S3, lambda d: f"`vllm bench serve` with {d['prompts_per_point']} prompts, {d['runs']} runs, medians"),
@@ -213,8 +229,7 @@ FIGURES: list[Figure] = [
     Figure("gateway_overhead.json", rows.gateway_target),
     Figure((QUICK, CACHE), lambda d: epd.quick(*d)),
     Figure(S3, lambda d: f"profile taken again on {epd.repredicted_on(d)}"),
-    Figure(S3, epd.shaped3b_errors),
-    Figure(S7, epd.shaped7b_row),
+    *PLANNER[:2],
     Figure("epd_vs_colocated_multiturn_quick.json", epd.multiturn),
     Figure("e2e_vllm.json", e2e),
     Figure("soak.json", rows.soak_setup),
@@ -233,7 +248,7 @@ FIGURES: list[Figure] = [
     ),
     Figure(CACHE, stage_times),
     # docs/planning.md: how far to trust the plan, over both shaped runs
-    Figure((S3, S7), lambda d: epd.planning_summary(*d), "docs/planning.md"),
+    PLANNER[2],
     Figure(S7, epd.decode_context, "docs/planning.md"),
 ]
 
@@ -279,3 +294,38 @@ def test_a_changed_table_cell_fails() -> None:
     mix(data)["ratios"]["0.86"]["request_throughput"] = 0.5
     [(doc, stated)] = missing([row], load=lambda name: data)
     assert doc == "README.md" and "| 0.50x |" in stated and stated.endswith(">= 0.9x: **not met** |")
+
+
+def test_a_figure_is_a_hit_only_within_15_percent() -> None:
+    def error(value: float, inside: bool = True) -> planner.Error:
+        return planner.Error("epd", "0.43", "p99_tpot_ms", value, inside)
+
+    assert planner.hit(error(0.149)) and planner.hit(error(-0.149))
+    assert not planner.hit(error(0.151)) and not planner.hit(error(-0.151))  # inside the runs' min-max, still a miss
+    stated = planner.count([error(0.149), error(0.151), error(-0.2, inside=False)])
+    assert stated == "1 of 3 within 15% (1 of the 2 misses inside the runs' min-max, not counted)"
+
+
+@pytest.mark.parametrize("name,suffix", [(n, s) for n, sufs in PROFILES.items() for s in sufs])
+def test_the_stored_errors_are_the_recomputed_ones(name: str, suffix: str) -> None:
+    series = mix(result(name))
+    assert len(planner.recompute(series, suffix)) == 30
+    assert planner.stored_disagreements(series, suffix) == []
+    changed = copy.deepcopy(series)
+    changed["epd"][f"predicted{suffix}"]["inf"]["request_throughput"] *= 1.5
+    assert ("epd", "inf", "request_throughput") in planner.stored_disagreements(changed, suffix)
+
+
+def test_a_loosened_count_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    series = [mix(result(n)) for n in PROFILES]
+    strict = [sum(map(planner.hit, planner.recompute(s, x))) for s in series for x in ("", planner.own(s))]
+    assert missing(PLANNER) == []
+    monkeypatch.setattr(planner, "hit", lambda e: abs(e.error) <= planner.LIMIT or e.inside)
+    loose = [sum(map(planner.hit, planner.recompute(s, x))) for s in series for x in ("", planner.own(s))]
+    assert all(a > b for a, b in zip(loose, strict)), (loose, strict)  # every set has a miss inside the spread
+    assert [doc for doc, _ in missing(PLANNER)] == ["README.md", "README.md", "docs/planning.md"]
+
+
+def test_no_document_counts_the_runs_spread_as_a_hit() -> None:
+    for name in ("README.md", "docs/planning.md"):
+        assert "within 15% or inside" not in document(name), name

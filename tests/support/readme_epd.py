@@ -6,21 +6,8 @@ from __future__ import annotations
 
 import re
 
-from tests.support.readme_figures import (
-    eric_core_s,
-    f1,
-    f2,
-    met,
-    pct,
-    pct_span,
-    planner_close,
-    planner_errors,
-    planner_misses,
-    span,
-    x,
-)
-
-MEASURE = {"request_throughput": "throughput", "p50_ttft_ms": "TTFT p50", "p99_tpot_ms": "TPOT p99"}
+from tests.support import readme_planner as planner
+from tests.support.readme_figures import eric_core_s, f1, f2, pct_span, span, x
 
 
 def mix(d: dict) -> dict:
@@ -39,67 +26,61 @@ def ratios(d: dict, key: str) -> list[float]:
 
 
 def cost(d: dict, key: str) -> str:
-    """The cost check (from the run's profile)."""
+    """The stored cost check: shaped7b's from the run's own profile, shaped3b's from its profile taken again the
+    morning after the run (its own is `cost_check_first`)."""
     return f2(mix(d)["cost_check"][key])
 
 
-def errors(d: dict, at_run: bool = False) -> dict[str, str]:
-    """The planner's error ranges by measure (re-taken profile, or the run's own) and how many are close."""
-    errs = mix(d)["prediction_errors_at_run" if at_run else "prediction_errors"]
-    return {**{k: pct_span(v) for k, v in planner_errors(errs).items()}, "close": planner_close(errs)}
-
-
-def misses(d: dict) -> list[tuple[str, str, str, float]]:
-    """The planner's misses (side, rate, measure, error), by rate."""
-    return sorted(planner_misses(mix(d)["prediction_errors"]), key=lambda m: (float(m[1]), m[0]))
-
-
-def misses_where(d: dict) -> str:
-    """'TPOT p99 at 0.256 req/s (EPD, +58%), ... and all at once (EPD, -17%)' (every miss on one measure)."""
-    found = misses(d)
-    assert len({m[2] for m in found}) == 1, found
-    at = [
-        f"{'all at once' if r == 'inf' else r + ' req/s'} ({'EPD' if s == 'epd' else s}, {pct(v)})"
-        for s, r, _, v in found
-    ]
-    return f"{MEASURE[found[0][2]]} at " + ", ".join(at[:-1]) + f" and {at[-1]}"
-
-
-def cost_check(d: dict) -> str:
+def cost_check(d: dict, which: str) -> str:
     """The rows' cost check: FLOPs, then measured against Eric and vLLM's encoder."""
     return (
-        f"Cost check (the run's profile): prefill / tower per image token {cost(d, 'flops_prefill_over_encoder')} in "
+        f"Cost check ({which}): prefill / tower per image token {cost(d, 'flops_prefill_over_encoder')} in "
         f"FLOPs, {cost(d, 'measured_prefill_over_eric')} measured against Eric, "
         f"{cost(d, 'measured_prefill_over_vllm_encoder')} against vLLM's encoder"
     )
 
 
+RUNS_PROFILE = "the run's profile"
+STRICT = (
+    "counted strictly: a figure is a hit only within 15% of the median; a miss inside the {runs} runs' min-max is "
+    "shown, not counted"
+)
+EVENING = (
+    "the profile taken again on {date} evening with decode measured at the mix's context too, a profiler feature "
+    "added after the misses were seen (`benchmarks/epd_repredict.py`; the measured points are the run's)"
+)
+
+
 def shaped3b_errors(d: dict) -> str:
-    """The shaped3b row: the planner's errors with both profiles, the cost check, the target."""
-    e, a = errors(d), errors(d, at_run=True)
-    names = " and ".join(sorted({MEASURE[m[2]] for m in misses(d)}))
+    """The shaped3b row: the planner's errors with the run's own profile and the two taken again, the cost check,
+    the target (strictly, the run's own profile)."""
+    s, first = mix(d), mix(d)["cost_check_first"]
     return (
-        f"throughput {e['request_throughput']}, TTFT p50 {e['p50_ttft_ms']}, TPOT p99 {e['p99_tpot_ms']}; "
-        f"{e['close']} figures within 15% or inside the {d['runs']} runs' min-max (the run's own profile, decode at "
-        f"short contexts only: throughput {a['request_throughput']}, TPOT p99 {a['p99_tpot_ms']}, also {a['close']}). "
-        f"{cost_check(d)} | planner within 15%: {met('throughput' not in names)} for throughput, **not met** for "
-        f"{len(misses(d))} {names} points near saturation"
+        f"Planner against measured medians, {STRICT.format(runs=d['runs'])}. The run's own profile, taken before the "
+        f"runs, 5 simulated seeds (the only predictions made before the points were measured; copied into the JSON "
+        f"from the file as commit 41d207e stored it): {planner.accuracy(s, '_first')}. Two re-fits after the runs, "
+        f"not predictions, 10 simulated seeds: the profile taken again on {repredicted_on(d)} morning, its engine "
+        f"capacity measured on text-only prompts after the run showed the first profile's to be wrong (decode at "
+        f"short contexts only): {planner.accuracy(s, '_at_run')}; and {EVENING.format(date=repredicted_on(d))}: "
+        f"{planner.accuracy(s, '')}. {cost_check(d, 'the profile taken again in the morning')} (the run's own "
+        f"profile: {f2(first['measured_prefill_over_eric'])} and {f2(first['measured_prefill_over_vllm_encoder'])}) "
+        f"| planner within 15% (the run's own profile): {planner.per_measure(s, '_first')}"
     )
 
 
 def shaped7b_row(d: dict) -> str:
-    """The shaped7b row: the ratios' ranges, the planner's errors with both profiles, the cost check."""
-    e, a = errors(d), errors(d, at_run=True)
+    """The shaped7b row: the ratios' ranges, the planner's errors with the run's own profile and the one taken again,
+    the cost check, the target (strictly, the run's own profile)."""
+    s = mix(d)
     return (
         f"throughput {span(ratios(d, 'request_throughput'), x)}, TPOT p99 {span(ratios(d, 'p99_tpot_ms'), x)}, "
         f"goodput {span(ratios(d, 'request_goodput'), x)}, TTFT p50 "
         f'{span(ratios(d, "p50_ttft_ms"), lambda v: f"{v:.1f}x")} (table in "Does EPD pay?"); pipeline efficiency '
-        f"{f2(mix(d)['pipeline_efficiency'])}. Planner against measured medians, from a profile that measures decode "
-        f"at the mix's context too (`benchmarks/epd_repredict.py`, as for `shaped3b`): throughput "
-        f"{e['request_throughput']}, TTFT p50 {e['p50_ttft_ms']}, TPOT p99 {e['p99_tpot_ms']}; {e['close']} figures "
-        f"within 15% or inside the {d['runs']} runs' min-max; the misses are {misses_where(d)}. With the run's own "
-        f"profile (decode after short prompts only): throughput {a['request_throughput']}, TPOT p99 "
-        f"{a['p99_tpot_ms']}, {a['close']}. {cost_check(d)}"
+        f"{f2(s['pipeline_efficiency'])}. Planner against measured medians, {STRICT.format(runs=d['runs'])}. The "
+        f"run's own profile, taken before the runs, decode after short prompts only (the only predictions): "
+        f"{planner.accuracy(s, '_at_run')}. A re-fit after the runs, not a prediction: "
+        f"{EVENING.format(date=repredicted_on(d))}: {planner.accuracy(s, '')}. {cost_check(d, RUNS_PROFILE)} "
+        f"| planner within 15% (the run's own profile): {planner.per_measure(s, '_at_run')}"
     )
 
 
@@ -115,26 +96,27 @@ def spread(d: dict, side: str, rate: str, key: str, unit: float = 1.0, fmt=lambd
 
 
 def planning_summary(d3: dict, d7: dict) -> str:
-    """docs/planning.md's summary of the planner's error over both shaped runs."""
+    """docs/planning.md's summary of the planner's error over both shaped runs: the runs' own profiles, then the
+    profiles taken again after them, each counted strictly."""
     both = [mix(d3), mix(d7)]
+    own = [e for s in both for e in planner.recompute(s, planner.own(s))]
+    again = [e for s in both for e in planner.recompute(s, "")]
 
     def pooled(measure: str) -> str:
-        return pct_span([v for s in both for v in planner_errors(s["prediction_errors"])[measure]])
+        return pct_span(e.error for e in again if e.measure == measure)
 
-    def close(key: str) -> str:
-        counts = [tuple(map(int, planner_close(s[key]).split(" of "))) for s in both]
-        return f"{sum(c[0] for c in counts)} of {sum(c[1] for c in counts)}"
-
-    inf = [s["prediction_errors"][side]["inf"]["request_throughput"] for s in both for side in ("epd", "colocated")]
+    inf = [e.error for e in again if e.rate == "inf" and e.measure == "request_throughput"]
     return (
-        f"throughput {pooled('request_throughput')} ({pct_span(inf)} all at once: EPD's saturated rate is below the "
-        f"engine's alone, pipeline efficiency {span([s['pipeline_efficiency'] for s in both])}); TTFT p50 "
-        f"{pooled('p50_ttft_ms')}, the large errors near saturation where TTFT turns on a few percent of capacity and "
-        f"the 3 runs spread widely (one point {spread(d3, 'colocated', '1.075', 'p50_ttft_ms', 1000, f1)} s); TPOT p99 "
-        f"{pooled('p99_tpot_ms')}. {close('prediction_errors')} figures are within 15% or inside the runs' min-max "
-        f"({close('prediction_errors_at_run')} with decode measured after short prompts only). A p99 over 48 requests "
-        f"is itself noisy there (one point's three runs spread {spread(d3, 'epd', '0.688', 'p99_tpot_ms')} ms, another "
-        f"{spread(d7, 'colocated', '0.41', 'p99_tpot_ms')} ms)"
+        f"{STRICT.format(runs=3)}. From the profiles the runs took before them (the only predictions; decode measured "
+        f"after short prompts only): {planner.ranges(own)}; {planner.count(own)}. From the profiles taken again after "
+        f"the runs with decode measured at the mix's context too, a profiler feature added after those misses were "
+        f"seen (a re-fit, not a prediction): throughput {pooled('request_throughput')} ({pct_span(inf)} all at once: "
+        f"EPD's saturated rate is below the engine's alone, pipeline efficiency "
+        f"{span([s['pipeline_efficiency'] for s in both])}); TTFT p50 {pooled('p50_ttft_ms')}, the large errors near "
+        f"saturation where TTFT turns on a few percent of capacity and the 3 runs spread widely (one point "
+        f"{spread(d3, 'colocated', '1.075', 'p50_ttft_ms', 1000, f1)} s); TPOT p99 {pooled('p99_tpot_ms')}; "
+        f"{planner.count(again)}. A p99 over 48 requests is itself noisy there (one point's three runs spread "
+        f"{spread(d3, 'epd', '0.688', 'p99_tpot_ms')} ms, another {spread(d7, 'colocated', '0.41', 'p99_tpot_ms')} ms)"
     )
 
 

@@ -1,6 +1,6 @@
 """The machinery of tests/project/test_readme_figures.py: a Figure (a document, the benchmark JSON behind it and the
 exact text it must state), the formats the README writes numbers in, and the figures derived from a JSON's fields
-(ranges, planner errors, a soak's RSS windows and error counts, a profile's prefill step)."""
+(ranges, a soak's RSS windows and error counts, a profile's prefill step)."""
 
 from __future__ import annotations
 
@@ -144,34 +144,6 @@ def ratio_row(series: dict, label: str, key: str, target: Callable[[list[float]]
 def rate_head(series: dict) -> str:
     """The head row of a "Does EPD pay?" table."""
     return "| rate (req/s) | " + " | ".join(rate(k) for k in series["ratios"]) + " |"
-
-
-def planner_errors(errors: dict) -> dict[str, list[float]]:
-    """The planner's errors (prediction / measured - 1) by measure, over both sides and every rate."""
-    out: dict[str, list[float]] = {}
-    for by_rate in errors.values():
-        for errs in by_rate.values():
-            for key, value in errs.items():
-                if not key.endswith("_in_spread"):
-                    out.setdefault(key, []).append(value)
-    return out
-
-
-def planner_misses(errors: dict) -> list[tuple[str, str, str, float]]:
-    """(side, rate, measure, error) of every prediction off by over 15% and outside the runs' min-max."""
-    return [
-        (side, rate_key, key, value)
-        for side, by_rate in errors.items()
-        for rate_key, errs in by_rate.items()
-        for key, value in errs.items()
-        if not key.endswith("_in_spread") and abs(value) > 0.15 and not errs[key + "_in_spread"]
-    ]
-
-
-def planner_close(errors: dict) -> str:
-    """How many predictions are within 15% or inside the runs' min-max: '27 of 30'."""
-    total = sum(len(v) for v in planner_errors(errors).values())
-    return f"{total - len(planner_misses(errors))} of {total}"
 
 
 def profile(data: dict) -> Profile:
