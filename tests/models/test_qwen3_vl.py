@@ -230,8 +230,8 @@ def test_vllm_epd_tokens_equal_monolithic_and_levels_are_consumed(qwen3_vl_tiny:
             items = encode_case(main.url, cases[name], main.api_key)
             epd[name] = greedy_run(llm, epd_prompt(cases[name], items), items)
             assert_greedy_agree(epd[name], monolithic, NEAR_TIE_FLOAT32, name)
-        other = Case("four_other_images", cases["four_images"].image_sizes, seed=43)  # the same sizes, other pixels
-        wrong = greedy_run(llm, raw_prompt(other, model=qwen3_vl_tiny))
+        others = Case("four_other_images", cases["four_images"].image_sizes, seed=43)  # same sizes, other pixels
+        wrong = greedy_run(llm, raw_prompt(others, model=qwen3_vl_tiny))
         assert_greedy_differ(epd["four_images"], wrong, NEAR_TIE_FLOAT32, "four_images against other images' answer")
 
         case = cases["two_images"]  # images this engine has not cached under Eric's hash
