@@ -24,11 +24,13 @@ QUESTIONS = (
 COUNTERS = {
     "eric_encoded": ("eric", 'eric_items_total{modality="image",source="encoded"}'),
     "eric_cached": ("eric", 'eric_items_total{modality="image",source="cached"}'),
+    "eric_alias_hits": ("eric", 'eric_alias_hits_total{modality="image"}'),
     "loaded_items": ("vllm", "vllm:eric_ec_loaded_items_total"),
     "loaded_bytes": ("vllm", "vllm:eric_ec_loaded_bytes_total"),
     "prefix_hit_tokens": ("vllm", "vllm:prefix_cache_hits_total"),
 }
-"""What a turn cost, by server: Eric's encodes and content-cache answers, the connector's loads (transfers), the
+"""What a turn cost, by server: Eric's encodes and content-cache answers (those found by their raw bytes, not
+decoded again: eric_alias_hits), the connector's loads (transfers), the
 prompt tokens vLLM's prefix cache computed. A server a side lacks (Eric, colocated) is left out."""
 SETTLE_S = 1.0
 """vLLM reports its connector's counters a step after the work: wait this long before reading them."""
@@ -133,6 +135,7 @@ def print_turns(name: str, sides: dict) -> None:
         ("epd", "prefix_hit_tokens"),
         ("epd", "eric_encoded"),
         ("epd", "eric_cached"),
+        ("epd", "eric_alias_hits"),
         ("epd", "loaded_items"),
     )
     lines = [f"{'series':10} {'shape':17} {'turn':5} {'new':>4} " + " ".join(f"{s[:3]}:{c:>17}" for s, c in cols)]

@@ -20,6 +20,7 @@ from eric_epd.common.dns import address_url
 from eric_epd.common.errors import OFF_LOOP_BYTES, ApiError, read_body
 from eric_epd.common.http import ApiKeyMiddleware
 from eric_epd.common.registration import MEMBER_PROOF_PATH, NONCE_HEX, MemberProof, member_proof
+from eric_epd.eric.alias import RawAlias
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.encode_body import parse_encode_body
@@ -127,8 +128,9 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
         try:
             async with connected_client(config, engine.is_alive, metrics.observe_status) as client:
                 state["client"] = client
+                alias = RawAlias(config.alias_entries, processor.salts) if config.alias_entries else None
                 state["service"] = EncodeService(
-                    fetcher, processor, client, hub, metrics, spec, shared, config.batch.max_queued_items
+                    fetcher, processor, client, hub, metrics, spec, shared, config.batch.max_queued_items, alias
                 )
                 heartbeat = asyncio.create_task(membership.run()) if config.register_with else None
 

@@ -10,7 +10,7 @@ from eric_epd.common.cpus import parse_cpus
 from eric_epd.common.net import is_loopback
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.eric.config import COMPILE_MODES, SGLANG_DTYPES, BatchLimits, EricConfig, SglangConfig
-from eric_epd.media.limits import MediaLimits
+from eric_epd.eric.media_flags import add_media_flags, media_limits
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.runtime.cli import add_server_flags
 from eric_epd.transfer.config import TRANSFER_BACKENDS, TransferConfig
@@ -73,6 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "an engine on the same host",
     )
     p.add_argument("--preprocess-threads", type=int, default=0, help="0: one per CPU of --cpus, at most 4")
+    p.add_argument(
+        "--alias-entries",
+        type=int,
+        default=EricConfig.alias_entries,
+        help="most raw-bytes aliases kept (fetched bytes -> content hash, least recently used dropped): an item "
+        "sent again while its embedding is still in the pool is answered without decoding it (0: off)",
+    )
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -166,74 +173,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on shutdown (SIGTERM), seconds the leases handed out may take to be read and acknowledged "
         "while new encodes are refused",
     )
-    p.add_argument(
-        "--video-fps",
-        type=float,
-        default=MediaLimits.video_fps,
-        help="frames sampled per second of video (models whose processor samples otherwise ignore it)",
-    )
-    p.add_argument(
-        "--max-video-frames",
-        type=int,
-        default=MediaLimits.max_video_frames,
-        help="most frames sampled from one video (a model sampling more is refused with 413)",
-    )
-    p.add_argument(
-        "--max-video-source-frames",
-        type=int,
-        default=MediaLimits.max_video_source_frames,
-        help="most frames a video may hold, read from its container before decoding (413 otherwise)",
-    )
-    p.add_argument(
-        "--max-video-seconds",
-        type=float,
-        default=MediaLimits.max_video_seconds,
-        help="longest video accepted, read from its container before decoding (413 otherwise)",
-    )
-    p.add_argument(
-        "--max-video-decode-seconds",
-        type=float,
-        default=MediaLimits.max_video_decode_s,
-        help="wall time one request's videos may take to decode before they are refused with 413",
-    )
-    p.add_argument(
-        "--max-video-fps",
-        type=float,
-        default=MediaLimits.max_video_fps,
-        help="highest frame rate a video may declare, read from its container before decoding (413)",
-    )
-    p.add_argument(
-        "--max-video-decode-pixels",
-        type=int,
-        default=MediaLimits.max_video_decode_pixels,
-        help="most pixels one request's videos may decode (each: its frames up to the last sampled one x "
-        "its frame size, read from the container before decoding; 413 beyond)",
-    )
-    p.add_argument(
-        "--max-audio-seconds",
-        type=float,
-        default=MediaLimits.max_audio_seconds,
-        help="longest audio item accepted, from its header and again as decoded (413 otherwise)",
-    )
-    p.add_argument(
-        "--max-audio-sample-rate",
-        type=int,
-        default=MediaLimits.max_audio_sample_rate,
-        help="highest audio sample rate (Hz) accepted, read from the header before decoding (413 "
-        "otherwise); at most the default, the highest rate the resampler takes",
-    )
-    p.add_argument(
-        "--max-audio-channels",
-        type=int,
-        default=MediaLimits.max_audio_channels,
-        help="most audio channels accepted, read from the header before decoding (413 otherwise)",
-    )
-    p.add_argument(
-        "--max-audio-decode-bytes",
-        type=int,
-        default=MediaLimits.max_audio_decode_bytes,
-        help="most bytes one audio item may decode to, as float32 samples of every channel (413 otherwise)",
-    )
+    add_media_flags(p)
     g = p.add_argument_group("SGLang encoder protocol (for --language-only --encoder-urls prefills)")
     g.add_argument("--no-sglang", action="store_true", help="do not serve SGLang's encoder endpoints")
     g.add_argument(
@@ -343,23 +283,12 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         port=args.port,
         cpus=args.cpus,
         preprocess_threads=args.preprocess_threads,
+        alias_entries=args.alias_entries,
         liveness_timeout_s=args.liveness_timeout,
         max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items, args.batches_in_flight),
-        media=MediaLimits(
-            video_fps=args.video_fps,
-            max_video_frames=args.max_video_frames,
-            max_video_source_frames=args.max_video_source_frames,
-            max_video_seconds=args.max_video_seconds,
-            max_video_decode_s=args.max_video_decode_seconds,
-            max_video_fps=args.max_video_fps,
-            max_video_decode_pixels=args.max_video_decode_pixels,
-            max_audio_seconds=args.max_audio_seconds,
-            max_audio_sample_rate=args.max_audio_sample_rate,
-            max_audio_channels=args.max_audio_channels,
-            max_audio_decode_bytes=args.max_audio_decode_bytes,
-        ),
+        media=media_limits(args),
         transfer=TransferConfig(
             pool_bytes=args.pool_bytes,
             ttl_s=args.embedding_ttl,

@@ -84,6 +84,9 @@ class EricConfig(RuntimeConfig):
     max_body_bytes: int = 32 * 2**20
     """Largest accepted /v1/encode body (base64 media counts)."""
     max_items_per_request: int = 64
+    alias_entries: int = 4096
+    """Most raw-bytes aliases kept (eric/alias.py: fetched bytes and settings -> content hash, least recently used
+    dropped): a resent item whose embedding is still in the pool is answered without decoding; 0 turns it off."""
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig())
     sglang: SglangConfig = field(default_factory=lambda: SglangConfig())
     global_cache: str | None = None
@@ -103,8 +106,8 @@ class EricConfig(RuntimeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.preprocess_threads < 0:
-            raise ValueError("preprocess_threads must be >= 0")
+        if self.preprocess_threads < 0 or self.alias_entries < 0:
+            raise ValueError("preprocess_threads and alias_entries must be >= 0")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
         if self.compile not in COMPILE_MODES:

@@ -65,6 +65,13 @@ class EricMetrics:
             ["modality", "source"],
             registry=r,
         )
+        self.alias_hits = Counter(
+            "eric_alias_hits",
+            "Items answered through the raw-bytes alias (--alias-entries): their embedding was still in the pool, "
+            "so they were not decoded, preprocessed or hashed again",
+            ["modality"],
+            registry=r,
+        )
         self.requests = Counter("eric_requests", "Encode requests by HTTP status", ["status"], registry=r)
         self.stages = StageHistogram(
             "eric_stage_seconds", "Time per stage of the encode path", "stage", STAGES, registry=r
@@ -113,10 +120,13 @@ class EricMetrics:
             self.stages.observe("batch_compute", b.compute_seconds)
             self.stages.observe("pool_write", b.write_seconds)
 
-    def observe_item(self, fetch_seconds: float, seconds: tuple[float, float, float]) -> None:
-        """One item's fetch, then its decode, preprocessing and hashing (PreparedItem.seconds)."""
+    def observe_item(self, fetch_seconds: float, seconds: tuple[float, float, float] | None) -> None:
+        """One item's fetch, then its decode, preprocessing and hashing (PreparedItem.seconds; None for an alias
+        hit, which had none)."""
         stages = self.stages
         stages.observe("fetch", fetch_seconds)
+        if seconds is None:
+            return
         stages.observe("decode", seconds[0])
         stages.observe("preprocess", seconds[1])
         stages.observe("hash", seconds[2])

@@ -44,6 +44,9 @@ class PreparedItem:
     item: ProcessedItem
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """How long decoding, preprocessing and hashing took (observed by the caller, on the event loop)."""
+    aliased: bool = False
+    """Found by its raw bytes (eric/alias.py): `item` carries the metadata only, no tensors; it is answered from a
+    lease on its pool entry and never submitted to the engine."""
 
 
 def model_fingerprint(facts: ModelFacts) -> bytes:
@@ -84,6 +87,12 @@ class Processor:
     def modalities(self) -> tuple[str, ...]:
         """The modalities the model's processor accepts."""
         return self._mp.modalities
+
+    @property
+    def salts(self) -> dict[str, bytes]:
+        """Each modality's content-hash salt: the model's fingerprint, the modality, the processor's fingerprint and
+        the video sampling (what the raw-bytes alias keys on too)."""
+        return dict(self._salt)
 
     def _hash_salt(self, modality: str, model_id: bytes) -> bytes:
         sampling = b""

@@ -12,6 +12,7 @@ import numpy as np
 from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.admission import Admission
+from eric_epd.eric.alias import RawAlias, alias_keys
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, soundtrack_answer
 from eric_epd.eric.inflight import Flight, InFlight
 from eric_epd.eric.metrics import EricMetrics
@@ -52,8 +53,10 @@ class EncodeService:
         output: OutputSpec,
         global_cache: GlobalCache | None = None,
         max_items: int = 512,
+        alias: RawAlias | None = None,
     ) -> None:
         self._fetcher = fetcher
+        self.alias = alias  # raw bytes -> content hash: a resent item still in the pool is not decoded again
         self.admission = Admission(max_items)
         self._global = global_cache
         self._sharing: set[asyncio.Task[None]] = set()
@@ -79,11 +82,9 @@ class EncodeService:
         self.admission.admit(len(items))
         try:
             start = time.perf_counter()
-            prepared = await self._prepare(items, hop_padded)
-            if staging is not None:
-                staging.wants = staging.want([p for p, _ in prepared])
-            handles = await self._embed(
-                [p for pair in prepared for p in pair if p is not None], clock or RequestClock(), staging
+            prepared, leased = await self._prepare(items, hop_padded, staging)
+            handles = await self._embed(  # from here on, _embed gives back the alias hits' leases on failure
+                [p for pair in prepared for p in pair if p is not None], clock or RequestClock(), staging, leased
             )
             self._metrics.observe_request(time.perf_counter() - start)
         except BaseException:
@@ -114,26 +115,53 @@ class EncodeService:
         return self.admission.room()
 
     async def _prepare(
-        self, items: list[EncodeItem], hop_padded: bool = True
-    ) -> list[tuple[PreparedItem, PreparedItem | None]]:
+        self, items: list[EncodeItem], hop_padded: bool = True, staging: Staging | None = None
+    ) -> tuple[list[tuple[PreparedItem, PreparedItem | None]], dict[str, EmbeddingHandle]]:
         """Every item fetched (concurrently), then decoded, preprocessed and hashed, each with its soundtrack where
-        asked (an audio item decoded from the same bytes); the first failure is a 4xx naming its item."""
+        asked (an audio item decoded from the same bytes), and `staging`'s wants; the first failure is a 4xx naming
+        its item. An item the alias knows whose embedding is in the pool is leased at once instead (one lease per
+        hash, returned beside the items: the lease keeps it there); on failure those leases are given back."""
         # a failed fetch ends its siblings before the request's admission is given back
         fetched = await all_or_none(*(self._fetch(i, item) for i, item in enumerate(items)))
         work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
         tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
-        results = await self._processor.prepare_many(work + [("audio", work[n][1]) for n in tracks], hop_padded)
-        soundtrack: dict[int, PreparedItem | MediaError] = dict(zip(tracks, results[len(items) :]))
-        prepared: list[tuple[PreparedItem, PreparedItem | None]] = []
-        for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
-            track = soundtrack.get(index)
-            for got, what in ((result, ""), (track, "its soundtrack (use_audio_in_video): ")):
-                if isinstance(got, MediaError):
-                    raise ApiError(got.status, f"item {index} ({item.id}): {what}{got.message}") from got
-            assert isinstance(result, PreparedItem) and not isinstance(track, MediaError)
-            self._metrics.observe_item(seconds, result.seconds)
-            prepared.append((result, track))
-        return prepared
+        jobs = work + [("audio", work[n][1]) for n in tracks]
+        keys = [None] * len(jobs) if self.alias is None else await alias_keys(self.alias, jobs, len(items), hop_padded)
+        leased: dict[str, EmbeddingHandle] = {}
+        try:
+            results: list[PreparedItem | MediaError | None] = [self._alias_hit(key, leased) for key in keys]
+            if todo := [i for i, got in enumerate(results) if got is None]:
+                for i, got in zip(todo, await self._processor.prepare_many([jobs[i] for i in todo], hop_padded)):
+                    results[i] = got
+                    if self.alias is not None and isinstance(got, PreparedItem):
+                        self.alias.remember(keys[i], got)
+            soundtrack = dict(zip(tracks, results[len(items) :]))
+            prepared: list[tuple[PreparedItem, PreparedItem | None]] = []
+            for index, (item, (_, seconds), result) in enumerate(zip(items, fetched, results)):
+                track = soundtrack.get(index)
+                for got, what in ((result, ""), (track, "its soundtrack (use_audio_in_video): ")):
+                    if isinstance(got, MediaError):
+                        raise ApiError(got.status, f"item {index} ({item.id}): {what}{got.message}") from got
+                assert isinstance(result, PreparedItem) and isinstance(track, PreparedItem | None)
+                self._metrics.observe_item(seconds, None if result.aliased else result.seconds)
+                prepared.append((result, track))
+            if staging is not None:
+                staging.wants = staging.want([p for p, _ in prepared])
+        except BaseException:
+            self._inflight.give_back(leased.values())
+            raise
+        return prepared, leased
+
+    def _alias_hit(self, key: bytes | None, leased: dict[str, EmbeddingHandle]) -> PreparedItem | None:
+        """The light item the alias has for `key`, leased at once (the check and the lease are one step of the event
+        loop: nothing frees the entry between them), or None: it must be prepared in full."""
+        hit = self.alias.find(key, self.hub.pool.written) if self.alias is not None else None
+        if hit is not None:
+            self._metrics.alias_hits.labels(modality=hit.item.modality).inc()
+            if hit.hash not in leased:
+                leased[hit.hash] = self.hub.lease(hit.hash)
+                self._metrics.items.labels(modality=hit.item.modality, source="cached").inc()
+        return hit
 
     async def _fetch(self, index: int, item: EncodeItem) -> tuple[bytes, float]:
         start = time.perf_counter()
@@ -144,15 +172,20 @@ class EncodeService:
         return data, time.perf_counter() - start
 
     async def _embed(
-        self, prepared: list[PreparedItem], clock: RequestClock, staging: Staging | None = None
+        self,
+        prepared: list[PreparedItem],
+        clock: RequestClock,
+        staging: Staging | None,
+        leased: dict[str, EmbeddingHandle],
     ) -> dict[str, EmbeddingHandle]:
-        """One lease per distinct hash; every hash encoded at most once at a time, across requests too; `staging`'s
-        space reserved with the items this request encodes (alone, at the end, if it encodes none).
+        """One lease per distinct hash (`leased`: those taken already, the alias hits'); every hash encoded at most
+        once at a time, across requests too; `staging`'s space reserved with the items this request encodes (alone,
+        at the end, if it encodes none).
 
         Cancellation-safe: on any failure or cancellation (the client left) the leases taken are given back, and
         in-flight work that no other live request wants is aborted in the engine."""
         distinct = {p.hash: p for p in prepared}
-        handles: dict[str, EmbeddingHandle] = {}
+        handles: dict[str, EmbeddingHandle] = dict(leased)
         waited: list[str] = []  # hashes another request is encoding for us too (counted in InFlight.wanted)
         try:
             for _attempt in range(3):  # an entry may be freed between another request's commit and our lease

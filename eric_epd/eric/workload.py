@@ -30,6 +30,8 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
     """The engine's work item for a preprocessed item (an item of the generic path carries its named tensors)."""
     from eric_epd.models.hf.processor import HFProcessedItem
 
+    if not len(item.pixel_values):  # never: an alias hit (eric/alias.py, tensors left out) is leased, not encoded
+        raise ValueError(f"item {key} has no input tensors (an aliased item) and cannot be encoded")
     if isinstance(item, HFProcessedItem):
         from eric_epd.eric.generic import generic_work_item
 

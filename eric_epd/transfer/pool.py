@@ -194,6 +194,11 @@ class EmbeddingPool:
         """The entry under this content hash, written or not, or None."""
         return self._entries.get(key)
 
+    def written(self, key: str) -> bool:
+        """Whether an entry under this content hash is written (committed, leased or kept as cache): a lease on it
+        holds at once, no encode needed. Changes nothing (no LRU touch, no TTL)."""
+        return (entry := self._entries.get(key)) is not None and entry.ready
+
     def reserve(self, key: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> PoolEntry | None:
         """Space for an embedding the workers will write; None when the pool is full."""
         if key in self._entries:
