@@ -15,10 +15,13 @@ Usage: python benchmarks/epd_vs_colocated.py [--quick] [--size shaped3b] [--seri
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,13 +34,17 @@ from multiturn import print_turns
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.common.cpus import available_cpus
-from eric_epd.planning.planner import Layout, PlanConfig, predict
+from eric_epd.planning.planner import Layout
+from eric_epd.planning.predictions import read_predictions
 from eric_epd.planning.profiler import ProfileConfig, profile
-from eric_epd.planning.profiles import Profile, Slo, Traffic, read_profile
+from eric_epd.planning.profiles import Profile, Traffic, read_profile
 from eric_epd.planning.simulate import EngineModel, tokens_per_item
 from eric_epd.stack.servers import LocalServers, host_split
 
 RESULTS = Path(__file__).parent / "results"
+PREDICTIONS = RESULTS / "predictions"
+"""The planner's predictions and the profile they came from, per tag and series: written by --predict-only and
+committed before the run that measures them (--predictions-first reads them)."""
 
 
 def profile_shares(model: Path, traffic: Traffic, logs: Path, prompts: int) -> Profile:
@@ -59,20 +66,31 @@ def profile_shares(model: Path, traffic: Traffic, logs: Path, prompts: int) -> P
     )
 
 
-def predictions(prof: Profile, traffic: Traffic, rates: list[float], prompts: int) -> dict[str, dict]:
-    """The planner's prediction of each side at each rate (all at once for inf), over as many requests."""
+def predict_first(prof_path: Path, traffic: Traffic, rates: list[float], prompts: int, out: Path) -> None:
+    """`eric-epd plan --rates` on the profile: both sides' predictions at every rate, written to `out` (committed
+    before the runs; tests/project/test_predictions_first.py recomputes the comparison from the committed files)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "eric_epd",
+        "plan",
+        "--profile",
+        str(prof_path),
+        "--devices",
+        str(len(available_cpus())),
+    ]
+    cmd += ["--ttft-ms", str(SLO["ttft"]), "--tpot-ms", str(SLO["tpot"]), "--requests", str(prompts), "--seeds", "10"]
+    cmd += ["--images", str(traffic.images_per_request), "--sides", ",".join(map(str, traffic.sides))]
+    cmd += ["--prompt-tokens", str(traffic.prompt_tokens), "--output-tokens", str(traffic.output_tokens)]
+    cmd += ["--rates", ",".join(map(str, rates)), "--predictions", str(out)]
+    subprocess.run(cmd, check=True)
     eric_cpus, engine_cpus = host_split()
-    layouts = {
-        "epd": Layout(1, len(eric_cpus), 1, len(engine_cpus)),
-        "colocated": Layout(0, 0, 1, len(available_cpus())),
+    want = {"epd": Layout(1, len(eric_cpus), 1, len(engine_cpus)), "colocated": Layout(0, 0, 1, len(available_cpus()))}
+    got = {
+        side: msgspec.structs.replace(lay, max_batched_tokens=0) for side, lay in read_predictions(out).layouts.items()
     }
-    out: dict[str, dict] = {}
-    for side, layout in layouts.items():
-        for rate in rates:
-            mix = msgspec.structs.replace(traffic, rate=0.0 if rate == float("inf") else rate)
-            config = PlanConfig(len(available_cpus()), mix, Slo(SLO["ttft"], SLO["tpot"]), requests=prompts, seeds=10)
-            out.setdefault(side, {})[str(rate)] = msgspec.to_builtins(predict(prof, layout, config))
-    return out
+    if got != want:
+        raise SystemExit(f"the plan's layouts {got} are not the benchmark's {want}")
 
 
 def capacity_alone(prof: Profile, traffic: Traffic) -> dict[str, float]:
@@ -104,24 +122,33 @@ def run_series(series: Series, args: argparse.Namespace, logs: Path) -> dict:
     model = ensure_checkpoint(args.family, series.checkpoint)
     out: dict = {"checkpoint": f"{args.family} {series.checkpoint}", "dataset": series.dataset}
     rates = list(args.rate_list)
+    predicted: dict = {}
     if "--random-mm-bucket-config" in series.dataset and not args.no_profile:
-        traffic = traffic_of(series)
-        prof = (
-            read_profile(args.profile_from)
-            if args.profile_from
-            else profile_shares(model, traffic, logs / series.name, args.prompts)
-        )
+        first = PREDICTIONS / f"epd_vs_colocated{args.tag}_{series.name}.json"
+        prof_path = first.with_name(first.stem + "_profile.json")
+        if args.predict_only:
+            prof_path.parent.mkdir(parents=True, exist_ok=True)
+            prof = profile_shares(model, traffic_of(series), logs / series.name, args.prompts)
+            shutil.copyfile(logs / series.name / "profile.json", prof_path)
+            if args.rates is None:  # up to saturation: fractions of the slower side's capacity alone, then all at once
+                top = min(capacity_alone(prof, traffic_of(series)).values())
+                rates = [round(top * f, 3) for f in (0.5, 0.8, 1.0, 1.25)] + [float("inf")]
+            predict_first(prof_path, traffic_of(series), rates, args.prompts, first)
+            return {"predictions": str(first.relative_to(RESULTS.parent.parent))}
+        if not first.exists():
+            raise SystemExit(f"{first} is missing: run with --predict-only first and commit what it writes")
+        prof, ahead = read_profile(prof_path), read_predictions(first)
+        rates = [float(r) for r in ahead.points["epd"]]
+        predicted = msgspec.to_builtins(ahead.points)
+        out.update(predictions_file=str(first.relative_to(RESULTS.parent.parent)), predictions_made_at=ahead.made_at)
         out["profile"] = msgspec.to_builtins(prof)
         out["cost_check"] = cost_check(prof)
-        out["capacity_alone"] = capacity_alone(prof, traffic)
-        if args.rates is None:  # up to saturation: fractions of the slower side's capacity alone, then all at once
-            top = min(out["capacity_alone"].values())
-            rates = [round(top * f, 3) for f in (0.5, 0.8, 1.0, 1.25)] + [float("inf")]
-        predicted = predictions(prof, traffic, rates, args.prompts)
-    else:
-        predicted = {}
+        out["capacity_alone"] = capacity_alone(prof, traffic_of(series))
+    elif args.predict_only:
+        return {}
     for side in ("colocated", "epd"):
-        out[side] = run_side(side, series, model, rates, args, logs)
+        started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        out[side] = {"started_at": started_at, **run_side(side, series, model, rates, args, logs)}
         if side in predicted:
             out[side]["predicted"] = predicted[side]
     out["ratios"] = ratios(out)
@@ -154,10 +181,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=None, help="runs per point (default 3; --quick 1)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profile (no predictions, no efficiency)")
     ap.add_argument(
-        "--profile-from",
-        type=Path,
-        default=None,
-        help="use this profile (same model, mix and shares) instead of profiling",
+        "--predict-only",
+        action="store_true",
+        help="profile the random-mm series and write `eric-epd plan`'s predictions of every rate to "
+        "benchmarks/results/predictions/ (commit them), then stop; a run without it measures those rates and "
+        "compares with those predictions",
     )
     ap.add_argument("--tag", default="", help="suffix of the result files (epd_vs_colocated<tag>.json/.png)")
     ap.add_argument("--family", default="qwen2_5_vl", help="the offline checkpoints' family (shaped: qwen2_5_vl)")
@@ -191,7 +219,11 @@ def main() -> None:
         catalogue = make_series(args.quick, Path(tmp), args.prompts, args.size)
         for name in args.series.split(","):
             results["series"][name] = run_series(catalogue[name], args, logs)
-            (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
+            if not args.predict_only:
+                (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
+    if args.predict_only:
+        print(json.dumps(results["series"], indent=1))
+        return
     results["wall_s"] = time.perf_counter() - start
     (RESULTS / f"epd_vs_colocated{args.tag}.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"epd_vs_colocated{args.tag}.png")

@@ -19,6 +19,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v)
+
+
 def _traffic_flags(p: argparse.ArgumentParser, rate: bool) -> None:
     default = Traffic()
     p.add_argument("--images", type=int, default=default.images_per_request, help="images per request")
@@ -94,6 +98,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="further token budgets per step to try for both modes, comma-separated (e.g. 512,128)",
     )
     q.add_argument("--json", type=Path, default=None, help="also write the plan here")
+    q.add_argument(
+        "--rates",
+        type=_rates,
+        default=(),
+        help="comma-separated arrival rates in requests/s ('inf': all at once): predict the plan's EPD layout and "
+        "colocated serving at each, written to --predictions (before a benchmark measures them)",
+    )
+    q.add_argument("--predictions", type=Path, default=None, help="where --rates' predictions go (JSON)")
     _traffic_flags(q, rate=True)
 
 
@@ -126,21 +138,27 @@ def run_plan(args: argparse.Namespace) -> str:
     from eric_epd.planning.planner import PlanConfig, plan, render_plan
     from eric_epd.planning.profiles import read_profile
 
+    if bool(args.rates) != (args.predictions is not None):
+        raise SystemExit("eric-epd plan: --rates and --predictions go together")
     prof = read_profile(args.profile)
     devices = args.devices or max(len(s.devices) for s in prof.shares)
-    result = plan(
-        prof,
-        PlanConfig(
-            devices,
-            _traffic(args),
-            Slo(args.ttft_ms, args.tpot_ms),
-            args.requests,
-            args.seeds,
-            args.max_batched_tokens,
-            args.max_seqs,
-            args.try_batched_tokens,
-        ),
+    config = PlanConfig(
+        devices,
+        _traffic(args),
+        Slo(args.ttft_ms, args.tpot_ms),
+        args.requests,
+        args.seeds,
+        args.max_batched_tokens,
+        args.max_seqs,
+        args.try_batched_tokens,
     )
+    result = plan(prof, config)
     if args.json is not None:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=1))
+    if args.predictions is not None:
+        from eric_epd.planning.predictions import predict_rates, write_predictions
+
+        write_predictions(
+            args.predictions, predict_rates(prof, args.profile.read_bytes(), result, config, tuple(args.rates))
+        )
     return render_plan(result)

@@ -186,3 +186,35 @@ def test_up_gives_eric_the_cpus_the_plan_says(tmp_path, monkeypatch) -> None:
     assert up.split_for(up.UpConfig(model=tmp_path, eric_cpus=1)) == ((0,), (1, 2, 3))
     with pytest.raises(ValueError, match="between 1 and 3"):
         up.split_for(up.UpConfig(model=tmp_path, eric_cpus=4))
+
+
+def test_plan_writes_its_predictions_at_each_rate_before_any_run(tmp_path) -> None:
+    """`eric-epd plan --rates ... --predictions F` (the real CLI, in a subprocess): each side's layout and its
+    prediction at every rate, the same as predict() at that rate, stamped with the time and the profile's sha256;
+    --rates without --predictions is refused."""
+    import datetime
+    import hashlib
+    import subprocess
+    import sys
+
+    from eric_epd.planning.predictions import read_predictions
+
+    profile, out = tmp_path / "p.json", tmp_path / "predicted.json"
+    write_profile(_profile(eric_items_per_s=1000.0), profile)
+    base = [sys.executable, "-m", "eric_epd", "plan", "--profile", str(profile), "--ttft-ms", "10000"]
+    base += ["--tpot-ms", "1000", "--images", "2", "--sides", "224", "--prompt-tokens", "36", "--output-tokens", "11"]
+    base += ["--requests", "20", "--seeds", "1", "--devices", "2"]
+    before = datetime.datetime.now(datetime.UTC)
+    subprocess.run([*base, "--rates", "2,inf", "--predictions", str(out)], check=True, capture_output=True)
+    got = read_predictions(out)
+    assert before.replace(microsecond=0) <= datetime.datetime.fromisoformat(got.made_at)
+    assert got.profile_sha256 == hashlib.sha256(profile.read_bytes()).hexdigest()
+    assert got.layouts == {"epd": Layout(1, 1, 1, 1, 2048), "colocated": Layout(0, 0, 1, 2, 2048)}
+    assert sorted(got.points["epd"]) == ["2.0", "inf"]
+    config = PlanConfig(2, Traffic(2, (224,), 36, 11, 2.0), Slo(10_000, 1_000), requests=20, seeds=1)
+    assert got.points["colocated"]["2.0"] == predict(
+        _profile(eric_items_per_s=1000.0), got.layouts["colocated"], config
+    )
+    assert got.points["epd"]["2.0"] != got.points["epd"]["inf"]  # the rate reached the simulation
+    refused = subprocess.run([*base, "--rates", "2"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--rates and --predictions go together" in refused.stderr
