@@ -1,7 +1,7 @@
 """Eric's Qwen vision tower run eagerly against `--compile inductor` (models/layers/compiled.py), in process on one CPU
 core and one torch thread: images/s for batches of 1, 4 and 8 images of 224 and 448 px, float32 and bfloat16, on the
 offline *small* checkpoints (8 blocks of width 512). Each case times both towers alternately (best of `--rounds`)
-and reports the compiled rows' error against the eager ones.
+and reports the compiled rows' error against the eager ones, and both against the tower in float64.
 Writes benchmarks/results/encoder_compile.{json,png} (a family not run keeps its earlier rows).
 Usage: python benchmarks/encoder_compile.py [--family qwen2_5_vl qwen2_vl] [--rounds 3] [--quick]
 """
@@ -42,14 +42,18 @@ def _seconds(encoder: torch.nn.Module, pixels: torch.Tensor, grid: list[tuple[in
     return time.perf_counter() - start
 
 
-def measure_case(eager: torch.nn.Module, compiled: torch.nn.Module, images: int, side: int, rounds: int) -> dict:
+def measure_case(
+    eager: torch.nn.Module, compiled: torch.nn.Module, exact: torch.nn.Module, images: int, side: int, rounds: int
+) -> dict:
     """One batch of `images` square images of `side` px through both towers: images/s (best of `rounds`, the
     towers alternating) and the compiled rows' error."""
     cells = side // eager.patch_size
     grid = [(1, cells, cells)] * images
     generator = torch.Generator().manual_seed(side)
     pixels = torch.randn(images * cells * cells, eager.patch_embed.in_dim, generator=generator)
-    error = relative_error(compiled(pixels, grid), eager(pixels, grid))  # also each tower's first run at this size
+    rows64 = exact(pixels.double(), grid)
+    ours, theirs = compiled(pixels, grid), eager(pixels, grid)  # also each tower's first run at this size
+    error = relative_error(ours, theirs)
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(rounds):
         for name, encoder in (("eager", eager), ("compiled", compiled)):
@@ -62,12 +66,15 @@ def measure_case(eager: torch.nn.Module, compiled: torch.nn.Module, images: int,
         "compiled_img_s": compiled_ips,
         "gain": compiled_ips / eager_ips - 1,
         "rel_err": error,
+        "compiled_rel_err_float64": relative_error(ours, rows64),
+        "eager_rel_err_float64": relative_error(theirs, rows64),
     }
 
 
 def run_family(family: str, cases: list[tuple[int, int]], rounds: int) -> dict:
     """Every dtype's cases for one family's small checkpoint; the compile's own seconds too."""
     checkpoint = ensure_checkpoint(family, "small")
+    exact = load_encoder(checkpoint, torch.float64, "cpu")  # the reference both towers' errors are measured from
     out = {}
     for name in DTYPES:
         dtype = getattr(torch, name)
@@ -77,7 +84,7 @@ def run_family(family: str, cases: list[tuple[int, int]], rounds: int) -> dict:
         compile_s = time.perf_counter() - start
         rows = []
         for images, side in cases:
-            rows.append(measure_case(eager, compiled, images, side, rounds))
+            rows.append(measure_case(eager, compiled, exact, images, side, rounds))
             logger.info(
                 "%s %s %dx%d: eager %.2f img/s, compiled %.2f (%+.1f%%), rel err %.1e",
                 family,

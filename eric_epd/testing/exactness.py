@@ -168,12 +168,24 @@ def assert_floats_close(ours: np.ndarray, reference: np.ndarray, bound: float = 
     assert worst <= bound, f"float images differ by {worst:.3g} > {bound:.3g}"
 
 
-# A vision tower compiled by `--compile inductor` against the same tower run eagerly: the worst difference over the
-# largest |row value|. Measured up to 5.0e-7 in float32 (fused reductions sum in another order) and 5.4e-3 in bfloat16
-# (a fused kernel keeps its intermediates in float32 where eager rounds each op's output to bfloat16) on the tiny
-# checkpoints; the bounds leave a factor of three or more.
-COMPILED_TOWER_FLOAT32 = 5e-6
-COMPILED_TOWER_BFLOAT16 = 2e-2
+# A vision tower compiled by `--compile inductor` against the same tower run eagerly, both measured against the tower
+# in float64: the compiled rows may be at most this many times farther from float64 than the eager rows in the same
+# dtype (fused reductions sum in another order; in bfloat16 a fused kernel keeps its intermediates in float32 where
+# eager rounds each op's output). A bound relative to the eager tower's own rounding scales with depth and width, so
+# it holds on the benchmark's checkpoints as on the tiny ones (a fixed bound did not: 9.4e-6 and 3.8e-2 on `small`
+# against 5e-6 and 2e-2). Measured up to MEASURED_TBD; a missing block or a wrong scale is orders above it.
+COMPILED_OVER_EAGER = 4.0
+
+
+def compiled_as_exact(compiled: Any, eager: Any, exact: Any, what: str) -> tuple[float, float]:
+    """Assert the compiled rows no farther from the float64 rows than COMPILED_OVER_EAGER times the eager rows'
+    distance; return both distances (relative_error)."""
+    ours, theirs = relative_error(compiled, exact), relative_error(eager, exact)
+    assert ours <= COMPILED_OVER_EAGER * theirs, (
+        f"{what}: compiled rows {ours:.2e} from float64, {ours / theirs:.1f}x the eager rows' {theirs:.2e} "
+        f"(bound {COMPILED_OVER_EAGER}x)"
+    )
+    return ours, theirs
 
 
 def relative_error(ours: Any, reference: Any) -> float:

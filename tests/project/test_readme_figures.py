@@ -48,20 +48,22 @@ def capacity(d: dict, side: str) -> str:
     return f2(mix(d)["capacity_alone"][side])
 
 
+def both_cores(d: dict) -> float:
+    """A shaped run's engine alone on both cores (the profile's largest share), the mix as embeddings, requests/s."""
+    return mix(d)["profile"]["shares"][-1]["engine"]["saturated_requests_per_s"]
+
+
 def efficiency(d: dict) -> str:
     """A shaped run's pipeline efficiency."""
     return f2(mix(d)["pipeline_efficiency"])
 
 
 def step(d: dict) -> str:
-    """shaped3b: the prefill step the TPOT bullet estimates from the profile taken again the morning after the runs
-    (`profile_at_run`), and from the run's own (`profile_first`)."""
-    tokens, seconds = prefill_step(mix(d)["profile_at_run"])
-    own = prefill_step(mix(d)["profile_first"])[1]
+    """The prefill step the TPOT bullet estimates from the run's profile."""
+    tokens, seconds = prefill_step(mix(d)["profile"])
     return (
         f"prefills ~{round(tokens, -2)}-token prompts. On one core, a step holding such a prefill takes about "
-        f"{seconds:.2f} s (an estimate: the fitted prefill seconds per token of the profile taken again the morning "
-        f"after the runs, times the prompt; the run's own profile gives {own:.2f} s)"
+        f"{seconds:.2f} s (an estimate: the fitted prefill seconds per token of the run's profile, times the prompt)"
     )
 
 
@@ -118,13 +120,12 @@ def geri(d: dict) -> str:
 
 
 PLANNER: list[Figure] = [
-    Figure(S3, epd.shaped3b_errors),
-    Figure(S7, epd.shaped7b_row),
+    Figure(S3, epd.planner_row),
+    Figure(S7, epd.shaped_row),
     Figure((S3, S7), lambda d: epd.planning_summary(*d), "docs/planning.md"),
 ]
 """The planner's accuracy, recomputed from the predictions and the measured points and counted strictly."""
-PROFILES = {S3: ("_first", "_at_run", ""), S7: ("_at_run", "")}
-"""Each shaped run's sets of predictions (tests/support/readme_planner.py says which profile each is from)."""
+SHAPED = (S3, S7)
 
 FIGURES: list[Figure] = [
     # "Does EPD pay?": shaped3b
@@ -133,13 +134,17 @@ FIGURES: list[Figure] = [
         S3,
         lambda d: (
             f"the ratio is {cost(d, 'measured_prefill_over_eric')}x against Eric and "
-            f"{cost(d, 'measured_prefill_over_vllm_encoder')}x {VS_ENGINE} (the profile taken again the morning "
-            f"after the runs; the run's own profile, taken before them, gives "
-            f"{f2(mix(d)['cost_check_first']['measured_prefill_over_eric'])}x and "
-            f"{f2(mix(d)['cost_check_first']['measured_prefill_over_vllm_encoder'])}x)"
+            f"{cost(d, 'measured_prefill_over_vllm_encoder')}x {VS_ENGINE} (the run's profile, taken before the runs)"
         ),
     ),
     Figure(S3, lambda d: f"`vllm bench serve` with {d['prompts_per_point']} prompts, {d['runs']} runs, medians"),
+    Figure(
+        S3,
+        lambda d: (
+            f"EPD's TPOT p99 is {'lower' if max(epd.ratios(d, 'p99_tpot_ms')) < 1 else 'not lower'} at every rate "
+            f"({span(epd.ratios(d, 'p99_tpot_ms'), x)})"
+        ),
+    ),
     Figure(S3, lambda d: rate_head(mix(d)) + " target |"),
     Figure(
         S3,
@@ -154,9 +159,10 @@ FIGURES: list[Figure] = [
     Figure(
         S3,
         lambda d: (
-            f"Colocated vLLM on both cores serves {f2(saturated(d, 'colocated'))}. EPD all at once serves "
-            f"{f2(saturated(d, 'epd'))}: a pipeline efficiency of {efficiency(d)} against the engine "
-            f"alone (target >= 0.9: {met(mix(d)['pipeline_efficiency'] >= 0.9)})"
+            f"The engine alone on both cores serves {f2(both_cores(d))}, "
+            f"and with its own tower in the same steps, colocated vLLM on both cores serves "
+            f"{f2(saturated(d, 'colocated'))}. EPD all at once serves {f2(saturated(d, 'epd'))}: a pipeline efficiency "
+            f"of {efficiency(d)} against the engine alone (target >= 0.9: {met(mix(d)['pipeline_efficiency'] >= 0.9)})"
         ),
     ),
     Figure(S3, step),
@@ -228,7 +234,6 @@ FIGURES: list[Figure] = [
     Figure("gateway_overhead.json", rows.gateway_overhead),
     Figure("gateway_overhead.json", rows.gateway_target),
     Figure((QUICK, CACHE), lambda d: epd.quick(*d)),
-    Figure(S3, lambda d: f"profile taken again on {epd.repredicted_on(d)}"),
     *PLANNER[:2],
     Figure("epd_vs_colocated_multiturn_quick.json", epd.multiturn),
     Figure("e2e_vllm.json", e2e),
@@ -306,24 +311,24 @@ def test_a_figure_is_a_hit_only_within_15_percent() -> None:
     assert stated == "1 of 3 within 15% (1 of the 2 misses inside the runs' min-max, not counted)"
 
 
-@pytest.mark.parametrize("name,suffix", [(n, s) for n, sufs in PROFILES.items() for s in sufs])
-def test_the_stored_errors_are_the_recomputed_ones(name: str, suffix: str) -> None:
+@pytest.mark.parametrize("name", SHAPED)
+def test_the_stored_errors_are_the_recomputed_ones(name: str) -> None:
     series = mix(result(name))
-    assert len(planner.recompute(series, suffix)) == 30
-    assert planner.stored_disagreements(series, suffix) == []
+    assert len(planner.recompute(series, "")) == 30
+    assert planner.stored_disagreements(series, "") == []
     changed = copy.deepcopy(series)
-    changed["epd"][f"predicted{suffix}"]["inf"]["request_throughput"] *= 1.5
-    assert ("epd", "inf", "request_throughput") in planner.stored_disagreements(changed, suffix)
+    changed["epd"]["predicted"]["inf"]["request_throughput"] *= 1.5
+    assert ("epd", "inf", "request_throughput") in planner.stored_disagreements(changed, "")
 
 
 def test_a_loosened_count_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    series = [mix(result(n)) for n in PROFILES]
-    strict = [sum(map(planner.hit, planner.recompute(s, x))) for s in series for x in ("", planner.own(s))]
+    """Where a miss lies inside its runs' spread, counting it as a hit changes a stated count (with none, the
+    documents cannot tell the rules apart, and test_a_figure_is_a_hit_only_within_15_percent checks the rule)."""
+    errors = [e for n in SHAPED for e in planner.recompute(mix(result(n)), "")]
     assert missing(PLANNER) == []
     monkeypatch.setattr(planner, "hit", lambda e: abs(e.error) <= planner.LIMIT or e.inside)
-    loose = [sum(map(planner.hit, planner.recompute(s, x))) for s in series for x in ("", planner.own(s))]
-    assert all(a > b for a, b in zip(loose, strict)), (loose, strict)  # every set has a miss inside the spread
-    assert [doc for doc, _ in missing(PLANNER)] == ["README.md", "README.md", "docs/planning.md"]
+    if any(e.inside and abs(e.error) > planner.LIMIT for e in errors):
+        assert missing(PLANNER), "a count that takes the runs' spread as a hit still matches the documents"
 
 
 def test_no_document_counts_the_runs_spread_as_a_hit() -> None:

@@ -4,10 +4,13 @@ one function per passage, for tests/project/test_readme_figures.py: the shaped r
 
 from __future__ import annotations
 
-import re
+import json
+from pathlib import Path
 
 from tests.support import readme_planner as planner
-from tests.support.readme_figures import eric_core_s, f1, f2, pct_span, span, x
+from tests.support.readme_figures import eric_core_s, f2, span, x
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mix(d: dict) -> dict:
@@ -26,97 +29,78 @@ def ratios(d: dict, key: str) -> list[float]:
 
 
 def cost(d: dict, key: str) -> str:
-    """The stored cost check: shaped7b's from the run's own profile, shaped3b's from its profile taken again the
-    morning after the run (its own is `cost_check_first`)."""
+    """The run's cost check (from the profile taken before the runs)."""
     return f2(mix(d)["cost_check"][key])
 
 
-def cost_check(d: dict, which: str) -> str:
+def cost_check(d: dict) -> str:
     """The rows' cost check: FLOPs, then measured against Eric and vLLM's encoder."""
     return (
-        f"Cost check ({which}): prefill / tower per image token {cost(d, 'flops_prefill_over_encoder')} in "
+        f"Cost check (the run's profile): prefill / tower per image token {cost(d, 'flops_prefill_over_encoder')} in "
         f"FLOPs, {cost(d, 'measured_prefill_over_eric')} measured against Eric, "
         f"{cost(d, 'measured_prefill_over_vllm_encoder')} against vLLM's encoder"
     )
 
 
-RUNS_PROFILE = "the run's profile"
 STRICT = (
     "counted strictly: a figure is a hit only within 15% of the median; a miss inside the {runs} runs' min-max is "
     "shown, not counted"
 )
-EVENING = (
-    "the profile taken again on {date} evening with decode measured at the mix's context too, a profiler feature "
-    "added after the misses were seen (`benchmarks/epd_repredict.py`; the measured points are the run's)"
-)
 
 
-def shaped3b_errors(d: dict) -> str:
-    """The shaped3b row: the planner's errors with the run's own profile and the two taken again, the cost check,
-    the target (strictly, the run's own profile)."""
-    s, first = mix(d), mix(d)["cost_check_first"]
+def predictions(d: dict) -> dict:
+    """The committed predictions file the run compared with (written by `eric-epd plan --rates`)."""
+    return json.loads((ROOT / mix(d)["predictions_file"]).read_text())
+
+
+def predicted_before(d: dict) -> str:
+    """Where the predictions came from and when, against when the runs started."""
+    s, first = mix(d), predictions(d)
     return (
-        f"Planner against measured medians, {STRICT.format(runs=d['runs'])}. The run's own profile, taken before the "
-        f"runs, 5 simulated seeds (the only predictions made before the points were measured; copied into the JSON "
-        f"from the file as commit 41d207e stored it): {planner.accuracy(s, '_first')}. Two re-fits after the runs, "
-        f"not predictions, 10 simulated seeds: the profile taken again on {repredicted_on(d)} morning, its engine "
-        f"capacity measured on text-only prompts after the run showed the first profile's to be wrong (decode at "
-        f"short contexts only): {planner.accuracy(s, '_at_run')}; and {EVENING.format(date=repredicted_on(d))}: "
-        f"{planner.accuracy(s, '')}. {cost_check(d, 'the profile taken again in the morning')} (the run's own "
-        f"profile: {f2(first['measured_prefill_over_eric'])} and {f2(first['measured_prefill_over_vllm_encoder'])}) "
-        f"| planner within 15% (the run's own profile): {planner.per_measure(s, '_first')}"
+        f"`eric-epd plan --rates` predicted every point from the profile the run took first, {first['seeds']} "
+        f"simulated seeds of {first['requests']} requests, and the predictions were committed before the runs "
+        f"(`{s['predictions_file']}`, made {first['made_at'][:16].replace('T', ' ')} UTC; the runs started "
+        f"{s['colocated']['started_at'][:16].replace('T', ' ')})"
     )
 
 
-def shaped7b_row(d: dict) -> str:
-    """The shaped7b row: the ratios' ranges, the planner's errors with the run's own profile and the one taken again,
-    the cost check, the target (strictly, the run's own profile)."""
+def planner_row(d: dict) -> str:
+    """A shaped row's planner passage and target cell: the errors, strictly counted, then the cost check."""
     s = mix(d)
+    return (
+        f"Planner against measured medians, {STRICT.format(runs=d['runs'])}. {predicted_before(d)}: "
+        f"{planner.accuracy(s, '')}. {cost_check(d)} | planner within 15%: {planner.per_measure(s, '')}"
+    )
+
+
+def shaped_row(d: dict) -> str:
+    """A shaped run's row: the ratios' ranges, the pipeline efficiency, then planner_row."""
     return (
         f"throughput {span(ratios(d, 'request_throughput'), x)}, TPOT p99 {span(ratios(d, 'p99_tpot_ms'), x)}, "
         f"goodput {span(ratios(d, 'request_goodput'), x)}, TTFT p50 "
         f'{span(ratios(d, "p50_ttft_ms"), lambda v: f"{v:.1f}x")} (table in "Does EPD pay?"); pipeline efficiency '
-        f"{f2(s['pipeline_efficiency'])}. Planner against measured medians, {STRICT.format(runs=d['runs'])}. The "
-        f"run's own profile, taken before the runs, decode after short prompts only (the only predictions): "
-        f"{planner.accuracy(s, '_at_run')}. A re-fit after the runs, not a prediction: "
-        f"{EVENING.format(date=repredicted_on(d))}: {planner.accuracy(s, '')}. {cost_check(d, RUNS_PROFILE)} "
-        f"| planner within 15% (the run's own profile): {planner.per_measure(s, '_at_run')}"
+        f"{f2(mix(d)['pipeline_efficiency'])}. {planner_row(d)}"
     )
 
 
-def repredicted_on(d: dict) -> str:
-    """The date epd_repredict.py took the profile again."""
-    return re.search(r"\d{4}-\d\d-\d\d", mix(d)["repredicted"])[0]
-
-
-def spread(d: dict, side: str, rate: str, key: str, unit: float = 1.0, fmt=lambda v: f"{v:.0f}") -> str:
-    """min-max over the runs of one measured point."""
-    p = mix(d)[side]["points"][rate][key]
-    return f"{fmt(p['min'] / unit)}-{fmt(p['max'] / unit)}"
+def widest(d: dict, key: str) -> tuple[str, str, dict]:
+    """The measured point of `key` whose runs spread widest (relative to the median): side, rate, the point."""
+    points = [(side, rate, p[key]) for side in ("colocated", "epd") for rate, p in mix(d)[side]["points"].items()]
+    return max(points, key=lambda t: (t[2]["max"] - t[2]["min"]) / t[2]["median"])
 
 
 def planning_summary(d3: dict, d7: dict) -> str:
-    """docs/planning.md's summary of the planner's error over both shaped runs: the runs' own profiles, then the
-    profiles taken again after them, each counted strictly."""
+    """docs/planning.md's summary of the planner's error over both shaped runs, counted strictly."""
     both = [mix(d3), mix(d7)]
-    own = [e for s in both for e in planner.recompute(s, planner.own(s))]
-    again = [e for s in both for e in planner.recompute(s, "")]
-
-    def pooled(measure: str) -> str:
-        return pct_span(e.error for e in again if e.measure == measure)
-
-    inf = [e.error for e in again if e.rate == "inf" and e.measure == "request_throughput"]
+    errors = [e for s in both for e in planner.recompute(s, "")]
+    ttft, tpot = widest(d3, "p50_ttft_ms")[2], widest(d7, "p99_tpot_ms")[2]
     return (
-        f"{STRICT.format(runs=3)}. From the profiles the runs took before them (the only predictions; decode measured "
-        f"after short prompts only): {planner.ranges(own)}; {planner.count(own)}. From the profiles taken again after "
-        f"the runs with decode measured at the mix's context too, a profiler feature added after those misses were "
-        f"seen (a re-fit, not a prediction): throughput {pooled('request_throughput')} ({pct_span(inf)} all at once: "
-        f"EPD's saturated rate is below the engine's alone, pipeline efficiency "
-        f"{span([s['pipeline_efficiency'] for s in both])}); TTFT p50 {pooled('p50_ttft_ms')}, the large errors near "
-        f"saturation where TTFT turns on a few percent of capacity and the 3 runs spread widely (one point "
-        f"{spread(d3, 'colocated', '1.075', 'p50_ttft_ms', 1000, f1)} s); TPOT p99 {pooled('p99_tpot_ms')}; "
-        f"{planner.count(again)}. A p99 over 48 requests is itself noisy there (one point's three runs spread "
-        f"{spread(d3, 'epd', '0.688', 'p99_tpot_ms')} ms, another {spread(d7, 'colocated', '0.41', 'p99_tpot_ms')} ms)"
+        f"{STRICT.format(runs=d3['runs'])}. Both runs' predictions were made by `eric-epd plan --rates` from the "
+        f"profile each run took first and committed before the runs: {planner.ranges(errors)}; "
+        f"{planner.count(errors)}. Near saturation TTFT turns on a few percent of capacity and the runs spread widely "
+        f"(shaped3b's widest point {ttft['min'] / 1000:.1f}-{ttft['max'] / 1000:.1f} s), and a p99 over "
+        f"{d3['prompts_per_point']} requests is itself noisy (shaped7b's widest TPOT p99 point {tpot['min']:.0f}-"
+        f"{tpot['max']:.0f} ms)"
     )
 
 

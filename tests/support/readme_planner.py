@@ -3,10 +3,8 @@
 every rate, over the measured median of the runs, minus one. Counted strictly: a figure is a hit only within 15% of
 the median; a miss inside the runs' min-max is shown beside the count and never counted as a hit.
 
-A run's JSON holds up to three sets of predictions of the same measured points, by suffix of `predicted*`:
-`_first` (shaped3b: the profile the run took before it, copied from the file as commit 41d207e stored it),
-`_at_run` (shaped7b: the run's own profile; shaped3b: its profile taken again on the morning after the run), and none
-(both: the profile taken again that evening, decode measured at the mix's context too)."""
+A run's predictions (`predicted` of each side) are those `eric-epd plan --rates` wrote before the run to the committed
+file the JSON names (tests/project/test_predictions_first.py checks they are the same and came first)."""
 
 from __future__ import annotations
 
@@ -43,12 +41,6 @@ class Error:
 def hit(e: Error) -> bool:
     """Strict: within 15% of the measured median. The runs' spread does not count."""
     return abs(e.error) <= LIMIT
-
-
-def own(series: dict) -> str:
-    """The suffix of the predictions from the profile the run took before it: `_first` where the JSON keeps them
-    beside later ones (shaped3b), else `_at_run`."""
-    return "_first" if "predicted_first" in series["epd"] else "_at_run"
 
 
 def recompute(series: dict, suffix: str) -> list[Error]:

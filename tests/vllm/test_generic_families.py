@@ -127,15 +127,25 @@ def test_images_go_epd_as_media_and_answer_like_vllm(stack, media) -> None:
 def test_a_video_goes_epd_where_eric_encodes_the_familys_videos(stack, media) -> None:
     """A family whose videos Eric encodes (its card says so): an image and a 40-frame video (content no other test
     sent, so neither cache holds it) go EPD, Eric sampling the 32 frames vLLM's loader takes, and the answer is
-    vLLM's own, not its answer for another image and video of the same sizes and length (the negative control); the
-    other families' cards offer images only (their videos go to the engine with the request)."""
+    vLLM's own, not its answer for another image and video of the same sizes and length (the negative control). The
+    other families' cards offer images only, and their Eric refuses a video with a 400 naming the modality (the
+    gateway sends their videos to the engine with the request)."""
     import httpx
 
     eric, vllm, family = stack["eric"], stack["vllm"], stack["family"]
     card = httpx.get(eric.url + "/v1/models", headers=eric.headers, timeout=10).json()["data"][0]
     [support] = [f for f in FAMILY_SUPPORT if f.model_type == family]
     assert card["modalities"] == list(support.modalities)
+    video = video_data_url(40, 64, 48, fps=8, seed=41)
     if "video" not in support.modalities:
+        refused = httpx.post(
+            eric.url + "/v1/encode",
+            json={"items": [{"modality": "video", "url": video}]},
+            headers=eric.headers,
+            timeout=30,
+        )
+        assert refused.status_code == 400, refused.text
+        assert "unsupported modality 'video'" in refused.json()["error"]["message"], refused.text
         return
     messages, others = (
         [
