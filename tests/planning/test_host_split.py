@@ -1,5 +1,6 @@
 """Eric's cost per item split between the host (its router's stages) and the vision tower: read from two scrapes of
-eric_stage_seconds (hand-written text, and what Eric's own metrics render), and shown per share by `eric-epd plan`."""
+eric_stage_seconds (hand-written text, and what Eric's own metrics render), shown per share by `eric-epd plan`, and
+turned by benchmarks/gpu_projection.py into the host cores one GPU Eric needs at its tower rate."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_projection as gp
 from eric_epd.common.prometheus import totals, totals_by_label
 from eric_epd.eric.metrics import STAGES, EricMetrics
+from eric_epd.planning.costs import REFERENCES, stage_costs
 from eric_epd.planning.measure_eric import HOST_STAGES, TOWER_STAGES, host_tower_split
 from eric_epd.planning.planner import render_host_split
 from eric_epd.planning.profiles import EngineSide, EricPoint, Profile, Share, Traffic, read_profile
@@ -110,3 +113,20 @@ def test_old_profiles_read_and_say_the_split_was_not_measured() -> None:
     assert "host and tower cost not measured in this profile" in render_host_split(old)
     rendered = render_host_split(_profile([_share(2, 0.02), _share(1, 0.032)]))
     assert "1 cpu device(s): host 32.0 ms, tower 50.0 ms (host / tower 0.64) at concurrency 8" in rendered
+
+
+def test_projection_host_cores_from_a_measured_profile() -> None:
+    """The smallest share's busiest point: 32 ms an item of 160 image tokens (224/448 px) is 0.2 ms a token; the
+    projection's items are 640 tokens (448/896 px), 128 ms of host each; one GPU's tower at 35% of H100 peak
+    encodes 1 / (640 x its seconds per token) items/s; the cores are the product."""
+    host = gp.host_cost(_profile([_share(2, 0.02), _share(1, 0.032)]))
+    assert host["measured"] and host["share_devices"] == 1 and host["concurrency"] == 8
+    assert host["image_tokens_per_item"] == 160 and host["host_s_per_image_token"] == pytest.approx(0.032 / 160)
+    for name in REFERENCES:
+        tower_s = stage_costs(REFERENCES[name]).encoder_per_image_token / (989e12 * 0.35)
+        got = gp.host_cores(name, host)
+        assert got["tower_items_per_s"] == pytest.approx(1 / (640 * tower_s))
+        assert got["host_s_per_item"] == pytest.approx(0.128)
+        assert got["host_cores"] == pytest.approx(0.128 / (640 * tower_s))
+    unmeasured = gp.host_cores(next(iter(REFERENCES)), gp.host_cost(read_profile(OLD_PROFILE)))
+    assert unmeasured["host_cores"] is None and unmeasured["note"] == "host cost not measured in this profile"
