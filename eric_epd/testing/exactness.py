@@ -187,6 +187,7 @@ def compiled_as_exact(compiled: Any, eager: Any, exact: Any, what: str) -> tuple
     )
     return ours, theirs
 
+
 # A vision tower computing in bfloat16 (--compute-dtype bfloat16, rows sent in bfloat16) against the same tower in
 # float32: the worst difference over the largest |row value|. Measured up to 7.1e-3 on the tiny Qwen2.5-VL (two images
 # of 12 and 20 tokens in one batch, four seeds, one thread, on a CPU with AVX512-BF16 and AMX), where another image's
