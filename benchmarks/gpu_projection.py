@@ -3,10 +3,14 @@ a roofline profile built from published hardware figures and the released config
 
 Assumptions (stated in the JSON): H100 SXM dense bf16 989 TFLOP/s and 3.35 TB/s HBM3; the tower runs at 35% of peak,
 prefill at 50%; a decode step reads every weight once at 70% of the bandwidth plus its FLOPs at 50% of peak, plus a
-fixed 1.5 ms per step; Eric adds 8 ms per request (HTTP, decoding and preprocessing on the host) and the engine 10 ms
-outside its steps; the colocated engine's processor adds what Eric's preprocessing does. Replace it with
+fixed 1.5 ms per step; Eric adds 8 ms of latency per request (HTTP, decoding and preprocessing on the host) and the
+engine 10 ms outside its steps; the colocated engine's processor adds what Eric's preprocessing does. Replace it with
 `eric-epd profile --device cuda` output where a GPU is at hand.
-Writes benchmarks/results/gpu_projection.{json,png}. Usage: python benchmarks/gpu_projection.py [--gpus 8]
+Host cores: how many host cores one GPU Eric needs to keep up with its tower (the tower's items/s at the roofline x
+the host seconds an item costs), from the host cost a measured profile recorded (--host-from; its router stages per
+image token, scaled to this traffic's images). A profile without them says so, and no figure is made up.
+Writes benchmarks/results/gpu_projection.{json,png}.
+Usage: python benchmarks/gpu_projection.py [--gpus 8] [--host-from PROFILE]
 """
 
 from __future__ import annotations
@@ -19,7 +23,17 @@ import msgspec
 
 from eric_epd.planning.costs import REFERENCES, stage_costs
 from eric_epd.planning.planner import PlanConfig, plan
-from eric_epd.planning.profiles import DecodePoint, EngineSide, EricPoint, PrefillPoint, Profile, Share, Slo, Traffic
+from eric_epd.planning.profiles import (
+    DecodePoint,
+    EngineSide,
+    EricPoint,
+    PrefillPoint,
+    Profile,
+    Share,
+    Slo,
+    Traffic,
+    read_profile,
+)
 
 RESULTS = Path(__file__).parent / "results"
 PEAK_FLOPS, BANDWIDTH = 989e12, 3.35e12
@@ -28,6 +42,8 @@ BANDWIDTH_SHARE, STEP_S, ERIC_FIXED_S, ENGINE_OVERHEAD_S = 0.7, 1.5e-3, 8e-3, 10
 TRAFFIC = Traffic(images_per_request=4, sides=(448, 896), prompt_tokens=128, output_tokens=128)
 IMAGE_TOKENS = {448: 256, 896: 1024}
 SLO = Slo(ttft_ms=2000.0, tpot_ms=50.0)
+HOST_FROM = RESULTS / "predictions" / "epd_vs_colocated_shaped3b_mix_profile.json"
+NOT_MEASURED = "host cost not measured in this profile"
 
 
 def weight_bytes(config: dict) -> float:
@@ -36,13 +52,58 @@ def weight_bytes(config: dict) -> float:
     return costs.decode_per_token  # 2 FLOPs per weight, 2 bytes per bf16 weight
 
 
+def tower_s_per_image_token(name: str) -> float:
+    """Seconds of one image token in the tower of model `name` on one GPU, at the roofline above."""
+    return stage_costs(REFERENCES[name]).encoder_per_image_token / (PEAK_FLOPS * MFU["tower"])
+
+
+def tokens_per_item(image_tokens: dict[int, int], sides: tuple[int, ...]) -> float:
+    """Mean image tokens of an item of `sides` (each side equally likely)."""
+    return sum(image_tokens[s] for s in sides) / len(sides)
+
+
+def host_cost(profile: Profile) -> dict:
+    """The host seconds per item and per image token that `profile` measured on its smallest share (at the busiest
+    point that measured them, Share.host_and_tower), or {"measured": False, "note": NOT_MEASURED}."""
+    share = min(profile.shares, key=lambda s: len(s.devices))
+    point = share.host_and_tower()
+    if point is None or point.host_s_per_item <= 0:
+        return {"measured": False, "note": NOT_MEASURED}
+    tokens = tokens_per_item(profile.image_tokens_for(profile.traffic), profile.traffic.sides)
+    return {
+        "measured": True,
+        "model": profile.model,
+        "device": profile.device,
+        "share_devices": len(share.devices),
+        "concurrency": point.concurrency,
+        "sides": list(profile.traffic.sides),
+        "host_s_per_item": point.host_s_per_item,
+        "tower_s_per_item": point.tower_s_per_item,
+        "image_tokens_per_item": tokens,
+        "host_s_per_image_token": point.host_s_per_item / tokens,
+    }
+
+
+def host_cores(name: str, host: dict) -> dict:
+    """What one GPU Eric of model `name` needs on the host to keep up with its tower on this traffic: the tower's
+    items/s at the roofline x the host seconds per item (the measured host cost per image token x this traffic's
+    image tokens per item), in cores; None where the profile did not measure the host cost."""
+    per_item = tokens_per_item(IMAGE_TOKENS, TRAFFIC.sides)
+    tower_items_per_s = 1.0 / (per_item * tower_s_per_image_token(name))
+    out: dict = {"tower_items_per_s": tower_items_per_s, "image_tokens_per_item": per_item}
+    if not host["measured"]:
+        return {**out, "host_s_per_item": None, "host_cores": None, "note": host["note"]}
+    host_s_per_item = host["host_s_per_image_token"] * per_item
+    return {**out, "host_s_per_item": host_s_per_item, "host_cores": tower_items_per_s * host_s_per_item}
+
+
 def roofline_profile(name: str) -> Profile:
     """One GPU share per side, every figure from the roofline above."""
     config = REFERENCES[name]
     costs = stage_costs(config)
-    tower_s = costs.encoder_per_image_token / (PEAK_FLOPS * MFU["tower"])
+    tower_s = tower_s_per_image_token(name)
     prefill_s = costs.prefill_per_token / (PEAK_FLOPS * MFU["prefill"])
-    per_item = sum(IMAGE_TOKENS.values()) / len(IMAGE_TOKENS)
+    per_item = tokens_per_item(IMAGE_TOKENS, TRAFFIC.sides)
     items_per_s = 1.0 / (per_item * tower_s + ERIC_FIXED_S / TRAFFIC.images_per_request)
     lone = ERIC_FIXED_S + TRAFFIC.images_per_request * per_item * tower_s
     eric = [
@@ -120,8 +181,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gpus", type=int, default=8, help="GPUs in all")
     ap.add_argument("--rates", default="40,60,80,100,120", help="comma-separated requests/s")
+    ap.add_argument(
+        "--host-from",
+        type=Path,
+        default=HOST_FROM,
+        help="a profile JSON from `eric-epd profile` whose measured host seconds per item (Eric's router stages) "
+        "give the host cores one GPU Eric needs at its tower rate (default: the committed shaped3b mix profile)",
+    )
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    host = host_cost(read_profile(args.host_from))
+    cores = {name: host_cores(name, host) for name in REFERENCES}
+    for name, c in cores.items():
+        need = f"{c['host_cores']:.1f} host cores" if c["host_cores"] is not None else c["note"]
+        print(f"{name}: tower {c['tower_items_per_s']:.0f} items/s on one GPU; {need}")
     results = {
         "projection": True,
         "gpus": args.gpus,
@@ -135,7 +208,11 @@ def main() -> None:
             "engine_overhead_s": ENGINE_OVERHEAD_S,
             "max_batched_tokens": 8192,
             "max_seqs": 256,
+            "host_cost_scales_with": "image tokens per item (the profile's mix to this traffic's)",
         },
+        "host_from": str(args.host_from),
+        "host_cost": host,
+        "host_cores": cores,
         "traffic": msgspec.to_builtins(TRAFFIC),
         "slo": msgspec.to_builtins(SLO),
         "models": {name: project(name, args.gpus, rates) for name in REFERENCES},

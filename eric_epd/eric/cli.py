@@ -9,7 +9,7 @@ from pathlib import Path
 from eric_epd.common.cpus import parse_cpus
 from eric_epd.common.net import is_loopback
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
-from eric_epd.eric.config import COMPILE_MODES, SGLANG_DTYPES, BatchLimits, EricConfig, SglangConfig
+from eric_epd.eric.config import COMPILE_MODES, COMPUTE_DTYPES, SGLANG_DTYPES, BatchLimits, EricConfig, SglangConfig
 from eric_epd.eric.media_flags import add_media_flags, media_limits
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.runtime.cli import add_server_flags
@@ -27,7 +27,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "Qwen2-VL)",
     )
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub --model")
-    add_server_flags(p, what="encoder", dtype_help="auto = the checkpoint's dtype", port=8100)
+    add_server_flags(
+        p,
+        what="encoder",
+        dtype_help="dtype of the rows sent (the engine's model dtype; auto: the checkpoint's)",
+        port=8100,
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_DTYPES,
+        default=EricConfig.compute_dtype,
+        help="dtype the vision tower computes in; its rows are cast to --dtype as they leave it (auto: --dtype, "
+        "except float32 on a CPU without units for a bfloat16/float16 --dtype: AVX512-BF16 or AMX-BF16, "
+        "AVX512-FP16 or AMX-FP16; each worker logs its choice and why)",
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -321,6 +334,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.drain_timeout,
         compile=args.compile,
+        compute_dtype=args.compute_dtype,
         url_policy=UrlPolicy(
             file_roots=tuple(r.resolve() for r in args.file_root),
             allow_private_hosts=args.allow_private_hosts,

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.models.compute_dtype import COMPUTE_DTYPES
 from eric_epd.runtime.config import DTYPES, BatchLimits, RuntimeConfig
 from eric_epd.transfer.config import TransferConfig
 
-__all__ = ["COMPILE_MODES", "DTYPES", "SGLANG_DTYPES", "BatchLimits", "EricConfig", "SglangConfig"]
+__all__ = ["COMPILE_MODES", "COMPUTE_DTYPES", "DTYPES", "SGLANG_DTYPES", "BatchLimits", "EricConfig", "SglangConfig"]
 
 SGLANG_DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("none", "inductor")
@@ -103,6 +104,10 @@ class EricConfig(RuntimeConfig):
     compile: str = "none"
     """How the workers run the vision tower (`COMPILE_MODES`): "none" eagerly; "inductor" through torch.compile
     (the Qwen towers' parts around attention, compiled by each worker before it is ready; CUDA graphs on CUDA)."""
+    compute_dtype: str = "auto"
+    """The dtype the tower computes in (`COMPUTE_DTYPES`); its rows are cast to `dtype` (the rows sent) as they leave
+    the worker's runner. "auto": `dtype`, except float32 on a CPU without units for a half-precision `dtype`
+    (models/compute_dtype.py; each worker logs its choice and why)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,6 +117,8 @@ class EricConfig(RuntimeConfig):
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
 
     @property
     def public_url(self) -> str:

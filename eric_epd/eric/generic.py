@@ -68,20 +68,24 @@ class GenericWorkload:
     values_per_cost: int
     """Input values per unit of an item's cost (HFProcessedItem.cost)."""
     warmup_item: HFProcessedItem
+    compute_dtype: str = "auto"
+    """EricConfig.compute_dtype: the setting each worker resolves on its own device (models/compute_dtype.py)."""
 
     @classmethod
-    def from_checkpoint(cls, model: Path) -> GenericWorkload:
-        """The workload of `model`; its warm-up item is a mid-grey 224x224 image through the model's processor (an
-        audio model's: a second of silence)."""
+    def from_checkpoint(cls, model: Path, compute_dtype: str = "auto") -> GenericWorkload:
+        """The workload of `model`, computing in `compute_dtype`; its warm-up item is a mid-grey 224x224 image
+        through the model's processor (an audio model's: a second of silence)."""
         from eric_epd.models.hf.audio import HFAudioProcessor
         from eric_epd.models.registry import load_processor
 
         processor = load_processor(model)
         if isinstance(processor, HFAudioProcessor):
             rate = processor.sampling_rate
-            return cls(processor.values_per_cost, processor.process_audio(np.zeros(rate, np.float32), rate))
+            silence = processor.process_audio(np.zeros(rate, np.float32), rate)
+            return cls(processor.values_per_cost, silence, compute_dtype)
         image = Image.new("RGB", (224, 224), (128, 128, 128))
-        return cls(processor.values_per_cost, processor.process_image(image))  # type: ignore[attr-defined, arg-type]
+        grey = processor.process_image(image)  # type: ignore[attr-defined]
+        return cls(processor.values_per_cost, grey, compute_dtype)  # type: ignore[arg-type]
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         """`Workload` hook: why the engine must refuse a generic item (spec, kind, cost or frame size), or None."""
@@ -108,29 +112,32 @@ class GenericWorkload:
         return generic_work_item("warm-up", self.warmup_item, 0, 0), self.warmup_item.pixel_values
 
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> GenericRunner:
-        """`Workload` hook: this worker's runner, the model's vision tower and projector on `device`: Eric's own
-        tower (this rank's shard) for GENERIC_TOWER_TYPES, else transformers' classes (TP 1 only)."""
+        """`Workload` hook: this worker's runner, the model's vision tower and projector on `device` in the compute
+        dtype, its rows cast to the configured (row) dtype: Eric's own tower (this rank's shard) for
+        GENERIC_TOWER_TYPES, else transformers' classes (TP 1 only)."""
+        from eric_epd.models.compute_dtype import compute_dtype
         from eric_epd.models.facts import GENERIC_AUDIO_TYPES, GENERIC_OMNI_TYPES, GENERIC_TOWER_TYPES, generic_tower
         from eric_epd.models.registry import read_model_config, resolve_dtype
 
         world = getattr(tp, "world_size", 1)
         model_config = read_model_config(config.model)
         model_type = model_config.get("model_type")
-        dtype = resolve_dtype(config.dtype, model_config)
+        rows = resolve_dtype(config.dtype, model_config)
+        if model_type not in GENERIC_TOWER_TYPES and world != 1:
+            raise ValueError(TP_REFUSED.format(tp=world, model_type=model_type))
+        dtype = compute_dtype(self.compute_dtype, rows, device)
         if model_type in GENERIC_TOWER_TYPES:
             encoder = generic_tower(model_type).ENCODER
-            return GenericRunner(encoder.load(config.model, dtype, device, tp, model_config))
-        if world != 1:
-            raise ValueError(TP_REFUSED.format(tp=world, model_type=model_type))
+            return GenericRunner(encoder.load(config.model, dtype, device, tp, model_config), row_dtype=rows)
         if model_type in GENERIC_AUDIO_TYPES:
             from eric_epd.models.hf.audio_encoder import HFAudioEncoder
 
-            return GenericRunner(HFAudioEncoder.load(config.model, dtype, device))
+            return GenericRunner(HFAudioEncoder.load(config.model, dtype, device), row_dtype=rows)
         if model_type in GENERIC_OMNI_TYPES:
             from eric_epd.models.hf.omni import HFOmniEncoder
 
-            return GenericRunner(HFOmniEncoder.load(config.model, dtype, device))
-        return GenericRunner(HFVisionEncoder.load(config.model, dtype, device))
+            return GenericRunner(HFOmniEncoder.load(config.model, dtype, device), row_dtype=rows)
+        return GenericRunner(HFVisionEncoder.load(config.model, dtype, device), row_dtype=rows)
 
 
 @dataclass
@@ -140,11 +147,14 @@ class GenericRunner:
     encoder: ItemEncoder
     dtype: torch.dtype = torch.float32
     """Inputs stay float32 on their way to `run` (integer tensors travel in them exactly); the encoder casts pixels
-    to the model's dtype."""
+    to the model's (compute) dtype."""
+    row_dtype: torch.dtype | None = None
+    """The dtype of the rows sent (--dtype): each item's rows are cast to it before they leave `run` (None: left in
+    the encoder's own)."""
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
-        """`Runner` hook: each item's rows, items of one modality with matching tensor shapes joined into one
-        forward."""
+        """`Runner` hook: each item's rows (in the row dtype), items of one modality with matching tensor shapes
+        joined into one forward."""
         specs: list[GenericSpec] = []
         groups: dict[str, list[int]] = {}  # kind -> indices of the items that run in one forward
         for index, item in enumerate(items):
@@ -159,4 +169,6 @@ class GenericRunner:
             joined = join_items([unpack_tensors(specs[i].tensors, frames[i]) for i in members])
             rows = [specs[i].rows for i in members]
             outputs.update(zip(members, self.encoder.encode(joined, rows, specs[members[0]].modality)))
-        return [outputs[i] for i in range(len(items))]
+        if self.row_dtype is None:
+            return [outputs[i] for i in range(len(items))]
+        return [outputs[i].to(self.row_dtype) for i in range(len(items))]

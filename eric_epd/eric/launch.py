@@ -23,7 +23,7 @@ def serve(config: EricConfig) -> None:
     Eric cannot serve (or a --tp its tower does not take: > 1 on transformers' classes) stops it at once."""
     try:
         facts = ModelFacts.from_checkpoint(config.model)
-        workload = encoder_workload(config, facts, config.compile)
+        workload = encoder_workload(config, facts, config.compile, config.compute_dtype)
     except ValueError as e:
         raise SystemExit(f"eric-epd serve: --model {config.model}: {e}") from None
     run_server(

@@ -42,16 +42,19 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
     )
 
 
-def encoder_workload(config: RuntimeConfig, facts: ModelFacts, compile: str = "none") -> Workload:
+def encoder_workload(
+    config: RuntimeConfig, facts: ModelFacts, compile: str = "none", compute_dtype: str = "auto"
+) -> Workload:
     """The workload serving config.model: its hand-written tower's (run as `compile` says: EricConfig.compile), or
     the generic path's (TP 1 only, but for facts.GENERIC_TOWER_TYPES, whose tower of Eric's own must split over
-    --tp; never compiled). ValueError when Eric cannot serve the checkpoint, naming what it serves."""
+    --tp; never compiled); either computes in `compute_dtype` (EricConfig.compute_dtype). ValueError when Eric cannot
+    serve the checkpoint, naming what it serves."""
     from eric_epd.eric.generic import TP_REFUSED, GenericWorkload
     from eric_epd.models.facts import GENERIC_TOWER_TYPES, generic_tower, serves_tp
     from eric_epd.models.registry import check_servable
 
     if not facts.generic:
-        return EncoderWorkload.from_facts(facts, compile)
+        return EncoderWorkload.from_facts(facts, compile, compute_dtype)
     if compile != "none":
         raise ValueError(
             f"--compile {compile} compiles the Qwen families' towers; {facts.model_type} takes the "
@@ -62,7 +65,7 @@ def encoder_workload(config: RuntimeConfig, facts: ModelFacts, compile: str = "n
         raise ValueError(TP_REFUSED.format(tp=config.tp_size, model_type=facts.model_type))
     if config.tp_size > 1 and facts.model_type in GENERIC_TOWER_TYPES:
         generic_tower(facts.model_type).check_tp(facts.config, config.tp_size)
-    return GenericWorkload.from_checkpoint(config.model)
+    return GenericWorkload.from_checkpoint(config.model, compute_dtype)
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,14 @@ class EncoderWorkload:
     """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
     compile: str = "none"
     """EricConfig.compile: "inductor" compiles the tower's parts at load; the warm-up batch compiles them."""
+    compute_dtype: str = "auto"
+    """EricConfig.compute_dtype: the setting each worker resolves on its own device (models/compute_dtype.py)."""
 
     @classmethod
-    def from_facts(cls, facts: ModelFacts, compile: str = "none") -> EncoderWorkload:
-        """The workload of the checkpoint `facts` describe (the router's, read once), run as `compile` says."""
-        return cls(facts.merge_unit, facts.pixel_row, compile)
+    def from_facts(cls, facts: ModelFacts, compile: str = "none", compute_dtype: str = "auto") -> EncoderWorkload:
+        """The workload of the checkpoint `facts` describe (the router's, read once), run as `compile` says in
+        `compute_dtype`."""
+        return cls(facts.merge_unit, facts.pixel_row, compile, compute_dtype)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         """`Workload` hook: why the engine must refuse this encode item (spec, modality, grid, byte count), or None."""
@@ -110,15 +116,18 @@ class EncoderWorkload:
         )
 
     def load(self, config: RuntimeConfig, device: torch.device, tp: object) -> EncoderRunner:
-        """`Workload` hook: this rank's vision encoder, loaded from the checkpoint in the configured dtype."""
+        """`Workload` hook: this rank's vision encoder, loaded from the checkpoint in the compute dtype, its rows
+        cast to the configured (row) dtype."""
+        from eric_epd.models.compute_dtype import compute_dtype
         from eric_epd.models.registry import load_encoder, read_model_config, resolve_dtype
 
         model_config = read_model_config(config.model)  # this worker process's one read
-        dtype = resolve_dtype(config.dtype, model_config)
+        rows = resolve_dtype(config.dtype, model_config)
+        dtype = compute_dtype(self.compute_dtype, rows, device)
         encoder = load_encoder(config.model, dtype, device, tp, model_config)  # type: ignore[arg-type]
         if self.compile == "inductor":
             encoder.compile_parts()
-        return EncoderRunner(encoder, dtype, self.merge_unit)
+        return EncoderRunner(encoder, dtype, self.merge_unit, rows)
 
 
 @dataclass
@@ -127,10 +136,14 @@ class EncoderRunner:
 
     encoder: torch.nn.Module
     dtype: torch.dtype
+    """The compute dtype: the encoder's, which the worker casts the inputs to."""
     merge_unit: int
+    row_dtype: torch.dtype
+    """The dtype of the rows sent (--dtype): the encoder's rows are cast to it before they leave `run`."""
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
-        """`Runner` hook: the encoder over the batch's pixel rows, split into each item's merged tokens."""
+        """`Runner` hook: the encoder over the batch's pixel rows, cast to the row dtype and split into each item's
+        merged tokens."""
         specs = [unpack_spec(i, EncodeSpec) for i in items]
         if any(s is None for s in specs):
             raise RuntimeError("a batch item is not an encode item")
@@ -144,4 +157,4 @@ class EncoderRunner:
         counts = [i.cost // self.merge_unit for i in items]
         if out.dim() != 2 or out.shape[0] != sum(counts):
             raise RuntimeError(f"encoder returned shape {list(out.shape)}, expected {sum(counts)} tokens")
-        return list(out.split(counts))
+        return list(out.to(self.row_dtype).split(counts))

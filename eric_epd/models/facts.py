@@ -190,6 +190,6 @@ class ModelFacts:
         return self.merge_size**2
 
     def output_dtype(self, setting: str) -> str:
-        """The dtype the encoder computes and outputs in ("float32", "bfloat16", ...) for a --dtype `setting`
-        ("auto": the checkpoint's own)."""
+        """The dtype of the rows the encoder outputs ("float32", "bfloat16", ...) for a --dtype `setting` ("auto": the
+        checkpoint's own); its tower may compute in another (--compute-dtype, models/compute_dtype.py)."""
         return dtype_name(setting, self.config)

@@ -134,8 +134,9 @@ def run_profile(args: argparse.Namespace, servers: Servers) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> str:
-    """`eric-epd plan`: the plan's table (and JSON where asked)."""
-    from eric_epd.planning.planner import PlanConfig, plan, render_plan
+    """`eric-epd plan`: the plan's table, then Eric's host and tower cost per item on each profiled share (and JSON
+    where asked)."""
+    from eric_epd.planning.planner import PlanConfig, plan, render_host_split, render_plan
     from eric_epd.planning.profiles import read_profile
 
     if bool(args.rates) != (args.predictions is not None):
@@ -161,4 +162,4 @@ def run_plan(args: argparse.Namespace) -> str:
         write_predictions(
             args.predictions, predict_rates(prof, args.profile.read_bytes(), result, config, tuple(args.rates))
         )
-    return render_plan(result)
+    return render_plan(result) + "\n" + render_host_split(prof)

@@ -195,3 +195,21 @@ def render_plan(p: Plan) -> str:
         )
     lines.append("EPD / colocated: " + ", ".join(f"{k} {v:.2f}x" for k, v in p.ratios.items()))
     return "\n".join(lines)
+
+
+def render_host_split(profile: Profile) -> str:
+    """Per profiled share, what an Eric item cost on the host (its router's stages) and in the vision tower, at the
+    share's busiest measured point (Share.host_and_tower)."""
+    lines = ["Eric per item, host (router stages: fetch, decode, preprocess, hash...) vs vision tower (forward):"]
+    for share in sorted(profile.shares, key=lambda s: len(s.devices)):
+        where = f"  share of {len(share.devices)} {profile.device} device(s)"
+        point = share.host_and_tower()
+        if point is None:
+            lines.append(f"{where}: host and tower cost not measured in this profile")
+            continue
+        ratio = f"{point.host_s_per_item / point.tower_s_per_item:.2f}" if point.tower_s_per_item > 0 else "-"
+        lines.append(
+            f"{where}: host {point.host_s_per_item * 1e3:.1f} ms, tower {point.tower_s_per_item * 1e3:.1f} ms "
+            f"(host / tower {ratio}) at concurrency {point.concurrency}"
+        )
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ from pathlib import Path
 from eric_epd.planning.costs import stage_costs
 from eric_epd.planning.measure_engine import image_tokens, measure_engine
 from eric_epd.planning.measure_eric import measure_eric
+from eric_epd.planning.planner import render_host_split
 from eric_epd.planning.profiles import Profile, Share, Traffic, write_profile
 from eric_epd.planning.servers import Servers
 
@@ -117,5 +118,5 @@ def profile(config: ProfileConfig, servers: Servers) -> Profile:
         **_resize_facts(config.model),
     )
     write_profile(result, config.out)
-    logger.info("wrote %s", config.out)
+    logger.info("wrote %s\n%s", config.out, render_host_split(result))
     return result

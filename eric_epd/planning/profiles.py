@@ -33,13 +33,19 @@ class Slo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EricPoint(msgspec.Struct, frozen=True):
-    """Eric at one client concurrency: items/s, request latency percentiles, mean items per executed batch."""
+    """Eric at one client concurrency: items/s, request latency percentiles, mean items per executed batch, and what
+    an item cost on the host and in the vision tower (0: not measured, as in profiles written before these were)."""
 
     concurrency: int
     items_per_s: float
     latency_p50_s: float
     latency_p99_s: float
     batch_items: float
+    host_s_per_item: float = 0.0
+    """seconds of the router's host stages per item (measure_eric.HOST_STAGES: body read, fetch, decode,
+    preprocess, hash, answer)"""
+    tower_s_per_item: float = 0.0
+    """seconds of the vision tower's forward per item (measure_eric.TOWER_STAGES: batch_compute)"""
 
 
 class PrefillPoint(msgspec.Struct, frozen=True):
@@ -80,6 +86,12 @@ class Share(msgspec.Struct, frozen=True):
     devices: tuple[int, ...]
     eric: list[EricPoint]
     engine: EngineSide
+
+    def host_and_tower(self) -> EricPoint | None:
+        """The point whose host and tower seconds per item stand for the share: the highest concurrency that
+        measured them (Eric at its busiest); None where no point did (a profile written before they were)."""
+        measured = [p for p in self.eric if p.host_s_per_item > 0 or p.tower_s_per_item > 0]
+        return max(measured, key=lambda p: p.concurrency) if measured else None
 
 
 class Profile(msgspec.Struct, frozen=True):

@@ -1,6 +1,6 @@
 """`eric-epd profile` on a real Eric and a real `vllm serve` (tiny Qwen2.5-VL, one core), then `eric-epd plan` on what
 it wrote: the engine took the random embeddings as image tokens (the prompt lengths vLLM reports), every figure is
-measured, and the plan answers for both modes."""
+measured (Eric's host and tower seconds per item too), and the plan answers for both modes and shows that split."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def test_profile_then_plan(tmp_path: Path) -> None:
     assert share.devices == (int(core),)
     assert [p.concurrency for p in share.eric] == [1, 4]
     assert all(p.items_per_s > 0 and 0 < p.latency_p50_s <= p.latency_p99_s and p.batch_items >= 1 for p in share.eric)
+    assert all(p.host_s_per_item > 0 and p.tower_s_per_item > 0 for p in share.eric)  # eric_stage_seconds' split
     prefill = share.engine.prefill
     assert len(prefill) == 6  # 0, 1 and 2 images of each side
     text_only = prefill[0].tokens
@@ -105,6 +106,7 @@ def test_profile_then_plan(tmp_path: Path) -> None:
         timeout=120,
     ).stdout
     assert "EPD (best): 1 Eric x1 + 1 engine x1" in table and "colocated: 2 engine x1" in table
+    assert "share of 1 cpu device(s): host " in table and "not measured" not in table
     result = json.loads(plan_json.read_text())
     for mode in ("epd", "colocated"):
         assert result[mode]["request_throughput"] > 0
