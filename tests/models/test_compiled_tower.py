@@ -52,6 +52,7 @@ def test_compiled_tower_equals_eager(family: str, dtype: torch.dtype, request: p
     checkpoint = request.getfixturevalue(f"{family}_tiny")
     eager, exact = load_encoder(checkpoint, dtype, "cpu"), load_encoder(checkpoint, torch.float64, "cpu")
     compiled = load_encoder(checkpoint, dtype, "cpu")
+    torch._dynamo.reset()  # the towers compiled before in this process share its recompile limit
     before = _graphs()
     compiled.compile_parts()
     mergers = 1 + len(compiled.tap_layers)
@@ -83,7 +84,10 @@ def test_compiled_tower_bound_holds_on_the_benchmarks_checkpoint(dtype: torch.dt
     checkpoint = ensure_checkpoint("qwen2_5_vl", "small")
     eager, exact = load_encoder(checkpoint, dtype, "cpu"), load_encoder(checkpoint, torch.float64, "cpu")
     compiled = load_encoder(checkpoint, dtype, "cpu")
+    torch._dynamo.reset()  # the towers compiled before in this process share its recompile limit
+    before = _graphs()
     compiled.compile_parts()
+    assert _graphs() - before == 2 * compiled.depth + 1 + len(compiled.tap_layers)  # compiled, not run eagerly
     grid = [(1, 16, 16)]
     pixels = _pixels(eager, grid, 7)
     ours, reference, rows64 = compiled(pixels, grid), eager(pixels, grid), exact(pixels.double(), grid)
