@@ -34,6 +34,7 @@ from eric_epd.planning.profiles import (
     Traffic,
     read_profile,
 )
+from eric_epd.planning.simulate import tokens_per_item
 
 RESULTS = Path(__file__).parent / "results"
 PEAK_FLOPS, BANDWIDTH = 989e12, 3.35e12
@@ -42,6 +43,8 @@ BANDWIDTH_SHARE, STEP_S, ERIC_FIXED_S, ENGINE_OVERHEAD_S = 0.7, 1.5e-3, 8e-3, 10
 TRAFFIC = Traffic(images_per_request=4, sides=(448, 896), prompt_tokens=128, output_tokens=128)
 IMAGE_TOKENS = {448: 256, 896: 1024}
 SLO = Slo(ttft_ms=2000.0, tpot_ms=50.0)
+ITEM_TOKENS = sum(IMAGE_TOKENS[s] for s in TRAFFIC.sides) / len(TRAFFIC.sides)
+"""Mean image tokens of an item of this traffic (each side equally likely)."""
 HOST_FROM = RESULTS / "predictions" / "epd_vs_colocated_shaped3b_mix_profile.json"
 NOT_MEASURED = "host cost not measured in this profile"
 
@@ -57,11 +60,6 @@ def tower_s_per_image_token(name: str) -> float:
     return stage_costs(REFERENCES[name]).encoder_per_image_token / (PEAK_FLOPS * MFU["tower"])
 
 
-def tokens_per_item(image_tokens: dict[int, int], sides: tuple[int, ...]) -> float:
-    """Mean image tokens of an item of `sides` (each side equally likely)."""
-    return sum(image_tokens[s] for s in sides) / len(sides)
-
-
 def host_cost(profile: Profile) -> dict:
     """The host seconds per item and per image token that `profile` measured on its smallest share (at the busiest
     point that measured them, Share.host_and_tower), or {"measured": False, "note": NOT_MEASURED}."""
@@ -69,7 +67,7 @@ def host_cost(profile: Profile) -> dict:
     point = share.host_and_tower()
     if point is None or point.host_s_per_item <= 0:
         return {"measured": False, "note": NOT_MEASURED}
-    tokens = tokens_per_item(profile.image_tokens_for(profile.traffic), profile.traffic.sides)
+    tokens = tokens_per_item(profile)
     return {
         "measured": True,
         "model": profile.model,
@@ -88,7 +86,7 @@ def host_cores(name: str, host: dict) -> dict:
     """What one GPU Eric of model `name` needs on the host to keep up with its tower on this traffic: the tower's
     items/s at the roofline x the host seconds per item (the measured host cost per image token x this traffic's
     image tokens per item), in cores; None where the profile did not measure the host cost."""
-    per_item = tokens_per_item(IMAGE_TOKENS, TRAFFIC.sides)
+    per_item = ITEM_TOKENS
     tower_items_per_s = 1.0 / (per_item * tower_s_per_image_token(name))
     out: dict = {"tower_items_per_s": tower_items_per_s, "image_tokens_per_item": per_item}
     if not host["measured"]:
@@ -103,7 +101,7 @@ def roofline_profile(name: str) -> Profile:
     costs = stage_costs(config)
     tower_s = tower_s_per_image_token(name)
     prefill_s = costs.prefill_per_token / (PEAK_FLOPS * MFU["prefill"])
-    per_item = tokens_per_item(IMAGE_TOKENS, TRAFFIC.sides)
+    per_item = ITEM_TOKENS
     items_per_s = 1.0 / (per_item * tower_s + ERIC_FIXED_S / TRAFFIC.images_per_request)
     lone = ERIC_FIXED_S + TRAFFIC.images_per_request * per_item * tower_s
     eric = [

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load as load_safetensors
 from torch._dynamo.utils import counters
 
@@ -20,7 +21,7 @@ from eric_epd.models.registry import load_encoder
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.exactness import COMPILED_OVER_EAGER, compiled_as_exact
-from eric_epd.testing.media import image_data_url
+from eric_epd.testing.media import data_url, image_bytes, random_image
 from eric_epd.wire.handles import LEASE_HEADER
 
 GRIDS = ([(1, 8, 12)], [(1, 16, 16)], [(1, 16, 16), (1, 8, 12), (2, 12, 8)])
@@ -128,7 +129,8 @@ def _embeddings(eric: EricServer, urls: list[str]) -> list[torch.Tensor]:
 def test_served_compiled_eric_answers_as_an_eager_one(qwen2_5_vl_tiny: Path, tmp_path: Path) -> None:
     """`eric-epd serve --compile inductor` at TP 2 (its row-parallel all-reduces inside the compiled graphs) gives
     the embeddings an eager TP-1 Eric gives, for two image sizes in one request."""
-    urls = [image_data_url(120, 90, seed=3), image_data_url(200, 150, seed=4)]
+    images = [random_image(120, 90, seed=3), random_image(200, 150, seed=4)]
+    urls = [data_url(image_bytes(image)) for image in images]
     with EricServer(
         qwen2_5_vl_tiny,
         tp=2,
@@ -141,24 +143,19 @@ def test_served_compiled_eric_answers_as_an_eager_one(qwen2_5_vl_tiny: Path, tmp
     with EricServer(qwen2_5_vl_tiny, extra_args=("--dtype", "float32"), log_path=tmp_path / "eager.log") as eric:
         eager = _embeddings(eric, urls)
     assert [e.shape for e in compiled] == [e.shape for e in eager] and compiled[0].shape != compiled[1].shape
-    for ours, reference, rows64 in zip(compiled, eager, _float64_rows(qwen2_5_vl_tiny, urls), strict=True):
+    for ours, reference, rows64 in zip(compiled, eager, _float64_rows(qwen2_5_vl_tiny, images), strict=True):
         compiled_as_exact(ours, reference, rows64, "served at TP 2")
     assert "compiled the vision tower" in (tmp_path / "compiled.log").read_text()
 
 
-def _float64_rows(checkpoint: Path, urls: list[str]) -> list[torch.Tensor]:
+def _float64_rows(checkpoint: Path, images: list[Image.Image]) -> list[torch.Tensor]:
     """Each image's rows from the tower in float64 in this process, its pixels from transformers' processor."""
-    import base64
-    import io
-
-    from PIL import Image
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(checkpoint)
     tower = load_encoder(checkpoint, torch.float64, "cpu")
     out = []
-    for url in urls:
-        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    for image in images:
         inputs = processor(images=[image], return_tensors="pt")
         grid = [tuple(int(v) for v in g) for g in inputs["image_grid_thw"]]
         out.append(tower(inputs["pixel_values"].double(), grid))
