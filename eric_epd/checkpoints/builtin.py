@@ -24,7 +24,7 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qw
 SIZES = ("tiny", "small", "shaped3b", "shaped7b")
 SHAPED = ("shaped3b", "shaped7b")
 """Benchmark sizes of qwen2_5_vl whose per-token costs have the released 3B's and 7B's ratios (planning/costs.py)."""
-BUILDER_VERSION = 3  # bump when the output of build_checkpoint changes
+BUILDER_VERSION = 4  # bump when the output of build_checkpoint changes
 
 SPECIALS = [
     "<|endoftext|>",

@@ -173,7 +173,9 @@ def model_config(spec: CheckpointSpec, ids: dict[str, int], vocab: int, init_std
             num_heads=spec.vision_heads,
             mlp_ratio=spec.vision_mlp // spec.vision_width,
             in_channels=3,
+            in_chans=3,  # the released configs carry both names; SGLang's Qwen2-VL reads this one
             patch_size=14,
+            spatial_patch_size=14,
             spatial_merge_size=2,
             temporal_patch_size=2,
             initializer_range=init_std,

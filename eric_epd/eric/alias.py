@@ -47,15 +47,15 @@ class RawAlias:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def key(self, modality: str, data: bytes, hop_padded: bool = True, soundtrack: bool = False) -> bytes | None:
-        """sha256 over the modality's salt, the modality, `hop_padded` (audio as SGLang reads it hashes otherwise),
+    def key(self, modality: str, data: bytes, sglang: bool = False, soundtrack: bool = False) -> bytes | None:
+        """sha256 over the modality's salt, the modality, `sglang` (audio as SGLang reads it hashes otherwise),
         whether it is a video's soundtrack (audio decoded from a video's bytes) and the bytes; None for a modality
         the model does not take (nothing to alias: preparing it fails)."""
         salt = self._salts.get(modality)
         if salt is None:
             return None
         h = hashlib.sha256(salt)
-        h.update(f"\0{modality}\0hop_padded={int(hop_padded)}\0soundtrack={int(soundtrack)}\0".encode())
+        h.update(f"\0{modality}\0sglang={int(sglang)}\0soundtrack={int(soundtrack)}\0".encode())
         h.update(data)
         return h.digest()
 
@@ -80,12 +80,12 @@ class RawAlias:
 
 
 async def alias_keys(
-    alias: RawAlias, jobs: list[tuple[str, bytes]], first_soundtrack: int, hop_padded: bool = True
+    alias: RawAlias, jobs: list[tuple[str, bytes]], first_soundtrack: int, sglang: bool = False
 ) -> list[bytes | None]:
     """Each (modality, bytes) job's key; jobs from `first_soundtrack` on are videos' soundtracks. Hashed in a
     thread when the bytes are many (sha256 lets go of the GIL), so a large video does not stall the event loop."""
 
     def keys() -> list[bytes | None]:
-        return [alias.key(m, data, hop_padded, i >= first_soundtrack) for i, (m, data) in enumerate(jobs)]
+        return [alias.key(m, data, sglang, i >= first_soundtrack) for i, (m, data) in enumerate(jobs)]
 
     return keys() if sum(len(data) for _, data in jobs) <= OFF_LOOP_BYTES else await asyncio.to_thread(keys)

@@ -31,6 +31,7 @@ from eric_epd.eric.processor import Processor, model_fingerprint
 from eric_epd.eric.service import EncodeService
 from eric_epd.eric.sglang.protocol import sglang_error_response
 from eric_epd.eric.sglang.routes import sglang_routes
+from eric_epd.eric.sglang.video import QWEN_VL_TYPES
 from eric_epd.media.fetch import MediaFetcher
 from eric_epd.models.facts import ModelFacts
 from eric_epd.models.registry import load_processor
@@ -106,7 +107,8 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         fetcher = MediaFetcher(config.url_policy, config.media)
-        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(facts))
+        sglang_video = config.sglang.video if facts.model_type in QWEN_VL_TYPES else None
+        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(facts), sglang_video)
         expiry = asyncio.create_task(hub.expiry_loop())
         membership = GatewayMembership(
             config.register_with, config.register_key, config.public_url, config.heartbeat_s, config.api_key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from eric_epd.common.net import is_loopback
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.eric.config import COMPILE_MODES, COMPUTE_DTYPES, SGLANG_DTYPES, BatchLimits, EricConfig, SglangConfig
 from eric_epd.eric.media_flags import add_media_flags, media_limits
+from eric_epd.eric.sglang.video import SglangVideo
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.runtime.cli import add_server_flags
 from eric_epd.transfer.config import TRANSFER_BACKENDS, TransferConfig
@@ -227,6 +229,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="CIDR Eric may push SGLang parts to besides the caller's own address (repeatable)",
     )
     g.add_argument(
+        "--sglang-mm-process-config",
+        type=_sglang_video,
+        default="{}",
+        help='the prefills\' SGLang --mm-process-config JSON: its "video" settings (fps, nframes, min_frames, '
+        "max_frames, min_pixels, max_pixels, total_pixels) decide how Eric samples and first resizes Qwen-VL videos "
+        "asked for on SGLang's protocol, as SGLang's own encoder would (VIDEO_MAX_PIXELS from the environment too)",
+    )
+    g.add_argument(
         "--sglang-register-retry",
         type=float,
         default=SglangConfig.register_retry_s,
@@ -250,6 +260,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=SglangConfig.receiver_idle_s,
         help="seconds after which an unused cached ZMQ socket to a prefill rank is closed",
     )
+
+
+def _sglang_video(text: str) -> SglangVideo:
+    """--sglang-mm-process-config: SGLang's JSON, of which the "video" settings count here."""
+    try:
+        mm = json.loads(text)
+        if not isinstance(mm, dict):
+            raise ValueError("a JSON object is expected")
+        return SglangVideo.from_config(mm.get("video") or {}, os.environ.get("VIDEO_MAX_PIXELS"))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"--sglang-mm-process-config: {e}") from e
 
 
 def _env_float(name: str, default: float) -> float:
@@ -324,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
             max_parts=args.sglang_max_parts,
             max_receivers=args.sglang_max_receivers,
             receiver_idle_s=args.sglang_receiver_idle_ttl,
+            video=args.sglang_mm_process_config,
         ),
         api_key=args.api_key or os.environ.get("ERIC_API_KEY") or None,
         trusted_proxies=args.trusted_proxies,

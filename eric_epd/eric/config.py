@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from eric_epd.eric.sglang.video import SglangVideo
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import UrlPolicy
 from eric_epd.models.compute_dtype import COMPUTE_DTYPES
@@ -48,6 +49,9 @@ class SglangConfig:
     when every one is busy)."""
     receiver_idle_s: float = 300.0
     """A cached receiver socket unused this long is closed."""
+    video: SglangVideo = field(default_factory=SglangVideo)
+    """How SGLang's own encoder samples and first resizes a Qwen-VL video (the prefills' --mm-process-config):
+    videos asked for on SGLang's protocol are prepared so, under their own content hashes."""
     dtype: str = "auto"
     """dtype of the rows sent: must be the prefill's model dtype, since Mooncake/NIXL landing buffers are read in
     it. "auto" applies SGLang's own --dtype auto rule to the checkpoint (float32 -> float16)."""

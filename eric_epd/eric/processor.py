@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eric_epd.eric.decode import decode_image, decode_video
+from eric_epd.eric.sglang.video import SglangVideo
 from eric_epd.eric.video_limits import VideoBudget
 from eric_epd.media.audio import decode_audio
 from eric_epd.media.limits import MediaLimits
@@ -68,9 +69,17 @@ class Processor:
     """Turns fetched bytes into PreparedItems off the event loop."""
 
     def __init__(
-        self, modality_processor: BaseModalityProcessor, limits: MediaLimits, threads: int, model_id: bytes
+        self,
+        modality_processor: BaseModalityProcessor,
+        limits: MediaLimits,
+        threads: int,
+        model_id: bytes,
+        sglang_video: SglangVideo | None = None,
     ) -> None:
         self._mp = modality_processor
+        self._sglang_video = sglang_video
+        """How SGLang's own encoder prepares this model's videos (its Qwen-VL families), for videos asked for on
+        SGLang's protocol; None: as vLLM does."""
         self._limits = limits
         self._threads = max(1, threads)
         self._pool = ThreadPoolExecutor(
@@ -103,24 +112,23 @@ class Processor:
         ).digest()
 
     async def prepare_many(
-        self, items: list[tuple[str, bytes]], hop_padded: bool = True
+        self, items: list[tuple[str, bytes]], sglang: bool = False
     ) -> list[PreparedItem | MediaError]:
         """Every item prepared, in order, each its PreparedItem or its MediaError. Images and audio go to the pool in
         one contiguous chunk per thread: a hop to the pool and back costs about as much as preprocessing a small
         image, so a request of small images pays it once per thread, not once per item. Each video goes to the video
         pool on its own, under the request's VideoBudget. Cancelled (the client
-        left), the chunks stop before their next item. `hop_padded=False`: audio as SGLang reads it (no hop padding;
-        other content hashes)."""
+        left), the chunks stop before their next item. `sglang=True`: as SGLang's own encoder reads them (audio without
+        hop padding; Qwen-VL videos sampled and resized first as SGLang does), under other content hashes."""
         loop, stop = asyncio.get_running_loop(), threading.Event()
         budget = VideoBudget(self._limits, stop)
         others = _chunks([i for i, (modality, _) in enumerate(items) if modality != "video"], self._threads)
         videos = [[i] for i, (modality, _) in enumerate(items) if modality == "video"]
         runs = [
-            loop.run_in_executor(self._pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded)
-            for c in others
+            loop.run_in_executor(self._pool, self._prepare_chunk, [items[i] for i in c], stop, sglang) for c in others
         ]
         runs += [
-            loop.run_in_executor(self._video_pool, self._prepare_chunk, [items[i] for i in c], stop, hop_padded, budget)
+            loop.run_in_executor(self._video_pool, self._prepare_chunk, [items[i] for i in c], stop, sglang, budget)
             for c in videos
         ]
         try:
@@ -137,7 +145,7 @@ class Processor:
         self,
         items: list[tuple[str, bytes]],
         stop: threading.Event,
-        hop_padded: bool = True,
+        sglang: bool = False,
         budget: VideoBudget | None = None,
     ) -> list[PreparedItem | MediaError]:
         out: list[PreparedItem | MediaError] = []
@@ -145,7 +153,7 @@ class Processor:
             if stop.is_set():
                 break
             try:
-                out.append(self._prepare_sync(modality, data, stop, hop_padded, budget))
+                out.append(self._prepare_sync(modality, data, stop, sglang, budget))
             except MediaError as e:
                 out.append(e)
         return out
@@ -155,7 +163,7 @@ class Processor:
         modality: str,
         data: bytes,
         stop: threading.Event | None = None,
-        hop_padded: bool = True,
+        sglang: bool = False,
         budget: VideoBudget | None = None,
     ) -> PreparedItem:
         start = time.perf_counter()
@@ -168,9 +176,14 @@ class Processor:
                 item = self._mp.process_image(image)
             elif modality == "audio":
                 audio = decode_audio(data, self._limits, stop)
-                pixels, tag = audio.samples, f"@{audio.sample_rate}Hz" + ("" if hop_padded else "|unpadded")
+                pixels, tag = audio.samples, f"@{audio.sample_rate}Hz" + ("|unpadded" if sglang else "")
                 decoded = time.perf_counter()
-                item = self._mp.process_audio(audio.samples, audio.sample_rate, hop_padded)
+                item = self._mp.process_audio(audio.samples, audio.sample_rate, hop_padded=not sglang)
+            elif sglang and self._sglang_video is not None:
+                like = self._sglang_video
+                pixels, _, seconds = decode_video(data, self._limits, like.frame_indices, stop, budget)
+                decoded, tag = time.perf_counter(), "|sglang:" + like.fingerprint().decode()
+                item = self._mp.process_video(like.resize(pixels), 2.0, seconds)  # SGLang gives no fps: HF's 2.0
             else:
                 pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop, budget)
                 decoded = time.perf_counter()

@@ -72,17 +72,17 @@ class EncodeService:
         self,
         items: list[EncodeItem],
         clock: RequestClock | None = None,
-        hop_padded: bool = True,
+        sglang: bool = False,
         staging: Staging | None = None,
     ) -> list[ItemAnswer]:
         """Handles for `items`, in order; `clock` collects the forward time of the batches they rode in;
-        `hop_padded=False`: audio as SGLang reads it (Processor.prepare_many); `staging`: more pool space the
+        `sglang=True`: audio as SGLang reads it (Processor.prepare_many); `staging`: more pool space the
         caller needs with the items, reserved all or none with them. Refused at once (nothing fetched) when the
         items accepted and not answered would pass `max_items`: 503 to retry, 413 if it never could fit."""
         self.admission.admit(len(items))
         try:
             start = time.perf_counter()
-            prepared, leased = await self._prepare(items, hop_padded, staging)
+            prepared, leased = await self._prepare(items, sglang, staging)
             handles = await self._embed(  # from here on, _embed gives back the alias hits' leases on failure
                 [p for pair in prepared for p in pair if p is not None], clock or RequestClock(), staging, leased
             )
@@ -115,7 +115,7 @@ class EncodeService:
         return self.admission.room()
 
     async def _prepare(
-        self, items: list[EncodeItem], hop_padded: bool = True, staging: Staging | None = None
+        self, items: list[EncodeItem], sglang: bool = False, staging: Staging | None = None
     ) -> tuple[list[tuple[PreparedItem, PreparedItem | None]], dict[str, EmbeddingHandle]]:
         """Every item fetched (concurrently), then decoded, preprocessed and hashed, each with its soundtrack where
         asked (an audio item decoded from the same bytes), and `staging`'s wants; the first failure is a 4xx naming
@@ -126,12 +126,12 @@ class EncodeService:
         work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
         tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
         jobs = work + [("audio", work[n][1]) for n in tracks]
-        keys = [None] * len(jobs) if self.alias is None else await alias_keys(self.alias, jobs, len(items), hop_padded)
+        keys = [None] * len(jobs) if self.alias is None else await alias_keys(self.alias, jobs, len(items), sglang)
         leased: dict[str, EmbeddingHandle] = {}
         try:
             results: list[PreparedItem | MediaError | None] = [self._alias_hit(key, leased) for key in keys]
             if todo := [i for i, got in enumerate(results) if got is None]:
-                for i, got in zip(todo, await self._processor.prepare_many([jobs[i] for i in todo], hop_padded)):
+                for i, got in zip(todo, await self._processor.prepare_many([jobs[i] for i in todo], sglang)):
                     results[i] = got
                     if self.alias is not None and isinstance(got, PreparedItem):
                         self.alias.remember(keys[i], got)

@@ -150,7 +150,7 @@ class SglangEncoder:
             part.active += 1  # the sweep leaves it alone while it encodes (an encode may outlast the send timeout)
             try:
                 staging = self.rows.staging(part)  # SGLang pads no clip to hops
-                part.answers = await self.service.encode(items, hop_padded=False, staging=staging)
+                part.answers = await self.service.encode(items, sglang=True, staging=staging)
                 part.staged = staging.entries[0] if staging is not None and staging.entries else None
                 self._stage(part)
             finally:
