@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
+
+from eric_epd.stack.process import ServerProcess, free_port
 
 SGLANG_ARGS = (
     "--device",
@@ -66,6 +69,30 @@ def _stand_ins() -> None:
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
     _unpinned_video_frames()
     _host_landing_buffers()
+
+
+class SglangServe(ServerProcess):
+    """A real SGLang server on this CPU (float32, SGLANG_ARGS): `language_only` with `encoder_urls` and a
+    `transfer` (`nixl`: through Eric's SGLang plugin) has Eric encode its media;
+    otherwise it serves the checkpoint alone, without Eric's SGLang plugin (SGLANG_PLUGINS names no plugin)."""
+
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        encoder_urls: tuple[str, ...] = (),
+        transfer: str = "zmq_to_scheduler",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        port, env = free_port(), {"SGLANG_HOST_IP": "127.0.0.1", "SGLANG_EMBEDDING_POOL_SIZE_MB": "256"}
+        cmd = [sys.executable, "-m", __name__, "--model-path", str(model), *SGLANG_ARGS, "--dtype", "float32"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
+        if encoder_urls:
+            cmd += ["--language-only", "--encoder-urls", *encoder_urls, "--encoder-transfer-backend", transfer]
+            cmd += ["--encoder-bootstrap-port", str(free_port())]
+        else:
+            env["SGLANG_PLUGINS"] = "eric-epd-not-loaded"
+        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env)
 
 
 def main() -> None:

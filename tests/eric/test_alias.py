@@ -45,9 +45,9 @@ def test_keys_change_with_every_setting_and_unknown_modalities_have_none() -> No
     keys = {
         alias.key("video", data),
         alias.key("audio", data),  # a video's bytes read as audio never alias the video
-        alias.key("audio", data, hop_padded=False),  # SGLang's unpadded audio hashes otherwise
+        alias.key("audio", data, sglang=True),  # SGLang's unpadded audio hashes otherwise
         alias.key("audio", data, soundtrack=True),
-        alias.key("audio", data, hop_padded=False, soundtrack=True),
+        alias.key("audio", data, sglang=True, soundtrack=True),
         alias.key("image", data),
         alias.key("image", data + b"!"),
         RawAlias(8, {"image": b"other model"}).key("image", data),
@@ -148,7 +148,7 @@ class _Media:
         return url.encode()
 
     async def prepare_many(
-        self, jobs: list[tuple[str, bytes]], hop_padded: bool = True
+        self, jobs: list[tuple[str, bytes]], sglang: bool = False
     ) -> list[PreparedItem | MediaError]:
         self.prepared += [(m, d.decode()) for m, d in jobs]
         if self.gate is not None:
@@ -330,15 +330,15 @@ def test_a_staging_callers_hits_reserve_its_space_and_give_their_leases_back_whe
                 return Staging(wants)
 
             staging = want(256)
-            again = await asyncio.wait_for(service.encode(items("x", "y"), hop_padded=False, staging=staging), 5)
-            assert _hits(metrics) == 0 and len(engine.requests) == 1  # hop_padded=False: other keys, no hit
+            again = await asyncio.wait_for(service.encode(items("x", "y"), sglang=True, staging=staging), 5)
+            assert _hits(metrics) == 0 and len(engine.requests) == 1  # sglang=True: other keys, no hit
             assert media.prepared[-2:] == [("image", "x"), ("image", "y")]  # prepared, then found by content hash
             staging_hit = want(256)
-            hit = await asyncio.wait_for(service.encode(items("x", "y"), hop_padded=False, staging=staging_hit), 5)
+            hit = await asyncio.wait_for(service.encode(items("x", "y"), sglang=True, staging=staging_hit), 5)
             assert _hits(metrics) == 2 and sizes[-1] == 8 and staging_hit.entries is not None
             assert [e.hash for e in staging_hit.entries] == ["stage:2"] and staging_hit.entries[0].nbytes == 256
             with pytest.raises(ApiError) as refused:
-                await service.encode(items("x", "y"), hop_padded=False, staging=want(1 << 20))
+                await service.encode(items("x", "y"), sglang=True, staging=want(1 << 20))
             assert refused.value.status == 413 and _hits(metrics) == 4
             assert all(len(service.hub.pool.get(k).leases) == 3 for k in ("image:x", "image:y"))  # type: ignore[union-attr]
             for s in (staging, staging_hit):
