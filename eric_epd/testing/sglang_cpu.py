@@ -30,7 +30,7 @@ SGLANG_ARGS = (
 build, which PyPI does not carry; without that flag SGLang runs its torch-native attention and samplers on the CPU."""
 
 
-def _unpinned_video_frames() -> None:
+def unpinned_video_frames() -> None:
     """SGLang's video decoder and Qwen-VL video preprocessing pin frames unless SGLang's CPU engine flag is set
     (which imports `sgl_kernel`); pinning needs an accelerator. Their own CPU-engine branches (no pinning) are
     taken; nothing else reads the flag at request time."""
@@ -65,9 +65,10 @@ def _host_landing_buffers() -> None:
 
 
 def _stand_ins() -> None:
-    """Applied on import: SGLang's scheduler and tokenizer processes are spawned, and import this main module."""
+    """Applied in the server's processes: SGLang spawns its scheduler and detokenizer, which import this main
+    module as `__mp_main__`."""
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
-    _unpinned_video_frames()
+    unpinned_video_frames()
     _host_landing_buffers()
 
 
@@ -110,7 +111,7 @@ def main() -> None:
         kill_process_tree(os.getpid(), include_parent=False)
 
 
-_stand_ins()
-
+if __name__ in ("__main__", "__mp_main__"):
+    _stand_ins()
 if __name__ == "__main__":
     main()

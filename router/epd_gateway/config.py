@@ -94,8 +94,8 @@ class GatewayConfig:
                 "give --colocated-urls, or both --prefill-urls and --decode-urls (or, for images only, "
                 "--text-encoder-urls and --geri-urls)"
             )
-        if self.epd_prefill_urls and (self.backend != "sglang" or not self.decode_urls):
-            raise ValueError("--epd-prefill-urls is for --backend sglang, with --decode-urls")
+        if self.epd_prefill_urls and (self.backend != "sglang" or not (self.decode_urls or self.colocated_urls)):
+            raise ValueError("--epd-prefill-urls is for --backend sglang, with --decode-urls or --colocated-urls")
         if self.dns_interval_s <= 0 or self.stream_write_timeout_s <= 0:
             raise ValueError("--dns-interval and --stream-write-timeout must be > 0")
         if self.encoder_dns and self.backend != "vllm":
@@ -155,7 +155,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--epd-prefill-urls",
         type=_urls,
         default=(),
-        help="SGLang: --language-only prefills using the Erics as --encoder-urls (EPD requests go there)",
+        help="SGLang: --language-only servers using the Erics as --encoder-urls (EPD requests go there): prefills "
+        "joined to --decode-urls, or, beside --colocated-urls, servers that decode too",
     )
     p.add_argument("--backend", choices=("vllm", "sglang"), default="vllm", help="the engines behind the gateway")
     p.add_argument(

@@ -226,7 +226,7 @@ class Gateway:
         try:
             response = await self._plain(plain, headers, sglang_epd=True)
         except ApiError as e:
-            if e.status not in (502, 504) or not self.config.prefill_urls:
+            if e.status not in (502, 504) or not (self.config.prefill_urls or self.config.colocated_urls):
                 raise
             response = None
             logger.warning("SGLang EPD prefill failed (%s); plain PD path", e.message)

@@ -15,13 +15,15 @@ import httpx
 import pytest
 import torch
 
-from eric_epd.testing.media import image_data_url, video_data_url
+from eric_epd.testing.media import data_url, image_data_url, video_bytes
 from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_prefill import BootstrapUrls, ParseArgs, ParsedArgs, WireCheck, unpack
 from eric_epd.testing.stack import metric, wait_for
 from tests.support import helpers_sglang
 from tests.support.helpers_sglang import (
+    ATOL,
     IMAGES,
+    RTOL,
     SPLIT_IMAGES,
     STORED_IMAGES,
     check_equal,
@@ -30,6 +32,7 @@ from tests.support.helpers_sglang import (
     prompt_for,
 )
 from tests.support.sglang_probes import ELSEWHERE
+from tests.support.sglang_video import qwen_vl_video_rows, sglang_prepared_frames
 
 # the prefill harness's module-scoped fixtures: three Erics and the prefill host, started once for this module
 bootstrap_port, setup, references = helpers_sglang.bootstrap_port, helpers_sglang.setup, helpers_sglang.references
@@ -153,10 +156,12 @@ def test_scheduler_ranks_tp2(
 
 
 def test_zmq_to_scheduler_tp1_images_and_video(setup, references, qwen2_5_vl_tiny: Path) -> None:
-    """One rank; an image part and a video part (num_parts 2, modality-ordered); Qwen2.5-VL video metadata."""
+    """One rank; an image part and a video part (num_parts 2, modality-ordered); Qwen2.5-VL video metadata. The
+    video's rows are transformers' for the frames SGLang's own preprocess_video makes of it (SGLang serves
+    Qwen2-VL and Qwen3-VL videos token for token in test_sglang_server.py); another video's rows are not."""
     prefill, erics = setup
     urls = [image_data_url(*spec) for spec in IMAGES[:2]]
-    video = video_data_url(num_frames=8, width=56, height=56, fps=4, seed=5)
+    video = data_url(video_bytes(num_frames=8, width=56, height=56, fps=4, seed=5), "video/mp4")
     result = prefill.job(
         kind="scheduler",
         model=str(qwen2_5_vl_tiny),
@@ -171,8 +176,14 @@ def test_zmq_to_scheduler_tp1_images_and_video(setup, references, qwen2_5_vl_tin
     (outcome,) = result.outcomes
     ref = references["qwen2_5_vl"]["images"]
     check_equal(outcome, eric_tensors(erics["B"], urls), (ref[0][:2], ref[1][:2]), torch.float32)
-    check_equal(outcome, eric_tensors(erics["B"], [video], "video"), None, torch.float32, modality="VIDEO")
-    assert outcome.extra["second_per_grid_ts"] == [1.0]  # temporal_patch_size 2 / Eric's 2 fps sampling
+    [got] = [unpack(t) for t, m in zip(outcome.embeddings, outcome.modalities) if m == "VIDEO"]
+    text = "<|vision_start|><|video_pad|><|vision_end|>"
+    for seed, right in ((5, True), (6, False)):
+        frames, _ = sglang_prepared_frames(video_bytes(num_frames=8, width=56, height=56, fps=4, seed=seed))
+        rows, grid = qwen_vl_video_rows(qwen2_5_vl_tiny, frames, text)
+        assert outcome.grid["video_grid_thw"] == [grid]
+        assert torch.allclose(got, rows, rtol=RTOL, atol=ATOL) is right, f"video seed {seed}"
+    assert outcome.extra["second_per_grid_ts"] == [1.0]  # temporal_patch_size 2 / the 2 fps HF assumes (SGLang's)
     assert outcome.modalities == ["IMAGE", "IMAGE", "VIDEO"]
 
 

@@ -9,15 +9,13 @@ import itertools
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from eric_epd.checkpoints.families import ensure_family_checkpoint
 from eric_epd.checkpoints.kimi import KIMI_IMAGE
 from eric_epd.stack.servers import EricServer
-from eric_epd.testing.media import image_data_url, random_image, video_data_url
-from eric_epd.testing.sglang_prefill import unpack
+from eric_epd.testing.media import image_data_url, random_image
 from tests.support.helpers_sglang import (  # noqa: F401  (bootstrap_port, setup: the prefill harness fixtures)
     ATOL,
     IMAGES,
@@ -76,44 +74,6 @@ def test_qwen3_family_parts_hold_every_deepstack_level(
             result.outcomes[0], eric_tensors(eric, urls), (rows, inputs["image_grid_thw"].tolist()), torch.float32
         )
     assert rows[0].shape[1] == (1 + len(levels)) * model.config.vision_config.out_hidden_size
-
-
-def test_qwen3_vl_video_part_carries_its_timestamps(setup, qwen3_vl_tiny: Path, tmp_path: Path) -> None:  # noqa: F811
-    """A Qwen3-VL video: SGLang's receiver holds Eric's rows and hands its processor the video's timestamps (the
-    ones vLLM gets too), which it writes into the prompt."""
-    prefill, _ = setup
-    video = video_data_url(num_frames=8, width=64, height=64, fps=4, seed=11)
-    with EricServer(
-        qwen3_vl_tiny,
-        extra_args=("--transfer-backends", "shm", "--sglang-dtype", "float32"),
-        log_path=tmp_path / "eric.log",
-    ) as eric:
-        result = prefill.job(
-            kind="scheduler",
-            model=str(qwen3_vl_tiny),
-            backend="zmq_to_scheduler",
-            encoder_urls=[eric.url],
-            videos=[video],
-            prompt=prompt_for(0, 1),
-            tp=1,
-            dtype="float32",
-        )
-        assert result.dispatch_error is None
-        native = httpx.post(
-            eric.url + "/v1/encode",
-            json={"items": [{"modality": "video", "url": video}]},
-            headers=eric.headers,
-            timeout=120,
-        ).json()["items"][0]
-        [(ours, grid)] = eric_tensors(eric, [video], "video")
-    outcome = result.outcomes[0]
-    assert outcome.ok, outcome.error_msg
-    # SGLang splits a timestamped video into one item per temporal step (its `<t seconds>` text between them)
-    steps = [unpack(t) for t, m in zip(outcome.embeddings, outcome.modalities) if m == "VIDEO"]
-    assert len(steps) == grid[0] == 2
-    torch.testing.assert_close(torch.cat(steps), ours, rtol=RTOL, atol=ATOL)
-    assert outcome.grid["video_grid_thw"] == [grid]
-    assert outcome.extra["video_timestamps"] == native["timestamps"] == [0.25, 1.5]
 
 
 @pytest.fixture(scope="module")

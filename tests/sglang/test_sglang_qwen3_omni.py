@@ -24,6 +24,7 @@ from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_im
 from eric_epd.testing.sglang_prefill import Outcome, Prefill, unpack
 from tests.support.helpers_sglang import eric_tensors, prefill_beside_eric
 from tests.support.omni_reference import QWEN3_TEXT, qwen3_omni_rows
+from tests.support.sglang_video import sglang_prepared_frames
 
 RTOL, ATOL = 1e-5, 1e-5  # float32 throughout (--sglang-dtype float32, prefill --dtype float32)
 CLIPS = [(2 * 16000 + 160 * 7, 16000, 1), (16000 + 555, 16000, 2)]
@@ -56,14 +57,11 @@ def stack(qwen3_omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="module")
 def reference(qwen3_omni_tiny: Path) -> dict[str, list]:
     """Transformers' thinker rows: each clip as SGLang's processor takes it (16 kHz, not padded to whole hops), the
-    image, and the video's frames as Eric decodes and samples them; and the image's and the video's grids."""
+    image, and the frames SGLang's own preprocess_video makes of the video (its decoder, frame count and first
+    resize); and the image's and the video's grids."""
     from transformers import AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
 
-    from eric_epd.eric.decode import decode_video
-    from eric_epd.media.limits import MediaLimits
-    from eric_epd.models.registry import load_processor
-
-    frames, _, _ = decode_video(video_bytes(**VIDEO), MediaLimits(), load_processor(qwen3_omni_tiny).frame_indices)
+    frames, _ = sglang_prepared_frames(video_bytes(**VIDEO))
     decoded = [soundfile.read(io.BytesIO(audio_bytes(f, r, 1, "wav", s)), dtype="float32") for f, r, s in CLIPS]
     out = qwen3_omni_rows(
         qwen3_omni_tiny, [(samples, int(rate)) for samples, rate in decoded], [random_image(*IMAGE)], [frames]
@@ -202,7 +200,7 @@ def test_a_video_reaches_the_receiver_with_its_grid_and_sglangs_seconds_per_grid
     SGLang's own encoder sends for this family (temporal_patch_size / 2), which SGLang's get_rope_index_qwen3_omni
     reads; the receiver holds transformers' rows for both, the grids transformers' processor gives, one run of video
     tokens as long as its rows, and M-RoPE positions equal to transformers' own get_rope_index on the same prompt,
-    grids and seconds (SGLang's local path cannot decode a video here: neither decord nor torchcodec is installed)."""
+    grids and seconds."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     prefill, eric = stack

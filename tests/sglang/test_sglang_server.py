@@ -3,7 +3,9 @@ multi-image and video chats with the greedy tokens and logprobs of the same SGLa
 over every encoder transfer SGLang offers (zmq_to_scheduler, zmq_to_tokenizer, mooncake, and nixl through Eric's
 plugin), for tiny Qwen2-VL and Qwen3-VL in float32. The language-only servers load a copy of the checkpoint whose
 vision weights are noise: had their own encoder run, their answers would be another model's. Every comparison has
-its negative control (another image set's answer fails it), and Eric's counters show its rows were the ones used."""
+its negative control (another image set's answer fails it), and Eric's counters show its rows were the ones used.
+The gateway's `--backend sglang` sends multi-image requests to the language-only server and the rest to SGLang alone
+(streamed or not), and falls back to SGLang alone when the language-only server cannot have its media encoded."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eric_epd.stack.process import running
-from eric_epd.stack.servers import EricServer
+from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.exactness import (
     NEAR_TIE_FLOAT32,
     Greedy,
@@ -26,14 +28,21 @@ from eric_epd.testing.exactness import (
     greedy_of_openai,
 )
 from eric_epd.testing.media import image_data_url, video_data_url
+from eric_epd.testing.ports import refusing_url
 from eric_epd.testing.sglang_cpu import SglangServe
+from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
 
 TRANSFERS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake", "nixl")
 IMAGES = [image_data_url(84 + 28 * i, 56, seed=40 + i) for i in range(3)]
 VIDEOS = [video_data_url(8, 64, 48, 4, seed=3), video_data_url(8, 64, 48, 4, seed=4)]
+MM_CONFIG = '{"video": {"min_pixels": 12544}}'
+"""SGLang's --mm-process-config, given to Eric too: a smaller first resize than SGLang's default 128 x 28 x 28 pixels a
+frame (the test videos are 64 x 48), and the proof that Eric follows the prefills' setting."""
 ERIC_FLAGS = ("--dtype", "float32", "--sglang-dtype", "float32", "--sglang-allowed-peer", "127.0.0.1/32")
+ERIC_FLAGS += ("--sglang-mm-process-config", MM_CONFIG)
 """The prefills run --dtype float32; the NIXL session ids they send come from 127.0.0.1 (Eric accepts those only from
 an allowed peer: a UCX address could name any host)."""
+SGLANG_FLAGS = ("--mm-process-config", MM_CONFIG)
 
 
 def with_noise_vision(model: Path, out: Path) -> Path:
@@ -87,6 +96,9 @@ class Family:
     def __init__(self, eric: EricServer, alone: SglangServe, language_only: dict[str, SglangServe]) -> None:
         self.eric, self.alone, self.language_only = eric, alone, language_only
         self._alone: dict[str, Greedy] = {}
+        self.gateways: dict[str, GatewayServer] = {}
+        """"epd": the gateway before SGLang alone and the zmq_to_scheduler language-only server; "eric_down": before
+        SGLang alone and a language-only server whose only encoder refuses connections."""
 
     def reference(self, key: str, content: list[dict]) -> Greedy:
         """SGLang alone's answer to `content` (asked once)."""
@@ -114,16 +126,30 @@ def families(qwen2_vl_tiny: Path, qwen3_vl_tiny: Path, tmp_path_factory: pytest.
         for f, m in (("qwen2_vl", qwen2_vl_tiny), ("qwen3_vl", qwen3_vl_tiny))
     }
     alone = {
-        f: SglangServe(m, logs / f"alone-{f}.log")
+        f: SglangServe(m, logs / f"alone-{f}.log", extra_args=SGLANG_FLAGS)
         for f, m in (("qwen2_vl", qwen2_vl_tiny), ("qwen3_vl", qwen3_vl_tiny))
     }
     transfers = {"qwen2_vl": TRANSFERS, "qwen3_vl": ("zmq_to_scheduler",)}
     language_only = {
-        f: {t: SglangServe(noise[f], logs / f"lo-{f}-{t}.log", (erics[f].url,), t) for t in transfers[f]} for f in erics
+        f: {t: SglangServe(noise[f], logs / f"lo-{f}-{t}.log", (erics[f].url,), t, SGLANG_FLAGS) for t in transfers[f]}
+        for f in erics
     }
-    servers = [*erics.values(), *alone.values(), *(s for per in language_only.values() for s in per.values())]
-    with running(*servers):
-        yield {f: Family(erics[f], alone[f], language_only[f]) for f in erics}
+    with refusing_url() as dead:
+        eric_down = SglangServe(noise["qwen2_vl"], logs / "lo-eric-down.log", (dead,))
+        servers = [*erics.values(), *alone.values(), *(s for per in language_only.values() for s in per.values())]
+        with running(*servers, eric_down):
+            out = {f: Family(erics[f], alone[f], language_only[f]) for f in erics}
+            gateways = {
+                name: GatewayServer(
+                    logs / f"gateway-{name}.log",
+                    *("--backend", "sglang", "--colocated-urls", alone["qwen2_vl"].url),
+                    *("--epd-prefill-urls", lo.url),
+                )
+                for name, lo in (("epd", language_only["qwen2_vl"]["zmq_to_scheduler"]), ("eric_down", eric_down))
+            }
+            with running(*gateways.values()):
+                out["qwen2_vl"].gateways = gateways
+                yield out
 
 
 @pytest.mark.parametrize("transfer", TRANSFERS)
@@ -157,3 +183,38 @@ def test_qwen3_vl_images_and_video_token_for_token(families: dict[str, Family]) 
     ours = family.through_eric("zmq_to_scheduler", video(VIDEOS[0]), "video", 1)
     assert_greedy_agree(ours, family.reference("v0", video(VIDEOS[0])), NEAR_TIE_FLOAT32, "video")
     assert_greedy_differ(ours, family.reference("v1", video(VIDEOS[1])), NEAR_TIE_FLOAT32, "video")
+
+
+def _paths_after(gateway: GatewayServer, before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in gateway_paths(gateway).items() if v != before.get(k, 0)}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_gateway_sends_multi_image_requests_through_eric(families: dict[str, Family], stream: bool) -> None:
+    """Two images through the gateway (the openai client, streamed or not): the EPD path, Eric's two images, and
+    SGLang alone's greedy answer; one image takes the plain path to SGLang alone."""
+    family, urls = families["qwen2_vl"], [IMAGES[0], IMAGES[1]]
+    gateway = family.gateways["epd"]
+    reference = family.reference("01", images(*urls))
+    before, used = gateway_paths(gateway), items_used(family.eric, "image")
+    ours = ask_greedy(gateway.url, image_messages(urls, "Describe them."), max_tokens=8, stream=stream)
+    assert _paths_after(gateway, before) == {"epd": 1}
+    assert items_used(family.eric, "image") - used == 2
+    assert_greedy_agree(ours, reference, NEAR_TIE_FLOAT32, "gateway EPD")
+    assert_greedy_differ(ours, family.reference("02", images(IMAGES[0], IMAGES[2])), NEAR_TIE_FLOAT32, "gateway")
+    before, used = gateway_paths(gateway), items_used(family.eric, "image")
+    one = ask_greedy(gateway.url, image_messages(urls[:1], "Describe them."), max_tokens=8, stream=stream)
+    assert _paths_after(gateway, before) == {"pd": 1} and items_used(family.eric, "image") == used
+    assert_greedy_agree(one, family.reference("0", images(urls[0])), NEAR_TIE_FLOAT32, "gateway plain")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_gateway_falls_back_when_the_language_only_server_fails(families: dict[str, Family], stream: bool) -> None:
+    """The language-only server's Eric refuses connections, so it cannot serve the request: the gateway answers
+    it through SGLang alone (its fallback path), with SGLang alone's greedy answer."""
+    family, urls = families["qwen2_vl"], [IMAGES[0], IMAGES[1]]
+    gateway = family.gateways["eric_down"]
+    before = gateway_paths(gateway)
+    ours = ask_greedy(gateway.url, image_messages(urls, "Describe them."), max_tokens=8, stream=stream)
+    assert _paths_after(gateway, before) == {"fallback": 1}
+    assert_greedy_agree(ours, family.reference("01", images(*urls)), NEAR_TIE_FLOAT32, "gateway fallback")
