@@ -90,8 +90,9 @@ class Upstreams:
         client's unmodified body (forwarded without re-encoding). `sglang_epd`: prefill on an --epd-prefill-urls
         instance (SGLang --language-only, which has its media encoded by the Erics)."""
         if self._colocated is not None:
-            pool = self._epd_prefill if sglang_epd and self._epd_prefill is not None else self._colocated
-            return await self._forward("decode", next(pool), path, body, headers, raw)
+            if sglang_epd and self._epd_prefill is not None:  # a language-only SGLang that decodes too: its failure
+                return await self._forward("prefill", next(self._epd_prefill), path, body, headers, raw)  # is a 502
+            return await self._forward("decode", next(self._colocated), path, body, headers, raw)
         assert self._prefill is not None and self._decode is not None
         pool = self._epd_prefill if sglang_epd and self._epd_prefill is not None else self._prefill
         prefill_url, decode_url = next(pool), next(self._decode)

@@ -33,6 +33,7 @@ from eric_epd.testing.sglang_cpu import SglangServe
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
 
 TRANSFERS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake", "nixl")
+TEXT = "Describe them."
 IMAGES = [image_data_url(84 + 28 * i, 56, seed=40 + i) for i in range(3)]
 VIDEOS = [video_data_url(8, 64, 48, 4, seed=3), video_data_url(8, 64, 48, 4, seed=4)]
 MM_CONFIG = '{"video": {"min_pixels": 12544}}'
@@ -75,7 +76,7 @@ def chat(server: SglangServe, content: list[dict]) -> Greedy:
     return greedy_of_openai(answer.choices[0])
 
 
-def images(*urls: str, text: str = "Describe them.") -> list[dict]:
+def images(*urls: str, text: str = TEXT) -> list[dict]:
     return [*({"type": "image_url", "image_url": {"url": u}} for u in urls), {"type": "text", "text": text}]
 
 
@@ -98,7 +99,9 @@ class Family:
         self._alone: dict[str, Greedy] = {}
         self.gateways: dict[str, GatewayServer] = {}
         """"epd": the gateway before SGLang alone and the zmq_to_scheduler language-only server; "eric_down": before
-        SGLang alone and a language-only server whose only encoder refuses connections."""
+        SGLang alone and `eric_down`."""
+        self.eric_down: SglangServe | None = None
+        """A language-only server whose only encoder refuses connections (Qwen2-VL only)."""
 
     def reference(self, key: str, content: list[dict]) -> Greedy:
         """SGLang alone's answer to `content` (asked once)."""
@@ -148,7 +151,7 @@ def families(qwen2_vl_tiny: Path, qwen3_vl_tiny: Path, tmp_path_factory: pytest.
                 for name, lo in (("epd", language_only["qwen2_vl"]["zmq_to_scheduler"]), ("eric_down", eric_down))
             }
             with running(*gateways.values()):
-                out["qwen2_vl"].gateways = gateways
+                out["qwen2_vl"].gateways, out["qwen2_vl"].eric_down = gateways, eric_down
                 yield out
 
 
@@ -192,29 +195,45 @@ def _paths_after(gateway: GatewayServer, before: dict[str, float]) -> dict[str, 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_gateway_sends_multi_image_requests_through_eric(families: dict[str, Family], stream: bool) -> None:
     """Two images through the gateway (the openai client, streamed or not): the EPD path, Eric's two images, and
-    SGLang alone's greedy answer; one image takes the plain path to SGLang alone."""
+    SGLang alone's greedy answer asked the same way (SGLang streams no logprobs for a token that completes no text);
+    one image takes the plain path to SGLang alone."""
     family, urls = families["qwen2_vl"], [IMAGES[0], IMAGES[1]]
-    gateway = family.gateways["epd"]
-    reference = family.reference("01", images(*urls))
+    gateway, alone = family.gateways["epd"], family.alone.url
     before, used = gateway_paths(gateway), items_used(family.eric, "image")
-    ours = ask_greedy(gateway.url, image_messages(urls, "Describe them."), max_tokens=8, stream=stream)
+    ours = ask_greedy(gateway.url, image_messages(urls, TEXT), max_tokens=8, stream=stream)
     assert _paths_after(gateway, before) == {"epd": 1}
     assert items_used(family.eric, "image") - used == 2
+    reference = ask_greedy(alone, image_messages(urls, TEXT), max_tokens=8, stream=stream)
     assert_greedy_agree(ours, reference, NEAR_TIE_FLOAT32, "gateway EPD")
-    assert_greedy_differ(ours, family.reference("02", images(IMAGES[0], IMAGES[2])), NEAR_TIE_FLOAT32, "gateway")
-    before, used = gateway_paths(gateway), items_used(family.eric, "image")
-    one = ask_greedy(gateway.url, image_messages(urls[:1], "Describe them."), max_tokens=8, stream=stream)
-    assert _paths_after(gateway, before) == {"pd": 1} and items_used(family.eric, "image") == used
-    assert_greedy_agree(one, family.reference("0", images(urls[0])), NEAR_TIE_FLOAT32, "gateway plain")
+    wrong = ask_greedy(alone, image_messages([IMAGES[0], IMAGES[2]], TEXT), max_tokens=8, stream=stream)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "gateway EPD, another image")
+    before = gateway_paths(gateway)
+    one = ask_greedy(gateway.url, image_messages(urls[:1], TEXT), max_tokens=8, stream=stream)
+    assert _paths_after(gateway, before) == {"pd": 1} and items_used(family.eric, "image") - used == 2
+    reference = ask_greedy(alone, image_messages(urls[:1], TEXT), max_tokens=8, stream=stream)
+    assert_greedy_agree(one, reference, NEAR_TIE_FLOAT32, "gateway plain")
+
+
+def test_a_language_only_server_without_its_eric_runs_its_own_encoder(families: dict[str, Family]) -> None:
+    """SGLang's own fallback: a language-only server none of whose encoders is healthy encodes the media itself
+    ("processing without encoder disaggregation"). This one's tower has noise weights, so its answer is not SGLang
+    alone's: what the token tests would see had the servers behind Eric fallen back."""
+    family = families["qwen2_vl"]
+    assert family.eric_down is not None
+    answer = ask_greedy(family.eric_down.url, image_messages([IMAGES[0], IMAGES[1]], TEXT), max_tokens=8)
+    assert_greedy_differ(answer, family.reference("01", images(IMAGES[0], IMAGES[1])), NEAR_TIE_FLOAT32, "own tower")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_gateway_falls_back_when_the_language_only_server_fails(families: dict[str, Family], stream: bool) -> None:
-    """The language-only server's Eric refuses connections, so it cannot serve the request: the gateway answers
-    it through SGLang alone (its fallback path), with SGLang alone's greedy answer."""
+    """The language-only server is gone (killed): the gateway answers the request through SGLang alone (its
+    fallback path), with SGLang alone's greedy answer."""
     family, urls = families["qwen2_vl"], [IMAGES[0], IMAGES[1]]
+    assert family.eric_down is not None
+    family.eric_down.kill()
     gateway = family.gateways["eric_down"]
     before = gateway_paths(gateway)
-    ours = ask_greedy(gateway.url, image_messages(urls, "Describe them."), max_tokens=8, stream=stream)
+    ours = ask_greedy(gateway.url, image_messages(urls, TEXT), max_tokens=8, stream=stream)
     assert _paths_after(gateway, before) == {"fallback": 1}
-    assert_greedy_agree(ours, family.reference("01", images(*urls)), NEAR_TIE_FLOAT32, "gateway fallback")
+    reference = ask_greedy(family.alone.url, image_messages(urls, TEXT), max_tokens=8, stream=stream)
+    assert_greedy_agree(ours, reference, NEAR_TIE_FLOAT32, "gateway fallback")
