@@ -14,10 +14,9 @@ import httpx
 
 from eric_epd.stack.servers import EricServer, GatewayServer
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, assert_greedy_differ
-from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, image_messages, metric, wait_for
 from eric_epd.testing.standins import process_group_cmdlines
-from tests.support.placement import rendezvous_first
+from tests.support.placement import sets_placed_on
 
 API_KEY, ADMIN_KEY = "sk-membership", "admin-membership"
 PACE_S = 0.15
@@ -28,17 +27,6 @@ def _listed(gateway: GatewayServer) -> set[str]:
     return set(httpx.get(gateway.url + "/health", headers=gateway.headers).json()["encoders"])
 
 
-def _sets_reaching(joiner: str, urls: list[str], count: int) -> list[list[str]]:
-    """`count` sets of three images, each with at least one the gateway's hashing places on `joiner`."""
-    sets, seed = [], 2000
-    while len(sets) < count:
-        images = [image_data_url(56 + 8 * k, 64, seed=seed + k) for k in range(3)]
-        seed += 10
-        if any(rendezvous_first(u, urls) == joiner for u in images):
-            sets.append(images)
-    return sets
-
-
 def test_erics_join_and_leave_under_load_and_none_is_lost(
     vllm_behind_erics, qwen2_vl_tiny: Path, tmp_path: Path
 ) -> None:
@@ -47,8 +35,9 @@ def test_erics_join_and_leave_under_load_and_none_is_lost(
     # fresh images every 20 chats (items already answered go back to the Eric that holds them), each set with an
     # image the gateway places on the joiner once it is there: the joiner gets work by construction
     # (the eleventh set is sent once the joiner is in, however far the 200 chats have got by then)
-    sets = _sets_reaching(slot.url, [static.url, slot.url], count=11)
-    expected = [ask_greedy(vllm.url, image_messages(s), key=vllm.api_key) for s in sets]
+    sets, expected = sets_placed_on(
+        slot.url, [static.url, slot.url], 11, 2000, lambda s: ask_greedy(vllm.url, image_messages(s), key=vllm.api_key)
+    )
     gw = GatewayServer(
         tmp_path / "gateway.log",
         "--encoder-urls",

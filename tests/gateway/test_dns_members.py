@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,9 +24,8 @@ from eric_epd.plugins.vllm.trust import TrustedProducers
 from eric_epd.stack.process import free_port, new_key, running
 from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, Greedy, assert_greedy_agree, assert_greedy_differ
-from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages, metric, wait_for
-from tests.support.placement import rendezvous_first
+from tests.support.placement import sets_placed_on
 
 API_KEY = "sk-dns-members"
 NAME = "erics.test"
@@ -172,23 +172,21 @@ def _quiet(eric: EricServer) -> bool:
 
 
 class _ImageSets:
-    """Set k (three fresh images, at least one placed by rendezvous on `joiner` among `urls`), made on demand."""
+    """Set k (three fresh images, at least one placed by rendezvous on `joiner` among `urls`, whose `reference` answer
+    has no near tie in its first MIN_STEPS steps), made on demand with that answer. The placement depends on the
+    servers' random port, so the sets differ from run to run: one whose answer ties early would compare too little."""
 
-    def __init__(self, joiner: str, urls: list[str]) -> None:
-        self._joiner, self._urls = joiner, urls
+    def __init__(self, joiner: str, urls: list[str], reference: Callable[[list[str]], Greedy]) -> None:
+        self._joiner, self._urls, self._reference = joiner, urls, reference
         self._sets: dict[int, list[str]] = {}
+        self.expected: dict[int, Greedy] = {}
         self._lock = threading.Lock()
 
     def __getitem__(self, k: int) -> list[str]:
         with self._lock:
             if k not in self._sets:
-                seed = 5000 + 1000 * k
-                while True:
-                    images = [image_data_url(56 + 8 * j, 64, seed=seed + j) for j in range(3)]
-                    seed += 10
-                    if any(rendezvous_first(u, self._urls) == self._joiner for u in images):
-                        break
-                self._sets[k] = images
+                [images], [answer] = sets_placed_on(self._joiner, self._urls, 1, 5000 + 1000 * k, self._reference)
+                self._sets[k], self.expected[k] = images, answer
             return self._sets[k]
 
     def used(self) -> list[int]:
@@ -206,7 +204,11 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
     vllm = VllmServe(
         qwen2_vl_tiny, tmp_path / "vllm.log", eric_dns=[f"{NAME}:{port}"], eric_api_key=key, wrap=_namespaced(hosts)
     )
-    sets = _ImageSets(second.url, [first.url, second.url])
+    sets = _ImageSets(
+        second.url,
+        [first.url, second.url],
+        lambda images: ask_greedy(vllm.url, image_messages(images), key=vllm.api_key),
+    )
     futures: list[Future[Greedy]] = []
     stop = threading.Event()
 
@@ -264,7 +266,7 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
             assert paths.get("epd") == len(results) and not paths.get("fallback"), paths
             assert _listed(gw) == {second.url}
             assert wait_for(lambda: _quiet(second), 60), "leases left on the Eric that stayed"
-        expected = {k: ask_greedy(vllm.url, image_messages(sets[k]), key=vllm.api_key) for k in sets.used()}
+        expected = sets.expected  # vLLM's own tower's answers, asked as each set was made
     for i, result in enumerate(results):  # EPD against vLLM's own tower: exact up to the first near tie
         assert_greedy_agree(result, expected[i // PER_SET], NEAR_TIE_FLOAT32, f"chat {i}")
     # the negative control: chat 0 (set 0) against vLLM's answer for set 1 (three images of the same sizes)

@@ -19,7 +19,7 @@ from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, as
 from eric_epd.testing.media import image_data_url
 from eric_epd.testing.stack import ask as _ask
 from eric_epd.testing.stack import ask_greedy, gateway_paths, image_messages
-from tests.support.placement import rendezvous_first
+from tests.support.placement import sets_placed_on
 
 API_KEY = "sk-test"
 KEYED = {"Authorization": f"Bearer {API_KEY}"}
@@ -189,13 +189,10 @@ def test_encoder_killed_under_load_every_request_answers(stack, tmp_path) -> Non
     requests after the kill fail over from it whatever the timing. (An Eric stopped gracefully drains instead:
     tests/gateway/test_drain.py.)"""
     doomed, erics = stack["erics"][0], stack["erics"]
-    sets, seed = [], 1000
-    while len(sets) < 4:
-        images = [image_data_url(56 + 8 * k, 64, seed=seed + k) for k in range(3)]
-        seed += 10
-        if any(rendezvous_first(u, [e.url for e in erics]) == doomed.url for u in images):
-            sets.append(images)
-    expected = [ask_greedy(stack["vllm"].url, image_messages(s), key=stack["vllm"].api_key) for s in sets]
+    vllm = stack["vllm"]
+    sets, expected = sets_placed_on(
+        doomed.url, [e.url for e in erics], 4, 1000, lambda s: ask_greedy(vllm.url, image_messages(s), key=vllm.api_key)
+    )
     gw = GatewayServer(
         tmp_path / "gateway.log",
         "--encoder-urls",
