@@ -237,3 +237,5 @@ def test_gateway_falls_back_when_the_language_only_server_fails(families: dict[s
     assert _paths_after(gateway, before) == {"fallback": 1}
     reference = ask_greedy(family.alone.url, image_messages(urls, TEXT), max_tokens=8, stream=stream)
     assert_greedy_agree(ours, reference, NEAR_TIE_FLOAT32, "gateway fallback")
+    wrong = ask_greedy(family.alone.url, image_messages([IMAGES[0], IMAGES[2]], TEXT), max_tokens=8, stream=stream)
+    assert_greedy_differ(ours, wrong, NEAR_TIE_FLOAT32, "gateway fallback, another image")
