@@ -45,14 +45,15 @@ NO_SGLANG_GENERIC = (
 )
 GENERIC_VLLM = "tests/vllm/test_generic_families.py"
 SGLANG_SERVED = "tests/sglang/test_sglang_server.py"
-"""Where a real SGLang server generates tokens through Eric (the other SGLang cells: rows into its real receivers)."""
+SGLANG_SERVED_QWEN3 = "tests/sglang/test_sglang_server_qwen3.py"
+"""Where real SGLang servers generate tokens through Eric (the other SGLang cells: rows into its real receivers)."""
 
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("Qwen2-VL", "qwen2_vl", "tests/vllm/test_vllm_plugin.py", SGLANG_SERVED),
     FamilySupport(
         "Qwen2.5-VL", "qwen2_5_vl", "tests/vllm/test_vllm_plugin_qwen25.py", "tests/sglang/test_sglang_adapter.py"
     ),
-    FamilySupport("Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py", SGLANG_SERVED),
+    FamilySupport("Qwen3-VL", "qwen3_vl", "tests/gateway/test_gateway_qwen3.py", SGLANG_SERVED_QWEN3),
     FamilySupport(
         "Qwen3-VL-MoE", "qwen3_vl_moe", "tests/gateway/test_gateway_qwen3.py", "tests/sglang/test_sglang_families.py"
     ),

@@ -17,6 +17,7 @@ SGLANG_ARGS = (
     "torch_native",
     "--disable-overlap-schedule",
     "--skip-server-warmup",
+    "--sleep-on-idle",  # an idle scheduler otherwise polls flat out: a few servers would starve the others' CPUs
     "--mem-fraction-static",
     "0.1",
     "--max-total-tokens",
