@@ -7,14 +7,14 @@ import shutil
 from pathlib import Path
 
 import httpx
-import openai
 import torch
 from safetensors.torch import load_file, save_file
 
 from eric_epd.stack.servers import EricServer, GatewayServer
-from eric_epd.testing.exactness import Greedy, greedy_of_openai
+from eric_epd.testing.exactness import Greedy
 from eric_epd.testing.media import image_data_url, video_data_url
 from eric_epd.testing.sglang_cpu import SglangServe
+from eric_epd.testing.stack import ask_greedy
 
 TRANSFERS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake", "nixl")
 TEXT = "Describe them."
@@ -46,18 +46,8 @@ def with_noise_vision(model: Path, out: Path) -> Path:
 
 
 def chat(server: SglangServe, content: list[dict]) -> Greedy:
-    """Eight greedy tokens of a one-turn chat, each step's two best logprobs (the openai client)."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
-    answer = client.chat.completions.create(
-        model="default",
-        messages=[{"role": "user", "content": content}],
-        max_tokens=8,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        extra_body={"ignore_eos": True},
-    )
-    return greedy_of_openai(answer.choices[0])
+    """Eight greedy tokens of a one-turn chat with `content`, each step's two best logprobs (the openai client)."""
+    return ask_greedy(server.url, [{"role": "user", "content": content}], max_tokens=8)
 
 
 def images(*urls: str, text: str = TEXT) -> list[dict]:
