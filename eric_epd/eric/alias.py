@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
+import blake3
 import numpy as np
 
 from eric_epd.common.errors import OFF_LOOP_BYTES
@@ -48,13 +48,13 @@ class RawAlias:
         return len(self._entries)
 
     def key(self, modality: str, data: bytes, sglang: bool = False, soundtrack: bool = False) -> bytes | None:
-        """sha256 over the modality's salt, the modality, `sglang` (audio as SGLang reads it hashes otherwise),
+        """BLAKE3 over the modality's salt, the modality, `sglang` (audio as SGLang reads it hashes otherwise),
         whether it is a video's soundtrack (audio decoded from a video's bytes) and the bytes; None for a modality
         the model does not take (nothing to alias: preparing it fails)."""
         salt = self._salts.get(modality)
         if salt is None:
             return None
-        h = hashlib.sha256(salt)
+        h = blake3.blake3(salt, max_threads=1)
         h.update(f"\0{modality}\0sglang={int(sglang)}\0soundtrack={int(soundtrack)}\0".encode())
         h.update(data)
         return h.digest()
@@ -83,7 +83,7 @@ async def alias_keys(
     alias: RawAlias, jobs: list[tuple[str, bytes]], first_soundtrack: int, sglang: bool = False
 ) -> list[bytes | None]:
     """Each (modality, bytes) job's key; jobs from `first_soundtrack` on are videos' soundtracks. Hashed in a
-    thread when the bytes are many (sha256 lets go of the GIL), so a large video does not stall the event loop."""
+    thread when the bytes are many (BLAKE3 lets go of the GIL), so a large video does not stall the event loop."""
 
     def keys() -> list[bytes | None]:
         return [alias.key(m, data, sglang, i >= first_soundtrack) for i, (m, data) in enumerate(jobs)]

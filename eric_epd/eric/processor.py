@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 
 from eric_epd.eric.decode import decode_image, decode_video
@@ -195,11 +196,11 @@ class Processor:
         return PreparedItem(key, item, (decoded - start, processed - decoded, time.perf_counter() - processed))
 
     def _content_hash(self, modality: str, pixels: np.ndarray, tag: str = "") -> str:
-        """sha256 over the modality's salt, the decoded values' shape (and `tag`: an audio item's sample rate) and
-        the values themselves."""
-        h = hashlib.sha256(self._salt[modality])
+        """BLAKE3 (256 bits) over the modality's salt, the decoded values' shape (and `tag`: an audio item's sample
+        rate) and the values themselves: a third of sha256's time on a 448 px image's pixels."""
+        h = blake3.blake3(self._salt[modality], max_threads=1)
         h.update(str(pixels.shape).encode() + tag.encode())
-        h.update(np.ascontiguousarray(pixels).data)
+        h.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
         return h.hexdigest()
 
     def close(self) -> None:

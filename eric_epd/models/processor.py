@@ -8,10 +8,13 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +178,49 @@ def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int, backend: R
 
 
 # ---- rescale / normalize -----------------------------------------------------------------------------
+
+
+class PixelNormalize:
+    """Per-channel rescale/normalize of uint8 levels with HF torchvision's float32 arithmetic, in place on a float32
+    torch tensor of levels (channels on dim 1). Bit for bit `normalize_lut`'s table: checked on all 256 levels of
+    every channel when built (IEEE float32 subtraction and division round the same on every CPU and GPU)."""
+
+    def __init__(
+        self,
+        do_rescale: bool,
+        rescale_factor: float,
+        do_normalize: bool,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+    ) -> None:
+        import torch
+
+        self.lut = normalize_lut(do_rescale, rescale_factor, do_normalize, mean, std)
+        channels = self.lut.shape[0]
+        self._sub: torch.Tensor | None = None
+        self._div: torch.Tensor | None = None
+        self._mul: float | None = None
+        if do_normalize:
+            m, s = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
+            if do_rescale:
+                inv = np.float32(1.0 / rescale_factor)
+                m, s = m * inv, s * inv
+            self._sub = torch.from_numpy(m.astype(np.float32)).reshape(1, channels, 1)
+            self._div = torch.from_numpy(s.astype(np.float32)).reshape(1, channels, 1)
+        elif do_rescale:
+            self._mul = float(np.float32(rescale_factor))  # float32 arithmetic, as the table's
+        levels = torch.arange(256, dtype=torch.float32).expand(1, channels, 256).clone()
+        if not np.array_equal(self.apply_(levels)[0].numpy().view(np.uint32), self.lut.view(np.uint32)):
+            raise RuntimeError("rescale/normalize arithmetic differs from its table on this machine")
+
+    def apply_(self, levels: torch.Tensor) -> torch.Tensor:
+        """`levels` (float32 (N, C, ...), values 0..255, any strides) rescaled/normalized in place; returns it."""
+        per_channel = (1, levels.shape[1]) + (1,) * (levels.dim() - 2)
+        if self._sub is not None and self._div is not None:
+            levels.sub_(self._sub.view(per_channel)).div_(self._div.view(per_channel))
+        elif self._mul is not None:
+            levels.mul_(self._mul)
+        return levels
 
 
 def normalize_lut(

@@ -17,11 +17,11 @@ from PIL import Image
 
 from eric_epd.models.processor import (
     BaseModalityProcessor,
+    PixelNormalize,
     ProcessedItem,
     ResizeBackend,
     frames_to_rgb_array,
     image_to_rgb_array,
-    normalize_lut,
     resize_bicubic_uint8,
 )
 
@@ -106,26 +106,33 @@ class VisionPreprocessSettings:
         return self.patch_size * self.merge_size
 
 
-def patchify(frames: np.ndarray, lut: np.ndarray, patch: int, temporal: int, merge: int) -> tuple[np.ndarray, int]:
-    """Normalize (through `lut`, (C, 256)) and flatten uint8 (T, h, w, C) frames into HF's patch layout
-    (t, h/m, w/m, m, m | C, tp, p, p), padding T to a multiple of `temporal` by repeating the last frame.
-    Returns (pixel_values float32 (t*gh*gw, C*tp*p*p), grid_t)."""
+def patchify(
+    frames: np.ndarray, normalize: PixelNormalize, patch: int, temporal: int, merge: int
+) -> tuple[np.ndarray, int]:
+    """Normalize uint8 (T, h, w, C) frames and flatten them into HF's patch layout (t, h/m, w/m, m, m | C, tp, p, p),
+    padding T to a multiple of `temporal` by repeating the last frame. Returns (pixel_values float32
+    (t*gh*gw, C*tp*p*p), grid_t). The uint8 levels are put in patch order first (a quarter of the float32 bytes
+    moved), converted and normalized in place, and an image's one frame is copied over the temporal patch at the end."""
+    import torch
+
     n_frames, h, w, c = frames.shape
     gh, gw = h // patch, w // patch
     if h % patch or w % patch or gh % merge or gw % merge:
         raise ValueError(f"frame size {h}x{w} is not a multiple of patch*merge = {patch * merge}")
-    single = n_frames == 1  # images: compute one frame, then broadcast over the temporal patch
+    single = n_frames == 1  # images: compute one frame, then copy it over the temporal patch
     if not single and (pad := -n_frames % temporal):
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
     tp = 1 if single else temporal
     grid_t = 1 if single else frames.shape[0] // temporal
-    view = frames.reshape(grid_t, tp, gh // merge, merge, patch, gw // merge, merge, patch, c)
-    view = view.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, gh/m, gw/m, m, m, C, tp, p, p)
-    offsets = (np.arange(c, dtype=np.int32) * 256).reshape(1, 1, 1, 1, 1, c, 1, 1, 1)
-    out = np.take(lut.reshape(-1), view.astype(np.int32) + offsets)
-    if single and temporal > 1:
-        out = np.broadcast_to(out, (*out.shape[:6], temporal, *out.shape[7:]))
-    return np.ascontiguousarray(out).reshape(grid_t * gh * gw, c * temporal * patch * patch), grid_t
+    rows = grid_t * gh * gw
+    levels = torch.from_numpy(frames).view(grid_t, tp, gh // merge, merge, patch, gw // merge, merge, patch, c)
+    levels = levels.permute(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(rows, c, tp, patch * patch)
+    out = torch.empty((rows, c, temporal, patch * patch), dtype=torch.float32)
+    first = out[:, :, :tp]
+    normalize.apply_(first.copy_(levels))
+    if tp < temporal:
+        out[:, :, tp:].copy_(first.expand(rows, c, temporal - tp, patch * patch))
+    return out.numpy().reshape(rows, c * temporal * patch * patch), grid_t
 
 
 class Qwen2VLModalityProcessor(BaseModalityProcessor):
@@ -147,8 +154,8 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
             "image": VisionPreprocessSettings.from_json(image_cfg, IMAGE_DEFAULT_PIXELS),
             "video": VisionPreprocessSettings.from_json(video_cfg, VIDEO_DEFAULT_PIXELS),
         }
-        self._luts = {
-            m: normalize_lut(s.do_rescale, s.rescale_factor, s.do_normalize, s.image_mean, s.image_std)
+        self._normalize = {
+            m: PixelNormalize(s.do_rescale, s.rescale_factor, s.do_normalize, s.image_mean, s.image_std)
             for m, s in self.settings.items()
         }
         if resize_backend not in ("torch", "numpy"):
@@ -183,7 +190,7 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         s = self.settings[modality]
         h, w = self.target_size(modality, frames.shape[1], frames.shape[2], frames.shape[0])
         frames = resize_bicubic_uint8(frames, h, w, self.resize_backend)
-        pixels, grid_t = patchify(frames, self._luts[modality], s.patch_size, s.temporal_patch_size, s.merge_size)
+        pixels, grid_t = patchify(frames, self._normalize[modality], s.patch_size, s.temporal_patch_size, s.merge_size)
         grid = (grid_t, h // s.patch_size, w // s.patch_size)
         return ProcessedItem(modality, pixels, grid, grid[0] * grid[1] * grid[2] // (s.merge_size * s.merge_size))
 

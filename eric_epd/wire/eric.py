@@ -48,7 +48,8 @@ class EncodedItem(msgspec.Struct, frozen=True, omit_defaults=True):
     id: str
     modality: Modality
     hash: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
-    """The content hash (sha256, hex): it becomes the engine's item identifier (`uuid`), so the schema pins its form."""
+    """The content hash (256-bit BLAKE3, hex): it becomes the engine's item identifier (`uuid`), so the schema pins
+    its form."""
     shape: list[int]
     dtype: str
     num_tokens: int
