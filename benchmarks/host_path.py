@@ -10,13 +10,16 @@ Inputs: random_image (gradients plus noise) as JPEG and PNG at 224, 448 and 1024
   processor (torchvision only) on the 4 frames Eric samples.
 - vllm: vLLM's MediaConnector fetching the URL over loopback, then vLLM's multimodal processor for the checkpoint
   (prompt tokenization and hashing included, its processor cache off), 4 frames a video.
-- eric: a real Eric pinned to --eric-core, asked by /v1/encode for the URLs (3 images or 1 video a request, one at a
-  time): its router process's CPU (utime+stime of every thread, /proc/<pid>/stat) per item: fetch over loopback,
-  decode, resize/normalize/patchify, hash, the hand-off to the engine, answering. The engine and the tower are other
-  processes, reported apart.
-The in-process candidates run one at a time on --eric-core (one torch thread), each over every item --passes times;
-a figure is the median pass. Targets (issue): Eric >= 2x vLLM's items/s per core on every set, and Eric's ms per item
-within 1.3x of decode alone. Writes benchmarks/results/host_path.{json,png}.
+- eric: a real Eric started on --eric-core, its engine and worker then moved to --client-core (the router has the
+  core to itself), asked by /v1/encode for the URLs (3 images or 1 video a request, one at a time): its router
+  process's on-CPU time (every thread's /proc/<pid>/task/*/schedstat) per item: fetch over loopback, decode,
+  resize/normalize/patchify, hash, the hand-off to the engine, answering (the acks of its leases, sent after each
+  answer, are outside the window). The engine and the tower are other processes, reported apart.
+vLLM's processor returns uint8 pixel values (its model normalizes them on the device); Eric's and transformers' are
+float32, normalized. The in-process candidates run one at a time on --eric-core (one torch thread), each over every
+item --passes times; a figure is the median pass's CPU time per item (this process's, all threads). Targets
+(issue): Eric >= 2x vLLM's items/s per core on every set, and Eric's ms per item within 1.3x of decode alone.
+Writes benchmarks/results/host_path.{json,png}.
 Usage: python benchmarks/host_path.py [--items 12] [--passes 3] [--quick]
 """
 
@@ -40,7 +43,7 @@ import numpy as np
 from eric_repeat import cpu_info
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
-from eric_epd.common.net import free_port
+from eric_epd.stack.process import free_port
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, random_image, video_bytes
 from eric_epd.wire.handles import LEASE_HEADER
@@ -97,6 +100,7 @@ def origin(root: Path, core: int):
     """`python -m http.server` serving `root` on loopback, pinned to `core`; yields its base URL."""
     port = free_port()
     cmd = ["taskset", "-c", str(core), sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    cmd += ["--protocol", "HTTP/1.1"]  # keep-alive, as a real origin or CDN: a fetch is not a new connection
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -168,7 +172,8 @@ def candidates(model: Path) -> dict:
 
 
 def in_process(model: Path, files: dict, root: Path, base: str, passes: int) -> dict:
-    """Per candidate and set, ms per item (the median pass over every item; None where it does not apply)."""
+    """Per candidate and set, CPU ms per item of this process (the median pass over every item; None where it does
+    not apply)."""
     import torch
 
     torch.set_num_threads(1)
@@ -182,19 +187,22 @@ def in_process(model: Path, files: dict, root: Path, base: str, passes: int) -> 
                 continue
             times = []
             for _ in range(passes):
-                start = time.perf_counter()
+                start = time.process_time()  # CPU, not wall: a fetch's wait on the origin is no work of this core
                 for data, url in items:
                     run(name, data, url)
-                times.append((time.perf_counter() - start) * 1e3 / len(items))
+                times.append((time.process_time() - start) * 1e3 / len(items))
             out[cand][name] = float(np.median(times))
             logger.info("%-8s %-10s %8.2f ms/item", cand, name, out[cand][name])
     return out
 
 
 def proc_cpu_s(pid: int) -> float:
-    """utime+stime of process `pid` (every thread, ended ones too)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """On-CPU seconds of process `pid`: /proc/<pid>/task/*/schedstat summed (ns; Eric's threads live as long as it)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -207,20 +215,27 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def eric_router(model: Path, files: dict, base: str, core: int, passes: int, log: Path) -> dict:
+def eric_router(model: Path, files: dict, base: str, cores: tuple[int, int], passes: int, log: Path) -> dict:
     """Per set, the router's (and apart, the engine's and workers') CPU ms per item, and request p50 ms."""
     out: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
+        core, tower_core = cores
         eric = stack.enter_context(EricServer(model, cpus=(core,), media_hosts=("127.0.0.1",), log_path=log))
         client = stack.enter_context(httpx.Client(timeout=300, headers=eric.headers))
         router = eric.proc.pid
         others = [p for p in group_pids(router) if p != router]
+        for pid in others:  # the engine and the tower leave the router's core: it has the core to itself
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(task), {tower_core})
 
-        def send(urls: list[str], modality: str) -> float:
+        def send(urls: list[str], modality: str) -> tuple[float, float, float]:
+            """(request seconds, router and engine+workers CPU seconds) of one /v1/encode; its acks after."""
             body = {"items": [{"id": str(i), "modality": modality, "url": u} for i, u in enumerate(urls)]}
-            start = time.perf_counter()
+            r0, t0, start = proc_cpu_s(router), sum(map(proc_cpu_s, others)), time.perf_counter()
             resp = client.post(eric.url + "/v1/encode", json=body)
             took = time.perf_counter() - start
+            cpu = (proc_cpu_s(router) - r0, sum(map(proc_cpu_s, others)) - t0)
             resp.raise_for_status()
             for item in resp.json()["items"]:
                 handle = item["handle"]
@@ -229,7 +244,7 @@ def eric_router(model: Path, files: dict, base: str, core: int, passes: int, log
                     headers={LEASE_HEADER: handle["lease"]},
                     json={"instance_id": handle["instance_id"]},
                 ).raise_for_status()
-            return took
+            return took, *cpu
 
         for name, names in files.items():
             modality, per = ("video", 1) if name.startswith("video") else ("image", 3)
@@ -238,11 +253,10 @@ def eric_router(model: Path, files: dict, base: str, core: int, passes: int, log
             for p in range(passes):
                 # each pass its own query string: other URLs and bytes fetched again (no alias hit), same pixels
                 urls = [f"{base}/{f}?pass={p}" for f in names]
-                r0, t0 = proc_cpu_s(router), sum(map(proc_cpu_s, others))
-                for i in range(0, len(urls), per):
-                    latencies.append(send(urls[i : i + per], modality))
-                router_ms.append((proc_cpu_s(router) - r0) * 1e3 / len(urls))
-                tower_ms.append((sum(map(proc_cpu_s, others)) - t0) * 1e3 / len(urls))
+                sent = [send(urls[i : i + per], modality) for i in range(0, len(urls), per)]
+                latencies += [took for took, _, _ in sent]
+                router_ms.append(sum(r for _, r, _ in sent) * 1e3 / len(urls))
+                tower_ms.append(sum(t for _, _, t in sent) * 1e3 / len(urls))
             out[name] = {
                 "router_cpu_ms": float(np.median(router_ms)),
                 "engine_and_workers_cpu_ms": float(np.median(tower_ms)),
@@ -328,7 +342,9 @@ def main() -> None:
         os.sched_setaffinity(0, {args.eric_core})
         measured = in_process(model, files, root, base, args.passes)
         os.sched_setaffinity(0, {args.client_core})
-        eric = eric_router(model, files, base, args.eric_core, args.passes, RESULTS / "host_path_eric.log")
+        eric = eric_router(
+            model, files, base, (args.eric_core, args.client_core), args.passes, RESULTS / "host_path_eric.log"
+        )
         rows = summarize(measured, eric, files, root)
     results = {
         "config": {
