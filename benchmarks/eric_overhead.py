@@ -56,7 +56,7 @@ def tower_alone(model: Path, requests: list[list[bytes]], core: int) -> list[flo
     limits, out = MediaLimits(), []
     for jpegs in requests:
         items = [processor.process_image(decode_image(j, limits)) for j in jpegs]
-        pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in items]))
+        pixels = torch.from_numpy(np.concatenate([i.float_pixels() for i in items]))
         grid = torch.tensor([list(i.grid_thw) for i in items])
         start = time.perf_counter()
         with torch.inference_mode():

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 import torch
 
 from eric_epd.models.facts import ModelFacts
-from eric_epd.models.processor import ProcessedItem
+from eric_epd.models.processor import PixelNormalize, ProcessedItem
 from eric_epd.runtime.config import RuntimeConfig
-from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
+from eric_epd.runtime.work import INPUT_DTYPES, WorkItem, pack_spec, unpack_spec
 from eric_epd.runtime.workload import INPUT_BYTES, Workload
 
 MODALITIES = ("image", "video")
 
 
+class Levels(msgspec.Struct, array_like=True, frozen=True):
+    """How uint8 levels become the encoder's float32 input (PixelNormalize's settings, from the checkpoint's
+    processor config)."""
+
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
 class EncodeSpec(msgspec.Struct, array_like=True, frozen=True, tag="encode"):
-    """One preprocessed media item; its float32 pixels are [num_patches, patch_dim] rows."""
+    """One preprocessed media item; its pixels are [num_patches, patch_dim] rows: float32, or uint8 levels that
+    `levels` normalizes on the worker's device."""
 
     modality: str
     grid_thw: tuple[int, int, int]
     patch_dim: int
+    levels: Levels | None = None
 
 
 def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -> WorkItem:
@@ -37,9 +50,9 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
 
         return generic_work_item(key, item, out_offset, out_nbytes)
     rows, patch_dim = item.pixel_values.shape
-    return WorkItem(
-        key, item.modality, rows, out_offset, out_nbytes, pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim))
-    )
+    levels = Levels(*item.levels.settings) if item.levels is not None else None
+    spec = pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim, levels))
+    return WorkItem(key, item.modality, rows, out_offset, out_nbytes, spec, str(item.pixel_values.dtype))
 
 
 def encoder_workload(
@@ -99,8 +112,12 @@ class EncoderWorkload:
             return f"item {item.key}: grid {spec.grid_thw} does not match {item.cost} patches"
         if item.cost % self.merge_unit:
             return f"item {item.key}: {item.cost} patches is not a whole number of merged tokens"
-        if input_nbytes != item.cost * spec.patch_dim * INPUT_BYTES:
-            return f"item {item.key}: {input_nbytes} pixel bytes, expected {item.cost}x{spec.patch_dim} float32"
+        if (item.input_dtype == "uint8") != (spec.levels is not None):
+            return f"item {item.key}: {item.input_dtype} pixels {'without' if spec.levels is None else 'with'} levels"
+        if input_nbytes != item.cost * spec.patch_dim * INPUT_DTYPES[item.input_dtype]:
+            return (
+                f"item {item.key}: {input_nbytes} pixel bytes, expected {item.cost}x{spec.patch_dim} {item.input_dtype}"
+            )
         return None
 
     def max_batch_input_bytes(self, config: RuntimeConfig) -> int:
@@ -140,6 +157,8 @@ class EncoderRunner:
     merge_unit: int
     row_dtype: torch.dtype
     """The dtype of the rows sent (--dtype): the encoder's rows are cast to it before they leave `run`."""
+    _normalizers: dict[Levels, PixelNormalize] = field(default_factory=dict)
+    """PixelNormalize per Levels seen (each checked against its table once, when built)."""
 
     def run(self, items: list[WorkItem], inputs: torch.Tensor) -> list[torch.Tensor]:
         """`Runner` hook: the encoder over the batch's pixel rows, cast to the row dtype and split into each item's
@@ -153,8 +172,25 @@ class EncoderRunner:
             dtype=torch.int64,  # type: ignore[union-attr]
             device=inputs.device,
         )
-        out = self.encoder(inputs.view(-1, patch_dim), grid)
+        out = self.encoder(self._pixels(specs, inputs.view(-1, patch_dim)), grid)  # type: ignore[arg-type]
         counts = [i.cost // self.merge_unit for i in items]
         if out.dim() != 2 or out.shape[0] != sum(counts):
             raise RuntimeError(f"encoder returned shape {list(out.shape)}, expected {sum(counts)} tokens")
         return list(out.to(self.row_dtype).split(counts))
+
+    def _pixels(self, specs: list[EncodeSpec], rows: torch.Tensor) -> torch.Tensor:
+        """The batch's rows in the compute dtype: uint8 levels normalized item by item (float32 arithmetic, on the
+        device: HF's processor's values), float32 rows cast."""
+        if rows.dtype != torch.uint8:
+            return rows.to(self.dtype)
+        out, start = torch.empty(rows.shape, dtype=torch.float32, device=rows.device), 0
+        for spec in specs:
+            n = spec.grid_thw[0] * spec.grid_thw[1] * spec.grid_thw[2]
+            if spec.levels is None:
+                raise RuntimeError("uint8 rows without the levels that normalize them")
+            normalize = self._normalizers.get(spec.levels)
+            if normalize is None:
+                normalize = self._normalizers[spec.levels] = PixelNormalize(*msgspec.structs.astuple(spec.levels))
+            out[start : start + n] = normalize.rows(rows[start : start + n])
+            start += n
+        return out.to(self.dtype)

@@ -38,6 +38,19 @@ class ProcessedItem:
     feature_frames: int | None = None
     """An audio item's feature frames before the tower (its processor's feature_attention_mask summed): what SGLang's
     prefill expands the audio placeholder from (its `audio_feature_lens`); None for other items."""
+    levels: PixelNormalize | None = None
+    """When set, `pixel_values` are uint8 levels in the encoder's row layout, and this turns them into its float32
+    input (on the worker's device: a quarter of the bytes cross the processes); None: float32 input already."""
+
+    def float_pixels(self) -> np.ndarray:
+        """The encoder's float32 input rows: `pixel_values` normalized by `levels` (HF's processor's values), or as
+        they are."""
+        if self.levels is None:
+            return self.pixel_values
+        import torch
+
+        rows = torch.from_numpy(np.ascontiguousarray(self.pixel_values))
+        return self.levels.rows(rows).numpy()
 
 
 class BaseModalityProcessor(ABC):
@@ -195,8 +208,16 @@ class PixelNormalize:
     ) -> None:
         import torch
 
+        self.settings = (
+            do_rescale,
+            float(rescale_factor),
+            do_normalize,
+            tuple(map(float, mean)),
+            tuple(map(float, std)),
+        )
+        """What it was built from (what an encode item's spec carries to the worker)."""
         self.lut = normalize_lut(do_rescale, rescale_factor, do_normalize, mean, std)
-        channels = self.lut.shape[0]
+        self.channels = channels = self.lut.shape[0]
         self._sub: torch.Tensor | None = None
         self._div: torch.Tensor | None = None
         self._mul: float | None = None
@@ -214,13 +235,26 @@ class PixelNormalize:
             raise RuntimeError("rescale/normalize arithmetic differs from its table on this machine")
 
     def apply_(self, levels: torch.Tensor) -> torch.Tensor:
-        """`levels` (float32 (N, C, ...), values 0..255, any strides) rescaled/normalized in place; returns it."""
+        """`levels` (float32 (N, C, ...), values 0..255, any strides, any device) rescaled/normalized in place;
+        returns it."""
         per_channel = (1, levels.shape[1]) + (1,) * (levels.dim() - 2)
         if self._sub is not None and self._div is not None:
-            levels.sub_(self._sub.view(per_channel)).div_(self._div.view(per_channel))
+            sub, div = self._sub.to(levels.device), self._div.to(levels.device)
+            levels.sub_(sub.view(per_channel)).div_(div.view(per_channel))
         elif self._mul is not None:
             levels.mul_(self._mul)
         return levels
+
+    def rows(self, levels: torch.Tensor) -> torch.Tensor:
+        """uint8 (rows, C*k) levels whose row holds C channel blocks (HF's patch layout) as float32 rows, normalized."""
+        import torch
+
+        n, width = levels.shape
+        if width % self.channels:
+            raise ValueError(f"rows of {width} values do not split into {self.channels} channels")
+        out = levels.to(torch.float32)
+        self.apply_(out.view(n, self.channels, width // self.channels))
+        return out
 
 
 def normalize_lut(

@@ -106,33 +106,27 @@ class VisionPreprocessSettings:
         return self.patch_size * self.merge_size
 
 
-def patchify(
-    frames: np.ndarray, normalize: PixelNormalize, patch: int, temporal: int, merge: int
-) -> tuple[np.ndarray, int]:
-    """Normalize uint8 (T, h, w, C) frames and flatten them into HF's patch layout (t, h/m, w/m, m, m | C, tp, p, p),
-    padding T to a multiple of `temporal` by repeating the last frame. Returns (pixel_values float32
-    (t*gh*gw, C*tp*p*p), grid_t). The uint8 levels are put in patch order first (a quarter of the float32 bytes
-    moved), converted and normalized in place, and an image's one frame is copied over the temporal patch at the end."""
+def patchify(frames: np.ndarray, patch: int, temporal: int, merge: int) -> tuple[np.ndarray, int]:
+    """uint8 (T, h, w, C) frames as uint8 rows in HF's patch layout (t, h/m, w/m, m, m | C, tp, p, p), padding T to a
+    multiple of `temporal` by repeating the last frame (an image's one frame fills the whole temporal patch). Returns
+    (levels uint8 (t*gh*gw, C*tp*p*p), grid_t); PixelNormalize.rows turns them into HF's float32 pixel_values."""
     import torch
 
     n_frames, h, w, c = frames.shape
     gh, gw = h // patch, w // patch
     if h % patch or w % patch or gh % merge or gw % merge:
         raise ValueError(f"frame size {h}x{w} is not a multiple of patch*merge = {patch * merge}")
-    single = n_frames == 1  # images: compute one frame, then copy it over the temporal patch
+    single = n_frames == 1  # images: one frame, copied over the temporal patch
     if not single and (pad := -n_frames % temporal):
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
     tp = 1 if single else temporal
     grid_t = 1 if single else frames.shape[0] // temporal
     rows = grid_t * gh * gw
     levels = torch.from_numpy(frames).view(grid_t, tp, gh // merge, merge, patch, gw // merge, merge, patch, c)
-    levels = levels.permute(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(rows, c, tp, patch * patch)
-    out = torch.empty((rows, c, temporal, patch * patch), dtype=torch.float32)
-    first = out[:, :, :tp]
-    normalize.apply_(first.copy_(levels))
-    if tp < temporal:
-        out[:, :, tp:].copy_(first.expand(rows, c, temporal - tp, patch * patch))
-    return out.numpy().reshape(rows, c * temporal * patch * patch), grid_t
+    levels = levels.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, gh/m, gw/m, m, m, C, tp, p, p)
+    if single:
+        levels = levels.expand(*levels.shape[:6], temporal, patch, patch)
+    return levels.reshape(rows, c * temporal * patch * patch).numpy(), grid_t
 
 
 class Qwen2VLModalityProcessor(BaseModalityProcessor):
@@ -190,9 +184,10 @@ class Qwen2VLModalityProcessor(BaseModalityProcessor):
         s = self.settings[modality]
         h, w = self.target_size(modality, frames.shape[1], frames.shape[2], frames.shape[0])
         frames = resize_bicubic_uint8(frames, h, w, self.resize_backend)
-        pixels, grid_t = patchify(frames, self._normalize[modality], s.patch_size, s.temporal_patch_size, s.merge_size)
+        levels, grid_t = patchify(frames, s.patch_size, s.temporal_patch_size, s.merge_size)
         grid = (grid_t, h // s.patch_size, w // s.patch_size)
-        return ProcessedItem(modality, pixels, grid, grid[0] * grid[1] * grid[2] // (s.merge_size * s.merge_size))
+        tokens = grid[0] * grid[1] * grid[2] // (s.merge_size * s.merge_size)
+        return ProcessedItem(modality, levels, grid, tokens, levels=self._normalize[modality])
 
     def process_image(self, image: Image.Image) -> ProcessedItem:
         """One image resized, normalized and patchified with the image settings."""

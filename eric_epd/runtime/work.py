@@ -25,6 +25,13 @@ class WorkItem(msgspec.Struct, array_like=True, frozen=True):
     out_nbytes: int
     spec: msgspec.Raw
     """The workload's own description of the item (msgpack), opaque to the engine: see `pack_spec`."""
+    input_dtype: str = "float32"
+    """The dtype of its input frame (INPUT_DTYPES): "float32", or "uint8" for levels the workload's runner turns into
+    its input on the device (a quarter of the bytes through the engine and the broadcast)."""
+
+
+INPUT_DTYPES = {"float32": 4, "uint8": 1}
+"""The dtypes an item's input may cross the processes in, and their sizes in bytes."""
 
 
 SpecT = TypeVar("SpecT", bound=msgspec.Struct)

@@ -12,7 +12,7 @@ from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem
 
 INPUT_BYTES = 4
-"""Every item's input crosses the processes as float32."""
+"""The most bytes a value of an item's input takes across the processes (float32; uint8 levels take one)."""
 
 
 class Runner(Protocol):

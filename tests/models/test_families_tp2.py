@@ -91,11 +91,11 @@ def test_tp1_video_equals_hf(family: str, request: pytest.FixtureRequest) -> Non
         video_bytes(num_frames=9, width=72, height=56, fps=4, seed=10), MediaLimits(), processor.frame_indices
     )
     item = processor.process_video(frames, fps, seconds)
-    mine = encoder(torch.from_numpy(item.pixel_values), torch.tensor([list(item.grid_thw)]))
+    mine = encoder(torch.from_numpy(item.float_pixels()), torch.tensor([list(item.grid_thw)]))
     inputs = AutoProcessor.from_pretrained(model_dir).video_processor(
         videos=[frames], do_sample_frames=False, return_tensors="pt"
     )
-    np.testing.assert_array_equal(item.pixel_values, inputs["pixel_values_videos"].numpy())
+    np.testing.assert_array_equal(item.float_pixels(), inputs["pixel_values_videos"].numpy())
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = _rows(model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]))

@@ -44,7 +44,7 @@ def _media() -> tuple[list[Image.Image], list[np.ndarray]]:
 
 
 def _pack(items: list) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    return np.concatenate([it.pixel_values for it in items]), [it.grid_thw for it in items]
+    return np.concatenate([it.float_pixels() for it in items]), [it.grid_thw for it in items]
 
 
 @pytest.fixture(scope="module")

@@ -86,9 +86,11 @@ def _images() -> list[Image.Image]:
 def _assert_same(item: ProcessedItem, hf_pixels: np.ndarray, hf_grid: list[int], merge: int = 2) -> None:
     assert item.grid_thw == tuple(hf_grid)
     assert item.num_tokens == int(np.prod(hf_grid)) // merge**2
-    assert item.pixel_values.dtype == np.float32
-    assert item.pixel_values.shape == hf_pixels.shape
-    np.testing.assert_array_equal(item.pixel_values, hf_pixels)  # bit-exact, not just close
+    assert item.pixel_values.dtype == np.uint8  # levels: the worker normalizes them on its device
+    pixels = item.float_pixels()
+    assert pixels.dtype == np.float32
+    assert pixels.shape == hf_pixels.shape
+    np.testing.assert_array_equal(pixels, hf_pixels)  # bit-exact, not just close
 
 
 @pytest.mark.parametrize("variant", ["tiny", "real", "other"])

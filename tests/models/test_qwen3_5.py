@@ -46,12 +46,12 @@ def test_tower_equals_hf(family: str, request: pytest.FixtureRequest) -> None:
     processor, encoder = load_processor(qwen3_5_tiny), load_encoder(qwen3_5_tiny, torch.float32, "cpu")
     items = [processor.process_image(image) for image in images]
     out = encoder(
-        torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
+        torch.from_numpy(np.concatenate([i.float_pixels() for i in items])),
         torch.tensor([list(i.grid_thw) for i in items]),
     )
     for rows, item, image in zip(out.split([i.num_tokens for i in items]), items, images):
         inputs = hf_processor(images=[image], return_tensors="pt")
-        np.testing.assert_array_equal(item.pixel_values, inputs["pixel_values"].numpy())
+        np.testing.assert_array_equal(item.float_pixels(), inputs["pixel_values"].numpy())
         with torch.no_grad():
             ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
         torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)

@@ -72,7 +72,7 @@ def test_processor_equals_hf(qwen3_vl_tiny: Path, hf) -> None:
         ref = hf[0](images=[image], return_tensors="np")
         item = ours.process_image(image)
         assert list(item.grid_thw) == ref["image_grid_thw"][0].tolist()
-        np.testing.assert_array_equal(item.pixel_values, ref["pixel_values"])
+        np.testing.assert_array_equal(item.float_pixels(), ref["pixel_values"])
 
 
 def test_tower_equals_hf_every_level(qwen3_vl_tiny: Path, hf) -> None:
@@ -84,7 +84,7 @@ def test_tower_equals_hf_every_level(qwen3_vl_tiny: Path, hf) -> None:
     processor, encoder = load_processor(qwen3_vl_tiny), load_encoder(qwen3_vl_tiny, torch.float32, "cpu")
     items = [processor.process_image(image) for image in _images()]
     out = encoder(
-        torch.from_numpy(np.concatenate([i.pixel_values for i in items])),
+        torch.from_numpy(np.concatenate([i.float_pixels() for i in items])),
         torch.tensor([list(i.grid_thw) for i in items]),
     )
     assert out.shape == (sum(i.num_tokens for i in items), width * 3)
@@ -263,7 +263,7 @@ def test_moe_checkpoint_tower_equals_hf(qwen3_vl_moe_tiny: Path) -> None:
     processor, encoder = load_processor(qwen3_vl_moe_tiny), load_encoder(qwen3_vl_moe_tiny, torch.float32, "cpu")
     for image in _images()[:2]:
         item = processor.process_image(image)
-        pixels, grid = torch.from_numpy(item.pixel_values), torch.tensor([list(item.grid_thw)])
+        pixels, grid = torch.from_numpy(item.float_pixels()), torch.tensor([list(item.grid_thw)])
         ours = encoder(pixels, grid)
         with torch.no_grad():
             out = model.model.get_image_features(pixels, grid)
@@ -287,7 +287,7 @@ def test_video_processor_equals_hf(qwen3_vl_tiny: Path) -> None:
         ref = hf_video(videos=[video], do_sample_frames=False, return_tensors="np")
         item = ours.process_video(video, 2.0)
         assert list(item.grid_thw) == ref["video_grid_thw"][0].tolist()
-        np.testing.assert_array_equal(item.pixel_values, ref["pixel_values_videos"])
+        np.testing.assert_array_equal(item.float_pixels(), ref["pixel_values_videos"])
     for total, fps in ((8, 4.0), (61, 30.0), (300, 24.0), (3, 1.0)):
         metadata = type("M", (), {"total_num_frames": total, "fps": fps})()
         expected = hf_video.sample_frames(metadata, fps=2.0).tolist()

@@ -90,8 +90,13 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
 
     def submit(self, items: Sequence[WorkItem], inputs: Sequence[np.ndarray]) -> EngineRequest:
-        """Hand items (float32 input arrays) to the engine; raise EngineUnavailableError when it cannot take them.
-        Not a coroutine, so a caller cannot be cancelled between sending a request and holding its handle."""
+        """Hand items (input arrays of each item's `input_dtype`) to the engine; raise EngineUnavailableError when it
+        cannot take them. Not a coroutine, so a caller cannot be cancelled between sending a request and holding its
+        handle."""
+        arrays = [np.ascontiguousarray(p) for p in inputs]
+        for item, array in zip(items, arrays, strict=True):
+            if array.dtype != np.dtype(item.input_dtype):
+                raise ValueError(f"item {item.key}: a {array.dtype} input for input dtype {item.input_dtype}")
         if self._dead_reason is not None:
             raise EngineUnavailableError(503, f"{UNAVAILABLE}: {self._dead_reason}")
         limit = self._config.batch.max_queued_items
@@ -99,9 +104,7 @@ class EngineClient:
             raise EngineUnavailableError(503, f"engine queue full ({limit} items); retry later", retry_after=1.0)
         request = EngineRequest(uuid.uuid4().hex, len(items), asyncio.get_running_loop().create_future())
         frames = encode_frames(
-            Op.SUBMIT,
-            WorkRequestMsg(request.request_id, list(items)),
-            [memoryview(np.ascontiguousarray(p, dtype=np.float32)) for p in inputs],
+            Op.SUBMIT, WorkRequestMsg(request.request_id, list(items)), [memoryview(array) for array in arrays]
         )
         self._pending[request.request_id] = request
         try:

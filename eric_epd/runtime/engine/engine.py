@@ -20,6 +20,7 @@ from eric_epd.runtime.engine.messages import (
 )
 from eric_epd.runtime.engine.scheduler import Scheduler
 from eric_epd.runtime.work import (
+    INPUT_DTYPES,
     Batch,
     BatchFailedError,
     BatchOutput,
@@ -243,6 +244,8 @@ class Engine:
         for item, buf in zip(msg.items, buffers):
             if item.cost < 1:
                 return f"item {item.key}: cost {item.cost} must be positive"
+            if item.input_dtype not in INPUT_DTYPES:
+                return f"item {item.key}: input dtype {item.input_dtype!r} is not one of {sorted(INPUT_DTYPES)}"
             if (problem := self._validate_item(item, buf.nbytes)) is not None:
                 return problem
         return None

@@ -2,8 +2,8 @@
 
 On CPU both are plain copies. On CUDA the inputs go through two alternating pinned staging buffers with one
 non-blocking copy on a stream of their own (so the next batch's copy overlaps this batch's forward) and the dtype
-cast on the device, and rank 0 copies each item's rows from the device straight into the pool, which is registered
-as pinned memory (other ranks bring nothing back)."""
+cast (of float32 inputs; uint8 levels stay so) on the device, and rank 0 copies each item's rows from the device
+straight into the pool, which is registered as pinned memory (other ranks bring nothing back)."""
 
 from __future__ import annotations
 
@@ -34,14 +34,20 @@ class DeviceIO:
             self._registered = _host_register(self._pool)
 
     def inputs(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The batch's flat float32 inputs (views on the broadcast) as one tensor on the device, in `dtype`."""
+        """The batch's flat inputs (views on the broadcast, all of one dtype) as one tensor on the device: float32
+        inputs cast to `dtype`, uint8 levels left as they are (the runner converts them on the device)."""
         if not parts:
             return torch.empty(0, dtype=dtype, device=self.device)
+        sent = parts[0].dtype
+        if any(p.dtype != sent for p in parts):
+            raise ValueError(f"a batch mixes input dtypes: {sorted({str(p.dtype) for p in parts})}")
+        if not sent.is_floating_point:
+            dtype = sent
         if not self._cuda:
             return torch.cat(parts).to(dtype)
         n = sum(p.numel() for p in parts)
         turn, self._turn = self._turn, 1 - self._turn
-        staging = self._staging_for(turn, n)
+        staging = self._staging_for(turn, n * sent.itemsize).view(sent)
         torch.cat(parts, out=staging)
         assert self._copy_stream is not None
         main = torch.cuda.current_stream(self.device)
@@ -88,14 +94,14 @@ class DeviceIO:
             self._registered = False
 
     def _staging_for(self, turn: int, n: int) -> torch.Tensor:
-        """Pinned float32 buffer `turn` (of two) with room for n values, grown (never shrunk) as batches need; the
-        copy that last read it has finished before it is written again."""
+        """Pinned byte buffer `turn` (of two) with room for n bytes, grown (never shrunk) as batches need; the copy
+        that last read it has finished before it is written again."""
         done = self._copied[turn]
         if done is not None:
             done.synchronize()
         buffer = self._staging[turn]
         if buffer is None or buffer.numel() < n:
-            buffer = self._staging[turn] = torch.empty(max(n, 1 << 20), dtype=torch.float32, pin_memory=True)
+            buffer = self._staging[turn] = torch.empty(max(n, 1 << 22), dtype=torch.uint8, pin_memory=True)
         return buffer[:n]
 
 

@@ -1,6 +1,7 @@
 """Messages between the Engine (ModelExecutor) and its workers.
 
-Engine -> workers: `ExecuteBatchMsg` header plus one float32 input buffer per item, broadcast through shared memory.
+Engine -> workers: `ExecuteBatchMsg` header plus one input buffer per item (its WorkItem.input_dtype), broadcast
+through shared memory.
 Workers -> engine: `WorkerReadyMsg` once, then one `WorkerResultMsg` per batch per rank over ZMQ. Rank 0 writes each
 item's output into the router's pool (shared memory) before it answers. msgspec only, no pickle.
 """

@@ -110,7 +110,8 @@ def _take(
         if isinstance(msg, StopWorkerMsg):
             return msg
         try:
-            return _Prepared(msg, io.inputs([buffer_to_tensor(v, torch.float32, (-1,)) for v in views], dtype))
+            parts = [buffer_to_tensor(v, item.input_dtype, (-1,)) for item, v in zip(msg.items, views, strict=True)]
+            return _Prepared(msg, io.inputs(parts, dtype))
         except Exception as e:  # answered as this batch's error
             logger.exception("batch %d: cannot stage its inputs", msg.batch_id)
             return _Prepared(msg, None, repr(e))
