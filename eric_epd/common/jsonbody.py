@@ -22,6 +22,7 @@ bytes before any value is built: a chat body with dozens of messages and tool sc
 
 T = TypeVar("T")
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{,:]')
+_PUNCTUATION = (b"[", b"{", b",", b":")
 
 
 class JsonBodyError(ValueError):
@@ -29,15 +30,36 @@ class JsonBodyError(ValueError):
 
 
 def count_tokens(body: bytes, limit: int) -> int:
-    """The JSON tokens in `body` (strings; brackets, braces, commas and colons outside them), or limit + 1 once they
-    are sure to be more than `limit`. In C (bytes.count, one regex scan stopped at the limit); nothing is parsed."""
-    upper = sum(body.count(c) for c in (b"[", b"{", b",", b":")) + body.count(b'"') // 2
+    """The JSON tokens in `body` (strings; brackets, braces, commas and colons outside them), or more than `limit`
+    once they are sure to be more. Nothing is parsed. A body without a backslash has no escaped quote, so its strings
+    are found by memchr (bytes.find) and never scanned: a request inlining megabytes of base64 costs microseconds.
+    Otherwise an upper bound (bytes.count), then one regex scan stopped at the limit."""
+    if b"\\" not in body:
+        return _count_unescaped(body, limit)
+    upper = sum(body.count(c) for c in _PUNCTUATION) + body.count(b'"') // 2
     if upper <= limit:
         return upper
     count = 0
     for count, _ in enumerate(_TOKEN.finditer(body), 1):  # the count is what is wanted
         if count > limit:
             break
+    return count
+
+
+def _count_unescaped(body: bytes, limit: int) -> int:
+    """count_tokens for a body without backslashes: every '"' opens or closes a string."""
+    count, pos, size = 0, 0, len(body)
+    while count <= limit:
+        opening = body.find(b'"', pos)
+        end = size if opening < 0 else opening
+        count += sum(body.count(c, pos, end) for c in _PUNCTUATION)
+        if opening < 0:
+            break
+        closing = body.find(b'"', opening + 1)
+        count += 1
+        if closing < 0:  # unterminated: the parse refuses it
+            break
+        pos = closing + 1
     return count
 
 

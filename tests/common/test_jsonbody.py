@@ -25,17 +25,17 @@ def _tokens(value: object) -> int:
     return 0
 
 
-def _random(rng: random.Random, depth: int = 0) -> object:
+def _random(rng: random.Random, depth: int = 0, alphabet: str = 'ab,:[]{}"\\ é') -> object:
     kind = rng.choice("slndab" if depth < 4 else "snb")
     if kind == "s":
-        return "".join(rng.choice('ab,:[]{}"\\ é') for _ in range(rng.randrange(6)))
+        return "".join(rng.choice(alphabet) for _ in range(rng.randrange(6)))
     if kind == "n":
         return rng.choice([0, -1.5, 3e10, None])
     if kind == "b":
         return rng.random() < 0.5
     if kind in "la":
-        return [_random(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {f"k{i},:{{[": _random(rng, depth + 1) for i in range(rng.randrange(4))}
+        return [_random(rng, depth + 1, alphabet) for _ in range(rng.randrange(4))]
+    return {f"k{i},:{{[": _random(rng, depth + 1, alphabet) for i in range(rng.randrange(4))}
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -45,6 +45,24 @@ def test_tokens_are_counted_exactly_on_the_bytes(seed: int) -> None:
     expected = _tokens(value)
     assert count_tokens(body, expected) <= expected  # a body with exactly the limit's tokens passes
     assert count_tokens(body, expected - 1) > expected - 1  # one token fewer allowed refuses it
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tokens_of_bodies_without_escapes_are_counted_exactly(seed: int) -> None:
+    """Without a backslash in the body (no escaped quote) strings are skipped by memchr: the same exact count."""
+    value = _random(random.Random(seed), alphabet="ab,:[]{} é")
+    body = json.dumps(value, ensure_ascii=False, indent=None if seed % 3 else 1).encode()
+    assert b"\\" not in body
+    expected = _tokens(value)
+    assert count_tokens(body, expected) <= expected
+    assert count_tokens(body, expected - 1) > expected - 1
+
+
+def test_megabytes_of_inlined_base64_are_a_few_tokens() -> None:
+    payload = "A" * (3 << 20)
+    items = [{"id": str(i), "modality": "image", "url": f"data:image/png;base64,{payload}"} for i in range(3)]
+    body = json.dumps({"items": items}).encode()
+    assert count_tokens(body, MAX_TOKENS) == _tokens({"items": items}) == 42
 
 
 def test_a_body_of_empty_arrays_is_refused_before_it_is_built() -> None:
