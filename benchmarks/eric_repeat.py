@@ -2,16 +2,16 @@
 alias (--alias-entries) answers an image whose embedding is still in Eric's pool without decoding, preprocessing or
 hashing it again.
 
-Tiny Qwen2-VL, one Eric pinned to one core (--eric-core), the client on another. Images: random_image (gradients plus
-noise) as JPEG and PNG at 448 and 1024 px, --images distinct ones per format and size, 3 per POST /v1/encode at
-concurrency 1 (a chat's turn); every answer's leases are acknowledged (the entries then stay as content cache,
---keep-acked-bytes, large enough to keep every image). Per format and size: first sight (every image new), then
---turns resend turns (the same bytes again, each image once per turn). Baseline, same run: the same Eric with
---alias-entries 0 (a resend is decoded, preprocessed and hashed, then found in the pool by content hash); ours: the
-default alias. Eric's CPU: utime+stime (/proc/<pid>/stat) of every process of its process group (router, engine,
-worker) before and after each phase, divided by the images; the acks are measured apart. On-CPU time from
-/proc/<pid>/task/*/schedstat (ns) is recorded beside as a cross-check. Target (issue): CPU per resent image with the
-alias at least 20x below a first sight. Writes benchmarks/results/eric_repeat.{json,png}.
+Tiny Qwen2-VL (--size small: a tower of 8 blocks of 512), one Eric pinned to one core (--eric-core), the client on
+another. Images: random_image (gradients plus noise) as JPEG and PNG at 448 and 1024 px, --images distinct ones per
+format and size, 3 per POST /v1/encode at concurrency 1 (a chat's turn); every answer's leases are acknowledged (the
+entries then stay as content cache, --keep-acked-bytes, large enough to keep every image). Per format and size: first
+sight (every image new), then --turns resend turns (the same bytes again, each image once per turn). Baseline, same run:
+the same Eric with --alias-entries 0 (a resend is decoded, preprocessed and hashed, then found in the pool by content
+hash); ours: the default alias. Eric's CPU: utime+stime (/proc/<pid>/stat) of every process of its process group
+(router, engine, worker) before and after each phase, divided by the images; the acks are measured apart. On-CPU time
+from /proc/<pid>/task/*/schedstat (ns) is recorded beside as a cross-check. Target (issue): CPU per resent image with
+the alias at least 20x below a first sight. Writes benchmarks/results/eric_repeat.{json,png}.
 Usage: python benchmarks/eric_repeat.py [--images 48] [--turns 8] [--quick]
 """
 
@@ -177,7 +177,7 @@ def run_eric(model: Path, alias: bool, sets: dict, args: argparse.Namespace) -> 
     extra = ("--keep-acked-bytes", str(KEEP_BYTES), "--alias-entries", str(4096 if alias else 0))
     name = "alias" if alias else "no_alias"
     out: dict = {"extra_args": list(extra), "sets": {}}
-    log = RESULTS / f"eric_repeat_{name}.log"
+    log = RESULTS / f"eric_repeat_{name}{'' if args.size == 'tiny' else '_' + args.size}.log"
     with contextlib.ExitStack() as stack:
         eric = stack.enter_context(EricServer(model, cpus=(args.eric_core,), extra_args=extra, log_path=log))
         client = stack.enter_context(httpx.Client(timeout=120, headers=eric.headers))
@@ -283,6 +283,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a short run: 24 images and 4 resend turns per set")
     ap.add_argument("--eric-core", type=int, default=0, help="CPU core Eric (all its processes) is pinned to")
     ap.add_argument("--client-core", type=int, default=1, help="CPU core for this client")
+    ap.add_argument(
+        "--size",
+        choices=("tiny", "small"),
+        default="tiny",
+        help="checkpoint: tiny (a first sight is nearly all host work) or small (a tower of 8 blocks of 512, so a "
+        "first sight costs what encoding costs); small writes eric_repeat_small.{json,png}",
+    )
     args = ap.parse_args()
     if args.quick:
         args.images, args.turns = 24, 4
@@ -290,14 +297,15 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.sched_setaffinity(0, {args.client_core})
     RESULTS.mkdir(exist_ok=True)
-    model = ensure_checkpoint("qwen2_vl", "tiny")
+    model = ensure_checkpoint("qwen2_vl", args.size)
+    out = "eric_repeat" + ("" if args.size == "tiny" else f"_{args.size}")
     sets = image_sets(args.images)
     started = time.time()
     runs = {"no_alias": run_eric(model, False, sets, args), "alias": run_eric(model, True, sets, args)}
     rows = summarize(sets, runs)
     results = {
         "config": {
-            "model": "qwen2_vl tiny",
+            "model": f"qwen2_vl {args.size}",
             "images_per_set": args.images,
             "resend_turns": args.turns,
             "images_per_request": IMAGES_PER_REQUEST,
@@ -311,8 +319,8 @@ def main() -> None:
         "table": rows,
         "runs": runs,
     }
-    (RESULTS / "eric_repeat.json").write_text(json.dumps(results, indent=2))
-    plot(rows, RESULTS / "eric_repeat.png")
+    (RESULTS / f"{out}.json").write_text(json.dumps(results, indent=2))
+    plot(rows, RESULTS / f"{out}.png")
     head = f"{'set':<10} {'KiB':>6} {'first':>7} {'first*':>7} {'resend':>7} {'resend*':>8} {'ratio':>6} {'ratio*':>7}"
     lines = [
         f"{r['set']:<10} {r['kib_per_image']:6.0f} {r['first_ms_no_alias_run']:7.2f} {r['first_ms_alias_run']:7.2f} "
