@@ -245,6 +245,7 @@ def main() -> None:
         "internvl: Eric's own tower against the generic path and transformers, in process",
     )
     ap.add_argument("--rounds", type=int, default=5, help="gemma3, internvl: timed batches of 8 crops per encoder")
+    ap.add_argument("--tag", default="", help="suffix of the results' file names (e.g. _amx for a run on another CPU)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.family in TOWER_BENCHES:
@@ -256,7 +257,7 @@ def main() -> None:
     args.dtypes = args.dtypes or "float32,bfloat16"
     scale = 0.25 if args.quick else 1.0
     model_dir = ensure_checkpoint(args.family, "small")
-    out = "encoder_throughput" + ("" if args.family == "qwen2_vl" else f"_{args.family}")
+    out = "encoder_throughput" + ("" if args.family == "qwen2_vl" else f"_{args.family}") + args.tag
     cfg = json.loads((model_dir / "config.json").read_text())
     workloads = {name: make_images(name, scale) for name in WORKLOADS}
     cpus = host_split()[0]

@@ -174,7 +174,14 @@ def ack(client: httpx.Client, eric: EricServer, answers: list[dict]) -> None:
 
 def run_eric(model: Path, alias: bool, sets: dict, args: argparse.Namespace) -> dict:
     """One Eric (the alias on or off): per set, first sight then `args.turns` resend turns, each turn's acks apart."""
-    extra = ("--keep-acked-bytes", str(KEEP_BYTES), "--alias-entries", str(4096 if alias else 0))
+    extra = (
+        "--keep-acked-bytes",
+        str(KEEP_BYTES),
+        "--alias-entries",
+        str(4096 if alias else 0),
+        "--embedding-ttl",
+        "3600",
+    )
     name = "alias" if alias else "no_alias"
     out: dict = {"extra_args": list(extra), "sets": {}}
     log = RESULTS / f"eric_repeat_{name}{'' if args.size == 'tiny' else '_' + args.size}.log"

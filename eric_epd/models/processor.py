@@ -221,6 +221,7 @@ class PixelNormalize:
         self._sub: torch.Tensor | None = None
         self._div: torch.Tensor | None = None
         self._mul: float | None = None
+        self._devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if do_normalize:
             m, s = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
             if do_rescale:
@@ -239,11 +240,18 @@ class PixelNormalize:
         returns it."""
         per_channel = (1, levels.shape[1]) + (1,) * (levels.dim() - 2)
         if self._sub is not None and self._div is not None:
-            sub, div = self._sub.to(levels.device), self._div.to(levels.device)
+            sub, div = self._on(levels.device)
             levels.sub_(sub.view(per_channel)).div_(div.view(per_channel))
         elif self._mul is not None:
             levels.mul_(self._mul)
         return levels
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-channel offsets and divisors on `device`, copied there once."""
+        assert self._sub is not None and self._div is not None
+        if device not in self._devices:
+            self._devices[device] = (self._sub.to(device), self._div.to(device))
+        return self._devices[device]
 
     def rows(self, levels: torch.Tensor) -> torch.Tensor:
         """uint8 (rows, C*k) levels whose row holds C channel blocks (HF's patch layout) as float32 rows, normalized."""

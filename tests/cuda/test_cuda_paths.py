@@ -74,6 +74,8 @@ def test_device_io_pinned_copies_and_pool_writes() -> None:
         io.sync()
         for got, p in zip(staged, more):
             torch.testing.assert_close(got.cpu(), p[0])
+        levels = io.inputs([torch.arange(256, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)], torch.bfloat16)
+        assert levels.dtype == torch.uint8 and levels.cpu().tolist() == [*range(256), 0, 0, 0, 0]  # cast by the runner
         out = torch.randn(12, 64, device="cuda:0", dtype=torch.bfloat16)
         items = [
             WorkItem("a", "image", 16, 4096, 4 * 64 * 2, pack_spec(EncodeSpec("image", (1, 4, 4), 1176))),

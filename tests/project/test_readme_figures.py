@@ -10,6 +10,7 @@ import pytest
 
 from eric_epd.planning.costs import REFERENCES, stage_costs
 from tests.support import readme_epd as epd
+from tests.support import readme_host as host
 from tests.support import readme_planner as planner
 from tests.support import readme_rows as rows
 from tests.support.readme_epd import cost, mix, saturated
@@ -245,6 +246,9 @@ FIGURES: list[Figure] = [
     Figure("cache_routing_small.json", rows.cache_small),
     Figure("cache_routing.json", rows.cache_tiny),
     Figure("geri_throughput.json", geri),
+    Figure("host_path.json", host.host_path),
+    Figure("eric_repeat.json", host.repeat),
+    Figure("eric_repeat_small.json", host.repeat),
     Figure(ET, rows.why_float32),
     Figure(
         QUICK,

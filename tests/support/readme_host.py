@@ -1,0 +1,62 @@
+"""The README's figures on Eric's host side and its repeats, as each benchmark's JSON states them: host_path (per core
+against vLLM's processor, transformers' and decoding alone), eric_repeat (a resent image against a first sight) and the
+bfloat16 tower on a CPU with bfloat16 units (encoder_throughput_amx)."""
+
+from __future__ import annotations
+
+from tests.support.readme_figures import f2, span, x
+
+PATHS = ("decode", "eric", "vllm", "hf_fast", "hf_slow")
+NAMES = {"jpeg": "JPEG", "png": "PNG", "video": "video"}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}" if v >= 10 else f2(v)
+
+
+def host_path(d: dict) -> str:
+    """Each set's ms per item along the paths, Eric's ratios and the verdict."""
+    cells = []
+    for row in d["table"]:
+        kind, side = row["set"].split("_")
+        label = NAMES[kind] if kind == "video" else f"{NAMES[kind]} {side}"
+        cells.append(f"{label} " + " / ".join(_ms(row["ms_per_item"][p]) for p in PATHS))
+    vs_vllm = span([r["eric_speedup_vs_vllm"] for r in d["table"]], x)
+    vs_decode = span([r["eric_over_decode"] for r in d["table"]], x)
+    met = all(r["vs_vllm_met"] and r["vs_decode_met"] for r in d["table"])
+    verdict = "met" if met else "**not met**"
+    return (
+        f"ms per item, decode / Eric / vLLM / HF fast / HF slow: {'; '.join(cells)}. Eric vs vLLM {vs_vllm}; Eric / "
+        f"decode {vs_decode} | Eric >= 2x vLLM's processor per core on every set and within 1.3x of decode alone: "
+        f"{verdict}"
+    )
+
+
+def repeat(d: dict) -> str:
+    """Per set, Eric's CPU ms per image at first sight and when resent (alias on) and the ratio; the ratios with the
+    alias off; where the 20x target is met."""
+    cells = [
+        f"{r['set'].replace('_', ' ')} {_first(r['first_ms_alias_run'])} / {r['resend_ms_alias']:.2g} ms "
+        f"({r['ratio_alias']:.0f}x)"
+        for r in d["table"]
+    ]
+    off = span([r["ratio_no_alias"] for r in d["table"]], x)
+    met = [r["set"].replace("_", " ") for r in d["table"] if r["target_met"]]
+    return (
+        f"{d['config']['model']}: {'; '.join(cells)}; with the alias off {off}; 20x met on "
+        f"{', '.join(met) if met else 'none'}"
+    )
+
+
+def _first(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def bf16_tower(d: dict) -> str:
+    """Eric's bfloat16 images/s over its float32 images/s per workload, on the recorded CPU."""
+    ratios = d["bfloat16_over_float32"]
+    flags = [f for f in d["cpu"]["avx512_amx_flags"] if f in ("amx_bf16", "avx512_bf16")]
+    return (
+        "bfloat16 / float32 images/s: " + ", ".join(f"{w} {x(v)}" for w, v in ratios.items()) + f" (CPU flags "
+        f"{', '.join(flags)}) | >= 3x: {'met' if min(ratios.values()) >= 3 else '**not met**'}"
+    )
