@@ -249,6 +249,7 @@ FIGURES: list[Figure] = [
     Figure("host_path.json", host.host_path),
     Figure("eric_repeat.json", host.repeat),
     Figure("eric_repeat_small.json", host.repeat),
+    Figure("encoder_throughput_amx.json", host.bf16_tower),
     Figure(ET, rows.why_float32),
     Figure(
         QUICK,
