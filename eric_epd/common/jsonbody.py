@@ -23,6 +23,8 @@ bytes before any value is built: a chat body with dozens of messages and tool sc
 T = TypeVar("T")
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{,:]')
 _PUNCTUATION = (b"[", b"{", b",", b":")
+MEMCHR_STRINGS = 4096
+"""Strings count_tokens walks one by one (memchr) before it counts a body's tokens by regex instead."""
 
 
 class JsonBodyError(ValueError):
@@ -34,8 +36,8 @@ def count_tokens(body: bytes, limit: int) -> int:
     once they are sure to be more. Nothing is parsed. A body without a backslash has no escaped quote, so its strings
     are found by memchr (bytes.find) and never scanned: a request inlining megabytes of base64 costs microseconds.
     Otherwise an upper bound (bytes.count), then one regex scan stopped at the limit."""
-    if b"\\" not in body:
-        return _count_unescaped(body, limit)
+    if b"\\" not in body and (count := _count_unescaped(body, limit)) is not None:
+        return count
     upper = sum(body.count(c) for c in _PUNCTUATION) + body.count(b'"') // 2
     if upper <= limit:
         return upper
@@ -46,21 +48,22 @@ def count_tokens(body: bytes, limit: int) -> int:
     return count
 
 
-def _count_unescaped(body: bytes, limit: int) -> int:
-    """count_tokens for a body without backslashes: every '"' opens or closes a string."""
+def _count_unescaped(body: bytes, limit: int) -> int | None:
+    """count_tokens for a body without backslashes (every '"' opens or closes a string), or None past
+    MEMCHR_STRINGS strings: a body of many small strings is counted in C by the regex instead."""
     count, pos, size = 0, 0, len(body)
-    while count <= limit:
+    for _ in range(MEMCHR_STRINGS):
         opening = body.find(b'"', pos)
         end = size if opening < 0 else opening
         count += sum(body.count(c, pos, end) for c in _PUNCTUATION)
-        if opening < 0:
-            break
+        if opening < 0 or count > limit:
+            return count
         closing = body.find(b'"', opening + 1)
         count += 1
         if closing < 0:  # unterminated: the parse refuses it
-            break
+            return count
         pos = closing + 1
-    return count
+    return None
 
 
 def _check_tokens(body: bytes, limit: int) -> None:

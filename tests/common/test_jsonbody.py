@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from eric_epd.common.jsonbody import MAX_TOKENS, JsonBodyError, count_tokens, parse_json
+from eric_epd.common.jsonbody import MAX_TOKENS, MEMCHR_STRINGS, JsonBodyError, count_tokens, parse_json
 
 
 def _tokens(value: object) -> int:
@@ -63,6 +63,15 @@ def test_megabytes_of_inlined_base64_are_a_few_tokens() -> None:
     items = [{"id": str(i), "modality": "image", "url": f"data:image/png;base64,{payload}"} for i in range(3)]
     body = json.dumps({"items": items}).encode()
     assert count_tokens(body, MAX_TOKENS) == _tokens({"items": items}) == 42
+
+
+def test_many_small_strings_are_counted_by_the_regex_exactly() -> None:
+    """Past MEMCHR_STRINGS strings the walk hands over to the regex, with the same count."""
+    value = [f"s{i}" for i in range(3 * MEMCHR_STRINGS)] + [{"k": ["a", "b"]}]
+    body = json.dumps(value).encode()
+    expected = _tokens(value)
+    assert count_tokens(body, expected) == expected
+    assert count_tokens(body, expected - 1) > expected - 1
 
 
 def test_a_body_of_empty_arrays_is_refused_before_it_is_built() -> None:
