@@ -183,7 +183,7 @@ class EncoderRunner:
         device: HF's processor's values), float32 rows cast."""
         if rows.dtype != torch.uint8:
             return rows.to(self.dtype)
-        out, start = torch.empty(rows.shape, dtype=torch.float32, device=rows.device), 0
+        out, start = rows.to(torch.float32), 0  # one conversion for the batch, normalized in place item by item
         for spec in specs:
             n = spec.grid_thw[0] * spec.grid_thw[1] * spec.grid_thw[2]
             if spec.levels is None:
@@ -191,6 +191,6 @@ class EncoderRunner:
             normalize = self._normalizers.get(spec.levels)
             if normalize is None:
                 normalize = self._normalizers[spec.levels] = PixelNormalize(*msgspec.structs.astuple(spec.levels))
-            out[start : start + n] = normalize.rows(rows[start : start + n])
+            normalize.rows_(out[start : start + n])
             start += n
         return out.to(self.dtype)

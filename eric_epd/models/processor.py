@@ -49,8 +49,7 @@ class ProcessedItem:
             return self.pixel_values
         import torch
 
-        rows = torch.from_numpy(np.ascontiguousarray(self.pixel_values))
-        return self.levels.rows(rows).numpy()
+        return self.levels.rows_(torch.from_numpy(self.pixel_values).to(torch.float32)).numpy()
 
 
 class BaseModalityProcessor(ABC):
@@ -216,8 +215,8 @@ class PixelNormalize:
             tuple(map(float, std)),
         )
         """What it was built from (what an encode item's spec carries to the worker)."""
-        self.lut = normalize_lut(do_rescale, rescale_factor, do_normalize, mean, std)
-        self.channels = channels = self.lut.shape[0]
+        table = normalize_lut(do_rescale, rescale_factor, do_normalize, mean, std)
+        self.channels = channels = table.shape[0]
         self._sub: torch.Tensor | None = None
         self._div: torch.Tensor | None = None
         self._mul: float | None = None
@@ -227,12 +226,11 @@ class PixelNormalize:
             if do_rescale:
                 inv = np.float32(1.0 / rescale_factor)
                 m, s = m * inv, s * inv
-            self._sub = torch.from_numpy(m.astype(np.float32)).reshape(1, channels, 1)
-            self._div = torch.from_numpy(s.astype(np.float32)).reshape(1, channels, 1)
+            self._sub, self._div = torch.from_numpy(m), torch.from_numpy(s)
         elif do_rescale:
             self._mul = float(np.float32(rescale_factor))  # float32 arithmetic, as the table's
         levels = torch.arange(256, dtype=torch.float32).expand(1, channels, 256).clone()
-        if not np.array_equal(self.apply_(levels)[0].numpy().view(np.uint32), self.lut.view(np.uint32)):
+        if not np.array_equal(self.apply_(levels)[0].numpy().view(np.uint32), table.view(np.uint32)):
             raise RuntimeError("rescale/normalize arithmetic differs from its table on this machine")
 
     def apply_(self, levels: torch.Tensor) -> torch.Tensor:
@@ -253,16 +251,14 @@ class PixelNormalize:
             self._devices[device] = (self._sub.to(device), self._div.to(device))
         return self._devices[device]
 
-    def rows(self, levels: torch.Tensor) -> torch.Tensor:
-        """uint8 (rows, C*k) levels whose row holds C channel blocks (HF's patch layout) as float32 rows, normalized."""
-        import torch
-
-        n, width = levels.shape
+    def rows_(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 (n, C*k) rows of levels, each holding C channel blocks (HF's patch layout), normalized in place;
+        returns them."""
+        n, width = rows.shape
         if width % self.channels:
             raise ValueError(f"rows of {width} values do not split into {self.channels} channels")
-        out = levels.to(torch.float32)
-        self.apply_(out.view(n, self.channels, width // self.channels))
-        return out
+        self.apply_(rows.view(n, self.channels, width // self.channels))
+        return rows
 
 
 def normalize_lut(
