@@ -27,7 +27,7 @@ from eric_epd.eric.encode_body import parse_encode_body
 from eric_epd.eric.membership import GatewayMembership
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.openapi import eric_openapi
-from eric_epd.eric.processor import Processor, model_fingerprint
+from eric_epd.eric.processor import Processor, model_fingerprint, tower_precision
 from eric_epd.eric.service import EncodeService
 from eric_epd.eric.sglang.protocol import sglang_error_response
 from eric_epd.eric.sglang.routes import sglang_routes
@@ -108,7 +108,9 @@ def create_app(config: EricConfig, facts: ModelFacts, engine: EngineWatch, hub: 
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         fetcher = MediaFetcher(config.url_policy, config.media)
         sglang_video = config.sglang.video if facts.model_type in QWEN_VL_TYPES else None
-        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_fingerprint(facts), sglang_video)
+        precision = tower_precision(config.compute_dtype, config.dtype, config.resolved_device(), facts)
+        model_id = model_fingerprint(facts, precision)
+        processor = Processor(mp, config.media, config.preprocess_pool_size(), model_id, sglang_video)
         expiry = asyncio.create_task(hub.expiry_loop())
         membership = GatewayMembership(
             config.register_with, config.register_key, config.public_url, config.heartbeat_s, config.api_key

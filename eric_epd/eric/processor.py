@@ -51,9 +51,11 @@ class PreparedItem:
     lease on its pool entry and never submitted to the engine."""
 
 
-def model_fingerprint(facts: ModelFacts) -> bytes:
-    """What identifies the encoder's output space: the vision config and a digest of the vision weights (a
-    fine-tuned tower under the same config gives other hashes), not the path it was loaded from."""
+def model_fingerprint(facts: ModelFacts, precision: tuple[str, str] = ("float32", "float32")) -> bytes:
+    """What identifies the encoder's output space: the vision config, a digest of the vision weights (a fine-tuned
+    tower under the same config gives other hashes), not the path it was loaded from, and `precision` (the dtype the
+    tower computes in, that of the rows it sends: tower_precision), as rows computed in bfloat16 are not those
+    computed in float32."""
     from eric_epd.models.registry import vision_weights_digest
 
     start = time.perf_counter()
@@ -61,9 +63,20 @@ def model_fingerprint(facts: ModelFacts) -> bytes:
         "model_type": facts.model_type,
         "vision_config": facts.config.get("vision_config"),
         "vision_weights": vision_weights_digest(facts.model_dir, facts.config),
+        "precision": list(precision),
     }
     logger.info("vision weights digest %s in %.2fs", vision["vision_weights"], time.perf_counter() - start)
     return json.dumps(vision, sort_keys=True, default=str).encode()
+
+
+def tower_precision(compute_setting: str, row_setting: str, device_type: str, facts: ModelFacts) -> tuple[str, str]:
+    """(compute dtype, row dtype) of this Eric's workers: --compute-dtype and --dtype resolved as each worker resolves
+    them (models/compute_dtype.py) on `device_type`. The router shares its host, and so its CPU's units, with them."""
+    from eric_epd.models.compute_dtype import choose_compute_dtype, cpu_units
+
+    rows = facts.output_dtype(row_setting)
+    units = cpu_units() if device_type == "cpu" else frozenset()
+    return choose_compute_dtype(compute_setting, rows, device_type, units)[0], rows
 
 
 class Processor:

@@ -244,3 +244,20 @@ def test_hash_salt_covers_the_vision_weights_only(qwen2_vl_tiny: Path, tmp_path:
     assert fingerprint(variant("copy", None)) == base
     assert fingerprint(variant("lm", "model.layers.0.mlp")) == base
     assert fingerprint(variant("tower", "visual.blocks.0.mlp")) != base
+
+
+def test_hash_salt_covers_the_precision_the_tower_computes_and_sends(qwen2_vl_tiny: Path) -> None:
+    """Rows computed or sent in another dtype are other rows: the fingerprint (and so every content hash) names
+    the compute and row dtypes the workers resolve, "auto" resolved as they resolve it; the same settings give the
+    same fingerprint (negative control)."""
+    from eric_epd.eric.processor import model_fingerprint, tower_precision
+    from eric_epd.models.facts import ModelFacts
+
+    facts = ModelFacts.from_checkpoint(qwen2_vl_tiny)
+    assert tower_precision("bfloat16", "float32", "cpu", facts) == ("bfloat16", "float32")
+    assert tower_precision("auto", "bfloat16", "cuda", facts) == ("bfloat16", "bfloat16")
+    assert tower_precision("float32", "auto", "cpu", facts) == ("float32", facts.output_dtype("auto"))
+    f32 = model_fingerprint(facts, ("float32", "float32"))
+    assert model_fingerprint(facts, ("float32", "float32")) == f32
+    assert model_fingerprint(facts, ("bfloat16", "float32")) != f32
+    assert model_fingerprint(facts, ("float32", "bfloat16")) != f32
