@@ -15,8 +15,10 @@ import uvicorn
 
 from eric_epd.common.cpus import pin_process
 from eric_epd.common.proxies import uvicorn_proxy_settings
+from eric_epd.common.shm_orphans import sweep_orphans
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.engine.process import EngineProcess
+from eric_epd.runtime.executor.shm_broadcast import BROADCAST_PREFIX
 from eric_epd.runtime.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ def run_server(
     if config.cpus:
         pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
     config.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sweep_orphans((f"{config.POOL_PREFIX}-", BROADCAST_PREFIX))  # what servers killed outright left on this host
     pool = make_pool()
     try:
         engine = EngineProcess.spawn(config, workload)

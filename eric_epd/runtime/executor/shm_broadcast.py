@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ABORT_CHECK_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 0.01, 2e-5, 5e-4  # should_abort() may be a syscall: rate-limit
+BROADCAST_PREFIX = "ebc_"
+"""Every ring's segment name starts so (and its spills' names with the ring's): what a server's start sweeps."""
 BUSY_S, IDLE_BLOCK_S = 1.0, 0.1  # readers poll for BUSY_S after a message, then block on pings IDLE_BLOCK_S at a time
 
 
@@ -139,7 +141,7 @@ class ShmBroadcast:
     ) -> ShmBroadcastWriter:
         """Create the segment (engine process). The creator owns it: close() unlinks it. ``wake``: where to bind
         the wake-up pings (default ``ipc://<tmp>/<name>.wake``; "" for none: readers then always poll)."""
-        name = name or f"ebc_{os.getpid():x}_{secrets.token_hex(4)}"
+        name = name or f"{BROADCAST_PREFIX}{os.getpid():x}_{secrets.token_hex(4)}"
         if n_readers < 1 or n_slots < 1 or slot_bytes < ALIGN or len(name) > MAX_NAME:
             raise ValueError(f"bad {n_readers=} {n_slots=} {slot_bytes=} or {name=} (max {MAX_NAME} chars)")
         wake = f"ipc://{tempfile.gettempdir()}/{name}.wake" if wake is None else wake
