@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import binascii
 import contextlib
+import ipaddress
 import logging
 import os
+import socket
+import ssl
 import stat
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from urllib.parse import unquote_to_bytes, urljoin
 
-import httpcore
-import httpx
+import aiohttp
+import certifi
 import pybase64
+import yarl
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 from eric_epd.media.encoding import ACCEPT_ENCODING, check_layers, content_layers, inflate
 from eric_epd.media.limits import MediaLimits
@@ -25,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 MAX_CONNECTIONS = 256
-"""Connections the fetcher holds open at once, to every origin together (httpcore's default is 10)."""
+"""Connections the fetcher holds open at once, to every origin together."""
 MAX_PER_HOST = 8
 """Fetches from one host at once, across requests: ten slow URLs on one origin hold its slots, not everyone's."""
 MAX_PER_REQUEST = 8
@@ -34,52 +39,37 @@ KEEPALIVE_EXPIRY_S = 5.0
 """An idle pooled connection is closed after this long."""
 
 
-class _PolicyNetworkBackend(httpcore.AsyncNetworkBackend):
-    """Resolves each host itself and connects only to addresses the policy allows (no DNS rebinding)."""
+class _PolicyResolver(AbstractResolver):
+    """aiohttp's resolver for media hosts: c-ares (MediaResolver), every address vetted by the policy before the
+    connector may connect to it (no DNS rebinding). IP literals never reach a resolver: `MediaFetcher` vets those."""
 
     def __init__(self, policy: UrlPolicy, resolver: MediaResolver) -> None:
         self._policy = policy
         self._resolver = resolver
-        self._inner = httpcore.AnyIOBackend()
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        """The policy's addresses for `host`, as aiohttp's connector takes them."""
         addrs = await self._policy.resolve_host(host, port, self._resolver.resolve)
-        for i, addr in enumerate(addrs):
-            try:
-                return await self._inner.connect_tcp(addr, port, timeout, local_address, socket_options)
-            except httpcore.ConnectError:
-                if i == len(addrs) - 1:
-                    raise
-        raise AssertionError("unreachable")  # resolve_host never returns an empty list
+        return [_resolved(host, addr, port) for addr in addrs]
 
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        raise MediaError(400, "unix sockets are not allowed for media URLs")
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
+    async def close(self) -> None:
+        """The c-ares channel is the fetcher's to close."""
 
 
-class _PolicyTransport(httpx.AsyncHTTPTransport):
-    def __init__(self, policy: UrlPolicy, resolver: MediaResolver) -> None:
-        ssl_context = httpx.create_ssl_context(trust_env=False)
-        super().__init__(verify=ssl_context, trust_env=False)
-        # httpx has no DNS hook: swap in an httpcore pool whose backend vets every resolved address.
-        self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl_context,
-            network_backend=_PolicyNetworkBackend(policy, resolver),
-            max_connections=MAX_CONNECTIONS,
-            max_keepalive_connections=MAX_CONNECTIONS // 4,
-            keepalive_expiry=KEEPALIVE_EXPIRY_S,
-        )
+def _resolved(host: str, addr: str, port: int) -> ResolveResult:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    return {"hostname": host, "host": addr, "port": port, "family": family, "proto": 0, "flags": socket.AI_NUMERICHOST}
+
+
+def _literal(host: str) -> bool:
+    """Whether `host` is an IP address (which aiohttp connects to without asking its resolver)."""
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    return True
 
 
 class HostSlots:
@@ -163,14 +153,30 @@ class MediaFetcher:
         self.policy = policy
         self.limits = limits
         self.resolver = MediaResolver()
-        self._client = httpx.AsyncClient(
-            transport=_PolicyTransport(policy, self.resolver),
-            follow_redirects=False,  # redirects are followed by hand so every hop is re-checked
-            timeout=httpx.Timeout(limits.timeout_s),
-            trust_env=False,
-            headers={"User-Agent": "eric-epd-media/0.1", "Accept-Encoding": ACCEPT_ENCODING},
-        )
+        self._session: aiohttp.ClientSession | None = None
+        """Made in the running loop on first use (aiohttp's sessions belong to one loop)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._hosts = HostSlots(MAX_PER_HOST)
+
+    def _session_for(self, loop: asyncio.AbstractEventLoop) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed or self._session.connector is None or self._loop is not loop:
+            connector = aiohttp.TCPConnector(
+                resolver=_PolicyResolver(self.policy, self.resolver),
+                use_dns_cache=False,  # every new connection is resolved and vetted again
+                limit=MAX_CONNECTIONS,
+                keepalive_timeout=KEEPALIVE_EXPIRY_S,
+                ssl=ssl.create_default_context(cafile=certifi.where()),
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,  # bodies come as sent: inflated off the loop, bounded (media/encoding.py)
+                trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=self.limits.timeout_s),
+                headers={"User-Agent": "eric-epd-media/0.1", "Accept-Encoding": ACCEPT_ENCODING},
+                skip_auto_headers=("Content-Type",),
+            )
+            self._loop = loop
+        return self._session
 
     async def fetch(self, url: str, budget: ByteBudget | None = None) -> bytes:
         """The bytes behind ``url``, counted against ``budget`` as they come; raises ``MediaError`` (4xx) naming the
@@ -179,7 +185,7 @@ class MediaFetcher:
         try:
             async with budget.slots if budget is not None else contextlib.nullcontext():
                 data = await asyncio.wait_for(self._fetch(url, budget), self.limits.timeout_s)
-        except (TimeoutError, httpx.TimeoutException) as exc:
+        except TimeoutError as exc:
             raise MediaError(408, f"timed out fetching {shown} (limit {self.limits.timeout_s:g} s)") from exc
         if budget is not None and url_scheme(url) not in ("http", "https"):
             budget.take(len(data))  # read whole (at most the per-item limit); http(s) is counted chunk by chunk
@@ -187,7 +193,9 @@ class MediaFetcher:
 
     async def aclose(self) -> None:
         """Close the pooled HTTP client and the resolver."""
-        await self._client.aclose()
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
         await self.resolver.aclose()
 
     async def resolve_host(self, host: str, port: int) -> list[str]:
@@ -208,9 +216,9 @@ class MediaFetcher:
             shown = display_url(url)
             try:
                 result = await self._get(url, budget)
-            except (MediaError, httpx.TimeoutException):
+            except (MediaError, TimeoutError):
                 raise
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            except (aiohttp.ClientError, ValueError) as exc:
                 raise MediaError(400, f"could not fetch {shown}: {_describe(exc)}") from exc
             if isinstance(result, bytes):
                 return result
@@ -226,12 +234,17 @@ class MediaFetcher:
     async def _get(self, url: str, budget: ByteBudget | None) -> bytes | str:
         """One GET: the body, or the absolute redirect target."""
         shown, max_bytes = display_url(url), self.limits.max_bytes
-        async with self._hosts.hold(httpx.URL(url).host), self._client.stream("GET", url) as resp:
+        target = yarl.URL(url, encoded=True)  # as the client wrote it (check_unambiguous passed it)
+        host = target.host or ""
+        if _literal(host):  # aiohttp connects to an IP literal without asking the resolver: vet it here
+            await self.policy.resolve_host(host, target.port or 0, _itself)
+        session = self._session_for(asyncio.get_running_loop())
+        async with self._hosts.hold(host), session.get(target, allow_redirects=False) as resp:
             location = resp.headers.get("location")
-            if resp.status_code in _REDIRECT_STATUSES and location:
+            if resp.status in _REDIRECT_STATUSES and location:
                 return urljoin(str(resp.url), location)
-            if not resp.is_success:
-                reason = f"{resp.status_code} {resp.reason_phrase}".strip()
+            if not 200 <= resp.status < 300:
+                reason = f"{resp.status} {resp.reason or ''}".strip()
                 raise MediaError(400, f"could not fetch {shown}: origin returned HTTP {reason}")
             layers = content_layers(resp.headers.get("content-encoding", ""))
             check_layers(layers, shown)
@@ -241,7 +254,7 @@ class MediaFetcher:
             if budget is not None and length.isdigit() and budget.used + int(length) > budget.limit:
                 raise MediaError(413, budget.message)
             body = bytearray()
-            async for chunk in resp.aiter_raw():  # as sent: httpx never inflates (unbounded) on the event loop
+            async for chunk in resp.content.iter_any():  # as sent: never inflated (unbounded) on the event loop
                 body += chunk
                 if len(body) > max_bytes:
                     raise MediaError(413, f"{shown} is over the size limit of {max_bytes} bytes")
@@ -282,11 +295,18 @@ class MediaFetcher:
         return data
 
 
+async def _itself(host: str, port: int) -> list[str]:
+    """The lookup of an IP literal: itself."""
+    return [host.strip("[]")]
+
+
 def _describe(exc: BaseException) -> str:
     """Short reason for a transport error, e.g. 'connection refused'."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, ConnectionRefusedError):
+        if isinstance(seen, ConnectionRefusedError) or isinstance(
+            getattr(seen, "os_error", None), ConnectionRefusedError
+        ):
             return "connection refused"
         seen = seen.__cause__ or seen.__context__
     text = str(exc)

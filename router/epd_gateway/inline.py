@@ -54,7 +54,7 @@ async def check_hosts(resolve: Lookup, hosts: set[tuple[str, int]], timeout_s: f
 
 
 class MediaInliner:
-    """One per gateway process: an httpx client behind the URL policy, reused across requests."""
+    """One per gateway process: a media fetcher (an aiohttp client behind the URL policy), reused across requests."""
 
     def __init__(
         self, policy: UrlPolicy, limits: MediaLimits, max_request_bytes: int, max_total_bytes: int | None = None
