@@ -110,23 +110,33 @@ def patchify(frames: np.ndarray, patch: int, temporal: int, merge: int) -> tuple
     """uint8 (T, h, w, C) frames as uint8 rows in HF's patch layout (t, h/m, w/m, m, m | C, tp, p, p), padding T to a
     multiple of `temporal` by repeating the last frame (an image's one frame fills the whole temporal patch). Returns
     (levels uint8 (t*gh*gw, C*tp*p*p), grid_t); PixelNormalize.rows turns them into HF's float32 pixel_values."""
-    import torch
-
     n_frames, h, w, c = frames.shape
     gh, gw = h // patch, w // patch
     if h % patch or w % patch or gh % merge or gw % merge:
         raise ValueError(f"frame size {h}x{w} is not a multiple of patch*merge = {patch * merge}")
-    single = n_frames == 1  # images: one frame, copied over the temporal patch
-    if not single and (pad := -n_frames % temporal):
+    if n_frames == 1:
+        return _patchify_image(frames[0], patch, temporal, merge), 1
+    import torch
+
+    if pad := -n_frames % temporal:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-    tp = 1 if single else temporal
-    grid_t = 1 if single else frames.shape[0] // temporal
-    rows = grid_t * gh * gw
-    levels = torch.from_numpy(frames).view(grid_t, tp, gh // merge, merge, patch, gw // merge, merge, patch, c)
+    grid_t = frames.shape[0] // temporal
+    levels = torch.from_numpy(frames).view(grid_t, temporal, gh // merge, merge, patch, gw // merge, merge, patch, c)
     levels = levels.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, gh/m, gw/m, m, m, C, tp, p, p)
-    if single:
-        levels = levels.expand(*levels.shape[:6], temporal, patch, patch)
-    return levels.reshape(rows, c * temporal * patch * patch).numpy(), grid_t
+    return levels.reshape(grid_t * gh * gw, c * temporal * patch * patch).numpy(), grid_t
+
+
+def _patchify_image(frame: np.ndarray, patch: int, temporal: int, merge: int) -> np.ndarray:
+    """One (h, w, C) frame as patchify's rows, its patch copied over the temporal patch: planes first (C, h, w), so
+    the patch gather moves runs of `patch` bytes rather than single bytes, then the temporal copy moves whole
+    patches (1.9 against 3.1 ms for 1036 px in one strided copy)."""
+    h, w, c = frame.shape
+    gh, gw, area = h // patch, w // patch, patch * patch
+    planes = np.ascontiguousarray(frame.transpose(2, 0, 1))
+    patches = planes.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch).transpose(1, 4, 2, 5, 0, 3, 6)
+    rows = np.empty((gh * gw, c, temporal, area), np.uint8)
+    rows[...] = patches.reshape(gh * gw, c, 1, area)  # (gh/m, gw/m, m, m | C, p, p), copied once, then broadcast
+    return rows.reshape(gh * gw, c * temporal * area)
 
 
 class Qwen2VLModalityProcessor(BaseModalityProcessor):
