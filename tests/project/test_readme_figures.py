@@ -247,6 +247,7 @@ FIGURES: list[Figure] = [
     Figure("cache_routing.json", rows.cache_tiny),
     Figure("geri_throughput.json", geri),
     Figure("host_path.json", host.host_path),
+    Figure("host_path.json", host.host_cpu),
     Figure("eric_repeat.json", host.repeat),
     Figure("eric_repeat_small.json", host.repeat),
     Figure("encoder_throughput_amx.json", host.bf16_tower),

@@ -32,6 +32,21 @@ def host_path(d: dict) -> str:
     )
 
 
+def host_cpu(d: dict) -> str:
+    """The CPU the host-path run measured, with its vector ISA."""
+    cpu = d["config"]["cpu"]
+    isa = "AVX-512" if cpu["avx512f"] else "AVX2" if cpu["avx2"] else "neither AVX2 nor AVX-512"
+    flags = cpu["avx512_amx_flags"]
+    extra = (
+        " and AMX"
+        if any(f.startswith("amx") for f in flags)
+        else " (AVX512-BF16, no AMX)"
+        if "avx512_bf16" in flags
+        else ""
+    )
+    return f"this CPU: {cpu['model_name']} with {isa}{extra}"
+
+
 def repeat(d: dict) -> str:
     """Per set, Eric's CPU ms per image at first sight and when resent (alias on) and the ratio; the ratios with the
     alias off; where the 20x target is met."""
