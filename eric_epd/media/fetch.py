@@ -64,7 +64,11 @@ def _resolved(host: str, addr: str, port: int) -> ResolveResult:
 
 
 def _literal(host: str) -> bool:
-    """Whether `host` is an IP address (which aiohttp connects to without asking its resolver)."""
+    """Whether aiohttp would take `host` for an IP address and connect without asking its resolver: any host with a
+    colon or of digits and dots (its own test), or any that parses as one. Such a host is vetted here instead (one
+    that does not parse is a 400 there)."""
+    if ":" in host or host.replace(".", "").isdigit():
+        return True
     try:
         ipaddress.ip_address(host.strip("[]").split("%")[0])
     except ValueError:
