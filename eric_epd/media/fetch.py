@@ -20,6 +20,7 @@ import certifi
 import pybase64
 import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.http_exceptions import HttpProcessingError
 
 from eric_epd.media.encoding import ACCEPT_ENCODING, check_layers, content_layers, inflate
 from eric_epd.media.limits import MediaLimits
@@ -169,10 +170,11 @@ class MediaFetcher:
                 use_dns_cache=False,  # every new connection is resolved and vetted again
                 limit=MAX_CONNECTIONS,
                 keepalive_timeout=KEEPALIVE_EXPIRY_S,
-                ssl=ssl.create_default_context(cafile=certifi.where()),
+                ssl=_tls_context(),
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),  # one client's origin cookies never go out with another's
                 auto_decompress=False,  # bodies come as sent: inflated off the loop, bounded (media/encoding.py)
                 trust_env=False,
                 timeout=aiohttp.ClientTimeout(total=self.limits.timeout_s),
@@ -222,7 +224,7 @@ class MediaFetcher:
                 result = await self._get(url, budget)
             except (MediaError, TimeoutError):
                 raise
-            except (aiohttp.ClientError, ValueError) as exc:
+            except (aiohttp.ClientError, HttpProcessingError, ValueError) as exc:  # a body the parser refused too
                 raise MediaError(400, f"could not fetch {shown}: {_describe(exc)}") from exc
             if isinstance(result, bytes):
                 return result
@@ -304,8 +306,23 @@ async def _itself(host: str, port: int) -> list[str]:
     return [host.strip("[]")]
 
 
+def _tls_context() -> ssl.SSLContext:
+    """Verification against certifi's CA bundle; no key log, whatever SSLKEYLOGFILE says."""
+    context = ssl.create_default_context(cafile=certifi.where())
+    context.keylog_filename = None  # type: ignore[assignment]
+    return context
+
+
 def _describe(exc: BaseException) -> str:
-    """Short reason for a transport error, e.g. 'connection refused'."""
+    """Short reason for a transport error, e.g. 'connection refused'; never an address the host resolved to."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return "TLS certificate verification failed"
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return "TLS handshake failed"
+    if isinstance(exc, aiohttp.ClientConnectorError):  # its text names the address it tried: never shown
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return "connection refused"
+        return os.strerror(exc.os_error.errno).lower() if exc.os_error.errno else "could not connect"
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ConnectionRefusedError) or isinstance(

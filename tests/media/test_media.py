@@ -62,6 +62,10 @@ class _Handler(BaseHTTPRequestHandler):
         elif path.startswith("/redirect/"):
             n = int(path.rsplit("/", 1)[1])
             self._send(302, headers={"Location": f"/redirect/{n - 1}" if n > 0 else "/img.png"})
+        elif path == "/set-cookie":
+            self._send(200, PNG, {"Set-Cookie": "session=secret; Path=/"})
+        elif path == "/echo-cookie":
+            self._send(200, (self.headers.get("Cookie") or "none").encode())
         elif path == "/redirect-file":
             self._send(302, headers={"Location": "file:///etc/passwd"})
         elif path == "/redirect-private":
@@ -174,6 +178,50 @@ def test_unreachable_host() -> None:
     url = f"http://127.0.0.1:{port}/x.png"
     err = _error(lambda: _fetch(url))
     assert err.status == 400 and err.message == f"could not fetch {url}: connection refused"
+
+
+def test_one_origins_cookies_never_go_out_again(base_url: str) -> None:
+    """A cookie an origin set while one client's media was fetched is not sent on the next fetch (another client's,
+    through the same fetcher); negative control: aiohttp's default client, which keeps cookies, sends it. By name
+    (localhost): a cookie jar keeps no cookie for an IP address."""
+    import aiohttp
+
+    named = base_url.replace("127.0.0.1", "localhost")
+
+    async def ours() -> bytes:
+        fetcher = MediaFetcher(UrlPolicy(host_allowlist=frozenset({"localhost"})), SMALL)
+        try:
+            assert await fetcher.fetch(f"{named}/set-cookie") == PNG
+            return await fetcher.fetch(f"{named}/echo-cookie")
+        finally:
+            await fetcher.aclose()
+
+    async def keeping() -> bytes:
+        async with aiohttp.ClientSession() as session:
+            (await session.get(f"{named}/set-cookie")).release()
+            async with session.get(f"{named}/echo-cookie") as resp:
+                return await resp.read()
+
+    assert asyncio.run(ours()) == b"none"
+    assert asyncio.run(keeping()) == b"session=secret"
+
+
+def test_connect_failures_name_no_address() -> None:
+    """aiohttp's text for a failed connect names the address it tried (an allowlisted name's internal IP): the
+    reason a client gets is the errno's words only."""
+    import errno
+
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    from eric_epd.media.fetch import _describe
+
+    key = ConnectionKey("internal.example", 80, False, True, None, None, None, None)
+    error = aiohttp.ClientConnectorError(key, OSError(errno.EHOSTUNREACH, "Connect call failed ('10.0.0.5', 80)"))
+    assert "10.0.0.5" in str(error)  # what would have leaked
+    assert _describe(error) == "no route to host"
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "('10.0.0.5', 80)"))
+    assert _describe(refused) == "connection refused"
 
 
 def test_private_hosts(base_url: str) -> None:
