@@ -1,6 +1,7 @@
 """The media fetcher's bounds against a real local HTTP server: Content-Encoding (asked for identity, one gzip or
 deflate layer inflated within the item limit, stacked or unknown layers refused) and connection slots (per host,
-per request), so one hostile origin costs the server its budget and no more."""
+per request), so one hostile origin costs the server its budget and no more; and what a failed connect tells the
+client (no address)."""
 
 from __future__ import annotations
 
@@ -221,3 +222,21 @@ def test_one_request_runs_a_bounded_number_of_fetches_at_once(origins) -> None:
             await fetcher.aclose()
 
     asyncio.run(go())
+
+
+def test_connect_failures_name_no_address() -> None:
+    """aiohttp's text for a failed connect names the address it tried (an allowlisted name's internal IP): the
+    reason a client gets is the errno's words only."""
+    import errno
+
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    from eric_epd.media.fetch import _describe
+
+    key = ConnectionKey("internal.example", 80, False, True, None, None, None, None)
+    error = aiohttp.ClientConnectorError(key, OSError(errno.EHOSTUNREACH, "Connect call failed ('10.0.0.5', 80)"))
+    assert "10.0.0.5" in str(error)  # what would have leaked
+    assert _describe(error) == "no route to host"
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "('10.0.0.5', 80)"))
+    assert _describe(refused) == "connection refused"
