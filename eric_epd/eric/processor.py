@@ -51,7 +51,7 @@ class PreparedItem:
     lease on its pool entry and never submitted to the engine."""
 
 
-def model_fingerprint(facts: ModelFacts, precision: tuple[str, str] = ("float32", "float32")) -> bytes:
+def model_fingerprint(facts: ModelFacts, precision: tuple[str, str]) -> bytes:
     """What identifies the encoder's output space: the vision config, a digest of the vision weights (a fine-tuned
     tower under the same config gives other hashes), not the path it was loaded from, and `precision` (the dtype the
     tower computes in, that of the rows it sends: tower_precision), as rows computed in bfloat16 are not those

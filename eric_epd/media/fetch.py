@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import binascii
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -65,16 +64,10 @@ def _resolved(host: str, addr: str, port: int) -> ResolveResult:
 
 
 def _literal(host: str) -> bool:
-    """Whether aiohttp would take `host` for an IP address and connect without asking its resolver: any host with a
-    colon or of digits and dots (its own test), or any that parses as one. Such a host is vetted here instead (one
-    that does not parse is a 400 there)."""
-    if ":" in host or host.replace(".", "").isdigit():
-        return True
-    try:
-        ipaddress.ip_address(host.strip("[]").split("%")[0])
-    except ValueError:
-        return False
-    return True
+    """Whether aiohttp takes `host` for an IP address and connects without asking its resolver (its own test: a colon,
+    or only digits and dots; every address that parses passes it). Such a host is vetted here instead (one that does
+    not parse is a 400 there)."""
+    return ":" in host or host.replace(".", "").isdigit()
 
 
 class HostSlots:
@@ -164,7 +157,7 @@ class MediaFetcher:
         self._hosts = HostSlots(MAX_PER_HOST)
 
     def _session_for(self, loop: asyncio.AbstractEventLoop) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed or self._session.connector is None or self._loop is not loop:
+        if self._session is None or self._session.closed or self._loop is not loop:
             connector = aiohttp.TCPConnector(
                 resolver=_PolicyResolver(self.policy, self.resolver),
                 use_dns_cache=False,  # every new connection is resolved and vetted again
@@ -179,7 +172,6 @@ class MediaFetcher:
                 trust_env=False,
                 timeout=aiohttp.ClientTimeout(total=self.limits.timeout_s),
                 headers={"User-Agent": "eric-epd-media/0.1", "Accept-Encoding": ACCEPT_ENCODING},
-                skip_auto_headers=("Content-Type",),
             )
             self._loop = loop
         return self._session
@@ -325,9 +317,7 @@ def _describe(exc: BaseException) -> str:
         return os.strerror(exc.os_error.errno).lower() if exc.os_error.errno else "could not connect"
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, ConnectionRefusedError) or isinstance(
-            getattr(seen, "os_error", None), ConnectionRefusedError
-        ):
+        if isinstance(seen, ConnectionRefusedError):
             return "connection refused"
         seen = seen.__cause__ or seen.__context__
     text = str(exc)

@@ -203,7 +203,7 @@ def test_prepare_many_keeps_order_and_per_item_errors(ckpt_dirs: dict, threads: 
         Qwen2VLModalityProcessor(ckpt_dirs["tiny"]),
         MediaLimits(),
         threads,
-        model_fingerprint(ModelFacts.from_checkpoint(ckpt_dirs["tiny"])),
+        model_fingerprint(ModelFacts.from_checkpoint(ckpt_dirs["tiny"]), ("float32", "float32")),
     )
     try:
         items = [("image", image_bytes(random_image(40 + 8 * i, 56, seed=i), "JPEG")) for i in range(5)]
@@ -228,7 +228,7 @@ def test_hash_salt_covers_the_vision_weights_only(qwen2_vl_tiny: Path, tmp_path:
     from eric_epd.models.facts import ModelFacts
 
     def fingerprint(model_dir: Path) -> bytes:
-        return model_fingerprint(ModelFacts.from_checkpoint(model_dir))
+        return model_fingerprint(ModelFacts.from_checkpoint(model_dir), ("float32", "float32"))
 
     def variant(name: str, key_part: str | None) -> Path:
         out = tmp_path / name
