@@ -8,7 +8,6 @@ import functools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,12 +16,9 @@ from typing import TypeVar
 
 import httpx
 
+from eric_epd.common.ports import free_port
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, as the OS hands one out (free when checked, not reserved)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["ServerProcess", "free_port", "new_key", "running", "start_all", "stop_all"]
 
 
 class ServerProcess:
@@ -79,7 +75,9 @@ class ServerProcess:
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self._cmd[2:4]} exited with code {self.proc.returncode}; log: {self._log_path}")
+                raise RuntimeError(
+                    f"{self._cmd[2:4]} exited with code {self.proc.returncode}; log: {self._log_path}{self._log_tail()}"
+                )
             try:
                 if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
                     return self
@@ -87,7 +85,16 @@ class ServerProcess:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise TimeoutError(f"{self._cmd[2:4]} not healthy after {self._timeout}s; log: {self._log_path}")
+        raise TimeoutError(
+            f"{self._cmd[2:4]} not healthy after {self._timeout}s; log: {self._log_path}{self._log_tail()}"
+        )
+
+    def _log_tail(self, lines: int = 25) -> str:
+        """The end of the log, for a failure message (the log itself may be gone when the failure is read, in CI)."""
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        tail = self._log_path.read_bytes()[-16384:].decode(errors="replace").splitlines()[-lines:]
+        return "\n--- log tail ---\n" + "\n".join(tail)
 
     def interrupt(self) -> None:
         """Ask the process to stop (SIGINT: graceful) without waiting; `stop` waits."""

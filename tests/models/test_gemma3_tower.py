@@ -100,7 +100,7 @@ def tp2_results(
     mp.spawn(
         _tp_worker, args=(2, free_port(), str(gemma3_dir), case["pixel_values"], str(out_dir)), nprocs=2, join=True
     )
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def test_tp2_rows_equal_hf_on_every_rank(case: dict[str, torch.Tensor], tp2_results: list[dict[str, Any]]) -> None:

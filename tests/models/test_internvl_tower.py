@@ -133,7 +133,7 @@ def tp2_results(
     out_dir = tmp_path_factory.mktemp("internvl-tp2")
     dirs = {name: str(path) for name, path in model_dirs.items()}
     mp.spawn(_tp_worker, args=(2, free_port(), dirs, case["pixel_values"], str(out_dir)), nprocs=2, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.mark.parametrize("name", ["tiny", *VARIANTS])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from eric_epd.common.ports import free_port
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen2_vl import Qwen2VLVisionEncoder
 from eric_epd.models.registry import (
@@ -112,12 +112,6 @@ def test_tp1_equals_hf(cases: dict, family: str) -> None:
 # ---- TP 2 over gloo --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, world: int, port: int, jobs: dict[str, dict[str, Any]], out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -143,8 +137,8 @@ def tp2_results(cases: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
     out_dir = tmp_path_factory.mktemp("tp2")
     jobs = {f: {"ckpt": str(c["ckpt"]), "images": c["images"], "videos": c["videos"]} for f, c in cases.items()}
-    mp.spawn(_tp_worker, args=(2, _free_port(), jobs, str(out_dir)), nprocs=2, join=True)
-    return {f: [torch.load(out_dir / f"{f}-rank{r}.pt") for r in range(2)] for f in cases}
+    mp.spawn(_tp_worker, args=(2, free_port(), jobs, str(out_dir)), nprocs=2, join=True)
+    return {f: [torch.load(out_dir / f"{f}-rank{r}.pt", weights_only=True) for r in range(2)] for f in cases}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -205,7 +205,7 @@ def tp2_results(
         nprocs=2,
         join=True,
     )
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def test_tp2_rows_equal_transformers_on_every_rank(references: list[torch.Tensor], tp2_results: list[dict]) -> None:

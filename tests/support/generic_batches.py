@@ -81,7 +81,7 @@ def tower_tp2(
         nprocs=2,
         join=True,
     )
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def _tp_worker(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import socket
 import time
 from collections.abc import Callable
 
 import zmq
 
+from eric_epd.common.ports import free_port
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.executor.messages import (
     ExecuteBatchMsg,
@@ -33,12 +33,6 @@ TP_ERROR_GRACE_S = 3.0
 """After one rank reports an error, how long the other ranks have to report theirs before the group is dead."""
 STOP_GRACE_S = 5.0
 """How long a worker told to stop (SIGTERM) has before it is killed."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def broadcast_geometry(max_batch_input_bytes: int) -> dict[str, int]:
@@ -67,7 +61,7 @@ class ModelExecutor:
         )
         self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")
-        dist_init = f"tcp://127.0.0.1:{_free_port()}"
+        dist_init = f"tcp://127.0.0.1:{free_port()}"
         self._procs = [
             spawn.Process(
                 target=main,
