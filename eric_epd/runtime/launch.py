@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -16,6 +17,7 @@ import uvicorn
 from eric_epd.common.cpus import pin_process
 from eric_epd.common.proxies import uvicorn_proxy_settings
 from eric_epd.common.shm_orphans import sweep_orphans
+from eric_epd.runtime import run_dir
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.engine.process import EngineProcess
 from eric_epd.runtime.executor.shm_broadcast import BROADCAST_PREFIX
@@ -75,8 +77,9 @@ def run_server(
             raise SystemExit(f"eric-epd {name}: {e}") from None
     if config.cpus:
         pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
-    config.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = run_dir.claim(config.run_dir)
     sweep_orphans((f"{config.POOL_PREFIX}-", BROADCAST_PREFIX))  # what servers killed outright left on this host
+    run_dir.sweep()
     pool = make_pool()
     try:
         engine = EngineProcess.spawn(config, workload)
@@ -114,3 +117,4 @@ def run_server(
         engine.shutdown()
         pool.close()
         shutil.rmtree(config.run_dir, ignore_errors=True)
+        os.close(owner)

@@ -1,5 +1,5 @@
 """Segments a server killed outright leaves in /dev/shm are swept, and nobody else's: real processes killed by
-SIGKILL, a real Eric's pool and ring."""
+SIGKILL, a real Eric's pool, ring and run directory."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 from eric_epd.common.shm import SHM_DIR
 from eric_epd.common.shm_orphans import sweep_orphans
+from eric_epd.runtime import run_dir
 from eric_epd.runtime.executor.shm_broadcast import BROADCAST_PREFIX
 from eric_epd.stack.servers import EricServer
 
@@ -73,16 +75,20 @@ def test_a_dead_creators_segment_is_swept_a_live_ones_and_a_young_ones_are_not()
 
 
 def test_an_eric_killed_outright_leaves_nothing_after_the_next_sweep(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
-    """A live Eric's pool and ring survive a sweep; SIGKILL of its whole group leaves them; the sweep each server
-    runs at start removes them."""
-    prefixes = ("eric-pool-", BROADCAST_PREFIX)
-    before = set(os.listdir(SHM_DIR))
+    """A live Eric's pool, ring and run directory survive a sweep; SIGKILL of its whole group leaves them; the
+    sweeps each server runs at start remove them."""
+    prefixes, tmp = ("eric-pool-", BROADCAST_PREFIX), Path(tempfile.gettempdir())
+    before, dirs_before = set(os.listdir(SHM_DIR)), set(os.listdir(tmp))
     eric = EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log")
     with eric:
         ours = {n for n in set(os.listdir(SHM_DIR)) - before if n.startswith(prefixes)}
         assert any(n.startswith("eric-pool-") for n in ours) and any(n.startswith(BROADCAST_PREFIX) for n in ours)
+        [its_dir] = [n for n in set(os.listdir(tmp)) - dirs_before if run_dir.NAME.fullmatch(n)]
         assert not set(sweep_orphans(prefixes, min_age_s=0)) & ours  # alive: its router and engine hold them
+        assert its_dir not in run_dir.sweep(min_age_s=0)  # alive: its router holds the lock
         eric.kill()
         assert ours <= set(os.listdir(SHM_DIR)), "SIGKILL of the group left the segments (what the sweep is for)"
+        assert (tmp / its_dir / "engine-in.sock").exists(), "SIGKILL left its ipc sockets"
         assert ours <= set(sweep_orphans(prefixes, min_age_s=0))
-        assert not ours & set(os.listdir(SHM_DIR))
+        assert its_dir in run_dir.sweep(min_age_s=0)
+        assert not ours & set(os.listdir(SHM_DIR)) and not (tmp / its_dir).exists()
