@@ -1,5 +1,5 @@
-"""Ports for a process that binds them later: below the kernel's ephemeral range, and held in TIME_WAIT so that no
-other pick takes the same one before its server binds it."""
+"""Ports for a process that binds them later: below the kernel's ephemeral range (no connect() or bind(0) takes
+them meanwhile), and held in TIME_WAIT for about a minute so that no other pick takes the same one first."""
 
 from __future__ import annotations
 
@@ -24,23 +24,21 @@ def ephemeral_low() -> int:
 
 def reserve(port: int, host: str = "127.0.0.1") -> bool:
     """False if `port` is taken (a bind without SO_REUSEADDR fails: a listener, a connection, another pick's
-    reservation). Otherwise listen on it with SO_REUSEADDR, connect and close the accepted side first: the port
-    stays in TIME_WAIT (about a minute), where a bind without SO_REUSEADDR fails (the next pick, SGLang's probes) and
-    a server binding with it (uvicorn, asyncio, ZMQ, torch's TCPStore) succeeds."""
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    with contextlib.ExitStack() as stack:
-        listener = stack.enter_context(socket.socket())
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its TIME_WAIT lets reusing binds in
-        listener.bind((host, port))
-        listener.listen(1)
-        client = stack.enter_context(socket.create_connection((host, port)))
-        accepted, _ = listener.accept()
-        accepted.close()  # the side that closes first holds TIME_WAIT: this one, on `port`
-        client.recv(1)
+    reservation). Otherwise listen on it, connect and close the accepted side first: the port stays in TIME_WAIT
+    (about a minute), where a bind without SO_REUSEADDR fails (the next pick) and a server binding with it (uvicorn,
+    asyncio, ZMQ, torch's TCPStore, vLLM's and Mooncake's servers) succeeds."""
+    try:
+        with contextlib.ExitStack() as stack:
+            listener = stack.enter_context(socket.socket())
+            listener.bind((host, port))  # without SO_REUSEADDR: the check itself, atomic against other picks
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # inherited by the accepted side's
+            listener.listen(1)  # TIME_WAIT, which then lets reusing binds in
+            client = stack.enter_context(socket.create_connection((host, port)))
+            accepted, _ = listener.accept()
+            accepted.close()  # the side that closes first holds TIME_WAIT: this one, on `port`
+            client.recv(1)
+    except OSError:
+        return False
     return True
 
 
@@ -49,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     Ports in the ephemeral range could be taken meanwhile by any connect() or bind(0) on the host (a bind that then
     fails with EADDRINUSE), so picks come from under it; where the range reaches down there, the kernel picks."""
     if ephemeral_low() > HIGH:
-        for port in random.sample(range(LOW, HIGH + 1), ATTEMPTS):
+        for port in random.SystemRandom().sample(range(LOW, HIGH + 1), ATTEMPTS):
             if reserve(port, host):
                 return port
     with socket.socket() as s:

@@ -27,7 +27,12 @@ def claim(run_dir: Path) -> int:
     process dies (however: the kernel drops the lock with the process)."""
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: contended by nobody but a sweeper
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: contended by nobody but a sweeper
+        os.utime(fd)  # young again: a directory reused by name is not a sweeper's any more
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
