@@ -1,12 +1,13 @@
 """Latency the gateway adds on the EPD path (p50/p99) and its requests/s, against a client making the same two calls.
 
-Same run, same servers: tiny Qwen2-VL, one Eric (the gateway and the client beside it on core 0) and `vllm serve`
-with Eric's connector (core 1). Each request is a chat with 3 distinct small JPEGs as data URLs (nothing to fetch or
-inline: the gateway's inlining never runs), 1 output token. Baseline ("direct"): the client POSTs the images to
-Eric's /v1/encode, then the chat to vLLM with each image part as a metadata-only embeds part keyed by Eric's hash
-and the handles in `vllm_xargs` (what the gateway sends). Ours: the same chat through the gateway (its path must be
-"epd"). The two alternate, first one then the other, with fresh images every request, so neither finds the other's
-work in a cache. Writes benchmarks/results/gateway_epd_overhead.{json,png}.
+Same run, same servers: tiny Qwen2-VL, one Eric (core 0) and `vllm serve` with Eric's connector (core 1); the
+gateway and this client share --gateway-core (vLLM's by default: idle while Eric encodes). Each request is a chat
+with 3 distinct small JPEGs as data URLs (nothing to fetch or inline: the gateway's inlining never runs), 1 output
+token. Baseline ("direct"): the client POSTs the images to Eric's /v1/encode, then the chat to vLLM with each image
+part as a metadata-only embeds part keyed by Eric's hash and the handles in `vllm_xargs` (what the gateway sends).
+Ours: the same chat through the gateway (its path must be "epd"). The two alternate, first one then the other, with
+fresh images every request, so neither finds the other's work in a cache. The gateway's own stage and upstream sums
+and the direct calls' times show where the difference goes. Writes benchmarks/results/gateway_epd_overhead.{json,png}.
 Usage: python benchmarks/gateway_epd_overhead.py [--requests 300] [--seconds 15]
 """
 
@@ -17,6 +18,8 @@ import asyncio
 import itertools
 import json
 import logging
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -64,26 +67,32 @@ class Direct:
 
     def __init__(self, client: httpx.AsyncClient, eric: Any, vllm: Any) -> None:
         self._client, self._eric, self._vllm = client, eric, vllm
+        self.calls_s: dict[str, list[float]] = {"encoder": [], "engine": []}
+        """Each call's seconds to its whole answer, every request's (what the gateway's upstream times compare to)."""
 
     async def ask(self, urls: list[str], model: str) -> None:
         """Encode `urls` at Eric, then ask vLLM with Eric's rows (raises on any error status)."""
         body = encode_body([EncodeItem(modality="image", url=u, id=str(i)) for i, u in enumerate(urls)])
+        start = time.perf_counter()
         encoded = await self._client.post(
             self._eric.url + "/v1/encode",
             content=body,
             headers={**self._eric.headers, "content-type": "application/json"},
         )
         encoded.raise_for_status()
+        self.calls_s["encoder"].append(time.perf_counter() - start)
         items = decode_answer(encoded.content).items
         request = chat(urls, model)
         request["messages"][0]["content"][:IMAGES] = [
             {"type": "image_embeds", "image_embeds": {"image_grid_thw": it.grid_thw}, "uuid": it.hash} for it in items
         ]
         request["vllm_xargs"] = handles_xargs(it.handle for it in items)
+        start = time.perf_counter()
         answer = await self._client.post(
             self._vllm.url + "/v1/chat/completions", json=request, headers=self._vllm.headers
         )
         answer.raise_for_status()
+        self.calls_s["engine"].append(time.perf_counter() - start)
 
 
 class ThroughGateway:
@@ -134,6 +143,23 @@ async def throughput(path: Any, model: str, seconds: float, images: Images) -> f
     return done / (time.perf_counter() - start)
 
 
+def gateway_sums(gateway: Any) -> dict[str, float]:
+    """The gateway's own sums (seconds): each stage, each upstream's time to headers, and its EPD requests' whole
+    latency and count, from its /metrics."""
+    text = httpx.get(gateway.url + "/metrics", headers=gateway.metrics_headers, timeout=10).text
+    out = {
+        f"stage:{k}": float(v) for k, v in re.findall(r'^gateway_stage_seconds_sum\{stage="(\w+)"\} (\S+)$', text, re.M)
+    }
+    out |= {
+        f"upstream:{k}": float(v)
+        for k, v in re.findall(r'^gateway_upstream_seconds_sum\{upstream="(\w+)"\} (\S+)$', text, re.M)
+    }
+    for kind in ("sum", "count"):
+        found = re.search(rf'^gateway_request_seconds_{kind}\{{path="epd"\}} (\S+)$', text, re.M)
+        out[f"epd_request_{kind}"] = float(found.group(1)) if found else 0.0
+    return out
+
+
 async def measure(stack: dict[str, Any], n: int, seconds: float) -> dict[str, Any]:
     """Both paths' latencies and requests/s, and vLLM's connector counters around them."""
     eric, vllm, gateway = stack["eric"], stack["vllm"], stack["gateway"]
@@ -143,10 +169,22 @@ async def measure(stack: dict[str, Any], n: int, seconds: float) -> dict[str, An
         model = (await client.get(vllm.url + "/v1/models", headers=vllm.headers)).json()["data"][0]["id"]
         paths = {"direct": Direct(client, eric, vllm), "gateway": ThroughGateway(client, gateway)}
         before = {k: metric(vllm.url, f"vllm:eric_ec_{k}_total") for k in ("loaded_items", "local_encoder_items")}
+        sums = gateway_sums(gateway)
         lat = await latencies(paths, model, n, images)
+        direct_ms = {k: float(np.mean(v[-n:])) * 1e3 for k, v in paths["direct"].calls_s.items()}
+        moved = {k: v - sums.get(k, 0.0) for k, v in gateway_sums(gateway).items()}
+        count = moved.pop("epd_request_count")
+        per_request = {k: v * 1e3 / count for k, v in moved.items() if v > 0}
         rps = {name: await throughput(path, model, seconds, images) for name, path in paths.items()}
     after = {k: metric(vllm.url, f"vllm:eric_ec_{k}_total") for k in before}
-    return {"latency_s": lat, "max_rps": rps, "connector": {k: after[k] - before[k] for k in before}}
+    connector = {k: after[k] - before[k] for k in before}
+    return {
+        "latency_s": lat,
+        "max_rps": rps,
+        "connector": connector,
+        "gateway_ms_per_request": per_request,
+        "direct_calls_ms_per_request": direct_ms,
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -182,6 +220,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "images_per_request": IMAGES,
         "side_px": SIDE,
         "concurrency": CONCURRENCY,
+        "cores": {"eric": 0, "vllm": 1},
     }
 
 
@@ -190,15 +229,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=300, help="requests per path for the latencies")
     ap.add_argument("--seconds", type=float, default=15.0, help="seconds of load per path for requests/s")
+    ap.add_argument(
+        "--gateway-core",
+        type=int,
+        default=1,
+        help="core of the gateway and this client (the direct calls too): vLLM's, idle while Eric encodes, rather "
+        "than Eric's, busy while the gateway hands its answer on",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     RESULTS.mkdir(exist_ok=True)
     model = ensure_checkpoint("qwen2_vl", "tiny")
     (RESULTS / "gateway_epd_logs").mkdir(exist_ok=True)
-    launched = colocated_epd(model, RESULTS / "gateway_epd_logs", eric_cpus=(0,), engine_cpus=(1,))
+    os.sched_setaffinity(0, {args.gateway_core})
+    cores = {"eric_cpus": (0,), "engine_cpus": (1,), "gateway_cpus": (args.gateway_core,)}
+    launched = colocated_epd(model, RESULTS / "gateway_epd_logs", **cores)
     with running(*launched.servers):
         raw = asyncio.run(measure(launched.value, args.requests, args.seconds))
     results = summarize(raw)
+    results["cores"]["gateway_and_client"] = args.gateway_core
     sent = 2 * IMAGES * (args.requests + 5)  # the latency rounds alone; the load adds more
     if raw["connector"]["local_encoder_items"] != 0 or raw["connector"]["loaded_items"] < sent:
         raise RuntimeError(f"vLLM encoded images itself or loaded fewer than sent: {raw['connector']}")
@@ -208,7 +258,7 @@ def main() -> None:
     logger.info(
         "EPD path, %d images per request\n%8s %9s %9s %9s\n%8s %9.2f %9.2f %9.1f\n%8s %9.2f %9.2f %9.1f\n"
         "overhead p50 %.2f ms (target <= %.1f ms), p99 %.2f ms, median of paired differences %.2f ms; "
-        "req/s ratio gateway/direct %.2f; connector %s",
+        "req/s ratio gateway/direct %.2f; connector %s; the gateway's own ms per request %s; direct calls %s",
         IMAGES,
         "",
         "p50 ms",
@@ -228,6 +278,8 @@ def main() -> None:
         results["paired_median_overhead_ms"],
         results["rps_ratio"],
         raw["connector"],
+        {k: round(v, 3) for k, v in raw["gateway_ms_per_request"].items()},
+        {k: round(v, 3) for k, v in raw["direct_calls_ms_per_request"].items()},
     )
 
 

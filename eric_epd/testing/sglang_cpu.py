@@ -76,7 +76,8 @@ def _stand_ins() -> None:
 class SglangServe(ServerProcess):
     """A real SGLang server on this CPU (float32, SGLANG_ARGS): `language_only` with `encoder_urls` and a
     `transfer` (`nixl`: through Eric's SGLang plugin) has Eric encode its media;
-    otherwise it serves the checkpoint alone, without Eric's SGLang plugin (SGLANG_PLUGINS names no plugin)."""
+    otherwise it serves the checkpoint alone, without Eric's SGLang plugin (SGLANG_PLUGINS names no plugin).
+    `cpus`: the CPUs it (every process it starts) is pinned to; None: unpinned."""
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class SglangServe(ServerProcess):
         encoder_urls: tuple[str, ...] = (),
         transfer: str = "zmq_to_scheduler",
         extra_args: tuple[str, ...] = (),
+        cpus: tuple[int, ...] | None = None,
     ) -> None:
         port, env = free_port(), {"SGLANG_HOST_IP": "127.0.0.1", "SGLANG_EMBEDDING_POOL_SIZE_MB": "256"}
         cmd = [sys.executable, "-m", __name__, "--model-path", str(model), *SGLANG_ARGS, "--dtype", "float32"]
@@ -94,7 +96,7 @@ class SglangServe(ServerProcess):
             cmd += ["--encoder-bootstrap-port", str(free_port())]
         else:
             env["SGLANG_PLUGINS"] = "eric-epd-not-loaded"
-        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env)
+        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, cpus=cpus)
 
 
 def main() -> None:

@@ -108,11 +108,12 @@ def colocated_epd(
     eric_cpus: Cpus | None = None,
     engine_cpus: Cpus | None = None,
     media_hosts: tuple[str, ...] = (),
+    gateway_cpus: Cpus | None = None,
 ) -> Launched:
     """One Eric, one `vllm serve` behind it (both in `dtype`) and the gateway in front (EPD, or colocated raw media),
-    keys wired, not yet launched; its value is {"eric", "vllm", "gateway"}. Eric and the gateway run on `eric_cpus`,
-    vLLM on `engine_cpus` (default: the halves of host_split()); Eric and the gateway fetch media from `media_hosts`
-    besides public addresses."""
+    keys wired, not yet launched; its value is {"eric", "vllm", "gateway"}. Eric runs on `eric_cpus`, vLLM on
+    `engine_cpus` (default: the halves of host_split()), the gateway on `gateway_cpus` (default: Eric's); Eric and
+    the gateway fetch media from `media_hosts` besides public addresses."""
     from eric_epd.stack.servers import EricServer, GatewayServer, VllmServe
 
     eric = EricServer(
@@ -129,7 +130,7 @@ def colocated_epd(
         vllm.url,
         eric_api_key=eric.api_key,
         upstream_api_key=vllm.api_key,
-        cpus=eric_cpus,
+        cpus=gateway_cpus or eric_cpus,
         media_hosts=media_hosts,
     )
     return Launched((eric, vllm, gateway), {"eric": eric, "vllm": vllm, "gateway": gateway})

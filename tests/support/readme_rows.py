@@ -205,6 +205,23 @@ def gateway_target(d: dict) -> str:
     return f"| <= {target:g} ms: {met(p50 <= target)} in the recorded run"
 
 
+def gateway_epd(d: dict) -> str:
+    """The gateway's added latency on the EPD path (difference of p50s, median of paired differences, p99) and its
+    req/s against the client making the same calls."""
+    o = d["overhead_ms"]
+    return (
+        f"| {f2(o['p50'])} ms p50 (median of paired differences {f2(d['paired_median_overhead_ms'])} ms), p99 "
+        f"{f2(o['p99'])} ms, over {f2(d['latency_ms']['direct']['50'])} ms direct; req/s {x(d['rps_ratio'])} direct "
+        f"at concurrency {d['concurrency']}"
+    )
+
+
+def gateway_epd_target(d: dict) -> str:
+    """The EPD-path row's target."""
+    p50, target = d["overhead_ms"]["p50"], d["target_p50_overhead_ms"]
+    return f"| <= {target:g} ms: {met(p50 <= target)} in the recorded run"
+
+
 def soak_setup(d: dict) -> str:
     """The soak's load and fault spacing."""
     return (
