@@ -237,7 +237,7 @@ FIGURES: list[Figure] = [
     Figure("gateway_overhead.json", rows.gateway_target),
     Figure("gateway_epd_overhead.json", rows.gateway_epd),
     Figure("gateway_epd_overhead.json", rows.gateway_epd_target),
-    Figure("eric_repeat_sglang.json", host.repeat),
+    Figure("eric_repeat_sglang.json", host.repeat_sglang),
     Figure((QUICK, CACHE), lambda d: epd.quick(*d)),
     *PLANNER[:2],
     Figure("epd_vs_colocated_multiturn_quick.json", epd.multiturn),

@@ -79,3 +79,22 @@ def bf16_tower(d: dict) -> str:
         + f" (CPU flags {', '.join(flags)}); Eric reaches {ceiling['bfloat16']} of the bfloat16 GEMM ceiling against "
         f"{ceiling['float32']} in float32 | >= 3x: {'met' if min(ratios.values()) >= 3 else '**not met**'}"
     )
+
+
+def repeat_sglang(d: dict) -> str:
+    """Per set, Eric's on-CPU ms per image beyond its idle burn through SGLang's protocol, first sight and resent
+    (alias on), and the ratio; the raw ratios (idle burn included) and where the 20x target is met net of it."""
+    t = d["table"]
+    net = [r["first_net_ms_alias_run"] / r["resend_net_ms_alias"] for r in t]
+    cells = [
+        f"{r['set'].replace('_', ' ')} {r['first_net_ms_alias_run']:.3g} / {r['resend_net_ms_alias']:.2g} ms ({n:.0f}x)"
+        for r, n in zip(t, net, strict=True)
+    ]
+    met = [r["set"].replace("_", " ") for r, n in zip(t, net, strict=True) if n >= d["target_ratio"]]
+    return (
+        f"{d['config']['model']}, beyond Eric's idle burn ({t[0]['idle_cpu_s_per_s']:.2%} of a core over "
+        f"{span([r['resend_wall_ms_per_image'] for r in t], lambda v: f'{v:.0f}')} ms of SGLang's wall time per "
+        f"resent image): {'; '.join(cells)}; with the alias off the resends cost "
+        f"{span([r['resend_net_ms_no_alias'] for r in t], lambda v: f'{v:.2g}')} ms; idle burn included "
+        f"{span([r['ratio_alias'] for r in t], x)}; 20x met on {', '.join(met) if met else 'none'}"
+    )
