@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import zmq
 
-from eric_epd.common.ports import free_port
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.executor.messages import (
     ExecuteBatchMsg,
@@ -61,7 +60,7 @@ class ModelExecutor:
         )
         self._settings: dict[int, tuple[list[int], int]] = {}  # rank -> (cpus, torch threads) it reported
         spawn = mp.get_context("spawn")
-        dist_init = f"tcp://127.0.0.1:{free_port()}"
+        dist_init = f"file://{config.run_dir / 'tp-rendezvous'}"  # in the private ipc directory: no port to race for
         self._procs = [
             spawn.Process(
                 target=main,

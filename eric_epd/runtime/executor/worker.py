@@ -59,7 +59,7 @@ class WorkerArgs:
     rank: int
     broadcast: BroadcastHandle
     dist_init: str
-    """torch.distributed init method, e.g. tcp://127.0.0.1:PORT."""
+    """torch.distributed init method: a file:// rendezvous in the server's private run directory."""
 
 
 def _init_distributed(args: WorkerArgs, device: torch.device):  # -> TPContext
