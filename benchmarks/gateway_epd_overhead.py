@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from gateway_overhead import plot  # a sibling script (benchmarks/ is on sys.path)
 
 from eric_epd.checkpoints.builtin import ensure_checkpoint
 from eric_epd.stack.process import running
@@ -187,25 +188,6 @@ async def measure(stack: dict[str, Any], n: int, seconds: float) -> dict[str, An
     }
 
 
-def plot(results: dict, path: Path) -> None:
-    """Both paths' latency histograms and requests/s, saved to `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in ("direct", "gateway"):
-        a.hist(np.array(results["latency_s"][name]) * 1e3, bins=50, alpha=0.6, label=name)
-    a.set_xlabel("latency (ms), 3 images, 1 token")
-    a.set_title(f"EPD path: p50 overhead {results['overhead_ms']['p50']:.2f} ms")
-    a.legend()
-    b.bar(["direct", "gateway"], [results["max_rps"]["direct"], results["max_rps"]["gateway"]])
-    b.set_ylabel(f"requests/s (concurrency {CONCURRENCY})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     """Percentiles, overheads (difference of p50s and median of paired differences) and the req/s ratio."""
     lat = raw["latency_s"]
@@ -253,7 +235,7 @@ def main() -> None:
     if raw["connector"]["local_encoder_items"] != 0 or raw["connector"]["loaded_items"] < sent:
         raise RuntimeError(f"vLLM encoded images itself or loaded fewer than sent: {raw['connector']}")
     (RESULTS / "gateway_epd_overhead.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "gateway_epd_overhead.png")
+    plot(results, RESULTS / "gateway_epd_overhead.png", "EPD path", CONCURRENCY)
     pct = results["latency_ms"]
     logger.info(
         "EPD path, %d images per request\n%8s %9s %9s %9s\n%8s %9.2f %9.2f %9.1f\n%8s %9.2f %9.2f %9.1f\n"

@@ -63,8 +63,9 @@ async def throughput(url: str, headers: dict[str, str], seconds: float, concurre
         return done / (time.perf_counter() - start)
 
 
-def plot(results: dict, path: Path) -> None:
-    """The latency histograms of both targets and their most requests/s, saved to `path`."""
+def plot(results: dict, path: Path, path_name: str = "", concurrency: int = 16) -> None:
+    """The latency histograms of both targets and their most requests/s (at `concurrency`), saved to `path`;
+    `path_name` names the gateway's path in the title (gateway_epd_overhead.py: "EPD path")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,11 +75,11 @@ def plot(results: dict, path: Path) -> None:
     for name in ("direct", "gateway"):
         a.hist(np.array(results["latency_s"][name]) * 1e3, bins=50, alpha=0.6, label=name)
     a.set_xlabel("latency (ms)")
-    a.set_title(f"p50 overhead {results['overhead_ms']['p50']:.2f} ms")
+    a.set_title(f"{path_name + ': ' if path_name else ''}p50 overhead {results['overhead_ms']['p50']:.2f} ms")
     a.legend()
     b.bar(["direct", "gateway"], [results["max_rps"]["direct"], results["max_rps"]["gateway"]])
     b.set_ylabel("requests/s")
-    b.set_title("most requests/s (concurrency 16)")
+    b.set_title(f"most requests/s (concurrency {concurrency})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
