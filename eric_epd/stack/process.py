@@ -93,7 +93,9 @@ class ServerProcess:
         """The end of the log, for a failure message (the log itself may be gone when the failure is read, in CI)."""
         if self._log_path is None or not self._log_path.exists():
             return ""
-        tail = self._log_path.read_bytes()[-16384:].decode(errors="replace").splitlines()[-lines:]
+        with open(self._log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+            tail = log.read().decode(errors="replace").splitlines()[-lines:]
         return "\n--- log tail ---\n" + "\n".join(tail)
 
     def interrupt(self) -> None:

@@ -1,0 +1,31 @@
+"""A launched server that dies or never answers its health check fails with the end of its log in the error (CI keeps
+no log files), and is stopped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from eric_epd.common.ports import free_port
+from eric_epd.stack.process import ServerProcess
+
+DIES = "import sys; print('\\n'.join(f'line {i}' for i in range(100))); print('port in use', flush=True); sys.exit(3)"
+
+
+def test_a_server_that_exits_shows_its_logs_last_lines(tmp_path: Path) -> None:
+    server = ServerProcess([sys.executable, "-c", DIES], free_port(), tmp_path / "dies.log", startup_timeout_s=30)
+    with pytest.raises(RuntimeError) as failed:
+        server.start()
+    message = str(failed.value)
+    assert "exited with code 3" in message and message.endswith("port in use")
+    assert "line 99" in message and "line 1\n" not in message  # the tail only, not the whole log
+
+
+def test_a_server_that_never_answers_is_stopped_and_shows_its_log(tmp_path: Path) -> None:
+    hangs = "import time; print('still loading', flush=True); time.sleep(600)"
+    server = ServerProcess([sys.executable, "-c", hangs], free_port(), tmp_path / "hangs.log", startup_timeout_s=3)
+    with pytest.raises(TimeoutError) as failed:
+        server.start()
+    assert "--- log tail ---\nstill loading" in str(failed.value) and server.proc is None  # stopped
