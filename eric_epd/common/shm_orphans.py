@@ -1,5 +1,6 @@
 """Sweeps shared-memory segments whose creator died without unlinking them (SIGKILL, the OOM killer): each
-server calls it at start, so a crash loop does not fill /dev/shm with dead pools and rings."""
+server calls it at start, so a crash loop does not fill /dev/shm with dead pools and rings. `remove_unowned` is the
+owner-lock test it (and runtime/run_dir.py's sweep) removes by."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
+from functools import partial
 
 from eric_epd.common.shm import SHM_DIR
 
@@ -36,25 +39,26 @@ def sweep_orphans(prefixes: tuple[str, ...], min_age_s: float = ORPHAN_AGE_S, sh
     if not candidates:
         return []
     mapped = _mapped_paths()
-    swept = [e.name for e in candidates if e.path not in mapped and _unlink_unowned(e.path)]
+    unlinked = (e for e in candidates if e.path not in mapped and remove_unowned(e.path, partial(os.unlink, e.path)))
+    swept = [e.name for e in unlinked]
     if swept:
         logger.warning("removed %d shared-memory segments left by dead processes: %s", len(swept), ", ".join(swept))
     return swept
 
 
-def _unlink_unowned(path: str) -> bool:
-    """Unlink `path` if no process holds its owner lock; whether it did."""
+def remove_unowned(lock: str, remove: Callable[[], object], born_before: float | None = None) -> bool:
+    """Run `remove()` if no process holds the owner flock on file `lock` (and, with `born_before`, the lock file was
+    last touched before then), holding that flock exclusively meanwhile; whether it removed. A missing lock, another
+    user's, a live owner's or a failed removal: False."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:  # gone already, or another user's
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:  # gone already, never locked (an older release), or another user's
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # its creator lives
-        os.close(fd)
-        return False
-    try:
-        os.unlink(path)
+        if born_before is not None and os.fstat(fd).st_mtime >= born_before:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: its owner lives
+        remove()
         return True
     except OSError:
         return False

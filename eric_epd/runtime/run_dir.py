@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eric_epd.common.shm_orphans import remove_unowned
+
 logger = logging.getLogger(__name__)
 
 NAME = re.compile(r"eric-[0-9a-f]{16}")
@@ -53,26 +55,13 @@ def sweep(parent: Path | None = None, min_age_s: float = ORPHAN_AGE_S) -> list[s
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and _remove_unowned(Path(entry.path), now - min_age_s):
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and _removed(Path(entry.path), now - min_age_s):
             swept.append(entry.name)
     if swept:
         logger.warning("removed %d run directories left by dead servers: %s", len(swept), ", ".join(swept))
     return swept
 
 
-def _remove_unowned(run_dir: Path, born_before: float) -> bool:
+def _removed(run_dir: Path, born_before: float) -> bool:
     """Remove `run_dir` if its lock was made before `born_before` and nobody holds it; whether it did."""
-    try:
-        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:  # no lock: an older release's, or gone already
-        return False
-    try:
-        if os.fstat(fd).st_mtime >= born_before:
-            return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: its server lives
-        shutil.rmtree(run_dir)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return remove_unowned(str(run_dir / LOCK), lambda: shutil.rmtree(run_dir), born_before)

@@ -3,16 +3,13 @@ processes killed by SIGKILL; a live server's, a young one, an unlocked one and o
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 from eric_epd.runtime import run_dir
+from tests.support.holders import holder, killed
 
-ROOT = str(Path(__file__).resolve().parents[2])
 CLAIMER = textwrap.dedent(
     """
     import sys, time
@@ -27,16 +24,7 @@ CLAIMER = textwrap.dedent(
 
 def claimed(path: Path) -> subprocess.Popen:
     """A process that claims `path` as its run directory and lives until killed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLAIMER, str(path)], stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def killed(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    return holder(CLAIMER, str(path))
 
 
 def test_a_dead_servers_directory_is_swept_and_nobody_elses(tmp_path: Path) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -17,8 +15,8 @@ from eric_epd.common.shm_orphans import sweep_orphans
 from eric_epd.runtime import run_dir
 from eric_epd.runtime.executor.shm_broadcast import BROADCAST_PREFIX
 from eric_epd.stack.servers import EricServer
+from tests.support.holders import holder, killed
 
-ROOT = str(Path(__file__).resolve().parents[2])
 OWNER = textwrap.dedent(
     """
     import sys, time
@@ -35,17 +33,7 @@ OWNER = textwrap.dedent(
 def owner(kind: str, name: str) -> subprocess.Popen:
     """A process that creates segment `name` (`kind` "locked": as our servers do; "plain": with no lock, as an
     older release did) and holds it until killed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", OWNER, kind, name], stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def killed(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc`'s whole group (its resource tracker too: nothing cleans up after it)."""
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    return holder(OWNER, kind, name)
 
 
 def exists(name: str) -> bool:
