@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from eric_epd.common.ports import free_port
 from eric_epd.eric.metrics import STAGES
 from eric_epd.stack.servers import EricServer
 from eric_epd.testing.media import image_bytes, image_data_url, random_image, video_data_url
@@ -355,3 +358,26 @@ def test_load_report_for_autoscalers(eric: EricServer) -> None:
     for name in ("eric_busy_fraction", "eric_items_per_second", "eric_encode_latency_p99_seconds"):
         assert re.search(rf"^{name} [0-9.e+-]+$", text, re.M), name
     assert httpx.get(eric.url + "/v1/load").status_code == 401  # behind the key, like every route but /health
+
+
+def _listening(pids: list[int]) -> set[str]:
+    """The addresses the processes `pids` accept TCP connections on."""
+    return {
+        f"{c.laddr.ip}:{c.laddr.port}"
+        for pid in pids
+        for c in psutil.Process(pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_tp_ranks_listen_only_on_loopback(eric: EricServer) -> None:
+    """The router, engine and both TP workers listen on 127.0.0.1 only: the ranks meet through a file in the private
+    run directory, not an unauthenticated TCP store. Negative control: the store they met through before binds
+    every interface, and the same check sees it."""
+    group = psutil.Process(eric.proc.pid)
+    pids = [group.pid, *(p.pid for p in group.children(recursive=True))]
+    assert len(pids) >= 4 and _listening(pids)  # router, engine, 2 workers (and the port it serves on)
+    assert all(a.startswith("127.0.0.1:") for a in _listening(pids)), _listening(pids)
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    assert not all(a.startswith("127.0.0.1:") for a in _listening([os.getpid()])), "a TCP store binds every interface"
+    del store
