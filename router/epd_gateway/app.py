@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from epd_gateway.config import GatewayConfig
 from epd_gateway.dns_members import DnsMembers
+from epd_gateway.encode_call import new_encoder_session
 from epd_gateway.gateway import Gateway
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.routes import GatewayRoutes
@@ -37,8 +38,9 @@ def create_app(config: GatewayConfig) -> Starlette:
             ) as client,
             httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as unkeyed,
             new_session(config) as session,
+            new_encoder_session(bearer(config.eric_api_key)) as encode_session,
         ):
-            state["gw"] = Gateway(config, client, session, metrics, unkeyed)
+            state["gw"] = Gateway(config, client, session, metrics, unkeyed, encode_session)
             tasks = [asyncio.create_task(state["gw"].encoders.health_loop(config.health_interval_s))]
             if config.encoder_dns:
                 members = DnsMembers(config.encoder_dns, state["gw"].encoders, config.dns_interval_s)

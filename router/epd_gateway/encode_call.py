@@ -3,15 +3,19 @@ POST, and the answers about the client's media that the gateway passes on instea
 
 from __future__ import annotations
 
+import logging
 import time
 
-import httpx
+import aiohttp
+import msgspec
 
 from epd_gateway.content import MediaRef
 from epd_gateway.metrics import GatewayMetrics
+from epd_gateway.upstream import RETRY_ONCE, Reply
 from eric_epd.common.errors import ApiError
 from eric_epd.wire.eric import EncodeItem, encode_body
 
+logger = logging.getLogger(__name__)
 CLIENT_ERRORS = (400, 415, 422)
 """An Eric's answers about the client's media: passed on (any other 4xx, e.g. a wrong key or a limit of that Eric,
 fails over like a 5xx)."""
@@ -33,27 +37,37 @@ def encode_request(refs: list[MediaRef]) -> bytes:
     )
 
 
+def new_encoder_session(headers: dict[str, str]) -> aiohttp.ClientSession:
+    """The session the encode calls take (aiohttp, as the engine calls: measured here, an httpx POST cost 0.41 ms of
+    the gateway's CPU against aiohttp's 0.10), `headers` (the Erics' key) on every call. Idle connections are dropped
+    before an Eric's keep-alive timeout (uvicorn's 5 s) closes them under us."""
+    connector = aiohttp.TCPConnector(limit=512, keepalive_timeout=2.0)
+    return aiohttp.ClientSession(connector=connector, headers=headers, auto_decompress=False)
+
+
 async def post_encode(
-    client: httpx.AsyncClient, url: str, body: bytes, timeout_s: float, metrics: GatewayMetrics
-) -> httpx.Response:
-    """POST /v1/encode and read the answer; the time to its headers is gateway_upstream_seconds{encoder}."""
-    request = client.build_request(
-        "POST", f"{url}/v1/encode", content=body, timeout=timeout_s, headers={"content-type": "application/json"}
-    )
+    session: aiohttp.ClientSession, url: str, body: bytes, timeout_s: float, metrics: GatewayMetrics
+) -> Reply:
+    """POST /v1/encode and read the answer (whole, within `timeout_s`); the time to its headers is
+    gateway_upstream_seconds{encoder}. A pooled connection the Eric had closed is retried once on a fresh one.
+    Raises aiohttp.ClientError or TimeoutError when the Eric cannot be reached or answers too slowly."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"content-type": "application/json"}
     start = time.perf_counter()
-    resp = await client.send(request, stream=True)
-    metrics.upstreams.observe("encoder", time.perf_counter() - start)
     try:
-        await resp.aread()
-    finally:
-        await resp.aclose()
-    return resp
+        resp = await session.post(f"{url}/v1/encode", data=body, headers=headers, timeout=timeout)
+    except RETRY_ONCE as e:
+        logger.info("retrying the encode call to %s on a fresh connection after %r", url, e)
+        resp = await session.post(f"{url}/v1/encode", data=body, headers=headers, timeout=timeout)
+    metrics.upstreams.observe("encoder", time.perf_counter() - start)
+    async with resp:
+        return Reply(resp.status, await resp.read(), {k.lower(): v for k, v in resp.headers.items()})
 
 
-def media_rejected(resp: httpx.Response) -> ApiError:
+def media_rejected(resp: Reply) -> ApiError:
     """The error passed on to the client for an Eric's answer in CLIENT_ERRORS (its message, or the body's start)."""
     try:
-        message = resp.json()["error"]["message"]
+        message = msgspec.json.decode(resp.body)["error"]["message"]
     except Exception:
-        message = resp.text[:300]
-    return ApiError(resp.status_code, f"media rejected by encoder: {message}")
+        message = resp.body[:300].decode(errors="replace")
+    return ApiError(resp.status, f"media rejected by encoder: {message}")

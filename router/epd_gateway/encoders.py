@@ -9,6 +9,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import httpx
 import msgspec
 
@@ -41,14 +42,16 @@ class EncoderPool:
         self,
         urls: tuple[str, ...],
         client: httpx.AsyncClient,
+        encode_session: aiohttp.ClientSession | None,
         metrics: GatewayMetrics,
         eject_after: int,
         timeout_s: float,
         heartbeat_timeout_s: float = 10.0,
         prover: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
-        """`prover(url)`: whether an Eric found by name proved it holds the key (proof.py); None: names are trusted
-        (the Erics have no key to keep)."""
+        """`client` (httpx) probes the Erics, reads their cards and acks; `encode_session` (aiohttp, the hot path)
+        carries the encode calls (None: a pool that never encodes). `prover(url)`: whether an Eric found by name
+        proved it holds the key (proof.py); None: names are trusted (the Erics have no key to keep)."""
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._prover = prover
         self._holders: OrderedDict[bytes, str] = OrderedDict()  # routing key -> the Eric that last answered it
@@ -56,6 +59,7 @@ class EncoderPool:
         self._static = frozenset(urls)
         self._departed: OrderedDict[str, None] = OrderedDict()  # removed by name: their leases can still be acked
         self._client = client
+        self._encode_session = encode_session
         self._metrics = metrics
         self._eject_after = eject_after
         self._timeout = timeout_s
@@ -273,29 +277,31 @@ class EncoderPool:
         member.inflight_items += len(refs)
         body = encode_request(refs)
         try:
-            resp = await post_encode(self._client, url, body, self._timeout, self._metrics)
-        except httpx.HTTPError as e:
+            if self._encode_session is None:
+                raise RuntimeError("this encoder pool was made without an encode session")
+            resp = await post_encode(self._encode_session, url, body, self._timeout, self._metrics)
+        except (TimeoutError, aiohttp.ClientError) as e:
             logger.warning("encoder %s failed: %r", url, e)
             self._record_failure(member)
             return None
         finally:
             member.inflight -= 1
             member.inflight_items -= len(refs)
-        if resp.status_code >= 500:
-            logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
-            if resp.status_code == 503 and "retry-after" in resp.headers:  # busy or draining is not a failure
+        if resp.status >= 500:
+            logger.warning("encoder %s answered %d: %s", url, resp.status, resp.body[:200])
+            if resp.status == 503 and "retry-after" in resp.headers:  # busy or draining is not a failure
                 member.resting_until = time.monotonic() + rest_s(resp.headers["retry-after"])
             else:
                 self._record_failure(member)
             return None
-        if resp.status_code not in (200, *CLIENT_ERRORS):  # not about the media: a key, a limit, a route
-            logger.warning("encoder %s answered %d: %s", url, resp.status_code, resp.text[:200])
+        if resp.status not in (200, *CLIENT_ERRORS):  # not about the media: a key, a limit, a route
+            logger.warning("encoder %s answered %d: %s", url, resp.status, resp.body[:200])
             self._record_failure(member)
             return None
-        if resp.status_code != 200:  # the client's media is bad: no other encoder will do better
+        if resp.status != 200:  # the client's media is bad: no other encoder will do better
             raise media_rejected(resp)
         try:
-            items = list(decode_answer(resp.content).items)
+            items = list(decode_answer(resp.body).items)
         except msgspec.MsgspecError as e:
             logger.warning("encoder %s answered outside the schema: %s", url, e)
             self._record_failure(member)

@@ -63,15 +63,18 @@ class Gateway:
         session: aiohttp.ClientSession,
         metrics: GatewayMetrics,
         unkeyed: httpx.AsyncClient,
+        encode_session: aiohttp.ClientSession,
     ) -> None:
-        """`client` carries the Erics' key and calls only the Erics; `unkeyed` (no default headers) calls the text
-        encoders and Geris, each with its own key: every upstream gets exactly its own key."""
+        """`client` and `encode_session` (the encode calls) carry the Erics' key and call only the Erics; `unkeyed`
+        (no default headers) calls the text encoders and Geris, each with its own key: every upstream gets exactly
+        its own key."""
         self.config = config
         self.metrics = metrics
         prover = MembershipProver(unkeyed, config.eric_api_key) if config.eric_api_key else None
         self.encoders = EncoderPool(
             config.encoder_urls,
             client,
+            encode_session,
             metrics,
             config.eject_after_failures,
             config.encode_timeout_s,

@@ -27,7 +27,7 @@ from eric_epd.common.errors import ApiError
 logger = logging.getLogger(__name__)
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
-_RETRY_ONCE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+RETRY_ONCE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """A pooled keep-alive connection the server had closed: the request never reached it, so it is sent again."""
 
 
@@ -187,7 +187,7 @@ class Upstreams:
         try:
             try:
                 resp = await self._session.post(url, data=content, headers=headers)
-            except _RETRY_ONCE as e:
+            except RETRY_ONCE as e:
                 logger.info("retrying %s on a fresh connection after %r", url, e)
                 resp = await self._session.post(url, data=content, headers=headers)
         except (TimeoutError, aiohttp.ClientError) as e:

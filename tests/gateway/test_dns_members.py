@@ -80,7 +80,9 @@ def test_names_parse_and_their_urls_are_exact() -> None:
 def test_pool_admits_and_dismisses_by_name_and_acks_those_that_left() -> None:
     async def scenario() -> tuple[list[str], list[str], list[str], list[bool]]:
         async with httpx.AsyncClient() as client:
-            pool = EncoderPool(("http://10.0.0.1:8100",), client, GatewayMetrics(), 2, 5.0, heartbeat_timeout_s=0.0)
+            pool = EncoderPool(
+                ("http://10.0.0.1:8100",), client, None, GatewayMetrics(), 2, 5.0, heartbeat_timeout_s=0.0
+            )
             pool.register("http://10.0.0.2:8100")  # self-registered, then listed by name: no heartbeat any more
             pool.admit("http://10.0.0.2:8100")
             pool.admit("http://10.0.0.3:8100")
@@ -104,7 +106,7 @@ def test_dns_members_follow_the_answer_and_keep_members_when_a_lookup_fails() ->
 
     async def scenario() -> tuple[list[str], list[str]]:
         async with httpx.AsyncClient() as client:
-            pool = EncoderPool((), client, GatewayMetrics(), 2, 5.0)
+            pool = EncoderPool((), client, None, GatewayMetrics(), 2, 5.0)
             members = DnsMembers((DnsTarget("localhost", port), DnsTarget("nothing.invalid", port)), pool, 1.0)
             await members.refresh()
             first = pool.urls

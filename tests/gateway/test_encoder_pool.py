@@ -54,7 +54,7 @@ async def _eric_standin(card_after: int, card_delay_s: float = 0.0) -> AsyncIter
 
 
 def _pool(*urls: str) -> EncoderPool:
-    return EncoderPool(urls, httpx.AsyncClient(), GatewayMetrics(), 2, 5.0)
+    return EncoderPool(urls, httpx.AsyncClient(), None, GatewayMetrics(), 2, 5.0)
 
 
 def test_a_card_that_could_not_be_read_is_read_again_later_and_on_readmission(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,7 +118,7 @@ def _chat(cards: list[EncoderState], body: dict, min_items: int = 2) -> tuple[st
         )
         metrics = GatewayMetrics()
         async with httpx.AsyncClient() as client, new_session(config) as session:
-            gateway = Gateway(config, client, session, metrics, client)
+            gateway = Gateway(config, client, session, metrics, client, session)
             gateway.encoders.carded = carded  # type: ignore[method-assign]
             gateway.encoders.encode = encode  # type: ignore[method-assign]
             gateway.upstreams.complete = complete  # type: ignore[method-assign]

@@ -231,7 +231,7 @@ def test_items_go_to_their_holder_else_to_a_much_sooner_start() -> None:
 
     from eric_epd.wire.load import LoadReport
 
-    pool = EncoderPool(("http://a:1", "http://b:1"), httpx.AsyncClient(), GatewayMetrics(), 2, 5.0)
+    pool = EncoderPool(("http://a:1", "http://b:1"), httpx.AsyncClient(), None, GatewayMetrics(), 2, 5.0)
     key = b"image-1"
     first = pool.preference(key, set())[0]
     other = next(m for m in pool.healthy() if m is not first)

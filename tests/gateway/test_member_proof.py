@@ -83,7 +83,7 @@ def _admit_all(urls: list[str], prove: bool) -> list[str]:
             httpx.AsyncClient() as unkeyed,
         ):
             prover = MembershipProver(unkeyed, KEY) if prove else None
-            pool = EncoderPool((), keyed, GatewayMetrics(), 2, 5.0, prover=prover)
+            pool = EncoderPool((), keyed, None, GatewayMetrics(), 2, 5.0, prover=prover)
             for url in urls:
                 pool.admit(url)
             await pool.prove_new()
