@@ -1,7 +1,7 @@
 """The raw-bytes alias: a bounded LRU from an item's fetched bytes (and every setting that changes what they prepare
 into) to the content hash they prepared into last time, with the item's metadata but not its tensors. A resent item
 (multi-turn chats resend every image each turn) whose embedding is still in this Eric's pool is answered without
-being decoded, preprocessed or hashed again.
+being decoded, preprocessed or hashed again; a resent data: URL (keyed by its text) is not even base64-decoded.
 
 An alias is never wrong, only possibly useless: the same bytes under the same settings always prepare into the same
 content hash, so an entry stays until the LRU drops it; whether its embedding is still in the pool is asked at each
@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import blake3
 import numpy as np
 
 from eric_epd.common.errors import OFF_LOOP_BYTES
 from eric_epd.eric.processor import PreparedItem
+from eric_epd.wire.eric import EncodeItem
 
 
 def light(prepared: PreparedItem) -> PreparedItem:
@@ -51,12 +52,24 @@ class RawAlias:
         """BLAKE3 over the modality's salt, the modality, `sglang` (audio as SGLang reads it hashes otherwise),
         whether it is a video's soundtrack (audio decoded from a video's bytes) and the bytes; None for a modality
         the model does not take (nothing to alias: preparing it fails)."""
+        return self._key(modality, "bytes", data, sglang, soundtrack)
+
+    def data_url_key(self, item: EncodeItem, sglang: bool = False) -> bytes | None:
+        """The key of a data: URL's whole text (what it decodes into follows from it, the media limits being fixed),
+        so a resent one is found without decoding its base64; None for another URL, an item that also asks for its
+        soundtrack (keyed by its bytes, with it) or a modality the model does not take. Keys of texts and of bytes
+        never meet: each names its kind before the payload."""
+        if item.use_audio_in_video or not item.url.startswith("data:"):
+            return None
+        return self._key(item.modality, "data-url", item.url.encode("utf-8", "surrogatepass"), sglang, False)
+
+    def _key(self, modality: str, kind: str, payload: bytes, sglang: bool, soundtrack: bool) -> bytes | None:
         salt = self._salts.get(modality)
         if salt is None:
             return None
         h = blake3.blake3(salt, max_threads=1)
-        h.update(f"\0{modality}\0sglang={int(sglang)}\0soundtrack={int(soundtrack)}\0".encode())
-        h.update(data)
+        h.update(f"\0{modality}\0sglang={int(sglang)}\0soundtrack={int(soundtrack)}\0{kind}\0".encode())
+        h.update(payload)
         return h.digest()
 
     def find(self, key: bytes | None, ready: Callable[[str], bool]) -> PreparedItem | None:
@@ -80,12 +93,22 @@ class RawAlias:
 
 
 async def alias_keys(
-    alias: RawAlias, jobs: list[tuple[str, bytes]], first_soundtrack: int, sglang: bool = False
+    alias: RawAlias,
+    jobs: list[tuple[str, bytes]],
+    first_soundtrack: int,
+    sglang: bool = False,
+    given: Sequence[bytes | None] = (),
 ) -> list[bytes | None]:
-    """Each (modality, bytes) job's key; jobs from `first_soundtrack` on are videos' soundtracks. Hashed in a
-    thread when the bytes are many (BLAKE3 lets go of the GIL), so a large video does not stall the event loop."""
+    """Each (modality, bytes) job's key: `given[i]` where there is one (a data: URL's), else its bytes'; jobs from
+    `first_soundtrack` on are videos' soundtracks. Hashed in a thread when the bytes are many (BLAKE3 lets go of the
+    GIL), so a large video does not stall the event loop."""
+    given = [*given, *[None] * (len(jobs) - len(given))]
+    hashed = [i for i, key in enumerate(given) if key is None]
 
     def keys() -> list[bytes | None]:
-        return [alias.key(m, data, sglang, i >= first_soundtrack) for i, (m, data) in enumerate(jobs)]
+        out = list(given)
+        for i in hashed:
+            out[i] = alias.key(jobs[i][0], jobs[i][1], sglang, i >= first_soundtrack)
+        return out
 
-    return keys() if sum(len(data) for _, data in jobs) <= OFF_LOOP_BYTES else await asyncio.to_thread(keys)
+    return keys() if sum(len(jobs[i][1]) for i in hashed) <= OFF_LOOP_BYTES else await asyncio.to_thread(keys)

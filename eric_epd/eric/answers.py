@@ -1,13 +1,15 @@
-"""What an encode request gets back (ItemAnswer), how the router sizes an item's output (OutputSpec) and times a
-request (RequestClock)."""
+"""What an encode request gets back (ItemAnswer), how the router sizes an item's output (OutputSpec), times a
+request (RequestClock) and reserves pool space a caller needs beside its embeddings (Staging)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from eric_epd.eric.processor import PreparedItem
+from eric_epd.transfer.pool import PoolEntry
+from eric_epd.transfer.producer import Want
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.handles import EmbeddingHandle
 
@@ -59,3 +61,14 @@ def soundtrack_answer(
     if track is None:
         return None
     return ItemAnswer(EncodeItem(id=request.id, modality="audio", url=request.url), track, handles[track.hash])
+
+
+@dataclass
+class Staging:
+    """Pool space a caller needs beside a request's embeddings (SGLang's copy of a part's rows in its prefill's
+    dtype): `want` turns the prepared items into what to reserve; the service fills `entries`, all or none with the
+    items it encodes, so no request holds its embeddings while it waits for this space."""
+
+    want: Callable[[list[PreparedItem]], list[Want]]
+    wants: list[Want] = field(default_factory=list)
+    entries: list[PoolEntry] | None = None

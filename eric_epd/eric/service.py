@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -13,7 +11,7 @@ from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.admission import Admission
 from eric_epd.eric.alias import RawAlias, alias_keys
-from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, soundtrack_answer
+from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, Staging, soundtrack_answer
 from eric_epd.eric.inflight import Flight, InFlight
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
@@ -27,17 +25,6 @@ from eric_epd.transfer.pool import Hold, PoolEntry
 from eric_epd.transfer.producer import TransferHub, Want
 from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.handles import EmbeddingHandle
-
-
-@dataclass
-class Staging:
-    """Pool space a caller needs beside a request's embeddings (SGLang's copy of a part's rows in its prefill's
-    dtype): `want` turns the prepared items into what to reserve; the service fills `entries`, all or none with the
-    items it encodes, so no request holds its embeddings while it waits for this space."""
-
-    want: Callable[[list[PreparedItem]], list[Want]]
-    wants: list[Want] = field(default_factory=list)
-    entries: list[PoolEntry] | None = None
 
 
 class EncodeService:
@@ -121,15 +108,21 @@ class EncodeService:
         asked (an audio item decoded from the same bytes), and `staging`'s wants; the first failure is a 4xx naming
         its item. An item the alias knows whose embedding is in the pool is leased at once instead (one lease per
         hash, returned beside the items: the lease keeps it there); on failure those leases are given back."""
-        # a failed fetch ends its siblings before the request's admission is given back
-        fetched = await all_or_none(*(self._fetch(i, item) for i, item in enumerate(items)))
-        work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
-        tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
-        jobs = work + [("audio", work[n][1]) for n in tracks]
-        keys = [None] * len(jobs) if self.alias is None else await alias_keys(self.alias, jobs, len(items), sglang)
         leased: dict[str, EmbeddingHandle] = {}
         try:
-            results: list[PreparedItem | MediaError | None] = [self._alias_hit(key, leased) for key in keys]
+            given = [None] * len(items) if self.alias is None else [self.alias.data_url_key(i, sglang) for i in items]
+            early = [self._alias_hit(key, leased) for key in given]  # a resent data: URL: not even decoded
+            # a failed fetch ends its siblings before the request's admission is given back
+            fetched = await all_or_none(*(self._fetch(i, item, early[i]) for i, item in enumerate(items)))
+            work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
+            tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
+            jobs = work + [("audio", work[n][1]) for n in tracks]
+            alias = self.alias
+            keys = [None] * len(jobs) if alias is None else await alias_keys(alias, jobs, len(items), sglang, given)
+            found = [*early, *[None] * len(tracks)]
+            results: list[PreparedItem | MediaError | None] = [
+                got if got is not None else self._alias_hit(key, leased) for got, key in zip(found, keys)
+            ]
             if todo := [i for i, got in enumerate(results) if got is None]:
                 for i, got in zip(todo, await self._processor.prepare_many([jobs[i] for i in todo], sglang)):
                     results[i] = got
@@ -163,7 +156,9 @@ class EncodeService:
                 self._metrics.items.labels(modality=hit.item.modality, source="cached").inc()
         return hit
 
-    async def _fetch(self, index: int, item: EncodeItem) -> tuple[bytes, float]:
+    async def _fetch(self, index: int, item: EncodeItem, found: PreparedItem | None) -> tuple[bytes, float]:
+        if found is not None:  # found by its data: URL's text: nothing to fetch
+            return b"", 0.0
         start = time.perf_counter()
         try:
             data = await self._fetcher.fetch(item.url)

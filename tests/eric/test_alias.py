@@ -15,12 +15,12 @@ import pytest
 
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.alias import RawAlias, alias_keys, light
-from eric_epd.eric.answers import OutputSpec
+from eric_epd.eric.answers import OutputSpec, Staging
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.launch import transfer_hub
 from eric_epd.eric.metrics import EricMetrics
 from eric_epd.eric.processor import PreparedItem, Processor
-from eric_epd.eric.service import EncodeService, Staging
+from eric_epd.eric.service import EncodeService
 from eric_epd.eric.workload import work_item
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import MediaError
@@ -124,6 +124,25 @@ def test_a_light_item_keeps_the_metadata_and_can_never_be_encoded() -> None:
     assert stored is not None and stored.aliased and stored.item.pixel_values.size == 0
 
 
+def test_a_data_urls_key_is_its_texts_apart_from_any_bytes_key() -> None:
+    alias = RawAlias(8, SALTS)
+    url = "data:image/png;base64,eA=="
+    key = alias.data_url_key(EncodeItem(id="0", modality="image", url=url))
+    assert key is not None and key == alias.data_url_key(EncodeItem(id="other", modality="image", url=url))
+    others = {
+        alias.key("image", url.encode()),  # the text as bytes: another kind of key
+        alias.key("image", b"x"),  # what it decodes into
+        alias.data_url_key(EncodeItem(id="0", modality="image", url=url), sglang=True),
+        alias.data_url_key(EncodeItem(id="0", modality="image", url=url + "=")),
+        alias.data_url_key(EncodeItem(id="0", modality="video", url=url)),
+    }
+    assert key not in others and len(others) == 5
+    assert alias.data_url_key(EncodeItem(id="0", modality="image", url="https://host/a.png")) is None
+    with_track = EncodeItem(id="0", modality="video", url="data:video/mp4;base64,AA==", use_audio_in_video=True)
+    assert alias.data_url_key(with_track) is None  # keyed by its bytes, as its soundtrack is
+    assert RawAlias(8, {"image": b"s"}).data_url_key(EncodeItem(id="0", modality="audio", url=url)) is None
+
+
 def test_large_bytes_are_keyed_off_the_event_loop_to_the_same_keys() -> None:
     alias = RawAlias(4, SALTS)
     jobs = [("video", bytes(300_000)), ("audio", bytes(300_000))]
@@ -142,9 +161,13 @@ class _Media:
 
     def __init__(self) -> None:
         self.prepared: list[tuple[str, str]] = []
+        self.fetched: list[str] = []
         self.gate: asyncio.Event | None = None
 
     async def fetch(self, url: str) -> bytes:
+        self.fetched.append(url)
+        if url.startswith("unreachable"):
+            raise MediaError(400, "could not fetch")
         return url.encode()
 
     async def prepare_many(
@@ -212,6 +235,32 @@ def test_a_resent_item_still_in_the_pool_is_leased_without_being_prepared() -> N
             assert all(len(service.hub.pool.get(k).leases) == 2 for k in ("image:x", "image:y"))  # type: ignore[union-attr]
             _ack(service, first)
             _ack(service, again[:2])
+            assert_pool_empty(service.hub.pool)
+
+    asyncio.run(run())
+
+
+def test_a_resent_data_url_is_neither_fetched_nor_prepared_and_a_failing_sibling_gives_its_lease_back() -> None:
+    async def run() -> None:
+        engine = FakeEngine()
+        url = "data:image/png;base64,eA=="
+        request = [EncodeItem(id="0", modality="image", url=url)]
+        with _service(engine) as (service, media, metrics):
+            first = await _encoded(service, engine, request)
+            assert media.fetched == [url] and media.prepared == [("image", url)]
+            again = await asyncio.wait_for(service.encode(request), 5)
+            assert media.fetched == [url] and len(media.prepared) == 1 and _hits(metrics) == 1  # not decoded again
+            assert again[0].handle.hash == first[0].handle.hash and again[0].prepared.aliased
+            entry = service.hub.pool.get(first[0].handle.hash)
+            assert entry is not None and len(entry.leases) == 2
+            with pytest.raises(ApiError) as refused:  # the hit leased before its sibling's fetch failed
+                await service.encode([*request, EncodeItem(id="1", modality="image", url="unreachable")])
+            assert refused.value.status == 400 and "item 1" in refused.value.message and len(entry.leases) == 2
+            # negative control: the same bytes behind another URL are fetched and prepared again
+            other = await _encoded(service, engine, [EncodeItem(id="0", modality="image", url=url + "#")])
+            assert media.fetched[-1] == url + "#" and media.prepared[-1] == ("image", url + "#")
+            for answers in (first, again, other):
+                _ack(service, answers)
             assert_pool_empty(service.hub.pool)
 
     asyncio.run(run())

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from eric_epd.eric.answers import Staging
 from eric_epd.eric.processor import PreparedItem
-from eric_epd.eric.service import Staging
 from eric_epd.eric.sglang.protocol import ELEMENT_BYTES, MODALITIES, Part, SglangError
 from eric_epd.transfer.producer import TransferHub, Want
 from eric_epd.wire.sglang import EmbeddingPart, embedding_data_pickle
