@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ABORT_CHECK_S, _MIN_SLEEP_S, _MAX_SLEEP_S = 0.01, 2e-5, 5e-4  # should_abort() may be a syscall: rate-limit
+_SPIN_S = 1e-4
+"""A reader with wake-up pings sleeps-and-polls only this long (20, 40, 80 us); then it blocks on the pings, which
+wake it as a message lands: polling on with sleeps of up to 0.5 ms cost a request 0.3 ms p50 of waiting for its
+batch to start (one writer and one reader on one core, a message every 4 ms)."""
 BROADCAST_PREFIX = "ebc_"
 """Every ring's segment name starts so (and its spills' names with the ring's): what a server's start sweeps."""
 BUSY_S, IDLE_BLOCK_S = 1.0, 0.1  # readers poll for BUSY_S after a message, then block on pings IDLE_BLOCK_S at a time
@@ -75,7 +79,7 @@ def _poll(
     what: str,
     wake: WakeReceiver | None = None,
 ) -> None:
-    """Wait until ready(), sleeping with exponential backoff (or, once `wake` is idle, blocking on its pings);
+    """Wait until ready(), sleeping with exponential backoff (with `wake`: for _SPIN_S, then blocking on its pings);
     TimeoutError / BroadcastAborted otherwise."""
     next_abort_check, sleep = time.monotonic(), _MIN_SLEEP_S
     deadline = None if timeout is None else next_abort_check + timeout
@@ -87,8 +91,8 @@ def _poll(
             next_abort_check = now + _ABORT_CHECK_S
         if deadline is not None and now >= deadline:
             raise TimeoutError(f"{what}: timed out after {timeout:.3f}s")
-        if wake is not None and wake.idle(now):
-            wake.block(math.inf if deadline is None else deadline - now)
+        if wake is not None and (sleep > _SPIN_S or wake.idle(now)):
+            wake.block(math.inf if deadline is None else deadline - now, busy=not wake.idle(now))
             continue
         time.sleep(sleep)
         sleep = min(sleep * 2, _MAX_SLEEP_S)

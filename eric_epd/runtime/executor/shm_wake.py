@@ -10,6 +10,8 @@ from pathlib import Path
 import zmq
 
 _CLOSE_LINGER_MS = 200  # the last ping (close) still leaves after the socket is closed
+BUSY_BLOCK_S = 0.001
+"""While busy, a reader blocks on pings this long at a time (ZMQ's poll counts whole milliseconds)."""
 
 
 class WakeSender:
@@ -35,8 +37,9 @@ class WakeSender:
 
 
 class WakeReceiver:
-    """Reader side: spins (the caller's backoff polling) for `busy_s` after the last message it took, then blocks
-    on the writer's pings in chunks of at most `block_s`; a lost ping costs one chunk, never a message."""
+    """Reader side: for `busy_s` after the last message it took, the caller polls briefly and then blocks on the
+    writer's pings a millisecond at a time; idle, it blocks in chunks of at most `block_s`. A lost ping costs one
+    chunk, never a message."""
 
     def __init__(self, address: str, busy_s: float, block_s: float) -> None:
         self.busy_s, self.block_s = busy_s, block_s
@@ -55,9 +58,11 @@ class WakeReceiver:
         """Whether `busy_s` has passed since the last message was taken, so the reader should block on pings."""
         return now - self._last >= self.busy_s
 
-    def block(self, max_s: float) -> None:
-        """Sleep until a ping (maybe one left from the busy phase) or min(max_s, block_s) passed."""
-        if self._sock.poll(max(0, int(min(max_s, self.block_s) * 1000))):
+    def block(self, max_s: float, busy: bool = False) -> None:
+        """Sleep until a ping (maybe one left over: the caller checks again) or min(max_s, the chunk) passed; the
+        chunk is BUSY_BLOCK_S while `busy` (the caller's abort checks stay frequent), else block_s."""
+        chunk = BUSY_BLOCK_S if busy else self.block_s
+        if self._sock.poll(max(0, int(min(max_s, chunk) * 1000))):
             with suppress(zmq.Again):
                 self._sock.recv(zmq.NOBLOCK)
 
