@@ -120,11 +120,12 @@ class EricMetrics:
             self.stages.observe("batch_compute", b.compute_seconds)
             self.stages.observe("pool_write", b.write_seconds)
 
-    def observe_item(self, fetch_seconds: float, seconds: tuple[float, float, float] | None) -> None:
-        """One item's fetch, then its decode, preprocessing and hashing (PreparedItem.seconds; None for an alias
-        hit, which had none)."""
+    def observe_item(self, fetch_seconds: float | None, seconds: tuple[float, float, float] | None) -> None:
+        """One item's fetch (None: a data: URL the alias knew, not fetched), then its decode, preprocessing and
+        hashing (PreparedItem.seconds; None for an alias hit, which had none)."""
         stages = self.stages
-        stages.observe("fetch", fetch_seconds)
+        if fetch_seconds is not None:
+            stages.observe("fetch", fetch_seconds)
         if seconds is None:
             return
         stages.observe("decode", seconds[0])

@@ -156,9 +156,9 @@ class EncodeService:
                 self._metrics.items.labels(modality=hit.item.modality, source="cached").inc()
         return hit
 
-    async def _fetch(self, index: int, item: EncodeItem, found: PreparedItem | None) -> tuple[bytes, float]:
+    async def _fetch(self, index: int, item: EncodeItem, found: PreparedItem | None) -> tuple[bytes, float | None]:
         if found is not None:  # found by its data: URL's text: nothing to fetch
-            return b"", 0.0
+            return b"", None
         start = time.perf_counter()
         try:
             data = await self._fetcher.fetch(item.url)
