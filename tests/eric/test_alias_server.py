@@ -83,10 +83,13 @@ def test_resent_images_are_answered_without_decoding_until_the_cache_drops_them(
     rows = _read(eric, first)
     assert len(set(rows)) == 3 and _hits(eric) == hits
     encoded, decoded = _encoded_items(eric), metric(eric.url, 'eric_stage_seconds_count{stage="decode"}')
+    fetched = metric(eric.url, 'eric_stage_seconds_count{stage="fetch"}')
 
     again = _encoded(eric, items)  # a second turn resends the chat's images
     assert _hits(eric) == hits + 3 and _encoded_items(eric) == encoded  # neither decoded nor encoded
     assert metric(eric.url, 'eric_stage_seconds_count{stage="decode"}') == decoded
+    # found by their data: URLs' text, not even base64-decoded (the first sight fetched, i.e. decoded, all three)
+    assert metric(eric.url, 'eric_stage_seconds_count{stage="fetch"}') == fetched
     for a, b in zip(first, again):
         _same_entry(a, b)
     assert _read(eric, again) == rows  # byte-equal rows
