@@ -65,11 +65,11 @@ def test_tp1_rows_equal_hf(gemma3_dir: Path, case: dict[str, torch.Tensor]) -> N
 # ---- TP 2 over gloo (the spawning pattern of test_models.py) -------------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, port: int, model_dir: str, pixel_values: torch.Tensor, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, init: str, model_dir: str, pixel_values: torch.Tensor, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         tower = Gemma3VisionTower.from_checkpoint(model_dir, TPContext(rank, world), torch.float32, "cpu")
         attn, mlp = tower.encoder.layers[0].self_attn, tower.encoder.layers[0].mlp
@@ -94,12 +94,11 @@ def tp2_results(
 ) -> list[dict[str, torch.Tensor]]:
     import torch.multiprocessing as mp
 
-    from eric_epd.stack.process import free_port
+    from tests.support.tp_spawn import rendezvous
 
     out_dir = tmp_path_factory.mktemp("gemma3-tp2")
-    mp.spawn(
-        _tp_worker, args=(2, free_port(), str(gemma3_dir), case["pixel_values"], str(out_dir)), nprocs=2, join=True
-    )
+    args = (2, rendezvous(out_dir), str(gemma3_dir), case["pixel_values"], str(out_dir))
+    mp.spawn(_tp_worker, args=args, nprocs=2, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -96,12 +96,12 @@ def test_tp1_rows_equal_hf(name: str, model_dirs: dict[str, Path], case: dict[st
 
 
 def _tp_worker(
-    rank: int, world: int, port: int, model_dirs: dict[str, str], pixel_values: torch.Tensor, out_dir: str
+    rank: int, world: int, init: str, model_dirs: dict[str, str], pixel_values: torch.Tensor, out_dir: str
 ) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         results = {}
         for name, model_dir in model_dirs.items():
@@ -128,11 +128,11 @@ def tp2_results(
 ) -> list[dict[str, dict[str, Any]]]:
     import torch.multiprocessing as mp
 
-    from eric_epd.stack.process import free_port
+    from tests.support.tp_spawn import rendezvous
 
     out_dir = tmp_path_factory.mktemp("internvl-tp2")
     dirs = {name: str(path) for name, path in model_dirs.items()}
-    mp.spawn(_tp_worker, args=(2, free_port(), dirs, case["pixel_values"], str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, rendezvous(out_dir), dirs, case["pixel_values"], str(out_dir)), nprocs=2, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

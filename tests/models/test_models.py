@@ -14,7 +14,6 @@ import pytest
 import torch
 from PIL import Image
 
-from eric_epd.common.ports import free_port
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.qwen2_vl import Qwen2VLVisionEncoder
 from eric_epd.models.registry import (
@@ -25,6 +24,7 @@ from eric_epd.models.registry import (
     read_model_config,
     resolve_dtype,
 )
+from tests.support.tp_spawn import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +112,11 @@ def test_tp1_equals_hf(cases: dict, family: str) -> None:
 # ---- TP 2 over gloo --------------------------------------------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, port: int, jobs: dict[str, dict[str, Any]], out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, init: str, jobs: dict[str, dict[str, Any]], out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         tp = TPContext(rank, world)
         for family, job in jobs.items():
@@ -137,7 +137,7 @@ def tp2_results(cases: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
     out_dir = tmp_path_factory.mktemp("tp2")
     jobs = {f: {"ckpt": str(c["ckpt"]), "images": c["images"], "videos": c["videos"]} for f, c in cases.items()}
-    mp.spawn(_tp_worker, args=(2, free_port(), jobs, str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, rendezvous(out_dir), jobs, str(out_dir)), nprocs=2, join=True)
     return {f: [torch.load(out_dir / f"{f}-rank{r}.pt", weights_only=True) for r in range(2)] for f in cases}
 
 

@@ -164,12 +164,12 @@ def test_tensor_parallel_is_served_where_the_tower_splits(qwen2_audio_tiny: Path
 
 
 def _tp_worker(
-    rank: int, world: int, port: int, model_dir: str, batch: dict[str, torch.Tensor], rows: list[int], out_dir: str
+    rank: int, world: int, init: str, model_dir: str, batch: dict[str, torch.Tensor], rows: list[int], out_dir: str
 ) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         encoder = Qwen2AudioTowerEncoder.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
         layer = encoder.tower.audio_tower.layers[0]
@@ -194,14 +194,14 @@ def tp2_results(
 ) -> list[dict]:
     import torch.multiprocessing as mp
 
-    from eric_epd.stack.process import free_port
+    from tests.support.tp_spawn import rendezvous
 
     items = [processor.process_audio(wave, rate) for wave, rate in _waves()]
     batch = join_items([unpack_tensors(it.tensors, torch.from_numpy(it.pixel_values)) for it in items])
     out_dir = tmp_path_factory.mktemp("qwen2-audio-tp2")
     mp.spawn(
         _tp_worker,
-        args=(2, free_port(), str(qwen2_audio_tiny), batch, [it.num_tokens for it in items], str(out_dir)),
+        args=(2, rendezvous(out_dir), str(qwen2_audio_tiny), batch, [it.num_tokens for it in items], str(out_dir)),
         nprocs=2,
         join=True,
     )

@@ -73,11 +73,11 @@ def tower_tp2(
     that path (the rank's shard of it)."""
     import torch.multiprocessing as mp
 
-    from eric_epd.stack.process import free_port
+    from tests.support.tp_spawn import rendezvous
 
     mp.spawn(
         _tp_worker,
-        args=(2, free_port(), encoder_class, str(model_dir), jobs, shards, str(out_dir)),
+        args=(2, rendezvous(out_dir), encoder_class, str(model_dir), jobs, shards, str(out_dir)),
         nprocs=2,
         join=True,
     )
@@ -87,7 +87,7 @@ def tower_tp2(
 def _tp_worker(
     rank: int,
     world: int,
-    port: int,
+    init: str,
     encoder_class: Any,
     model_dir: str,
     jobs: dict[str, Job],
@@ -97,7 +97,7 @@ def _tp_worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         encoder = encoder_class.load(model_dir, torch.float32, "cpu", TPContext(rank, world))
         out = {name: encoder.encode(inputs, rows, modality) for name, (modality, inputs, rows) in jobs.items()}
