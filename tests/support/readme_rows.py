@@ -216,6 +216,14 @@ def gateway_epd(d: dict) -> str:
     )
 
 
+def gateway_epd_httpx(d: dict) -> str:
+    """The same benchmark on the code before the gateway's encode calls moved from httpx to aiohttp (its JSON)."""
+    return (
+        f"{f2(d['overhead_ms']['p50'])} ms p50 (median of paired differences {f2(d['paired_median_overhead_ms'])} "
+        f"ms), req/s {x(d['rps_ratio'])} direct"
+    )
+
+
 def gateway_epd_target(d: dict) -> str:
     """The EPD-path row's target, and where the gateway's time goes (its own sums against the direct calls)."""
     g, direct = d["gateway_ms_per_request"], d["direct_calls_ms_per_request"]
