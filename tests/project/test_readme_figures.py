@@ -233,6 +233,8 @@ FIGURES: list[Figure] = [
     Figure("transfer.json", rows.transfer),
     Figure("eric_overhead.json", rows.eric_overhead),
     Figure("eric_overhead.json", rows.eric_overhead_target),
+    Figure("eric_overhead.json", rows.eric_overhead_run),
+    Figure("eric_overhead_before.json", rows.eric_overhead_run),
     Figure("gateway_overhead.json", rows.gateway_overhead),
     Figure("gateway_overhead.json", rows.gateway_target),
     Figure("gateway_epd_overhead.json", rows.gateway_epd),

@@ -184,6 +184,14 @@ def eric_overhead(d: dict) -> str:
     )
 
 
+def eric_overhead_run(d: dict) -> str:
+    """One run's overhead with each client and its images/s at concurrency 8 (for the row's paired runs)."""
+    return (
+        f"{f2(d['overhead_p50_ms'])} ms with an aiohttp client, {f2(d['overhead_p50_ms_httpx_client'])} ms with "
+        f"httpx, {d['c8_images_per_s']:.0f} img/s"
+    )
+
+
 def eric_overhead_target(d: dict) -> str:
     """The overhead row's targets."""
     t = d["targets"]
