@@ -193,7 +193,8 @@ def test_stage_timings_and_overhead_are_exported(eric: EricServer) -> None:
         [{"modality": "image", "url": image}, {"modality": "image", "url": image_data_url(64, 40, seed=22)}],
         [{"modality": "video", "url": video_data_url(4, 56, 56, seed=23)}],
         [{"modality": "image", "url": image}],
-    ]  # still leased: answered from the pool, no engine request; its bytes are known (the alias): no decode either
+    ]  # still leased: answered from the pool, no engine request; its data: URL is known (the alias): neither
+    # fetched (base64-decoded) nor decoded
     wall = 0.0
     for items in requests:
         resp = _encode(eric, items)
@@ -205,7 +206,7 @@ def test_stage_timings_and_overhead_are_exported(eric: EricServer) -> None:
     counts = {stage: count for stage, (count, _) in gained.items()}
     assert counts == {
         "body_read": 3,
-        "fetch": 4,
+        "fetch": 3,
         "decode": 3,
         "preprocess": 3,
         "hash": 3,
