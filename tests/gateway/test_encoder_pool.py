@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
+import aiohttp
 import httpx
 import pytest
 from aiohttp import web
 from epd_gateway import cards
+from epd_gateway.encode_call import new_encoder_session
 from epd_gateway.encoders import EncoderPool
 from epd_gateway.loadcheck import Completions
 from epd_gateway.members import CARD_RETRY_S, CARD_TIMEOUT_S
@@ -53,8 +55,8 @@ async def _eric_standin(card_after: int, card_delay_s: float = 0.0) -> AsyncIter
         await runner.cleanup()
 
 
-def _pool(*urls: str) -> EncoderPool:
-    return EncoderPool(urls, httpx.AsyncClient(), None, GatewayMetrics(), 2, 5.0)
+def _pool(*urls: str, encode_session: aiohttp.ClientSession | None = None) -> EncoderPool:
+    return EncoderPool(urls, httpx.AsyncClient(), encode_session, GatewayMetrics(), 2, 5.0)
 
 
 def test_a_card_that_could_not_be_read_is_read_again_later_and_on_readmission(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,8 +169,8 @@ def test_an_eric_answering_503_with_retry_after_rests_and_is_not_ejected(monkeyp
     assert (rest_s("2"), rest_s("3600"), rest_s("Wed, 21 Oct 2026 07:28:00 GMT")) == (2.0, MAX_REST_S, 1.0)
 
     async def run() -> None:
-        async with _busy_eric("2") as busy:
-            pool = _pool(busy, "http://10.0.0.9:1")
+        async with _busy_eric("2") as busy, new_encoder_session({}) as session:
+            pool = _pool(busy, "http://10.0.0.9:1", encode_session=session)
             member = pool._members[busy]
             ref = MediaRef(0, 0, "image", "data:image/png;base64,AA==")
             for _ in range(5):  # past --eject-after-failures (2 here)
