@@ -68,6 +68,8 @@ def test_tp1_rows_equal_hf(gemma3_dir: Path, case: dict[str, torch.Tensor]) -> N
 def _tp_worker(rank: int, world: int, init: str, model_dir: str, pixel_values: torch.Tensor, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from tests.support.tp_spawn import leave_at_once
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -86,6 +88,7 @@ def _tp_worker(rank: int, world: int, init: str, model_dir: str, pixel_values: t
         )
     finally:
         dist.destroy_process_group()
+    leave_at_once()  # its results are saved: no teardown in this process (tests/support/tp_spawn.py)
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,8 @@ def test_tp1_equals_hf(cases: dict, family: str) -> None:
 def _tp_worker(rank: int, world: int, init: str, jobs: dict[str, dict[str, Any]], out_dir: str) -> None:
     import torch.distributed as dist
 
+    from tests.support.tp_spawn import leave_at_once
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -129,6 +131,7 @@ def _tp_worker(rank: int, world: int, init: str, jobs: dict[str, dict[str, Any]]
             torch.save(results, Path(out_dir) / f"{family}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    leave_at_once()  # its results are saved: no teardown in this process (tests/support/tp_spawn.py)
 
 
 @pytest.fixture(scope="module")

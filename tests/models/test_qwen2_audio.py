@@ -168,6 +168,8 @@ def _tp_worker(
 ) -> None:
     import torch.distributed as dist
 
+    from tests.support.tp_spawn import leave_at_once
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -186,6 +188,7 @@ def _tp_worker(
         )
     finally:
         dist.destroy_process_group()
+    leave_at_once()  # its results are saved: no teardown in this process (tests/support/tp_spawn.py)
 
 
 @pytest.fixture(scope="module")
