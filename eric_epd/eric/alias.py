@@ -92,6 +92,17 @@ class RawAlias:
             self._entries.popitem(last=False)
 
 
+async def data_url_keys(alias: RawAlias, items: list[EncodeItem], sglang: bool = False) -> list[bytes | None]:
+    """Each item's data: URL key (RawAlias.data_url_key), hashed in a thread when the texts are many bytes, as
+    alias_keys hashes bytes."""
+
+    def keys() -> list[bytes | None]:
+        return [alias.data_url_key(item, sglang) for item in items]
+
+    size = sum(len(item.url) for item in items if item.url.startswith("data:"))
+    return keys() if size <= OFF_LOOP_BYTES else await asyncio.to_thread(keys)
+
+
 async def alias_keys(
     alias: RawAlias,
     jobs: list[tuple[str, bytes]],

@@ -10,7 +10,7 @@ import numpy as np
 from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError
 from eric_epd.eric.admission import Admission
-from eric_epd.eric.alias import RawAlias, alias_keys
+from eric_epd.eric.alias import RawAlias, alias_keys, data_url_keys
 from eric_epd.eric.answers import ItemAnswer, OutputSpec, RequestClock, Staging, soundtrack_answer
 from eric_epd.eric.inflight import Flight, InFlight
 from eric_epd.eric.metrics import EricMetrics
@@ -110,14 +110,14 @@ class EncodeService:
         hash, returned beside the items: the lease keeps it there); on failure those leases are given back."""
         leased: dict[str, EmbeddingHandle] = {}
         try:
-            given = [None] * len(items) if self.alias is None else [self.alias.data_url_key(i, sglang) for i in items]
+            alias = self.alias
+            given = [None] * len(items) if alias is None else await data_url_keys(alias, items, sglang)
             early = [self._alias_hit(key, leased) for key in given]  # a resent data: URL: not even decoded
             # a failed fetch ends its siblings before the request's admission is given back
             fetched = await all_or_none(*(self._fetch(i, item, early[i]) for i, item in enumerate(items)))
             work = [(item.modality, data) for item, (data, _) in zip(items, fetched)]
             tracks = [n for n, item in enumerate(items) if item.use_audio_in_video]
             jobs = work + [("audio", work[n][1]) for n in tracks]
-            alias = self.alias
             keys = [None] * len(jobs) if alias is None else await alias_keys(alias, jobs, len(items), sglang, given)
             found = [*early, *[None] * len(tracks)]
             results: list[PreparedItem | MediaError | None] = [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eric_epd.common.errors import ApiError
-from eric_epd.eric.alias import RawAlias, alias_keys, light
+from eric_epd.eric.alias import RawAlias, alias_keys, data_url_keys, light
 from eric_epd.eric.answers import OutputSpec, Staging
 from eric_epd.eric.config import EricConfig
 from eric_epd.eric.launch import transfer_hub
@@ -141,6 +141,13 @@ def test_a_data_urls_key_is_its_texts_apart_from_any_bytes_key() -> None:
     with_track = EncodeItem(id="0", modality="video", url="data:video/mp4;base64,AA==", use_audio_in_video=True)
     assert alias.data_url_key(with_track) is None  # keyed by its bytes, as its soundtrack is
     assert RawAlias(8, {"image": b"s"}).data_url_key(EncodeItem(id="0", modality="audio", url=url)) is None
+
+
+def test_large_data_urls_are_keyed_off_the_event_loop_to_the_same_keys() -> None:
+    alias = RawAlias(4, SALTS)
+    items = [EncodeItem(id="0", modality="image", url="data:image/png;base64," + "A" * 300_000)]
+    items.append(EncodeItem(id="1", modality="image", url="https://host/a.png"))
+    assert asyncio.run(data_url_keys(alias, items)) == [alias.data_url_key(items[0]), None]
 
 
 def test_large_bytes_are_keyed_off_the_event_loop_to_the_same_keys() -> None:
