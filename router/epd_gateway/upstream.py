@@ -31,12 +31,17 @@ RETRY_ONCE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """A pooled keep-alive connection the server had closed: the request never reached it, so it is sent again."""
 
 
-def new_session(config: GatewayConfig) -> aiohttp.ClientSession:
-    """One per gateway process. Idle connections are dropped before an upstream's keep-alive timeout (uvicorn's
-    is 5 s) closes them under us; sock_read bounds the wait for each chunk, not the whole (streamed) answer."""
+def pooled_session(timeout: aiohttp.ClientTimeout, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
+    """A pooled session to upstreams the gateway trusts (`headers` on every call). Idle connections are dropped
+    before an upstream's keep-alive timeout (uvicorn's is 5 s) closes them under us."""
     connector = aiohttp.TCPConnector(limit=512, keepalive_timeout=2.0)
-    timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=config.upstream_timeout_s)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, auto_decompress=False)
+
+
+def new_session(config: GatewayConfig) -> aiohttp.ClientSession:
+    """The engines' session, one per gateway process; sock_read bounds the wait for each chunk, not the whole
+    (streamed) answer."""
+    return pooled_session(aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=config.upstream_timeout_s))
 
 
 @dataclass(frozen=True)
