@@ -137,24 +137,19 @@ def test_a_data_urls_key_is_its_texts_apart_from_any_bytes_key() -> None:
         alias.data_url_key(EncodeItem(id="0", modality="video", url=url)),
     }
     assert key not in others and len(others) == 5
-    assert alias.data_url_key(EncodeItem(id="0", modality="image", url="https://host/a.png")) is None
     with_track = EncodeItem(id="0", modality="video", url="data:video/mp4;base64,AA==", use_audio_in_video=True)
     assert alias.data_url_key(with_track) is None  # keyed by its bytes, as its soundtrack is
     assert RawAlias(8, {"image": b"s"}).data_url_key(EncodeItem(id="0", modality="audio", url=url)) is None
 
 
-def test_large_data_urls_are_keyed_off_the_event_loop_to_the_same_keys() -> None:
-    alias = RawAlias(4, SALTS)
-    items = [EncodeItem(id="0", modality="image", url="data:image/png;base64," + "A" * 300_000)]
-    items.append(EncodeItem(id="1", modality="image", url="https://host/a.png"))
-    assert asyncio.run(data_url_keys(alias, items)) == [alias.data_url_key(items[0]), None]
-
-
-def test_large_bytes_are_keyed_off_the_event_loop_to_the_same_keys() -> None:
+def test_large_bytes_and_data_urls_are_keyed_off_the_event_loop_to_the_same_keys() -> None:
     alias = RawAlias(4, SALTS)
     jobs = [("video", bytes(300_000)), ("audio", bytes(300_000))]
     keys = asyncio.run(alias_keys(alias, jobs, 1))
     assert keys == [alias.key("video", jobs[0][1]), alias.key("audio", jobs[1][1], soundtrack=True)]
+    items = [EncodeItem(id="0", modality="image", url="data:image/png;base64," + "A" * 300_000)]
+    items.append(EncodeItem(id="1", modality="image", url="https://host/a.png"))
+    assert asyncio.run(data_url_keys(alias, items)) == [alias.data_url_key(items[0]), None]
 
 
 # ---------------------------------------------------------------- through EncodeService (fake engine, real pool)
@@ -249,8 +244,7 @@ def test_a_resent_item_still_in_the_pool_is_leased_without_being_prepared() -> N
 
 def test_a_resent_data_url_is_neither_fetched_nor_prepared_and_a_failing_sibling_gives_its_lease_back() -> None:
     async def run() -> None:
-        engine = FakeEngine()
-        url = "data:image/png;base64,eA=="
+        engine, url = FakeEngine(), "data:image/png;base64,eA=="
         request = [EncodeItem(id="0", modality="image", url=url)]
         with _service(engine) as (service, media, metrics):
             first = await _encoded(service, engine, request)
@@ -258,8 +252,7 @@ def test_a_resent_data_url_is_neither_fetched_nor_prepared_and_a_failing_sibling
             again = await asyncio.wait_for(service.encode(request), 5)
             assert media.fetched == [url] and len(media.prepared) == 1 and _hits(metrics) == 1  # not decoded again
             assert again[0].handle.hash == first[0].handle.hash and again[0].prepared.aliased
-            entry = service.hub.pool.get(first[0].handle.hash)
-            assert entry is not None and len(entry.leases) == 2
+            assert (entry := service.hub.pool.get(first[0].handle.hash)) is not None and len(entry.leases) == 2
             with pytest.raises(ApiError) as refused:  # the hit leased before its sibling's fetch failed
                 await service.encode([*request, EncodeItem(id="1", modality="image", url="unreachable")])
             assert refused.value.status == 400 and "item 1" in refused.value.message and len(entry.leases) == 2
