@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from eric_epd.models.facts import ModelFacts
-from eric_epd.models.processor import PixelNormalize, ProcessedItem
+from eric_epd.models.processor import PixelNormalize, ProcessedItem, repeat_rows
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import INPUT_DTYPES, WorkItem, pack_spec, unpack_spec
 from eric_epd.runtime.workload import INPUT_BYTES, Workload
@@ -36,7 +36,11 @@ class EncodeSpec(msgspec.Struct, array_like=True, frozen=True, tag="encode"):
     modality: str
     grid_thw: tuple[int, int, int]
     patch_dim: int
+    """Values per row the encoder takes."""
     levels: Levels | None = None
+    repeat: int = 1
+    """With `levels`: the rows sent hold patch_dim / repeat values, each channel block of which the worker repeats
+    `repeat` times (an image's one frame over the temporal patch: ProcessedItem.repeat)."""
 
 
 def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -> WorkItem:
@@ -49,9 +53,9 @@ def work_item(key: str, item: ProcessedItem, out_offset: int, out_nbytes: int) -
         from eric_epd.eric.generic import generic_work_item
 
         return generic_work_item(key, item, out_offset, out_nbytes)
-    rows, patch_dim = item.pixel_values.shape
+    rows, sent = item.pixel_values.shape
     levels = Levels(*item.levels.settings) if item.levels is not None else None
-    spec = pack_spec(EncodeSpec(item.modality, item.grid_thw, patch_dim, levels))
+    spec = pack_spec(EncodeSpec(item.modality, item.grid_thw, sent * item.repeat, levels, item.repeat))
     return WorkItem(key, item.modality, rows, out_offset, out_nbytes, spec, str(item.pixel_values.dtype))
 
 
@@ -114,10 +118,13 @@ class EncoderWorkload:
             return f"item {item.key}: {item.cost} patches is not a whole number of merged tokens"
         if (item.input_dtype == "uint8") != (spec.levels is not None):
             return f"item {item.key}: {item.input_dtype} pixels {'without' if spec.levels is None else 'with'} levels"
-        if input_nbytes != item.cost * spec.patch_dim * INPUT_DTYPES[item.input_dtype]:
-            return (
-                f"item {item.key}: {input_nbytes} pixel bytes, expected {item.cost}x{spec.patch_dim} {item.input_dtype}"
-            )
+        if spec.patch_dim != self.pixel_row:
+            return f"item {item.key}: rows of {spec.patch_dim} values; this encoder takes {self.pixel_row}"
+        if spec.repeat < 1 or spec.patch_dim % spec.repeat or (spec.repeat > 1 and spec.levels is None):
+            return f"item {item.key}: rows repeated {spec.repeat} times (levels only, a divisor of {spec.patch_dim})"
+        sent = spec.patch_dim // spec.repeat
+        if input_nbytes != item.cost * sent * INPUT_DTYPES[item.input_dtype]:
+            return f"item {item.key}: {input_nbytes} pixel bytes, expected {item.cost}x{sent} {item.input_dtype}"
         return None
 
     def max_batch_input_bytes(self, config: RuntimeConfig) -> int:
@@ -166,31 +173,44 @@ class EncoderRunner:
         specs = [unpack_spec(i, EncodeSpec) for i in items]
         if any(s is None for s in specs):
             raise RuntimeError("a batch item is not an encode item")
-        patch_dim = specs[0].patch_dim  # type: ignore[union-attr]
         grid = torch.tensor(
             [list(s.grid_thw) for s in specs],
             dtype=torch.int64,  # type: ignore[union-attr]
             device=inputs.device,
         )
-        out = self.encoder(self._pixels(specs, inputs.view(-1, patch_dim)), grid)  # type: ignore[arg-type]
+        out = self.encoder(self._pixels(specs, inputs.reshape(-1)), grid)  # type: ignore[arg-type]
         counts = [i.cost // self.merge_unit for i in items]
         if out.dim() != 2 or out.shape[0] != sum(counts):
             raise RuntimeError(f"encoder returned shape {list(out.shape)}, expected {sum(counts)} tokens")
         return list(out.to(self.row_dtype).split(counts))
 
-    def _pixels(self, specs: list[EncodeSpec], rows: torch.Tensor) -> torch.Tensor:
-        """The batch's rows in the compute dtype: uint8 levels normalized item by item (float32 arithmetic, on the
-        device: HF's processor's values), float32 rows cast."""
-        if rows.dtype != torch.uint8:
-            return rows.to(self.dtype)
-        out, start = rows.to(torch.float32), 0  # one conversion for the batch, normalized in place item by item
-        for spec in specs:
-            n = spec.grid_thw[0] * spec.grid_thw[1] * spec.grid_thw[2]
-            if spec.levels is None:
-                raise RuntimeError("uint8 rows without the levels that normalize them")
-            normalize = self._normalizers.get(spec.levels)
-            if normalize is None:
-                normalize = self._normalizers[spec.levels] = PixelNormalize(*msgspec.structs.astuple(spec.levels))
-            normalize.rows_(out[start : start + n])
-            start += n
+    def _pixels(self, specs: list[EncodeSpec], flat: torch.Tensor) -> torch.Tensor:
+        """The batch's rows in the compute dtype from its flat inputs: uint8 levels normalized and repeated item by
+        item (float32 arithmetic, on the device: HF's processor's values), float32 rows cast."""
+        patch_dim = specs[0].patch_dim
+        if any(s.patch_dim != patch_dim for s in specs):
+            raise RuntimeError(f"a batch mixes rows of {sorted({s.patch_dim for s in specs})} values")
+        if flat.dtype != torch.uint8:
+            return flat.view(-1, patch_dim).to(self.dtype)
+        counts = [s.grid_thw[0] * s.grid_thw[1] * s.grid_thw[2] for s in specs]
+        out = torch.empty((sum(counts), patch_dim), dtype=torch.float32, device=flat.device)
+        row = start = 0
+        for spec, n in zip(specs, counts):
+            normalize = self._normalizer(spec)
+            width = patch_dim // spec.repeat
+            sent, region = flat[start : start + n * width].view(n, width), out[row : row + n]
+            if spec.repeat == 1:
+                normalize.rows_(region.copy_(sent))
+            else:  # normalized once, then copied over the temporal patch
+                repeat_rows(normalize.rows_(sent.to(torch.float32)), normalize.channels, spec.repeat, region)
+            start, row = start + n * width, row + n
         return out.to(self.dtype)
+
+    def _normalizer(self, spec: EncodeSpec) -> PixelNormalize:
+        """The PixelNormalize of `spec`'s levels, built (and checked against its table) once per settings."""
+        if spec.levels is None:
+            raise RuntimeError("uint8 rows without the levels that normalize them")
+        normalize = self._normalizers.get(spec.levels)
+        if normalize is None:
+            normalize = self._normalizers[spec.levels] = PixelNormalize(*msgspec.structs.astuple(spec.levels))
+        return normalize

@@ -41,15 +41,19 @@ class ProcessedItem:
     levels: PixelNormalize | None = None
     """When set, `pixel_values` are uint8 levels in the encoder's row layout, and this turns them into its float32
     input (on the worker's device: a quarter of the bytes cross the processes); None: float32 input already."""
+    repeat: int = 1
+    """With `levels`: how many times the encoder's row holds each of `pixel_values`' channel blocks (an image's one
+    frame, which HF's processor copies over the temporal patch: `repeat_rows`, run on the worker's device)."""
 
     def float_pixels(self) -> np.ndarray:
-        """The encoder's float32 input rows: `pixel_values` normalized by `levels` (HF's processor's values), or as
-        they are."""
+        """The encoder's float32 input rows: `pixel_values` normalized by `levels` and repeated (HF's processor's
+        values), or as they are."""
         if self.levels is None:
             return self.pixel_values
         import torch
 
-        return self.levels.rows_(torch.from_numpy(self.pixel_values).to(torch.float32)).numpy()
+        rows = self.levels.rows_(torch.from_numpy(self.pixel_values).to(torch.float32))
+        return repeat_rows(rows, self.levels.channels, self.repeat).numpy()
 
 
 class BaseModalityProcessor(ABC):
@@ -110,6 +114,20 @@ def frames_to_rgb_array(frames: np.ndarray) -> np.ndarray:
     if frames.shape[-1] == 1:
         frames = np.repeat(frames, 3, axis=-1)
     return frames if frames.flags.writeable else frames.copy()
+
+
+def repeat_rows(rows: torch.Tensor, channels: int, repeat: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, C*k) rows of `channels` blocks as (n, C*repeat*k) rows, each block repeated `repeat` times in place (HF's
+    layout of one frame copied over the temporal patch); written into `out` (n, C*repeat*k) when given."""
+    n, width = rows.shape
+    if width % channels:
+        raise ValueError(f"rows of {width} values do not split into {channels} channels")
+    k = width // channels
+    blocks = rows.view(n, channels, 1, k).expand(n, channels, repeat, k)
+    if out is None:
+        return blocks.reshape(n, channels * repeat * k)
+    out.view(n, channels, repeat, k).copy_(blocks)
+    return out
 
 
 # ---- resize ------------------------------------------------------------------------------------------

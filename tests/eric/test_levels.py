@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoImageProcessor
 
 from eric_epd.eric.workload import EncoderRunner, EncoderWorkload, EncodeSpec, Levels, work_item
@@ -63,6 +64,37 @@ def test_validate_matches_dtype_levels_and_bytes(qwen2_vl_tiny: Path) -> None:
     spec = msgspec.msgpack.decode(work.spec, type=EncodeSpec)
     bare = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, levels=None)))
     assert "uint8 pixels without levels" in workload.validate(bare, item.pixel_values.nbytes)
+    assert spec.repeat == 2 and spec.patch_dim == 2 * item.pixel_values.shape[1]  # one frame sent, repeated there
+    whole = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, repeat=1)))
+    assert "pixel bytes" in workload.validate(whole, item.pixel_values.nbytes)
+    assert workload.validate(whole, 2 * item.pixel_values.nbytes) is None
+    odd = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, repeat=5)))
+    assert "repeated 5 times" in workload.validate(odd, item.pixel_values.nbytes)
+    narrow = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, patch_dim=588, repeat=1)))
+    assert "this encoder takes 1176" in workload.validate(narrow, item.pixel_values.nbytes)
+
+
+def test_a_batch_of_repeated_and_whole_rows_equals_each_alone(qwen2_vl_tiny: Path) -> None:
+    """An image's one-frame rows (repeated on the worker) and a one-frame video's whole rows in one batch: each
+    item's rows are found at its own offset and equal its rows alone (to rounding); the two items' rows are equal."""
+    processor, runner = load_processor(qwen2_vl_tiny), _runner(qwen2_vl_tiny)
+    frame = np.asarray(random_image(84, 56, 4))
+    image, video = processor.process_image(Image.fromarray(frame)), processor.process_video(frame[None])
+    assert (image.repeat, video.repeat) == (2, 1)
+    work = [work_item("i", image, 0, 0), work_item("v", video, 0, 0)]
+    flat = torch.cat(
+        [torch.from_numpy(image.pixel_values).reshape(-1), torch.from_numpy(video.pixel_values).reshape(-1)]
+    )
+    both = runner.run(work, flat)
+    alone = [runner.run([w], torch.from_numpy(it.pixel_values))[0] for w, it in zip(work, (image, video))]
+    for got, want in zip(both, alone):  # a batch's GEMMs block otherwise than one item's: rounding apart
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(both[0], both[1], rtol=0, atol=1e-4)
+    # negative control: the same bytes in the other order are read at the wrong offsets and give other rows
+    swapped = runner.run(
+        work, torch.cat([torch.from_numpy(video.pixel_values).reshape(-1), flat[: image.pixel_values.size]])
+    )
+    assert (swapped[0] - alone[0]).abs().max() > 1e-2
 
 
 def test_engine_refuses_an_unknown_input_dtype() -> None:

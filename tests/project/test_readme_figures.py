@@ -254,6 +254,8 @@ FIGURES: list[Figure] = [
     Figure("geri_throughput.json", geri),
     Figure("host_path.json", host.host_path),
     Figure("host_path.json", host.host_cpu),
+    Figure("host_path.json", host.host_path_brief),
+    Figure("host_path_before.json", host.host_path_brief),
     Figure("eric_repeat.json", host.repeat),
     Figure("eric_repeat_before.json", host.repeat),
     Figure("eric_repeat_small.json", host.repeat),

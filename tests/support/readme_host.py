@@ -32,6 +32,15 @@ def host_path(d: dict) -> str:
     )
 
 
+def host_path_brief(d: dict) -> str:
+    """Eric's ratios and its ms per item at 1024 px: how a run of other code compares."""
+    rows = {r["set"]: r for r in d["table"]}
+    vs_vllm = span([r["eric_speedup_vs_vllm"] for r in d["table"]], x)
+    vs_decode = span([r["eric_over_decode"] for r in d["table"]], x)
+    at_1024 = ", ".join(f"{NAMES[k]} {_ms(rows[f'{k}_1024']['ms_per_item']['eric'])} ms" for k in ("jpeg", "png"))
+    return f"Eric vs vLLM {vs_vllm}, Eric / decode {vs_decode}; Eric at 1024 px: {at_1024}"
+
+
 def host_cpu(d: dict) -> str:
     """The CPU the host-path run measured, with its vector ISA."""
     cpu = d["config"]["cpu"]
