@@ -72,6 +72,12 @@ def repeat(d: dict) -> str:
     )
 
 
+def gemm_rates(d: dict) -> str:
+    """The recorded CPU's matmul rates per dtype (one core), as the run measured them."""
+    flops = d["matmul_flops"]
+    return f"bfloat16 GEMMs at {flops['bfloat16'] / 1e9:.0f} against {flops['float32'] / 1e9:.0f} GFLOP/s in float32"
+
+
 def _first(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
 
