@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eric_epd.models.crop_tower import CropTower, CropTowerEncoder, check_tower_tp
+from eric_epd.models.layers.attention import dense_attention
 from eric_epd.models.layers.config import config_to_dict
 from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import QKVParallelLinear, RowParallelLinear, TPContext
@@ -83,7 +84,7 @@ class SiglipAttention(nn.Module):
         """(B, L, dim) -> (B, L, dim): this rank's heads attend over each crop's tokens, summed over ranks."""
         batch, length, _ = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        out = dense_attention(q, k, v, self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 

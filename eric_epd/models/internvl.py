@@ -9,11 +9,11 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eric_epd.models.crop_tower import CropTower, CropTowerEncoder, check_tower_tp
 from eric_epd.models.layers.activations import get_activation
+from eric_epd.models.layers.attention import dense_attention
 from eric_epd.models.layers.config import config_to_dict
 from eric_epd.models.layers.mlp import VisionMLP
 from eric_epd.models.layers.parallel import QKVParallelLinear, RowParallelLinear, TPContext, copy_into, read_rows
@@ -144,7 +144,7 @@ class InternVisionAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.reshape(batch, length, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        out = dense_attention(q, k, v, self.head_dim**-0.5)
         return self.projection_layer(out.transpose(1, 2).reshape(batch, length, self.local))
 
 

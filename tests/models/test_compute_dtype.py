@@ -18,6 +18,7 @@ from eric_epd.eric.workload import EncoderRunner, encoder_workload, work_item
 from eric_epd.media.synthetic import random_image
 from eric_epd.models.compute_dtype import choose_compute_dtype, compute_dtype, cpu_units
 from eric_epd.models.facts import ModelFacts
+from eric_epd.models.layers import attention
 from eric_epd.models.layers.parallel import TPContext
 from eric_epd.models.registry import load_processor
 from eric_epd.runtime.executor.device_io import DeviceIO
@@ -104,10 +105,15 @@ def test_worker_logs_its_choice(caplog: pytest.LogCaptureFixture) -> None:
     assert cpu_units() <= {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"}
 
 
-def test_runner_computes_in_one_dtype_and_sends_another(qwen2_5_vl_tiny: Path) -> None:
-    """float32 compute with bfloat16 rows: the float32 tower's rows cast to bfloat16, bit for bit. bfloat16 compute:
+@pytest.mark.parametrize("gemms", [False, True], ids=["flash-attention", "gemm-attention"])
+def test_runner_computes_in_one_dtype_and_sends_another(
+    qwen2_5_vl_tiny: Path, monkeypatch: pytest.MonkeyPatch, gemms: bool
+) -> None:
+    """float32 compute with bfloat16 rows: the float32 tower's rows cast to bfloat16, bit for bit. bfloat16 compute,
+    its attention by torch's SDPA or by bfloat16 GEMMs (as on a CPU with AVX512-BF16 and no AMX), whatever this CPU:
     within BFLOAT16_TOWER_FROM_FLOAT32 of the float32 rows; the negative control, another image's bfloat16 rows
     (same sizes), is not, nor are the float32 rows with noise at ten times the bound."""
+    monkeypatch.setattr(attention, "_bf16_gemm_attention", lambda: gemms)
     reference = _rows(_runner(qwen2_5_vl_tiny, "float32", "auto"), qwen2_5_vl_tiny, seed=0)
     cast = _runner(qwen2_5_vl_tiny, "bfloat16", "float32")
     assert cast.dtype is torch.float32 and cast.row_dtype is torch.bfloat16

@@ -1,5 +1,6 @@
 """Variable-length attention over packed sequences (flash-attn or torch's varlen kernel on CUDA, length-grouped
-SDPA otherwise) and the 2-D vision rotary embedding of Qwen2-VL / Qwen2.5-VL, applied in float32 as HF does."""
+attention otherwise: `dense_attention`) and the 2-D vision rotary embedding of Qwen2-VL / Qwen2.5-VL, applied in
+float32 as HF does."""
 
 from __future__ import annotations
 
@@ -40,6 +41,54 @@ def torch_varlen() -> Callable | None:
 def cuda_varlen_kernel() -> str:
     """Which varlen kernel a CUDA fp16/bf16 forward uses: "flash_attn", "torch", or "sdpa" (length-grouped SDPA)."""
     return "flash_attn" if flash_varlen() is not None else "torch" if torch_varlen() is not None else "sdpa"
+
+
+GEMM_CHUNK_BYTES = 16 << 20
+"""The most bytes of attention scores `gemm_attention` holds at once (queries are taken in chunks to stay under it)."""
+
+
+def bf16_gemm_attention_for(units: frozenset[str]) -> bool:
+    """Whether bfloat16 attention on a CPU with `units` (compute_dtype.UNITS' names) goes through bfloat16 GEMMs:
+    with AVX512-BF16 and no AMX-BF16, torch's CPU flash kernel computes bfloat16 as fast as float32 only (its
+    reduced-precision GEMMs need AMX), while torch's bfloat16 GEMMs run at 4x float32's."""
+    return "avx512_bf16" in units and "amx_bf16" not in units
+
+
+@functools.cache
+def _bf16_gemm_attention() -> bool:
+    """bf16_gemm_attention_for on this process's CPU, asked (and logged) once."""
+    from eric_epd.models.compute_dtype import cpu_units
+
+    chosen = bf16_gemm_attention_for(cpu_units())
+    if chosen:
+        logger.info("bfloat16 attention on this CPU goes through bfloat16 GEMMs: it has AVX512-BF16 and no AMX-BF16")
+    return chosen
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Non-causal attention of (..., heads, L, d) q, k, v: torch's SDPA, or `gemm_attention` for bfloat16 on a CPU
+    where that is faster (bf16_gemm_attention_for)."""
+    if q.dtype == torch.bfloat16 and not q.is_cuda and q.device.type == "cpu" and _bf16_gemm_attention():
+        return gemm_attention(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def gemm_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, chunk_bytes: int = GEMM_CHUNK_BYTES
+) -> torch.Tensor:
+    """Non-causal attention of (..., heads, L, d) q, k, v as two GEMMs in their dtype around a softmax (which torch
+    computes in float32 and rounds to that dtype): transformers' eager attention, taken a chunk of queries at a time
+    so that at most `chunk_bytes` of scores exist at once."""
+    length, head_dim = q.shape[-2], q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    keys = k.transpose(-1, -2)
+    per_query = max(1, q[..., 0, 0].numel() * k.shape[-2] * q.element_size())
+    rows = max(1, chunk_bytes // per_query)
+    for start in range(0, length, rows):
+        scores = torch.matmul(q[..., start : start + rows, :] * scale, keys)
+        torch.matmul(torch.softmax(scores, dim=-1), v, out=out[..., start : start + rows, :])
+    return out
 
 
 @dataclass(frozen=True)
@@ -127,9 +176,7 @@ def varlen_attention(
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """(n, L, H, d) in and out."""
-    return F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
-    ).transpose(1, 2)
+    return dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
 
 
 def vision_rotary_cos_sin(
