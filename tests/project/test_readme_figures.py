@@ -261,7 +261,7 @@ FIGURES: list[Figure] = [
     Figure("eric_repeat_small.json", host.repeat),
     Figure("encoder_throughput_amx.json", host.bf16_tower),
     Figure("encoder_throughput_avx512bf16.json", host.bf16_tower),
-    Figure("encoder_throughput_avx512bf16_flash.json", host.bf16_tower),
+    Figure("encoder_throughput_avx512bf16_flash.json", host.bf16_ratios),
     Figure("encoder_throughput_avx512bf16.json", host.gemm_rates),
     Figure(ET, rows.why_float32),
     Figure(
