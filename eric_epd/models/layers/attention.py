@@ -69,7 +69,7 @@ def _bf16_gemm_attention() -> bool:
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Non-causal attention of (..., heads, L, d) q, k, v: torch's SDPA, or `gemm_attention` for bfloat16 on a CPU
     where that is faster (bf16_gemm_attention_for)."""
-    if q.dtype == torch.bfloat16 and not q.is_cuda and q.device.type == "cpu" and _bf16_gemm_attention():
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and _bf16_gemm_attention():
         return gemm_attention(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
