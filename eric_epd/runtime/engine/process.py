@@ -23,6 +23,7 @@ from eric_epd.runtime.engine.messages import (
     decode_frames,
     encode_frames,
 )
+from eric_epd.runtime.quick_exit import then_exit
 from eric_epd.runtime.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=False)
         heartbeat = Heartbeat(ctx)
-        proc = ctx.Process(target=main, args=(config, workload, child_end, heartbeat), name="engine", daemon=False)
+        proc = ctx.Process(
+            target=then_exit, args=(main, config, workload, child_end, heartbeat), name="engine", daemon=False
+        )
         proc.start()
         child_end.close()
         if not parent_end.poll(timeout_s):

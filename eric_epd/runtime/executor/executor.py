@@ -21,6 +21,7 @@ from eric_epd.runtime.executor.messages import (
 )
 from eric_epd.runtime.executor.shm_broadcast import ShmBroadcast
 from eric_epd.runtime.executor.worker import WorkerArgs, main
+from eric_epd.runtime.quick_exit import then_exit
 from eric_epd.runtime.work import Batch, BatchFailedError, BatchOutput, ItemResult, WorkerInfo, WorkersDeadError
 from eric_epd.runtime.workload import Workload
 
@@ -63,8 +64,8 @@ class ModelExecutor:
         dist_init = f"file://{config.run_dir / 'tp-rendezvous'}"  # in the private ipc directory: no port to race for
         self._procs = [
             spawn.Process(
-                target=main,
-                args=(WorkerArgs(config, workload, rank, self._broadcast.handle(), dist_init),),
+                target=then_exit,
+                args=(main, WorkerArgs(config, workload, rank, self._broadcast.handle(), dist_init)),
                 name=f"worker-{rank}",
                 daemon=True,
             )
