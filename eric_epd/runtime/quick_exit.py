@@ -14,6 +14,12 @@ def then_exit(entry: Callable[..., None], *args: object) -> None:
     """Run `entry(*args)`; once it returns, flush logging and the standard streams and end the process with status 0.
     An exception propagates as before (multiprocessing prints it and the process exits with status 1)."""
     entry(*args)
+    exit_now()
+
+
+def exit_now() -> None:
+    """Flush logging and the standard streams, then end this process with status 0, skipping the interpreter's
+    teardown (its atexit handlers and finalizers): for a process that has closed what it holds."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

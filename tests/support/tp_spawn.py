@@ -3,9 +3,9 @@ no TCP port is picked, raced for or listened on), and how a rank that saved its 
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
+
+from eric_epd.runtime.quick_exit import exit_now
 
 
 def rendezvous(directory: str | Path) -> str:
@@ -22,6 +22,4 @@ def leave_at_once() -> None:
     called without an active exception" (a C++ thread destroyed while joinable), with no Python error; alone the
     fixture always passed. Whatever went wrong before the results were saved still fails the test: the rank raises,
     or its results file is missing."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
