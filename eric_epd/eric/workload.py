@@ -97,12 +97,14 @@ class EncoderWorkload:
     """EricConfig.compile: "inductor" compiles the tower's parts at load; the warm-up batch compiles them."""
     compute_dtype: str = "auto"
     """EricConfig.compute_dtype: the setting each worker resolves on its own device (models/compute_dtype.py)."""
+    temporal_patch: int = 1
+    """Frames per patch row: the only `repeat` an item's rows may ask for (an image's one frame)."""
 
     @classmethod
     def from_facts(cls, facts: ModelFacts, compile: str = "none", compute_dtype: str = "auto") -> EncoderWorkload:
         """The workload of the checkpoint `facts` describe (the router's, read once), run as `compile` says in
         `compute_dtype`."""
-        return cls(facts.merge_unit, facts.pixel_row, compile, compute_dtype)
+        return cls(facts.merge_unit, facts.pixel_row, compile, compute_dtype, facts.temporal_patch)
 
     def validate(self, item: WorkItem, input_nbytes: int) -> str | None:
         """`Workload` hook: why the engine must refuse this encode item (spec, modality, grid, byte count), or None."""
@@ -120,11 +122,25 @@ class EncoderWorkload:
             return f"item {item.key}: {item.input_dtype} pixels {'without' if spec.levels is None else 'with'} levels"
         if spec.patch_dim != self.pixel_row:
             return f"item {item.key}: rows of {spec.patch_dim} values; this encoder takes {self.pixel_row}"
-        if spec.repeat < 1 or spec.patch_dim % spec.repeat or (spec.repeat > 1 and spec.levels is None):
-            return f"item {item.key}: rows repeated {spec.repeat} times (levels only, a divisor of {spec.patch_dim})"
+        if (problem := self._levels_problem(spec)) is not None:
+            return f"item {item.key}: {problem}"
         sent = spec.patch_dim // spec.repeat
         if input_nbytes != item.cost * sent * INPUT_DTYPES[item.input_dtype]:
             return f"item {item.key}: {input_nbytes} pixel bytes, expected {item.cost}x{sent} {item.input_dtype}"
+        return None
+
+    def _levels_problem(self, spec: EncodeSpec) -> str | None:
+        """Why `spec`'s levels or repeat cannot give the encoder's rows (the worker would fail the whole batch or
+        lay the rows out wrongly), or None. Repeated rows are an image's one frame over the temporal patch."""
+        if spec.repeat not in {1, self.temporal_patch}:
+            return f"rows repeated {spec.repeat} times; this encoder's temporal patch is {self.temporal_patch}"
+        if spec.repeat > 1 and (spec.levels is None or spec.grid_thw[0] != 1 or spec.modality != "image"):
+            return "repeated rows are an image's one frame of uint8 levels"
+        if spec.levels is None:
+            return None
+        channels = len(spec.levels.mean)
+        if channels < 1 or len(spec.levels.std) != channels or (spec.patch_dim // spec.repeat) % channels:
+            return f"levels of {channels} means and {len(spec.levels.std)} stds for rows of {spec.patch_dim} values"
         return None
 
     def max_batch_input_bytes(self, config: RuntimeConfig) -> int:

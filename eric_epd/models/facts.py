@@ -122,6 +122,8 @@ class ModelFacts:
     """The spatial merge size: merge_size**2 patches make one output token."""
     pixel_row: int
     """Values per patch row the encoder takes (channels x temporal patch x patch^2)."""
+    temporal_patch: int = 1
+    """Frames per patch row (an image's one frame is repeated over them)."""
     generic: bool = False
     """Served by the generic path (the checkpoint's HF processor; transformers' own classes at TP 1, or a tower of
     Eric's for GENERIC_TOWER_TYPES); merge_size and pixel_row are then unused."""
@@ -153,7 +155,8 @@ class ModelFacts:
         if "vision_config" not in config:
             raise ValueError(f"{model_dir}/config.json has no vision_config")
         vision = vision_config(model_type, config["vision_config"])  # as the tower reads it
-        row = int(vision["in_channels"]) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
+        temporal = int(vision["temporal_patch_size"])
+        row = int(vision["in_channels"]) * temporal * int(vision["patch_size"]) ** 2
         return cls(
             model_dir,
             model_type,
@@ -161,6 +164,7 @@ class ModelFacts:
             embedding_width(config),
             int(vision["spatial_merge_size"]),
             row,
+            temporal,
             config=config,
         )
 

@@ -70,6 +70,18 @@ def test_validate_matches_dtype_levels_and_bytes(qwen2_vl_tiny: Path) -> None:
     assert workload.validate(whole, 2 * item.pixel_values.nbytes) is None
     odd = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, repeat=5)))
     assert "repeated 5 times" in workload.validate(odd, item.pixel_values.nbytes)
+    # a divisor of the row, but not the temporal patch: the worker would fail the batch (1176) or mislay the rows (4)
+    for repeat in (4, 1176):
+        wide = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, repeat=repeat)))
+        nbytes = item.pixel_values.nbytes * 2 // repeat
+        assert "temporal patch is 2" in workload.validate(wide, nbytes), repeat
+    _, h, w = spec.grid_thw
+    frames = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, grid_thw=(2, h // 2, w))))
+    assert "an image's one frame" in workload.validate(frames, item.pixel_values.nbytes)  # two frames, one sent
+    for mean, std in (((0.5, 0.5), spec.levels.std), ((0.5,) * 5, (0.5,) * 5)):  # unequal; not dividing the row
+        levels = msgspec.structs.replace(spec.levels, mean=mean, std=std)
+        skew = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, levels=levels)))
+        assert "means and" in workload.validate(skew, item.pixel_values.nbytes)
     narrow = msgspec.structs.replace(work, spec=pack_spec(msgspec.structs.replace(spec, patch_dim=588, repeat=1)))
     assert "this encoder takes 1176" in workload.validate(narrow, item.pixel_values.nbytes)
 
