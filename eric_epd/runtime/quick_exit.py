@@ -5,9 +5,13 @@ twice in a row (the router joins the engine, which joins its workers)."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
+
+CHILD_JOIN_S = 5.0
+"""How long exit_now waits for each child process still running (a terminated daemon ends at once)."""
 
 
 def then_exit(entry: Callable[..., None], *args: object) -> None:
@@ -19,7 +23,12 @@ def then_exit(entry: Callable[..., None], *args: object) -> None:
 
 def exit_now() -> None:
     """Flush logging and the standard streams, then end this process with status 0, skipping the interpreter's
-    teardown (its atexit handlers and finalizers): for a process that has closed what it holds."""
+    teardown (its atexit handlers and finalizers): for a process that has closed what it holds. Daemonic children
+    still running (workers an entry point returned without closing) are terminated first, as that teardown would."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.terminate()
+        child.join(CHILD_JOIN_S)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
