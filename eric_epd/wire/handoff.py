@@ -3,7 +3,8 @@ by the gateway alone, and the connector's checks on them: where they point and t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import hashlib
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ __all__ = [
     "offered_handles",
     "offered_producers",
     "offered_soundtracks",
+    "soundtrack_uuid",
     "soundtracks_xargs",
 ]
 
@@ -31,8 +33,10 @@ EXTRA_ARGS_KEY = "eric_handles"
 """Key in vllm_xargs / SamplingParams.extra_args: a JSON list of handles (each with its lease token)."""
 MAX_HANDLES = 256
 SOUNDTRACKS_KEY = "eric_soundtracks"
-"""Key in vllm_xargs: a JSON object, video hash -> its soundtrack's hash, for videos sent with vLLM's
-`use_audio_in_video` (vLLM names the soundtrack after the video's uuid; both handles are in EXTRA_ARGS_KEY's list)."""
+"""Key in vllm_xargs: a JSON list of [video hash, soundtrack hash] pairs, for videos sent with vLLM's
+`use_audio_in_video` (both handles are in EXTRA_ARGS_KEY's list). vLLM names a soundtrack after its video's uuid, so
+such a video's uuid is soundtrack_uuid of the pair: two videos of the same frames with other soundtracks are never
+one item to vLLM (its caches would give one the other's soundtrack)."""
 
 
 def handles_xargs(handles: Iterable[dict[str, Any] | EmbeddingHandle]) -> dict[str, str]:
@@ -107,24 +111,31 @@ def model_embedding_widths(model_config: Any) -> dict[str, int]:
     return embedding_widths(model_config.hf_config.to_dict())
 
 
-def soundtracks_xargs(pairs: dict[str, str]) -> dict[str, str]:
-    """The vllm_xargs entry that tells the connector which handle is which video's soundtrack (video hash -> audio
-    hash); none for no pairs."""
-    return {SOUNDTRACKS_KEY: msgspec.json.encode(pairs).decode()} if pairs else {}
+def soundtrack_uuid(video: str, soundtrack: str) -> str:
+    """The uuid of a video sent with its soundtrack, which vLLM also names the soundtrack after: both content hashes,
+    hashed (a video's own hash covers only its frames)."""
+    return hashlib.sha256(f"eric-epd/audio-in-video\0{video}\0{soundtrack}".encode()).hexdigest()
 
 
-def offered_soundtracks(extra_args: dict[str, Any] | None, handles: Collection[str]) -> dict[str, str]:
-    """video hash -> soundtrack hash from a request's extra_args, each a pair of `handles` (HandleError otherwise)."""
+def soundtracks_xargs(pairs: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """The vllm_xargs entry that tells the connector which handle is which video's soundtrack ((video hash, audio
+    hash) pairs); none for no pairs."""
+    return {SOUNDTRACKS_KEY: msgspec.json.encode(list(pairs)).decode()} if pairs else {}
+
+
+def offered_soundtracks(extra_args: dict[str, Any] | None, handles: Collection[str]) -> list[tuple[str, str]]:
+    """(video hash, soundtrack hash) pairs from a request's extra_args, each a pair of `handles` (HandleError
+    otherwise)."""
     raw = (extra_args or {}).get(SOUNDTRACKS_KEY)
     if raw is None:
-        return {}
+        return []
     try:
-        pairs = msgspec.json.decode(raw if isinstance(raw, str | bytes) else b"", type=dict[str, str])
+        pairs = msgspec.json.decode(raw if isinstance(raw, str | bytes) else b"", type=list[tuple[str, str]])
     except msgspec.DecodeError as e:
-        raise HandleError(f"{SOUNDTRACKS_KEY} is not a JSON object of hashes: {e}") from e
+        raise HandleError(f"{SOUNDTRACKS_KEY} is not a JSON list of hash pairs: {e}") from e
     if len(pairs) > MAX_HANDLES:
         raise HandleError(f"{len(pairs)} soundtracks > {MAX_HANDLES}")
-    stray = next((f"{v[:16]}/{a[:16]}" for v, a in pairs.items() if v not in handles or a not in handles), None)
+    stray = next((f"{v[:16]}/{a[:16]}" for v, a in pairs if v not in handles or a not in handles), None)
     if stray is not None:
         raise HandleError(f"{SOUNDTRACKS_KEY} pairs {stray}, not both among the request's handles")
     return pairs

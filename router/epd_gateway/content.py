@@ -17,7 +17,7 @@ from eric_epd.media.engine_probe import Reader, check_for_engine, data_url_reade
 from eric_epd.media.url_policy import MediaError, UrlPolicy, url_scheme
 from eric_epd.wire.eric import MEDIA, EncodedItem
 from eric_epd.wire.handles import EmbeddingHandle
-from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
+from eric_epd.wire.handoff import handles_xargs, soundtrack_uuid, soundtracks_xargs
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
 """The content part types the gateway routes, by their item's modality."""
@@ -166,23 +166,24 @@ def inlined_refs(body: dict[str, Any], refs: list[MediaRef]) -> list[MediaRef]:
 
 def with_embeddings(body: dict[str, Any], refs: list[MediaRef], items: list[EncodedItem]) -> dict[str, Any]:
     """A copy of the request whose media parts are keyed by Eric's content hash (the gateway mints every uuid, from
-    content Eric encoded), with the handles and their lease tokens beside it. An item placed by its grid becomes a
-    metadata-only embeds part; an item placed by its media (the generic path) keeps its part as it is in `body`,
-    which then has its media inlined, and gains the uuid: the engine's own processor lays out its placeholder and
-    the connector fills it with Eric's rows."""
+    content Eric encoded; a video with its soundtrack by soundtrack_uuid of both), with the handles and their lease
+    tokens beside it. An item placed by its grid becomes a metadata-only embeds part; an item placed by its media
+    (the generic path) keeps its part as it is in `body`, which then has its media inlined, and gains the uuid: the
+    engine's own processor lays out its placeholder and the connector fills it with Eric's rows."""
     out = dict(body)
     out["messages"] = copy.deepcopy(body["messages"])
     for ref, item in zip(refs, items, strict=True):
         content = out["messages"][ref.message]["content"]
+        uuid = item.hash if item.soundtrack is None else soundtrack_uuid(item.hash, item.soundtrack.hash)
         if item.placement == MEDIA:
-            content[ref.part] = {**content[ref.part], "uuid": item.hash}
+            content[ref.part] = {**content[ref.part], "uuid": uuid}
             continue
         kind = f"{ref.modality}_embeds"
         fields: dict[str, Any] = {f"{ref.modality}_grid_thw": item.grid_thw}
         if item.timestamps is not None:  # Qwen3-VL videos: vLLM writes each temporal step's time into the prompt
             fields["timestamps"] = item.timestamps
-        content[ref.part] = {"type": kind, kind: fields, "uuid": item.hash}
-    pairs = {item.hash: item.soundtrack.hash for item in items if item.soundtrack is not None}
+        content[ref.part] = {"type": kind, kind: fields, "uuid": uuid}
+    pairs = [(item.hash, item.soundtrack.hash) for item in items if item.soundtrack is not None]
     # one handle per content (the others' leases go back: spare_handles), and which is which video's soundtrack
     out["vllm_xargs"] = handles_xargs(kept_handles(items).values()) | soundtracks_xargs(pairs)
     return out

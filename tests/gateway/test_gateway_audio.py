@@ -33,7 +33,7 @@ from eric_epd.testing.exactness import NEAR_TIE_FLOAT32, assert_greedy_agree, as
 from eric_epd.testing.media import audio_bytes, data_url, image_data_url, video_bytes
 from eric_epd.testing.stack import ask_token_ids, image_messages, metric, wait_for
 from eric_epd.wire.eric import GRID, MEDIA, EncodedItem
-from eric_epd.wire.handoff import EXTRA_ARGS_KEY, SOUNDTRACKS_KEY
+from eric_epd.wire.handoff import EXTRA_ARGS_KEY, SOUNDTRACKS_KEY, soundtrack_uuid
 from tests.support.encoded import encoded
 
 RATE = 16000
@@ -185,14 +185,15 @@ OMNI_ERIC = EncoderState(
 
 def test_a_video_with_its_soundtrack_goes_epd_with_both_handles_and_the_pair() -> None:
     """The video goes to the Erics asking for its soundtrack; the engine gets the option, the video keyed by its
-    hash, every handle (the soundtrack's too) and which is which video's soundtrack."""
+    hash and its soundtrack's (soundtrack_uuid), every handle (the soundtrack's too) and which is which video's
+    soundtrack."""
     path, sent, engine = _chat([OMNI_ERIC], _talkie())
     assert path == "epd"
     assert [(r.modality, r.with_audio) for r in sent] == [("video", True), ("image", False)]
     assert engine["mm_processor_kwargs"] == {"use_audio_in_video": True}
-    assert engine["messages"][0]["content"][0]["uuid"] == f"{0:064x}"
+    assert engine["messages"][0]["content"][0]["uuid"] == soundtrack_uuid(f"{0:064x}", f"{100:064x}")
     assert [h["lease"] for h in orjson.loads(engine["vllm_xargs"][EXTRA_ARGS_KEY])] == ["t0", "t1", "s0"]
-    assert orjson.loads(engine["vllm_xargs"][SOUNDTRACKS_KEY]) == {f"{0:064x}": f"{100:064x}"}
+    assert orjson.loads(engine["vllm_xargs"][SOUNDTRACKS_KEY]) == [[f"{0:064x}", f"{100:064x}"]]
     path, sent, engine = _chat([OMNI_ERIC], _talkie(False))
     assert path == "epd" and not any(r.with_audio for r in sent) and SOUNDTRACKS_KEY not in engine["vllm_xargs"]
     assert "mm_processor_kwargs" not in engine  # inert, and it would rename every item vLLM hashes

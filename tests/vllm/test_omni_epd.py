@@ -26,7 +26,7 @@ from eric_epd.testing.lookahead import Cpus, Launched, Lookahead, lookahead_fixt
 from eric_epd.testing.media import audio_bytes, data_url, image_bytes, random_image, video_bytes, video_with_audio_bytes
 from eric_epd.testing.pools import held_bytes
 from eric_epd.testing.stack import ask_token_ids, metric, wait_for
-from eric_epd.wire.handoff import handles_xargs, soundtracks_xargs
+from eric_epd.wire.handoff import handles_xargs, soundtrack_uuid, soundtracks_xargs
 
 pytestmark = pytest.mark.exactness
 
@@ -167,10 +167,10 @@ def test_a_video_with_its_soundtrack_goes_epd_and_answers_like_vllm(stack: tuple
     assert resp.status_code == 200, resp.text
     (video,) = resp.json()["items"]
     sound = video["soundtrack"]
-    xargs = handles_xargs([video["handle"], sound["handle"]]) | soundtracks_xargs({video["hash"]: sound["hash"]})
+    xargs = handles_xargs([video["handle"], sound["handle"]]) | soundtracks_xargs([(video["hash"], sound["hash"])])
     epd, _ = ask_token_ids(
         vllm.url,
-        _messages(items, [video["hash"]]),
+        _messages(items, [soundtrack_uuid(video["hash"], sound["hash"])]),  # as the gateway names them
         key=vllm.api_key,
         max_tokens=MAX_TOKENS,
         extra={**option, "vllm_xargs": xargs},

@@ -1,13 +1,14 @@
 """The identifiers vLLM 0.32 gives a request's items when it carries `use_audio_in_video` (a processor option, so
-every item is named by a hash of its uuid and the options, and a video's soundtrack by the video's uuid), mapped to the
-Eric handles that hold their rows."""
+every item is named by a hash of its uuid and the options, and a video's soundtrack by the video's uuid: the gateway's
+soundtrack_uuid of the pair), mapped to the Eric handles that hold their rows."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from eric_epd.wire.handles import EmbeddingHandle
+from eric_epd.wire.handoff import soundtrack_uuid
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +31,19 @@ def vllm_identifier(algorithm: str, model_id: str, modality: str, uuid: str) -> 
 
 
 def audio_in_video_offers(
-    offered: Mapping[str, EmbeddingHandle], soundtracks: Mapping[str, str], algorithm: str, model_id: str
+    offered: Mapping[str, EmbeddingHandle], soundtracks: Sequence[tuple[str, str]], algorithm: str, model_id: str
 ) -> dict[str, EmbeddingHandle]:
     """`offered` (hash -> handle) keyed as vLLM names the items of a `use_audio_in_video` request: each handle under
-    its identifier as an item of any modality, and each video's soundtrack (`soundtracks`: video hash -> audio hash)
-    under the identifier of the audio vLLM takes from that video (its uuid the video's)."""
+    its identifier as an item of any modality; each video with its soundtrack (`soundtracks`: (video hash, audio
+    hash) pairs) under the identifier of its uuid (soundtrack_uuid of the pair), and the soundtrack under the
+    identifier of the audio vLLM takes from that video (its uuid the video's)."""
     keyed = {
         vllm_identifier(algorithm, model_id, modality, key): handle
         for key, handle in offered.items()
         for modality in MODALITIES
     }
-    for video, audio in soundtracks.items():
-        keyed[vllm_identifier(algorithm, model_id, "audio", video)] = offered[audio]
+    for video, audio in soundtracks:
+        uuid = soundtrack_uuid(video, audio)
+        keyed[vllm_identifier(algorithm, model_id, "video", uuid)] = offered[video]
+        keyed[vllm_identifier(algorithm, model_id, "audio", uuid)] = offered[audio]
     return keyed
