@@ -196,11 +196,11 @@ class Processor:
             elif sglang and self._sglang_video is not None:
                 like = self._sglang_video
                 pixels, _, seconds = decode_video(data, self._limits, like.frame_indices, stop, budget)
-                decoded, tag = time.perf_counter(), "|sglang:" + like.fingerprint().decode()
+                decoded, tag = time.perf_counter(), "|sglang:" + like.fingerprint().decode() + _timing(2.0, seconds)
                 item = self._mp.process_video(like.resize(pixels), 2.0, seconds)  # SGLang gives no fps: HF's 2.0
             else:
                 pixels, sampled_fps, seconds = decode_video(data, self._limits, self._mp.frame_indices, stop, budget)
-                decoded = time.perf_counter()
+                decoded, tag = time.perf_counter(), _timing(sampled_fps, seconds)
                 item = self._mp.process_video(pixels, sampled_fps, seconds)
         except ValueError as e:  # the model's processor refuses this input (e.g. its aspect ratio)
             raise MediaError(400, f"the model's processor refuses this {modality}: {e}") from e
@@ -210,7 +210,7 @@ class Processor:
 
     def _content_hash(self, modality: str, pixels: np.ndarray, tag: str = "") -> str:
         """BLAKE3 (256 bits) over the modality's salt, the decoded values' shape (and `tag`: an audio item's sample
-        rate) and the values themselves: a third of sha256's time on a 448 px image's pixels."""
+        rate, a video's timing) and the values themselves: a third of sha256's time on a 448 px image's pixels."""
         h = blake3.blake3(self._salt[modality], max_threads=1)
         h.update(str(pixels.shape).encode() + tag.encode())
         h.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
@@ -220,6 +220,12 @@ class Processor:
         """Stop the preprocessing threads, dropping work not yet started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._video_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _timing(sampled_fps: float, seconds: tuple[float, ...]) -> str:
+    """A video's hash tag for its timing: the same frames at other times (another frame rate) are another video to
+    an engine (Qwen3-VL's timestamps, Qwen2.5-VL's seconds per grid step), whatever rows the tower gives them."""
+    return f"|{sampled_fps!r}fps|" + ",".join(map(repr, seconds))
 
 
 def _chunks(items: list, n: int) -> list[list]:
