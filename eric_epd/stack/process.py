@@ -38,6 +38,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         api_key: str | None = None,
         cpus: tuple[int, ...] | None = None,
+        start_cpus: tuple[int, ...] | None = None,
     ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,6 +48,9 @@ class ServerProcess:
         self._env = env or {}
         self.cpus = cpus
         """The CPUs the process (and everything it starts) is pinned to; None: unpinned."""
+        self.start_cpus = start_cpus
+        """The CPUs it may use until healthy (None: `cpus`): a server whose start-up is serial (vLLM's three
+        processes import one after another) then starts beside another pinned to the same `cpus`, not after it."""
         self._log_path = log_path
         self._timeout = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
@@ -58,7 +62,8 @@ class ServerProcess:
     def launch(self):
         """Start the process without waiting for it (`wait_ready` does; `start_all` overlaps start-ups)."""
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
-        pin = functools.partial(os.sched_setaffinity, 0, self.cpus) if self.cpus else None
+        cpus = self.start_cpus or self.cpus
+        pin = functools.partial(os.sched_setaffinity, 0, cpus) if cpus else None
         self.proc = subprocess.Popen(
             self._cmd,
             stdout=log,
@@ -80,6 +85,8 @@ class ServerProcess:
                 )
             try:
                 if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
+                    if self.start_cpus and self.cpus:
+                        pin_group(self.proc.pid, self.cpus)
                     return self
             except httpx.HTTPError:
                 pass
@@ -143,6 +150,19 @@ class ServerProcess:
 
 
 S = TypeVar("S", bound=ServerProcess)
+
+
+def pin_group(pgid: int, cpus: tuple[int, ...]) -> None:
+    """Pin every thread of every process in process group `pgid` to `cpus` (threads started later inherit it)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            for task in os.listdir(f"/proc/{entry}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task), cpus)
 
 
 def start_all(*servers: S) -> tuple[S, ...]:

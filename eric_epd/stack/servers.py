@@ -166,6 +166,7 @@ class VllmServe(ServerProcess):
         global_cache: str = "",
         eric_dns: list[str] | None = None,
         wrap: tuple[str, ...] = (),
+        start_cpus: tuple[int, ...] | None = None,
     ) -> None:
         port = port or free_port()
         cpus = cpus or host_split()[1]
@@ -214,7 +215,7 @@ class VllmServe(ServerProcess):
             **({"ERIC_API_KEY": eric_api_key} if eric_api_key else {}),
             **(env or {}),
         }
-        super().__init__(cmd, port, log_path, startup_timeout_s=300, env=env, api_key=api_key, cpus=cpus)
+        super().__init__(cmd, port, log_path, 300, env, api_key, cpus, start_cpus)
 
 
 def pd_vllm(
@@ -226,8 +227,9 @@ def pd_vllm(
     eric_api_key: str | None = None,
     api_key: str | None = None,
 ) -> VllmServe:
-    """One half of a vLLM prefill/decode pair over NIXL with CPU buffers, pinned to its own core (unpinned, both
-    bind the same cores and NIXL's 5 s handshake times out). Give both halves the same api_key."""
+    """One half of a vLLM prefill/decode pair over NIXL with CPU buffers, pinned to `core` once started (unpinned,
+    both bind the same cores and NIXL's 5 s handshake times out) and starting on any (the halves' serial start-ups
+    overlap). Give both halves the same api_key."""
     kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     return VllmServe(
@@ -239,6 +241,7 @@ def pd_vllm(
         eric_api_key=eric_api_key,
         api_key=api_key,
         cpus=(core,),
+        start_cpus=tuple(sorted(os.sched_getaffinity(0))),
     )
 
 

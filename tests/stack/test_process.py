@@ -1,8 +1,10 @@
 """A launched server that dies or never answers its health check fails with the end of its log in the error (CI keeps
-no log files), and is stopped."""
+no log files), and is stopped; one started on wide CPUs (start_cpus) is pinned to its own, every thread, once
+healthy."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,3 +31,25 @@ def test_a_server_that_never_answers_is_stopped_and_shows_its_log(tmp_path: Path
     with pytest.raises(TimeoutError) as failed:
         server.start()
     assert "--- log tail ---\nstill loading" in str(failed.value) and server.proc is None  # stopped
+
+
+class _Listing(ServerProcess):
+    """`python -m http.server`: its directory listing at / is the health check."""
+
+    health_path = "/"
+
+
+def test_a_server_started_on_wide_cpus_is_pinned_to_its_own_once_healthy(tmp_path: Path) -> None:
+    every = tuple(sorted(os.sched_getaffinity(0)))
+    port = free_port()
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    server = _Listing(cmd, port, tmp_path / "http.log", cpus=every[:1], start_cpus=every)
+    server.launch()
+    assert server.proc is not None
+    assert os.sched_getaffinity(server.proc.pid) == set(every)  # starting: anywhere
+    try:
+        server.wait_ready()
+        tasks = os.listdir(f"/proc/{server.proc.pid}/task")
+        assert tasks and all(os.sched_getaffinity(int(t)) == set(every[:1]) for t in tasks)
+    finally:
+        server.stop()
