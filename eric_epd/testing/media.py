@@ -61,10 +61,11 @@ def video_with_audio_bytes(
     rate: int = 16000,
     seed: int = 0,
     audio_seed: int | None = None,
+    tone: float = 220.0,
 ) -> bytes:
     """An MP4 of `video_bytes`' frames (mpeg4) with a mono AAC soundtrack of `audio_samples` as long as the video
     (the encoder adds its priming and padding: compare decoded samples, not these); the soundtrack's samples from
-    `audio_seed` where given (two videos, one soundtrack), else from `seed`."""
+    `audio_seed` where given (two videos, one soundtrack), else from `seed`, its tone at `tone` Hz."""
     import av
 
     buf = io.BytesIO()
@@ -75,7 +76,7 @@ def video_with_audio_bytes(
         for frame in video_frames(num_frames, width, height, seed):
             for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
-        samples = audio_samples(rate * num_frames // fps, rate, 1, seed if audio_seed is None else audio_seed).T
+        samples = audio_samples(rate * num_frames // fps, rate, 1, seed if audio_seed is None else audio_seed, tone).T
         clip = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp", layout="mono")
         clip.sample_rate = rate
         for stream, frame in ((video, None), (audio, clip), (audio, None)):
@@ -89,11 +90,12 @@ def video_data_url(num_frames: int = 8, width: int = 64, height: int = 48, fps: 
     return data_url(video_bytes(num_frames, width, height, fps, seed), "video/mp4")
 
 
-def audio_samples(frames: int, rate: int, channels: int = 1, seed: int = 0) -> np.ndarray:
-    """float32 [frames, channels] in [-0.5, 0.5]: a tone per channel (220 Hz apart) under quiet noise."""
+def audio_samples(frames: int, rate: int, channels: int = 1, seed: int = 0, tone: float = 220.0) -> np.ndarray:
+    """float32 [frames, channels] in [-0.5, 0.5]: a tone per channel (`tone` Hz, then 220 Hz apart) under quiet
+    noise."""
     rng = np.random.default_rng(seed)
     t = np.arange(frames)[:, None] / rate
-    tones = 0.3 * np.sin(2 * np.pi * (220.0 + 220.0 * np.arange(channels))[None, :] * t)
+    tones = 0.3 * np.sin(2 * np.pi * (tone + 220.0 * np.arange(channels))[None, :] * t)
     return (tones + 0.05 * rng.standard_normal((frames, channels))).astype(np.float32)
 
 

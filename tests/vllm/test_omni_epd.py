@@ -295,3 +295,38 @@ def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(
     wrong, _ = ask_token_ids(vllm.url, _messages(others), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
     assert_greedy_differ(answer, wrong, NEAR_TIE_FLOAT32, f"{family} two videos, one soundtrack, against others'")
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") > local)  # its counts are in before another test's
+
+
+def test_one_picture_over_two_soundtracks_answers_each_soundtrack(
+    stack: tuple[EricServer, VllmServe, str], tmp_path: Path
+) -> None:
+    """Two videos of the same frames (one content hash) over other soundtracks (a 220 Hz and a 1760 Hz tone), through
+    the gateway one after the other: each answers as vLLM alone does for it, so the second is not given the first's
+    soundtrack (vLLM names a soundtrack after its video's uuid, which the gateway mints from both hashes). The two
+    direct answers differ (the negative control: the comparison tells the soundtracks apart)."""
+    eric, vllm, family = stack
+    first, second = (
+        (("video", video_with_audio_bytes(8, 64, 48, 4, RATE, seed=43, audio_seed=seed, tone=tone)),)
+        for seed, tone in ((44, 220.0), (45, 1760.0))
+    )
+    option = {"mm_processor_kwargs": {"use_audio_in_video": True}}
+    direct = [
+        ask_token_ids(vllm.url, _messages(items), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)[0]
+        for items in (first, second)
+    ]
+    assert_greedy_differ(direct[0], direct[1], NEAR_TIE_FLOAT32, f"{family}: one picture, two soundtracks")
+    with GatewayServer(
+        tmp_path / "gateway.log",
+        "--encoder-urls",
+        eric.url,
+        "--colocated-urls",
+        vllm.url,
+        "--epd-min-items",
+        "1",
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    ) as gateway:
+        for items, expected, name in zip((first, second), direct, ("first", "second"), strict=True):
+            answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
+            assert path == "epd", name
+            assert_greedy_agree(answer, expected, NEAR_TIE_FLOAT32, f"{family}: the {name} soundtrack")
