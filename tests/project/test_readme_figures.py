@@ -262,6 +262,7 @@ FIGURES: list[Figure] = [
     Figure("encoder_throughput_amx.json", host.bf16_tower),
     Figure("encoder_throughput_avx512bf16.json", host.bf16_tower),
     Figure("encoder_throughput_avx512bf16_flash.json", host.bf16_ratios),
+    Figure("encoder_throughput_avx512bf16_rounded.json", host.bf16_ratios),
     Figure("encoder_throughput_avx512bf16.json", host.gemm_rates),
     Figure(ET, rows.why_float32),
     Figure(
