@@ -178,22 +178,24 @@ def start_all(*servers: S) -> tuple[S, ...]:
     return servers
 
 
-def stop_all(*servers: ServerProcess) -> None:
-    """Interrupt every server, then wait for each: their shutdowns overlap."""
+def stop_all(*servers: ServerProcess, hurry: bool = False) -> None:
+    """Interrupt every server, then wait for each: their shutdowns overlap. With `hurry`, each drain is cut short
+    after the server's own `hurry_s`, as at the end of its `with` block."""
     for server in servers:
         server.interrupt()
     for server in servers:
-        server.stop()
+        server.stop(hurry_s=server.hurry_s if hurry else None)
 
 
 @contextlib.contextmanager
 def running(*servers: S) -> Iterator[tuple[S, ...]]:
-    """`with running(a, b) as (a, b):` both started together, and stopped together however the block ends."""
+    """`with running(a, b) as (a, b):` both started together, and stopped together however the block ends (each
+    drain cut short after its `hurry_s`, as at the end of a server's own `with` block)."""
     start_all(*servers)
     try:
         yield servers
     finally:
-        stop_all(*servers)
+        stop_all(*servers, hurry=True)
 
 
 def new_key() -> str:

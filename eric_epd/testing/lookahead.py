@@ -72,7 +72,7 @@ class Lookahead:
         """Stop p's servers (if launched)."""
         launched = self._launched.pop(param, None)
         if launched is not None:
-            stop_all(*launched.servers)
+            stop_all(*launched.servers, hurry=True)
 
     def close(self) -> None:
         """Stop every server still launched (a parameter launched ahead that no test took, after a failure)."""

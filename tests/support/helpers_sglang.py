@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from eric_epd.stack.process import free_port
+from eric_epd.stack.process import free_port, stop_all
 from eric_epd.stack.servers import EricServer, StoreMaster
 from eric_epd.testing.media import random_image
 from eric_epd.testing.sglang_prefill import Bootstrap, Outcome, Prefill, unpack
@@ -104,7 +104,7 @@ def setup(qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path, bootstrap_port: int, tmp_p
         for eric in erics.values():
             if eric.proc is not None and eric.proc.poll() is None:
                 os.kill(eric.proc.pid, signal.SIGCONT)
-            eric.stop()
+        stop_all(*erics.values(), hurry=True)  # no test here drains
         master.stop()
 
 
