@@ -264,55 +264,57 @@ def chat_greedy(client, model: str, items: list[dict]) -> Greedy:
 
 
 def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str, Greedy], tmp_path: Path) -> None:
-    import openai
-
-    with (
-        StoreMaster(tmp_path / "master.log") as master,
-        EricServer(
-            qwen2_vl_tiny, log_path=tmp_path / "eric.log", extra_args=("--global-cache", master.address)
-        ) as eric,
-        VllmServe(
+    with StoreMaster(tmp_path / "master.log") as master:
+        eric = EricServer(qwen2_vl_tiny, log_path=tmp_path / "eric.log", extra_args=("--global-cache", master.address))
+        vllm = VllmServe(
             qwen2_vl_tiny,
             tmp_path / "vllm.log",
             eric_urls=[eric.url],
             eric_api_key=eric.api_key,
             global_cache=master.address,
-        ) as server,
-    ):
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
-        model = client.models.list().data[0].id
-        encoded: set[str] = set()
-        for case in (c for c in CASES if c.name in ("four_images", "one_video")):
-            items = encode(eric, case)
-            encoded |= {i["hash"] for i in items}
-            assert_greedy_agree(chat_greedy(client, model, items), reference[case.name], NEAR_TIE_FLOAT32, case.name)
-        # metadata without a uuid is refused before it reaches the engine
-        bad = chat_parts(items)
-        del bad[0]["uuid"]
-        with pytest.raises(openai.BadRequestError, match="uuid"):
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=4)
-        # Eric let these items go before vLLM fetched them (their leases acknowledged here): vLLM's own ack fails,
-        # and every worker reads them again from the global cache, by content hash
-        case = next(c for c in CASES if c.name == "two_images")
+        )
+        with running(eric, vllm) as (eric, server):  # their start-ups overlap
+            _openai_client_case(eric, server, reference)
+
+
+def _openai_client_case(eric: EricServer, server: VllmServe, reference: dict[str, Greedy]) -> None:
+    """test_vllm_serve_with_openai_client's requests, against its running Eric and `vllm serve`."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
+    model = client.models.list().data[0].id
+    encoded: set[str] = set()
+    for case in (c for c in CASES if c.name in ("four_images", "one_video")):
         items = encode(eric, case)
-        encoded |= {i["hash"] for i in items}  # every item this Eric encoded is put once: wait for all of them
-        assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= len(encoded))
-        for item in items:
-            ack = httpx.post(
-                f"{eric.url}/v1/embeddings/{item['hash']}/ack",
-                headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]},
-                json={"instance_id": item["handle"]["instance_id"]},
-            )
-            assert ack.status_code == 200, ack.text
+        encoded |= {i["hash"] for i in items}
         assert_greedy_agree(chat_greedy(client, model, items), reference[case.name], NEAR_TIE_FLOAT32, case.name)
-        assert metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
-        assert httpx.get(server.url + "/health").status_code == 200
-        metrics = httpx.get(server.url + "/metrics").text
-        assert "vllm:eric_ec_loaded_items" in metrics
-        # negative control: four other images of the same sizes, sent as the four images were
-        four = next(c for c in CASES if c.name == "four_images")
-        wrong = chat_greedy(client, model, encode(eric, Case("four_other_images", four.image_sizes, seed=14)))
-        assert_greedy_differ(wrong, reference["four_images"], NEAR_TIE_FLOAT32, "four_images with other images' rows")
+    # metadata without a uuid is refused before it reaches the engine
+    bad = chat_parts(items)
+    del bad[0]["uuid"]
+    with pytest.raises(openai.BadRequestError, match="uuid"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}], max_tokens=4)
+    # Eric let these items go before vLLM fetched them (their leases acknowledged here): vLLM's own ack fails,
+    # and every worker reads them again from the global cache, by content hash
+    case = next(c for c in CASES if c.name == "two_images")
+    items = encode(eric, case)
+    encoded |= {i["hash"] for i in items}  # every item this Eric encoded is put once: wait for all of them
+    assert wait_for(lambda: metric(eric.url, 'eric_global_cache{event="puts"}') >= len(encoded))
+    for item in items:
+        ack = httpx.post(
+            f"{eric.url}/v1/embeddings/{item['hash']}/ack",
+            headers=eric.headers | {LEASE_HEADER: item["handle"]["lease"]},
+            json={"instance_id": item["handle"]["instance_id"]},
+        )
+        assert ack.status_code == 200, ack.text
+    assert_greedy_agree(chat_greedy(client, model, items), reference[case.name], NEAR_TIE_FLOAT32, case.name)
+    assert metric(server.url, "vllm:eric_ec_via_store_total") == len(items)
+    assert httpx.get(server.url + "/health").status_code == 200
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "vllm:eric_ec_loaded_items" in metrics
+    # negative control: four other images of the same sizes, sent as the four images were
+    four = next(c for c in CASES if c.name == "four_images")
+    wrong = chat_greedy(client, model, encode(eric, Case("four_other_images", four.image_sizes, seed=14)))
+    assert_greedy_differ(wrong, reference["four_images"], NEAR_TIE_FLOAT32, "four_images with other images' rows")
 
 
 def test_tensor_parallel_vllm_lands_items_on_every_rank(
