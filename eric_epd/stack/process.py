@@ -188,14 +188,14 @@ def stop_all(*servers: ServerProcess, hurry: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def running(*servers: S) -> Iterator[tuple[S, ...]]:
-    """`with running(a, b) as (a, b):` both started together, and stopped together however the block ends (each
-    drain cut short after its `hurry_s`, as at the end of a server's own `with` block)."""
+def running(*servers: S, hurry: bool = False) -> Iterator[tuple[S, ...]]:
+    """`with running(a, b) as (a, b):` both started together, and stopped together however the block ends (with
+    `hurry`, each drain cut short after its `hurry_s`, as at the end of a server's own `with` block)."""
     start_all(*servers)
     try:
         yield servers
     finally:
-        stop_all(*servers, hurry=True)
+        stop_all(*servers, hurry=hurry)
 
 
 def new_key() -> str:

@@ -1,5 +1,5 @@
-"""Servers of a parametrized module fixture launched parameters ahead: while one family's tests run on its stack, the
-next families' stacks start, on alternating halves of the CPUs, so their ~30 s start-ups overlap instead of queueing."""
+"""Servers of a parametrized module fixture launched one parameter ahead: while one family's tests run on its stack,
+the next family's stack starts on the other half of the CPUs, so their ~30 s start-ups overlap instead of queueing."""
 
 from __future__ import annotations
 
@@ -42,24 +42,21 @@ def params_in_order(request: pytest.FixtureRequest, argname: str) -> list[Any]:
 
 
 class Lookahead:
-    """`take(p)` waits for p's servers and launches the `ahead` parameters after it; `release(p)` stops p's; `close()`
-    stops all. Consecutive parameters get the two halves of the host's CPUs swapped, so two stacks' start-ups (a
-    server's start-up is serial: one core each) use both while a third stack's tests run."""
+    """`take(p)` waits for p's servers and launches the next parameter's; `release(p)` stops p's; `close()` stops
+    all. Consecutive parameters get the two halves of the host's CPUs swapped, so two stacks' start-ups use both."""
 
-    def __init__(self, order: list[Hashable], build: Build, ahead: int = 1) -> None:
+    def __init__(self, order: list[Hashable], build: Build) -> None:
         self._order = order
         self._build = build
-        self._ahead = ahead
         self._launched: dict[Hashable, Launched] = {}
 
     def take(self, param: Hashable) -> dict[str, Any]:
-        """p's yielded value once all its servers are healthy (launched now if not already); the `ahead` parameters
-        after it are launched before the wait."""
+        """p's yielded value once all its servers are healthy (launched now if not already); the parameter after it
+        is launched before the wait."""
         launched = self._launch(param)
-        if param in self._order:
-            index = self._order.index(param)
-            for following in self._order[index + 1 : index + 1 + self._ahead]:
-                self._launch(following)
+        index = self._order.index(param) if param in self._order else -1
+        if 0 <= index < len(self._order) - 1:
+            self._launch(self._order[index + 1])
         try:
             for server in launched.servers:
                 server.wait_ready()
@@ -69,7 +66,7 @@ class Lookahead:
         return launched.value
 
     def release(self, param: Hashable) -> None:
-        """Stop p's servers (if launched)."""
+        """Stop p's servers (if launched), each drain cut short after its hurry_s."""
         launched = self._launched.pop(param, None)
         if launched is not None:
             stop_all(*launched.servers, hurry=True)
@@ -95,12 +92,9 @@ class Lookahead:
         return self._launched[param]
 
 
-def lookahead_fixture(
-    request: pytest.FixtureRequest, argname: str, build: Build, ahead: int = 1
-) -> Iterator[Lookahead]:
-    """The body of a module fixture holding a Lookahead over `argname`'s parameters (`ahead` of them launched ahead of
-    the one whose tests run): `yield from` it."""
-    lookahead = Lookahead(params_in_order(request, argname), build, ahead)
+def lookahead_fixture(request: pytest.FixtureRequest, argname: str, build: Build) -> Iterator[Lookahead]:
+    """The body of a module fixture holding a Lookahead over `argname`'s parameters: `yield from` it."""
+    lookahead = Lookahead(params_in_order(request, argname), build)
     try:
         yield lookahead
     finally:

@@ -23,7 +23,7 @@ from eric_epd.testing.stack import ask_greedy, colocated_epd, gateway_paths, ima
 def stacks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path
 ) -> Iterator[Lookahead]:
-    """Each family's Eric, vLLM and gateway, the next two families' launched while this one's tests run. Qwen3.5 in
+    """Each family's Eric, vLLM and gateway, the next family's launched while this one's tests run. Qwen3.5 in
     bfloat16: vLLM's only CPU path for its linear attention."""
     from eric_epd.checkpoints.builtin import ensure_checkpoint
 
@@ -39,7 +39,7 @@ def stacks(
         launched.value["near_tie"] = NEAR_TIE_BFLOAT16 if dtype == "bfloat16" else NEAR_TIE_FLOAT32
         return launched
 
-    yield from lookahead_fixture(request, "stack", build, ahead=2)
+    yield from lookahead_fixture(request, "stack", build)
 
 
 @pytest.fixture(scope="module", params=vllm_proven("tests/gateway/test_gateway_qwen3.py"))

@@ -108,7 +108,7 @@ def erics(qwen3_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     key_ = new_key()
     main = EricServer(qwen3_vl_tiny, tp=2, log_path=tmp / "main.log", api_key=key_)
     other = EricServer(perturbed, log_path=tmp / "perturbed.log", api_key=key_)
-    with running(main, other):
+    with running(main, other, hurry=True):  # no test here drains
         yield main, other
 
 

@@ -1,5 +1,5 @@
-"""Lookahead launches the parameters after the one whose tests run (`ahead` of them), on alternating halves of the
-CPUs, and stops each when released; servers here are stand-ins that record what was done to them."""
+"""Lookahead launches the parameter after the one whose tests run, on the other half of the CPUs, and stops each
+(its drain cut short) when released; servers here are stand-ins that record what was done to them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from eric_epd.testing.lookahead import Cpus, Launched, Lookahead
 
 class RecordingStandIn(ServerProcess):
     """A server that starts no process: launch, wait_ready and stop are recorded in `log`."""
+
+    hurry_s = 2.0
 
     def __init__(self, name: str, log: list[str]) -> None:
         super().__init__(["true"], 0)
@@ -24,10 +26,10 @@ class RecordingStandIn(ServerProcess):
         return self
 
     def stop(self, graceful: bool = True, hurry_s: float | None = None) -> None:
-        self.log.append(f"stop {self.name}")
+        self.log.append(f"stop {self.name} hurry={hurry_s}")
 
 
-def _lookahead(ahead: int) -> tuple[Lookahead, list[str], dict[str, Cpus]]:
+def _lookahead() -> tuple[Lookahead, list[str], dict[str, Cpus]]:
     log: list[str] = []
     engine_cpus: dict[str, Cpus] = {}
 
@@ -35,24 +37,17 @@ def _lookahead(ahead: int) -> tuple[Lookahead, list[str], dict[str, Cpus]]:
         engine_cpus[param] = engine
         return Launched((RecordingStandIn(param, log),), {"param": param})
 
-    return Lookahead(["a", "b", "c", "d"], build, ahead), log, engine_cpus
+    return Lookahead(["a", "b", "c"], build), log, engine_cpus
 
 
-def test_two_ahead_launches_the_next_two_and_stops_each_when_released() -> None:
-    lookahead, log, engine_cpus = _lookahead(ahead=2)
+def test_the_next_is_launched_ahead_and_each_is_stopped_in_a_hurry_when_released() -> None:
+    lookahead, log, engine_cpus = _lookahead()
     assert lookahead.take("a") == {"param": "a"}
-    assert log == ["launch a", "launch b", "launch c", "ready a"]
+    assert log == ["launch a", "launch b", "ready a"]
     lookahead.release("a")
     assert lookahead.take("b") == {"param": "b"}
-    assert log[4:] == ["stop a", "launch d", "ready b"]  # c was launched already
+    assert log[3:] == ["stop a hurry=2.0", "launch c", "ready b"]  # b was launched already
     lookahead.close()
-    assert sorted(log[7:]) == ["stop b", "stop c", "stop d"]
+    assert sorted(log[6:]) == ["stop b hurry=2.0", "stop c hurry=2.0"]
     eric, engine = host_split()
-    assert [engine_cpus[p] for p in "abcd"] == [engine, eric, engine, eric]  # the halves alternate
-
-
-def test_one_ahead_is_the_default() -> None:
-    lookahead, log, _ = _lookahead(ahead=1)
-    lookahead.take("a")
-    assert log == ["launch a", "launch b", "ready a"]
-    lookahead.close()
+    assert [engine_cpus[p] for p in "abc"] == [engine, eric, engine]  # the halves alternate

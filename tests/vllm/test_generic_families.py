@@ -66,8 +66,8 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 def stacks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _checkpoint_cache: Path
 ) -> Iterator[Lookahead]:
-    """Each family's Eric, `vllm serve` behind it and the gateway, the next two families' launched while this one's
-    tests run (eric_epd/testing/lookahead.py)."""
+    """Each family's Eric, `vllm serve` behind it and the gateway, the next family's launched while this one's tests
+    run (eric_epd/testing/lookahead.py)."""
 
     def build(family: str, eric_cpus: Cpus, engine_cpus: Cpus) -> Launched:
         model = ensure_family_checkpoint(family)
@@ -81,12 +81,12 @@ def stacks(
         launched.value["family"] = family
         return launched
 
-    yield from lookahead_fixture(request, "stack", build, ahead=2)
+    yield from lookahead_fixture(request, "stack", build)
 
 
 @pytest.fixture(scope="module", params=vllm_proven(GENERIC_VLLM))
 def stack(request: pytest.FixtureRequest, stacks: Lookahead) -> Iterator[dict]:
-    """One family's stack; stopped before the third family after it launches (at most three stacks live)."""
+    """One family's stack; stopped before the one after the next starts."""
     yield stacks.take(request.param)
     stacks.release(request.param)
 
