@@ -110,6 +110,16 @@ def _direct(vllm: VllmServe, items: tuple[tuple[str, bytes], ...]):
     return direct, before["loaded_items"], local
 
 
+def _gateway(eric: EricServer, vllm: VllmServe, tmp_path: Path, *flags: str) -> GatewayServer:
+    """A gateway in front of the stack's Eric and vLLM (not started), with `flags`."""
+    return GatewayServer(
+        tmp_path / "gateway.log",
+        *("--encoder-urls", eric.url, "--colocated-urls", vllm.url, *flags),
+        eric_api_key=eric.api_key,
+        upstream_api_key=vllm.api_key,
+    )
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_omni_items_go_epd_as_media_and_answer_like_vllm(stack: tuple[EricServer, VllmServe, str], case: str) -> None:
     """The items straight to vLLM, then encoded by Eric and sent with its hashes and handles: the connector loads
@@ -192,15 +202,7 @@ def test_the_gateway_sends_audio_and_an_image_down_one_epd_path(
     items = (_clip(RATE + 91, 36), ("image", image_bytes(random_image(80, 60, seed=37))))
     direct, loaded, _ = _direct(vllm, items)
     wrong, _, local = _direct(vllm, (_clip(RATE + 91, 136), ("image", image_bytes(random_image(80, 60, seed=137)))))
-    with GatewayServer(
-        tmp_path / "gateway.log",
-        "--encoder-urls",
-        eric.url,
-        "--colocated-urls",
-        vllm.url,
-        eric_api_key=eric.api_key,
-        upstream_api_key=vllm.api_key,
-    ) as gateway:
+    with _gateway(eric, vllm, tmp_path) as gateway:
         answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS)
         assert path == "epd"
         assert wait_for(lambda: _counter(vllm, "loaded_items") == loaded + 2)
@@ -233,17 +235,7 @@ def test_the_gateway_sends_a_video_with_its_soundtrack_down_the_epd_path(
     wrong, _ = ask_token_ids(vllm.url, _messages(others), key=vllm.api_key, max_tokens=MAX_TOKENS, extra=option)
     local = before["local_encoder_items"] + 4
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") == local)
-    with GatewayServer(
-        tmp_path / "gateway.log",
-        "--encoder-urls",
-        eric.url,
-        "--colocated-urls",
-        vllm.url,
-        "--epd-min-items",
-        "1",
-        eric_api_key=eric.api_key,
-        upstream_api_key=vllm.api_key,
-    ) as gateway:
+    with _gateway(eric, vllm, tmp_path, "--epd-min-items", "1") as gateway:
         answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
     assert path == "epd"
     assert wait_for(lambda: _counter(vllm, "loaded_items") == before["loaded_items"] + 2)
@@ -276,15 +268,7 @@ def test_two_videos_with_one_soundtrack_share_one_lease_acknowledged_once(
     assert wait_for(lambda: _counter(vllm, "local_encoder_items") > before["local_encoder_items"])
     local = _counter(vllm, "local_encoder_items")
     held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
-    with GatewayServer(
-        tmp_path / "gateway.log",
-        "--encoder-urls",
-        eric.url,
-        "--colocated-urls",
-        vllm.url,
-        eric_api_key=eric.api_key,
-        upstream_api_key=vllm.api_key,
-    ) as gateway:
+    with _gateway(eric, vllm, tmp_path) as gateway:
         for attempt in range(2):
             answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
             assert path == "epd", attempt
@@ -315,17 +299,7 @@ def test_one_picture_over_two_soundtracks_answers_each_soundtrack(
         for items in (first, second)
     ]
     assert_greedy_differ(direct[0], direct[1], NEAR_TIE_FLOAT32, f"{family}: one picture, two soundtracks")
-    with GatewayServer(
-        tmp_path / "gateway.log",
-        "--encoder-urls",
-        eric.url,
-        "--colocated-urls",
-        vllm.url,
-        "--epd-min-items",
-        "1",
-        eric_api_key=eric.api_key,
-        upstream_api_key=vllm.api_key,
-    ) as gateway:
+    with _gateway(eric, vllm, tmp_path, "--epd-min-items", "1") as gateway:
         for items, expected, name in zip((first, second), direct, ("first", "second"), strict=True):
             answer, path = ask_token_ids(gateway.url, _messages(items), max_tokens=MAX_TOKENS, extra=option)
             assert path == "epd", name
