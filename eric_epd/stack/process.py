@@ -152,15 +152,23 @@ class ServerProcess:
 S = TypeVar("S", bound=ServerProcess)
 
 
-def pin_group(pgid: int, cpus: tuple[int, ...]) -> None:
-    """Pin every thread of every process in process group `pgid` to `cpus` (threads started later inherit it)."""
+def group_pids(pid: int) -> list[int]:
+    """The processes in `pid`'s process group, as /proc lists them now (those that end meanwhile left out)."""
+    group = os.getpgid(pid)
+    found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+        if entry.isdigit():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                if os.getpgid(int(entry)) == group:
+                    found.append(int(entry))
+    return found
+
+
+def pin_group(pid: int, cpus: tuple[int, ...]) -> None:
+    """Pin every thread of every process in `pid`'s process group to `cpus` (threads started later inherit it)."""
+    for member in group_pids(pid):
         with contextlib.suppress(OSError):  # gone meanwhile
-            if os.getpgid(int(entry)) != pgid:
-                continue
-            for task in os.listdir(f"/proc/{entry}/task"):
+            for task in os.listdir(f"/proc/{member}/task"):
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(int(task), cpus)
 

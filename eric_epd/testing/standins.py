@@ -166,18 +166,13 @@ class EmbedsEngine(_ThreadServer):
 
 def process_group_cmdlines(pid: int) -> list[str]:
     """The command lines (argv joined by spaces) of every process in `pid`'s process group, as `ps` shows them."""
-    import os
+    from eric_epd.stack.process import group_pids
 
-    group = os.getpgid(pid)
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for member in group_pids(pid):
         try:
-            if os.getpgid(int(entry)) != group:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{member}/cmdline", "rb") as f:
                 found.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone meanwhile
             continue
     return found
