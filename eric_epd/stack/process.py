@@ -35,7 +35,7 @@ class ServerProcess:
         port: int,
         log_path: Path | None = None,
         startup_timeout_s: float = 180.0,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         api_key: str | None = None,
         cpus: tuple[int, ...] | None = None,
         start_cpus: tuple[int, ...] | None = None,
@@ -46,6 +46,7 @@ class ServerProcess:
         """The key this server checks (None: no check); secrets go by environment, never on the command line."""
         self._cmd = cmd
         self._env = env or {}
+        """Added to the server's environment; a None value removes that variable."""
         self.cpus = cpus
         """The CPUs the process (and everything it starts) is pinned to; None: unpinned."""
         self.start_cpus = start_cpus
@@ -69,7 +70,7 @@ class ServerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **self._env},
+            env={k: v for k, v in {**os.environ, **self._env}.items() if v is not None},  # None: unset
             preexec_fn=pin,
         )
         return self

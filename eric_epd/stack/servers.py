@@ -148,7 +148,8 @@ class VllmServe(ServerProcess):
     guard middleware, the Erics' key in ERIC_API_KEY); `eric_dns` ("NAME:PORT") trusts the Erics a name lists too.
     Every route but /health and /metrics needs its generated key (VLLM_API_KEY, which the gateway sends;
     RequireEngineKey). It runs on `cpus` (default: the engine's half of host_split()), its OpenMP threads bound to
-    them; `wrap` is put before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py)."""
+    them; `wrap` is put before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py);
+    `kv_cache_bytes` sizes its KV cache (None: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)."""
 
     def __init__(
         self,
@@ -167,6 +168,7 @@ class VllmServe(ServerProcess):
         eric_dns: list[str] | None = None,
         wrap: tuple[str, ...] = (),
         start_cpus: tuple[int, ...] | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         port = port or free_port()
         cpus = cpus or host_split()[1]
@@ -198,6 +200,8 @@ class VllmServe(ServerProcess):
             *attention_flags(model, dtype),
             *extra,
         ]
+        if kv_cache_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         if eric_urls or eric_dns:
             ec = eric_ec_config(eric_urls or [], global_cache=global_cache, eric_dns=eric_dns)
             cmd += [
@@ -208,7 +212,7 @@ class VllmServe(ServerProcess):
                 "eric_epd.plugins.vllm.middleware.RefuseUnkeyedMetadata",
             ]
         env = {
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_KVCACHE_SPACE": None if kv_cache_bytes else os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_API_KEY": api_key,
             "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
             "VLLM_CPU_OMP_THREADS_BIND": format_cpus(cpus),
@@ -216,6 +220,9 @@ class VllmServe(ServerProcess):
             **(env or {}),
         }
         super().__init__(cmd, port, log_path, 300, env, api_key, cpus, start_cpus)
+
+
+PD_KV_CACHE_BYTES = 64 << 20  # NIXL registers it page by page (1 GiB took 13-60 s); the tiny models need 4 MiB
 
 
 def pd_vllm(
@@ -242,6 +249,7 @@ def pd_vllm(
         api_key=api_key,
         cpus=(core,),
         start_cpus=tuple(sorted(os.sched_getaffinity(0))),
+        kv_cache_bytes=PD_KV_CACHE_BYTES,
     )
 
 

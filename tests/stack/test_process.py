@@ -1,6 +1,6 @@
 """A launched server that dies or never answers its health check fails with the end of its log in the error (CI keeps
 no log files), and is stopped; one started on wide CPUs (start_cpus) is pinned to its own, every thread, once
-healthy."""
+healthy; a None in its env unsets that variable."""
 
 from __future__ import annotations
 
@@ -53,3 +53,18 @@ def test_a_server_started_on_wide_cpus_is_pinned_to_its_own_once_healthy(tmp_pat
         assert tasks and all(os.sched_getaffinity(int(t)) == set(every[:1]) for t in tasks)
     finally:
         server.stop()
+
+
+def test_a_none_in_env_removes_that_variable_from_the_servers_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ERIC_TEST_INHERITED", "from the parent")
+    monkeypatch.setenv("ERIC_TEST_KEPT", "kept")
+    show = "import os; print(repr(os.environ.get('ERIC_TEST_INHERITED')), os.environ['ERIC_TEST_KEPT'], flush=True)"
+    env: dict[str, str | None] = {"ERIC_TEST_INHERITED": None}
+    server = ServerProcess([sys.executable, "-c", show], free_port(), tmp_path / "env.log", 30, env)
+    with pytest.raises(RuntimeError) as failed:  # it prints and exits: the log tail is in the error
+        server.start()
+    assert str(failed.value).endswith("None kept")
+    server = ServerProcess([sys.executable, "-c", show], free_port(), tmp_path / "env2.log", 30, {})
+    with pytest.raises(RuntimeError) as failed:  # negative control: without the None it is inherited
+        server.start()
+    assert str(failed.value).endswith("'from the parent' kept")
