@@ -21,6 +21,15 @@ from eric_epd.common.ports import free_port
 __all__ = ["ServerProcess", "free_port", "new_key", "running", "start_all", "stop_all"]
 
 
+def _in_child(cpus: tuple[int, ...] | None) -> None:
+    """Before the server's exec: SIGINT back to its default (a shell's background job starts with it ignored, which
+    Python then keeps: the server would ignore `stop`'s SIGINT and be killed only 20 s later, undrained) and the
+    pinning to `cpus`."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 class ServerProcess:
     """A server subprocess in its own process group, started and stopped around a `with` block."""
 
@@ -64,14 +73,13 @@ class ServerProcess:
         """Start the process without waiting for it (`wait_ready` does; `start_all` overlaps start-ups)."""
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         cpus = self.start_cpus or self.cpus
-        pin = functools.partial(os.sched_setaffinity, 0, cpus) if cpus else None
         self.proc = subprocess.Popen(
             self._cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={k: v for k, v in {**os.environ, **self._env}.items() if v is not None},  # None: unset
-            preexec_fn=pin,
+            preexec_fn=functools.partial(_in_child, cpus),
         )
         return self
 

@@ -1,10 +1,11 @@
 """A launched server that dies or never answers its health check fails with the end of its log in the error (CI keeps
 no log files), and is stopped; one started on wide CPUs (start_cpus) is pinned to its own, every thread, once
-healthy; a None in its env unsets that variable."""
+healthy; a None in its env unsets that variable; SIGINT stops it even when its parent ignores SIGINT."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -68,3 +69,19 @@ def test_a_none_in_env_removes_that_variable_from_the_servers_environment(tmp_pa
     with pytest.raises(RuntimeError) as failed:  # negative control: without the None it is inherited
         server.start()
     assert str(failed.value).endswith("'from the parent' kept")
+
+
+def test_a_server_launched_with_sigint_ignored_still_stops_on_sigint(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    server = _Listing(cmd, port, tmp_path / "http.log")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a shell's background job, which children inherit
+    try:
+        server.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    proc = server.proc
+    assert proc is not None
+    server.stop()
+    # http.server's own exit on KeyboardInterrupt, not the SIGKILL (-9) that follows an ignored SIGINT
+    assert proc.returncode == 0 and "Keyboard interrupt received" in (tmp_path / "http.log").read_text()
