@@ -7,8 +7,10 @@ import contextlib
 import functools
 import os
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +39,9 @@ class ServerProcess:
     hurry_s: float | None = None
     """At the end of a `with` block, how long it may drain before a second SIGINT cuts the drain short (None: as
     long as it takes, up to the SIGKILL)."""
+    private_tmp = False
+    """Whether the server gets a TMPDIR of its own, removed once it has stopped (what it leaves there, e.g. a killed
+    vLLM's ZMQ ipc sockets, goes with it)."""
 
     def __init__(
         self,
@@ -64,6 +69,7 @@ class ServerProcess:
         self._log_path = log_path
         self._timeout = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self._tmpdir: str | None = None
 
     def start(self):
         """Launch and wait until healthy; returns self."""
@@ -73,12 +79,15 @@ class ServerProcess:
         """Start the process without waiting for it (`wait_ready` does; `start_all` overlaps start-ups)."""
         log = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         cpus = self.start_cpus or self.cpus
+        env = {**os.environ, **self._env}
+        if self.private_tmp:
+            self._tmpdir = env["TMPDIR"] = tempfile.mkdtemp(prefix="epd-server-")
         self.proc = subprocess.Popen(
             self._cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={k: v for k, v in {**os.environ, **self._env}.items() if v is not None},  # None: unset
+            env={k: v for k, v in env.items() if v is not None},  # None: unset
             preexec_fn=functools.partial(_in_child, cpus),
         )
         return self
@@ -145,6 +154,9 @@ class ServerProcess:
             pass
         self.proc.wait()
         self.proc = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
 
     @property
     def headers(self) -> dict[str, str]:

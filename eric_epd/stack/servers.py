@@ -151,6 +151,8 @@ class VllmServe(ServerProcess):
     them; `wrap` is put before its command (e.g. a private mount namespace: tests/gateway/test_dns_members.py);
     `kv_cache_bytes` sizes its KV cache (None: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)."""
 
+    private_tmp = True  # its ipc sockets (/tmp/<uuid>), which a killed vLLM leaves behind
+
     def __init__(
         self,
         model: Path,
@@ -222,9 +224,6 @@ class VllmServe(ServerProcess):
         super().__init__(cmd, port, log_path, 300, env, api_key, cpus, start_cpus)
 
 
-PD_KV_CACHE_BYTES = 64 << 20  # NIXL registers it page by page (1 GiB took 13-60 s); the tiny models need 4 MiB
-
-
 def pd_vllm(
     model: Path,
     role: str,
@@ -249,7 +248,7 @@ def pd_vllm(
         api_key=api_key,
         cpus=(core,),
         start_cpus=tuple(sorted(os.sched_getaffinity(0))),
-        kv_cache_bytes=PD_KV_CACHE_BYTES,
+        kv_cache_bytes=64 << 20,  # NIXL registers it page by page (1 GiB took 13-60 s); the tiny models need 4 MiB
     )
 
 

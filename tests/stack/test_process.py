@@ -1,12 +1,14 @@
 """A launched server that dies or never answers its health check fails with the end of its log in the error (CI keeps
 no log files), and is stopped; one started on wide CPUs (start_cpus) is pinned to its own, every thread, once
-healthy; a None in its env unsets that variable; SIGINT stops it even when its parent ignores SIGINT."""
+healthy; a None in its env unsets that variable; SIGINT stops it even when its parent ignores SIGINT; a private_tmp
+one takes its temporary files along."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,21 @@ def test_a_server_launched_with_sigint_ignored_still_stops_on_sigint(tmp_path: P
     server.stop()
     # http.server's own exit on KeyboardInterrupt, not the SIGKILL (-9) that follows an ignored SIGINT
     assert proc.returncode == 0 and "Keyboard interrupt received" in (tmp_path / "http.log").read_text()
+
+
+class _PrivateTmp(_Listing):
+    private_tmp = True
+
+
+def test_a_private_tmp_server_leaves_nothing_in_tmp_once_stopped(tmp_path: Path) -> None:
+    port = free_port()
+    leaves = (
+        "import http.server, os, tempfile; open(os.path.join(tempfile.gettempdir(), 'left-behind'), 'w').close(); "
+        f"http.server.test(http.server.SimpleHTTPRequestHandler, port={port}, bind='127.0.0.1')"
+    )
+    server = _PrivateTmp([sys.executable, "-c", leaves], port, tmp_path / "tmp.log")
+    with server:
+        tmpdir = server._tmpdir
+        assert tmpdir is not None and os.path.dirname(tmpdir) == tempfile.gettempdir()
+        assert os.listdir(tmpdir) == ["left-behind"]  # what it writes to "/tmp" lands in its own directory
+    assert not os.path.exists(tmpdir)  # and goes with it
