@@ -82,7 +82,11 @@ def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool, wor
             state["client"] = client
             state["service"] = GenerateService(client, pool, workload)
             state["handles"] = HandleReader(
-                config.producer_urls, config.producer_api_key, config.transfer_backends, workload.hidden
+                config.producer_urls,
+                config.producer_api_key,
+                config.transfer_backends,
+                workload.hidden,
+                config.limits.max_prompt_tokens,
             )
             try:
                 yield

@@ -18,9 +18,13 @@ from eric_epd.wire.handles import EmbeddingHandle, HandleError, check_handle
 class HandleReader:
     """One per router; without producers every handle is refused (400)."""
 
-    def __init__(self, producers: tuple[str, ...], api_key: str | None, backends: tuple[str, ...], hidden: int) -> None:
+    def __init__(
+        self, producers: tuple[str, ...], api_key: str | None, backends: tuple[str, ...], hidden: int, max_rows: int
+    ) -> None:
         self._producers = producers
         self._hidden = hidden
+        self._max_rows = max_rows
+        """GeriLimits.max_prompt_tokens: a longer handle is refused before anything is allocated for it."""
         self._fetcher = EmbeddingFetcher(backends, api_key=api_key) if producers else None
 
     async def read(self, name: str, handle: EmbeddingHandle) -> np.ndarray:
@@ -32,6 +36,8 @@ class HandleReader:
             check_handle(handle, self._producers, self._hidden)
         except HandleError as e:
             raise ApiError(400, f"{name}: {e}") from e
+        if handle.shape[0] > self._max_rows:  # the fetch allocates the shape it names
+            raise ApiError(400, f"{name} has {handle.shape[0]} tokens; 1 to {self._max_rows} accepted")
         try:
             tensor = await asyncio.to_thread(self._fetcher.fetch, handle)
         except HandleError as e:  # a location that is not its producer's own: nothing was read

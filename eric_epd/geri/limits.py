@@ -33,7 +33,8 @@ class GeriLimits:
     max_side: int = 1024
     max_steps: int = 100
     max_prompt_tokens: int = 4096
-    """Longest prompt (in tokens) accepted at all; longer ones are refused rather than cut silently."""
+    """Longest prompt (in tokens) accepted at all; longer ones are refused. Those past MAX_PROMPT_TOKENS are cut to
+    it, as QwenImagePipeline cuts them (its max_sequence_length), so the image equals the pipeline's."""
     max_guidance_scale: float = 100.0
 
     def __post_init__(self) -> None:

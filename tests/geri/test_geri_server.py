@@ -227,6 +227,10 @@ def test_embeddings_by_handle_give_the_inline_image(geri: GeriServer, producer: 
     assert r.status_code == 400 and "[rows, 128]" in r.json()["error"]["message"], r.text
     both = {**generate_body(prompt), "prompt_handle": _held(producer, prompt, "p5")}
     assert _generate(geri, both).status_code == 400
+    huge = {**_held(producer, prompt, "p6"), "shape": [2**40, prompt.shape[1]]}  # a shape nothing could allocate
+    huge["nbytes"] = 2**40 * prompt.shape[1] * 4
+    r = _generate(geri, {"prompt_handle": huge, **settings})
+    assert r.status_code == 400 and f"{2**40} tokens; 1 to " in r.json()["error"]["message"], r.text
 
 
 def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -145,10 +146,41 @@ def test_an_encode_slower_than_the_send_timeout_is_not_swept_under_it(eric: Eric
     assert answer["r"].status_code == 504 and "no prefill rank" in answer["r"].text, answer["r"].text
     held = lambda: held_bytes(eric.url, eric.headers)  # noqa: E731
     assert wait_for(lambda: held() == 0, timeout_s=10), held()
+    late = {**body, "req_id": f"{uuid.uuid4().hex}_local_part_0", "mm_items": [image_data_url(64, 64, seed=6)]}
+    assert _rank_comes_a_second_after_a_slow_encode(eric, late, children).status_code == 200
     again = {**body, "req_id": f"{uuid.uuid4().hex}_local_part_0"}
     resp = httpx.post(eric.url + "/encode", json=again, timeout=60)
     assert resp.status_code == 504 and "no prefill rank" in resp.text  # encoded, then no rank came again
     assert wait_for(lambda: held_bytes(eric.url, eric.headers) == 0, timeout_s=10)
+
+
+def _rank_comes_a_second_after_a_slow_encode(eric: EricServer, body: dict, workers: list) -> httpx.Response:
+    """The part of `body` encoded while the workers are stopped for two send timeouts, then a pull rank asking for
+    it a second after the encode ended (within one send timeout of it: the part must still be there, not swept as
+    idle since it was posted). The rank's answer."""
+    answer: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: answer.update(r=httpx.post(eric.url + "/encode", json=body, timeout=60)))
+    encoded = _encoded_items(eric)
+    for child in workers:
+        os.kill(child.pid, signal.SIGSTOP)
+    try:
+        thread.start()
+        time.sleep(4.0)
+    finally:
+        for child in workers:
+            os.kill(child.pid, signal.SIGCONT)
+    assert wait_for(lambda: _encoded_items(eric) > encoded, timeout_s=30)
+    time.sleep(1.0)  # two sweeps: one released the part at once when its idle clock started at the /encode
+    meta = {"req_id": body["req_id"], "part_idx": 0}
+    rank = httpx.post(eric.url + "/scheduler_receive_meta_data", json=meta, timeout=60)
+    thread.join(60)
+    assert answer["r"].status_code == 200, answer["r"].text  # the rank's pull answered the /encode's wait
+    return rank
+
+
+def _encoded_items(eric: EricServer) -> float:
+    text = httpx.get(eric.url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r'eric_items_total\{[^}]*source="encoded"[^}]*\} (\S+)', text))
 
 
 def test_parts_with_dtype_copies_take_turns_instead_of_starving_each_other(eric: EricServer) -> None:

@@ -15,7 +15,7 @@ from eric_epd.eric.sglang.parts import PartTable
 from eric_epd.eric.sglang.protocol import Part, SglangError, as_sglang_error, host_port
 from eric_epd.eric.sglang.push import MooncakePusher, NixlPusher
 from eric_epd.eric.sglang.rows import PartRows
-from eric_epd.eric.sglang.zmq_push import ZmqSender
+from eric_epd.eric.sglang.zmq_push import ZmqSender, all_sent
 from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)
@@ -94,9 +94,10 @@ class PartDelivery:
         try:
             with as_sglang_error(f"[{part.req_id}] embedding delivery failed"), self.rows.reading(part):
                 frames = self._frames(part)
-                await asyncio.gather(
-                    *(self.send(host_port(req.prefill_host, int(p)), frames, cached=False) for p in ports)
-                )
+                sends = [self.send(host_port(req.prefill_host, int(p)), frames, cached=False) for p in ports]
+                failed = [e for e in await all_sent([asyncio.ensure_future(s) for s in sends]) if e is not None]
+                if failed:  # only now: no send still reads the part's rows, which `release` frees
+                    raise failed[0]
         finally:
             part.active -= 1
             self.table.release(part)
@@ -104,35 +105,17 @@ class PartDelivery:
     async def deliver_registered(self, part: Part) -> None:
         """zmq_to_scheduler: push to every registered rank (as they come, up to `receive_count`), then release."""
         part.delivering = True
-        deadline = time.monotonic() + self.settings.send_timeout_s
-        sent: set[str] = set()
         tasks: list[tuple[str, asyncio.Task[None]]] = []
-        failure, code = None, 502
         part.active += 1
         try:
             with self.rows.reading(part):
-                frames = self._frames(part)
-                while True:
-                    part.changed.clear()
-                    for endpoint in sorted(part.destinations.keys() - sent):
-                        sent.add(endpoint)
-                        tasks.append((endpoint, asyncio.create_task(self.send(endpoint, frames, cached=True))))
-                    if part.expected is not None and len(sent) >= part.expected:
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        failure = (
-                            f"timed out after {self.settings.send_timeout_s:g}s with {len(sent)}/"
-                            f"{part.expected} destination(s) initiated"
-                        )
-                        code = 504
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(part.changed.wait(), remaining)
-                results = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
-                failed = [ep for (ep, _), r in zip(tasks, results) if isinstance(r, BaseException)]
+                try:
+                    failure, code = await self._push_as_ranks_come(part, self._frames(part), tasks)
+                finally:  # cancelled too: no send may still read the rows once `reading` ends
+                    results = await all_sent([t for _, t in tasks])
+                failed = [ep for (ep, _), r in zip(tasks, results) if r is not None]
                 for (ep, _), r in zip(tasks, results):
-                    if isinstance(r, BaseException):
+                    if r is not None:
                         logger.error("SGLang part %s: send to %s failed: %r", part.req_id, ep, r)
                 if failed and failure is None:
                     failure = f"delivery failed for {failed}"
@@ -142,6 +125,27 @@ class PartDelivery:
             self.table.release(part)
         if failure is not None and part.error is None:
             raise SglangError(code, f"[{part.req_id}] embedding delivery failed: {failure}")
+
+    async def _push_as_ranks_come(
+        self, part: Part, frames: list[Any], tasks: list[tuple[str, asyncio.Task[None]]]
+    ) -> tuple[str | None, int]:
+        """Start a push to each rank as it registers, into `tasks`, until `receive_count` have or the send timeout
+        passed: (why it stopped short, its status) or (None, 502)."""
+        deadline = time.monotonic() + self.settings.send_timeout_s
+        sent: set[str] = set()
+        while True:
+            part.changed.clear()
+            for endpoint in sorted(part.destinations.keys() - sent):
+                sent.add(endpoint)
+                tasks.append((endpoint, asyncio.create_task(self.send(endpoint, frames, cached=True))))
+            if part.expected is not None and len(sent) >= part.expected:
+                return None, 502
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timeout = self.settings.send_timeout_s
+                return f"timed out after {timeout:g}s with {len(sent)}/{part.expected} destination(s) initiated", 504
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(part.changed.wait(), remaining)
 
     def deliver_error(self, part: Part) -> None:
         """As SGLang's encoder does: ranks waiting on ZMQ get the error as a part message (in the background)."""

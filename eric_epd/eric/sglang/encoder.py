@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from eric_epd.eric.sglang.delivery import PartDelivery
 from eric_epd.eric.sglang.parts import PartTable
 from eric_epd.eric.sglang.peers import PeerPolicy
 from eric_epd.eric.sglang.protocol import (
+    MAX_RANKS,
     MODALITIES,
     Part,
     SglangError,
@@ -32,9 +34,6 @@ from eric_epd.wire.eric import EncodeItem
 from eric_epd.wire.sglang import EncodeRequest, MetaRequest, ReceiveUrlRequest, SendRequest
 
 logger = logging.getLogger(__name__)
-
-MAX_RANKS = 1024
-"""Most prefill ranks one part is delivered to (receive_count): bounds each part's destinations."""
 
 
 class SglangEncoder:
@@ -155,6 +154,7 @@ class SglangEncoder:
                 self._stage(part)
             finally:
                 part.active -= 1
+                part.touched = time.monotonic()  # idle from now: an encode may outlast the timeouts, ranks come after
             if part.released:  # closed while it encoded: what the encode took goes back now
                 self.table.release(part)
                 raise SglangError(503, f"[{req.req_id}] released while encoding (Eric is stopping)")

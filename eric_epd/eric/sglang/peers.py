@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from eric_epd.eric.sglang.protocol import SglangError, host_port
+from eric_epd.common.jsonbody import clip
+from eric_epd.eric.sglang.protocol import MAX_RANKS, SglangError, host_port
 from eric_epd.wire.sglang import EncodeRequest, NixlSession, SendRequest, decode_nixl_session
 
 logger = logging.getLogger(__name__)
@@ -126,11 +127,14 @@ class PeerPolicy:
             return req
         if not req.prefill_host:
             raise SglangError(400, "embedding_port given without prefill_host")
-        ports = req.embedding_port if isinstance(req.embedding_port, list) else [req.embedding_port]
+        listed = isinstance(req.embedding_port, list)
+        ports = list(dict.fromkeys(req.embedding_port)) if listed else [req.embedding_port]  # each rank once
         if not ports or not all(0 < p < 65536 for p in ports):
-            raise SglangError(400, f"bad embedding_port {req.embedding_port!r}")
+            raise SglangError(400, f"bad embedding_port {clip(req.embedding_port)}")
+        if len(ports) > MAX_RANKS:
+            raise SglangError(400, f"embedding_port lists {len(ports)} ports; at most {MAX_RANKS} ranks")
         address = await self.host(req.prefill_host, caller, "prefill_host")
-        return msgspec.structs.replace(req, prefill_host=address)
+        return msgspec.structs.replace(req, prefill_host=address, embedding_port=ports if listed else ports[0])
 
     async def send_targets(self, req: SendRequest, caller: str | None) -> tuple[str, str, NixlSession | None]:
         """/send: the rank's ZMQ endpoint and its Mooncake session (host:rpc_port), hosts checked and replaced by

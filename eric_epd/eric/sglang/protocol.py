@@ -24,6 +24,9 @@ HEALTH_PNG = (
     "E0Y/lIgNQULD/OqyCMgCihCKSG4yRuKuiNH6JLsoEbMACOGBcua9HOR7Y6w6swBwMy0qLTpkeI77qdEBpBFAHBBDAGH8WrwJKI4AAegUCfAKgEgpQDvh3CR3oQ"
     "Cuav58qlAw73kKCSgAAAABJRU5ErkJggg=="
 )
+MAX_RANKS = 1024
+"""Most prefill ranks one part is delivered to (receive_count, or the ports an /encode names): bounds each part's
+destinations."""
 MODALITIES = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
 _URL_SCHEMES = ("http://", "https://", "data:", "file://")
 

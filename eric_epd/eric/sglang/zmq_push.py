@@ -19,6 +19,25 @@ from eric_epd.eric.sglang.protocol import SglangError, tcp_endpoint
 logger = logging.getLogger(__name__)
 STUCK_WARNING_S = 5.0
 """A dropped message whose frames ZMQ still holds after this long is logged (its region stays held meanwhile)."""
+ONE_SHOT_SOCKETS = 256
+"""One-shot sockets (tokenizer pushes) open at once, over every request; more wait their turn, within the timeout."""
+
+
+async def all_sent(tasks: list[asyncio.Task[None]]) -> list[BaseException | None]:
+    """Each send task's exception (or None), once every one has ended, even if the caller is cancelled meanwhile: a
+    send ends only when ZMQ no longer reads its frames, which may point into the pool, and the caller frees their
+    region after this. The caller's cancellation cancels the sends, and is raised again once they have ended."""
+    cancelled, pending = False, set(tasks)
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+            for task in pending:
+                task.cancel()
+    if cancelled:
+        raise asyncio.CancelledError
+    return [asyncio.CancelledError() if t.cancelled() else t.exception() for t in tasks]
 
 
 async def _sent(tracker: zmq.MessageTracker, timeout_s: float) -> None:
@@ -73,6 +92,8 @@ class ZmqSender:
         self.max_receivers = max_receivers
         self.idle_s = idle_s
         self._zmq = zmq.asyncio.Context()
+        self._zmq.set(zmq.MAX_SOCKETS, max_receivers + ONE_SHOT_SOCKETS + 16)  # ZMQ's default: 1023 in all
+        self._once = asyncio.Semaphore(ONE_SHOT_SOCKETS)
         self._receivers: OrderedDict[str, _Receiver] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -87,15 +108,23 @@ class ZmqSender:
             await self._push_once(address, frames)
 
     async def _push_once(self, address: str, frames: list[Any]) -> None:
-        sock = self._socket(address)
-        tracker = None
         try:
-            tracker = await asyncio.wait_for(sock.send_multipart(frames, copy=False, track=True), self.timeout_s)
-            await _sent(tracker, self.timeout_s)
-        except BaseException:
-            await drop(sock, tracker)
-            raise
-        sock.close(linger=5000)
+            await asyncio.wait_for(self._once.acquire(), self.timeout_s)
+        except TimeoutError:
+            busy = f"{ONE_SHOT_SOCKETS} pushes under way for {self.timeout_s:g} s; retry later"
+            raise SglangError(503, busy) from None
+        try:
+            sock = self._socket(address)
+            tracker = None
+            try:
+                tracker = await asyncio.wait_for(sock.send_multipart(frames, copy=False, track=True), self.timeout_s)
+                await _sent(tracker, self.timeout_s)
+            except BaseException:
+                await drop(sock, tracker)
+                raise
+            sock.close(linger=5000)
+        finally:
+            self._once.release()
 
     def _receiver(self, address: str) -> _Receiver:
         receiver = self._receivers.get(address)
@@ -149,12 +178,14 @@ class ZmqSender:
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
         sock = self._zmq.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IPV6, 1)  # a prefill's address may be IPv6 (and IPv4 still works)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(address)
         return sock
 
     def close(self) -> None:
-        """Close every receiver socket and the ZMQ context."""
+        """Close every receiver socket and the ZMQ context, one-shot sockets still sending too (term() would wait for
+        them for ever)."""
         for address in list(self._receivers):
             self._close(address)
-        self._zmq.term()
+        self._zmq.destroy(linger=0)
