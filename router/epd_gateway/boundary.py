@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from eric_epd.common.errors import ApiError
+from eric_epd.common.jsonbody import clip
 
 STEERING_FIELDS = frozenset(
     {
@@ -155,6 +156,13 @@ def check_request_fields(body: dict[str, Any], chat: bool = False) -> None:
                 "and only the gateway sets it",
                 param=name,
             )
+    if body.get("use_beam_search"):
+        raise ApiError(
+            400,
+            "use_beam_search is not accepted: vLLM's beam search builds its own sampling parameters, which drop the "
+            "prefill/decode hand-off and the encoder's handles the gateway adds",
+            param="use_beam_search",
+        )
     for name in body:
         if name not in allowed:
             shown = str(name)[:64]
@@ -213,11 +221,11 @@ def check_messages(body: dict[str, Any], allow_embeddings: bool) -> None:
 
 def _check_part(part: Any, allowed: dict[str, set[str]], where: str) -> None:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in allowed:
-        hint = " (client embeddings are off on this gateway)" if kind in EMBED_PARTS else ""
+    if not isinstance(kind, str) or kind not in allowed:  # a list or an object is no type (nor hashable)
+        hint = " (client embeddings are off on this gateway)" if isinstance(kind, str) and kind in EMBED_PARTS else ""
         raise ApiError(
             400,
-            f"{where}: unsupported content part type {kind!r}{hint}; supported: {sorted(allowed)}",
+            f"{where}: unsupported content part type {clip(kind)}{hint}; supported: {sorted(allowed)}",
             param="messages",
         )
     if "uuid" in part:

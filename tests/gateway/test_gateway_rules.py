@@ -121,6 +121,8 @@ def test_parts_carry_only_their_own_keys() -> None:
     _refused(_user({"type": "image_embeds", "image_embeds": {}}), "client embeddings are off")
     _refused(_user({"type": "image_embeds", "image_embeds": {}, "uuid": "a"}), "uuid", allow_embeddings=True)
     _refused(_user({"type": "file", "file": {}}), "unsupported content part type 'file'")
+    _refused(_user({"type": ["image_url"], "image_url": url}), r"unsupported content part type \['image_url'\]")
+    _refused(_user({"type": {"a": 1}}), "unsupported content part type {'a': 1}")  # no 500: a dict is unhashable
     _refused({"messages": [{"role": "user", "content": "x", "image_url": url}]}, "unexpected field")
     _refused({"messages": [{"role": "user", "content": {"type": "text"}}]}, "string or a list")
     for name in STEERING_FIELDS:  # mm_processor_kwargs: chat requests may carry its one option
@@ -148,6 +150,9 @@ def test_request_fields_by_an_allowlist() -> None:
         "chat_template_kwargs": {"enable_thinking": False},
     }
     check_request_fields(chat, chat=True)
+    check_request_fields({**chat, "use_beam_search": False}, chat=True)
+    with pytest.raises(ApiError, match="use_beam_search is not accepted"):  # it drops the hand-offs the gateway adds
+        check_request_fields({**chat, "use_beam_search": True}, chat=True)
     check_request_fields({"model": "m", "prompt": "x", "max_tokens": 4, "echo": False, "suffix": "y"})
     for name in (
         "mm_payload",
