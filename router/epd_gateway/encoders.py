@@ -132,6 +132,17 @@ class EncoderPool:
         """Whether leases may be given back to `url`: a member, listed by hand, or one its name listed."""
         return url in self._members or url in self._static or url in self._departed
 
+    async def vouch(self, url: str) -> bool:
+        """Whether an ack may go to `url` with the Erics' key now: an Eric listed by hand or a proven member; one
+        whose address may have changed hands since (found by name and ejected, or gone) proves it holds the key
+        first, as a probe does (an ack without the key is refused, so that one's lease is left to its TTL)."""
+        member = self._members.get(url)
+        if url in self._static or (member is not None and member.proven):
+            return True
+        if member is None and url not in self._departed:
+            return False
+        return self._prover is None or await self._prover(url)
+
     def drop_silent(self) -> list[str]:
         """Forget self-registered Erics whose heartbeats stopped; their URLs."""
         cutoff = time.monotonic() - self._heartbeat_timeout_s
@@ -212,7 +223,7 @@ class EncoderPool:
     def leases(self) -> Leases:
         """A request's lease scope (leases.py): what its encodes return is held there and given back on leaving it,
         unless handed to the engine; acks go only to Erics this pool knows."""
-        return Leases(self._client, self.knows)
+        return Leases(self._client, self.vouch)
 
     async def encode(self, refs: list[MediaRef], leases: Leases) -> tuple[list[EncodedItem], int]:
         """Encode every item somewhere; returns (items in ref order, number of encoders used). Every item's lease is

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import httpx
@@ -23,9 +23,9 @@ class Leases:
     `give_back` what no engine will fetch, `hand_over` once the engine took them (a 2xx); leaving the scope gives
     back, shielded from cancellation, everything still held."""
 
-    def __init__(self, client: httpx.AsyncClient, knows: Callable[[str], bool]) -> None:
+    def __init__(self, client: httpx.AsyncClient, vouch: Callable[[str], Awaitable[bool]]) -> None:
         self._client = client
-        self._knows = knows
+        self._vouch = vouch
         self._held: dict[str, EmbeddingHandle] = {}  # lease token -> handle
         self._handed = False
 
@@ -54,18 +54,19 @@ class Leases:
             await asyncio.shield(self._ack(handles))
 
     async def _ack(self, handles: list[EmbeddingHandle]) -> None:
-        await release_leases(self._client, self._knows, handles)
+        await release_leases(self._client, self._vouch, handles)
 
 
 async def release_leases(
-    client: httpx.AsyncClient, knows: Callable[[str], bool], handles: list[EmbeddingHandle]
+    client: httpx.AsyncClient, vouch: Callable[[str], Awaitable[bool]], handles: list[EmbeddingHandle]
 ) -> None:
-    """Ack every lease of `handles`. Best effort: a failure only leaves the TTL to act. An ack goes only to a producer
-    `knows` accepts (an Eric the gateway knows), never to a URL an answer names."""
+    """Ack every lease of `handles`. Best effort: a failure only leaves the TTL to act. An ack (it carries the Erics'
+    key) goes only to a producer `vouch` accepts (Encoders.vouch: an Eric the gateway knows still holds that address),
+    never to a URL an answer names."""
 
     async def ack(handle: EmbeddingHandle) -> None:
         producer = handle.producer.rstrip("/")
-        if not knows(producer) or not is_content_hash(handle.hash):
+        if not is_content_hash(handle.hash) or not await vouch(producer):
             logger.warning("not acknowledging an embedding at %r: not an Eric this gateway knows", producer[:200])
             return
         try:

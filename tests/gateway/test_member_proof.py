@@ -14,6 +14,7 @@ import httpx
 import pytest
 import uvicorn
 from epd_gateway.encoders import EncoderPool
+from epd_gateway.leases import release_leases
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.proof import MembershipProver
 from starlette.applications import Starlette
@@ -25,6 +26,7 @@ from eric_epd.common.errors import ApiError
 from eric_epd.common.registration import MEMBER_PROOF_PATH
 from eric_epd.eric.app import member_proof_answer
 from eric_epd.stack.process import free_port
+from eric_epd.wire.handles import EmbeddingHandle
 
 KEY = "the-erics-key"
 
@@ -53,6 +55,7 @@ def _app(kind: str, seen: list[tuple[str, str]], eric_url: str) -> Starlette:
             Route("/health", other),
             Route("/v1/load", other),
             Route("/v1/models", other),
+            Route("/v1/embeddings/{content_hash}/ack", other, methods=["POST"]),
         ]
     )
 
@@ -116,6 +119,40 @@ def test_without_proofs_every_name_member_gets_the_key(members) -> None:
     urls = [url for url, _ in members.values()]
     assert _admit_all(urls, prove=False) == sorted(urls)
     assert ("/health", f"Bearer {KEY}") in members["stranger"][1]
+
+
+def _ack_after_they_left(urls: list[str], prove: bool) -> None:
+    """Members found by name, then gone from it (their addresses may change hands), each with a lease to give back."""
+
+    async def go() -> None:
+        async with (
+            httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as keyed,
+            httpx.AsyncClient() as unkeyed,
+        ):
+            prover = MembershipProver(unkeyed, KEY) if prove else None
+            pool = EncoderPool((), keyed, None, GatewayMetrics(), 2, 5.0, prover=prover)
+            for url in urls:
+                pool.admit(url)
+                pool.dismiss(url)
+            handles = [EmbeddingHandle("ab" * 32, (1, 8), "float32", 32, u, "i", f"{u}/e", lease="t") for u in urls]
+            await release_leases(keyed, pool.vouch, handles)
+
+    asyncio.run(go())
+
+
+def test_a_lease_is_given_back_with_the_key_only_to_an_address_that_proves_it_holds_it(members) -> None:
+    for _, seen in members.values():
+        seen.clear()
+    _ack_after_they_left([url for url, _ in members.values()], prove=True)
+    ack = ("/v1/embeddings/" + "ab" * 32 + "/ack", f"Bearer {KEY}")
+    assert ack in members["eric"][1]  # it proved itself: its lease is given back
+    for kind in ("stranger", "relay"):
+        assert {path for path, _ in members[kind][1]} == {MEMBER_PROOF_PATH}, members[kind][1]  # challenged only
+        assert all(auth == "" for _, auth in members[kind][1])
+    for _, seen in members.values():  # negative control: without proofs the stranger gets the ack and the key
+        seen.clear()
+    _ack_after_they_left([url for url, _ in members.values()], prove=False)
+    assert ack in members["stranger"][1]
 
 
 def test_eric_refuses_bad_nonces(members) -> None:
