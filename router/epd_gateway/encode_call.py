@@ -13,7 +13,7 @@ from epd_gateway.content import MediaRef
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.upstream import RETRY_ONCE, Reply, pooled_session
 from eric_epd.common.errors import ApiError
-from eric_epd.wire.eric import EncodeItem, encode_body
+from eric_epd.wire.eric import EncodedItem, EncodeItem, encode_body
 
 logger = logging.getLogger(__name__)
 CLIENT_ERRORS = (400, 415, 422)
@@ -25,16 +25,21 @@ def encode_request(refs: list[MediaRef]) -> bytes:
     """The /v1/encode body for these items, each named by its place in the client's request (which Eric's errors
     about it then quote)."""
     return encode_body(
-        [
-            EncodeItem(
-                id=f"messages[{r.message}].content[{r.part}]",
-                modality=r.modality,
-                url=r.url,
-                use_audio_in_video=r.with_audio,
-            )
-            for r in refs
-        ]
+        [EncodeItem(id=_item_id(r), modality=r.modality, url=r.url, use_audio_in_video=r.with_audio) for r in refs]
     )
+
+
+def _item_id(ref: MediaRef) -> str:
+    return f"messages[{ref.message}].content[{ref.part}]"
+
+
+def answer_problem(items: list[EncodedItem], refs: list[MediaRef]) -> str | None:
+    """Why an Eric's answer does not answer these items, one each in order (its ids and modalities), or None: an
+    answer of another shape would put one item's embedding in another's place."""
+    got = [(i.id, i.modality) for i in items]
+    if got != [(_item_id(r), r.modality) for r in refs]:
+        return f"answered {len(items)} items {msgspec.json.encode(got)[:200]!r} for {len(refs)} asked"
+    return None
 
 
 def new_encoder_session(headers: dict[str, str]) -> aiohttp.ClientSession:

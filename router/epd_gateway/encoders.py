@@ -14,9 +14,9 @@ import httpx
 import msgspec
 
 from epd_gateway.cards import CardReader
-from epd_gateway.content import MediaRef
-from epd_gateway.encode_call import CLIENT_ERRORS, encode_request, media_rejected, post_encode
-from epd_gateway.leases import Leases
+from epd_gateway.content import MediaRef, soundtracks
+from epd_gateway.encode_call import CLIENT_ERRORS, answer_problem, encode_request, media_rejected, post_encode
+from epd_gateway.leases import Leases, release_leases
 from epd_gateway.members import WAIT_SLACK_S, EncoderState, expected_wait, rendezvous_weight, rest_s
 from epd_gateway.metrics import GatewayMetrics
 from epd_gateway.scaling import recommended_encoders
@@ -315,6 +315,12 @@ class EncoderPool:
             items = list(decode_answer(resp.body).items)
         except msgspec.MsgspecError as e:
             logger.warning("encoder %s answered outside the schema: %s", url, e)
+            self._record_failure(member)
+            return None
+        if (problem := answer_problem(items, refs)) is not None:  # its leases go back: nobody reads those items
+            logger.warning("encoder %s %s", url, problem)
+            handles = [i.handle for i in [*items, *soundtracks(items)]]
+            await asyncio.shield(release_leases(self._client, self.vouch, handles))
             self._record_failure(member)
             return None
         member.failures = 0
