@@ -3,6 +3,7 @@ pooling model (`token_embed`, no normalisation), then Geri turns them into the i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import logging
@@ -20,6 +21,7 @@ from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError, parse_body
 from eric_epd.common.http import bearer
 from eric_epd.common.jsonbody import MAX_ID
+from eric_epd.geri.limits import MAX_PROMPT_TOKENS
 from eric_epd.wire.geri import generate_body
 
 logger = logging.getLogger(__name__)
@@ -112,11 +114,27 @@ class ImageGenerator:
         return {"created": int(time.time()), "data": data}
 
     async def hidden_states(self, prompt: str) -> np.ndarray:
-        """The templated prompt's last hidden states [tokens, hidden] from vLLM, the template's own tokens dropped."""
+        """The templated prompt's last hidden states [tokens, hidden] from vLLM, the template's own tokens dropped and
+        at most MAX_PROMPT_TOKENS kept, as the pipeline keeps them. The text encoder is causal, so it is given only
+        the tokens those rows see: a prompt of thousands of tokens (CJK, emoji) costs no more than one of 512."""
         url = next(self._encoders)
-        payload = {"input": PROMPT_TEMPLATE.format(prompt), "task": "token_embed", "use_activation": False}
+        tokens = await self._encoder_call(url, "/tokenize", {"prompt": PROMPT_TEMPLATE.format(prompt)})
         try:
-            response = await self._client.post(url + "/pooling", json=payload, headers=self._encoder_headers)
+            ids = msgspec.convert(tokens.json()["tokens"], list[int])[: TEMPLATE_TOKENS + MAX_PROMPT_TOKENS]
+        except (ValueError, KeyError, TypeError, msgspec.ValidationError) as e:
+            raise ApiError(502, f"text encoder answered unreadable tokens: {e!r}") from e
+        pooled = await self._encoder_call(
+            url, "/pooling", {"input": ids, "task": "token_embed", "use_activation": False}
+        )
+        states = await asyncio.to_thread(_states, pooled)  # megabytes of JSON numbers: off the event loop
+        if states.ndim != 2 or states.shape[0] <= TEMPLATE_TOKENS:
+            raise ApiError(502, f"text encoder answered hidden states of shape {list(states.shape)}")
+        return states[TEMPLATE_TOKENS:]
+
+    async def _encoder_call(self, url: str, path: str, payload: dict) -> httpx.Response:
+        """The text encoder's 200 answer to POST `path`; its refusals of the prompt passed on, other failures 5xx."""
+        try:
+            response = await self._client.post(url + path, json=payload, headers=self._encoder_headers)
         except httpx.HTTPError as e:
             raise ApiError(503, f"text encoder {url} unreachable: {e!r}") from e
         if response.status_code in PROMPT_ERRORS:  # about the prompt
@@ -131,13 +149,7 @@ class ImageGenerator:
                 502 if response.status_code < 500 else 503,
                 f"text encoder answered {response.status_code}: {response.text[:300]}",
             )
-        try:
-            states = np.asarray(response.json()["data"][0]["data"], dtype=np.float32)
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise ApiError(502, f"text encoder answered an unreadable pooling result: {e!r}") from e
-        if states.ndim != 2 or states.shape[0] <= TEMPLATE_TOKENS:
-            raise ApiError(502, f"text encoder answered hidden states of shape {list(states.shape)}")
-        return states[TEMPLATE_TOKENS:]
+        return response
 
     async def _image(self, body: dict) -> bytes:
         url = next(self._geris)
@@ -150,6 +162,14 @@ class ImageGenerator:
         message = _message(response)
         status = response.status_code if response.status_code in (400, 503, 504) else 502
         raise ApiError(status, f"image generation failed: {message}")
+
+
+def _states(response: httpx.Response) -> np.ndarray:
+    """A pooling answer's float32 [tokens, hidden] states; 502 for one that is not."""
+    try:
+        return np.asarray(response.json()["data"][0]["data"], dtype=np.float32)
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ApiError(502, f"text encoder answered an unreadable pooling result: {e!r}") from e
 
 
 def _message(response: httpx.Response) -> str:

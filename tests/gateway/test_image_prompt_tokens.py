@@ -1,0 +1,64 @@
+"""The image path asks the text encoder for at most the tokens whose states Qwen-Image keeps (the template's 34 and
+512 more: the encoder is causal, so those rows see nothing later), whatever the prompt's length; against an
+in-process stand-in text encoder that records what it was sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from aiohttp import web
+from epd_gateway.images import TEMPLATE_TOKENS, ImageGenerator
+
+from eric_epd.geri.limits import MAX_PROMPT_TOKENS
+
+HIDDEN = 4
+
+
+@asynccontextmanager
+async def _text_encoder(prompt_tokens: int) -> AsyncIterator[tuple[str, list[dict]]]:
+    """/tokenize answers `prompt_tokens` ids (0, 1, ...); /pooling one row per id it got: row i is [i] * HIDDEN."""
+    pooled: list[dict] = []
+
+    async def tokenize(_: web.Request) -> web.Response:
+        return web.json_response({"count": prompt_tokens, "max_model_len": 10**6, "tokens": list(range(prompt_tokens))})
+
+    async def pooling(request: web.Request) -> web.Response:
+        body = await request.json()
+        pooled.append(body)
+        return web.json_response({"data": [{"data": [[float(i)] * HIDDEN for i in body["input"]]}]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/pooling", pooling)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", pooled  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+def _states(prompt_tokens: int) -> tuple[list[float], list[dict]]:
+    async def run() -> tuple[list[float], list[dict]]:
+        async with _text_encoder(prompt_tokens) as (url, pooled), httpx.AsyncClient() as client:
+            states = await ImageGenerator((url,), ("http://geri.invalid",), client, None, None).hidden_states("p")
+            return states[:, 0].tolist(), pooled
+
+    return asyncio.run(run())
+
+
+def test_a_long_prompt_is_encoded_only_as_far_as_its_kept_rows() -> None:
+    kept, pooled = _states(5000)  # thousands of tokens: what CJK or emoji within MAX_PROMPT_CHARS can come to
+    assert pooled[0]["input"] == list(range(TEMPLATE_TOKENS + MAX_PROMPT_TOKENS))
+    assert kept == [float(i) for i in range(TEMPLATE_TOKENS, TEMPLATE_TOKENS + MAX_PROMPT_TOKENS)]
+
+
+def test_a_short_prompt_is_encoded_whole() -> None:
+    kept, pooled = _states(TEMPLATE_TOKENS + 20)  # the control: nothing cut
+    assert pooled[0]["input"] == list(range(TEMPLATE_TOKENS + 20))
+    assert kept == [float(i) for i in range(TEMPLATE_TOKENS, TEMPLATE_TOKENS + 20)]
