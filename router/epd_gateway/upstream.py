@@ -178,9 +178,9 @@ class Upstreams:
             await _discard(decode)
             self._metrics.failures.labels(stage="prefill").inc()
             raise ApiError(502, f"prefill at {prefill_url} failed: {failure}")
-        if _answered(decode):
+        if _answered(decode) and not _refused(decode):
             prefill.add_done_callback(_log_prefill)
-        else:  # decode failed: its prefill sends KV to nobody
+        else:  # decode failed or refused the request: its prefill would send KV to nobody
             prefill.cancel()
         return await decode  # a cancellation here cancels the awaited decode too (the prefill is done or answered)
 
@@ -268,6 +268,11 @@ def _answered(decode: asyncio.Task[Response]) -> bool:
     if not decode.done():
         return True
     return not decode.cancelled() and decode.exception() is None and decode.result().status_code < 500
+
+
+def _refused(decode: asyncio.Task[Response]) -> bool:
+    """A decode call that answered, whole, with an error (a 4xx here): it will take no KV."""
+    return decode.done() and not _streaming(decode) and decode.result().status_code >= 400
 
 
 async def _discard(decode: asyncio.Task[Response]) -> None:

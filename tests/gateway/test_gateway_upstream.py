@@ -1,6 +1,6 @@
 """The gateway's engine-facing calls (epd_gateway/upstream.py) against in-process aiohttp stand-ins: SGLang PD
-calls cancelled with their client, a streamed SGLang decode whose prefill fails, vLLM PD's prefill body and its
-one-prompt rule, and /v1/completions cancelled when its client leaves."""
+calls cancelled with their client or a decode's refusal, a streamed SGLang decode whose prefill fails, vLLM PD's
+prefill body and its one-prompt rule, and /v1/completions cancelled when its client leaves."""
 
 from __future__ import annotations
 
@@ -142,6 +142,20 @@ def test_streamed_sglang_decode_is_handed_out_once_its_prefill_answered() -> Non
 
     assert asyncio.run(run("sglang", prefill, decode, calls)) == (200, b"data: [DONE]\n\n")
     assert prefill.bodies[0]["bootstrap_room"] == decode.bodies[0]["bootstrap_room"]
+
+
+def test_an_sglang_decode_refusing_the_request_ends_its_prefill() -> None:
+    async def refuses(request: web.Request, body: dict) -> web.StreamResponse:
+        return web.json_response({"object": "error", "message": "bad sampling params"}, status=400)
+
+    prefill, decode = Engine(never), Engine(refuses)
+
+    async def calls(upstreams: Upstreams) -> int:
+        response = await upstreams.complete("/v1/chat/completions", chat(False), {})
+        await asyncio.wait_for(prefill.left.wait(), WAIT_S)  # not left holding its bootstrap room for minutes
+        return response.status_code
+
+    assert asyncio.run(run("sglang", prefill, decode, calls)) == 400
 
 
 def test_vllm_prefill_body_drops_what_conflicts_with_its_one_token() -> None:
