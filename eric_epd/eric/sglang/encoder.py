@@ -224,7 +224,7 @@ class SglangEncoder:
         known = self.table.find(req.req_id)
         if known is not None:
             self.peers.check_caller(caller, known.owner, req.req_id)
-        part = self.table.get(req.req_id)
+        part = self.table.get(req.req_id, rank=caller or "")
         assert part is not None
         part.set_mode("scheduler")
         if part.expected is None:
@@ -240,10 +240,10 @@ class SglangEncoder:
         part.destinations[endpoint] = caller
         part.changed.set()
 
-    async def wait_encoded(self, req_id: str, create: bool) -> Part:
+    async def wait_encoded(self, req_id: str, create: bool, caller: str | None) -> Part:
         """The part once encoded; a req_id never posted (or released) is the caller's error (404), an encode that
         is under way but not done in time is ours (504), a failed encode answers with its own status."""
-        part = self.table.get(req_id, create=create)
+        part = self.table.get(req_id, create=create, rank=caller or "")
         if part is None:
             raise SglangError(404, f"no staged embedding for req_id={req_id} (never posted or already released)")
         part.set_mode("pull")
@@ -261,7 +261,7 @@ class SglangEncoder:
 
     async def meta(self, req: MetaRequest, caller: str | None) -> dict[str, Any]:
         """SGLang's /scheduler_receive_meta_data: the encoded part's size, token count and width."""
-        part = await self.wait_encoded(req.req_id, create=True)
+        part = await self.wait_encoded(req.req_id, create=True, caller=caller)
         self.peers.check_caller(caller, part.owner, req.req_id)
         return {
             "req_id": req.req_id,
@@ -274,7 +274,7 @@ class SglangEncoder:
     async def send(self, req: SendRequest, caller: str | None) -> None:
         """SGLang's /send: write the part's rows to the rank's buffer (Mooncake or NIXL), then notify it over ZMQ."""
         endpoint, session, nixl = await self.peers.send_targets(req, caller)
-        part = await self.wait_encoded(req.req_id, create=False)
+        part = await self.wait_encoded(req.req_id, create=False, caller=caller)
         self.peers.check_caller(caller, part.owner, req.req_id)
         if part.released:
             raise SglangError(404, f"no staged embedding for req_id={req.req_id} (already released)")

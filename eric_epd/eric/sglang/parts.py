@@ -12,6 +12,8 @@ from eric_epd.eric.sglang.protocol import Part, SglangError
 from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)
+RANK_PARTS_SHARE = 8
+"""A host's ranks may hold at most 1/8 of --sglang-max-parts in parts that no /encode has come for yet."""
 
 
 class PartTable:
@@ -33,11 +35,14 @@ class PartTable:
         """The part, if held; not touched."""
         return self._parts.get(req_id)
 
-    def get(self, req_id: str, create: bool = True) -> Part | None:
+    def get(self, req_id: str, create: bool = True, rank: str | None = None) -> Part | None:
         """The part of `req_id` (made if `create`), its idle clock restarted; 503 when a new one would pass
-        max_parts (after expiring what is due)."""
+        max_parts (after expiring what is due), or when made by a rank's call (`rank`: its caller's address) that
+        already made RANK_PARTS_PER_PEER parts no /encode has come for: one host's calls cannot fill the table."""
         part = self._parts.get(req_id)
         if part is None and create:
+            if rank is not None:
+                self._check_quota(rank)
             if len(self._parts) >= self.settings.max_parts:
                 self.expire()
             if len(self._parts) >= self.settings.max_parts:
@@ -47,10 +52,17 @@ class PartTable:
                 raise SglangError(
                     503, f"too many SGLang parts in flight ({len(self._parts)}, --sglang-max-parts); retry later"
                 )
-            part = self._parts[req_id] = Part(req_id)
+            part = self._parts[req_id] = Part(req_id, creator=rank)
         if part is not None:
             part.touched = time.monotonic()
         return part
+
+    def _check_quota(self, caller: str) -> None:
+        quota = max(1, self.settings.max_parts // RANK_PARTS_SHARE)
+        waiting = sum(1 for p in self._parts.values() if p.request is None and p.creator == caller)
+        if waiting >= quota:
+            logger.warning("SGLang: refused a part for %s: %d parts of its ranks wait for an /encode", caller, waiting)
+            raise SglangError(503, f"{waiting} parts made by this host's ranks wait for their /encode; retry later")
 
     def release(self, part: Part, force: bool = False) -> None:
         """Drop the part and acknowledge its leases (once per distinct pool entry), unless a transfer or its encode

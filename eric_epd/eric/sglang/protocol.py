@@ -182,6 +182,8 @@ class Part:
     """"tokenizer", "scheduler" (zmq_to_scheduler) or "pull" (mooncake / NIXL), fixed by the first caller."""
     mode_set: asyncio.Event = field(default_factory=asyncio.Event)
     owner: str | None = None
+    creator: str | None = None
+    """The address whose call made the part (a rank's, before any /encode: counted against its quota)."""
     """The address the part's /encode came from; its ranks must call from there or from the allowlist."""
     destinations: dict[str, str | None] = field(default_factory=dict)
     """zmq_to_scheduler: checked rank endpoint ("ip:port") -> the address that registered it."""
