@@ -13,7 +13,7 @@ from eric_epd.common.errors import ApiError
 from eric_epd.runtime.engine.client import EngineRequest
 from eric_epd.runtime.work import WorkItem
 from eric_epd.testing.pools import assert_pool_empty
-from eric_epd.transfer.pool import span
+from eric_epd.transfer.free_list import span
 from eric_epd.transfer.producer import Want
 from tests.support.helpers_engine import FakeEngine, encode_service, items, settle
 

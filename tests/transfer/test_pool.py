@@ -10,7 +10,8 @@ import pytest
 
 from eric_epd.testing.pools import assert_pool_empty
 from eric_epd.transfer.config import TransferConfig
-from eric_epd.transfer.pool import ALIGN, MAX_CHILD_LEASES, EmbeddingPool, FreeList, LeaseError, new_token, span
+from eric_epd.transfer.free_list import ALIGN, FreeList, span
+from eric_epd.transfer.pool import MAX_CHILD_LEASES, EmbeddingPool, LeaseError, new_token
 from eric_epd.transfer.producer import TransferHub
 
 

@@ -19,7 +19,8 @@ from eric_epd.testing.media import image_data_url
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.backends.shm import ShmConsumer, ShmProducer
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
-from eric_epd.transfer.pool import ALIGN, MAX_CHILD_LEASES, EmbeddingPool, new_token
+from eric_epd.transfer.free_list import ALIGN
+from eric_epd.transfer.pool import MAX_CHILD_LEASES, EmbeddingPool, new_token
 from eric_epd.wire.handles import LEASE_HEADER, EmbeddingHandle
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]

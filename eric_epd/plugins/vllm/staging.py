@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from eric_epd.plugins.vllm.landing import LandingChannel, LandingTimeoutError
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher
-from eric_epd.transfer.pool import FreeList
+from eric_epd.transfer.free_list import FreeList
 from eric_epd.wire.handles import EmbeddingHandle
 
 logger = logging.getLogger(__name__)
