@@ -205,6 +205,8 @@ class EncodeService:
                 if not waiting:
                     if staging is not None and staging.entries is None:
                         staging.entries = await self.hub.reserve_all(staging.wants)
+                    if (lapsed := self.hub.refresh(handles.values())) is not None:  # the TTL counts from the answer
+                        raise ApiError(503, f"the lease on {lapsed[:12]} lapsed before its answer", retry_after=1)
                     return handles
                 await self._wait_for_others(waiting)
             raise ApiError(503, "embeddings were freed while this request waited for them; retry", retry_after=1.0)
@@ -238,12 +240,13 @@ class EncodeService:
             encode = {k: p for k, p in mine.items() if k not in stored}
             if encode:
                 await self._run(encode, [e for e in entries if e.hash in encode], clock)
+            handles = self.hub.lease_written(entries)
+            if handles is None:  # freed meanwhile (its bridge lease lapsed: a TTL below the request's time)
+                raise ApiError(503, "an embedding was freed before it was answered; retry", retry_after=1.0)
         except BaseException:
             self._inflight.unwant(mine)  # aborts in the engine whatever no other request waits for
             raise
-        handles = {}
         for entry in entries:
-            handles[entry.hash] = self.hub.lease(entry.hash)
             source = "global" if entry.hash in stored else "encoded"
             self._metrics.items.labels(modality=mine[entry.hash].item.modality, source=source).inc()
             if source == "encoded" and self._global is not None:

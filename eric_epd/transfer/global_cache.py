@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -174,9 +174,14 @@ class GlobalCache:
             self._failed(f"get {key[:12]} rc={got}")
         return False
 
-    async def write(self, key: str, region: np.ndarray) -> None:
-        """Store the embedding of `key` from `region`; the caller keeps the region alive until this returns."""
+    def write(self, key: str, region: np.ndarray) -> Coroutine[Any, Any, None]:
+        """Store the embedding of `key` from `region` (await, or run as a task, what this returns); the caller keeps
+        the region alive until that ends. Counted in flight at once, not when it starts running: a request sharing
+        dozens of items in one step of the event loop stays within MAX_PUTS."""
         self._puts += 1
+        return self._write(key, region)
+
+    async def _write(self, key: str, region: np.ndarray) -> None:
         try:
             store = await self._ready(wait=True)
             if store is None:

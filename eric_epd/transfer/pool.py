@@ -60,6 +60,8 @@ class PoolEntry:
     """Outstanding lease token -> when it lapses unacknowledged (each lease has its own TTL)."""
     children: dict[str, int] = field(default_factory=dict)
     """Root token -> child leases added from it (bounded by MAX_CHILD_LEASES)."""
+    outstanding: Counter[str] = field(default_factory=Counter)
+    """Root token -> its leases (itself and its children) not ended yet; at 0 the root's child count goes too."""
     expires_at: float = 0.0
     fence: Counter[str] = field(default_factory=Counter)
     """Party kind -> parties that may still read or write the region and cannot be stopped (engine batches, store
@@ -68,6 +70,16 @@ class PoolEntry:
     def holds(self, token: str | None) -> bool:
         """True if `token` names an outstanding lease on this (written) entry."""
         return self.ready and token is not None and token in self.leases
+
+    def end_lease(self, token: str) -> None:
+        """End the outstanding lease `token` (acknowledged or lapsed): a popular entry, leased and acked without
+        end, keeps no bookkeeping of the roots whose leases have all ended."""
+        root = self.leases.pop(token)
+        self.lease_expiry.pop(token, None)
+        self.outstanding[root] -= 1
+        if self.outstanding[root] <= 0:
+            del self.outstanding[root]
+            self.children.pop(root, None)
 
 
 class Hold:
@@ -182,8 +194,19 @@ class EmbeddingPool:
             self._acked_bytes -= span(entry.nbytes)
         token = new_token()
         entry.leases[token] = token
+        entry.outstanding[token] += 1
         entry.expires_at = entry.lease_expiry[token] = time.monotonic() + self.ttl_s
         return entry, token
+
+    def refresh(self, key: str, token: str) -> bool:
+        """Restart the TTL of the lease `token` names (its handle is about to be answered: the consumer's time to
+        read and acknowledge counts from then, however long the request took); False if it is no longer held."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.holds(token):
+            return False
+        entry.lease_expiry[token] = time.monotonic() + self.ttl_s
+        entry.expires_at = max(entry.expires_at, entry.lease_expiry[token])
+        return True
 
     def holder(self, key: str, token: str | None) -> PoolEntry:
         """The entry `token` holds a lease on; LeaseError 404 (the same for an unknown hash and a wrong token, so a
@@ -211,6 +234,7 @@ class EmbeddingPool:
         entry.children[root] = added + count
         tokens = [new_token() for _ in range(count)]
         entry.leases.update((t, root) for t in tokens)
+        entry.outstanding[root] += count
         entry.expires_at = time.monotonic() + self.ttl_s
         entry.lease_expiry.update((t, entry.expires_at) for t in tokens)
         return tokens
@@ -221,8 +245,7 @@ class EmbeddingPool:
         entry = self._entries.get(key)
         if entry is None or not entry.holds(token):
             return False
-        del entry.leases[token]  # type: ignore[arg-type]
-        entry.lease_expiry.pop(token, None)  # type: ignore[arg-type]
+        entry.end_lease(token)  # type: ignore[arg-type]
         self._ended[token] = key  # type: ignore[index]
         while len(self._ended) > MAX_ENDED_LEASES:
             self._ended.popitem(last=False)
@@ -238,6 +261,7 @@ class EmbeddingPool:
     def _retire(self, entry: PoolEntry) -> None:
         """No lease left: free the entry, or keep it as cache within the budget (evicting the oldest)."""
         entry.children.clear()
+        entry.outstanding.clear()
         if span(entry.nbytes) > self._keep_acked_bytes:
             self.release(entry.hash)
             return
@@ -329,8 +353,7 @@ class EmbeddingPool:
         all the time, does not keep every abandoned lease forever. Whether any lapsed."""
         tokens = [t for t, at in entry.lease_expiry.items() if at <= now]
         for token in tokens:
-            del entry.lease_expiry[token]
-            entry.leases.pop(token, None)
+            entry.end_lease(token)
         return bool(tokens)
 
     def view(self, entry: PoolEntry) -> np.ndarray:

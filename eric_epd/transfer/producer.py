@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from eric_epd.common.errors import ApiError
@@ -111,14 +112,40 @@ class TransferHub:
     def _try_reserve(self, wants: list[Want]) -> list[PoolEntry] | None:
         """Every reservation now, or None with nothing reserved."""
         entries: list[PoolEntry] = []
-        for want in wants:
-            entry = self.pool.reserve(want.key, want.nbytes, want.shape, want.dtype)
-            if entry is None:
-                for taken in entries:
-                    self.pool.release(taken.hash, taken.generation)  # never written: free at once
+        try:
+            for want in wants:
+                entry = self.pool.reserve(want.key, want.nbytes, want.shape, want.dtype)
+                if entry is None:
+                    break
+                entries.append(entry)
+            else:
+                return entries
+        except BaseException:  # a key already reserved: what this call reserved goes back too
+            self._roll_back(entries)
+            raise
+        self._roll_back(entries)
+        return None
+
+    def _roll_back(self, entries: list[PoolEntry]) -> None:
+        for taken in entries:
+            self.pool.release(taken.hash, taken.generation)  # never written: free at once
+
+    def lease_written(self, entries: list[PoolEntry]) -> dict[str, EmbeddingHandle] | None:
+        """One lease on each of these written reservations (by hash), or None, with none taken, if one has left its
+        hash since (freed: its last lease lapsed)."""
+        handles: dict[str, EmbeddingHandle] = {}
+        for entry in entries:
+            if self.pool.get(entry.hash) is not entry or not entry.ready:
+                for handle in handles.values():
+                    self.ack(handle.hash, handle.lease)
                 return None
-            entries.append(entry)
-        return entries
+            handles[entry.hash] = self.lease(entry.hash)
+        return handles
+
+    def refresh(self, handles: Iterable[EmbeddingHandle]) -> str | None:
+        """Restart each lease's TTL as its handle is answered (a consumer's time to read and ack counts from then,
+        however long the request took); the hash of the first one that had lapsed meanwhile, or None."""
+        return next((h.hash for h in handles if not self.pool.refresh(h.hash, h.lease)), None)
 
     def release(self, entry: PoolEntry) -> None:
         """Free exactly this reservation of the entry (never a newer one of the same hash)."""
