@@ -168,6 +168,18 @@ def test_connector_settings() -> None:
             EricConnectorSettings.parse(bad, environ={})
 
 
+def test_the_connector_refuses_layouts_it_cannot_land_on() -> None:
+    from types import SimpleNamespace
+
+    from eric_epd.plugins.vllm.connector import check_topology
+
+    check_topology(SimpleNamespace(pipeline_parallel_size=1, nnodes=1))  # tensor parallel on one node: served
+    with pytest.raises(ValueError, match="pipeline parallelism"):  # its stages' ranks would share one socket name
+        check_topology(SimpleNamespace(pipeline_parallel_size=2, nnodes=1))
+    with pytest.raises(ValueError, match="spans 2 nodes"):  # the landing area is one host's shared memory
+        check_topology(SimpleNamespace(pipeline_parallel_size=1, nnodes=2))
+
+
 def test_unanswered_ack_is_sent_again(producer) -> None:
     """The producer stops answering (SIGSTOP) right after the bytes were read: the ack is sent again on a new
     connection, marked as a retry; once the producer resumes, whichever attempt it reads first ends the lease and

@@ -34,6 +34,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["EricECConnector", "EricECMetadata", "EricLoad", "EricWorkerMetadata"]
 
 
+def check_topology(parallel: Any) -> None:
+    """ValueError for a layout the connector cannot serve: its landing area is one host's shared memory and its
+    workers' sockets are named by tensor-parallel rank, so pipeline stages (whose ranks would bind the same names:
+    the last one takes every order, and the first lands nothing) and workers on other nodes cannot take part."""
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"EricECConnector does not support pipeline parallelism (pipeline_parallel_size "
+            f"{parallel.pipeline_parallel_size}); use tensor parallelism on one node"
+        )
+    if parallel.nnodes > 1:
+        raise ValueError(f"EricECConnector lands embeddings on one node; this engine spans {parallel.nnodes} nodes")
+
+
 class EricECConnector(ECConnectorBase):
     """vLLM's encoder-cache connector in the consumer role: Eric items fetched and landed, then handed to vLLM."""
 
@@ -42,6 +55,7 @@ class EricECConnector(ECConnectorBase):
         if not self.is_consumer or self.is_producer:
             raise ValueError("EricECConnector is a consumer: use ec_role 'ec_consumer' (Eric is the producer)")
         assert vllm_config.ec_transfer_config is not None
+        check_topology(vllm_config.parallel_config)
         settings = EricConnectorSettings.parse(vllm_config.ec_transfer_config.ec_connector_extra_config)
         address = LandingAddress(vllm_config.instance_id, vllm_config.parallel_config.data_parallel_rank)
         self.scheduler: EricScheduler | None = None
