@@ -1,6 +1,7 @@
 """Faults at the vLLM connector's scheduler side, driven as vLLM drives it (real producer process, two ranks): an
-image whose landing timed out is served again with a fresh lease, the connector follows vLLM's encoder cache through
-a reset and an eviction, and handles no item takes, or the valid ones of a refused set, go back at once."""
+image whose landing timed out is served again with a fresh lease (and to a request that had joined that fetch, with
+its own), the connector follows vLLM's encoder cache through a reset and an eviction, and handles no item takes, or
+the valid ones of a refused set, go back at once."""
 
 from __future__ import annotations
 
@@ -97,6 +98,47 @@ def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -
             )
             connector.request_finished(r2)
             assert not connector.take_unavailable_requests()
+            assert landing_idle(connector.scheduler._prefetch, areas)
+        finally:
+            connector.shutdown()
+    assert wait_for(lambda: pool_entries(producer) == 0, 30)
+
+
+def test_a_request_that_joined_a_failed_fetch_is_served_with_its_own_lease(producer) -> None:
+    """r2 wants the image r1 is fetching, and joins that fetch; r1's landing times out: r2 does not fail with it,
+    but fetches the image again with its own lease (before, both failed)."""
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    first, own = pool_entry(producer, "joined-image", seed=1, data=rows)
+    address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
+    with ranks(address, 1 << 20, torch.float32) as areas:
+        connector = _connector(producer, address)
+        try:
+            r1, r2 = _request("r1", first), _request("r2", own)
+            with stalled(producer):  # r1's fetch hangs past the landing timeout; r2 joins it meanwhile
+                assert not connector.ensure_cache_available(r1, 0) and not connector.ensure_cache_available(r2, 0)
+                assert wait_for(
+                    lambda: (
+                        not connector.ensure_cache_available(r1, 0) and "r1" in connector.take_unavailable_requests()
+                    ),
+                    60,
+                    0.1,
+                )
+            assert wait_for(lambda: connector.ensure_cache_available(r2, 0), 60, 0.1)
+            assert not connector.take_unavailable_requests()  # r2 was never failed
+            connector.update_state_after_alloc(r2, 0)
+            meta = connector.build_connector_meta(
+                SimpleNamespace(  # type: ignore[arg-type]
+                    scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1
+                )
+            )
+            (load,) = meta.loads  # type: ignore[attr-defined]
+            for area in areas:
+                assert torch.equal(area.take(load.staged.offset, own.hash), rows)
+            connector.update_connector_output(
+                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={own.hash}))
+            )
+            connector.request_finished(r1)
+            connector.request_finished(r2)
             assert landing_idle(connector.scheduler._prefetch, areas)
         finally:
             connector.shutdown()

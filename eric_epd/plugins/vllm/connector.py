@@ -38,13 +38,14 @@ def check_topology(parallel: Any) -> None:
     """ValueError for a layout the connector cannot serve: its landing area is one host's shared memory and its
     workers' sockets are named by tensor-parallel rank, so pipeline stages (whose ranks would bind the same names:
     the last one takes every order, and the first lands nothing) and workers on other nodes cannot take part."""
-    if parallel.pipeline_parallel_size > 1:
+    stages, nodes = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "nnodes", 1)
+    if stages > 1:
         raise ValueError(
-            f"EricECConnector does not support pipeline parallelism (pipeline_parallel_size "
-            f"{parallel.pipeline_parallel_size}); use tensor parallelism on one node"
+            f"EricECConnector does not support pipeline parallelism (pipeline_parallel_size {stages}); "
+            "use tensor parallelism on one node"
         )
-    if parallel.nnodes > 1:
-        raise ValueError(f"EricECConnector lands embeddings on one node; this engine spans {parallel.nnodes} nodes")
+    if nodes > 1:
+        raise ValueError(f"EricECConnector lands embeddings on one node; this engine spans {nodes} nodes")
 
 
 class EricECConnector(ECConnectorBase):

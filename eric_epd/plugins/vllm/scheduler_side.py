@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from eric_epd.plugins.vllm.aliases import audio_in_video_offers
 from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache, building_scheduler
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
 from eric_epd.plugins.vllm.settings import EricConnectorSettings
-from eric_epd.plugins.vllm.staging import Prefetcher, State
+from eric_epd.plugins.vllm.staging import Prefetcher, Staged, State
 from eric_epd.plugins.vllm.stats import EricECStats
 from eric_epd.plugins.vllm.step_meta import EricECMetadata, EricLoad, EricWorkerMetadata
 from eric_epd.plugins.vllm.trust import TrustedProducers
@@ -151,7 +151,6 @@ class EricScheduler:
             key, pos = feature.identifier, feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens or self._vllm_cache.holds(request, index):
                 continue  # already in the KV cache, or in vLLM's encoder cache
-            rows = request.get_num_encoder_embeds(index)
             item = self._prefetch.get(key)
             if item is None or rid not in item.users:  # a failed item is fetched anew, with an unused lease
                 fresh = item is None or item.state is State.FAILED
@@ -160,29 +159,40 @@ class EricScheduler:
                     if has_raw_media(feature):
                         continue  # vLLM encodes it itself
                     return self._fail(rid, f"item {key[:16]} has no Eric handle and carries no media to encode")
-                if handle.shape[0] != rows:
-                    return self._fail(rid, f"embedding {key[:16]} has {handle.shape[0]} rows, its grid needs {rows}")
-                width = self._widths.get(feature.modality, handle.shape[1])
-                if handle.shape[1] != width:
-                    return self._fail(
-                        rid,
-                        f"embedding {key[:16]} has rows of {handle.shape[1]}; its "
-                        f"{feature.modality} rows are {width} wide",
-                    )
-                try:
-                    item = self._prefetch.want(key, handle, rid)
-                except TransferError as e:
-                    return self._fail(rid, str(e))
-                if item is None:  # no room in the staging area now
-                    ready = False
-                    continue
-                if item.handle is handle:
-                    self._spend(key, handle)
+                item = self._start(request, index, handle)
+            elif item.state is State.FAILED and (own := self._available.get(key, {}).get(rid)) is not None:
+                self._prefetch.drop(key, rid)  # it joined another request's fetch, which failed: its own lease now
+                item = self._start(request, index, own)
+            if item is None:  # no room in the staging area now
+                ready = False
+                continue
+            if item is False:
+                return False
             if item.state is State.FAILED:
                 self.stats.record(load_failures=1)
                 return self._fail(rid, f"cannot fetch embedding {key[:16]}: {item.error}")
             ready = ready and item.state is State.READY
         return ready
+
+    def _start(self, request: Request, index: int, handle: EmbeddingHandle) -> Staged | Literal[False] | None:
+        """The staged item for the request's item at `index`, fetched with `handle` unless already here; None when
+        the staging area has no room now, False once the request is failed (a handle of another shape)."""
+        rid, feature = request.request_id, request.mm_features[index]
+        key, rows = feature.identifier, request.get_num_encoder_embeds(index)
+        if handle.shape[0] != rows:
+            return self._fail(rid, f"embedding {key[:16]} has {handle.shape[0]} rows, its grid needs {rows}")
+        width = self._widths.get(feature.modality, handle.shape[1])
+        if handle.shape[1] != width:
+            return self._fail(
+                rid, f"embedding {key[:16]} has rows of {handle.shape[1]}; its {feature.modality} rows are {width} wide"
+            )
+        try:
+            item = self._prefetch.want(key, handle, rid)
+        except TransferError as e:
+            return self._fail(rid, str(e))
+        if item is not None and item.handle is handle:
+            self._spend(key, handle)
+        return item
 
     def take_unavailable_requests(self) -> set[str]:
         """The requests failed since the last call (the scheduler fails them), forgotten here."""
