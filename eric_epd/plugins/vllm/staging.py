@@ -8,6 +8,7 @@ import enum
 import logging
 import threading
 import time
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -97,6 +98,11 @@ class Prefetcher:
         self._done = threading.Event()
         self._running = 0  # fetches not yet ended (busy() is asked at every engine step)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="eric-prefetch")
+        self._per_producer = max(1, threads - 1)
+        """Fetches one Eric runs at once: a stalled one (each fetch then waits out its timeouts) leaves a thread to
+        the others, whose items would otherwise queue behind its own."""
+        self._fetching: Counter[str] = Counter()  # producer -> its fetches running in the pool
+        self._queued: dict[str, deque[Staged]] = {}  # producer -> its fetches waiting for one of them to end
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-give-back")  # a stalled Eric delays no fetch
 
     def want(self, key: str, handle: EmbeddingHandle, rid: str) -> Staged | None:
@@ -133,10 +139,30 @@ class Prefetcher:
                     return None
                 item = self._items[key] = Staged(key, offset, handle, names={key})
                 self._running += 1
-                self._pool.submit(self._fetch, item)
+                self._launch(item)
             self._no_room.pop(rid, None)
             item.users.add(rid)
             return item
+
+    def _launch(self, item: Staged) -> None:
+        """Holds the lock. Run the item's fetch now, or once one of its producer's running fetches has ended."""
+        producer = item.handle.producer
+        if self._fetching[producer] < self._per_producer:
+            self._fetching[producer] += 1
+            self._pool.submit(self._fetch, item)
+        else:
+            self._queued.setdefault(producer, deque()).append(item)
+
+    def _next_of(self, producer: str) -> None:
+        """Holds the lock. One of `producer`'s fetches ended: start its next queued one, if any."""
+        self._fetching[producer] -= 1
+        queued = self._queued.get(producer)
+        if queued:
+            self._launch(queued.popleft())
+            if not queued:
+                del self._queued[producer]
+        if self._fetching[producer] <= 0:
+            del self._fetching[producer]
 
     def _twin(self, handle: EmbeddingHandle) -> Staged | None:
         """Holds the lock. The live item fetched (or being fetched) with this very lease, under another name."""
@@ -263,6 +289,7 @@ class Prefetcher:
             item.state, item.error = state, error
             item.late += late  # its `settled` may have come first
             self._running -= 1
+            self._next_of(h.producer)
             self._give_back(item)
             self._maybe_free(item)
         self._done.set()
