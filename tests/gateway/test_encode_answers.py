@@ -17,6 +17,7 @@ from epd_gateway.encoders import EncoderPool
 from epd_gateway.metrics import GatewayMetrics
 
 from eric_epd.wire.eric import EncodeAnswer, EncodedItem
+from tests.support.aiohttp_standin import serving
 from tests.support.encoded import encoded
 
 REFS = [MediaRef(0, 1, "image", "data:image/png;base64,AA=="), MediaRef(1, 0, "image", "data:image/png;base64,AB==")]
@@ -26,10 +27,10 @@ REFS = [MediaRef(0, 1, "image", "data:image/png;base64,AA=="), MediaRef(1, 0, "i
 async def _eric_standin(answer: Callable[[str], list[EncodedItem]]) -> AsyncIterator[tuple[str, list[str]]]:
     """Answers /v1/encode with answer(its own URL)'s items and records the hashes acknowledged."""
     acked: list[str] = []
-    url = ""
 
-    async def encode(_: web.Request) -> web.Response:
-        return web.Response(body=msgspec.json.encode(EncodeAnswer("m", answer(url))), content_type="application/json")
+    async def encode(request: web.Request) -> web.Response:
+        items = answer(f"http://{request.host}")
+        return web.Response(body=msgspec.json.encode(EncodeAnswer("m", items)), content_type="application/json")
 
     async def ack(request: web.Request) -> web.Response:
         acked.append(request.match_info["content_hash"])
@@ -38,15 +39,8 @@ async def _eric_standin(answer: Callable[[str], list[EncodedItem]]) -> AsyncIter
     app = web.Application()
     app.router.add_post("/v1/encode", encode)
     app.router.add_post("/v1/embeddings/{content_hash}/ack", ack)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    try:
+    async with serving(app) as url:
         yield url, acked
-    finally:
-        await runner.cleanup()
 
 
 def _item(key: str, index: int, producer: str) -> EncodedItem:

@@ -21,6 +21,8 @@ from epd_gateway.loadcheck import Completions
 from epd_gateway.members import CARD_RETRY_S, CARD_TIMEOUT_S
 from epd_gateway.metrics import GatewayMetrics
 
+from tests.support.aiohttp_standin import serving
+
 CARD = {"object": "list", "data": [{"id": "m", "modalities": ["image", "video"], "placement": "media"}]}
 
 
@@ -44,15 +46,8 @@ async def _eric_standin(card_after: int, card_delay_s: float = 0.0) -> AsyncIter
         return web.json_response({"status": "ok"})
 
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", asked
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, asked
 
 
 def _pool(*urls: str, encode_session: aiohttp.ClientSession | None = None) -> EncoderPool:
@@ -149,14 +144,8 @@ async def _busy_eric(retry_after: str) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/encode", encode)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 def test_an_eric_answering_503_with_retry_after_rests_and_is_not_ejected(monkeypatch: pytest.MonkeyPatch) -> None:

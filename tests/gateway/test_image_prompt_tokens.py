@@ -13,6 +13,7 @@ from aiohttp import web
 from epd_gateway.images import TEMPLATE_TOKENS, ImageGenerator
 
 from eric_epd.geri.limits import MAX_PROMPT_TOKENS
+from tests.support.aiohttp_standin import serving
 
 HIDDEN = 4
 
@@ -33,14 +34,8 @@ async def _text_encoder(prompt_tokens: int) -> AsyncIterator[tuple[str, list[dic
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/pooling", pooling)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", pooled  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, pooled
 
 
 def _states(prompt_tokens: int) -> tuple[list[float], list[dict]]:

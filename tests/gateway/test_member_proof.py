@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -79,14 +80,18 @@ def members() -> Iterator[dict[str, tuple[str, list[tuple[str, str]]]]]:
         server.should_exit = True
 
 
+@asynccontextmanager
+async def _pool(prove: bool) -> AsyncIterator[tuple[httpx.AsyncClient, EncoderPool]]:
+    """A pool of Erics found by name, its keyed client beside it; `prove`: with the real prover (else names are
+    trusted)."""
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as keyed, httpx.AsyncClient() as unkeyed:
+        prover = MembershipProver(unkeyed, KEY) if prove else None
+        yield keyed, EncoderPool((), keyed, None, GatewayMetrics(), 2, 5.0, prover=prover)
+
+
 def _admit_all(urls: list[str], prove: bool) -> list[str]:
     async def go() -> list[str]:
-        async with (
-            httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as keyed,
-            httpx.AsyncClient() as unkeyed,
-        ):
-            prover = MembershipProver(unkeyed, KEY) if prove else None
-            pool = EncoderPool((), keyed, None, GatewayMetrics(), 2, 5.0, prover=prover)
+        async with _pool(prove) as (_, pool):
             for url in urls:
                 pool.admit(url)
             await pool.prove_new()
@@ -125,12 +130,7 @@ def _ack_after_they_left(urls: list[str], prove: bool) -> None:
     """Members found by name, then gone from it (their addresses may change hands), each with a lease to give back."""
 
     async def go() -> None:
-        async with (
-            httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as keyed,
-            httpx.AsyncClient() as unkeyed,
-        ):
-            prover = MembershipProver(unkeyed, KEY) if prove else None
-            pool = EncoderPool((), keyed, None, GatewayMetrics(), 2, 5.0, prover=prover)
+        async with _pool(prove) as (keyed, pool):
             for url in urls:
                 pool.admit(url)
                 pool.dismiss(url)

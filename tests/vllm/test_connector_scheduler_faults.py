@@ -61,6 +61,23 @@ def _request(rid: str, handle: EmbeddingHandle) -> Request:
     )
 
 
+def _load_on_every_rank(connector: EricECConnector, request: Request, areas: list, rows: torch.Tensor) -> None:
+    """The request's one staged item goes to the workers in a step: every rank's copy holds `rows`; the workers
+    then report it copied."""
+    key = request.mm_features[0].identifier
+    connector.update_state_after_alloc(request, 0)
+    meta = connector.build_connector_meta(
+        SimpleNamespace(  # type: ignore[arg-type]
+            scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1
+        )
+    )
+    (load,) = meta.loads  # type: ignore[attr-defined]
+    assert load.request_id == request.request_id and load.staged is not None
+    for area in areas:
+        assert torch.equal(area.take(load.staged.offset, key), rows)
+    connector.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={key})))
+
+
 def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -> None:
     """The scheduler side of the connector: the request whose landing timed out fails; the same image then comes
     with a fresh lease, lands, and goes to the workers with the right values."""
@@ -83,19 +100,7 @@ def test_connector_serves_an_image_again_after_its_landing_timed_out(producer) -
             r2 = _request("r2", fresh)
             assert wait_for(lambda: connector.ensure_cache_available(r2, 0), 60, 0.1)
             assert connector.has_cache_item(fresh.hash)
-            connector.update_state_after_alloc(r2, 0)
-            meta = connector.build_connector_meta(
-                SimpleNamespace(  # type: ignore[arg-type]
-                    scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1
-                )
-            )
-            (load,) = meta.loads  # type: ignore[attr-defined]
-            assert load.request_id == "r2" and load.staged is not None
-            for area in areas:
-                assert torch.equal(area.take(load.staged.offset, fresh.hash), rows)
-            connector.update_connector_output(
-                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={fresh.hash}))
-            )
+            _load_on_every_rank(connector, r2, areas, rows)
             connector.request_finished(r2)
             assert not connector.take_unavailable_requests()
             assert landing_idle(connector.scheduler._prefetch, areas)
@@ -125,18 +130,7 @@ def test_a_request_that_joined_a_failed_fetch_is_served_with_its_own_lease(produ
                 )
             assert wait_for(lambda: connector.ensure_cache_available(r2, 0), 60, 0.1)
             assert not connector.take_unavailable_requests()  # r2 was never failed
-            connector.update_state_after_alloc(r2, 0)
-            meta = connector.build_connector_meta(
-                SimpleNamespace(  # type: ignore[arg-type]
-                    scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1
-                )
-            )
-            (load,) = meta.loads  # type: ignore[attr-defined]
-            for area in areas:
-                assert torch.equal(area.take(load.staged.offset, own.hash), rows)
-            connector.update_connector_output(
-                ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={own.hash}))
-            )
+            _load_on_every_rank(connector, r2, areas, rows)
             connector.request_finished(r1)
             connector.request_finished(r2)
             assert landing_idle(connector.scheduler._prefetch, areas)
