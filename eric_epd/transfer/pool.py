@@ -117,6 +117,9 @@ class EmbeddingPool:
         self.base_addr = self.array.ctypes.data
         self._free = FreeList(nbytes)
         self._entries: dict[str, PoolEntry] = {}
+        self._held: dict[str, PoolEntry] = {}
+        """The entries not kept as content cache (reserved, written, leased): all `expire` looks at, so a cache of
+        hundreds of thousands of acknowledged entries costs its once-a-second pass nothing."""
         self._generations = itertools.count(1)
         # Acknowledged entries kept as a content cache (LRU, first to go when space is needed), up to this budget.
         self._keep_acked_bytes = keep_acked_bytes
@@ -180,7 +183,7 @@ class EmbeddingPool:
             generation=next(self._generations),
             expires_at=time.monotonic() + self.ttl_s,
         )
-        self._entries[key] = entry
+        self._entries[key] = self._held[key] = entry
         return entry
 
     def commit(self, key: str) -> None:
@@ -192,6 +195,7 @@ class EmbeddingPool:
         entry = self._entries[key]
         if self._acked.pop(key, None) is not None:  # a cached entry is wanted again
             self._acked_bytes -= span(entry.nbytes)
+            self._held[key] = entry
         token = new_token()
         entry.leases[token] = token
         entry.outstanding[token] += 1
@@ -266,6 +270,7 @@ class EmbeddingPool:
             self.release(entry.hash)
             return
         self._acked[entry.hash] = entry
+        self._held.pop(entry.hash, None)
         self._acked_bytes += span(entry.nbytes)
         while self._acked_bytes > self._keep_acked_bytes:
             self._evict_oldest()
@@ -282,6 +287,7 @@ class EmbeddingPool:
                 )
             return
         del self._entries[key]
+        self._held.pop(key, None)
         if self._acked.pop(key, None) is not None:
             self._acked_bytes -= span(entry.nbytes)
         if entry.fence:
@@ -326,6 +332,8 @@ class EmbeddingPool:
             problems.append(f"{self.nbytes - self._free.free_bytes} bytes allocated, entries span {spans}")
         if self._acked_bytes != sum(span(e.nbytes) for e in self._acked.values()):
             problems.append(f"cached_bytes {self._acked_bytes} != the cached entries' spans")
+        if self._held.keys() != self._entries.keys() - self._acked.keys():
+            problems.append(f"held entries {len(self._held)} are not the {len(self._entries)} less the cached ones")
         if not held and (self.used_bytes != 0 or ranges != [(0, self.nbytes)]):
             problems.append(f"nothing held, yet used_bytes={self.used_bytes}, free ranges {ranges[:8]}")
         return "; ".join(problems) or None
@@ -334,7 +342,7 @@ class EmbeddingPool:
         """Free ready entries whose TTL passed (their regions return once unfenced), and retire those whose last
         lease lapsed; return their hashes."""
         now = time.monotonic() if now is None else now
-        live = [e for k, e in self._entries.items() if e.ready and k not in self._acked]
+        live = [e for e in self._held.values() if e.ready]
         gone = [e.hash for e in live if e.expires_at <= now]
         # others may still read the rest: only the leases nobody acked in time lapse, and an entry whose last
         # lease lapsed so is retired now (freed, or kept as content cache), not at its newest lease's TTL

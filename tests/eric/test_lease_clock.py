@@ -1,7 +1,7 @@
 """Leases against the clock, without processes (a real pool, a fake engine, a hand-moved clock): a lease taken early
 in a request counts its TTL from the answer; a bridge lease that lapsed under a slow engine ends the request with a
 503 and leaves no per-hash state; a popular entry keeps no bookkeeping of ended leases; uploads started in one step
-stay within MAX_PUTS."""
+stay within MAX_PUTS; the expiry pass walks only the entries held for consumers."""
 
 from __future__ import annotations
 
@@ -141,3 +141,22 @@ def test_uploads_started_in_one_step_stay_within_max_puts() -> None:
     assert len(started) == MAX_PUTS
     for coroutine in started:
         coroutine.close()
+
+
+def test_the_expiry_pass_looks_only_at_entries_held_for_consumers(tmp_path: Path) -> None:
+    pool = EmbeddingPool(f"eric_test_cache_{tmp_path.name[-8:]}", 1 << 20, ttl_s=TTL_S, keep_acked_bytes=1 << 20)
+    try:
+        for i in range(1000):  # a content cache of acknowledged entries
+            key = f"c{i}"
+            pool.reserve(key, 64, (2, 8), "float32")
+            pool.commit(key)
+            assert pool.ack(key, pool.lease(key)[1])
+        for key in ("a", "b", "c"):  # and three leased
+            pool.reserve(key, 64, (2, 8), "float32")
+            pool.commit(key)
+            pool.lease(key)
+        assert sorted(pool._held) == ["a", "b", "c"]  # what the pass walks: not the thousand cached
+        assert sorted(pool.expire(time.monotonic() + TTL_S + 1)) == ["a", "b", "c"]
+        assert pool.cached_bytes == 1000 * 256 and pool.audit() is None  # the cache is untouched
+    finally:
+        pool.close()
