@@ -1,5 +1,6 @@
-"""The connector's prefetch threads are shared fairly between Erics: one that stalls (each of its fetches waiting out
-its timeouts) runs at most all but one of them, so another Eric's items land meanwhile. Stand-ins for the landing
+"""The connector's prefetch threads and landing space are shared fairly: an Eric that stalls (each of its fetches
+waiting out its timeouts) runs at most all but one of the threads, so another Eric's items land meanwhile; a request
+starts its fetches all or none, so two requests never each hold part of what they need. Stand-ins for the landing
 channel and the fetcher (no processes): only the scheduling of the fetches is under test."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import threading
 
 from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.stack import wait_for
+from eric_epd.transfer.free_list import ALIGN
 from eric_epd.wire.handles import EmbeddingHandle
 
 STALLED, HEALTHY = "http://stalled:8100", "http://healthy:8100"
@@ -42,9 +44,11 @@ class StandInFetcher:
         pass
 
 
-def _handle(key: str, producer: str) -> EmbeddingHandle:
+def _handle(key: str, producer: str = HEALTHY, units: int = 1) -> EmbeddingHandle:
+    """A handle on `key` (one character) of `units` ALIGN-sized blocks."""
     digest, url = key * 64, f"{producer}/v1/embeddings/{key * 64}"
-    return EmbeddingHandle(digest, (1, 8), "float32", 32, producer, "i", url, lease=key)
+    rows = units * ALIGN // 32
+    return EmbeddingHandle(digest, (rows, 8), "float32", rows * 32, producer, "i", url, lease=key)
 
 
 def test_a_stalled_eric_leaves_a_thread_to_the_others() -> None:
@@ -60,4 +64,22 @@ def test_a_stalled_eric_leaves_a_thread_to_the_others() -> None:
         assert wait_for(lambda: all(s.state is State.READY for s in stalled), 10, 0.01)  # type: ignore[union-attr]
     finally:
         channel.go.set()
+        prefetch.close()
+
+
+def test_a_request_starts_its_fetches_all_or_none() -> None:
+    """Two requests must never each hold part of what they need while what is left fits neither (both then failed
+    at the room timeout): one whose items do not all fit now takes no space at all."""
+    prefetch = Prefetcher(StandInChannel(), StandInFetcher(), 100 * ALIGN, threads=2, land_timeout_s=30)  # type: ignore[arg-type]
+    try:
+        assert prefetch.want("o", _handle("o", units=30), "other") is not None
+        first = [("a", _handle("a", units=40)), ("b", _handle("b", units=50))]  # 30 + 90 > 100
+        assert not prefetch.fits("r1", first)
+        assert prefetch.used_bytes() == 30 * ALIGN  # it took nothing, not its first item's 40
+        second = [("c", _handle("c", units=30)), ("d", _handle("d", units=40))]  # 30 + 70 = 100
+        assert prefetch.fits("r2", second)
+        assert all(prefetch.want(key, handle, "r2") is not None for key, handle in second)
+        assert prefetch.used_bytes() == 100 * ALIGN
+        assert prefetch.fits("r2", second)  # staged now: nothing more to make room for
+    finally:
         prefetch.close()

@@ -146,7 +146,8 @@ class EricScheduler:
         rid = request.request_id
         if offers is None or rid in self._unavailable:
             return False
-        ready = True
+        needed: list[int] = []
+        starts: dict[int, EmbeddingHandle] = {}  # items whose fetch this request starts, with the lease it spends
         for index, feature in enumerate(request.mm_features):
             key, pos = feature.identifier, feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens or self._vllm_cache.holds(request, index):
@@ -159,10 +160,21 @@ class EricScheduler:
                     if has_raw_media(feature):
                         continue  # vLLM encodes it itself
                     return self._fail(rid, f"item {key[:16]} has no Eric handle and carries no media to encode")
-                item = self._start(request, index, handle)
+                starts[index] = handle
             elif item.state is State.FAILED and (own := self._available.get(key, {}).get(rid)) is not None:
                 self._prefetch.drop(key, rid)  # it joined another request's fetch, which failed: its own lease now
-                item = self._start(request, index, own)
+                starts[index] = own
+            needed.append(index)
+        try:  # its fetches start all or none
+            wants = [(request.mm_features[i].identifier, h) for i, h in starts.items()]
+            if wants and not self._prefetch.fits(rid, wants):
+                return False
+        except TransferError as e:
+            return self._fail(rid, str(e))
+        ready = True
+        for index in needed:
+            key = request.mm_features[index].identifier
+            item = self._start(request, index, starts[index]) if index in starts else self._prefetch.get(key)
             if item is None:  # no room in the staging area now
                 ready = False
                 continue

@@ -144,6 +144,41 @@ class Prefetcher:
             item.users.add(rid)
             return item
 
+    def fits(self, rid: str, wants: list[tuple[str, EmbeddingHandle]]) -> bool:
+        """Whether the landing areas have room now for every item of `wants` (key, handle) not staged yet, all at
+        once: a request starts its fetches all or none, so two requests never each hold part of what they need while
+        what is left fits neither (both then failed at the room timeout). False until they fit (retry at a later
+        step); TransferError once request `rid` found no room for the room timeout, or an item can never fit."""
+        with self._lock:
+            sizes = [h.nbytes for key, h in wants if self._needs_room(key, h)]
+            taken: list[tuple[int, int]] = []
+            for nbytes in sizes:  # the allocator is first fit: allocating and freeing again leaves it as it was
+                if (offset := self._free.allocate(nbytes)) is None:
+                    break
+                taken.append((offset, nbytes))
+            for offset, nbytes in taken:
+                self._free.free(offset, nbytes)
+            if len(taken) == len(sizes):
+                return True
+            since = self._no_room.setdefault(rid, time.monotonic())
+            if time.monotonic() - since > self._room_timeout_s:
+                del self._no_room[rid]
+                raise TransferError(
+                    f"no room for {len(sizes)} embeddings ({sum(sizes)} bytes) in the landing area for "
+                    f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)"
+                )
+            return False
+
+    def _needs_room(self, key: str, handle: EmbeddingHandle) -> bool:
+        """Holds the lock. Whether fetching `key` with `handle` takes space (it is not staged, live, already)."""
+        if handle.nbytes > self.nbytes:
+            raise TransferError(
+                f"embedding {key[:16]} has {handle.nbytes} bytes, more than the connector's whole "
+                f"landing area ({self.nbytes}; ec_connector_extra_config staging_bytes)"
+            )
+        item = self._items.get(key)
+        return (item is None or item.state is State.FAILED) and self._twin(handle) is None
+
     def _launch(self, item: Staged) -> None:
         """Holds the lock. Run the item's fetch now, or once one of its producer's running fetches has ended."""
         producer = item.handle.producer
