@@ -156,6 +156,8 @@ def check_request_fields(body: dict[str, Any], chat: bool = False) -> None:
                 "and only the gateway sets it",
                 param=name,
             )
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):  # "false": truthy here, False there
+        raise ApiError(400, f"'stream' must be true or false, got {clip(body['stream'])}", param="stream")
     if body.get("use_beam_search"):
         raise ApiError(
             400,

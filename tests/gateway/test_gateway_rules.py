@@ -151,6 +151,9 @@ def test_request_fields_by_an_allowlist() -> None:
     }
     check_request_fields(chat, chat=True)
     check_request_fields({**chat, "use_beam_search": False}, chat=True)
+    for stream in ("false", 0, "no"):  # the gateway would stream what the engine answers whole (null is false)
+        with pytest.raises(ApiError, match="'stream' must be true or false"):
+            check_request_fields({**chat, "stream": stream}, chat=True)
     with pytest.raises(ApiError, match="use_beam_search is not accepted"):  # it drops the hand-offs the gateway adds
         check_request_fields({**chat, "use_beam_search": True}, chat=True)
     check_request_fields({"model": "m", "prompt": "x", "max_tokens": 4, "echo": False, "suffix": "y"})
