@@ -13,6 +13,7 @@ from eric_epd.common.dns import DnsTarget, parse_dns_target
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import UrlPolicy
+from eric_epd.wire.handoff import MAX_HANDLES
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ class GatewayConfig:
             raise ValueError("--max-inline-bytes must be >= 1 and --max-inline-total-bytes at least as large")
         if self.epd_min_items < 1 or self.max_items < 1:
             raise ValueError("--epd-min-items and --max-items must be >= 1")
+        if self.max_items > MAX_HANDLES // 2:  # a video's soundtrack is a handle of its own
+            raise ValueError(f"--max-items is at most {MAX_HANDLES // 2}: vLLM's connector takes {MAX_HANDLES} handles")
 
 
 def _urls(value: str) -> tuple[str, ...]:

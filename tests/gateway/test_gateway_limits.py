@@ -271,3 +271,13 @@ def test_text_encoder_refusals_reach_the_client_as_theirs() -> None:
     assert _encoder_answers(422, {"object": "error", "message": "bad input"}).status == 422
     assert _encoder_answers(401, {"error": {"message": "Unauthorized"}}).status == 502  # the gateway's own key
     assert _encoder_answers(500, {"error": {"message": "boom"}}).status == 503  # unchanged: the encoder's failure
+
+
+def test_max_items_stays_within_what_the_engines_connector_takes() -> None:
+    from epd_gateway.config import GatewayConfig
+
+    from eric_epd.wire.handoff import MAX_HANDLES
+
+    assert GatewayConfig(colocated_urls=("http://e:1",), max_items=MAX_HANDLES // 2).max_items == MAX_HANDLES // 2
+    with pytest.raises(ValueError, match=f"at most {MAX_HANDLES // 2}"):  # with soundtracks, more handles than it takes
+        GatewayConfig(colocated_urls=("http://e:1",), max_items=MAX_HANDLES // 2 + 1)
