@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GenerateSpec, GeriLimits, check_spec
+from eric_epd.geri.limits import GenerateSpec, GeriLimits, check_spec
 from eric_epd.geri.parallel import shard_qwen_image_transformer
 from eric_epd.models.layers.parallel import TPContext
+from eric_epd.wire.geri import MAX_PROMPT_TOKENS
 
 logger = logging.getLogger(__name__)
 

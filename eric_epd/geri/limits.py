@@ -22,10 +22,6 @@ class GenerateSpec(msgspec.Struct, array_like=True, frozen=True, tag="generate")
     hidden: int
 
 
-MAX_PROMPT_TOKENS = 512
-"""Prompt embeddings beyond this many tokens are cut, as QwenImagePipeline cuts them (max_sequence_length)."""
-
-
 @dataclass(frozen=True)
 class GeriLimits:
     """The bounds on one image request: side in pixels, denoising steps, prompt tokens and guidance scale."""

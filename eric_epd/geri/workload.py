@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eric_epd.geri.limits import MAX_PROMPT_TOKENS, GenerateSpec, GeriLimits, batch_kind, check_spec, image_tokens
+from eric_epd.geri.limits import GenerateSpec, GeriLimits, batch_kind, check_spec, image_tokens
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.work import WorkItem, pack_spec, unpack_spec
 from eric_epd.runtime.workload import INPUT_BYTES
+from eric_epd.wire.geri import MAX_PROMPT_TOKENS
 
 
 @dataclass(frozen=True)

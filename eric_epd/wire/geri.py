@@ -10,6 +10,9 @@ import numpy as np
 from eric_epd.wire.handles import EmbeddingHandle
 
 PROMPT, NEGATIVE = "prompt_embeds", "negative_prompt_embeds"
+MAX_PROMPT_TOKENS = 512
+"""Prompt embeddings beyond this many tokens are cut, as QwenImagePipeline cuts them (max_sequence_length): Geri
+cuts them, and the gateway asks its text encoder for no more."""
 
 
 class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):

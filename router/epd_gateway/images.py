@@ -21,8 +21,7 @@ from eric_epd.common.all_or_none import all_or_none
 from eric_epd.common.errors import ApiError, parse_body
 from eric_epd.common.http import bearer
 from eric_epd.common.jsonbody import MAX_ID
-from eric_epd.geri.limits import MAX_PROMPT_TOKENS
-from eric_epd.wire.geri import generate_body
+from eric_epd.wire.geri import MAX_PROMPT_TOKENS, generate_body
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import httpx
 from aiohttp import web
 from epd_gateway.images import TEMPLATE_TOKENS, ImageGenerator
 
-from eric_epd.geri.limits import MAX_PROMPT_TOKENS
+from eric_epd.wire.geri import MAX_PROMPT_TOKENS
 from tests.support.aiohttp_standin import serving
 
 HIDDEN = 4

@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from eric_epd.eric.config import SglangConfig
-from eric_epd.eric.sglang.parts import RANK_PARTS_SHARE, PartTable
+from eric_epd.eric.sglang.parts import PartTable, rank_quota
 from eric_epd.eric.sglang.protocol import SglangError
 from eric_epd.wire.sglang import EncodeRequest
 
 
 def test_one_hosts_ranks_make_at_most_their_share_of_parts_waiting_for_an_encode() -> None:
-    table = PartTable(None, SglangConfig(max_parts=8 * RANK_PARTS_SHARE))  # type: ignore[arg-type]  # no releases
-    quota = 8
+    max_parts = 4096
+    table = PartTable(None, SglangConfig(max_parts=max_parts))  # type: ignore[arg-type]  # nothing is released
+    quota = rank_quota(max_parts)
+    assert quota == 512 and rank_quota(4) == 64  # an eighth, but no fewer than 64 (a small table is all one host's)
     for i in range(quota):
         table.get(f"a{i}", rank="10.0.0.1")
     with pytest.raises(SglangError) as refused:

@@ -12,8 +12,14 @@ from eric_epd.eric.sglang.protocol import Part, SglangError
 from eric_epd.transfer.producer import TransferHub
 
 logger = logging.getLogger(__name__)
-RANK_PARTS_SHARE = 8
-"""A host's ranks may hold at most 1/8 of --sglang-max-parts in parts that no /encode has come for yet."""
+RANK_PARTS_SHARE, RANK_PARTS_FLOOR = 8, 64
+"""A host's ranks may hold at most 1/8 of --sglang-max-parts (but never fewer than 64) in parts that no /encode has
+come for yet."""
+
+
+def rank_quota(max_parts: int) -> int:
+    """Parts one host's rank calls may hold before their /encode comes, under --sglang-max-parts `max_parts`."""
+    return max(RANK_PARTS_FLOOR, max_parts // RANK_PARTS_SHARE)
 
 
 class PartTable:
@@ -58,11 +64,12 @@ class PartTable:
         return part
 
     def _check_quota(self, caller: str) -> None:
-        quota = max(1, self.settings.max_parts // RANK_PARTS_SHARE)
         waiting = sum(1 for p in self._parts.values() if p.request is None and p.creator == caller)
-        if waiting >= quota:
+        if waiting >= rank_quota(self.settings.max_parts):
             logger.warning("SGLang: refused a part for %s: %d parts of its ranks wait for an /encode", caller, waiting)
-            raise SglangError(503, f"{waiting} parts made by this host's ranks wait for their /encode; retry later")
+            raise SglangError(
+                503, f"{waiting} parts made by this host's ranks wait for their /encode (--sglang-max-parts); retry"
+            )
 
     def release(self, part: Part, force: bool = False) -> None:
         """Drop the part and acknowledge its leases (once per distinct pool entry), unless a transfer or its encode
