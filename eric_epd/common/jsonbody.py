@@ -71,17 +71,13 @@ def _check_tokens(body: bytes, limit: int) -> None:
         raise JsonBodyError(f"JSON body holds more than {limit} tokens (strings, brackets, commas, colons), the limit")
 
 
-def parse_json(body: bytes, max_depth: int = MAX_DEPTH, max_tokens: int = MAX_TOKENS, exact: bool = False) -> Any:
+def parse_json(body: bytes, max_depth: int = MAX_DEPTH, max_tokens: int = MAX_TOKENS) -> Any:
     """The parsed body, refused if malformed, holding more than `max_tokens` tokens (counted before parsing) or
-    nested deeper than `max_depth` (neither decoder recurses in Python). orjson by default: it turns integers past 64
-    bits into floats, which orjson.dumps can send on. `exact`: msgspec, which keeps integers exact (up to Python's
-    4300 digits) and reads long strings (inlined media) at twice orjson's speed; for a body never re-serialized."""
+    nested deeper than `max_depth` (orjson never recurses in Python)."""
     _check_tokens(body, max_tokens)
     try:
-        data = msgspec.json.decode(body) if exact else orjson.loads(body)
-    except RecursionError as e:  # msgspec stops at the interpreter's recursion limit
-        raise JsonBodyError(f"JSON body nested deeper than {max_depth} levels") from e
-    except (orjson.JSONDecodeError, msgspec.DecodeError) as e:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
         if "depth limit" in str(e):  # orjson stops at 1024 levels
             raise JsonBodyError(f"JSON body nested deeper than {max_depth} levels") from e
         raise JsonBodyError(f"malformed JSON body: {e}") from e

@@ -7,8 +7,8 @@ import re
 
 import msgspec
 
-from eric_epd.common.errors import ApiError
-from eric_epd.common.jsonbody import MAX_ID, MAX_URL, JsonBodyError, clip, parse_json
+from eric_epd.common.errors import ApiError, parse_body
+from eric_epd.common.jsonbody import MAX_ID, MAX_URL, clip
 from eric_epd.wire.eric import EncodeBody, EncodeItem
 
 _WHERE = re.compile(r"- at `\$\.items\[(\d+)\](?:\.(\w+))?`$")
@@ -21,10 +21,7 @@ _SHAPE = 'body must be an object with a list field "items"'
 def parse_encode_body(body: bytes, modalities: tuple[str, ...], max_items: int) -> list[EncodeItem]:
     """The items of {"items": [{id?, modality, url, use_audio_in_video?}, ...]}: JSON within jsonbody's bounds,
     converted to the wire schema, then checked against the model's modalities and the limits."""
-    try:
-        data = parse_json(body, exact=True)  # nothing re-serializes it: inlined media parses in half the time
-    except JsonBodyError as e:
-        raise ApiError(400, str(e)) from e
+    data = parse_body(body)
     try:
         items = msgspec.convert(data, EncodeBody).items
     except msgspec.ValidationError as e:
