@@ -109,11 +109,7 @@ class Prefetcher:
         """The item for request `rid`, its fetch started with `handle` if it is not here yet, or if it failed for
         other requests; None when the staging area has no room now (retry at a later step). Raises TransferError if
         it can never fit, or found no room for too long."""
-        if handle.nbytes > self.nbytes:
-            raise TransferError(
-                f"embedding {key[:16]} has {handle.nbytes} bytes, more than the connector's whole "
-                f"landing area ({self.nbytes}; ec_connector_extra_config staging_bytes)"
-            )
+        self._check_size(key, handle)
         with self._lock:
             item = self._items.get(key)
             if item is not None and item.state is State.FAILED and rid not in item.users:
@@ -129,13 +125,7 @@ class Prefetcher:
             if item is None:
                 offset = self._free.allocate(handle.nbytes)
                 if offset is None:
-                    since = self._no_room.setdefault(rid, time.monotonic())
-                    if time.monotonic() - since > self._room_timeout_s:
-                        del self._no_room[rid]
-                        raise TransferError(
-                            f"no room for embedding {key[:16]} in the landing area for "
-                            f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)"
-                        )
+                    self._no_room_for(rid, f"embedding {key[:16]}")
                     return None
                 item = self._items[key] = Staged(key, offset, handle, names={key})
                 self._running += 1
@@ -160,22 +150,31 @@ class Prefetcher:
                 self._free.free(offset, nbytes)
             if len(taken) == len(sizes):
                 return True
-            since = self._no_room.setdefault(rid, time.monotonic())
-            if time.monotonic() - since > self._room_timeout_s:
-                del self._no_room[rid]
-                raise TransferError(
-                    f"no room for {len(sizes)} embeddings ({sum(sizes)} bytes) in the landing area for "
-                    f"{self._room_timeout_s:g} s (ec_connector_extra_config staging_bytes)"
-                )
+            self._no_room_for(rid, f"{len(sizes)} embeddings ({sum(sizes)} bytes)")
             return False
 
-    def _needs_room(self, key: str, handle: EmbeddingHandle) -> bool:
-        """Holds the lock. Whether fetching `key` with `handle` takes space (it is not staged, live, already)."""
+    def _check_size(self, key: str, handle: EmbeddingHandle) -> None:
+        """TransferError for an item larger than the whole landing area: it can never fit."""
         if handle.nbytes > self.nbytes:
             raise TransferError(
                 f"embedding {key[:16]} has {handle.nbytes} bytes, more than the connector's whole "
                 f"landing area ({self.nbytes}; ec_connector_extra_config staging_bytes)"
             )
+
+    def _no_room_for(self, rid: str, what: str) -> None:
+        """Holds the lock. Request `rid` found no room for `what` now; TransferError once it has for the room
+        timeout."""
+        since = self._no_room.setdefault(rid, time.monotonic())
+        if time.monotonic() - since > self._room_timeout_s:
+            del self._no_room[rid]
+            raise TransferError(
+                f"no room for {what} in the landing area for {self._room_timeout_s:g} s "
+                "(ec_connector_extra_config staging_bytes)"
+            )
+
+    def _needs_room(self, key: str, handle: EmbeddingHandle) -> bool:
+        """Holds the lock. Whether fetching `key` with `handle` takes space (it is not staged, live, already)."""
+        self._check_size(key, handle)
         item = self._items.get(key)
         return (item is None or item.state is State.FAILED) and self._twin(handle) is None
 
