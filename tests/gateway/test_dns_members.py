@@ -195,6 +195,11 @@ class _ImageSets:
         return sorted(self._sets)
 
 
+def _warnings(log: Path) -> str:
+    """The gateway's warnings (why each failed call failed), for an assertion's message."""
+    return "\n".join(line for line in log.read_text(errors="replace").splitlines() if " WARNING " in line)[-4000:]
+
+
 def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     port, key = free_port(), new_key()
     base = Path("/etc/hosts").read_text().rstrip("\n") + "\n"
@@ -262,8 +267,10 @@ def test_erics_join_and_leave_by_name_under_load_and_none_is_lost(qwen2_vl_tiny:
                 stop.set()
                 sender.join()
             results = [f.result(timeout=300) for f in futures]
-            # no call to a leaving Eric failed
-            assert metric(gw.url, "gateway_failovers_total", gw.metrics_headers) == 0
+            # no call to a leaving Eric failed; a 503 with Retry-After (an Eric busy under the suite's load, or
+            # draining) is a rest the gateway passes over, not a failure, though it counts as a failover
+            failed = metric(gw.url, 'gateway_failures_total{stage="encode"}', gw.metrics_headers)
+            assert failed == 0, _warnings(tmp_path / "gateway.log")
             paths = gateway_paths(gw)
             assert paths.get("epd") == len(results) and not paths.get("fallback"), paths
             assert _listed(gw) == {second.url}
