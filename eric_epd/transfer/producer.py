@@ -116,19 +116,18 @@ class TransferHub:
             for want in wants:
                 entry = self.pool.reserve(want.key, want.nbytes, want.shape, want.dtype)
                 if entry is None:
-                    break
+                    self._roll_back(entries)
+                    return None
                 entries.append(entry)
-            else:
-                return entries
         except BaseException:  # a key already reserved: what this call reserved goes back too
             self._roll_back(entries)
             raise
-        self._roll_back(entries)
-        return None
+        return entries
 
     def _roll_back(self, entries: list[PoolEntry]) -> None:
+        """Free reservations never written (at once: nothing writes there)."""
         for taken in entries:
-            self.pool.release(taken.hash, taken.generation)  # never written: free at once
+            self.pool.release(taken.hash, taken.generation)
 
     def lease_written(self, entries: list[PoolEntry]) -> dict[str, EmbeddingHandle] | None:
         """One lease on each of these written reservations (by hash), or None, with none taken, if one has left its
