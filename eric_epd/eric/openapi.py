@@ -120,13 +120,23 @@ def eric_openapi(version: str, modalities: list[str], max_items: int) -> dict[st
         },
         "/v1/embeddings/{content_hash}/ack": {
             "post": {
-                "summary": "End the lease the token names (a retry of one that took effect: 'already acknowledged')",
+                "summary": "End the lease the token names (a retry of one that took effect: 'already acknowledged'); "
+                "with keep, a child lease takes its place",
                 "parameters": [HASH, LEASE],
                 "requestBody": _body(
-                    {"type": "object", "properties": {"instance_id": {"type": "string"}, "retry": {"type": "boolean"}}},
+                    {
+                        "type": "object",
+                        "properties": {
+                            "instance_id": {"type": "string"},
+                            "retry": {"type": "boolean"},
+                            "keep": {"type": "boolean"},
+                        },
+                    },
                     False,
                 ),
-                "responses": _answers({"type": "object"}),
+                "responses": _answers(
+                    {"type": "object", "properties": {"status": {"type": "string"}, "lease": {"type": "string"}}}
+                ),
             }
         },
         "/v1/embeddings/{content_hash}/handle": {

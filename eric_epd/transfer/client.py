@@ -23,7 +23,7 @@ import torch
 from eric_epd.common.http import bearer
 from eric_epd.transfer.backends.base import ConsumerBackend, TransferError
 from eric_epd.transfer.regions import ProducerRegions
-from eric_epd.wire.handles import BACKENDS, EmbeddingHandle, ack_request
+from eric_epd.wire.handles import BACKENDS, AckAnswer, EmbeddingHandle, ack_request
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,16 @@ def _read(backend: ConsumerBackend, h: EmbeddingHandle, dst: np.ndarray | torch.
         dst.view(torch.uint8).reshape(-1).copy_(host)
 
 
+def _kept(h: EmbeddingHandle, answer: bytes) -> EmbeddingHandle | None:
+    """The handle of the child lease an acknowledgement with `keep` answered, if it did."""
+    try:
+        child = msgspec.json.decode(answer, type=AckAnswer).lease
+    except msgspec.MsgspecError as e:
+        logger.warning("the ack of %s answered no readable child lease: %s", h.hash[:12], e)
+        return None
+    return None if child is None else msgspec.structs.replace(h, lease=child)
+
+
 class EmbeddingFetcher:
     """Thread-safe; one per consumer process. `backends` lists what this consumer may use, best first; `api_key` is
     the producers' (their control routes need it)."""
@@ -146,22 +156,28 @@ class EmbeddingFetcher:
         return "store" in self._order
 
     def confirm(
-        self, h: EmbeddingHandle, backend: str, reread: Callable[[], str], attempt_timeout_s: float | None = None
-    ) -> str:
-        """Acknowledge a read; returns the backend whose bytes stand. Bytes from the producer are its only while
+        self,
+        h: EmbeddingHandle,
+        backend: str,
+        reread: Callable[[], str],
+        attempt_timeout_s: float | None = None,
+        keep: bool = False,
+    ) -> tuple[str, EmbeddingHandle | None]:
+        """Acknowledge a read; returns the backend whose bytes stand and, with `keep`, the child lease the producer
+        answered in the acknowledged one's place (None if it gave none). Bytes from the producer are its only while
         the lease holds, so a failed ack fails them; then the global cache (when configured) is the second chance
         and `reread` reads them again from there. Bytes from the store are content-addressed: no ack is due (it is
         still sent, best effort, so a producer that lives frees the entry now)."""
         try:
-            self.ack(h, attempt_timeout_s)
+            kept = self.ack(h, attempt_timeout_s, keep=keep)
         except TransferError as e:
             if backend == "store":
-                return backend
+                return backend, None
             if not self.has_store:
                 raise
             logger.warning("%s; reading %s from the global cache instead", e, h.hash[:16])
-            return reread()
-        return backend
+            return reread(), None
+        return backend, kept
 
     def register_destination(self, dst: torch.Tensor) -> None:
         """A long-lived destination (a landing area): backends that benefit register it once (NIXL)."""
@@ -230,8 +246,12 @@ class EmbeddingFetcher:
             n, self._unusable = sum(self._unusable.values()), Counter()
         return n
 
-    def ack(self, handle: EmbeddingHandle | dict[str, Any], attempt_timeout_s: float | None = None) -> None:
-        """Release our lease. Raises TransferError if the entry expired or the producer restarted.
+    def ack(
+        self, handle: EmbeddingHandle | dict[str, Any], attempt_timeout_s: float | None = None, keep: bool = False
+    ) -> EmbeddingHandle | None:
+        """Release our lease. Raises TransferError if the entry expired or the producer restarted. With `keep`, the
+        handle of the child lease the producer answered in its place (None if it gave none: a retry whose first
+        attempt took effect, or a lease that may add no more children); else None.
 
         With `attempt_timeout_s`, an unanswered ack is sent again on a new connection (marked as a retry) until the
         fetcher's timeout. The producer answers a retry whose first attempt took effect with a 200 ("already
@@ -243,7 +263,7 @@ class EmbeddingFetcher:
         while True:
             timeout = self._http_timeout_s if attempt_timeout_s is None else attempt_timeout_s
             try:
-                ack = ack_request(h.producer, h.hash, h.lease, h.instance_id, retry=unanswered)
+                ack = ack_request(h.producer, h.hash, h.lease, h.instance_id, retry=unanswered, keep=keep)
                 resp = self._http.post(
                     ack.url,
                     content=ack.content,
@@ -259,7 +279,7 @@ class EmbeddingFetcher:
             except httpx.HTTPError as e:
                 raise TransferError(f"producer {h.producer} unreachable for ack of {h.hash}: {e!r}") from e
             if resp.status_code == 200:
-                return
+                return _kept(h, resp.content) if keep else None
             try:
                 message = resp.json()["error"]["message"]
             except Exception:

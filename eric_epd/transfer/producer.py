@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from eric_epd.common.errors import ApiError
 from eric_epd.transfer.backends.base import ProducerBackend
 from eric_epd.transfer.config import TransferConfig
-from eric_epd.transfer.pool import EmbeddingPool, PoolEntry, span
+from eric_epd.transfer.pool import EmbeddingPool, LeaseError, PoolEntry, span
 from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,19 @@ class TransferHub:
             )
         self._space_freed.set()
         return 200, "ok"
+
+    def hand_over(
+        self, key: str, token: str | None, instance_id: str | None = None, retry: bool = False
+    ) -> tuple[int, str, str | None]:
+        """`ack`, with a child lease of the same root taken first and answered (None when the lease had ended or
+        may add no more children): the consumer proves its read as an ack does, yet may read the entry again (vLLM
+        preempted its request and evicted the item). The child ends with its own ack, or at the TTL."""
+        child = None
+        if instance_id is None or instance_id == self.instance_id:
+            with contextlib.suppress(LeaseError):
+                (child,) = self.pool.add_leases(key, token, 1)
+        status, message = self.ack(key, token, instance_id, retry)
+        return status, message, child
 
     def lease(self, key: str) -> EmbeddingHandle:
         """A new lease on a held entry, as the handle its consumer reads and acknowledges with."""

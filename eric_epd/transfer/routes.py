@@ -13,7 +13,7 @@ from eric_epd.common.errors import ApiError, parse_body, read_body
 from eric_epd.transfer.pool import PoolEntry
 from eric_epd.transfer.producer import TransferHub
 from eric_epd.transfer.safetensors_io import safetensors_bytes
-from eric_epd.wire.handles import LEASE_HEADER
+from eric_epd.wire.handles import LEASE_HEADER, AckAnswer
 
 CONTROL_BODY_LIMIT = 4096
 """Lease and ack bodies are a few fields; anything larger is refused (413) before it is read."""
@@ -57,18 +57,23 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
     async def ack(content_hash: str, request: Request) -> JSONResponse:
         """Ends exactly the lease the token names; repeating it is a 404 that changes nothing, except a repeat
         marked `"retry": true` (the first attempt's answer was lost) of an ack that took effect: a 200 "already
-        acknowledged"."""
+        acknowledged". With `"keep": true` a child lease takes its place and is answered (`AckAnswer.lease`)."""
         fields = await _small_json(request)
         instance_id = fields.get("instance_id")
         if instance_id is not None and not isinstance(instance_id, str):
             raise ApiError(400, '"instance_id" must be a string')
-        retry = fields.get("retry", False)
-        if not isinstance(retry, bool):
-            raise ApiError(400, '"retry" must be a boolean')
-        status, message = hub.ack(content_hash, request.headers.get(LEASE_HEADER), instance_id, retry)
+        retry, keep = fields.get("retry", False), fields.get("keep", False)
+        if not isinstance(retry, bool) or not isinstance(keep, bool):
+            raise ApiError(400, '"retry" and "keep" must be booleans')
+        token = request.headers.get(LEASE_HEADER)
+        status, message, child = (
+            hub.hand_over(content_hash, token, instance_id, retry)
+            if keep
+            else (*hub.ack(content_hash, token, instance_id, retry), None)
+        )
         if status != 200:
             raise ApiError(status, message)
-        return JSONResponse({"status": message})
+        return Response(msgspec.json.encode(AckAnswer(message, child)), media_type="application/json")
 
     @router.get("/v1/embeddings/{content_hash}/handle")
     async def handle(content_hash: str, request: Request) -> JSONResponse:

@@ -79,10 +79,20 @@ class ProducerInfo(msgspec.Struct, frozen=True):
 
 class AckBody(msgspec.Struct, frozen=True, omit_defaults=True):
     """POST /v1/embeddings/{hash}/ack, the lease in the X-Eric-Lease header: the instance the lease was taken from,
-    and whether this repeats an attempt whose answer was lost."""
+    whether this repeats an attempt whose answer was lost, and whether a child lease takes the acknowledged one's
+    place (`keep`: the consumer proved its read, yet may read again)."""
 
     instance_id: str | None = None
     retry: bool = False
+    keep: bool = False
+
+
+class AckAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The answer to an acknowledgement: its status and, when `keep` was asked and the lease could still add one, the
+    child lease's token (it lapses at the TTL like any lease, or ends with an ack of its own)."""
+
+    status: str
+    lease: str | None = None
 
 
 LEASE_HEADER = "X-Eric-Lease"
@@ -98,14 +108,14 @@ class AckRequest(msgspec.Struct, frozen=True):
 
 
 def ack_request(
-    producer: str, content_hash: str, lease: str, instance_id: str | None, retry: bool = False
+    producer: str, content_hash: str, lease: str, instance_id: str | None, retry: bool = False, keep: bool = False
 ) -> AckRequest:
     """The POST that ends the lease `lease` on `content_hash` at the Eric `producer` (instance `instance_id`);
-    `retry`: it repeats an attempt whose answer was lost."""
+    `retry`: it repeats an attempt whose answer was lost; `keep`: a child lease is answered in its place."""
     return AckRequest(
         f"{producer.rstrip('/')}/v1/embeddings/{content_hash}/ack",
         {LEASE_HEADER: lease},
-        msgspec.json.encode(AckBody(instance_id, retry=retry)),
+        msgspec.json.encode(AckBody(instance_id, retry=retry, keep=keep)),
     )
 
 

@@ -283,6 +283,39 @@ def test_ack_from_another_instance_is_409(eric: EricServer) -> None:
     assert _transfer_stats(eric)["entries"] == 0
 
 
+def test_an_ack_with_keep_answers_a_child_lease_in_its_place(eric: EricServer) -> None:
+    """`"keep": true` ends the lease as an ack does and answers a child lease that reads the same bytes and holds the
+    entry until its own ack; a retry of it, an ended lease, or a lease with no child budget left get no child; a keep
+    that is not a boolean is a 400 that changes nothing."""
+    base = _transfer_stats(eric)["entries"]
+    item = _encode(eric, [image_data_url(64, 48, seed=4400)])[0]
+    emb, token = f"{eric.url}/v1/embeddings/{item['hash']}", item["handle"]["lease"]
+    read = httpx.get(emb, headers=_leased(eric, token))
+    assert read.status_code == 200
+    bad = httpx.post(emb + "/ack", json={"keep": "yes"}, headers=_leased(eric, token))
+    assert bad.status_code == 400 and '"keep"' in bad.json()["error"]["message"]
+
+    answer = httpx.post(emb + "/ack", json={"keep": True}, headers=_leased(eric, token))
+    assert answer.status_code == 200, answer.text
+    child = answer.json()["lease"]
+    assert answer.json()["status"] == "ok" and child not in ("", token)
+    assert httpx.get(emb, headers=_leased(eric, token)).status_code == 404  # the acknowledged lease ended
+    assert httpx.get(emb, headers=_leased(eric, child)).content == read.content  # the child reads the same bytes
+    assert _transfer_stats(eric)["entries"] == base + 1
+    retried = httpx.post(emb + "/ack", json={"keep": True, "retry": True}, headers=_leased(eric, token))
+    assert retried.status_code == 200 and retried.json() == {"status": "already acknowledged"}
+    assert httpx.post(emb + "/ack", json={"keep": True}, headers=_leased(eric, token)).status_code == 404
+
+    # the child's own children exhaust the root's budget: its ack with keep still ends it, with no child
+    grand = httpx.post(emb + "/lease", json={"count": MAX_CHILD_LEASES - 1}, headers=_leased(eric, child))
+    assert grand.status_code == 200, grand.text
+    last = httpx.post(emb + "/ack", json={"keep": True}, headers=_leased(eric, child))
+    assert last.status_code == 200 and last.json() == {"status": "ok"}
+    for lease in grand.json()["leases"]:
+        assert httpx.post(emb + "/ack", headers=_leased(eric, lease)).status_code == 200
+    assert _transfer_stats(eric)["entries"] == base
+
+
 def test_ttl_expiry_gives_clear_error(qwen2_vl_tiny: Path, tmp_path: Path) -> None:
     with EricServer(qwen2_vl_tiny, extra_args=("--embedding-ttl", "1"), log_path=tmp_path / "e.log") as eric:
         item = _encode(eric, IMAGES[:1])[0]

@@ -34,8 +34,10 @@ class StandInChannel:
 
 
 class StandInFetcher:
-    def confirm(self, h: EmbeddingHandle, backend: str, reread, attempt_timeout_s: float | None = None) -> str:
-        return backend
+    def confirm(
+        self, h: EmbeddingHandle, backend: str, reread, attempt_timeout_s: float | None = None, keep: bool = False
+    ) -> tuple[str, EmbeddingHandle | None]:
+        return backend, None
 
     def ack(self, h: EmbeddingHandle, timeout_s: float | None = None) -> None:
         pass

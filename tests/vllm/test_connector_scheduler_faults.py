@@ -9,6 +9,7 @@ import uuid
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 import torch
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -21,6 +22,8 @@ from eric_epd.plugins.vllm.connector import EricECConnector, EricWorkerMetadata
 from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache
 from eric_epd.plugins.vllm.landing import LandingAddress
 from eric_epd.testing.stack import wait_for
+from eric_epd.transfer.backends.base import TransferError
+from eric_epd.transfer.client import EmbeddingFetcher
 from eric_epd.wire.handles import EmbeddingHandle
 from eric_epd.wire.handoff import handles_xargs
 from tests.support import helpers_landing
@@ -74,7 +77,8 @@ def _load_on_every_rank(connector: EricECConnector, request: Request, areas: lis
     (load,) = meta.loads  # type: ignore[attr-defined]
     assert load.request_id == request.request_id and load.staged is not None
     for area in areas:
-        assert torch.equal(area.take(load.staged.offset, key), rows)
+        taken = area.take(load.staged.offset, key)
+        assert torch.equal(taken, rows) and not torch.equal(taken, rows.roll(1, 0))  # wrong rows would fail
     connector.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=EricWorkerMetadata(copied={key})))
 
 
@@ -200,6 +204,42 @@ def test_connector_follows_vllms_encoder_cache_through_reset_and_eviction(produc
         finally:
             connector.shutdown()
     assert wait_for(lambda: pool_entries(producer) == 0, 30)
+
+
+def test_a_preempted_request_fetches_its_evicted_item_again_with_the_kept_lease(producer) -> None:
+    """vLLM preempts a request after its item was loaded (its encoder inputs freed) and evicts the item for another
+    one; resumed, the request fetches the item again, twice over, though its own lease went at the first fetch: with
+    the child lease Eric answered each acknowledgement with. Every load lands the real rows; the kept lease holds the
+    entry while the request lives and goes back when it ends. Before, the resumed request failed (no Eric handle)."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    (handle,) = pool_entry(producer, "preempted-image", seed=6, leases=1, data=rows)
+    n = rows.shape[0]
+    manager = EncoderCacheManager(cache_size=n)
+    other = SimpleNamespace(get_num_encoder_embeds=lambda i: n)  # another request's item of the cache's size
+    address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
+    with ranks(address, 1 << 20, torch.float32) as areas:
+        connector = _connector(producer, address)
+        connector.scheduler._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
+        try:
+            r1 = _request("r1", handle)
+            for _ in range(3):  # the first schedule, then two resumes after preemption and eviction
+                assert wait_for(lambda: connector.ensure_cache_available(r1, 0), 60, 0.1)
+                assert not connector.take_unavailable_requests()
+                manager.allocate(r1, 0)
+                _load_on_every_rank(connector, r1, areas, rows)
+                assert wait_for(lambda: pool_entries(producer) == 1, 30)  # held by the kept lease alone
+                manager.free(r1)  # preempted: vLLM frees the request's encoder inputs ...
+                assert manager.can_allocate(other, 0, n, 0)  # ... and evicts its item for another's
+                assert manager.get_cached_num_encoder_embeds(r1, 0) is None
+            connector.request_finished(r1)
+            assert landing_idle(connector.scheduler._prefetch, areas)
+        finally:
+            connector.shutdown()
+    assert wait_for(lambda: pool_entries(producer) == 0, 30)
+    with pytest.raises(TransferError, match="no longer valid"):  # the request's own lease ended at the first fetch
+        EmbeddingFetcher(("http",)).ack(handle)
 
 
 def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_valid_ones(producer) -> None:

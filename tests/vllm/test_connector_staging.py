@@ -24,6 +24,7 @@ from eric_epd.plugins.vllm.settings import EricConnectorSettings
 from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.pool_server import seeded_bytes
 from eric_epd.testing.server import PoolServer
+from eric_epd.testing.stack import wait_for
 from eric_epd.transfer.backends.base import TransferError
 from eric_epd.transfer.client import EmbeddingFetcher, as_handle
 
@@ -86,7 +87,10 @@ def test_prefetch_lands_on_every_rank_and_frees(producer, backend: str) -> None:
         for i, h in enumerate(handles):
             assert prefetch.want(h.hash, h, f"r{i}") is not None
         assert all(_settled(prefetch, h.hash) is State.READY for h in handles)
-        assert _entries(producer) == 0  # every lease acknowledged once its bytes were staged
+        kept = [prefetch.get(h.hash).kept for h in handles]  # type: ignore[union-attr]
+        # every lease acknowledged once its bytes were staged, a child lease answered in its place
+        assert all(k is not None and k.lease != h.lease for k, h in zip(kept, handles, strict=True))
+        assert _entries(producer) == 3  # held by the children alone
         second = prefetch.want(handles[0].hash, handles[0], "r9")  # another request for the same item: no new fetch
         assert second is prefetch.get(handles[0].hash)
         used = prefetch.used_bytes()
@@ -102,6 +106,7 @@ def test_prefetch_lands_on_every_rank_and_frees(producer, backend: str) -> None:
         assert prefetch.used_bytes() < used  # r9 still waits for item 0; the others are free
         prefetch.drop(handles[0].hash, "r9")
         assert prefetch.used_bytes() == 0 and not prefetch.busy()
+        assert wait_for(lambda: _entries(producer) == 0, 30)  # the children nobody took went back with their items
 
 
 def test_prefetch_failures_and_room(producer) -> None:

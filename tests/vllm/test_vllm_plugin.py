@@ -44,6 +44,8 @@ from eric_epd.wire.handoff import handles_xargs
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 CHANGED = Case("changed", ((80, 80),), seed=9)
+PREEMPTED_TOKENS = 1500
+"""Tokens a chat streams while vLLM is made to preempt it: enough that it still runs when the resets arrive."""
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +134,9 @@ def test_epd_tokens_equal_monolithic(llm, erics, reference: dict[str, Greedy]) -
     assert after["loaded_items"] - before.get("loaded_items", 0) == num_items
     assert after["via_shm"] - before.get("via_shm", 0) == num_items  # Eric is on this host: shared memory
     assert after["local_encoder_items"] == before.get("local_encoder_items", 0)
-    # each embedding was fetched and acknowledged: Eric's pool is empty again
-    assert pool_entries(main) == 0
+    # each embedding was fetched and acknowledged, and the lease kept for a preemption given back as its request
+    # ended: Eric's pool is empty again
+    assert wait_for(lambda: pool_entries(main) == 0, 30)
     # negative control: one image's prompt with the rows of another image of its size fails the same comparison
     one = next(c for c in CASES if c.name == "one_image")
     items = encode(main, Case("one_other_image", one.image_sizes, seed=12))
@@ -272,9 +275,11 @@ def test_vllm_serve_with_openai_client(qwen2_vl_tiny: Path, reference: dict[str,
             eric_urls=[eric.url],
             eric_api_key=eric.api_key,
             global_cache=master.address,
+            env={"VLLM_SERVER_DEV_MODE": "1"},  # its cache-reset routes (behind its key, as every route)
         )
         with running(eric, vllm) as (eric, server):  # their start-ups overlap
             _openai_client_case(eric, server, reference)
+            _preempted_case(eric, server)
 
 
 def _openai_client_case(eric: EricServer, server: VllmServe, reference: dict[str, Greedy]) -> None:
@@ -317,6 +322,46 @@ def _openai_client_case(eric: EricServer, server: VllmServe, reference: dict[str
     assert_greedy_differ(wrong, reference["four_images"], NEAR_TIE_FLOAT32, "four_images with other images' rows")
 
 
+def _preempted_case(eric: EricServer, server: VllmServe) -> None:
+    """vLLM resets its encoder cache, then preempts every running request (its dev routes), while an EPD chat
+    streams: resumed, the chat's image is no longer in vLLM's cache and its own lease went at the first fetch, yet it
+    is fetched again (with the lease Eric answered that fetch's acknowledgement with) and the chat ends as asked.
+    Before, the resumed request failed. (The rows' bytes are checked in test_connector_scheduler_faults.py.)"""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key)
+    model = client.models.list().data[0].id
+    items = encode(eric, Case("preempted", ((96, 64),), seed=16))
+    loaded = metric(server.url, "vllm:eric_ec_loaded_items_total")
+    preempted = metric(server.url, "vllm:num_preemptions_total")
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": chat_parts(items)}],
+        max_tokens=PREEMPTED_TOKENS,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "vllm_xargs": handles_xargs(i["handle"] for i in items)},
+    )
+    finish, usage, disturbed = None, None, False
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        if not disturbed and chunk.choices[0].delta.content:
+            for route in ("/reset_encoder_cache", "/reset_prefix_cache?reset_running_requests=true"):
+                assert httpx.post(server.url + route, headers=server.headers, timeout=30).status_code == 200, route
+            disturbed = True
+    assert disturbed and finish == "length" and usage is not None
+    assert usage.completion_tokens == PREEMPTED_TOKENS
+    assert wait_for(lambda: metric(server.url, "vllm:num_preemptions_total") > preempted)  # preempted as it ran,
+    assert wait_for(lambda: metric(server.url, "vllm:eric_ec_loaded_items_total") == loaded + 2)  # loaded again
+    assert metric(server.url, "vllm:eric_ec_unavailable_requests_total") == 0
+    assert wait_for(lambda: pool_entries(eric) == 0, 30)  # the kept lease went back as the chat ended
+
+
 def test_tensor_parallel_vllm_lands_items_on_every_rank(
     qwen2_vl_tiny: Path, erics, reference: dict[str, Greedy]
 ) -> None:
@@ -343,7 +388,7 @@ def test_tensor_parallel_vllm_lands_items_on_every_rank(
             assert_greedy_agree(ours, reference[case.name], NEAR_TIE_FLOAT32, case.name)
         counters = eric_counters(engine)
         assert counters["via_nixl"] == counters["loaded_items"] == 5 and counters.get("load_failures", 0) == 0
-        assert pool_entries(main) == 0  # every lease acknowledged once both ranks had the bytes
+        assert wait_for(lambda: pool_entries(main) == 0, 30)  # every lease acknowledged, the kept ones at the end
         one = cases[0]  # one_image; negative control: its prompt with another image's rows (of its size)
         items = encode(main, Case("one_image_elsewhere", one.image_sizes, seed=15))
         wrong = greedy_of_vllm(generate(engine, epd_prompt(one, items), items).outputs[0])

@@ -6,7 +6,8 @@ memory in the background and the scheduler then acknowledges them to Eric (or wh
 of the `eric_dns` names); no network call runs on the scheduler's loop or in a model step, and a slow Eric delays only
 the requests whose items it holds. A request whose items can be neither fetched nor encoded locally, or whose handles
 fail the checks, is failed alone; a failed fetch leaves nothing behind: the next request for that item fetches it
-again with its own lease. Whether vLLM's encoder cache holds an item is read from vLLM's scheduler itself
+again with its own lease. A preempted request whose item vLLM evicted fetches it again with the lease kept for it
+(kept.py). Whether vLLM's encoder cache holds an item is read from vLLM's scheduler itself
 (encoder_cache.py), so after vLLM resets that cache the next request fetches its items again."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from eric_epd.plugins.vllm.aliases import audio_in_video_offers
 from eric_epd.plugins.vllm.encoder_cache import VllmEncoderCache, building_scheduler
+from eric_epd.plugins.vllm.kept import KeptLeases
 from eric_epd.plugins.vllm.landing import LandingAddress, LandingChannel
 from eric_epd.plugins.vllm.leases import LeaseClient, has_raw_media
 from eric_epd.plugins.vllm.settings import EricConnectorSettings
@@ -60,6 +62,7 @@ class EricScheduler:
         self._trust = TrustedProducers(settings.eric_urls, settings.eric_dns, settings.dns_interval_s)
         acks = EmbeddingFetcher(settings.backends, settings.fetch_timeout_s, settings.api_key, settings.mooncake)
         self._leases = LeaseClient(acks)  # the one client every acknowledgement of this side goes through
+        self._kept = KeptLeases(self._leases)  # a lease per loaded item, to fetch it again after a preemption
         self._prefetch = Prefetcher(
             LandingChannel(address, vllm_config.parallel_config.tensor_parallel_size),
             acks,
@@ -117,11 +120,10 @@ class EricScheduler:
         return False
 
     def _offer(self, key: str, rid: str) -> EmbeddingHandle | None:
-        """The request's own unused handle for `key`, else another live request's."""
-        holders = self._available.get(key)
-        if not holders:
-            return None
-        return holders.get(rid) or next(iter(holders.values()))
+        """The request's own unused handle for `key`, else the lease kept since the item was last loaded (kept.py),
+        else another live request's."""
+        holders = self._available.get(key) or {}
+        return holders.get(rid) or self._kept.handle(key) or next(iter(holders.values()), None)
 
     def _spend(self, key: str, handle: EmbeddingHandle) -> None:
         """A fetch took `handle`'s lease: it is no longer offered, nor given back when its request ends."""
@@ -204,6 +206,7 @@ class EricScheduler:
             return self._fail(rid, str(e))
         if item is not None and item.handle is handle:
             self._spend(key, handle)
+            self._kept.spent(key, handle)
         return item
 
     def take_unavailable_requests(self) -> set[str]:
@@ -217,6 +220,7 @@ class EricScheduler:
         if not self._prefetch.ready(key):
             return  # vLLM's own encoder computes it, or the workers still hold it (`has_cache_item`)
         staged, backend = self._prefetch.to_workers(key, rid)
+        self._kept.loaded(key, rid, self._prefetch.take_kept(key))
         self._pending.append(EricLoad(rid, key, staged))
         self.stats.record(loaded_items=1, loaded_bytes=staged.nbytes, **{f"via_{backend}": 1})
 
@@ -248,6 +252,7 @@ class EricScheduler:
         del self._offers[rid]
         for feature in request.mm_features:
             self._prefetch.drop(feature.identifier, rid)
+        self._kept.ended(rid, [f.identifier for f in request.mm_features])
         for key in offers:
             holders = self._available.get(key)
             if holders is not None and holders.pop(rid, None) is not None and not holders:
@@ -265,7 +270,9 @@ class EricScheduler:
         return self._prefetch.busy()
 
     def close(self) -> None:
-        """Close the lease client (its queued releases sent first), the prefetcher and its fetcher, the DNS lookups."""
+        """Close the lease client (the kept leases and its queued releases sent first), the prefetcher and its
+        fetcher, the DNS lookups."""
+        self._leases.release(self._kept.close())
         self._leases.close()
         self._prefetch.close()
         self._trust.close()

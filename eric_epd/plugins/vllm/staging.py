@@ -1,6 +1,7 @@
 """Prefetch of Eric embeddings for the vLLM connector: before a request is scheduled, a background thread has every
-worker land its items in the worker's own device memory (`landing`), then acknowledges them to Eric; the scheduler
-here only accounts for the landing areas' space."""
+worker land its items in the worker's own device memory (`landing`), then acknowledges them to Eric (which answers a
+child lease in their place, for a fetch again after a preemption: kept.py); the scheduler here only accounts for the
+landing areas' space."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class Staged:
     names: set[str] = field(default_factory=set)
     """Every vLLM identifier it is staged under: one lease may name two items (two videos' identical soundtracks,
     aliases.py), and is fetched and acknowledged once for both."""
+    kept: EmbeddingHandle | None = None
+    """The child lease Eric answered the acknowledgement with, until the scheduler takes it (`take_kept`); given
+    back if the item leaves the landing area untaken."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,16 @@ class Prefetcher:
             h = item.handle
             return StagedLoad(item.offset, h.nbytes, tuple(h.shape), h.dtype, h.hash), item.backend
 
+    def take_kept(self, key: str) -> EmbeddingHandle | None:
+        """The child lease that took the place of the item's acknowledged one, now the caller's to give back (None
+        if Eric answered none, or it was taken already)."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            kept, item.kept = item.kept, None
+            return kept
+
     def copied(self, keys: list[str]) -> None:
         """The workers copied these items (their step's output is back)."""
         with self._lock:
@@ -277,6 +291,9 @@ class Prefetcher:
                 del self._retired[item.offset]
             self._free.free(item.offset, item.handle.nbytes)
             self._channel.release(item.offset)
+            if item.kept is not None:  # no request was loaded with it: nothing will fetch it again
+                self._releaser.submit(self._ack, item.kept)
+                item.kept = None
 
     def _settled(self, item: Staged) -> None:
         """Every rank has now answered a landing of `item` that timed out."""
@@ -295,21 +312,22 @@ class Prefetcher:
         try:
             self._fetcher.ack(h)
         except TransferError as e:
-            logger.info("could not give back the lease of failed embedding %s: %s", h.hash[:16], e)
+            logger.info("could not give back the lease of embedding %s: %s", h.hash[:16], e)
 
     def _fetch(self, item: Staged) -> None:
         """In a pool thread: every worker lands the bytes in the item's range, then the lease goes back to Eric."""
         h = item.handle
-        late = 0
+        late, kept = 0, None
         settled = lambda: self._settled(item)  # noqa: E731
         try:
             backend = self._channel.land(item.offset, h, self._land_timeout_s, settled=settled)
             item.unacked = False
-            item.backend = self._fetcher.confirm(
+            item.backend, kept = self._fetcher.confirm(
                 h,
                 backend,
                 lambda: self._channel.land(item.offset, h, self._land_timeout_s, "store", settled),
                 attempt_timeout_s=ACK_ATTEMPT_S,
+                keep=True,
             )
             state, error = State.READY, ""
         except (TransferError, ValueError) as e:
@@ -320,7 +338,7 @@ class Prefetcher:
             logger.exception("fetch of embedding %s failed", item.key[:16])
             state, error = State.FAILED, f"{type(e).__name__}: {e}"
         with self._lock:
-            item.state, item.error = state, error
+            item.state, item.error, item.kept = state, error, kept
             item.late += late  # its `settled` may have come first
             self._running -= 1
             self._next_of(h.producer)
