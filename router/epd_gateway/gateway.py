@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -114,8 +115,8 @@ class Gateway:
         checking = time.perf_counter()
         check_request_fields(body, chat=True)
         check_messages(body, allow_embeddings=self.config.client_embeddings is not None)
-        if self.config.client_embeddings is not None:
-            check_embeds_parts(body, self.config.client_embeddings)
+        if self.config.client_embeddings is not None:  # base64 tensors decoded: off the event loop
+            await asyncio.to_thread(check_embeds_parts, body, self.config.client_embeddings)
         refs = collect_media(body, self.config.url_policy, self.config.max_items, audio_in_video(body))
         if drop_inert_audio_in_video(body, any("video" in ref.modalities for ref in refs)):
             raw = None  # the body changed: forwarded re-encoded
