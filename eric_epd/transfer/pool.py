@@ -62,6 +62,8 @@ class PoolEntry:
     """Root token -> child leases added from it (bounded by MAX_CHILD_LEASES)."""
     outstanding: Counter[str] = field(default_factory=Counter)
     """Root token -> its leases (itself and its children) not ended yet; at 0 the root's child count goes too."""
+    soft: set[str] = field(default_factory=set)
+    """Outstanding leases that yield to space (kept to read again, maybe): see `yields`."""
     expires_at: float = 0.0
     fence: Counter[str] = field(default_factory=Counter)
     """Party kind -> parties that may still read or write the region and cannot be stopped (engine batches, store
@@ -71,11 +73,17 @@ class PoolEntry:
         """True if `token` names an outstanding lease on this (written) entry."""
         return self.ready and token is not None and token in self.leases
 
+    def yields(self) -> bool:
+        """Whether only soft leases hold this written, unfenced entry: a reservation that needs room evicts it (its
+        consumer's next read then fails its proof, the ack)."""
+        return self.ready and not self.fence and bool(self.leases) and self.soft.issuperset(self.leases)
+
     def end_lease(self, token: str) -> None:
         """End the outstanding lease `token` (acknowledged or lapsed): a popular entry, leased and acked without
         end, keeps no bookkeeping of the roots whose leases have all ended."""
         root = self.leases.pop(token)
         self.lease_expiry.pop(token, None)
+        self.soft.discard(token)
         self.outstanding[root] -= 1
         if self.outstanding[root] <= 0:
             del self.outstanding[root]
@@ -129,7 +137,7 @@ class EmbeddingPool:
         self._on_free = on_free  # called when a fenced region returns (space waiters wake)
         self._ended: OrderedDict[str, str] = OrderedDict()  # token of a lease its own ack ended -> its hash
         self.evictions = 0
-        """Cached (acknowledged) entries dropped to stay within the budget or to make room."""
+        """Entries dropped for room or the cache budget: cached (acknowledged) ones, or ones only soft leases hold."""
 
     @property
     def used_bytes(self) -> int:
@@ -173,6 +181,8 @@ class EmbeddingPool:
             self._evict_oldest()
             offset = self._free.allocate(nbytes)
         if offset is None:
+            offset = self._evict_yielding(nbytes)
+        if offset is None:
             return None
         entry = PoolEntry(
             key,
@@ -185,6 +195,16 @@ class EmbeddingPool:
         )
         self._entries[key] = self._held[key] = entry
         return entry
+
+    def _evict_yielding(self, nbytes: int) -> int | None:
+        """Room for `nbytes` from entries only soft leases hold (the oldest TTL first), when the content cache gave
+        too little; None if even that is not enough. Walks the held entries: only when the pool is full."""
+        for entry in sorted((e for e in self._held.values() if e.yields()), key=lambda e: e.expires_at):
+            self.release(entry.hash)
+            self.evictions += 1
+            if (offset := self._free.allocate(nbytes)) is not None:
+                return offset
+        return None
 
     def commit(self, key: str) -> None:
         """Mark the entry written (the workers finished it); leases on it now hold."""
@@ -224,9 +244,9 @@ class EmbeddingPool:
             )
         return entry
 
-    def add_leases(self, key: str, token: str | None, count: int) -> list[str]:
+    def add_leases(self, key: str, token: str | None, count: int, soft: bool = False) -> list[str]:
         """`count` child leases of the lease `token` names (e.g. one per tensor-parallel rank of a consumer); a
-        lease and its children may add at most MAX_CHILD_LEASES in all."""
+        lease and its children may add at most MAX_CHILD_LEASES in all. `soft` ones yield to space (PoolEntry.soft)."""
         entry = self.holder(key, token)
         assert token is not None
         root = entry.leases[token]
@@ -238,6 +258,8 @@ class EmbeddingPool:
         entry.children[root] = added + count
         tokens = [new_token() for _ in range(count)]
         entry.leases.update((t, root) for t in tokens)
+        if soft:
+            entry.soft.update(tokens)
         entry.outstanding[root] += count
         entry.expires_at = time.monotonic() + self.ttl_s
         entry.lease_expiry.update((t, entry.expires_at) for t in tokens)

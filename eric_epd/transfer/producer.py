@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from eric_epd.common.errors import ApiError
 from eric_epd.transfer.backends.base import ProducerBackend
 from eric_epd.transfer.config import TransferConfig
-from eric_epd.transfer.pool import EmbeddingPool, LeaseError, PoolEntry, span
+from eric_epd.transfer.pool import MAX_ENDED_LEASES, EmbeddingPool, LeaseError, PoolEntry, span
 from eric_epd.wire.handles import EmbeddingHandle, ProducerInfo
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class TransferHub:
     def __init__(self, transfer: TransferConfig, *, pool_name: str, instance_id: str, public_url: str) -> None:
         self._transfer, self._instance_id, self._public_url = transfer, instance_id, public_url
         self._space_freed = asyncio.Event()
+        self._handed: OrderedDict[str, str] = OrderedDict()  # acknowledged token -> the child answered for it
         self.pool = EmbeddingPool(
             pool_name, transfer.pool_bytes, transfer.ttl_s, transfer.keep_acked_bytes, on_free=self._space_freed.set
         )
@@ -172,14 +174,23 @@ class TransferHub:
     def hand_over(
         self, key: str, token: str | None, instance_id: str | None = None, retry: bool = False
     ) -> tuple[int, str, str | None]:
-        """`ack`, with a child lease of the same root taken first and answered (None when the lease had ended or
+        """`ack`, with a soft child lease of the same root taken first and answered (None when the lease had ended or
         may add no more children): the consumer proves its read as an ack does, yet may read the entry again (vLLM
-        preempted its request and evicted the item). The child ends with its own ack, or at the TTL."""
+        preempted its request and evicted the item). The child ends with its own ack or at the TTL, and yields to
+        space (the pool evicts an entry only such leases hold). A retry whose first attempt took effect is answered
+        that attempt's child again, while it holds."""
         child = None
         if instance_id is None or instance_id == self.instance_id:
             with contextlib.suppress(LeaseError):
-                (child,) = self.pool.add_leases(key, token, 1)
+                (child,) = self.pool.add_leases(key, token, 1, soft=True)
         status, message = self.ack(key, token, instance_id, retry)
+        if child is not None and token is not None:
+            self._handed[token] = child
+            while len(self._handed) > MAX_ENDED_LEASES:
+                self._handed.popitem(last=False)
+        elif status == 200 and token is not None:  # "already acknowledged"
+            earlier, entry = self._handed.get(token), self.pool.get(key)
+            child = earlier if entry is not None and entry.holds(earlier) else None
         return status, message, child
 
     def lease(self, key: str) -> EmbeddingHandle:

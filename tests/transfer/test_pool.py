@@ -397,3 +397,40 @@ def test_an_ack_retried_is_told_it_took_effect_and_an_expired_lease_is_not() -> 
         assert_pool_empty(pool)
     finally:
         hub.close()
+
+
+def test_entries_only_soft_leases_hold_yield_to_a_reservation_that_needs_room() -> None:
+    """A soft child lease (an ack with keep) holds its entry like any lease, but when a reservation finds no room the
+    pool evicts entries held by such leases alone (the oldest first), never one a hard lease or a fence holds; the
+    soft lease is then gone (its consumer's next proof fails)."""
+    pool = _pool(nbytes=4 * ALIGN)
+    try:
+        for key in "abcd":
+            _held(pool, key, ALIGN)
+        _, a = pool.lease("a")
+        (a_soft,) = pool.add_leases("a", a, 1, soft=True)
+        assert pool.ack("a", a)  # "a": its soft lease alone
+        _, b = pool.lease("b")
+        pool.add_leases("b", b, 1, soft=True)  # "b": a hard lease and a soft one
+        _, c = pool.lease("c")
+        (c_soft,) = pool.add_leases("c", c, 1, soft=True)
+        assert pool.ack("c", c)
+        fence = pool.hold(pool.get("c"), "engine")  # "c": soft alone, but fenced
+        _, d = pool.lease("d")
+        (d_soft,) = pool.add_leases("d", d, 1, soft=True)
+        assert pool.ack("d", d)  # "d": soft alone, taken after "a" (a later TTL)
+        assert [k for k in "abcd" if pool.get(k).yields()] == ["a", "d"]  # type: ignore[union-attr]
+
+        assert pool.reserve("e", ALIGN, (ALIGN,), "uint8") is not None  # room: "a" evicted, the oldest
+        assert pool.get("a") is None
+        with pytest.raises(LeaseError):
+            pool.holder("a", a_soft)
+        assert pool.evictions == 1 and pool.get("d").holds(d_soft)  # type: ignore[union-attr]
+        assert pool.reserve("f", ALIGN, (ALIGN,), "uint8") is not None  # then "d"
+        assert pool.get("d") is None and pool.evictions == 2
+        assert pool.reserve("g", ALIGN, (ALIGN,), "uint8") is None  # "b" (hard) and "c" (fenced) stay
+        assert pool.get("b") is not None and pool.get("c").holds(c_soft)  # type: ignore[union-attr]
+        fence.end()
+        assert pool.audit() is None
+    finally:
+        pool.close()

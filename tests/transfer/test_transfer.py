@@ -285,8 +285,8 @@ def test_ack_from_another_instance_is_409(eric: EricServer) -> None:
 
 def test_an_ack_with_keep_answers_a_child_lease_in_its_place(eric: EricServer) -> None:
     """`"keep": true` ends the lease as an ack does and answers a child lease that reads the same bytes and holds the
-    entry until its own ack; a retry of it, an ended lease, or a lease with no child budget left get no child; a keep
-    that is not a boolean is a 400 that changes nothing."""
+    entry until its own ack; a retry of it gets the same child; an ended lease, or one with no child budget left, gets
+    none; a keep that is not a boolean is a 400 that changes nothing."""
     base = _transfer_stats(eric)["entries"]
     item = _encode(eric, [image_data_url(64, 48, seed=4400)])[0]
     emb, token = f"{eric.url}/v1/embeddings/{item['hash']}", item["handle"]["lease"]
@@ -302,8 +302,9 @@ def test_an_ack_with_keep_answers_a_child_lease_in_its_place(eric: EricServer) -
     assert httpx.get(emb, headers=_leased(eric, token)).status_code == 404  # the acknowledged lease ended
     assert httpx.get(emb, headers=_leased(eric, child)).content == read.content  # the child reads the same bytes
     assert _transfer_stats(eric)["entries"] == base + 1
+    # a retry (its first attempt's answer lost) is answered that attempt's child again, not a second one
     retried = httpx.post(emb + "/ack", json={"keep": True, "retry": True}, headers=_leased(eric, token))
-    assert retried.status_code == 200 and retried.json() == {"status": "already acknowledged"}
+    assert retried.status_code == 200 and retried.json() == {"status": "already acknowledged", "lease": child}
     assert httpx.post(emb + "/ack", json={"keep": True}, headers=_leased(eric, token)).status_code == 404
 
     # the child's own children exhaust the root's budget: its ack with keep still ends it, with no child

@@ -357,7 +357,7 @@ def _preempted_case(eric: EricServer, server: VllmServe) -> None:
     assert disturbed and finish == "length" and usage is not None
     assert usage.completion_tokens == PREEMPTED_TOKENS
     assert wait_for(lambda: metric(server.url, "vllm:num_preemptions_total") > preempted)  # preempted as it ran,
-    assert wait_for(lambda: metric(server.url, "vllm:eric_ec_loaded_items_total") == loaded + 2)  # loaded again
+    assert wait_for(lambda: metric(server.url, "vllm:eric_ec_loaded_items_total") >= loaded + 2)  # loaded again
     assert metric(server.url, "vllm:eric_ec_unavailable_requests_total") == 0
     assert wait_for(lambda: pool_entries(eric) == 0, 30)  # the kept lease went back as the chat ended
 

@@ -120,10 +120,10 @@ class EricScheduler:
         return False
 
     def _offer(self, key: str, rid: str) -> EmbeddingHandle | None:
-        """The request's own unused handle for `key`, else the lease kept since the item was last loaded (kept.py),
-        else another live request's."""
+        """The request's own unused handle for `key`, else another live request's, else the lease kept since the
+        item was last loaded (kept.py: it may have lapsed or yielded, so it comes last)."""
         holders = self._available.get(key) or {}
-        return holders.get(rid) or self._kept.handle(key) or next(iter(holders.values()), None)
+        return holders.get(rid) or next(iter(holders.values()), None) or self._kept.handle(key)
 
     def _spend(self, key: str, handle: EmbeddingHandle) -> None:
         """A fetch took `handle`'s lease: it is no longer offered, nor given back when its request ends."""
@@ -220,7 +220,8 @@ class EricScheduler:
         if not self._prefetch.ready(key):
             return  # vLLM's own encoder computes it, or the workers still hold it (`has_cache_item`)
         staged, backend = self._prefetch.to_workers(key, rid)
-        self._kept.loaded(key, rid, self._prefetch.take_kept(key))
+        child, names = self._prefetch.take_kept(key)
+        self._kept.loaded(names, rid, child)
         self._pending.append(EricLoad(rid, key, staged))
         self.stats.record(loaded_items=1, loaded_bytes=staged.nbytes, **{f"via_{backend}": 1})
 
@@ -270,9 +271,8 @@ class EricScheduler:
         return self._prefetch.busy()
 
     def close(self) -> None:
-        """Close the lease client (the kept leases and its queued releases sent first), the prefetcher and its
-        fetcher, the DNS lookups."""
-        self._leases.release(self._kept.close())
+        """Close the lease client (its queued releases sent first), the prefetcher and its fetcher, the DNS lookups.
+        Kept leases are left to their TTL (soft: they hold no room Eric needs)."""
         self._leases.close()
         self._prefetch.close()
         self._trust.close()

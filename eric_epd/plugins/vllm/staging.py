@@ -243,15 +243,15 @@ class Prefetcher:
             h = item.handle
             return StagedLoad(item.offset, h.nbytes, tuple(h.shape), h.dtype, h.hash), item.backend
 
-    def take_kept(self, key: str) -> EmbeddingHandle | None:
+    def take_kept(self, key: str) -> tuple[EmbeddingHandle | None, frozenset[str]]:
         """The child lease that took the place of the item's acknowledged one, now the caller's to give back (None
-        if Eric answered none, or it was taken already)."""
+        if Eric answered none, or it was taken already), and every name the item is staged under."""
         with self._lock:
             item = self._items.get(key)
             if item is None:
-                return None
+                return None, frozenset({key})
             kept, item.kept = item.kept, None
-            return kept
+            return kept, frozenset(item.names)
 
     def copied(self, keys: list[str]) -> None:
         """The workers copied these items (their step's output is back)."""
