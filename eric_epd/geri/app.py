@@ -19,7 +19,7 @@ from eric_epd import __version__
 from eric_epd.common.disconnect import ClientDisconnectedError, until_disconnect
 from eric_epd.common.errors import ApiError, read_json_body
 from eric_epd.common.http import ApiKeyMiddleware
-from eric_epd.geri.body import checked_request, checked_sources
+from eric_epd.geri.body import check_before_reading, checked_request, checked_sources
 from eric_epd.geri.config import GeriConfig
 from eric_epd.geri.handles import HandleReader, embeddings_of
 from eric_epd.geri.service import GenerateService
@@ -101,6 +101,7 @@ def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool, wor
         start = asyncio.get_running_loop().time()
         try:
             raw = checked_sources(await read_json_body(request, config.max_body_bytes, GenerateBody))
+            check_before_reading(raw, workload)
             prompt, negative = await embeddings_of(raw, state["handles"])
             image = await until_disconnect(
                 request, state["service"].generate(checked_request(raw, prompt, negative, workload))

@@ -7,12 +7,13 @@ import base64
 import binascii
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from eric_epd.common.errors import ApiError
 from eric_epd.geri.limits import GenerateSpec
 from eric_epd.geri.workload import GeneratorWorkload
-from eric_epd.wire.geri import NEGATIVE, PROMPT, GenerateBody
+from eric_epd.wire.geri import MAX_PROMPT_TOKENS, NEGATIVE, PROMPT, GenerateBody
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,21 @@ def checked_request(
     )
     if (problem := workload.check(spec)) is not None:
         raise ApiError(400, problem)
-    rows = [prompt] if negative is None else [prompt, negative]
+    # the generator reads the first MAX_PROMPT_TOKENS rows of each: the rest is not carried to the engine at all
+    rows = [prompt[:MAX_PROMPT_TOKENS]] + ([] if negative is None else [negative[:MAX_PROMPT_TOKENS]])
+    spec = msgspec.structs.replace(spec, tokens=len(rows[0]), negative_tokens=len(rows[1]) if len(rows) > 1 else 0)
     return GenerateRequest(spec, np.ascontiguousarray(np.concatenate(rows), dtype=np.float32))
+
+
+def check_before_reading(raw: GenerateBody, workload: GeneratorWorkload) -> None:
+    """A request by handle: its size, steps and guidance checked before any handle is read (a read acknowledges its
+    lease, so a refusal after it would leave the caller nothing to retry with); its rows are the reader's to check."""
+    if raw.prompt_handle is None:
+        return
+    negative = int(raw.negative_handle is not None)
+    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, 1, negative, workload.hidden)
+    if (problem := workload.check(spec)) is not None:
+        raise ApiError(400, problem)
 
 
 def inline_embeddings(encoded: str) -> tuple[np.ndarray, np.ndarray | None]:

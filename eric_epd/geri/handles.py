@@ -55,8 +55,8 @@ class HandleReader:
 
 async def embeddings_of(raw: GenerateBody, reader: HandleReader) -> tuple[np.ndarray, np.ndarray | None]:
     """The prompt's and the negative prompt's rows, inline or by handle."""
-    if raw.embeddings is not None:
-        return inline_embeddings(raw.embeddings)
+    if raw.embeddings is not None:  # base64 safetensors, decoded and checked off the event loop
+        return await asyncio.to_thread(inline_embeddings, raw.embeddings)
     assert raw.prompt_handle is not None
     negative = raw.negative_handle
     prompt, negative_rows = await asyncio.gather(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,8 @@ class GatewayConfig:
             raise ValueError("--epd-min-items and --max-items must be >= 1")
         if self.max_items > MAX_HANDLES // 2:  # a video's soundtrack is a handle of its own
             raise ValueError(f"--max-items is at most {MAX_HANDLES // 2}: vLLM's connector takes {MAX_HANDLES} handles")
+        if not (0 < self.image_url_ttl_s < math.inf) or self.image_store_bytes < 1:
+            raise ValueError("--image-url-ttl must be a finite number of seconds > 0, --image-store-bytes >= 1")
 
 
 def _urls(value: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import httpx
 import msgspec
 import numpy as np
+import orjson
 
 from epd_gateway.image_store import ImageStore
 from epd_gateway.redact import redact
@@ -103,9 +104,11 @@ class ImageGenerator:
             "steps": body.num_inference_steps,
             "guidance_scale": body.true_cfg_scale,
         }
-        images = await all_or_none(
-            *(self._image(generate_body(prompt, negative, seed=body.seed + i, **settings)) for i in range(body.n))
+        seeds = range(body.seed, body.seed + body.n)
+        bodies = await asyncio.to_thread(  # base64 and JSON of megabytes of rows, per image: off the event loop
+            lambda: [orjson.dumps(generate_body(prompt, negative, seed=seed, **settings)) for seed in seeds]
         )
+        images = await all_or_none(*(self._image(b) for b in bodies))
         if body.response_format == "url" and self.store is not None:
             data = [{"url": f"{base_url}/v1/images/files/{self.store.put(png)}"} for png in images]
         else:
@@ -150,10 +153,13 @@ class ImageGenerator:
             )
         return response
 
-    async def _image(self, body: dict) -> bytes:
+    async def _image(self, body: bytes) -> bytes:
         url = next(self._geris)
+        headers = {**self._geri_headers, "content-type": "application/json"}
         try:
-            response = await self._client.post(url + "/v1/generate", json=body, headers=self._geri_headers)
+            response = await self._client.post(url + "/v1/generate", content=body, headers=headers)
+        except httpx.TimeoutException as e:
+            raise ApiError(504, f"image generator {url} timed out: {e!r}") from e
         except httpx.HTTPError as e:
             raise ApiError(503, f"image generator {url} unreachable: {e!r}") from e
         if response.status_code == 200:

@@ -25,7 +25,7 @@ from eric_epd.stack.servers import GeriServer
 from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 from eric_epd.testing.server import PoolServer
 from eric_epd.testing.stack import unkeyed_answers
-from eric_epd.wire.geri import generate_body
+from eric_epd.wire.geri import MAX_PROMPT_TOKENS, generate_body
 
 HIDDEN = 128  # the tiny checkpoint's joint_attention_dim
 
@@ -186,6 +186,20 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(geri: GeriServer)
     assert _image(_generate(geri, good)).shape == (32, 32, 3)
 
 
+def test_a_prompt_past_the_kept_tokens_gives_the_image_of_its_kept_rows(geri: GeriServer) -> None:
+    """Qwen-Image keeps a prompt's first MAX_PROMPT_TOKENS rows (of each, with a negative); Geri cuts the rest as it
+    reads the request (they never reach the engine), and the image is the one of the cut rows; a change within them
+    changes it (the control)."""
+    long, negative = _embeds(MAX_PROMPT_TOKENS + 88, 7), _embeds(MAX_PROMPT_TOKENS + 3, 8)
+    settings = {"height": 32, "width": 32, "steps": 2, "seed": 5, "guidance_scale": 3.0}
+    full = _image(_generate(geri, generate_body(long, negative, **settings)))
+    kept = _image(_generate(geri, generate_body(long[:MAX_PROMPT_TOKENS], negative[:MAX_PROMPT_TOKENS], **settings)))
+    np.testing.assert_array_equal(full, kept)
+    changed = long[:MAX_PROMPT_TOKENS].copy()
+    changed[-1] += 1.0
+    assert not np.array_equal(_image(_generate(geri, generate_body(changed, negative, **settings))), kept)
+
+
 def _held(producer: PoolServer, rows: np.ndarray, key: str) -> dict:
     """A handle on `rows` (float32) held by the producer."""
     r = httpx.post(
@@ -231,6 +245,11 @@ def test_embeddings_by_handle_give_the_inline_image(geri: GeriServer, producer: 
     huge["nbytes"] = 2**40 * prompt.shape[1] * 4
     r = _generate(geri, {"prompt_handle": huge, **settings})
     assert r.status_code == 400 and f"{2**40} tokens; 1 to " in r.json()["error"]["message"], r.text
+    # refused for its settings before its handle is read: the lease is not spent, and the retry is served
+    refused = {"prompt_handle": _held(producer, prompt, "p7"), **settings, "steps": 10_000}
+    r = _generate(geri, refused)
+    assert r.status_code == 400 and "steps" in r.json()["error"]["message"], r.text
+    assert _generate(geri, {**refused, **settings}).status_code == 200
 
 
 def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Path) -> None:
