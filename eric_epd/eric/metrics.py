@@ -147,7 +147,7 @@ class EricMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus text format, after refreshing the gauges read on scrape (caches, SGLang, load)."""
         if self.global_cache is not None:
-            stats = self.global_cache.stats
+            stats = self.global_cache.counters()
             for event in ("hits", "misses", "puts", "bytes_read", "bytes_written", "errors", "up", "capacity"):
                 self.global_events.labels(event=event).set(float(getattr(stats, event)))
         if self.pool is not None:

@@ -216,9 +216,11 @@ class EncodeService:
             raise
 
     async def _wait_for_others(self, waiting: dict[str, asyncio.Future[None]]) -> None:
-        """Wait for hashes other requests are encoding: at most as long as their owner may (its store reads, then
-        the engine's request timeout), then 504."""
-        timeout = self._client.request_timeout_s + (self._global.read_wait_s if self._global is not None else 0.0)
+        """Wait for hashes other requests are encoding: at most as long as their owner may (a wait for pool space,
+        its store reads and a second wait for space after they time out, then the engine's request timeout), then
+        504."""
+        timeout = self._client.request_timeout_s + 2 * self.hub.pool_wait_s
+        timeout += self._global.read_wait_s if self._global is not None else 0.0
         try:
             await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in waiting.values())), timeout)
         except TimeoutError as e:

@@ -30,6 +30,10 @@ READ_WAIT_S = 5.0
 after Mooncake's 30 s RPC timeout), then encodes the items itself (service.py detaches the regions still read into)."""
 NOT_FOUND = -704
 """Mooncake Store's return code for a key it does not hold."""
+ANSWERS = frozenset({NOT_FOUND, -703, -705, -200})
+"""Mooncake Store's codes that say the store works (types.h): not found, a replica another Eric is still putting
+(REPLICA_IS_NOT_READY, a miss for now), a key already put (OBJECT_ALREADY_EXISTS), no space at its high watermark
+(NO_AVAILABLE_HANDLE: this put is skipped). None of them pauses the cache, as a failure does."""
 SKIPPED = -1_000_001
 """What a queued store call returns when the store was found down before it started (it never ran)."""
 STORE_THREADS = 4
@@ -55,6 +59,7 @@ class CacheStats:
     bytes_written: int = 0
     errors: int = 0
     up: bool = False
+    """Joined to the store and not paused after a failure (refreshed when read: `GlobalCache.counters`)."""
     capacity: int = 0
     """Bytes this Eric gives the store (its share of the global tier; the master evicts at its high watermark)."""
 
@@ -87,6 +92,11 @@ class GlobalCache:
         self._puts = 0
         self.stats = CacheStats(capacity=segment_bytes)
 
+    def counters(self) -> CacheStats:
+        """The counters, `up` as of now: joined, and not paused after a failed call."""
+        self.stats.up = self._store is not None and time.monotonic() >= self._paused_until
+        return self.stats
+
     @property
     def accepting_puts(self) -> bool:
         """Whether a fresh embedding may be shared now: the store not found down, fewer than MAX_PUTS in flight."""
@@ -104,7 +114,7 @@ class GlobalCache:
                 rc = call(*args)
                 return rc
             finally:  # paused here, in the thread, before it takes the next queued call
-                if rc < 0 and rc != NOT_FOUND:
+                if rc < 0 and rc not in ANSWERS:
                     self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, unless_paused)
@@ -121,7 +131,6 @@ class GlobalCache:
     async def _join(self) -> None:
         try:
             self._store = await asyncio.get_running_loop().run_in_executor(self._threads, self._setup)
-            self.stats.up = self._store is not None
         finally:
             self._setting_up = None
 
@@ -170,7 +179,7 @@ class GlobalCache:
             self.stats.bytes_read += got
             return True
         self.stats.misses += 1
-        if got < 0 and got not in (NOT_FOUND, SKIPPED):
+        if got < 0 and got not in ANSWERS and got != SKIPPED:
             self._failed(f"get {key[:12]} rc={got}")
         return False
 
@@ -195,6 +204,8 @@ class GlobalCache:
             if rc == 0:
                 self.stats.puts += 1
                 self.stats.bytes_written += region.nbytes
+            elif rc in ANSWERS:
+                logger.debug("global cache put of %s not done: rc=%d", key[:12], rc)
             elif rc != SKIPPED:
                 self._failed(f"put {key[:12]} rc={rc}")
         finally:

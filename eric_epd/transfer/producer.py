@@ -171,6 +171,11 @@ class TransferHub:
         self._space_freed.set()
         return 200, "ok"
 
+    @property
+    def pool_wait_s(self) -> float:
+        """How long a reservation waits for pool space before it is refused."""
+        return self._transfer.pool_wait_s
+
     def hand_over(
         self, key: str, token: str | None, instance_id: str | None = None, retry: bool = False
     ) -> tuple[int, str, str | None]:

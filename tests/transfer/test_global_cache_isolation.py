@@ -105,3 +105,44 @@ def test_the_pause_is_what_skips_calls(monkeypatch: pytest.MonkeyPatch) -> None:
             cache.close()
 
     asyncio.run(run())
+
+
+class AnsweringStore:
+    """A stand-in store client that answers every call with `rc` at once (Mooncake Store's codes, types.h)."""
+
+    def __init__(self, rc: int) -> None:
+        self.rc = rc
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        return self.rc
+
+    def put_from(self, key: str, address: int, nbytes: int) -> int:
+        return self.rc
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "rc, pauses",
+    [(-704, False), (-703, False), (-705, False), (-200, False), (-900, True), (-1, True)],
+    ids=["not-found", "replica-not-ready", "already-exists", "store-full", "rpc-fail", "raised"],
+)
+def test_only_a_failing_store_pauses_the_cache(rc: int, pauses: bool) -> None:
+    """A key not found, a replica another Eric is still putting, a key already put, a store at its high watermark:
+    the store works, so a read misses (or a put is skipped) and the next call goes to it; an RPC failure pauses it."""
+
+    async def run() -> None:
+        pool = np.zeros(1 << 16, np.uint8)
+        cache = GlobalCache("127.0.0.1:1", "127.0.0.1", 1 << 20, pool, "float32")
+        cache._store = AnsweringStore(rc)
+        try:
+            assert not await cache.read_into("a" * 64, pool[:64])
+            await cache.write("b" * 64, pool[:64])
+            assert cache.accepting_puts is not pauses and (cache.stats.errors > 0) is pauses
+            assert cache.counters().up is not pauses  # the metric: joined, and not paused
+            assert cache.stats.puts == 0 and cache.stats.misses == 1
+        finally:
+            cache.close()
+
+    asyncio.run(run())
