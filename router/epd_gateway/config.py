@@ -58,6 +58,8 @@ class GatewayConfig:
     checked against their grid and this shape; None refuses them."""
     max_body_bytes: int = 64 * 2**20
     max_items: int = 16
+    max_image_requests: int = 64
+    """Image generations in progress at most (each holds up to MAX_IMAGES + 2 upstream connections); past it a 503."""
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     """Bounds on the media the gateway fetches itself for the engines' own path (bytes, time, redirects)."""
@@ -108,6 +110,8 @@ class GatewayConfig:
             raise ValueError("--epd-min-items and --max-items must be >= 1")
         if self.max_items > MAX_HANDLES // 2:  # a video's soundtrack is a handle of its own
             raise ValueError(f"--max-items is at most {MAX_HANDLES // 2}: vLLM's connector takes {MAX_HANDLES} handles")
+        if self.max_image_requests < 1:
+            raise ValueError("--max-image-requests must be >= 1")
         if not (0 < self.image_url_ttl_s < math.inf) or self.image_store_bytes < 1:
             raise ValueError("--image-url-ttl must be a finite number of seconds > 0, --image-store-bytes >= 1")
 
@@ -228,6 +232,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="largest request body accepted (413 beyond)",
     )
     p.add_argument("--max-items", type=int, default=GatewayConfig.max_items, help="media items per request")
+    p.add_argument(
+        "--max-image-requests",
+        type=int,
+        default=GatewayConfig.max_image_requests,
+        help="image generations in progress at most; past it a 503 with Retry-After",
+    )
     p.add_argument("--allow-private-hosts", action="store_true", help="allow media URLs on private addresses")
     p.add_argument("--allowed-host", action="append", default=[], help="media host always allowed (repeatable)")
     p.add_argument(
@@ -356,4 +366,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         image_urls=a.image_urls,
         image_url_ttl_s=a.image_url_ttl,
         image_store_bytes=a.image_store_bytes,
+        max_image_requests=a.max_image_requests,
     )

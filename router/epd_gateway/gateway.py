@@ -89,7 +89,13 @@ class Gateway:
         store = ImageStore(config.image_url_ttl_s, config.image_store_bytes) if config.image_urls else None
         self.images = (
             ImageGenerator(
-                config.text_encoder_urls, config.geri_urls, unkeyed, config.upstream_api_key, config.geri_api_key, store
+                config.text_encoder_urls,
+                config.geri_urls,
+                unkeyed,
+                config.upstream_api_key,
+                config.geri_api_key,
+                store,
+                config.max_image_requests,
             )
             if config.geri_urls
             else None

@@ -83,8 +83,11 @@ class ImageGenerator:
         text_encoder_key: str | None,
         geri_key: str | None,
         store: ImageStore | None = None,
+        max_requests: int = 64,
     ) -> None:
         self.store = store
+        self._max_requests = max_requests
+        self._active = 0  # generations in progress: bounded, so they never take every pooled connection
         self._encoders = itertools.cycle(text_encoder_urls)
         self._geris = itertools.cycle(geri_urls)
         self._client = client
@@ -92,7 +95,19 @@ class ImageGenerator:
         self._geri_headers = bearer(geri_key)
 
     async def generate(self, raw: bytes, base_url: str) -> dict:
-        """OpenAI's answer: each image as b64_json, or (response_format "url") as a URL under `base_url`."""
+        """OpenAI's answer: each image as b64_json, or (response_format "url") as a URL under `base_url`; a 503 while
+        `max_requests` generations are in progress (the client retries after Retry-After)."""
+        if self._active >= self._max_requests:
+            raise ApiError(
+                503, f"{self._active} image generations in progress (--max-image-requests); retry", retry_after=1.0
+            )
+        self._active += 1
+        try:
+            return await self._generate(raw, base_url)
+        finally:
+            self._active -= 1
+
+    async def _generate(self, raw: bytes, base_url: str) -> dict:
         body, width, height = parse_images_body(raw, self.store is not None)
         use_negative = body.negative_prompt is not None and body.true_cfg_scale > 1
         prompt, negative = await all_or_none(
