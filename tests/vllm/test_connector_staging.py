@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -183,6 +185,26 @@ def test_the_connector_refuses_layouts_it_cannot_land_on() -> None:
         check_topology(SimpleNamespace(pipeline_parallel_size=2, nnodes=1))
     with pytest.raises(ValueError, match="spans 2 nodes"):  # the landing area is one host's shared memory
         check_topology(SimpleNamespace(pipeline_parallel_size=1, nnodes=2))
+    with pytest.raises(ValueError, match="prefill context parallelism"):  # two workers per tensor-parallel rank
+        check_topology(SimpleNamespace(pipeline_parallel_size=1, nnodes=1, prefill_context_parallel_size=2))
+
+
+def test_data_parallel_engines_land_on_sockets_of_their_own() -> None:
+    """vLLM runs each engine of a dense model's data parallelism as an independent rank: data_parallel_rank is 0 in
+    every one (and the instance id the same), so the landing sockets are named by data_parallel_index, which differs;
+    named by the rank, both engines' schedulers and workers would share one set of sockets."""
+    from vllm.config import ParallelConfig
+
+    from eric_epd.plugins.vllm.connector import dp_index
+
+    engines = []
+    for rank in range(2):
+        config = ParallelConfig(data_parallel_size=2, data_parallel_rank=rank, data_parallel_size_local=2)
+        config.reconfigure_for_independent_dp_rank()  # as vLLM's run_engine_core does
+        engines.append(config)
+    assert [e.data_parallel_rank for e in engines] == [0, 0]  # the control: the rank would collide
+    addresses = [LandingAddress("same-instance", dp_index(e)) for e in engines]
+    assert addresses[0].orders(0) != addresses[1].orders(0) and addresses[0].notices() != addresses[1].notices()
 
 
 def test_unanswered_ack_is_sent_again(producer) -> None:
@@ -206,3 +228,23 @@ def test_unanswered_ack_is_sent_again(producer) -> None:
         os.kill(producer.proc.pid, signal.SIGCONT)
         fetcher.close()
     assert np.array_equal(dst, seeded_bytes(h.nbytes, 3)) and _entries(producer) == before
+
+
+def test_landing_sockets_live_in_a_directory_only_their_user_may_enter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sockets' directory is made 0700; one others may enter (another user could bind the names first, or send
+    the workers orders) is refused, as is a file in its place."""
+    from eric_epd.plugins.vllm.landing import private_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = Path(private_dir())
+    assert made.parent == tmp_path and made.stat().st_mode & 0o777 == 0o700
+    assert LandingAddress("x").notices() == f"ipc://{made}/eric-land-x-0-notices.ipc"
+    made.chmod(0o777)
+    with pytest.raises(RuntimeError, match="0700"):
+        private_dir()
+    made.rmdir()
+    made.write_text("")
+    with pytest.raises(RuntimeError, match="0700"):
+        private_dir()

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from eric_epd.common.errors import OFF_LOOP_BYTES
 from eric_epd.plugins.vllm.auth import RequireEngineKey
 from eric_epd.plugins.vllm.middleware import RefuseUnkeyedMetadata
 
@@ -72,3 +73,22 @@ def test_without_the_key_check_the_body_would_be_read(monkeypatch) -> None:
     reads: list[int] = []
     client = _client((), reads)
     assert client.post("/v1/chat/completions", content=b"[" * 100_000).status_code == 200 and reads == [100_000]
+
+
+def test_a_metadata_only_part_is_refused_however_it_is_spelled_and_large_bodies_too(monkeypatch) -> None:
+    """The middleware parses only a body that can hold an embeds part: one whose type is spelled with JSON \\u escapes
+    is parsed and refused all the same, as is one past OFF_LOOP_BYTES (parsed off the event loop); a body naming no
+    embeds part reaches the app unparsed, byte for byte."""
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    reads: list[int] = []
+    client = _client((RefuseUnkeyedMetadata,), reads)
+    keyed = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    escaped = b'{"messages": [{"role": "user", "content": [{"type": "image\\u005fembeds", "image\\u005fembeds": {}}]}]}'
+    refused = client.post("/v1/chat/completions", content=escaped, headers=keyed)
+    assert refused.status_code == 400 and "needs a 'uuid'" in refused.json()["error"]["message"]
+    padded = {**GRID_ONLY, "padding": "x" * (OFF_LOOP_BYTES + 1)}
+    refused = client.post("/v1/chat/completions", json=padded, headers=keyed)
+    assert refused.status_code == 400 and "needs a 'uuid'" in refused.json()["error"]["message"]
+    plain = b'{"messages": [{"role": "user", "content": "hi"}], "padding": "' + b"y" * OFF_LOOP_BYTES + b'"}'
+    ok = client.post("/v1/chat/completions", content=plain, headers=keyed)
+    assert ok.status_code == 200 and reads == [len(plain)]

@@ -36,16 +36,25 @@ __all__ = ["EricECConnector", "EricECMetadata", "EricLoad", "EricWorkerMetadata"
 
 def check_topology(parallel: Any) -> None:
     """ValueError for a layout the connector cannot serve: its landing area is one host's shared memory and its
-    workers' sockets are named by tensor-parallel rank, so pipeline stages (whose ranks would bind the same names:
-    the last one takes every order, and the first lands nothing) and workers on other nodes cannot take part."""
+    workers' sockets are named by tensor-parallel rank, so pipeline stages or prefill context-parallel groups (whose
+    ranks would bind the same names: the last one takes every order, and the first lands nothing) and workers on
+    other nodes cannot take part."""
     stages, nodes = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "nnodes", 1)
-    if stages > 1:
-        raise ValueError(
-            f"EricECConnector does not support pipeline parallelism (pipeline_parallel_size {stages}); "
-            "use tensor parallelism on one node"
-        )
+    contexts = getattr(parallel, "prefill_context_parallel_size", 1)
+    for name, size in (("pipeline", stages), ("prefill context", contexts)):
+        if size > 1:
+            raise ValueError(
+                f"EricECConnector does not support {name} parallelism (size {size}); use tensor parallelism on one node"
+            )
     if nodes > 1:
         raise ValueError(f"EricECConnector lands embeddings on one node; this engine spans {nodes} nodes")
+
+
+def dp_index(parallel: Any) -> int:
+    """The engine's data-parallel index, which names its landing sockets. Not `data_parallel_rank`: vLLM sets that to
+    0 in every engine of a dense model's data parallelism (each runs as an independent rank, with the same instance
+    id), so their schedulers and workers would share one set of sockets, orders crossing between engines."""
+    return int(getattr(parallel, "data_parallel_index", getattr(parallel, "data_parallel_rank", 0)))
 
 
 class EricECConnector(ECConnectorBase):
@@ -58,7 +67,7 @@ class EricECConnector(ECConnectorBase):
         assert vllm_config.ec_transfer_config is not None
         check_topology(vllm_config.parallel_config)
         settings = EricConnectorSettings.parse(vllm_config.ec_transfer_config.ec_connector_extra_config)
-        address = LandingAddress(vllm_config.instance_id, vllm_config.parallel_config.data_parallel_rank)
+        address = LandingAddress(vllm_config.instance_id, dp_index(vllm_config.parallel_config))
         self.scheduler: EricScheduler | None = None
         self.worker: EricWorker | None = None
         if role == ECConnectorRole.SCHEDULER:

@@ -4,9 +4,11 @@ waits until all ranks have it; a rank whose read or copy fails fails the item be
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -59,13 +61,14 @@ class LandNotice(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True)
 class LandingAddress:
-    """Where one engine's landing sockets live: one per vLLM instance and data-parallel rank, on this host only."""
+    """Where one engine's landing sockets live: one per vLLM instance and data-parallel index, on this host only, in
+    a directory only this user may enter (`private_dir`: nobody else binds the names first or sends orders)."""
 
     instance: str
     dp_rank: int = 0
 
     def _path(self, what: str) -> str:
-        return os.path.join(tempfile.gettempdir(), f"eric-land-{self.instance}-{self.dp_rank}-{what}.ipc")
+        return os.path.join(private_dir(), f"eric-land-{self.instance}-{self.dp_rank}-{what}.ipc")
 
     def orders(self, rank: int) -> str:
         """The ipc address where the worker of TP `rank` takes its landing orders."""
@@ -74,6 +77,18 @@ class LandingAddress:
     def notices(self) -> str:
         """The ipc address where the scheduler takes the ranks' landing notices."""
         return f"ipc://{self._path('notices')}"
+
+
+def private_dir() -> str:
+    """The temporary directory's `eric-land-<uid>`, made 0700 if missing; RuntimeError if another user owns it or
+    others may enter it (a socket there would take orders from them)."""
+    path = os.path.join(tempfile.gettempdir(), f"eric-land-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{path} must be a directory of this user's that no one else may enter (mode 0700)")
+    return path
 
 
 def _unlink(endpoint: str) -> None:

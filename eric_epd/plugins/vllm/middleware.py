@@ -4,13 +4,14 @@ for chat content parts that carry embedding metadata (e.g. only a grid) but neit
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
-from eric_epd.common.errors import error_response
+from eric_epd.common.errors import OFF_LOOP_BYTES, error_response
 from eric_epd.plugins.vllm.auth import RequireEngineKey
 
 _EMBED_PARTS = ("image_embeds", "video_embeds", "audio_embeds")
@@ -38,6 +39,14 @@ def find_unkeyed_metadata(body: Any) -> str | None:
     return None
 
 
+def _problem_in(body: bytes) -> str | None:
+    """find_unkeyed_metadata of the parsed body; None if it is not JSON (vLLM answers that itself)."""
+    try:
+        return find_unkeyed_metadata(json.loads(body))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+
+
 class RefuseUnkeyedMetadata(RequireEngineKey):
     """vLLM middleware: the engine key checked first (as RequireEngineKey), whatever order the middlewares are given
     in; then a 400 for a chat request whose embedding part has metadata but neither tensor nor uuid. An unkeyed
@@ -58,10 +67,10 @@ class RefuseUnkeyedMetadata(RequireEngineKey):
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        try:
-            problem = find_unkeyed_metadata(json.loads(body))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            problem = None  # vLLM answers malformed JSON itself
+        problem = None  # no embeds part can be in it: nothing to parse (vLLM answers malformed JSON itself)
+        if b"\\u" in body or any(kind.encode() in body for kind in _EMBED_PARTS):  # \u escapes can spell one
+            parse = _problem_in
+            problem = await asyncio.to_thread(parse, body) if len(body) > OFF_LOOP_BYTES else parse(body)
         if problem is not None:
             await error_response(400, problem)(scope, receive, send)
             return
