@@ -248,3 +248,15 @@ def test_landing_sockets_live_in_a_directory_only_their_user_may_enter(
     made.write_text("")
     with pytest.raises(RuntimeError, match="0700"):
         private_dir()
+
+
+def test_a_landing_counts_as_from_the_store_only_if_every_rank_read_the_store() -> None:
+    """Bytes from Eric's pool stand only once the ack proves the lease held; bytes from the global store are
+    content-addressed. A landing where rank 0 read the store but another rank read the producer is not a store
+    landing: its ack must hold (else every rank reads the store again)."""
+    from eric_epd.plugins.vllm.landing import _landed_over
+
+    assert _landed_over({0: "store", 1: "store"}) == "store"
+    assert _landed_over({0: "store", 1: "shm"}) == "shm"
+    assert _landed_over({0: "nixl", 1: "store"}) == "nixl"
+    assert _landed_over({0: "http"}) == "http"

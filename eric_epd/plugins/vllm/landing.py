@@ -117,10 +117,19 @@ class _Wait:
     def __init__(self, ranks: int) -> None:
         self.left = ranks
         self.errors: list[str] = []
-        self.backend = ""
+        self.backends: dict[int, str] = {}  # rank -> the transport it read over
         self.done = threading.Event()
         self.settled: Callable[[], None] | None = None
         """Set once the order timed out: called when its last rank finally answers (it writes there no more)."""
+
+
+def _landed_over(backends: dict[int, str]) -> str:
+    """The transport a landing counts as: "store" (content-addressed, no ack needed) only if every rank read the
+    store; else rank 0's, or the first other one's when rank 0 read the store."""
+    first = backends.get(0, "")
+    if first != "store":
+        return first
+    return next((b for _, b in sorted(backends.items()) if b != "store"), first)
 
 
 class LandingChannel:
@@ -154,7 +163,8 @@ class LandingChannel:
         only: str = "",
         settled: Callable[[], None] | None = None,
     ) -> str:
-        """Every rank reads the item into its landing area at `offset`; returns the transport rank 0 used. Raises
+        """Every rank reads the item into its landing area at `offset`; returns the transport rank 0 used, or one that
+        is not the global store if any rank read the producer (those bytes need the ack to stand). Raises
         TransferError if a rank failed, LandingTimeoutError if one did not answer in time: a late rank may still
         write there, and `settled` is called (from the receiving thread) once every rank has answered."""
         with self._lock:
@@ -180,7 +190,7 @@ class LandingChannel:
             self._waits.pop(order, None)
         if wait.errors:
             raise TransferError("; ".join(wait.errors))
-        return wait.backend
+        return _landed_over(wait.backends)
 
     def _receive(self) -> None:
         _serve(self._notices, LandNotice, self._noted, self._stop)
@@ -193,8 +203,7 @@ class LandingChannel:
             wait.left -= 1
             if notice.error:
                 wait.errors.append(f"rank {notice.rank}: {notice.error}")
-            if notice.rank == 0:
-                wait.backend = notice.backend
+            wait.backends[notice.rank] = notice.backend
             settled = wait.settled if wait.left <= 0 else None
             if settled is not None:
                 del self._waits[notice.order]
