@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+from eric_epd.plugins.vllm.landing import LandingTimeoutError
 from eric_epd.plugins.vllm.staging import Prefetcher, State
 from eric_epd.testing.stack import wait_for
 from eric_epd.transfer.free_list import ALIGN
@@ -84,4 +85,47 @@ def test_a_request_starts_its_fetches_all_or_none() -> None:
         assert prefetch.used_bytes() == 100 * ALIGN
         assert prefetch.fits("r2", second)  # staged now: nothing more to make room for
     finally:
+        prefetch.close()
+
+
+class LateChannel(StandInChannel):
+    """Landings from STALLED time out at once while their ranks still read: each rank answers (`settled`) only when
+    `go` is set. The others land at once. Records the order its landings were asked in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+        self._late: list = []
+
+    def land(self, offset: int, handle: EmbeddingHandle, timeout_s: float, only: str = "", settled=None) -> str:
+        self.asked.append(handle.hash[0])
+        if handle.producer == STALLED:
+            self._late.append(settled)
+            raise LandingTimeoutError(f"landing of {handle.hash[:16]}: 1 of 1 ranks did not answer")
+        return "shm"
+
+    def answer_late(self) -> None:
+        for settled in self._late:
+            settled()
+
+
+def test_a_stalled_erics_next_fetch_waits_until_its_late_ranks_answer() -> None:
+    """A landing that timed out leaves its ranks reading: the stalled Eric's slot stays taken until they answer, so
+    its queued fetch does not start meanwhile (the workers' threads would fill with its reads); another Eric's item
+    lands at once; once the ranks answer, the queued fetch starts."""
+    channel = LateChannel()
+    prefetch = Prefetcher(channel, StandInFetcher(), 1 << 16, threads=2, land_timeout_s=30)  # type: ignore[arg-type]
+    try:
+        first = prefetch.want("a", _handle("a", STALLED), "ra")  # one thread per Eric at most: a runs, b queues
+        queued = prefetch.want("b", _handle("b", STALLED), "rb")
+        assert first is not None and queued is not None
+        assert wait_for(lambda: first.state is State.FAILED, 10, 0.01)  # timed out, its rank still reading
+        healthy = prefetch.want("c", _handle("c", HEALTHY), "rc")
+        assert healthy is not None and wait_for(lambda: healthy.state is State.READY, 10, 0.01)
+        assert queued.state is State.PENDING and channel.asked == ["a", "c"]  # b waits for a's late rank
+        channel.answer_late()
+        assert wait_for(lambda: queued.state is State.FAILED, 10, 0.01)  # it ran (and timed out in its turn)
+        assert channel.asked == ["a", "c", "b"]
+    finally:
+        channel.answer_late()
         prefetch.close()

@@ -49,6 +49,9 @@ class Staged:
     """The transport the bytes came over (shm, nixl, mooncake, http)."""
     late: int = 0
     """Landings some rank has not reported on yet (it may still write there): the space waits for them."""
+    holds_slot: bool = False
+    """Its fetch ended with ranks still reading: its producer's fetch slot stays taken until they answer, so a
+    stalled Eric's reads never fill the workers' landing threads that other Erics' items need."""
     unacked: bool = True
     """No acknowledgement was tried: if the fetch fails, the lease is given back once no rank reads any more."""
     names: set[str] = field(default_factory=set)
@@ -299,6 +302,9 @@ class Prefetcher:
         """Every rank has now answered a landing of `item` that timed out."""
         with self._lock:
             item.late -= 1
+            if item.late <= 0 and item.holds_slot:
+                item.holds_slot = False
+                self._next_of(item.handle.producer)
             self._give_back(item)
             self._maybe_free(item)
 
@@ -341,7 +347,10 @@ class Prefetcher:
             item.state, item.error, item.kept = state, error, kept
             item.late += late  # its `settled` may have come first
             self._running -= 1
-            self._next_of(h.producer)
+            if item.late > 0:
+                item.holds_slot = True
+            else:
+                self._next_of(h.producer)
             self._give_back(item)
             self._maybe_free(item)
         self._done.set()
