@@ -197,9 +197,9 @@ class EmbeddingPool:
         return entry
 
     def _evict_yielding(self, nbytes: int) -> int | None:
-        """Room for `nbytes` from entries only soft leases hold (the oldest TTL first), when the content cache gave
-        too little; None if even that is not enough. Walks the held entries: only when the pool is full."""
-        for entry in sorted((e for e in self._held.values() if e.yields()), key=lambda e: e.expires_at):
+        """Room for `nbytes` from entries only soft leases hold (the oldest reserved first), when the content cache
+        gave too little; None if even that is not enough. Walks the held entries: only when the pool is full."""
+        for entry in [e for e in self._held.values() if e.yields()]:
             self.release(entry.hash)
             self.evictions += 1
             if (offset := self._free.allocate(nbytes)) is not None:
