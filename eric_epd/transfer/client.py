@@ -250,8 +250,9 @@ class EmbeddingFetcher:
         self, handle: EmbeddingHandle | dict[str, Any], attempt_timeout_s: float | None = None, keep: bool = False
     ) -> EmbeddingHandle | None:
         """Release our lease. Raises TransferError if the entry expired or the producer restarted. With `keep`, the
-        handle of the child lease the producer answered in its place (None if it gave none: a retry whose first
-        attempt took effect, or a lease that may add no more children); else None.
+        handle of the child lease the producer answered in its place (a retry whose first attempt took effect gets
+        that attempt's child again, while it holds; None if it gave none: the child lapsed, or the lease may add no
+        more children); else None.
 
         With `attempt_timeout_s`, an unanswered ack is sent again on a new connection (marked as a retry) until the
         fetcher's timeout. The producer answers a retry whose first attempt took effect with a 200 ("already

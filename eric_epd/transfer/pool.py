@@ -28,8 +28,7 @@ logger = logging.getLogger(__name__)
 MAX_CHILD_LEASES = 64
 """Most child leases one lease may add (one per tensor-parallel rank of a consumer)."""
 MAX_ENDED_LEASES = 32768
-"""Leases ended by their own ack that the pool remembers (newest first), so that an ack sent again after an attempt
-whose answer was lost is told it already took effect (and not taken for an expired lease)."""
+"""Leases ended by their own ack the pool remembers: an ack retried after a lost answer is told it took effect."""
 
 
 class LeaseError(ApiError):
@@ -141,8 +140,7 @@ class EmbeddingPool:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held for consumers (leased, in flight or detached), in pool space (span()); acknowledged cache
-        entries are not counted. Exactly 0 when nothing is held."""
+        """Bytes held for consumers (leased, in flight or detached; not the cache), in span() units; 0 if none."""
         return self.nbytes - self._free.free_bytes - self._acked_bytes
 
     @property
@@ -160,7 +158,7 @@ class EmbeddingPool:
         self.evictions += 1
 
     def __len__(self) -> int:
-        """Entries held for consumers, detached reservations included (acknowledged cache entries are not counted)."""
+        """Entries held for consumers, detached reservations included (not the acknowledged cache entries)."""
         return len(self._entries) + len(self._detached) - len(self._acked)
 
     def get(self, key: str) -> PoolEntry | None:
@@ -197,9 +195,12 @@ class EmbeddingPool:
         return entry
 
     def _evict_yielding(self, nbytes: int) -> int | None:
-        """Room for `nbytes` from entries only soft leases hold (the oldest reserved first), when the content cache
-        gave too little; None if even that is not enough. Walks the held entries: only when the pool is full."""
-        for entry in [e for e in self._held.values() if e.yields()]:
+        """Room for `nbytes` from entries only soft leases hold (oldest reserved first), when the content cache gave
+        too little; None, evicting none, if all of them would not be enough. Walks the held entries (pool full only)."""
+        yielding = [e for e in self._held.values() if e.yields()]
+        if self._free.free_bytes + sum(span(e.nbytes) for e in yielding) < span(nbytes):
+            return None
+        for entry in yielding:
             self.release(entry.hash)
             self.evictions += 1
             if (offset := self._free.allocate(nbytes)) is not None:

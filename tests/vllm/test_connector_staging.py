@@ -234,13 +234,15 @@ def test_landing_sockets_live_in_a_directory_only_their_user_may_enter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sockets' directory is made 0700; one others may enter (another user could bind the names first, or send
-    the workers orders) is refused, as is a file in its place."""
+    the workers orders) is refused, as is a file in its place; a path too long for a Unix socket is a clear error."""
     from eric_epd.plugins.vllm.landing import private_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     made = Path(private_dir())
     assert made.parent == tmp_path and made.stat().st_mode & 0o777 == 0o700
-    assert LandingAddress("x").notices() == f"ipc://{made}/eric-land-x-0-notices.ipc"
+    assert LandingAddress("x").notices() == f"ipc://{made}/x-0-notices.ipc"
+    with pytest.raises(RuntimeError, match="shorter TMPDIR"):  # past what a Unix socket's path holds
+        LandingAddress("x" * 120).notices()
     made.chmod(0o777)
     with pytest.raises(RuntimeError, match="0700"):
         private_dir()

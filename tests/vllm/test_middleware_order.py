@@ -4,6 +4,8 @@ reaches the app byte for byte (Starlette's own middleware stacking, the real mid
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -77,8 +79,8 @@ def test_without_the_key_check_the_body_would_be_read(monkeypatch) -> None:
 
 def test_a_metadata_only_part_is_refused_however_it_is_spelled_and_large_bodies_too(monkeypatch) -> None:
     """The middleware parses only a body that can hold an embeds part: one whose type is spelled with JSON \\u escapes
-    is parsed and refused all the same, as is one past OFF_LOOP_BYTES (parsed off the event loop); a body naming no
-    embeds part reaches the app unparsed, byte for byte."""
+    or in UTF-16 or UTF-32 is parsed and refused all the same, as is one past OFF_LOOP_BYTES (parsed off the event
+    loop); a body naming no embeds part reaches the app unparsed, byte for byte."""
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     reads: list[int] = []
     client = _client((RefuseUnkeyedMetadata,), reads)
@@ -86,6 +88,10 @@ def test_a_metadata_only_part_is_refused_however_it_is_spelled_and_large_bodies_
     escaped = b'{"messages": [{"role": "user", "content": [{"type": "image\\u005fembeds", "image\\u005fembeds": {}}]}]}'
     refused = client.post("/v1/chat/completions", content=escaped, headers=keyed)
     assert refused.status_code == 400 and "needs a 'uuid'" in refused.json()["error"]["message"]
+    for encoding in ("utf-16", "utf-32-le", "utf-8-sig"):  # json.loads reads them all, as vLLM's route does
+        spelled = json.dumps(GRID_ONLY).encode(encoding)
+        refused = client.post("/v1/chat/completions", content=spelled, headers=keyed)
+        assert refused.status_code == 400 and "needs a 'uuid'" in refused.json()["error"]["message"], encoding
     padded = {**GRID_ONLY, "padding": "x" * (OFF_LOOP_BYTES + 1)}
     refused = client.post("/v1/chat/completions", json=padded, headers=keyed)
     assert refused.status_code == 400 and "needs a 'uuid'" in refused.json()["error"]["message"]

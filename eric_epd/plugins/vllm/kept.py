@@ -40,11 +40,11 @@ class KeptLeases:
         kept = next((self._kept[n] for n in names if n in self._kept), None)
         if kept is None:
             if child is None:
-                return  # nothing to fetch it with again (Eric gave no child, or the bytes came from the store)
+                return  # nothing to fetch it with again (Eric gave no child: a lapsed or spent lease, an older Eric)
             kept = _Kept(None)
         if child is not None:
             if kept.handle is not None:
-                self._leases.release([kept.handle])
+                self._leases.release([kept.handle], quiet=True)
             kept.handle = child
         kept.names |= names
         kept.users.add(rid)
@@ -75,4 +75,4 @@ class KeptLeases:
                 if kept.handle is not None:
                     back.append(kept.handle)
         if back:
-            self._leases.release(back)
+            self._leases.release(back, quiet=True)  # soft: one may have lapsed or yielded to space meanwhile

@@ -59,6 +59,10 @@ class LandNotice(msgspec.Struct, frozen=True):
     error: str = ""
 
 
+MAX_IPC_PATH = 107
+"""The longest path of a Unix-domain socket (sun_path holds 108 bytes with its terminating zero)."""
+
+
 @dataclass(frozen=True)
 class LandingAddress:
     """Where one engine's landing sockets live: one per vLLM instance and data-parallel index, on this host only, in
@@ -68,7 +72,10 @@ class LandingAddress:
     dp_rank: int = 0
 
     def _path(self, what: str) -> str:
-        return os.path.join(private_dir(), f"eric-land-{self.instance}-{self.dp_rank}-{what}.ipc")
+        path = os.path.join(private_dir(), f"{self.instance}-{self.dp_rank}-{what}.ipc")
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise RuntimeError(f"landing socket path {path!r} is over {MAX_IPC_PATH} bytes: set a shorter TMPDIR")
+        return path
 
     def orders(self, rank: int) -> str:
         """The ipc address where the worker of TP `rank` takes its landing orders."""

@@ -46,17 +46,20 @@ class LeaseClient:
         self._fetcher = fetcher
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="eric-release")
 
-    def release(self, handles: Iterable[EmbeddingHandle]) -> None:
-        """Acknowledge, in the background, the leases of items a request never loaded."""
-        self._releaser.submit(self._release, list(handles))
+    def release(self, handles: Iterable[EmbeddingHandle], quiet: bool = False) -> None:
+        """Acknowledge, in the background, the leases of items a request never loaded (or kept ones, `quiet`: that
+        one lapsed or yielded to space is expected, logged at debug only)."""
+        self._releaser.submit(self._release, list(handles), quiet)
 
-    def _release(self, handles: list[EmbeddingHandle]) -> None:
+    def _release(self, handles: list[EmbeddingHandle], quiet: bool) -> None:
         for h in handles:
             try:
                 self._fetcher.ack(h)
-                logger.debug("released unused lease on %s", h.hash[:12])
+                logger.debug("released lease on %s", h.hash[:12])
             except TransferError as e:
-                logger.warning("could not release the lease on %s: %s", h.hash[:16], e)
+                logger.log(
+                    logging.DEBUG if quiet else logging.WARNING, "could not release the lease on %s: %s", h.hash[:16], e
+                )
 
     def close(self) -> None:
         """Finish the releases already queued (the fetcher is its owner's to close)."""

@@ -39,6 +39,14 @@ def find_unkeyed_metadata(body: Any) -> str | None:
     return None
 
 
+def _may_name_embeds(body: bytes) -> bool:
+    """Whether the JSON `body` may hold an embeds part: it names one in UTF-8, or could spell one otherwise (\\u
+    escapes, or UTF-16 or UTF-32, which json.loads reads as vLLM does)."""
+    if json.detect_encoding(body) != "utf-8" or b"\\u" in body:
+        return True
+    return any(kind.encode() in body for kind in _EMBED_PARTS)
+
+
 def _problem_in(body: bytes) -> str | None:
     """find_unkeyed_metadata of the parsed body; None if it is not JSON (vLLM answers that itself)."""
     try:
@@ -68,7 +76,7 @@ class RefuseUnkeyedMetadata(RequireEngineKey):
                 break
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         problem = None  # no embeds part can be in it: nothing to parse (vLLM answers malformed JSON itself)
-        if b"\\u" in body or any(kind.encode() in body for kind in _EMBED_PARTS):  # \u escapes can spell one
+        if _may_name_embeds(body):
             parse = _problem_in
             problem = await asyncio.to_thread(parse, body) if len(body) > OFF_LOOP_BYTES else parse(body)
         if problem is not None:

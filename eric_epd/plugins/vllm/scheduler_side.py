@@ -120,10 +120,9 @@ class EricScheduler:
         return False
 
     def _offer(self, key: str, rid: str) -> EmbeddingHandle | None:
-        """The request's own unused handle for `key`, else another live request's, else the lease kept since the
-        item was last loaded (kept.py: it may have lapsed or yielded, so it comes last)."""
+        """The request's own unused handle for `key`, else another live request's."""
         holders = self._available.get(key) or {}
-        return holders.get(rid) or next(iter(holders.values()), None) or self._kept.handle(key)
+        return holders.get(rid) or next(iter(holders.values()), None)
 
     def _spend(self, key: str, handle: EmbeddingHandle) -> None:
         """A fetch took `handle`'s lease: it is no longer offered, nor given back when its request ends."""
@@ -158,9 +157,11 @@ class EricScheduler:
             if item is None or rid not in item.users:  # a failed item is fetched anew, with an unused lease
                 fresh = item is None or item.state is State.FAILED
                 handle = self._offer(key, rid) if fresh else offers.get(key) or item.handle
+                if handle is None and has_raw_media(feature):
+                    continue  # vLLM encodes it itself
+                if handle is None and fresh:  # the lease kept since it was loaded (kept.py): it may have lapsed
+                    handle = self._kept.handle(key)
                 if handle is None:
-                    if has_raw_media(feature):
-                        continue  # vLLM encodes it itself
                     return self._fail(rid, f"item {key[:16]} has no Eric handle and carries no media to encode")
                 starts[index] = handle
             elif item.state is State.FAILED and (own := self._available.get(key, {}).get(rid)) is not None:
