@@ -42,18 +42,8 @@ def checked_request(
             400,
             f"{NEGATIVE} is [{negative.shape[0]}, {negative.shape[1]}], but {PROMPT} has hidden size {prompt.shape[1]}",
         )
-    spec = GenerateSpec(
-        raw.height,
-        raw.width,
-        raw.steps,
-        raw.seed,
-        raw.guidance_scale,
-        prompt.shape[0],
-        negative.shape[0] if negative is not None else 0,
-        prompt.shape[1],
-    )
-    if (problem := workload.check(spec)) is not None:
-        raise ApiError(400, problem)
+    negative_tokens = negative.shape[0] if negative is not None else 0
+    spec = _checked_spec(raw, prompt.shape[0], negative_tokens, prompt.shape[1], workload)
     # the generator reads the first MAX_PROMPT_TOKENS rows of each: the rest is not carried to the engine at all
     rows = [prompt[:MAX_PROMPT_TOKENS]] + ([] if negative is None else [negative[:MAX_PROMPT_TOKENS]])
     spec = msgspec.structs.replace(spec, tokens=len(rows[0]), negative_tokens=len(rows[1]) if len(rows) > 1 else 0)
@@ -63,12 +53,18 @@ def checked_request(
 def check_before_reading(raw: GenerateBody, workload: GeneratorWorkload) -> None:
     """A request by handle: its size, steps and guidance checked before any handle is read (a read acknowledges its
     lease, so a refusal after it would leave the caller nothing to retry with); its rows are the reader's to check."""
-    if raw.prompt_handle is None:
-        return
-    negative = int(raw.negative_handle is not None)
-    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, 1, negative, workload.hidden)
+    if raw.prompt_handle is not None:
+        _checked_spec(raw, 1, int(raw.negative_handle is not None), workload.hidden, workload)
+
+
+def _checked_spec(
+    raw: GenerateBody, tokens: int, negative_tokens: int, hidden: int, workload: GeneratorWorkload
+) -> GenerateSpec:
+    """The request's spec with these row counts, checked against the model and limits (400 naming the problem)."""
+    spec = GenerateSpec(raw.height, raw.width, raw.steps, raw.seed, raw.guidance_scale, tokens, negative_tokens, hidden)
     if (problem := workload.check(spec)) is not None:
         raise ApiError(400, problem)
+    return spec
 
 
 def inline_embeddings(encoded: str) -> tuple[np.ndarray, np.ndarray | None]:

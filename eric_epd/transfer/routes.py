@@ -54,7 +54,7 @@ def transfer_routes(hub: TransferHub) -> APIRouter:
         )
 
     @router.post("/v1/embeddings/{content_hash}/ack")
-    async def ack(content_hash: str, request: Request) -> JSONResponse:
+    async def ack(content_hash: str, request: Request) -> Response:
         """Ends exactly the lease the token names; repeating it is a 404 that changes nothing, except a repeat
         marked `"retry": true` (the first attempt's answer was lost) of an ack that took effect: a 200 "already
         acknowledged". With `"keep": true` a child lease takes its place and is answered (`AckAnswer.lease`)."""

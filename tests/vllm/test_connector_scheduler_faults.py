@@ -39,7 +39,7 @@ def _connector(producer, address: LandingAddress) -> EricECConnector:
         ec_transfer_config=ECTransferConfig(
             ec_connector="EricECConnector", ec_role="ec_consumer", ec_connector_extra_config=extra
         ),
-        parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=2),
+        parallel_config=SimpleNamespace(data_parallel_index=address.dp_index, tensor_parallel_size=2),
         instance_id=address.instance,
         model_config=SimpleNamespace(
             hf_config=SimpleNamespace(

@@ -41,7 +41,7 @@ def connector() -> Iterator[EricECConnector]:
         ec_transfer_config=ECTransferConfig(
             ec_connector="EricECConnector", ec_role="ec_consumer", ec_connector_extra_config=extra
         ),
-        parallel_config=SimpleNamespace(data_parallel_rank=address.dp_rank, tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(data_parallel_index=address.dp_index, tensor_parallel_size=1),
         instance_id=address.instance,
         model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: OMNI)),
     )

@@ -4,14 +4,11 @@ lease it came with was spent at the first fetch. Eric makes them soft: they yiel
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from eric_epd.plugins.vllm.leases import LeaseClient
 from eric_epd.wire.handles import EmbeddingHandle
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

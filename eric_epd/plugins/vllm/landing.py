@@ -69,10 +69,10 @@ class LandingAddress:
     a directory only this user may enter (`private_dir`: nobody else binds the names first or sends orders)."""
 
     instance: str
-    dp_rank: int = 0
+    dp_index: int = 0
 
     def _path(self, what: str) -> str:
-        path = os.path.join(private_dir(), f"{self.instance}-{self.dp_rank}-{what}.ipc")
+        path = os.path.join(private_dir(), f"{self.instance}-{self.dp_index}-{what}.ipc")
         if len(path.encode()) > MAX_IPC_PATH:
             raise RuntimeError(f"landing socket path {path!r} is over {MAX_IPC_PATH} bytes: set a shorter TMPDIR")
         return path

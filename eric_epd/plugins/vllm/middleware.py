@@ -77,8 +77,7 @@ class RefuseUnkeyedMetadata(RequireEngineKey):
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         problem = None  # no embeds part can be in it: nothing to parse (vLLM answers malformed JSON itself)
         if _may_name_embeds(body):
-            parse = _problem_in
-            problem = await asyncio.to_thread(parse, body) if len(body) > OFF_LOOP_BYTES else parse(body)
+            problem = await asyncio.to_thread(_problem_in, body) if len(body) > OFF_LOOP_BYTES else _problem_in(body)
         if problem is not None:
             await error_response(400, problem)(scope, receive, send)
             return
