@@ -319,6 +319,7 @@ def config_from_args(args: argparse.Namespace) -> EricConfig:
         preprocess_threads=args.preprocess_threads,
         alias_entries=args.alias_entries,
         liveness_timeout_s=args.liveness_timeout,
+        heap_keep_bytes=args.heap_keep_bytes,
         max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         batch=BatchLimits(args.max_batch_items, args.max_batch_patches, args.max_queued_items, args.batches_in_flight),

@@ -106,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> GeriConfig:
         host=args.host,
         port=args.port,
         liveness_timeout_s=args.liveness_timeout,
+        heap_keep_bytes=args.heap_keep_bytes,
         cpus=args.cpus,
         api_key=args.api_key or os.environ.get("GERI_API_KEY") or None,
         trusted_proxies=args.trusted_proxies,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from eric_epd.common.heap import DEFAULT_KEEP_BYTES
 from eric_epd.runtime.config import DTYPES
 
 
@@ -29,4 +30,11 @@ def add_server_flags(p: argparse.ArgumentParser, *, what: str, dtype_help: str, 
         default=30.0,
         help="seconds the engine's heartbeat may be silent before /health answers 503 (a batch in flight "
         "renews it: a long batch is busy, not dead)",
+    )
+    p.add_argument(
+        "--heap-keep-bytes",
+        type=int,
+        default=DEFAULT_KEEP_BYTES,
+        help="freed memory each of the server's processes keeps in its heap for reuse, so bodies of megabytes do not "
+        "fault fresh pages in each time (glibc's mallopt; 0: the allocator's own defaults)",
     )

@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar
 import uvicorn
 
 from eric_epd.common.cpus import pin_process
+from eric_epd.common.heap import keep_freed_heap
 from eric_epd.common.proxies import uvicorn_proxy_settings
 from eric_epd.common.shm_orphans import sweep_orphans
 from eric_epd.runtime import run_dir
@@ -75,6 +76,7 @@ def run_server(
             config.rank_device(config.tp_size - 1, torch.cuda.device_count())  # more ranks than devices: fail now
         except ValueError as e:
             raise SystemExit(f"eric-epd {name}: {e}") from None
+    keep_freed_heap(config.heap_keep_bytes)  # the engine and the workers set their own at their start
     if config.cpus:
         pin_process(config.cpus)  # the engine and workers inherit it; each worker narrows it to its slice
     owner = run_dir.claim(config.run_dir)

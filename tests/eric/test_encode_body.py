@@ -69,3 +69,24 @@ def test_items_decode_to_the_wire_type_numbered_where_no_id_is_sent() -> None:
         EncodeItem(id="0", modality="image", url="data:a"),
         EncodeItem(id="b", modality="video", url="http://h/v.mp4"),
     ]
+
+
+@pytest.mark.parametrize("depth", [40, 5000])
+def test_an_unknown_field_is_skipped_however_deep_or_refused_by_name(depth: int) -> None:
+    """A well-formed body decodes straight into the wire schema, skipping unknown fields without building them (a
+    nesting of 40 costs nothing there); one nested past Python's recursion limit falls back to the plain parse,
+    which names it."""
+    body = b'{"items": [{"modality": "image", "url": "data:a", "z": ' + b"[" * depth + b"]" * depth + b"}]}"
+    if depth == 40:
+        assert parse_encode_body(body, IMAGES, 8) == [EncodeItem(id="0", modality="image", url="data:a")]
+        return
+    with pytest.raises(ApiError) as err:
+        parse_encode_body(body, IMAGES, 8)
+    assert err.value.status == 400 and "nested deeper than 32" in err.value.message, err.value.message
+
+
+def test_a_body_over_the_token_bound_is_refused_before_decoding() -> None:
+    items = b",".join([b'{"modality": "image", "url": "x"}'] * 30_000)
+    with pytest.raises(ApiError) as err:
+        parse_encode_body(b'{"items": [' + items + b"]}", IMAGES, 8)
+    assert err.value.status == 400 and "tokens" in err.value.message, err.value.message

@@ -185,6 +185,13 @@ def test_max_inline_bytes_flag() -> None:
         parse_args(["--colocated-urls", "http://e:1", "--max-inline-bytes", "0"])
 
 
+def test_heap_keep_bytes_flag() -> None:
+    assert parse_args(["--colocated-urls", "http://e:1"]).heap_keep_bytes == 256 * 2**20
+    assert parse_args(["--colocated-urls", "http://e:1", "--heap-keep-bytes", "0"]).heap_keep_bytes == 0
+    with pytest.raises(ValueError, match="heap-keep-bytes"):
+        parse_args(["--colocated-urls", "http://e:1", "--heap-keep-bytes", "-1"])
+
+
 async def _resolve(host: str, port: int) -> list[str]:
     """Hosts named "hang*" never answer (a blackholed nameserver), "bad*" are refused, the rest resolve."""
     if host.startswith("hang"):

@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from eric_epd.common.heap import keep_freed_heap
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.engine.engine import Engine, Outgoing
 from eric_epd.runtime.engine.heartbeat import Heartbeat
@@ -126,6 +127,7 @@ def main(config: RuntimeConfig, workload: Workload, ready: Connection, heartbeat
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router owns Ctrl-C and asks us to stop
+    keep_freed_heap(config.heap_keep_bytes)
     executor = None
     try:
         executor = ModelExecutor(config, workload, heartbeat.beat)

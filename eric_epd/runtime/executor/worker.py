@@ -13,6 +13,7 @@ import torch
 import zmq
 
 from eric_epd.common.cpus import pin_process, pin_torch
+from eric_epd.common.heap import keep_freed_heap
 from eric_epd.common.shm import attach_untracked
 from eric_epd.runtime.config import RuntimeConfig
 from eric_epd.runtime.executor.device_io import DeviceIO
@@ -203,6 +204,7 @@ def _execute_and_reply(
 def main(args: WorkerArgs) -> None:
     """Child-side entry point: load, report ready (or the load error), then serve until told to stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s")
+    keep_freed_heap(args.config.heap_keep_bytes)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
