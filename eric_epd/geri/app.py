@@ -102,10 +102,10 @@ def create_app(config: GeriConfig, engine: EngineWatch, pool: EmbeddingPool, wor
         try:
             raw = checked_sources(await read_json_body(request, config.max_body_bytes, GenerateBody))
             check_before_reading(raw, workload)
-            prompt, negative = await embeddings_of(raw, state["handles"])
-            image = await until_disconnect(
-                request, state["service"].generate(checked_request(raw, prompt, negative, workload))
-            )
+            with state["service"].admitted(raw.height, raw.width) as admission:  # refused before any handle is read
+                prompt, negative = await embeddings_of(raw, state["handles"])
+                checked = checked_request(raw, prompt, negative, workload)
+                image = await until_disconnect(request, state["service"].generate(checked, admission))
         except ApiError as e:
             metrics.requests.labels(status=str(e.status)).inc()
             raise

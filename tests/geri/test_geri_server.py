@@ -26,6 +26,7 @@ from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 from eric_epd.testing.server import PoolServer
 from eric_epd.testing.stack import unkeyed_answers
 from eric_epd.wire.geri import MAX_PROMPT_TOKENS, generate_body
+from eric_epd.wire.handles import LEASE_HEADER
 
 HIDDEN = 128  # the tiny checkpoint's joint_attention_dim
 
@@ -252,8 +253,10 @@ def test_embeddings_by_handle_give_the_inline_image(geri: GeriServer, producer: 
     assert _generate(geri, {**refused, **settings}).status_code == 200
 
 
-def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Path) -> None:
-    with GeriServer(log_path=tmp_path / "geri.log") as geri:
+def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Path, producer: PoolServer) -> None:
+    """In-flight requests fail with 503 once the worker dies, and so does /health; a request by handle is refused
+    before its handle is read, so the lease is still there for a retry on another Geri."""
+    with GeriServer(log_path=tmp_path / "geri.log", extra_args=("--embedding-producers", producer.url)) as geri:
         pid = httpx.get(geri.url + "/health").json()["worker_pids"][0]
         os.kill(pid, signal.SIGSTOP)  # requests pile up in flight ...
         with ThreadPoolExecutor(3) as pool:
@@ -272,6 +275,18 @@ def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Pat
         health = httpx.get(geri.url + "/health", timeout=10)
         assert health.status_code == 503 and "worker rank 0" in health.json()["reason"]
         assert _generate(geri, generate_body(_embeds(3, 0), height=32, width=32, steps=1)).status_code == 503
+        held = _held(producer, _embeds(3, 0), "dead-geri")
+        r = _generate(geri, {"prompt_handle": held, "height": 32, "width": 32, "steps": 1})
+        assert r.status_code == 503 and "worker rank 0" in r.json()["error"]["message"], r.text
+    lease = {LEASE_HEADER: held["lease"]}
+    assert httpx.get(held["http"], headers=lease, timeout=10).status_code == 200  # not read, not acknowledged
+    ack = httpx.post(
+        f"{producer.url}/v1/embeddings/{held['hash']}/ack",
+        headers=lease,
+        timeout=10,
+        json={"instance_id": held["instance_id"]},
+    )
+    assert ack.status_code == 200, ack.text
 
 
 def test_every_geri_route_needs_the_key(geri: GeriServer) -> None:

@@ -97,11 +97,7 @@ class EngineClient:
         for item, array in zip(items, arrays, strict=True):
             if array.dtype != np.dtype(item.input_dtype):
                 raise ValueError(f"item {item.key}: a {array.dtype} input for input dtype {item.input_dtype}")
-        if self._dead_reason is not None:
-            raise EngineUnavailableError(503, f"{UNAVAILABLE}: {self._dead_reason}")
-        limit = self._config.batch.max_queued_items
-        if self.num_inflight_items + len(items) > limit:
-            raise EngineUnavailableError(503, f"engine queue full ({limit} items); retry later", retry_after=1.0)
+        self.check_room(len(items))
         request = EngineRequest(uuid.uuid4().hex, len(items), asyncio.get_running_loop().create_future())
         frames = encode_frames(
             Op.SUBMIT, WorkRequestMsg(request.request_id, list(items)), [memoryview(array) for array in arrays]
@@ -113,6 +109,15 @@ class EngineClient:
             self._pending.pop(request.request_id, None)
             raise
         return request
+
+    def check_room(self, count: int) -> None:
+        """Raise EngineUnavailableError (503) if the engine is dead or its queue has no room for `count` more items
+        (submit checks its own; a caller that must refuse before work it cannot undo checks first)."""
+        if self._dead_reason is not None:
+            raise EngineUnavailableError(503, f"{UNAVAILABLE}: {self._dead_reason}")
+        limit = self._config.batch.max_queued_items
+        if self.num_inflight_items + count > limit:
+            raise EngineUnavailableError(503, f"engine queue full ({limit} items); retry later", retry_after=1.0)
 
     def abort(self, request: EngineRequest, items: Sequence[int] | None = None) -> None:
         """Ask the engine to drop the request's queued items at `items` (indices; all when None). Its final answer
