@@ -1,7 +1,8 @@
 """Faults at the vLLM connector's scheduler side, driven as vLLM drives it (real producer process, two ranks): an
 image whose landing timed out is served again with a fresh lease (and to a request that had joined that fetch, with
-its own), the connector follows vLLM's encoder cache through a reset and an eviction, and handles no item takes, or
-the valid ones of a refused set, go back at once."""
+its own), the connector follows vLLM's encoder cache through a reset and an eviction, handles no item takes, or
+the valid ones of a refused set, go back at once, and an item a rank has no copy of fails every request using it and
+leaves vLLM's encoder cache."""
 
 from __future__ import annotations
 
@@ -277,3 +278,71 @@ def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_val
         connector.request_finished(r2)
     finally:
         connector.shutdown()
+
+
+def test_an_item_a_rank_has_no_copy_of_fails_its_users_and_leaves_vllms_cache(producer, monkeypatch) -> None:
+    """A step loads an item that one rank has no landed copy of ("cannot happen": a rank without one fails the
+    landing): that rank puts zeros in vLLM's encoder cache to keep the step well-formed. Every request using the item
+    then fails (not only the one that loaded it: r2 got it from vLLM's cache in the same pass), vLLM's encoder cache
+    manager drops it (its room back, the workers told to free it), so no later request is served those zeros; the
+    next load of the item replaces them with the real rows. Before, r2 was served and the zeros stayed cached."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    from eric_epd.plugins.vllm import worker_side
+    from eric_epd.plugins.vllm.settings import EricConnectorSettings
+
+    rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
+    h1, h2, h3 = pool_entry(producer, "unlanded-image", seed=7, leases=3, data=rows)
+    n = rows.shape[0]
+    manager = EncoderCacheManager(cache_size=2 * n)
+    address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
+    step = SimpleNamespace(scheduled_encoder_inputs={}, free_encoder_mm_hashes=[], total_num_scheduled_tokens=1)
+    settings = EricConnectorSettings.parse({"eric_urls": [producer.url], "backends": ["http"]})
+    with ranks(address, 1 << 20, torch.float32) as areas, ranks(LandingAddress("never-ordered"), 1 << 20) as empty:
+        workers = []
+        for area in (areas[0], empty[1]):  # rank 1's worker reads an area no copy ever lands in
+            monkeypatch.setattr(worker_side, "_landing_area", lambda *_, a=area: a)
+            workers.append(worker_side.EricWorker(settings, address, torch.float32))
+        caches: list[dict[str, torch.Tensor]] = [{}, {}]
+        connector = _connector(producer, address)
+        connector.scheduler._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
+
+        def step_on_workers() -> None:
+            meta = connector.build_connector_meta(step)  # type: ignore[arg-type]
+            for worker, cache in zip(workers, caches, strict=True):
+                worker.start_load_caches(meta, cache)  # type: ignore[arg-type]
+            worker_meta = workers[0].build_connector_worker_meta()
+            other = workers[1].build_connector_worker_meta()
+            assert worker_meta is not None and other is not None
+            connector.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker_meta.aggregate(other)))
+
+        try:
+            r1, r2, r3 = (_request(f"r{i}", h) for i, h in enumerate((h1, h2, h3), 1))
+            assert wait_for(lambda: connector.ensure_cache_available(r1, 0), 60, 0.1)
+            manager.allocate(r1, 0)
+            connector.update_state_after_alloc(r1, 0)
+            assert manager.check_and_update_cache(r2, 0)  # r2 uses it from vLLM's cache in the same pass
+            step_on_workers()
+            assert torch.equal(caches[0][h1.hash], rows) and not caches[1][h1.hash].any()  # zeros on rank 1
+            assert connector.take_unavailable_requests() == {"r1", "r2"}
+            assert manager.get_cached_num_encoder_embeds(r3, 0) is None and h1.hash in manager.get_freed_mm_hashes()
+            for request in (r1, r2):
+                connector.request_finished(request)
+                manager.free(request)
+            assert manager.num_free_slots == manager.num_freeable_slots == 2 * n and not manager.freeable
+            # vLLM allocates the item again before its workers freed it: the load replaces the zeros
+            workers[1]._area = areas[1]
+            assert wait_for(lambda: connector.ensure_cache_available(r3, 0), 60, 0.1)
+            manager.allocate(r3, 0)
+            connector.update_state_after_alloc(r3, 0)
+            step_on_workers()
+            assert all(torch.equal(cache[h1.hash], rows) for cache in caches)
+            assert not connector.take_unavailable_requests()
+            connector.request_finished(r3)
+            manager.free(r3)
+            assert landing_idle(connector.scheduler._prefetch, areas)
+        finally:
+            connector.shutdown()
+            for worker in workers:
+                worker.close()
+    assert wait_for(lambda: pool_entries(producer) == 0, 30)

@@ -55,6 +55,23 @@ class VllmEncoderCache:
         allocates it again: vLLM frees on the workers only the items still evicted at the end of the pass."""
         return key in self._this_pass
 
+    def evict(self, key: str) -> set[str]:
+        """Drop `key` from vLLM's encoder cache manager at once (its rows on the workers are zeros: a rank had no
+        landed copy), its room given back and the workers told to free it: the requests that use it, which must
+        fail. The manager's own eviction (can_allocate) does the same to an unused entry; vLLM has no call for it."""
+        manager = getattr(self._scheduler, "encoder_cache_manager", None)
+        cached = getattr(manager, "cached", None)
+        if not isinstance(cached, dict) or key not in cached:
+            return set()
+        users = set(cached.pop(key))
+        embeds = manager.num_embeds_by_hash.pop(key)
+        if manager.freeable.pop(key, None) is None:  # in use: its room was counted out of both
+            manager.num_freeable_slots += embeds
+        manager.num_free_slots += embeds
+        manager.freed.append(key)
+        logger.error("embedding %s dropped from vLLM's encoder cache: a rank had no copy; failing %s", key, users)
+        return users
+
     def pass_ended(self) -> None:
         """The scheduling pass is over (its evictions reach the workers with this step)."""
         self._this_pass.clear()

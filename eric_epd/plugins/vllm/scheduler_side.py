@@ -244,6 +244,8 @@ class EricScheduler:
         if isinstance(meta, EricWorkerMetadata):
             self._prefetch.copied(list(meta.copied))
             self._unavailable |= meta.failed_request_ids
+            for key in meta.unlanded:  # zeros stand in on a rank: every request using them fails, and vLLM forgets it
+                self._unavailable |= self._vllm_cache.evict(key)
             self.stats.record(**meta.counts)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

@@ -30,11 +30,13 @@ class EricECMetadata(ECConnectorMetadata):
 @dataclass
 class EricWorkerMetadata(ECConnectorWorkerMetadata):
     """Workers -> scheduler, once per step: items copied out of staging (their space can be reused), requests
-    whose copy failed, and counters (vLLM collects connector stats on the scheduler side only)."""
+    whose copy failed, items a rank had no copy of (zeros stand in for them in vLLM's encoder cache) and counters
+    (vLLM collects connector stats on the scheduler side only)."""
 
     failed_request_ids: set[str] = field(default_factory=set)
     copied: set[str] = field(default_factory=set)
     counts: dict[str, int] = field(default_factory=dict)
+    unlanded: set[str] = field(default_factory=set)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         """vLLM hook: merge another worker's metadata into this one (failures, copies and counters summed)."""
@@ -42,5 +44,8 @@ class EricWorkerMetadata(ECConnectorWorkerMetadata):
         merged = EricECStats(dict(self.counts))
         merged.record(**other.counts)
         return EricWorkerMetadata(
-            self.failed_request_ids | other.failed_request_ids, self.copied | other.copied, merged.data
+            self.failed_request_ids | other.failed_request_ids,
+            self.copied | other.copied,
+            merged.data,
+            self.unlanded | other.unlanded,
         )

@@ -45,13 +45,18 @@ class EricWorker:
         self._area = _landing_area(settings, address, dtype)
         self._failed: set[str] = set()
         self._copied: set[str] = set()
+        self._unlanded: set[str] = set()
+        """Items zeros stood in for since the last step's metadata (the scheduler drops them from vLLM's cache)."""
+        self._zeroed: set[str] = set()
+        """Items whose entry in vLLM's encoder cache may still be zeros: a later load replaces it."""
         self.stats = EricECStats()
         """Counters since the last step's metadata (vLLM collects connector stats on the scheduler side only)."""
 
     def start_load_caches(self, meta: EricECMetadata, encoder_cache: dict[str, torch.Tensor]) -> None:
         """Put each of this step's loads into vLLM's encoder cache, from this rank's landed copy."""
         for load in meta.loads:
-            if load.mm_hash not in encoder_cache:
+            if load.mm_hash not in encoder_cache or load.mm_hash in self._zeroed:
+                self._zeroed.discard(load.mm_hash)
                 encoder_cache[load.mm_hash] = self._load(load)
             self._copied.add(load.mm_hash)
 
@@ -65,8 +70,11 @@ class EricWorker:
         # cannot happen: a rank that has no copy fails the landing itself
         logger.error("request %s: no landed copy of embedding %s", load.request_id, load.mm_hash)
         self._failed.add(load.request_id)
+        self._unlanded.add(load.mm_hash)
+        self._zeroed.add(load.mm_hash)
         self.stats.record(load_failures=1)
-        # keep this step well-formed; the scheduler fails the request before it returns any output
+        # keep this step well-formed; the scheduler then fails every request that uses the item and drops it from
+        # vLLM's encoder cache, so no later request reads these zeros
         return torch.zeros(load.staged.shape, dtype=self._dtype, device=self._area.buffer.device)
 
     def build_connector_worker_meta(self) -> EricWorkerMetadata | None:
@@ -74,10 +82,10 @@ class EricWorker:
         unusable = self._area.take_unusable()
         if unusable:
             self.stats.record(unusable_transport=unusable)
-        if not self._failed and not self._copied and self.stats.is_empty():
+        if not self._failed and not self._copied and not self._unlanded and self.stats.is_empty():
             return None
-        meta = EricWorkerMetadata(self._failed, self._copied, self.stats.data)
-        self._failed, self._copied, self.stats = set(), set(), EricECStats()
+        meta = EricWorkerMetadata(self._failed, self._copied, self.stats.data, self._unlanded)
+        self._failed, self._copied, self._unlanded, self.stats = set(), set(), set(), EricECStats()
         return meta
 
     def close(self) -> None:
