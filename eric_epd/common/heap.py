@@ -12,7 +12,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 """mallopt's parameter numbers (glibc's malloc.h)."""
 MMAP_THRESHOLD_MAX = 32 * 2**20
 """The largest mmap threshold glibc takes on a 64-bit host (DEFAULT_MMAP_THRESHOLD_MAX)."""
-DEFAULT_KEEP_BYTES = 256 * 2**20
+DEFAULT_KEEP_BYTES = 64 * 2**20
 """Freed memory a process keeps at its heap's top by default (--heap-keep-bytes)."""
 
 
