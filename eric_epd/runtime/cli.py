@@ -35,6 +35,6 @@ def add_server_flags(p: argparse.ArgumentParser, *, what: str, dtype_help: str, 
         "--heap-keep-bytes",
         type=int,
         default=DEFAULT_KEEP_BYTES,
-        help="freed memory each of the server's processes keeps in its heap for reuse, so bodies of megabytes do not "
-        "fault fresh pages in each time (glibc's mallopt; 0: the allocator's own defaults)",
+        help="freed memory each malloc arena of the server's processes keeps for reuse (at least 1 MiB), so bodies of "
+        "megabytes do not fault fresh pages in each time (glibc's mallopt; 0: the allocator's own defaults)",
     )

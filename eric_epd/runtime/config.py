@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 from eric_epd.common.cpus import available_cpus, split_cpus
-from eric_epd.common.heap import DEFAULT_KEEP_BYTES
+from eric_epd.common.heap import DEFAULT_KEEP_BYTES, check_keep_bytes
 from eric_epd.common.proxies import parse_trusted_proxies
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -77,13 +77,12 @@ class RuntimeConfig:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     """New at every start: names the shared-memory pool (and NIXL agent), so consumers detect a restart."""
     heap_keep_bytes: int = DEFAULT_KEEP_BYTES
-    """Freed memory each process keeps in its heap for reuse (common/heap.py); 0 leaves glibc's defaults."""
+    """Freed memory each malloc arena of each process keeps for reuse (common/heap.py); 0 leaves glibc's defaults."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
-        if self.heap_keep_bytes < 0:
-            raise ValueError("heap_keep_bytes must be >= 0")
+        check_keep_bytes(self.heap_keep_bytes)
         if any(c < 0 for c in self.cpus):
             raise ValueError("cpus must be CPU numbers")
         if self.dtype not in DTYPES:

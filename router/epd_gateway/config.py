@@ -11,7 +11,7 @@ from pathlib import Path
 from epd_gateway.admission import Network, parse_network
 from epd_gateway.embeds import EmbeddingShape
 from eric_epd.common.dns import DnsTarget, parse_dns_target
-from eric_epd.common.heap import DEFAULT_KEEP_BYTES
+from eric_epd.common.heap import DEFAULT_KEEP_BYTES, check_keep_bytes
 from eric_epd.common.proxies import TRUSTED_PROXIES_HELP, parse_trusted_proxies
 from eric_epd.media.limits import MediaLimits
 from eric_epd.media.url_policy import UrlPolicy
@@ -89,7 +89,7 @@ class GatewayConfig:
     image_url_ttl_s: float = 3600.0
     image_store_bytes: int = 512 * 2**20
     heap_keep_bytes: int = DEFAULT_KEEP_BYTES
-    """Freed memory the gateway keeps in its heap for reuse (eric_epd/common/heap.py); 0: glibc's defaults."""
+    """Freed memory each malloc arena of the gateway keeps for reuse (eric_epd/common/heap.py); 0: glibc's defaults."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("vllm", "sglang"):
@@ -117,8 +117,10 @@ class GatewayConfig:
             raise ValueError("--max-image-requests must be >= 1")
         if not (0 < self.image_url_ttl_s < math.inf) or self.image_store_bytes < 1:
             raise ValueError("--image-url-ttl must be a finite number of seconds > 0, --image-store-bytes >= 1")
-        if self.heap_keep_bytes < 0:
-            raise ValueError("--heap-keep-bytes must be >= 0")
+        try:
+            check_keep_bytes(self.heap_keep_bytes)
+        except ValueError as e:
+            raise ValueError(f"--heap-keep-bytes: {e}") from None
 
 
 def _urls(value: str) -> tuple[str, ...]:
@@ -241,8 +243,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--heap-keep-bytes",
         type=int,
         default=GatewayConfig.heap_keep_bytes,
-        help="freed memory the gateway keeps in its heap for reuse, so bodies of megabytes do not fault fresh pages in "
-        "each time (glibc's mallopt; 0: the allocator's own defaults)",
+        help="freed memory each malloc arena of the gateway keeps for reuse (at least 1 MiB), so bodies of megabytes "
+        "do not fault fresh pages in each time (glibc's mallopt; 0: the allocator's own defaults)",
     )
     p.add_argument(
         "--max-image-requests",

@@ -53,6 +53,8 @@ def test_a_kept_heap_reuses_freed_bodies_where_the_defaults_fault_them_in_again(
     assert not kept and faults > pages / 2, (faults, pages)
 
 
-def test_a_negative_amount_is_refused() -> None:
+@pytest.mark.parametrize("keep", [-1, 1, 2**20 - 1])
+def test_a_negative_or_tiny_amount_is_refused(keep: int) -> None:
     with pytest.raises(ValueError, match="heap_keep_bytes"):
-        RuntimeConfig(model=Path("m"), heap_keep_bytes=-1)
+        RuntimeConfig(model=Path("m"), heap_keep_bytes=keep)
+    assert RuntimeConfig(model=Path("m"), heap_keep_bytes=0).heap_keep_bytes == 0

@@ -188,8 +188,9 @@ def test_max_inline_bytes_flag() -> None:
 def test_heap_keep_bytes_flag() -> None:
     assert parse_args(["--colocated-urls", "http://e:1"]).heap_keep_bytes == 64 * 2**20
     assert parse_args(["--colocated-urls", "http://e:1", "--heap-keep-bytes", "0"]).heap_keep_bytes == 0
-    with pytest.raises(ValueError, match="heap-keep-bytes"):
-        parse_args(["--colocated-urls", "http://e:1", "--heap-keep-bytes", "-1"])
+    for refused in ("-1", "4096"):
+        with pytest.raises(ValueError, match="heap-keep-bytes"):
+            parse_args(["--colocated-urls", "http://e:1", "--heap-keep-bytes", refused])
 
 
 async def _resolve(host: str, port: int) -> list[str]:

@@ -282,17 +282,19 @@ def test_handles_no_item_takes_go_back_at_once_and_a_refused_set_returns_its_val
 
 def test_an_item_a_rank_has_no_copy_of_fails_its_users_and_leaves_vllms_cache(producer, monkeypatch) -> None:
     """A step loads an item that one rank has no landed copy of ("cannot happen": a rank without one fails the
-    landing): that rank puts zeros in vLLM's encoder cache to keep the step well-formed. Every request using the item
-    then fails (not only the one that loaded it: r2 got it from vLLM's cache in the same pass), vLLM's encoder cache
-    manager drops it (its room back, the workers told to free it), so no later request is served those zeros; the
-    next load of the item replaces them with the real rows. Before, r2 was served and the zeros stayed cached."""
+    landing): that rank puts zeros in vLLM's encoder cache to keep the step well-formed. Every request that computed
+    with the item then fails (not only the one that loaded it: r2 got it from vLLM's cache in the same pass, and
+    vLLM let go of it for both once their spans were computed, before the connector heard of the step), while r4,
+    which has not reached it, goes on; vLLM's encoder cache manager drops the item (its room back, the workers told
+    to free it), so no later request is served those zeros; the next load replaces them with the real rows. Before,
+    r2 was served and the zeros stayed cached."""
     from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
     from eric_epd.plugins.vllm import worker_side
     from eric_epd.plugins.vllm.settings import EricConnectorSettings
 
     rows = torch.randn(ITEM // 4 // WIDTH, WIDTH)
-    h1, h2, h3 = pool_entry(producer, "unlanded-image", seed=7, leases=3, data=rows)
+    h1, h2, h3, h4 = pool_entry(producer, "unlanded-image", seed=7, leases=4, data=rows)
     n = rows.shape[0]
     manager = EncoderCacheManager(cache_size=2 * n)
     address = LandingAddress(f"conn{uuid.uuid4().hex[:8]}")
@@ -305,37 +307,46 @@ def test_an_item_a_rank_has_no_copy_of_fails_its_users_and_leaves_vllms_cache(pr
             workers.append(worker_side.EricWorker(settings, address, torch.float32))
         caches: list[dict[str, torch.Tensor]] = [{}, {}]
         connector = _connector(producer, address)
-        connector.scheduler._vllm_cache = VllmEncoderCache(SimpleNamespace(encoder_cache_manager=manager))
+        live: dict[str, Request] = {}  # vLLM's scheduler.requests
+        scheduler = SimpleNamespace(encoder_cache_manager=manager, requests=live)
+        connector.scheduler._vllm_cache = VllmEncoderCache(scheduler)
 
-        def step_on_workers() -> None:
+        def step_on_workers(*computed: Request) -> None:
+            """A step: the loads land in each rank's encoder cache, the `computed` requests compute their prompts
+            (and vLLM lets go of their items), then the workers' metadata reaches the connector."""
             meta = connector.build_connector_meta(step)  # type: ignore[arg-type]
             for worker, cache in zip(workers, caches, strict=True):
                 worker.start_load_caches(meta, cache)  # type: ignore[arg-type]
+            for request in computed:
+                request.num_computed_tokens = request.num_prompt_tokens
+                manager.free_encoder_input(request, 0)
             worker_meta = workers[0].build_connector_worker_meta()
             other = workers[1].build_connector_worker_meta()
             assert worker_meta is not None and other is not None
             connector.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker_meta.aggregate(other)))
 
         try:
-            r1, r2, r3 = (_request(f"r{i}", h) for i, h in enumerate((h1, h2, h3), 1))
+            r1, r2, r3, r4 = (_request(f"r{i}", h) for i, h in enumerate((h1, h2, h3, h4), 1))
+            live.update({"r1": r1, "r2": r2, "r4": r4})
             assert wait_for(lambda: connector.ensure_cache_available(r1, 0), 60, 0.1)
             manager.allocate(r1, 0)
             connector.update_state_after_alloc(r1, 0)
             assert manager.check_and_update_cache(r2, 0)  # r2 uses it from vLLM's cache in the same pass
-            step_on_workers()
+            step_on_workers(r1, r2)
             assert torch.equal(caches[0][h1.hash], rows) and not caches[1][h1.hash].any()  # zeros on rank 1
-            assert connector.take_unavailable_requests() == {"r1", "r2"}
+            assert connector.take_unavailable_requests() == {"r1", "r2"}  # not r4
             assert manager.get_cached_num_encoder_embeds(r3, 0) is None and h1.hash in manager.get_freed_mm_hashes()
-            for request in (r1, r2):
+            for request in (r1, r2, r4):
                 connector.request_finished(request)
                 manager.free(request)
+                del live[request.request_id]
             assert manager.num_free_slots == manager.num_freeable_slots == 2 * n and not manager.freeable
             # vLLM allocates the item again before its workers freed it: the load replaces the zeros
             workers[1]._area = areas[1]
             assert wait_for(lambda: connector.ensure_cache_available(r3, 0), 60, 0.1)
             manager.allocate(r3, 0)
             connector.update_state_after_alloc(r3, 0)
-            step_on_workers()
+            step_on_workers(r3)
             assert all(torch.equal(cache[h1.hash], rows) for cache in caches)
             assert not connector.take_unavailable_requests()
             connector.request_finished(r3)

@@ -57,20 +57,35 @@ class VllmEncoderCache:
 
     def evict(self, key: str) -> set[str]:
         """Drop `key` from vLLM's encoder cache manager at once (its rows on the workers are zeros: a rank had no
-        landed copy), its room given back and the workers told to free it: the requests that use it, which must
-        fail. The manager's own eviction (can_allocate) does the same to an unused entry; vLLM has no call for it."""
+        landed copy), its room given back and the workers told to free it; the requests that may have used it, which
+        must fail: those holding it, and every live one that has computed into its span (vLLM lets go of an item
+        a request has computed before the connector hears of the step). The manager's own eviction (can_allocate)
+        does the same to an unused entry; vLLM has no call for it."""
+        users = self._computed_into(key)
         manager = getattr(self._scheduler, "encoder_cache_manager", None)
         cached = getattr(manager, "cached", None)
-        if not isinstance(cached, dict) or key not in cached:
-            return set()
-        users = set(cached.pop(key))
-        embeds = manager.num_embeds_by_hash.pop(key)
-        if manager.freeable.pop(key, None) is None:  # in use: its room was counted out of both
-            manager.num_freeable_slots += embeds
-        manager.num_free_slots += embeds
-        manager.freed.append(key)
+        if isinstance(cached, dict) and key in cached:
+            users |= cached.pop(key)
+            embeds = manager.num_embeds_by_hash.pop(key)
+            if manager.freeable.pop(key, None) is None:  # in use: its room was counted out of both
+                manager.num_freeable_slots += embeds
+            manager.num_free_slots += embeds
+            manager.freed.append(key)
         logger.error("embedding %s dropped from vLLM's encoder cache: a rank had no copy; failing %s", key, users)
         return users
+
+    def _computed_into(self, key: str) -> set[str]:
+        """The live requests with an item `key` whose computed tokens reach into its placeholder span."""
+        requests = getattr(self._scheduler, "requests", None)
+        if not isinstance(requests, dict):
+            return set()
+        return {
+            rid
+            for rid, request in requests.items()
+            if any(
+                f.identifier == key and request.num_computed_tokens > f.mm_position.offset for f in request.mm_features
+            )
+        }
 
     def pass_ended(self) -> None:
         """The scheduling pass is over (its evictions reach the workers with this step)."""
