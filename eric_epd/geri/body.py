@@ -51,10 +51,11 @@ def checked_request(
 
 
 def check_before_reading(raw: GenerateBody, workload: GeneratorWorkload) -> None:
-    """A request by handle: its size, steps and guidance checked before any handle is read (a read acknowledges its
-    lease, so a refusal after it would leave the caller nothing to retry with); its rows are the reader's to check."""
-    if raw.prompt_handle is not None:
-        _checked_spec(raw, 1, int(raw.negative_handle is not None), workload.hidden, workload)
+    """A request's size, steps, guidance and seed checked before its image slot is reserved (the slot's size comes
+    from them) and before any handle is read (a read acknowledges its lease, so a refusal after it would leave the
+    caller nothing to retry with); its rows are checked once read or decoded."""
+    negative = int(raw.negative_handle is not None)
+    _checked_spec(raw, 1, negative, workload.hidden, workload)
 
 
 def _checked_spec(

@@ -157,6 +157,7 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(geri: GeriServer)
         ),
         ({**good, "height": 62}, "height 62 must be a multiple of 4"),
         ({**good, "width": 4096}, "width 4096 must be a multiple of 4 up to 1024"),
+        ({**good, "height": 100_000, "width": 100_000}, "height 100000 must be"),  # checked before a slot is sized
         ({**good, "steps": 100_000}, "steps 100000 must be 1 to 100"),
         ({**good, "steps": 0}, "steps 0"),
         ({**good, "guidance_scale": 1e9}, "guidance_scale"),
