@@ -26,7 +26,7 @@ from eric_epd.testing.exactness import assert_rounds_from, other_isa_env
 from eric_epd.testing.server import PoolServer
 from eric_epd.testing.stack import unkeyed_answers
 from eric_epd.wire.geri import MAX_PROMPT_TOKENS, generate_body
-from eric_epd.wire.handles import LEASE_HEADER
+from tests.support.helpers_servers import read_and_ack
 
 HIDDEN = 128  # the tiny checkpoint's joint_attention_dim
 
@@ -279,15 +279,7 @@ def test_killed_worker_fails_inflight_requests_with_503_and_health(tmp_path: Pat
         held = _held(producer, _embeds(3, 0), "dead-geri")
         r = _generate(geri, {"prompt_handle": held, "height": 32, "width": 32, "steps": 1})
         assert r.status_code == 503 and "worker rank 0" in r.json()["error"]["message"], r.text
-    lease = {LEASE_HEADER: held["lease"]}
-    assert httpx.get(held["http"], headers=lease, timeout=10).status_code == 200  # not read, not acknowledged
-    ack = httpx.post(
-        f"{producer.url}/v1/embeddings/{held['hash']}/ack",
-        headers=lease,
-        timeout=10,
-        json={"instance_id": held["instance_id"]},
-    )
-    assert ack.status_code == 200, ack.text
+    read_and_ack(producer, {"hash": held["hash"], "handle": held})  # not read, not acknowledged: both succeed
 
 
 def test_every_geri_route_needs_the_key(geri: GeriServer) -> None:

@@ -73,8 +73,9 @@ def post_raw(port: int, path: str, body: dict, headers: dict[str, str]) -> socke
     return sock
 
 
-def read_and_ack(eric: EricServer, item: dict) -> bytes:
-    """The embedding's safetensors payload through /v1/embeddings/<hash> with the item's lease, then the ack."""
+def read_and_ack(eric: ServerProcess, item: dict) -> bytes:
+    """The embedding's safetensors payload through /v1/embeddings/<hash> with the item's lease, then the ack (from
+    an Eric, or any producer serving that API)."""
     handle = item["handle"]
     lease = eric.headers | {LEASE_HEADER: handle["lease"]}
     got = httpx.get(handle["http"], headers=lease, timeout=30)
