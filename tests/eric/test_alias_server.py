@@ -174,8 +174,8 @@ def _minor_faults(pid: int) -> int:
 def test_bodies_of_megabytes_reuse_the_routers_heap(eric: EricServer) -> None:
     """The router keeps its freed heap (--heap-keep-bytes, on by default): bodies of three 1024 px PNGs (10 MB of
     data: URLs), sent once and then resent, are read, decoded and hashed in memory it already has, so each faults few
-    pages in, where glibc's defaults fault about twice the body's pages in each time (5,800 a body, run with
-    --heap-keep-bytes 0's default; tests/common/test_heap.py holds that control in CI)."""
+    pages in, where glibc's defaults fault about twice the body's pages in each time (5,800 a body, every one, run
+    with --heap-keep-bytes 0; tests/common/test_heap.py holds that control in CI)."""
     bodies = [
         [
             {
@@ -194,5 +194,6 @@ def test_bodies_of_megabytes_reuse_the_routers_heap(eric: EricServer) -> None:
         for answered in _encoded(eric, items):
             read_and_ack(eric, answered)
         faults.append(_minor_faults(eric.proc.pid) - before)
-    assert sorted(faults)[-2] < pages / 4, (faults, pages)  # the first body may still grow the heap
+    # the first pass may still grow the heap (each arena of the threads that decode, once); the resent one may not
+    assert max(faults[len(bodies) :]) < pages / 2 and sorted(faults)[len(faults) // 2] < pages / 4, (faults, pages)
     wait_pool_drained(eric.url, eric.headers)
